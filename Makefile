@@ -1,0 +1,66 @@
+# wsi-pipeline: every target installs first, so `make demo` and `make test` work on a fresh clone.
+PYTHON     ?= python3
+VENV       ?= .venv
+# The PyTorch requirement installed before the package. This machine has a CPU wheel of 2.13.0;
+# GPU users pick their own, e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`,
+# or TORCH_SPEC= to keep a torch already present in the venv.
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+STAMP      := $(VENV)/.installed
+
+PIPELINE ?= pipelines/demo.yaml
+SLIDES   ?=
+OUT      ?= tiles
+MODEL    ?=
+ARGS     ?=
+
+.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q $(TORCH_SPEC); fi
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+tile: install
+	@test -n "$(SLIDES)" || { echo "usage: make tile SLIDES=<folder of slides> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
+	$(BIN)/wsi-pipeline tile --slides $(SLIDES) --out $(OUT) $(ARGS)
+
+train: install
+	$(BIN)/wsi-pipeline train --config $(PIPELINE) $(ARGS)
+
+eval: install
+	$(BIN)/wsi-pipeline eval --config $(PIPELINE) $(ARGS)
+
+predict: install
+	@test -n "$(SLIDES)" -a -n "$(MODEL)" || { echo "usage: make predict SLIDES=<folder> MODEL=<run folder or checkpoint> [OUT=predictions]"; exit 2; }
+	$(BIN)/wsi-pipeline predict --model $(MODEL) --slides $(SLIDES) --out $(if $(filter tiles,$(OUT)),predictions,$(OUT)) $(ARGS)
+
+demo: install
+	$(BIN)/wsi-pipeline demo $(ARGS)
+
+bench: bench-tile bench-bigl bench-accumulate bench-eval
+
+bench-tile: install
+	$(BIN)/python -m wsi_pipeline.bench.tile $(ARGS)
+
+bench-bigl: install
+	$(BIN)/python -m wsi_pipeline.bench.bigl $(ARGS)
+
+bench-accumulate: install
+	$(BIN)/python -m wsi_pipeline.bench.accumulate $(ARGS)
+
+bench-eval: install
+	$(BIN)/python -m wsi_pipeline.bench.eval $(ARGS)
+
+clean:
+	rm -rf runs results .pytest_cache

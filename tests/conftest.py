@@ -1,0 +1,40 @@
+"""Shared fixtures. Real-slide tests find ../shared/slides (or $WSI_TEST_SLIDES) and skip without it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def real_slides_dir() -> Path:
+    """Folder of real vendor slides; skips the test when it is absent."""
+    d = Path(os.environ.get("WSI_TEST_SLIDES", SHARED / "slides"))
+    if not (d / "CMU-1-Small-Region.svs").is_file():
+        pytest.skip(f"real slides not found at {d} (set WSI_TEST_SLIDES or place ../shared/slides beside the repo)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def cohorts_dir() -> Path:
+    """Folder of the public cohorts' label files; skips the test when it is absent."""
+    d = Path(os.environ.get("WSI_TEST_COHORTS", SHARED / "cohorts"))
+    if not (d / "README.md").is_file():
+        pytest.skip(f"cohort label files not found at {d} (set WSI_TEST_COHORTS or place ../shared/cohorts beside the repo)")
+    return d
+
+
+@pytest.fixture(scope="session")
+def store_cohort(tmp_path_factory) -> Path:
+    """A small tile-level synthetic cohort (12 slides, 32 px tiles); returns the manifest path."""
+    from wsi_pipeline.synthetic.stores import make_store_cohort
+
+    return make_store_cohort(tmp_path_factory.mktemp("store_cohort"), n_slides=12, seed=0)

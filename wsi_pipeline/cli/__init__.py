@@ -1,0 +1,1 @@
+"""Command-line interface. Each module here with a ``register(subparsers)`` function adds one subcommand."""

@@ -1,0 +1,58 @@
+"""The ``wsi-pipeline`` console script.
+
+Every module in :mod:`wsi_pipeline.cli` that defines ``register(subparsers)`` contributes one
+subcommand; ``register`` adds a parser and sets ``func`` (``Callable[[argparse.Namespace], int]``)
+as its default. Heavy imports (torch, openslide) happen inside ``func``, so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+from collections.abc import Sequence
+
+import wsi_pipeline
+from wsi_pipeline import cli as _cli_pkg
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with one subparser per command module."""
+    parser = argparse.ArgumentParser(
+        prog="wsi-pipeline",
+        description=(
+            "Whole-slide images to tile stores, end-to-end MIL models, evaluation and heatmaps. "
+            "Run `wsi-pipeline <command> --help` for each command's options."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {wsi_pipeline.__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    for info in sorted(pkgutil.iter_modules(_cli_pkg.__path__), key=lambda m: m.name):
+        if info.name.startswith("_") or info.name == "main":
+            continue
+        module = importlib.import_module(f"{_cli_pkg.__name__}.{info.name}")
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; return its exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    level = logging.WARNING - 10 * min(args.verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Data: bags of tiles from stores, per-slide augmentation, frozen-feature files."""

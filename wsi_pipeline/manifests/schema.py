@@ -1,0 +1,120 @@
+"""The manifest CSV: one row per slide.
+
+Columns (see ``data_manifests/README.md``): ``slide_id`` (unique), ``path`` (absolute or relative
+to the manifest file), ``label`` (integer class, empty for unlabelled), ``split`` (train/val/test
+or empty), ``cohort``; optional ``patient_id`` and ``mpp`` (um/px, overrides the slide's own);
+any extra column is kept and passed through.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pandas as pd
+
+__all__ = ["MANIFEST_COLUMNS", "SPLITS", "ManifestError", "read_manifest", "validate_manifest", "write_manifest"]
+
+MANIFEST_COLUMNS: tuple[str, ...] = ("slide_id", "path", "label", "split", "cohort")
+OPTIONAL_COLUMNS: tuple[str, ...] = ("patient_id", "mpp")
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+
+
+class ManifestError(ValueError):
+    """A manifest that breaks the schema; the message names the file, the field and the rows."""
+
+
+def _first(values, k: int = 5) -> str:
+    values = list(values)
+    more = f" (and {len(values) - k} more)" if len(values) > k else ""
+    return ", ".join(map(str, values[:k])) + more
+
+
+def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes: int | None = None) -> pd.DataFrame:
+    """Check ``df`` against the schema and return it normalised.
+
+    Normalised means: ``label`` is a nullable integer column, ``split``/``cohort``/``patient_id``
+    are strings with ``""`` for missing, ``mpp`` is float (NaN for missing).
+
+    Raises :class:`ManifestError` naming ``source`` for: missing columns, empty or duplicate
+    slide ids, non-integer labels, labels outside ``[0, n_classes)``, unknown split values,
+    a patient in two splits, non-positive mpp.
+    """
+    missing = [c for c in ("slide_id", "path") if c not in df.columns]
+    if missing:
+        raise ManifestError(
+            f"{source}: missing column(s) {missing}; a manifest needs {list(MANIFEST_COLUMNS)} "
+            f"(label, split, cohort may be empty), found {list(df.columns)}"
+        )
+    df = df.copy()
+    for col in ("label", "split", "cohort"):
+        if col not in df.columns:
+            df[col] = pd.NA if col == "label" else ""
+    df["slide_id"] = df["slide_id"].astype("string").str.strip()
+    empty = df.index[df["slide_id"].isna() | (df["slide_id"] == "")].tolist()
+    if empty:
+        raise ManifestError(f"{source}: empty slide_id in row(s) {_first(i + 2 for i in empty)} (line numbers)")
+    dup = df["slide_id"][df["slide_id"].duplicated()].unique().tolist()
+    if dup:
+        raise ManifestError(f"{source}: duplicate slide_id {_first(dup)}; slide ids must be unique")
+    df["path"] = df["path"].astype("string")
+
+    raw = df["label"]
+    numeric = pd.to_numeric(raw, errors="coerce")
+    bad = df["slide_id"][raw.notna() & (raw.astype("string").str.strip() != "") & (numeric.isna() | (numeric % 1 != 0))]
+    if len(bad):
+        raise ManifestError(f"{source}: label is not an integer class for slide(s) {_first(bad)}; found {_first(raw[bad.index])}")
+    df["label"] = numeric.astype("Int64")
+    if n_classes is not None:
+        out = df[df["label"].notna() & ((df["label"] < 0) | (df["label"] >= n_classes))]
+        if len(out):
+            raise ManifestError(
+                f"{source}: label outside [0, {n_classes}) for slide(s) {_first(out['slide_id'])} "
+                f"(labels {_first(out['label'])}); check n_classes or the label column"
+            )
+
+    for col in ("split", "cohort", "patient_id"):
+        if col in df.columns:
+            df[col] = df[col].astype("string").fillna("").str.strip()
+    bad_split = df[~df["split"].isin(SPLITS + ("",))]
+    if len(bad_split):
+        raise ManifestError(
+            f"{source}: split must be one of {list(SPLITS)} or empty; slide(s) {_first(bad_split['slide_id'])} "
+            f"have {_first(bad_split['split'].unique())}"
+        )
+    if "patient_id" in df.columns:
+        has = df[(df["patient_id"] != "") & (df["split"] != "")]
+        n_splits = has.groupby("patient_id")["split"].nunique()
+        leaked = n_splits[n_splits > 1].index.tolist()
+        if leaked:
+            raise ManifestError(f"{source}: patient(s) {_first(leaked)} appear in more than one split (a leaked split)")
+    if "mpp" in df.columns:
+        df["mpp"] = pd.to_numeric(df["mpp"], errors="coerce")
+        bad_mpp = df[df["mpp"].notna() & (df["mpp"] <= 0)]
+        if len(bad_mpp):
+            raise ManifestError(f"{source}: mpp must be > 0 um/px; slide(s) {_first(bad_mpp['slide_id'])}")
+    return df
+
+
+def read_manifest(path: str | os.PathLike, *, n_classes: int | None = None) -> pd.DataFrame:
+    """Read and validate a manifest CSV; relative ``path`` entries become absolute (relative to the file)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest not found: {path}")
+    df = pd.read_csv(path, dtype={"slide_id": "string", "split": "string", "cohort": "string", "patient_id": "string"}, keep_default_na=True)
+    df = validate_manifest(df, source=str(path), n_classes=n_classes)
+    base = path.resolve().parent
+    df["path"] = [str(p) if os.path.isabs(p) else str(base / p) for p in df["path"].fillna("")]
+    return df
+
+
+def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> Path:
+    """Validate ``df`` and write it atomically to ``path`` (temp file, then rename)."""
+    path = Path(path)
+    df = validate_manifest(df, source=str(path))
+    cols = list(MANIFEST_COLUMNS) + [c for c in df.columns if c not in MANIFEST_COLUMNS]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    df[cols].to_csv(tmp, index=False)
+    os.replace(tmp, path)
+    return path

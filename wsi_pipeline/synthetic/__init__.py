@@ -1,0 +1,1 @@
+"""Synthetic data for tests, benchmarks and the demo: H&E-like textures, slides and cohorts."""
