@@ -18,6 +18,8 @@ __all__ = ["MANIFEST_COLUMNS", "SPLITS", "ManifestError", "read_manifest", "vali
 MANIFEST_COLUMNS: tuple[str, ...] = ("slide_id", "path", "label", "split", "cohort")
 OPTIONAL_COLUMNS: tuple[str, ...] = ("patient_id", "mpp")
 SPLITS: tuple[str, ...] = ("train", "val", "test")
+#: Columns holding file paths, resolved relative to the manifest by :func:`read_manifest`.
+PATH_COLUMNS: tuple[str, ...] = ("path", "lesion_mask")
 
 
 class ManifestError(ValueError):
@@ -97,14 +99,20 @@ def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes
 
 
 def read_manifest(path: str | os.PathLike, *, n_classes: int | None = None) -> pd.DataFrame:
-    """Read and validate a manifest CSV; relative ``path`` entries become absolute (relative to the file)."""
+    """Read and validate a manifest CSV.
+
+    Relative entries of the file columns (``path`` and, for synthetic cohorts, ``lesion_mask``)
+    become absolute, relative to the manifest's folder.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"manifest not found: {path}")
     df = pd.read_csv(path, dtype={"slide_id": "string", "split": "string", "cohort": "string", "patient_id": "string"}, keep_default_na=True)
     df = validate_manifest(df, source=str(path), n_classes=n_classes)
     base = path.resolve().parent
-    df["path"] = [str(p) if os.path.isabs(p) else str(base / p) for p in df["path"].fillna("")]
+    for col in PATH_COLUMNS:
+        if col in df.columns:
+            df[col] = [p if (not p or os.path.isabs(p)) else str(base / p) for p in df[col].astype("string").fillna("")]
     return df
 
 

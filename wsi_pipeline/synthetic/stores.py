@@ -2,8 +2,9 @@
 
 For fast tests and benchmarks of the training and evaluation stages (the slide generator in
 :mod:`wsi_pipeline.synthetic` exercises the tiling stage). Each slide is a blob of tissue tiles on
-a grid; positive slides (label 1) contain a lesion region covering a few tiles. Ground truth per
-tile is stored in the store as the extra array ``lesion`` (uint8 0/1).
+a grid; positive slides (label 1) contain a lesion region covering a few tiles. Ground truth is a
+lesion mask PNG per slide (one mask px per tile), named by the manifest columns ``lesion_mask``
+and ``mask_downsample`` as for synthetic slides (:mod:`wsi_pipeline.synthetic.truth`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pandas as pd
 
 from wsi_pipeline.manifests.schema import write_manifest
 from wsi_pipeline.synthetic.texture import paint_tissue
+from wsi_pipeline.synthetic.truth import write_mask
 from wsi_pipeline.tiling.store import StoreWriter, store_path
 
 __all__ = ["make_store_cohort"]
@@ -47,13 +49,14 @@ def make_store_cohort(
 
     Labels alternate 0/1 (balanced). Splits are assigned in order from ``splits`` fractions
     (default train 0.5 / val 0.25 / test 0.25), balanced by label. Each store's ``coords`` are
-    ``grid * tile_size`` (level-0 px, downsample 1) and it carries a ``lesion`` array.
+    ``grid * tile_size`` (level-0 px, downsample 1); masks go to ``out_dir/masks``.
     The manifest's ``path`` points at a (non-existent) slide file name; stages that read tiles
     use the store, found by ``slide_id`` in ``out_dir/tiles``.
     """
     out = Path(out_dir)
     tiles_dir = out / "tiles"
     tiles_dir.mkdir(parents=True, exist_ok=True)
+    (out / "masks").mkdir(exist_ok=True)
     rng = np.random.default_rng(seed)
     splits = splits or {"train": 0.5, "val": 0.25, "test": 0.25}
     labels = np.arange(n_slides) % 2
@@ -85,8 +88,11 @@ def make_store_cohort(
         }
         w = StoreWriter(store_path(tiles_dir, slide_id), tile_size=T, capacity=n, attrs=attrs)
         w.append(tiles, grid.astype(np.int64) * T, grid, np.ones(n, np.float32))
-        w.add_array("lesion", lesion)
         w.commit()
+        mask = np.zeros((grid[:, 1].max() + 1, grid[:, 0].max() + 1), bool)
+        mask[grid[:, 1], grid[:, 0]] = lesion.astype(bool)
+        write_mask(out / "masks" / f"{slide_id}.png", mask)
         rows.append({"slide_id": slide_id, "path": f"slides/{slide_id}.tiff", "label": int(labels[i]),
-                     "split": split_of[i], "cohort": cohort})
+                     "split": split_of[i], "cohort": cohort, "lesion_mask": f"masks/{slide_id}.png",
+                     "mask_downsample": float(T)})
     return write_manifest(pd.DataFrame(rows), out / "manifest.csv")

@@ -1,0 +1,31 @@
+"""Tiles (uint8 RGB arrays) to normalised float tensors, the one conversion every stage uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "tiles_to_tensor"]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def tiles_to_tensor(
+    tiles: np.ndarray | torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Convert uint8 tiles (k, T, T, 3) RGB to a float tensor (k, 3, T, T) normalised with ImageNet statistics.
+
+    Values are scaled to [0, 1] and then standardised per channel, the convention of the
+    torchvision ResNet weights our encoders can load.
+    """
+    t = torch.as_tensor(tiles)
+    if t.dtype != torch.uint8 or t.ndim != 4 or t.shape[-1] != 3:
+        raise ValueError(f"tiles must be uint8 (k, T, T, 3); got {t.dtype} {tuple(t.shape)}")
+    t = t.to(device=device).permute(0, 3, 1, 2).to(dtype).div_(255.0)
+    mean = torch.tensor(IMAGENET_MEAN, dtype=dtype, device=t.device).view(1, 3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=dtype, device=t.device).view(1, 3, 1, 1)
+    return t.sub_(mean).div_(std).contiguous()
