@@ -11,6 +11,7 @@ STAMP      := $(VENV)/.installed
 PIPELINE ?= pipelines/demo.yaml
 SLIDES   ?=
 OUT      ?= tiles
+PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
 
@@ -42,8 +43,8 @@ eval: install
 	$(BIN)/wsi-pipeline eval --config $(PIPELINE) $(ARGS)
 
 predict: install
-	@test -n "$(SLIDES)" -a -n "$(MODEL)" || { echo "usage: make predict SLIDES=<folder> MODEL=<run folder or checkpoint> [OUT=predictions]"; exit 2; }
-	$(BIN)/wsi-pipeline predict --model $(MODEL) --slides $(SLIDES) --out $(if $(filter tiles,$(OUT)),predictions,$(OUT)) $(ARGS)
+	@test -n "$(SLIDES)" -a -n "$(MODEL)" || { echo "usage: make predict SLIDES=<folder> MODEL=<run folder or checkpoint> [PRED_OUT=predictions]"; exit 2; }
+	$(BIN)/wsi-pipeline predict --model $(MODEL) --slides $(SLIDES) --out $(PRED_OUT) $(ARGS)
 
 demo: install
 	$(BIN)/wsi-pipeline demo $(ARGS)

@@ -1,0 +1,372 @@
+"""Big-Layers: every partitioned layer and every bigified ResNet equals plain PyTorch.
+
+References are the ordinary torch layers / the same encoder without Big-Layers, computed in the
+test. float64: max abs difference <= 1e-9; float32: max abs difference relative to the largest
+reference value <= 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wsi_pipeline.bigl import (
+    BigAddReLU,
+    BigBatchNorm2d,
+    BigConv2d,
+    BigMaxPool2d,
+    BigReLU,
+    ChunkRunner,
+    bigify,
+    monitor_transfers,
+)
+from wsi_pipeline.models import build_encoder
+
+CPU = ChunkRunner("cpu")
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
+    assert got.shape == ref.shape, what
+    got, ref = got.detach().to(ref.device), ref.detach()
+    diff = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    if ref.dtype == torch.float64:
+        assert diff <= 1e-9, f"{what}: max abs diff {diff:.3g}"
+    else:
+        scale = max(ref.double().abs().max().item(), 1e-12)
+        assert diff / scale <= 1e-4, f"{what}: relative diff {diff / scale:.3g}"
+
+
+def smallest_budget(fn) -> int:
+    """Smallest max_elements for which ``fn(max_elements)`` runs, read from the error messages."""
+    budget = 1
+    for _ in range(50):
+        try:
+            fn(budget)
+            return budget
+        except ValueError as e:
+            m = re.search(r"use max_elements >= (\d+)", str(e))
+            assert m, str(e)
+            budget = int(m.group(1))
+    raise AssertionError("budget search did not converge")
+
+
+# ---------------------------------------------------------------- partitioned layers
+CONV_CASES = {
+    "stride2": dict(cin=4, cout=6, k=3, stride=2, pad=1, dil=1, groups=1, bias=True),
+    "dilation2": dict(cin=4, cout=5, k=3, stride=1, pad=2, dil=2, groups=1, bias=True),
+    "groups": dict(cin=6, cout=9, k=3, stride=1, pad=1, dil=1, groups=3, bias=True),
+    "asymmetric": dict(cin=4, cout=4, k=(5, 3), stride=(2, 1), pad=(2, 1), dil=(1, 2), groups=2, bias=False),
+    "stem7x7": dict(cin=3, cout=5, k=7, stride=2, pad=3, dil=1, groups=1, bias=True),
+    "1x1stride2": dict(cin=3, cout=8, k=1, stride=2, pad=0, dil=1, groups=1, bias=False),
+    "stride>kernel": dict(cin=3, cout=4, k=2, stride=3, pad=0, dil=1, groups=1, bias=True),
+}
+
+
+def conv_pair(c: dict, seed: int = 0):
+    torch.manual_seed(seed)
+    ref = nn.Conv2d(c["cin"], c["cout"], c["k"], c["stride"], c["pad"], c["dil"], c["groups"], c["bias"]).double()
+    return ref, copy.deepcopy(ref)
+
+
+def conv_step(conv: nn.Module, x: torch.Tensor, r: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    y = conv(x)
+    (y * r).sum().backward()
+    return y, x.grad
+
+
+@pytest.mark.parametrize("case", list(CONV_CASES))
+def test_conv_equals_nn_conv(case):
+    c = CONV_CASES[case]
+    ref, base = conv_pair(c)
+    x = torch.randn(3, c["cin"], 23, 19, dtype=torch.float64)
+    y_ref, gx_ref = conv_step(ref, x, r := torch.randn_like(ref(x)))
+
+    def run(budget):
+        m = copy.deepcopy(base)
+        big = BigConv2d.from_conv(m, CPU, budget, "conv")
+        with monitor_transfers() as mon:
+            y, gx = conv_step(big, x, r)
+        return m, y, gx, mon
+
+    tiny = smallest_budget(run)
+    for budget in (tiny, 2 * tiny + 7, 10**9):
+        m, y, gx, mon = run(budget)
+        assert_close(y, y_ref, f"{case} y @ {budget}")
+        assert_close(gx, gx_ref, f"{case} dx @ {budget}")
+        assert_close(m.weight.grad, ref.weight.grad, f"{case} dW @ {budget}")
+        if c["bias"]:
+            assert_close(m.bias.grad, ref.bias.grad, f"{case} db @ {budget}")
+        assert mon.max_chunk <= budget
+        chunks = [e for e in mon.events if e.kind == "chunk"]
+        if budget == tiny:
+            assert any(e.rows == 1 and not e.full for e in chunks), "smallest budget must force single-row chunks"
+        if budget == 10**9:
+            assert all(e.full for e in chunks) and len(chunks) == 2  # one forward + one backward step
+
+
+def test_conv_without_input_grad_and_frozen_weight():
+    ref, base = conv_pair(CONV_CASES["stride2"])
+    big = BigConv2d.from_conv(base, CPU, 400, "conv")
+    base.weight.requires_grad_(False)
+    ref.weight.requires_grad_(False)
+    x = torch.randn(2, 4, 15, 9, dtype=torch.float64)
+    r = torch.randn_like(ref(x))
+    (ref(x) * r).sum().backward()
+    (big(x) * r).sum().backward()
+    assert base.weight.grad is None
+    assert_close(base.bias.grad, ref.bias.grad, "db")
+
+
+@pytest.mark.parametrize("momentum", [0.1, None])
+def test_batchnorm_train_and_eval_equal_nn_batchnorm(momentum):
+    torch.manual_seed(1)
+    ref = nn.BatchNorm2d(5, momentum=momentum).double()
+    with torch.no_grad():
+        ref.weight.uniform_(0.5, 1.5)
+        ref.bias.normal_()
+    base = copy.deepcopy(ref)
+    # a large mean offset: the chunked statistics must stay exact (Welford merge)
+    xs = [torch.randn(3, 5, 17, 11, dtype=torch.float64) * 3 + 40 for _ in range(2)]
+    rs = [torch.randn(3, 5, 17, 11, dtype=torch.float64) for _ in range(2)]
+    for budget in (3 * 5 * 11, 4 * 5 * 11 + 13, 10**9):  # single rows / 4 rows, not dividing 17 / whole batch
+        bn_ref, bn_base = copy.deepcopy(ref), copy.deepcopy(base)
+        big = BigBatchNorm2d.from_bn(bn_base, CPU, budget, "bn")
+        for mode in ("train", "train", "eval"):
+            for m in (bn_ref, big):
+                m.train(mode == "train")
+                m.zero_grad()
+            outs = []
+            for m in (big, bn_ref):
+                x = xs[0].clone().requires_grad_(True)
+                with monitor_transfers() as mon:
+                    y = m(x)
+                    (y * rs[0]).sum().backward()
+                outs.append((y, x.grad, m.weight.grad, m.bias.grad))
+                if m is big:
+                    assert mon.max_chunk <= budget
+            for got, want, what in zip(outs[0], outs[1], ("y", "dx", "dgamma", "dbeta")):
+                assert_close(got, want, f"{mode} {what} @ {budget}")
+            for name in ("running_mean", "running_var"):
+                assert_close(getattr(bn_base, name), getattr(bn_ref, name), f"{name} @ {budget}")
+            assert int(bn_base.num_batches_tracked) == int(bn_ref.num_batches_tracked)
+            xs.reverse()
+        assert int(bn_base.num_batches_tracked) == 2
+
+
+@pytest.mark.parametrize("kw", [dict(affine=False), dict(track_running_stats=False)])
+def test_batchnorm_variants(kw):
+    torch.manual_seed(2)
+    ref = nn.BatchNorm2d(4, **kw).double()
+    big = BigBatchNorm2d.from_bn(copy.deepcopy(ref), CPU, 4 * 9 * 3, "bn")
+    for training in (True, False):
+        ref.train(training)
+        big.train(training)
+        x1 = torch.randn(2, 4, 7, 9, dtype=torch.float64, requires_grad=True)
+        x2 = x1.detach().clone().requires_grad_(True)
+        r = torch.randn(2, 4, 7, 9, dtype=torch.float64)
+        y1, y2 = ref(x1), big(x2)
+        (y1 * r).sum().backward()
+        (y2 * r).sum().backward()
+        assert_close(y2, y1, f"y training={training}")
+        assert_close(x2.grad, x1.grad, f"dx training={training}")
+
+
+def test_batchnorm_needs_more_than_one_value():
+    big = BigBatchNorm2d.from_bn(nn.BatchNorm2d(3), CPU, 100, "bn1")
+    with pytest.raises(ValueError, match="bn1: expected more than 1 value per channel"):
+        big(torch.randn(1, 3, 1, 1))
+
+
+def test_maxpool_relu_add_on_device_equal_torch():
+    torch.manual_seed(3)
+    # distinct values: no ties, so the argmax of every window is unique
+    x = torch.randperm(2 * 4 * 21 * 17).double().view(2, 4, 21, 17) / 100 - 5
+    pool_ref = nn.MaxPool2d(3, 2, 1)
+
+    def pool(budget):
+        BigMaxPool2d.from_pool(pool_ref, CPU, budget, "maxpool")(x.clone().requires_grad_(True)).sum().backward()
+
+    tiny = smallest_budget(pool)
+    for budget in (tiny, 2 * tiny + 5, 10**9):
+        xa = x.clone().requires_grad_(True)
+        xb = x.clone().requires_grad_(True)
+        r = torch.randn(2, 4, 11, 9, dtype=torch.float64)
+        (pool_ref(xa) * r).sum().backward()
+        big = BigMaxPool2d.from_pool(pool_ref, CPU, budget, "maxpool")
+        y = big(xb)
+        (y * r).sum().backward()
+        assert_close(y, pool_ref(x), "maxpool y")
+        assert_close(xb.grad, xa.grad, "maxpool dx")
+
+        a1, b1 = x.clone().requires_grad_(True), x.flip(2).clone().requires_grad_(True)
+        a2, b2 = a1.detach().clone().requires_grad_(True), b1.detach().clone().requires_grad_(True)
+        r = torch.randn_like(x)
+        (F.relu(a1 + b1) * r).sum().backward()
+        y = BigAddReLU(CPU, budget, "add")(a2, b2)
+        (y * r).sum().backward()
+        assert_close(y, F.relu(x + x.flip(2)), "add_relu y")
+        assert_close(a2.grad, a1.grad, "add_relu da")
+        assert_close(b2.grad, b1.grad, "add_relu db")
+
+        c1, c2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        (F.relu(c1) * r).sum().backward()
+        (BigReLU.create(CPU, budget)(c2) * r).sum().backward()
+        assert_close(c2.grad, c1.grad, "relu dx")
+
+
+# ---------------------------------------------------------------- whole encoders
+# (name, stages, input shape, max_elements): each budget is the smallest (or close to it) that
+# fits the input, so the binding layer runs single-row chunks and others uneven row chunks
+MODEL_CASES = [
+    ("resnet18", 0, (3, 3, 97, 131), 12_700),
+    ("resnet18", 1, (3, 3, 97, 131), 19_100),
+    ("resnet18", 2, (3, 3, 97, 131), 19_700),
+    ("resnet18", 3, (3, 3, 97, 131), 20_800),
+    ("resnet18", 4, (3, 3, 97, 131), 23_200),
+    ("resnet50", 0, (2, 3, 64, 72), 7_000),
+    ("resnet50", 1, (2, 3, 64, 72), 13_900),
+    ("resnet50", 2, (2, 3, 64, 72), 17_400),
+]
+
+
+def train_step(model: nn.Module, x: torch.Tensor, r: torch.Tensor, lr: float = 0.05):
+    """Forward + backward + SGD step; returns output, input gradient, parameter gradients."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    y = model(x)
+    (y * r).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= lr * p.grad
+    return y.detach(), x.grad, grads
+
+
+def compare_models(plain: nn.Module, big: nn.Module, x: torch.Tensor, steps: int = 1) -> None:
+    torch.manual_seed(5)
+    r = torch.randn(x.shape[0], plain.num_features, dtype=x.dtype) / x.shape[0]
+    for step in range(steps):
+        y_p, gx_p, g_p = train_step(plain, x, r)
+        y_b, gx_b, g_b = train_step(big, x, r)
+        assert_close(y_b, y_p, f"step {step} output")
+        assert_close(gx_b, gx_p, f"step {step} input gradient")
+        assert g_b.keys() == g_p.keys()
+        for name in g_p:
+            assert_close(g_b[name], g_p[name], f"step {step} grad {name}")
+        sd_p, sd_b = plain.state_dict(), big.state_dict()
+        assert list(sd_b) == list(sd_p)
+        for name in sd_p:  # parameters after the step, running stats, num_batches_tracked
+            assert_close(sd_b[name].to(sd_p[name].dtype), sd_p[name], f"step {step} {name}")
+    # eval mode. Running statistics after one step are far from the batch's (large eval
+    # outputs), so first make them the batch statistics: momentum=None after a reset gives the
+    # cumulative average over one batch
+    for model in (plain, big):
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.momentum = None
+                m.reset_running_stats()
+        with torch.no_grad():
+            model.train()
+            model(x)
+    sd_p, sd_b = plain.state_dict(), big.state_dict()
+    for name in sd_p:
+        assert_close(sd_b[name].to(sd_p[name].dtype), sd_p[name], f"cumulative {name}")
+    plain.eval()
+    big.eval()
+    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    ys = [m(xi) for m, xi in zip((plain, big), xs)]
+    for y, xi in zip(ys, xs):
+        (y * r).sum().backward()
+    assert_close(ys[1], ys[0], "eval output")
+    assert_close(xs[1].grad, xs[0].grad, "eval input gradient")
+
+
+@pytest.mark.parametrize(("name", "stages", "shape", "budget"), MODEL_CASES, ids=[f"{c[0]}-stages{c[1]}" for c in MODEL_CASES])
+def test_bigified_resnet_equals_plain_float64(name, stages, shape, budget):
+    torch.manual_seed(0)
+    plain = build_encoder(name).double()
+    big = bigify(copy.deepcopy(plain), stages=stages, max_elements=budget, device="cpu")
+    x = torch.randn(*shape, dtype=torch.float64)
+    with monitor_transfers() as mon:
+        compare_models(plain, big, x)
+    chunks = [e for e in mon.events if e.kind == "chunk"]
+    assert mon.max_chunk <= budget
+    assert any(e.rows == 1 and not e.full for e in chunks), "the budget must force single-row chunks somewhere"
+    # some pass splits a height into chunks that do not divide it (a shorter last chunk)
+    by_pass: dict[str, set[int]] = {}
+    for e in chunks:
+        if not e.full:
+            by_pass.setdefault(e.layer, set()).add(e.rows)
+    assert any(len(rows) > 1 for rows in by_pass.values())
+
+
+def test_bigified_float32_pointwise_on_device_two_steps():
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18")
+    big = bigify(copy.deepcopy(plain), stages=2, max_elements=30_000, device="cpu", pointwise="device")
+    assert isinstance(big.maxpool, BigMaxPool2d) and isinstance(big.relu, BigReLU)
+    compare_models(plain, big, torch.randn(2, 3, 75, 83), steps=2)
+
+
+@pytest.mark.slow
+def test_bigified_resnet18_bag_256px_float32():
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18")
+    big = bigify(copy.deepcopy(plain), stages=2, max_elements=150_000, device="cpu")
+    compare_models(plain, big, torch.rand(2, 3, 256, 256))
+
+
+def test_state_dict_round_trip_and_sharing():
+    plain = build_encoder("resnet18")
+    big = bigify(plain, stages=3, max_elements=50_000, device="cpu")
+    assert list(big.state_dict()) == list(build_encoder("resnet18").state_dict())
+    fresh = build_encoder("resnet18")
+    fresh.load_state_dict(big.state_dict())  # strict
+    other = build_encoder("resnet18")
+    big.load_state_dict(other.state_dict())  # strict, and in place into the shared tensors
+    assert torch.equal(plain.layer2[0].conv1.weight, other.layer2[0].conv1.weight)
+    assert big.layer2[0].conv1.weight is plain.layer2[0].conv1.weight
+    assert big.num_features == 512
+
+
+def test_bigify_rejects_bad_arguments():
+    model = build_encoder("resnet18")
+    with pytest.raises(ValueError, match="stages=5 is out of range"):
+        bigify(model, stages=5, max_elements=10_000, device="cpu")
+    with pytest.raises(ValueError, match="max_elements=0 must be a positive int"):
+        bigify(model, stages=1, max_elements=0, device="cpu")
+    with pytest.raises(TypeError, match="bigify expects a ResNet"):
+        bigify(nn.Linear(2, 2), stages=1, max_elements=10_000, device="cpu")
+    big = bigify(model, stages=1, max_elements=1_000, device="cpu")
+    with pytest.raises(ValueError, match=r"max_elements=1000 is too small for conv1: .* use max_elements >= \d+"):
+        big(torch.randn(1, 3, 64, 64))
+
+
+# ---------------------------------------------------------------- the budget
+def test_budget_holds_and_device_residency_does_not_grow_with_input():
+    budget = 40_000
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18")
+    stats = {}
+    for label, shape in (("small", (1, 3, 96, 96)), ("4x batch", (4, 3, 96, 96)), ("4x area", (1, 3, 192, 192))):
+        big = bigify(copy.deepcopy(plain), stages=2, max_elements=budget, device="cpu")
+        with monitor_transfers() as mon:
+            big(torch.randn(*shape)).sum().backward()
+        moved = sum(e.numel for e in mon.events if e.kind in ("h2d", "d2h"))
+        stats[label] = (mon.max_transfer, mon.max_chunk, mon.peak_resident, moved)
+        assert mon.max_transfer <= budget, label
+        assert mon.max_chunk <= budget, label
+        # the runner holds the current chunk and prefetches the next: at most two chunk steps
+        assert mon.peak_resident <= 2 * budget, label
+    small_peak, small_moved = stats["small"][2], stats["small"][3]
+    for label in ("4x batch", "4x area"):
+        peak, moved = stats[label][2], stats[label][3]
+        assert moved > 3.5 * small_moved, f"{label}: the input did not grow ({stats})"
+        assert peak <= small_peak, f"{label}: resident elements grew from {small_peak} to {peak}"

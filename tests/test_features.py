@@ -1,0 +1,107 @@
+"""Frozen-encoder feature files: content equals the encoder applied to the store's tiles; skip-if-done; CLI."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from wsi_pipeline.data.features import extract_features, features_path, read_features, weights_sha256
+from wsi_pipeline.data.tensors import tiles_to_tensor
+from wsi_pipeline.manifests.schema import read_manifest
+from wsi_pipeline.tiling.store import open_store, store_path
+
+
+class StandIn(nn.Module):
+    """Tiny encoder with BatchNorm: [k, 3, T, T] -> [k, 8]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x))).mean((2, 3))
+
+
+def _reference(encoder: nn.Module, store_dir, slide_id: str) -> tuple[np.ndarray, np.ndarray]:
+    store = open_store(store_path(store_dir, slide_id))
+    with torch.no_grad():
+        return encoder.eval()(tiles_to_tensor(store.read())).numpy(), store.coords
+
+
+def test_features_equal_encoder_on_store_tiles(store_cohort, tmp_path) -> None:
+    df = read_manifest(store_cohort).head(3)
+    tiles = store_cohort.parent / "tiles"
+    torch.manual_seed(0)
+    enc = StandIn()
+    report = extract_features(df, tiles, tmp_path, "standin", encoder=enc, batch_size=5, progress=False)
+    assert list(report["status"]) == ["ok"] * 3
+    for sid in df["slide_id"]:
+        feats, coords, attrs = read_features(features_path(tmp_path, sid))
+        ref, ref_coords = _reference(enc, tiles, sid)
+        assert feats.dtype == np.float32 and feats.shape == ref.shape
+        np.testing.assert_allclose(feats, ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(coords, ref_coords)
+        assert attrs["n_tiles"] == len(ref) and attrs["encoder"] == "standin"
+        assert attrs["feature_dim"] == 8 and attrs["complete"]
+        assert attrs["weights_sha256"] == weights_sha256(copy.deepcopy(enc))
+    assert (tmp_path / "features_report.csv").is_file()
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+def test_up_to_date_files_are_skipped_and_new_weights_rewrite(store_cohort, tmp_path) -> None:
+    df = read_manifest(store_cohort).head(2)
+    tiles = store_cohort.parent / "tiles"
+    torch.manual_seed(1)
+    enc = StandIn()
+    extract_features(df, tiles, tmp_path, "standin", encoder=enc, progress=False)
+    path = features_path(tmp_path, df["slide_id"].iloc[0])
+    mtime = path.stat().st_mtime_ns
+    again = extract_features(df, tiles, tmp_path, "standin", encoder=enc, progress=False)
+    assert list(again["status"]) == ["skipped", "skipped"]
+    assert path.stat().st_mtime_ns == mtime
+    with torch.no_grad():
+        enc.conv.weight[0, 0, 0, 0] += 0.1
+    changed = extract_features(df, tiles, tmp_path, "standin", encoder=enc, progress=False)
+    assert list(changed["status"]) == ["ok", "ok"]
+    feats, _, attrs = read_features(path)
+    np.testing.assert_allclose(feats, _reference(enc, tiles, df["slide_id"].iloc[0])[0], rtol=1e-5, atol=1e-6)
+    assert attrs["weights_sha256"] == weights_sha256(enc)
+
+
+def test_missing_store_is_recorded_and_others_go_on(store_cohort, tmp_path) -> None:
+    df = read_manifest(store_cohort).head(2).copy()
+    df.loc[df.index[0], "slide_id"] = "no_such_slide"
+    report = extract_features(df, store_cohort.parent / "tiles", tmp_path, "standin", encoder=StandIn(), progress=False)
+    assert list(report["status"]) == ["failed", "ok"]
+    assert "run `wsi-pipeline tile` first" in report["error"].iloc[0]
+    with pytest.raises(FileNotFoundError, match="run `wsi-pipeline features` first"):
+        read_features(features_path(tmp_path, "no_such_slide"))
+
+
+@pytest.mark.slow
+def test_cli_resnet18(store_cohort, tmp_path) -> None:
+    encoders = pytest.importorskip("wsi_pipeline.models.encoders")
+    from wsi_pipeline.cli.main import main
+    from wsi_pipeline.manifests.schema import write_manifest
+
+    df = read_manifest(store_cohort).head(3)
+    manifest = write_manifest(df, tmp_path / "manifest.csv")
+    out = tmp_path / "feats"
+    argv = ["features", "--manifest", str(manifest), "--tiles", str(store_cohort.parent / "tiles"),
+            "--out", str(out), "--batch-size", "7", "--device", "cpu"]
+    assert main(argv) == 0
+    torch.manual_seed(0)  # unweighted encoders are initialised from seed 0
+    enc = encoders.build_encoder("resnet18")
+    for sid in df["slide_id"]:
+        feats, _, attrs = read_features(features_path(out, sid))
+        np.testing.assert_allclose(feats, _reference(enc, store_cohort.parent / "tiles", sid)[0], rtol=1e-4, atol=1e-5)
+        assert attrs["encoder"] == "resnet18" and feats.shape[1] == 512
+    assert len(list(out.glob("*.h5"))) == len(df)
+    assert main(argv) == 0  # second run: everything up to date
+    assert main(argv[:-2] + ["--encoder", "nope"]) == 2

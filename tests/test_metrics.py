@@ -1,0 +1,102 @@
+import math
+
+import numpy as np
+import pytest
+from sklearn.metrics import (
+    accuracy_score,
+    balanced_accuracy_score,
+    cohen_kappa_score,
+    confusion_matrix,
+    roc_auc_score,
+)
+
+from wsi_pipeline.evaluation.metrics import (
+    bootstrap_interval,
+    compute_metrics,
+    confusion,
+    mean_std,
+    selection_metric,
+)
+
+
+def _probs(rng, labels, n_classes, signal=1.5):
+    logits = rng.normal(size=(len(labels), n_classes))
+    logits[np.arange(len(labels)), labels] += signal
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def test_binary_metrics_equal_sklearn():
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, 2, 40)
+    p = _probs(rng, y, 2)
+    m = compute_metrics(y, p, 2)
+    pred = p.argmax(1)
+    assert m["qwk"] == pytest.approx(cohen_kappa_score(y, pred, weights="quadratic"))
+    assert m["accuracy"] == pytest.approx(accuracy_score(y, pred))
+    assert m["balanced_accuracy"] == pytest.approx(balanced_accuracy_score(y, pred))
+    assert m["auc"] == pytest.approx(roc_auc_score(y, p[:, 1]))
+    assert m["n_slides"] == 40
+    np.testing.assert_array_equal(confusion(y, p, 2), confusion_matrix(y, pred, labels=[0, 1]))
+
+
+def test_multiclass_metrics_equal_sklearn():
+    rng = np.random.default_rng(2)
+    y = np.r_[np.arange(6), rng.integers(0, 6, 54)]  # every ISUP grade present
+    p = _probs(rng, y, 6, signal=1.0)
+    m = compute_metrics(y, p, 6)
+    pred = p.argmax(1)
+    assert m["qwk"] == pytest.approx(cohen_kappa_score(y, pred, weights="quadratic"))
+    assert m["accuracy"] == pytest.approx(accuracy_score(y, pred))
+    assert m["balanced_accuracy"] == pytest.approx(balanced_accuracy_score(y, pred))
+    assert m["auc"] == pytest.approx(roc_auc_score(y, p, multi_class="ovr", average="macro"))
+    np.testing.assert_array_equal(confusion(y, p, 6), confusion_matrix(y, pred, labels=np.arange(6)))
+
+
+def test_absent_classes_and_undefined_values():
+    rng = np.random.default_rng(3)
+    y = np.array([0, 2, 2, 0, 2, 0, 0, 2])  # class 1 absent from this cohort
+    p = _probs(rng, y, 3)
+    ref = np.mean([roc_auc_score(y == c, p[:, c]) for c in (0, 2)])
+    assert compute_metrics(y, p, 3)["auc"] == pytest.approx(ref)
+    one = compute_metrics([1, 1, 1], np.array([[0.2, 0.8], [0.3, 0.7], [0.1, 0.9]]), 2)
+    assert math.isnan(one["auc"]) and one["accuracy"] == 1.0
+
+
+def test_bad_inputs_raise_with_names():
+    with pytest.raises(ValueError, match=r"probs must have shape \(N, n_classes=3\)"):
+        compute_metrics([0, 1], np.zeros((2, 2)), 3)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 2\)"):
+        compute_metrics([0, 5], np.full((2, 2), 0.5), 2)
+    with pytest.raises(ValueError, match="selection metric 'f1' unknown"):
+        selection_metric(2, "f1")
+
+
+def test_selection_metric_follows_the_papers():
+    assert selection_metric(6) == "qwk"
+    assert selection_metric(2) == "auc"
+    assert selection_metric(2, "accuracy") == "accuracy"
+
+
+def test_bootstrap_interval():
+    rng = np.random.default_rng(4)
+    y = rng.integers(0, 2, 60)
+    p = _probs(rng, y, 2)
+    point = roc_auc_score(y, p[:, 1])
+    lo, hi = bootstrap_interval(y, p, 2, "auc", n_boot=300, seed=0)
+    assert lo < point < hi and 0 <= lo and hi <= 1
+    assert (lo, hi) == bootstrap_interval(y, p, 2, "auc", n_boot=300, seed=0)
+    # a perfect classifier has a degenerate interval at 1
+    perfect = np.eye(2)[y]
+    assert bootstrap_interval(y, perfect, 2, "accuracy", n_boot=50) == (1.0, 1.0)
+    # seed-mean interval: identical seeds give the single-seed interval
+    assert bootstrap_interval(y, [p, p], 2, "qwk", n_boot=100, seed=1) == pytest.approx(
+        bootstrap_interval(y, p, 2, "qwk", n_boot=100, seed=1)
+    )
+
+
+def test_mean_std_over_seeds():
+    v = [0.7, 0.8, 0.95]
+    assert mean_std(v) == pytest.approx((np.mean(v), np.std(v, ddof=1)))
+    m, s = mean_std([0.5, float("nan")])
+    assert m == 0.5 and math.isnan(s)

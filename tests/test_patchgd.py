@@ -1,0 +1,449 @@
+"""PatchGD: Z block layout, inner-iteration sampling, exact gradients, memory, heads, learning.
+
+References are computed here by plain autograd (every tile embedded with gradient, the
+non-sampled ones detached by hand), by brute-force loops and by scikit-learn.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from wsi_pipeline.data.tensors import tiles_to_tensor
+from wsi_pipeline.models.heads import HEADS, CNNHead, build_head, grid_layout, tiles_to_z
+from wsi_pipeline.tiling.store import StoreWriter, open_store
+from wsi_pipeline.training.patchgd import (
+    PatchGDConfig,
+    PatchGDStrategy,
+    accumulation_windows,
+    plan_inner_iterations,
+)
+
+
+class TinyEncoder(nn.Module):
+    """A small CNN with a BatchNorm whose running statistics are not the identity."""
+
+    def __init__(self, d: int = 12, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, d, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        )
+        bn = self.net[1]
+        bn.running_mean.uniform_(-0.5, 0.5)
+        bn.running_var.uniform_(0.5, 2.0)
+        self.num_features = d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x.to(self.net[0].weight.dtype))
+
+
+def make_store(path: Path, grid: np.ndarray, tile: int = 16, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    grid = np.asarray(grid, np.int32)
+    n = len(grid)
+    tiles = rng.integers(0, 256, (n, tile, tile, 3), dtype=np.uint8)
+    w = StoreWriter(path, tile_size=tile, capacity=n, attrs={"slide_id": path.stem})
+    w.append(tiles, grid.astype(np.int64) * tile, grid, np.ones(n, np.float32))
+    w.commit()
+    return open_store(path)
+
+
+def block_grid(rows: int, cols: int, row0: int = 0, col0: int = 0, drop: int = 0, seed: int = 0) -> np.ndarray:
+    """(col, row) cells of a rows x cols block at (row0, col0), minus ``drop`` random cells (keeping corners)."""
+    r, c = np.mgrid[0:rows, 0:cols]
+    g = np.stack([c.ravel() + col0, r.ravel() + row0], 1)
+    if drop:
+        rng = np.random.default_rng(seed)
+        corners = {0, cols - 1, (rows - 1) * cols, rows * cols - 1}
+        cand = [i for i in range(len(g)) if i not in corners]
+        g = np.delete(g, rng.choice(cand, drop, replace=False), axis=0)
+    return np.random.default_rng(seed + 1).permutation(g)  # store order is not raster order
+
+
+def models(d: int = 12, n_classes: int = 2, dtype=torch.float64, **head_kw):
+    enc = TinyEncoder(d).to(dtype)
+    head = build_head("cnn", d, n_classes, **{"width": 8, "dropout": 0.0, **head_kw}).to(dtype)
+    return enc, head
+
+
+def grads(modules) -> list[torch.Tensor]:
+    return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for m in modules for p in m.parameters()]
+
+
+def flat_params(modules) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for m in modules for p in m.parameters()])
+
+
+# ----------------------------------------------------------------------------------------------
+# Z block
+# ----------------------------------------------------------------------------------------------
+
+
+def test_z_cell_is_encoder_of_tile_at_grid_position_in_spatial_layout(tmp_path):
+    grid = block_grid(3, 7, row0=5, col0=2, drop=4)  # 3 rows (y) x 7 cols (x): a transpose has another shape
+    store = make_store(tmp_path / "s.zarr", grid)
+    enc, head = models()
+    enc.train()  # the loop trains in train mode; the fill must still use the frozen statistics
+    strat = PatchGDStrategy({"patchgd": {}}, enc, head, 2)
+    z, mask, layout = strat.fill_z(store)
+    assert z.shape == (1, 12, 3, 7) and mask.shape == (1, 3, 7)
+    assert layout.origin == (5, 2) and layout.factor == 1
+    tiles = store.read()
+    enc.eval()
+    with torch.no_grad():
+        for i, (col, row) in enumerate(store.grid):
+            expect = enc(tiles_to_tensor(tiles[i : i + 1]))[0]
+            torch.testing.assert_close(z[0, :, row - 5, col - 2], expect, rtol=1e-12, atol=1e-12)
+    brute = np.zeros((3, 7), bool)
+    brute[store.grid[:, 1] - 5, store.grid[:, 0] - 2] = True
+    assert np.array_equal(mask[0].numpy(), brute)
+    assert torch.count_nonzero(z[0][:, ~mask[0]]) == 0
+
+
+def test_grid_cap_pools_neighbouring_cells_by_mean():
+    g = block_grid(10, 23, row0=3, col0=40, drop=30)
+    lay = grid_layout(g, max_grid=8)  # longer side 23 -> f = 3 -> 4 x 8 cells
+    assert lay.factor == 3 and lay.shape == (4, 8)
+    emb = torch.randn(len(g), 5, dtype=torch.float64)
+    z = tiles_to_z(emb, lay)
+    for r in range(4):
+        for c in range(8):
+            inside = [i for i, (col, row) in enumerate(g) if (row - 3) // 3 == r and (col - 40) // 3 == c]
+            if inside:
+                torch.testing.assert_close(z[0, :, r, c], emb[inside].mean(0))
+                assert lay.mask[r, c]
+            else:
+                assert not lay.mask[r, c] and torch.all(z[0, :, r, c] == 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# sampling and accumulation windows
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "k", "zeta"), [(12, 4, 9), (10, 3, 13), (7, 7, 3), (5, 1, 11)])
+def test_every_tile_sampled_exactly_once_per_pass(n, k, zeta):
+    plan = plan_inner_iterations(n, k, zeta, torch.Generator().manual_seed(3))
+    assert len(plan) == zeta and all(len(p) == k for p in plan)
+    assert all(len(set(p.tolist())) == k for p in plan), "a tile twice in one inner iteration"
+    stream = torch.cat(plan).tolist()
+    for start in range(0, len(stream) - n + 1, n):
+        assert sorted(stream[start : start + n]) == list(range(n)), f"pass at draw {start} is not a permutation"
+    tail = stream[len(stream) // n * n :]
+    assert len(set(tail)) == len(tail)
+
+
+def test_windows_and_config_errors():
+    assert accumulation_windows(6, 6) == [6]
+    assert accumulation_windows(5, 2) == [2, 2, 1]
+    with pytest.raises(ValueError, match=r"unknown patchgd option\(s\) \['zetta'\]"):
+        PatchGDConfig.from_mapping({"zetta": 3})
+    with pytest.raises(ValueError, match="patchgd.fraction"):
+        PatchGDConfig.from_mapping({"fraction": 1.5})
+    with pytest.raises(ValueError, match="backbone_scale"):
+        PatchGDConfig.from_mapping({"backbone_scale": "half"})
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['depth'\]"):
+        build_head("cnn", 4, 2, depth=3)
+    with pytest.raises(ValueError, match="unknown patchgd head 'mlp'"):
+        build_head("mlp", 4, 2)
+    with pytest.raises(ValueError, match=r"grid must be an integer array \[n, 2\]"):
+        grid_layout(np.zeros((3, 3), int))
+    cfg = PatchGDConfig(fraction=0.3)
+    assert cfg.tiles_per_iteration(10) == 3 and cfg.inner_iterations(10) == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# gradients
+# ----------------------------------------------------------------------------------------------
+
+
+def run_bag(store, enc, head, seed=0, **options):
+    """bag_step with gradients captured at each optimiser step (then zeroed)."""
+    strat = PatchGDStrategy({"patchgd": options}, enc, head, head.n_classes)
+    steps: list[list[torch.Tensor]] = []
+
+    def step() -> None:
+        steps.append(grads([enc, head]))
+        for m in (enc, head):
+            m.zero_grad(set_to_none=True)
+
+    loss = strat.bag_step(store, 1, step, torch.Generator().manual_seed(seed))
+    return strat, steps, loss
+
+
+def reference_grads(store, enc, head, plan, label=1):
+    """Plain autograd: every tile embedded with gradient; iteration j keeps rows plan[j] live, the rest detached."""
+    enc.eval()
+    x = tiles_to_tensor(store.read())
+    emb = enc(x)
+    lay = head.layout(store.grid)
+    target = torch.tensor([label])
+    losses = []
+    for idx in plan:
+        live = torch.zeros(len(emb), 1, dtype=torch.bool)
+        live[idx] = True
+        mixed = torch.where(live, emb, emb.detach())
+        losses.append(F.cross_entropy(head(mixed, layout=lay).logits[None], target))
+    mean_loss = torch.stack(losses).mean()
+    params = [p for m in (enc, head) for p in m.parameters()]
+    full_loss = F.cross_entropy(head(emb, layout=lay).logits[None], target)
+    g_mean = torch.autograd.grad(mean_loss, params, allow_unused=True, retain_graph=True)
+    g_full = torch.autograd.grad(full_loss, params, allow_unused=True)
+    fix = lambda gs: [g if g is not None else torch.zeros_like(p) for g, p in zip(gs, params)]  # noqa: E731
+    return fix(g_mean), fix(g_full), float(mean_loss.detach())
+
+
+def split(gs, enc):
+    n_enc = len(list(enc.parameters()))
+    return gs[:n_enc], gs[n_enc:]
+
+
+def assert_all_close(a, b, scale=1.0):
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y * scale, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("n_rows", "k", "zeta"), [(3, 4, 3), (2, 3, 5)])
+def test_epsilon_equals_zeta_gives_mean_loss_gradient(tmp_path, n_rows, k, zeta):
+    """Head: gradient of the mean loss over the inner iterations; encoder: the same times n/k (full) or 1 (paper)."""
+    store = make_store(tmp_path / "s.zarr", block_grid(n_rows, 4, row0=1, col0=2, drop=0))
+    n = len(store)
+    results = {}
+    for scale_mode in ("full", "paper"):
+        enc, head = models()
+        enc.train()
+        head.train()  # masked BatchNorm on batch statistics; dropout 0
+        bn_before = enc.net[1].running_mean.clone()
+        strat, steps, loss = run_bag(store, enc, head, k=k, zeta=zeta, epsilon=zeta, backbone_scale=scale_mode)
+        assert len(steps) == 1
+        assert torch.equal(enc.net[1].running_mean, bn_before), "frozen BatchNorm statistics changed"
+        enc2, head2 = models()
+        head2.load_state_dict(head.state_dict())  # same init (seeded), running stats irrelevant to grads
+        head2.train()
+        g_mean, g_full, ref_loss = reference_grads(store, enc2, head2, strat.last_plan)
+        got_enc, got_head = split(steps[0], enc)
+        ref_enc, ref_head = split(g_mean, enc2)
+        assert_all_close(got_head, ref_head)
+        assert_all_close(got_enc, ref_enc, scale=n / k if scale_mode == "full" else 1.0)
+        assert loss == pytest.approx(ref_loss, rel=1e-12)
+        results[scale_mode] = (steps[0], g_full)
+    if zeta * k == n:  # one exact pass: full mode gives the whole slide's gradient, paper mode 1/epsilon of it
+        got, g_full = results["full"]
+        assert_all_close(got, g_full)
+        got_p, _ = results["paper"]
+        enc_p, head_p = split(got_p, enc)
+        enc_f, head_f = split(g_full, enc)
+        assert_all_close(head_p, head_f)
+        assert_all_close(enc_p, enc_f, scale=1.0 / zeta)
+
+
+def test_gradient_flows_only_through_sampled_tiles(tmp_path):
+    store = make_store(tmp_path / "s.zarr", block_grid(3, 4, drop=2))
+    enc, head = models()
+    live_batches: list[int] = []
+    enc.register_forward_hook(lambda m, i, o: live_batches.append(len(i[0])) if torch.is_grad_enabled() else None)
+    strat, steps, _ = run_bag(store, enc, head, k=3, zeta=1, backbone_scale="paper")
+    assert live_batches == [3], "only the k sampled tiles may be embedded with gradient"
+    enc2, head2 = models()
+    head2.load_state_dict(head.state_dict())
+    g_mean, g_full, _ = reference_grads(store, enc2, head2, strat.last_plan)
+    got_enc, _ = split(steps[0], enc)
+    assert_all_close(got_enc, split(g_mean, enc2)[0])
+    # ... and that is not the gradient through all tiles
+    full_enc = split(g_full, enc2)[0]
+    assert max(float((a - b).abs().max()) for a, b in zip(got_enc, full_enc)) > 1e-6
+
+
+def test_parameters_change_only_at_optimizer_steps(tmp_path):
+    store = make_store(tmp_path / "s.zarr", block_grid(3, 4))
+    enc, head = models(dtype=torch.float32)
+    opt = torch.optim.SGD([p for m in (enc, head) for p in m.parameters()], lr=0.5)
+    seen: list[torch.Tensor] = []
+    enc.register_forward_pre_hook(lambda m, i: seen.append(flat_params([enc, head])) if torch.is_grad_enabled() else None)
+    n_steps = []
+
+    def step() -> None:
+        assert all(p.grad is not None for p in enc.parameters())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        n_steps.append(1)
+
+    strat = PatchGDStrategy({"patchgd": {"k": 2, "zeta": 5, "epsilon": 2}}, enc, head, 2)
+    strat.bag_step(store, 0, step, torch.Generator().manual_seed(0))
+    assert len(n_steps) == 3 and len(seen) == 5  # windows 2, 2, 1
+    same = [torch.equal(seen[i], seen[i + 1]) for i in range(4)]
+    assert same == [True, False, True, False]
+
+
+# ----------------------------------------------------------------------------------------------
+# memory
+# ----------------------------------------------------------------------------------------------
+
+
+def saved_bytes(enc, fn) -> tuple[int, int]:
+    """(bytes saved for backward while ``enc`` runs, bytes saved elsewhere) during ``fn()``."""
+    state = {"in_enc": False, "enc": 0, "other": 0, "seen": set()}
+    h1 = enc.register_forward_pre_hook(lambda m, i: state.update(in_enc=True))
+    h2 = enc.register_forward_hook(lambda m, i, o: state.update(in_enc=False))
+
+    def pack(t: torch.Tensor):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key not in state["seen"]:
+            state["seen"].add(key)
+            state["enc" if state["in_enc"] else "other"] += t.numel() * t.element_size()
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn()
+    finally:
+        h1.remove()
+        h2.remove()
+    return state["enc"], state["other"]
+
+
+def test_saved_activations_bounded_by_k_tiles_not_slide_size(tmp_path):
+    small = make_store(tmp_path / "small.zarr", block_grid(4, 4), tile=32)
+    big = make_store(tmp_path / "big.zarr", block_grid(20, 20), tile=32)
+    k = 4
+    enc, head = models(d=8, dtype=torch.float32)
+    noop = lambda: None  # noqa: E731
+    measured = {}
+    for name, store in (("small", small), ("big", big)):
+        strat = PatchGDStrategy({"patchgd": {"k": k, "zeta": 1}}, enc, head, 2)
+        measured[name] = saved_bytes(enc, lambda s=store, st=strat: st.bag_step(s, 1, noop, torch.Generator().manual_seed(0)))
+        enc.zero_grad(set_to_none=True)
+        head.zero_grad(set_to_none=True)
+    # reference: what a plain encoder forward of k tiles with gradient saves
+    enc.eval()
+    ref_k, _ = saved_bytes(enc, lambda: enc(tiles_to_tensor(big.read(np.arange(k)))).sum())
+    ref_all, _ = saved_bytes(enc, lambda: enc(tiles_to_tensor(big.read())).sum())
+    (enc_small, other_small), (enc_big, other_big) = measured["small"], measured["big"]
+    assert enc_small == enc_big == ref_k
+    # the rest (Z, head) grows with the grid, far below the encoder activations of the extra tiles
+    per_tile_encoder = ref_all / len(big)
+    growth_per_tile = (other_big - other_small) / (len(big) - len(small))
+    assert growth_per_tile < 0.1 * per_tile_encoder
+    assert enc_big + other_big < 0.2 * ref_all
+
+
+# ----------------------------------------------------------------------------------------------
+# heads
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", HEADS.names())
+@pytest.mark.parametrize(("rows", "cols", "cap"), [(1, 1, None), (1, 9, None), (6, 2, None), (5, 7, None), (40, 3, 8)])
+def test_heads_take_any_grid_size(name, rows, cols, cap):
+    torch.manual_seed(0)
+    opts = {"width": 8} if name == "cnn" else {"dim": 16}
+    head = build_head(name, 6, 3, max_grid=cap, proj_dim=4, **opts)
+    g = block_grid(rows, cols, row0=2, col0=1)
+    z = torch.randn(len(g), 6, requires_grad=True)
+    out = head(z, g)
+    assert out.logits.shape == (3,) and torch.isfinite(out.logits).all() and out.attention.shape == (len(g),)
+    out.logits.sum().backward()
+    assert z.grad is not None and torch.isfinite(z.grad).all()
+    head.eval()
+    perm = torch.randperm(len(g))  # tile order does not matter, only grid positions
+    torch.testing.assert_close(head(z[perm], g[perm.numpy()]).logits, head(z, g).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", HEADS.names())
+@pytest.mark.parametrize("train", [False, True])
+def test_masked_cells_do_not_influence_heads(name, train):
+    torch.manual_seed(1)
+    opts = {"width": 8, "dropout": 0.0} if name == "cnn" else {"dim": 16, "dropout": 0.0}
+    head = build_head(name, 5, 2, **opts).train(train)
+    z = torch.randn(2, 5, 9, 6)
+    mask = torch.rand(2, 9, 6) > 0.5
+    mask[:, 0, 0] = True
+    other = torch.where(mask[:, None], z, 100 * torch.randn_like(z))
+    torch.testing.assert_close(head.forward_z(z, mask), head.forward_z(other, mask))
+    if not train:  # a batch of two slides equals the slides one at a time
+        each = torch.cat([head.forward_z(z[i : i + 1], mask[i : i + 1]) for i in range(2)])
+        torch.testing.assert_close(head.forward_z(z, mask), each, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", HEADS.names())
+def test_attention_is_gradient_times_activation(name):
+    torch.manual_seed(2)
+    opts = {"width": 8} if name == "cnn" else {"dim": 16}
+    head = build_head(name, 6, 2, max_grid=3, **opts).eval()
+    g = block_grid(5, 4, drop=3)
+    z = torch.randn(len(g), 6)
+    with torch.inference_mode():  # evaluation may run in inference mode
+        out = head(z, g)
+    zz = z.clone().requires_grad_(True)
+    logits = head(zz, g).logits
+    (grad,) = torch.autograd.grad(logits[1] - logits[0], zz)
+    torch.testing.assert_close(out.attention, (grad * z).sum(1))
+    assert all(p.grad is None for p in head.parameters())
+
+
+def test_cnn_head_architecture_follows_the_paper():
+    head = CNNHead(16, 2)
+    assert [c.stride[0] for c in head.convs] == [1, 2, 2, 2]
+    assert all(c.out_channels == 256 and c.kernel_size == (3, 3) for c in head.convs)
+    assert head.drop.p == pytest.approx(0.2) and isinstance(head.drop, nn.Dropout2d)
+    assert head.needs_grid
+
+
+# ----------------------------------------------------------------------------------------------
+# learning
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_patchgd_learns_planted_lesions(tmp_path):
+    from sklearn.metrics import roc_auc_score
+
+    from wsi_pipeline.manifests.schema import read_manifest
+    from wsi_pipeline.synthetic.stores import make_store_cohort
+    from wsi_pipeline.tiling.store import store_path
+
+    try:
+        from wsi_pipeline.models import build_encoder
+
+        torch.manual_seed(0)
+        enc = build_encoder("resnet18")
+    except (ImportError, AttributeError):
+        enc = TinyEncoder(32).float()
+    manifest = make_store_cohort(tmp_path, n_slides=20, tile_size=32, splits={"train": 0.6, "val": 0.4}, seed=1)
+    df = read_manifest(manifest)
+    stores = {s: open_store(store_path(tmp_path / "tiles", s)) for s in df.slide_id}
+    train = df[df.split == "train"]
+    val = df[df.split == "val"]
+    torch.manual_seed(0)
+    strat = PatchGDStrategy(
+        {"patchgd": {"fraction": 0.25, "head_options": {"width": 64, "dropout": 0.1, "pool": "meanmax"}}},
+        enc, None, 2,
+    )
+    head = strat.head
+    enc_before = flat_params([enc])
+    opt = torch.optim.Adam([*enc.parameters(), *head.parameters()], lr=3e-4, weight_decay=1e-4)
+
+    def step() -> None:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    gen = torch.Generator().manual_seed(0)
+    t0 = time.perf_counter()
+    for epoch in range(5):
+        enc.train()
+        head.train()
+        for i in torch.randperm(len(train), generator=gen).tolist():
+            row = train.iloc[i]
+            strat.bag_step(stores[row.slide_id], int(row.label), step, gen)
+    probs = [float(torch.softmax(strat.predict(stores[s]).logits, 0)[1]) for s in val.slide_id]
+    auc = roc_auc_score(val.label.astype(int), probs)
+    assert auc >= 0.85, f"validation AUC {auc:.3f} after {time.perf_counter() - t0:.1f} s"
+    assert float((flat_params([enc]) - enc_before).abs().max()) > 1e-4, "the encoder did not learn"

@@ -1,0 +1,140 @@
+"""Tiling benchmark (``make bench-tile``): tiling speed against the decode limit.
+
+Generates (once, cached) two large synthetic slides (default 20000 x 20000 px, 256 px JPEG
+tiles, 4x pyramid) and measures, in one run:
+
+1. one worker tiling slide A (greyscale, level 0, lossless zstd): tiles kept, tiles/s;
+2. the decode limit: the time to only ``read_region`` the same kept tiles of slide A, one
+   256 x 256 read each, in this process with a fresh slide handle;
+3. the ratio tiling wall time / decode limit (target <= 1.3);
+4. one worker vs two workers on slides A and B: throughput ratio (target >= 1.6).
+
+The page cache is warmed before each measurement, so the figures are CPU-bound, as on a
+cluster node reading from a fast file system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _child_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _warm(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+
+
+def _slides(cache: Path, size: int, regenerate: bool) -> list[Path]:
+    from wsi_pipeline.synthetic.slides import make_slide
+
+    cache.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, seed in (("bench_a", 101), ("bench_b", 202)):
+        path = cache / f"{name}_{size}.svs"
+        meta = path.with_suffix(".json")
+        spec = {"size": size, "seed": seed, "tile_size": 256, "quality": 90, "version": 1}
+        if regenerate or not path.exists() or not meta.exists() or json.loads(meta.read_text()) != spec:
+            t = time.perf_counter()
+            print(f"generating {path} ({size} x {size} px) ...", flush=True)
+            make_slide(path, size=size, seed=seed, tile_size=256, quality=90, n_lesions=3, pen_marks=1, tissue_fraction=0.4)
+            meta.write_text(json.dumps(spec))
+            print(f"  done in {time.perf_counter() - t:.1f} s, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", type=int, default=20000, help="level-0 side of the synthetic slides in px")
+    p.add_argument("--cache", type=Path, default=Path(os.environ.get("WSI_BENCH_CACHE", Path(tempfile.gettempdir()) / "wsi-pipeline-bench")),
+                   help="folder for the generated slides (reused between runs; env WSI_BENCH_CACHE)")
+    p.add_argument("--regenerate", action="store_true", help="regenerate the slides even if cached")
+    p.add_argument("--compression", choices=("zstd", "jpeg", "none"), default="zstd", help="tile store compression")
+    p.add_argument("--skip-two", action="store_true", help="skip the one- vs two-worker comparison")
+    args = p.parse_args(argv)
+
+    from wsi_pipeline.slides import open_slide
+    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+
+    a, b = _slides(args.cache, args.size, args.regenerate)
+    cfg = TilingConfig(compression=args.compression)
+    work = Path(tempfile.mkdtemp(prefix="wsi-bench-tile-"))
+    print(f"cores: {os.cpu_count()}; load average: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    try:
+        # 1. one worker, slide A
+        _warm(a)
+        cpu0 = _child_cpu()
+        t0 = time.perf_counter()
+        rep = tile_cohort([SlideJob("bench_a", str(a))], work / "one", cfg, workers=1, overwrite=True, progress=False)
+        wall = time.perf_counter() - t0
+        cpu_tile = _child_cpu() - cpu0
+        r = rep.results[0]
+        if r.status != "ok":
+            print(f"tiling failed: {r.error}")
+            return 1
+        store = open_store(work / "one" / "bench_a.zarr")
+        n = len(store)
+        print(f"slide A: {args.size} x {args.size} px, {store.attrs['grid_shape'][0] * store.attrs['grid_shape'][1]} grid tiles, "
+              f"{store.attrs['n_candidates']} candidates after pre-screen, {n} tiles kept")
+        print(f"tiling, 1 worker: {wall:.2f} s wall ({r.seconds:.2f} s in the worker), {n / wall:.0f} tiles/s, "
+              f"worker CPU {cpu_tile:.2f} s")
+
+        # 2. decode limit: only read_region the kept tiles, fresh handle, same process type of read
+        _warm(a)
+        coords = store.coords
+        T = store.tile_size
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        with open_slide(a) as slide:
+            for x, y in coords:
+                slide.read_region((int(x), int(y)), 0, (T, T))
+        decode = time.perf_counter() - t1
+        decode_cpu = time.process_time() - c1
+        print(f"decode limit: {decode:.2f} s for {n} read_region calls ({n / decode:.0f} tiles/s, CPU {decode_cpu:.2f} s)")
+        ratio_wall = wall / decode
+        ratio_slide = r.seconds / decode
+        print(f"ratio tiling / decode limit: {ratio_wall:.2f} (whole run incl. worker start), {ratio_slide:.2f} (slide only); "
+              f"CPU ratio {cpu_tile / decode_cpu:.2f}   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
+
+        if not args.skip_two:
+            jobs = [SlideJob("bench_a", str(a)), SlideJob("bench_b", str(b))]
+            res = {}
+            for w in (1, 2):
+                _warm(a)
+                _warm(b)
+                t = time.perf_counter()
+                rep = tile_cohort(jobs, work / f"w{w}", cfg, workers=w, overwrite=True, progress=False)
+                dt = time.perf_counter() - t
+                if not rep.ok:
+                    print(rep.summary())
+                    return 1
+                res[w] = rep.n_tiles / dt
+                print(f"2 slides, {w} worker(s): {rep.n_tiles} tiles in {dt:.2f} s, {res[w]:.0f} tiles/s")
+            speed = res[2] / res[1]
+            print(f"two workers / one worker throughput: {speed:.2f}x   target >= 1.6: {'PASS' if speed >= 1.6 else 'FAIL'}"
+                  f"{'' if (os.cpu_count() or 1) >= 4 else ' (fewer than 4 cores: each worker also runs a writer thread)'}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+"""Big-Layers: exact training of CNN layers whose activations do not fit in device memory.
+
+Activations of the big (early) layers live in host memory; each convolution and BatchNorm
+moves sub-tensors (batch and row chunks with halo rows) to the compute device, computes, and
+moves results back, within a budget of ``max_elements`` elements per chunk step. BatchNorm
+statistics are exact over the whole input (two passes, Welford merge). :func:`bigify` converts
+the stem and the first residual stages of our ResNets; after them the tensor moves to the
+device for the rest of the network.
+"""
+
+from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
+from wsi_pipeline.bigl.conv import BigConv2d
+from wsi_pipeline.bigl.convert import BigResNet, bigify
+from wsi_pipeline.bigl.instrument import TransferEvent, TransferMonitor, monitor_transfers, register_transfer_hook
+from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
+from wsi_pipeline.bigl.runner import ChunkRunner
+
+__all__ = [
+    "bigify",
+    "BigResNet",
+    "BigConv2d",
+    "BigBatchNorm2d",
+    "BigReLU",
+    "BigMaxPool2d",
+    "BigAddReLU",
+    "ChunkRunner",
+    "TransferEvent",
+    "TransferMonitor",
+    "monitor_transfers",
+    "register_transfer_hook",
+]

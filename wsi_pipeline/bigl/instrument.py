@@ -1,0 +1,164 @@
+"""Instrumentation of Big-Layer chunk transfers (used by the budget test and for profiling).
+
+Every chunk step of a Big-Layer reports its transfers to the registered hooks:
+``h2d`` (a tensor sent to the compute device), ``d2h`` (a result sent back to host memory),
+``chunk`` (one chunk step finished: ``numel`` is everything it moved, inputs plus outputs) and
+``free`` (a chunk tensor on the device was released). ``resident`` is the number of elements of
+chunk tensors alive on the device right after the event. Hooks cost nothing when none is
+registered.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["TransferEvent", "TransferMonitor", "register_transfer_hook", "monitor_transfers"]
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """One chunk transfer.
+
+    Attributes
+    ----------
+    kind
+        ``"h2d"``, ``"d2h"``, ``"chunk"`` or ``"free"``.
+    layer
+        Qualified name of the Big-Layer and its pass, e.g. ``"layer1.0.conv1/forward"``.
+    chunk
+        Index of the chunk step within the pass (-1 for ``free``).
+    numel
+        Elements moved (``chunk``: inputs plus outputs of the step; ``free``: elements released).
+    resident
+        Elements of chunk tensors alive on the compute device after this event.
+    samples, rows, full
+        ``chunk`` events only: samples and output rows of the step, and whether it held whole
+        samples (0, 0, False otherwise).
+    """
+
+    kind: str
+    layer: str
+    chunk: int
+    numel: int
+    resident: int
+    samples: int = 0
+    rows: int = 0
+    full: bool = False
+
+
+_hooks: dict[int, Callable[[TransferEvent], None]] = {}
+_next_id = 0
+_lock = threading.Lock()
+_resident = 0
+
+
+class _Handle:
+    def __init__(self, key: int) -> None:
+        self._key = key
+
+    def remove(self) -> None:
+        """Unregister the hook (idempotent)."""
+        _hooks.pop(self._key, None)
+
+
+def register_transfer_hook(fn: Callable[[TransferEvent], None]) -> _Handle:
+    """Call ``fn(event)`` for every Big-Layer transfer; returns a handle with ``.remove()``."""
+    global _next_id
+    with _lock:
+        key = _next_id
+        _next_id += 1
+        _hooks[key] = fn
+    return _Handle(key)
+
+
+def active() -> bool:
+    """Whether any hook is registered (the runner skips all bookkeeping otherwise)."""
+    return bool(_hooks)
+
+
+def _emit(kind: str, layer: str, chunk: int, numel: int, samples: int = 0, rows: int = 0, full: bool = False) -> None:
+    event = TransferEvent(kind, layer, chunk, numel, _resident, samples, rows, full)
+    for fn in list(_hooks.values()):
+        fn(event)
+
+
+def _released(layer: str, numel: int) -> None:
+    global _resident
+    with _lock:
+        _resident -= numel
+    if _hooks:
+        _emit("free", layer, -1, numel)
+
+
+def track(kind: str, layer: str, chunk: int, t: torch.Tensor) -> None:
+    """Report tensor ``t`` (a chunk on the device) and count it resident until it is freed."""
+    global _resident
+    n = t.numel()
+    with _lock:
+        _resident += n
+    # the finaliser fires when the last Python reference to this chunk tensor goes away
+    weakref.finalize(t, _released, layer, n)
+    _emit(kind, layer, chunk, n)
+
+
+def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool) -> None:
+    """Report the end of one chunk step that moved ``numel`` elements in and out."""
+    _emit("chunk", layer, chunk, numel, samples, rows, full)
+
+
+@dataclass
+class TransferMonitor:
+    """Collects events; see :func:`monitor_transfers`.
+
+    Attributes
+    ----------
+    events
+        Every event in order.
+    max_transfer
+        Largest single tensor sent to the device (elements).
+    max_chunk
+        Largest chunk step, inputs plus outputs (elements).
+    peak_resident
+        Most elements of chunk tensors alive on the device at once.
+    """
+
+    events: list[TransferEvent] = field(default_factory=list)
+    max_transfer: int = 0
+    max_chunk: int = 0
+    peak_resident: int = 0
+
+    def __call__(self, e: TransferEvent) -> None:
+        self.events.append(e)
+        if e.kind == "h2d":
+            self.max_transfer = max(self.max_transfer, e.numel)
+        elif e.kind == "chunk":
+            self.max_chunk = max(self.max_chunk, e.numel)
+        self.peak_resident = max(self.peak_resident, e.resident)
+
+    def count(self, kind: str) -> int:
+        """Number of events of one kind."""
+        return sum(e.kind == kind for e in self.events)
+
+
+@contextmanager
+def monitor_transfers() -> Iterator[TransferMonitor]:
+    """Record Big-Layer transfers inside a ``with`` block.
+
+    Examples
+    --------
+    >>> with monitor_transfers() as mon:            # doctest: +SKIP
+    ...     big(x).sum().backward()
+    >>> mon.max_chunk <= max_elements               # doctest: +SKIP
+    """
+    mon = TransferMonitor()
+    handle = register_transfer_hook(mon)
+    try:
+        yield mon
+    finally:
+        handle.remove()

@@ -1,0 +1,189 @@
+"""The chunk loop shared by every Big-Layer: send chunk inputs, compute, send results back.
+
+Host activations are channels-last (``[N, C, H, W]`` with NHWC memory), so a chunk of whole
+samples, or of rows of one sample, is one contiguous block of host memory and one DMA.
+
+On CUDA the host tensors the runner allocates are pinned, and two side streams carry the
+copies: while the compute stream works on chunk ``i``, the host-to-device stream already
+moves chunk ``i + 1`` and the device-to-host stream returns chunk ``i - 1``'s results. Chunk
+tensors are allocated by PyTorch's caching allocator and tagged with ``record_stream`` for
+every stream that uses them, so their memory is reused only after those streams are done;
+at most two chunks are in flight. Managed (unified) memory is never used. On the CPU the same
+loop runs, with the streams and copies reduced to no-ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from wsi_pipeline.bigl import instrument
+from wsi_pipeline.bigl.plan import RowChunk
+
+__all__ = ["ChunkRunner"]
+
+Load = Callable[[int, RowChunk], Sequence[torch.Tensor]]
+Compute = Callable[[int, RowChunk, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+Store = Callable[[int, RowChunk], Sequence[torch.Tensor]]
+
+
+def _dense(t: torch.Tensor) -> bool:
+    if t.dim() == 4:
+        return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
+    return t.is_contiguous()
+
+
+class ChunkRunner:
+    """Runs the chunk steps of Big-Layers on one compute device.
+
+    Parameters
+    ----------
+    device
+        The compute device (``cpu`` or ``cuda[:k]``). Host tensors always live in CPU memory.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda:
+            self._h2d = torch.cuda.Stream(self.device)
+            self._d2h = torch.cuda.Stream(self.device)
+
+    def __repr__(self) -> str:
+        return f"ChunkRunner(device={self.device})"
+
+    def host_empty(self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
+        """Host tensor for Big-Layer activations: channels-last for 4-D, pinned on CUDA."""
+        if len(shape) == 4:
+            n, c, h, w = shape
+            # a base tensor with channels-last strides (not a permuted view: autograd forbids
+            # in-place ops on views returned by custom Functions)
+            t = torch.empty_strided((n, c, h, w), (h * w * c, 1, w * c, c), dtype=dtype, pin_memory=self.is_cuda)
+        else:
+            t = torch.empty(tuple(shape), dtype=dtype, pin_memory=self.is_cuda)
+        if zero:
+            t.zero_()
+        return t
+
+    def to_host(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as a channels-last host tensor (differentiable; no copy if it already is one)."""
+        return x.to("cpu").contiguous(memory_format=torch.channels_last)
+
+    def run(self, layer: str, chunks: Sequence[RowChunk], load: Load, compute: Compute, store: Store | None = None) -> None:
+        """Run every chunk step of one pass of one layer.
+
+        Parameters
+        ----------
+        layer
+            Name reported to the instrumentation hooks.
+        chunks
+            The plan, in order.
+        load
+            ``load(i, chunk)`` -> host tensors (views) to send to the device.
+        compute
+            ``compute(i, chunk, device_tensors)`` -> device tensors to send back (may be empty);
+            runs on the current stream, in chunk order, so it may keep state across chunks.
+        store
+            ``store(i, chunk)`` -> host views receiving ``compute``'s results, same shapes.
+        """
+        if not chunks:
+            return
+        watch = instrument.active()
+        if self.is_cuda:
+            with torch.cuda.device(self.device):
+                self._run_cuda(layer, chunks, load, compute, store, watch)
+        else:
+            pending = self._send_cpu(layer, 0, chunks[0], load, watch)
+            for i, ch in enumerate(chunks):
+                ins = pending
+                outs = compute(i, ch, ins)
+                pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
+                moved = sum(t.numel() for t in ins)
+                dests = store(i, ch) if store is not None else ()
+                self._check(layer, dests, outs)
+                for d, o in zip(dests, outs):
+                    if watch:
+                        instrument.track("d2h", layer, i, o)
+                    if o.numel():
+                        d.copy_(o)
+                    moved += o.numel()
+                if watch:
+                    instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full)
+                del ins, outs
+
+    def _send_cpu(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool) -> tuple[torch.Tensor, ...]:
+        ins = tuple(load(i, ch))
+        if watch:
+            for t in ins:
+                instrument.track("h2d", layer, i, t)
+        return ins
+
+    @staticmethod
+    def _check(layer: str, dests: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+        if len(dests) != len(outs) or any(d.shape != o.shape for d, o in zip(dests, outs)):
+            raise RuntimeError(
+                f"internal error in Big-Layer {layer}: results {[tuple(o.shape) for o in outs]} "
+                f"do not match destinations {[tuple(d.shape) for d in dests]}"
+            )
+
+    # ---- CUDA: pinned buffers, copy streams, events -------------------------------------
+    def _send_cuda(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool):
+        srcs = []
+        for t in load(i, ch):
+            if not (t.is_pinned() and _dense(t)):
+                # pageable or strided: stage through a pinned buffer so the copy is a real async DMA
+                staged = self.host_empty(t.shape, t.dtype)
+                staged.copy_(t)
+                t = staged
+            srcs.append(t)
+        ins = []
+        with torch.cuda.stream(self._h2d):
+            for t in srcs:
+                d = torch.empty_like(t, device=self.device)
+                d.copy_(t, non_blocking=True)
+                ins.append(d)
+            ready = torch.cuda.Event()
+            ready.record(self._h2d)
+        if watch:
+            for d in ins:
+                instrument.track("h2d", layer, i, d)
+        return tuple(ins), ready
+
+    def _run_cuda(self, layer, chunks, load, compute, store, watch) -> None:
+        cur = torch.cuda.current_stream(self.device)
+        pending = self._send_cuda(layer, 0, chunks[0], load, watch)
+        for i, ch in enumerate(chunks):
+            ins, ready = pending
+            cur.wait_event(ready)
+            for t in ins:
+                t.record_stream(cur)
+            outs = tuple(compute(i, ch, ins))
+            # queue the next chunk's transfer while the device computes this one
+            pending = self._send_cuda(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else None
+            moved = sum(t.numel() for t in ins)
+            dests = store(i, ch) if store is not None else ()
+            self._check(layer, dests, outs)
+            if outs:
+                # same memory layout as the host view, so each copy back is a single DMA
+                outs = tuple(o if d.stride() == o.stride() else o.contiguous(memory_format=torch.channels_last) if o.dim() == 4 else o.contiguous() for d, o in zip(dests, outs))
+                done = torch.cuda.Event()
+                done.record(cur)
+                self._d2h.wait_event(done)
+                with torch.cuda.stream(self._d2h):
+                    for d, o in zip(dests, outs):
+                        if o.numel() == 0:
+                            continue
+                        o.record_stream(self._d2h)
+                        d.copy_(o, non_blocking=True)
+                        moved += o.numel()
+                        if watch:
+                            instrument.track("d2h", layer, i, o)
+            if watch:
+                instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full)
+            del ins, outs
+        # host code (autograd, the next layer's staging) reads the results right after; device
+        # state of the pass (accumulated dW, statistics) stays ordered on `cur`
+        self._d2h.synchronize()

@@ -1,0 +1,101 @@
+"""``wsi-pipeline eval``: evaluate every trained seed of every method of a pipeline on its test cohorts."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections import defaultdict
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate trained models on the internal test split and external cohorts",
+        description=(
+            "Evaluate every finished run (runs/<pipeline>/<method>/seed<k>/ with a `done` marker) of the "
+            "pipeline: each model is fixed by its best.pt (chosen on validation) before any test slide is read. "
+            "Test sets: the `test` slides of the training cohorts and every cohort without train/val slides "
+            "(external). Each slide is embedded once and scored on all tiles and on the config's R x k subsample "
+            "protocols. Writes results/<pipeline>/: predictions_<cohort>_<protocol>.csv, metrics.json, "
+            "report.html and heatmaps/ (PNG, per-tile scores CSV, QuPath GeoJSON)."
+        ),
+    )
+    p.add_argument("--config", required=True, help="pipeline YAML, e.g. pipelines/demo.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set eval.seed=1 (repeatable)")
+    p.add_argument("--method", dest="methods", action="append", default=None, metavar="NAME",
+                   help="evaluate only this method (repeatable; default: every method of the config)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
+    p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: each method's chunk_size)")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N",
+                   help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: 1000)")
+    p.add_argument("--no-heatmaps", action="store_true", help="skip heatmaps, per-tile scores and GeoJSON")
+    p.add_argument("--heatmap-method", default=None, metavar="NAME",
+                   help="method whose first finished seed draws the heatmaps (default: the first method)")
+    p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
+                   help="colour normalisation of heatmaps: per-slide rank (default), per-slide min-max, or raw values")
+    p.add_argument("--results", default=None, metavar="DIR", help="output folder (default: <results_dir>/<pipeline name>)")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+    from wsi_pipeline.training.config import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.bootstrap < 0:
+        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples")
+    summary = evaluate_pipeline(
+        config,
+        methods=args.methods,
+        device=args.device,
+        batch_size=args.batch_size,
+        heatmaps=not args.no_heatmaps,
+        heatmap_method=args.heatmap_method,
+        heatmap_mode=args.heatmap_mode,
+        n_boot=args.bootstrap,
+        results_dir=args.results,
+        progress=not args.quiet,
+    )
+    out = summary.results_dir
+    print(f"Evaluated {len(summary.models)} model(s) on {summary.n_slides} slide(s) in {summary.seconds:.1f} s.")
+    for s in summary.skipped_runs:
+        print(f"  skipped {s}")
+    if summary.missing_stores:
+        print(f"  {len(summary.missing_stores)} slide(s) had no complete tile store and were skipped "
+              f"(e.g. {', '.join(summary.missing_stores[:3])}); run `wsi-pipeline tile` for them")
+    _print_table(read_metrics_json(out / "metrics.json"))
+    print(f"\nResults in {out}/")
+    print(f"  report       {out / 'report.html'}")
+    print(f"  metrics      {out / 'metrics.json'}")
+    print(f"  predictions  {out}/predictions_<cohort>_<protocol>.csv ({sum(1 for f in summary.files if f.name.startswith('predictions_'))} files)")
+    if not args.no_heatmaps:
+        print(f"  heatmaps     {out / 'heatmaps'}/<slide_id>.png, .geojson (QuPath), _scores.csv")
+    return 0
+
+
+def _print_table(records: list) -> None:
+    cells: dict[tuple[str, str, str], dict[str, str]] = defaultdict(dict)
+    look = {(r.method, r.seed, r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
+    for r in records:
+        if r.seed != "mean" or r.metric not in ("auc", "qwk", "accuracy", "localisation_auc"):
+            continue
+        std = look.get((r.method, "std", r.cohort, r.split, r.protocol, r.metric))
+        txt = "-" if math.isnan(r.value) else f"{r.value:.3f}"
+        if std is not None and not math.isnan(std):
+            txt += f"±{std:.3f}"
+        cells[(r.method, f"{r.cohort} ({r.split})", r.protocol)][r.metric] = txt
+    if not cells:
+        return
+    metrics = [m for m in ("auc", "qwk", "accuracy", "localisation_auc") if any(m in c for c in cells.values())]
+    head = ["method", "cohort", "protocol", *metrics]
+    rows = [[*k, *(v.get(m, "") for m in metrics)] for k, v in cells.items()]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for row in rows:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))

@@ -1,0 +1,194 @@
+"""``wsi-pipeline manifest``: build a manifest CSV from a slide folder or a public cohort's own files.
+
+Each builder validates its inputs (duplicate slide ids, labels out of range, a slide or a patient
+in two splits), writes the manifest atomically, and prints a table of slides per split and label.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Callable
+
+__all__ = ["register", "run", "summary_table"]
+
+_NO_CHECK = "write the manifest even when slide files are missing (e.g. before downloading the slides)"
+
+
+def _add_out(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", required=True, metavar="CSV", help="manifest CSV to write (atomically; parent folders are created)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``manifest`` and its cohort subcommands."""
+    parser = subparsers.add_parser(
+        "manifest",
+        help="build a manifest CSV from a slide folder or a public cohort's label files",
+        description=(
+            "Build a manifest CSV (slide_id, path, label, split, cohort, ...; see data_manifests/README.md) "
+            "from a folder of slides or from the label and split files that come with PANDA, CAMELYON16, "
+            "CAMELYON17 or TCGA-PRAD. Inputs are checked for duplicate slides, labels out of range and "
+            "slides or patients in two splits; a summary per split and label is printed."
+        ),
+    )
+    sub = parser.add_subparsers(dest="cohort_builder", metavar="<source>", required=True)
+
+    p = sub.add_parser(
+        "folder", help="every slide under a folder, labels from an optional CSV",
+        description="List every slide file under DIR (recursively; .svs .tif .tiff .ndpi .vms .vmu .scn .mrxs "
+        ".svslide .bif .czi, DICOM folders), slide_id = file name without extension, labels joined from an "
+        "optional CSV; unlabelled slides are kept (for `predict`).",
+    )
+    p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for slide files")
+    p.add_argument("--labels", metavar="CSV", help="optional CSV with slide_id and label (integer class, empty = "
+                   "unlabelled); its split, cohort, patient_id, mpp and other columns are carried over")
+    _add_out(p)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser(
+        "panda", help="PANDA prostate biopsies, ISUP grade 0-5",
+        description="PANDA manifest from the challenge's train.csv (label = isup_grade), optionally without the "
+        "noisy slides, with the paper's split files or a seeded label-stratified 80:10:10 split.",
+    )
+    p.add_argument("--labels", required=True, metavar="TRAIN_CSV", help="the PANDA challenge train.csv (image_id, isup_grade, ...)")
+    p.add_argument("--exclude-noisy", metavar="NOISE_CSV",
+                   help="noise-flag CSV (image_id, noise_ratio_10); slides with noise_ratio_10 == 0 are dropped")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--splits", metavar="DIR", help="folder with train.csv, val.csv, test.csv listing slide ids (the paper's split)")
+    group.add_argument("--split-seed", type=int, default=0, metavar="N",
+                       help="seed of the label-stratified 80:10:10 split used without --splits (default 0)")
+    p.add_argument("--slides", required=True, metavar="DIR", help="folder of the slide files, <image_id>.tiff")
+    _add_out(p)
+    p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser(
+        "camelyon16", help="CAMELYON16 lymph nodes, tumour vs normal, official train/test",
+        description="CAMELYON16 manifest: training labels from the labels file, test labels from the official "
+        "reference, which wins where the two disagree (a warning names the slide).",
+    )
+    p.add_argument("--reference", required=True, metavar="REF_CSV", help="official test reference: test_NNN, Tumor|Normal, type, size (no header)")
+    p.add_argument("--labels", required=True, metavar="LABELS_CSV", help="slide labels (e.g. FLamby's filenames,tumor) for the training slides")
+    p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for <slide>.tif")
+    _add_out(p)
+    p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser(
+        "camelyon17", help="CAMELYON17 lymph nodes, binary slide labels, validation split by patient",
+        description="CAMELYON17 manifest from stage_labels.csv: label 1 when the slide's stage is in --positive, "
+        "patient_id filled, validation split drawn by patient (stratified by pN stage).",
+    )
+    p.add_argument("--stage-labels", required=True, metavar="CSV", help="the challenge's stage_labels.csv (patient, stage)")
+    p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for patient_NNN_node_N.tif")
+    _add_out(p)
+    p.add_argument("--positive", default="itc,micro,macro", metavar="STAGES",
+                   help="comma-separated slide stages labelled 1 (subset of itc,micro,macro; default itc,micro,macro)")
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help="fraction of patients in the validation split (default 0.1)")
+    p.add_argument("--split-seed", type=int, default=0, metavar="N", help="seed of the validation split (default 0)")
+    p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser(
+        "tcga-prad", help="TCGA-PRAD external test cohort from your own grade CSV",
+        description="TCGA-PRAD manifest (cohort tcga_prad, split test) from a CSV of slide ids and grades "
+        "(isup_grade/label/grade 0-5, or gleason_score '4+3' converted to ISUP).",
+    )
+    p.add_argument("--labels", required=True, metavar="CSV", help="CSV of slide ids and grades")
+    p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for the slide files")
+    _add_out(p)
+    p.add_argument("--one-per-patient", action="store_true", help="keep one randomly chosen slide per patient (as the paper does)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of --one-per-patient's choice (default 0)")
+    p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser(
+        "merge", help="one manifest from an internal cohort and its external test cohorts",
+        description="Concatenate manifests for one pipeline: --internal manifests keep their splits (train/val/test); "
+        "every row of an --external manifest gets split test (evaluated, never trained on; e.g. all 399 "
+        "CAMELYON16 slides). Slide ids must be unique across the inputs.",
+    )
+    p.add_argument("--internal", required=True, action="append", metavar="CSV",
+                   help="manifest of the cohort trained on (repeatable)")
+    p.add_argument("--external", action="append", default=[], metavar="CSV",
+                   help="manifest of an external test cohort (repeatable)")
+    _add_out(p)
+    p.set_defaults(func=run)
+
+
+def summary_table(df) -> str:
+    """Slides per split (rows) and label (columns), with totals, as text."""
+    import pandas as pd
+
+    split = df["split"].astype("string").fillna("").replace("", "(none)")
+    label = df["label"].astype("string").fillna("unlabelled")
+    table = pd.crosstab(split.rename("split"), label.rename("label"), margins=True, margins_name="total")
+    order = [s for s in ("train", "val", "test", "(none)") if s in table.index] + ["total"]
+    lines = [f"{len(df)} slides, cohort(s) {', '.join(sorted(df['cohort'].astype(str).unique()))}"]
+    if "patient_id" in df.columns and (df["patient_id"] != "").any():
+        per = df[df["patient_id"] != ""].groupby(split)["patient_id"].nunique()
+        lines.append(f"{df.loc[df['patient_id'] != '', 'patient_id'].nunique()} patients; per split: "
+                     + ", ".join(f"{k} {v}" for k, v in per.items()))
+    lines.append(table.loc[order].to_string())
+    if df["cohort"].nunique() > 1:
+        lines.append("per cohort and split: " + ", ".join(
+            f"{c}/{s or '(none)'} {n}" for (c, s), n in df.groupby(["cohort", "split"]).size().items()))
+    return "\n".join(lines)
+
+
+def _builder(args: argparse.Namespace) -> Callable[[], object]:
+    """The library call for the chosen source (heavy imports happen here)."""
+    if args.cohort_builder == "merge":
+        from wsi_pipeline.manifests.merge import merge_manifests
+
+        return lambda: merge_manifests(args.internal, args.external)
+    if args.cohort_builder == "folder":
+        from wsi_pipeline.manifests.folder import build_folder_manifest
+
+        return lambda: build_folder_manifest(args.slides, args.labels)
+    if args.cohort_builder == "panda":
+        from wsi_pipeline.manifests.panda import build_panda_manifest
+
+        return lambda: build_panda_manifest(
+            args.labels, args.slides, noise_csv=args.exclude_noisy, splits_dir=args.splits,
+            split_seed=args.split_seed, check_files=not args.no_check_files,
+        )
+    if args.cohort_builder == "camelyon16":
+        from wsi_pipeline.manifests.camelyon import build_camelyon16_manifest
+
+        return lambda: build_camelyon16_manifest(args.reference, args.labels, args.slides, check_files=not args.no_check_files)
+    if args.cohort_builder == "camelyon17":
+        from wsi_pipeline.manifests.camelyon import build_camelyon17_manifest
+
+        return lambda: build_camelyon17_manifest(
+            args.stage_labels, args.slides, positive=args.positive, val_fraction=args.val_fraction,
+            split_seed=args.split_seed, check_files=not args.no_check_files,
+        )
+    from wsi_pipeline.manifests.tcga import build_tcga_prad_manifest
+
+    return lambda: build_tcga_prad_manifest(
+        args.labels, args.slides, one_per_patient=args.one_per_patient, seed=args.seed, check_files=not args.no_check_files,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build, write and summarise the manifest; 1 with the error on stderr when the inputs are wrong."""
+    from wsi_pipeline.manifests.schema import write_manifest
+
+    build = _builder(args)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            df = build()
+        except (ValueError, FileNotFoundError) as e:
+            for w in caught:
+                print(f"warning: {w.message}", file=sys.stderr)
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    path = write_manifest(df, args.out)
+    print(f"wrote {path}")
+    print(summary_table(df))
+    return 0

@@ -1,0 +1,74 @@
+"""``wsi-pipeline predict``: predictions and heatmaps for a folder of new slides with a trained model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "predict",
+        help="predict new, unlabelled slides with a trained model (predictions CSV + heatmaps)",
+        description=(
+            "Tile every slide of a folder with the tiling parameters saved with the model (tile size, mpp, "
+            "foreground threshold), embed each slide once, aggregate, and write <out>/predictions.csv plus "
+            "<out>/heatmaps/<slide_id>.png (attention over the thumbnail), .geojson (opens in QuPath) and "
+            "_scores.csv. A folder of <slide_id>.zarr tile stores is used as it is, without tiling. "
+            "No labels are needed."
+        ),
+    )
+    p.add_argument("--model", required=True, metavar="RUN_OR_CHECKPOINT",
+                   help="a run folder (runs/<pipeline>/<method>/seed<k>; its best.pt is used) or a .pt checkpoint")
+    p.add_argument("--slides", required=True, metavar="DIR", help="folder of slide files (searched recursively) or of .zarr stores")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; tiles go to <out>/tiles)")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="tiling processes (default: one per core; 0 = in-process)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
+    p.add_argument("--protocol", dest="protocols", action="append", default=None, metavar="P",
+                   help="scoring protocol: 'all' (default) or '<k>x<repeats>' such as 256x100 (repeatable)")
+    p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: the method's chunk_size)")
+    p.add_argument("--mpp", type=float, default=None, help="um/px to assume for slides whose files do not record it")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random tile subsets of subsample protocols (default: 0)")
+    p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
+    p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
+                   help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from wsi_pipeline.evaluation.runner import predict_slides
+
+    if args.workers is not None and args.workers < 0:
+        print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        s = predict_slides(
+            args.model, args.slides, args.out,
+            protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
+            mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
+            progress=not args.quiet,
+        )
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    df = pd.DataFrame(s.rows)
+    print(f"\nPredicted {df['slide_id'].nunique() if len(df) else 0} slide(s) in {s.seconds:.1f} s.")
+    if len(df):
+        probs = [c for c in df.columns if c.startswith("prob_") and c != "prob_std"]
+        show = df[["slide_id", "protocol", "n_tiles", "pred"]].copy()
+        show["p(pred)"] = [f"{r[f'prob_{int(r['pred'])}']:.3f}" for r in s.rows]
+        show["probs"] = [" ".join(f"{v:.3f}" for v in r) for r in df[probs].to_numpy()]
+        print(show.to_string(index=False))
+    for sid, why in s.failed:
+        print(f"  not predicted: {sid}: {why}")
+    print(f"\nOutputs in {s.out_dir}/")
+    print(f"  predictions  {s.predictions}")
+    if s.heatmaps_dir is not None and len(df):
+        print(f"  heatmaps     {s.heatmaps_dir}/<slide_id>.png, .geojson (QuPath: File > Import objects), _scores.csv")
+    print(f"  tile stores  {s.tiles_dir}")
+    return 1 if s.failed and not len(df) else 0

@@ -1,0 +1,94 @@
+"""``wsi-pipeline tile``: slides (a folder or a manifest) to zarr tile stores."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["register", "run"]
+
+
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 <= v <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction in [0, 1]")
+    return v
+
+
+def _positive(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be > 0")
+    return v
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``tile`` subcommand."""
+    p = subparsers.add_parser(
+        "tile",
+        help="tile whole-slide images into zarr tile stores",
+        description=(
+            "Tile every slide of a folder (or of a manifest) into <out>/<slide_id>.zarr: non-overlapping "
+            "full tiles on a grid anchored at (0, 0), kept when their foreground fraction reaches a threshold. "
+            "Writes <out>/tiling_report.csv and a QC image per slide (<out>/qc/<slide_id>.png). Reruns skip "
+            "complete stores built from the same slide with the same settings, and rebuild partial or outdated "
+            "ones. Exit status 1 when any slide failed (after all others were tiled). Formats: whatever OpenSlide "
+            "reads (SVS, NDPI, SCN, MRXS, BIF, DICOM, generic tiled TIFF, ...) and, through tiffslide, OME-TIFF."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively; slide_id = file name without extension")
+    src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
+    p.add_argument("--method", choices=("greyscale", "otsu"), default="greyscale",
+                   help="foreground test: greyscale = per-tile fraction of pixels with grey in [grey-min, grey-max] "
+                        "(PANDA protocol); otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol)")
+    p.add_argument("--tile-size", type=int, default=256, metavar="PX", help="tile side in px at the tile resolution")
+    p.add_argument("--min-foreground", type=_fraction, default=None, metavar="F",
+                   help="keep a tile when its foreground (greyscale) or tissue (otsu) fraction is >= F "
+                        "[default: 0.6 for greyscale, 0.5 for otsu]")
+    p.add_argument("--grey-min", type=int, default=3, metavar="G", help="darkest grey value counted as foreground (greyscale method)")
+    p.add_argument("--grey-max", type=int, default=230, metavar="G", help="brightest grey value counted as foreground (greyscale method)")
+    p.add_argument("--mpp-target", type=_positive, default=None, metavar="UM",
+                   help="tile resolution in um/px (0.5 is about 20x): read the best pyramid level at or finer than it "
+                        "and resize; default: native level 0")
+    p.add_argument("--mpp", type=_positive, default=None, metavar="UM",
+                   help="um/px of level 0 for every slide, overriding the slides' metadata (a manifest mpp column wins over it)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="slides tiled in parallel, one process each [default: number of cores]; 0 = in this process")
+    p.add_argument("--compression", choices=("zstd", "jpeg", "none"), default="zstd",
+                   help="tile compression in the store: zstd (lossless), jpeg (lossy, quality 90, ~10x smaller) or none")
+    p.add_argument("--backend", choices=("auto", "openslide", "tiffslide"), default="auto",
+                   help="slide reader; auto tries OpenSlide, then tiffslide")
+    p.add_argument("--no-prescreen", action="store_true",
+                   help="test every tile instead of skipping tiles a low-resolution bound proves to be background "
+                        "(same result, slower; for checking)")
+    p.add_argument("--no-qc", action="store_true", help="do not write QC images")
+    p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments."""
+    import sys
+
+    from wsi_pipeline.manifests.schema import ManifestError
+    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.tiler import TilingConfig
+
+    try:
+        config = TilingConfig(
+            method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
+            grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp,
+            compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
+        )
+        if args.workers is not None and args.workers < 0:
+            raise ValueError(f"--workers {args.workers} must be >= 0")
+        source = args.slides if args.slides is not None else args.manifest
+        report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, ManifestError) as err:
+        print(f"wsi-pipeline tile: error: {err}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0 if report.ok else 1

@@ -1,0 +1,68 @@
+"""``wsi-pipeline train``: train every method x seed of a pipeline config into ``runs/<pipeline>/``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+__all__ = ["register", "run"]
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "train",
+        help="train the methods of a pipeline config (frozen, full, accumulate, bigl, patchgd)",
+        description=(
+            "Train every method x seed of a pipeline YAML into runs/<pipeline>/<method>/seed<k>/ "
+            "(config.yaml, history.csv, last.pt, best.pt, done). The config, manifest, labels, tile stores, "
+            "strategies and models are checked before any training. Finished runs (with a `done` file) are "
+            "skipped; an interrupted run continues exactly with --resume. Frozen methods extract missing "
+            "feature files first. Relative paths in the config are relative to the current directory."
+        ),
+    )
+    p.add_argument("--config", required=True, help="pipeline YAML file, e.g. pipelines/demo.yaml")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a config value (repeatable), e.g. --set train.lr=5e-5 --set methods.abmil_e2e.chunk_size=32; "
+        "values are parsed as YAML",
+    )
+    p.add_argument("--method", dest="methods", action="append", default=None, metavar="NAME",
+                   help="train only this method (repeatable; default: every method of the config)")
+    p.add_argument("--seed", dest="seeds", action="append", type=int, default=None, metavar="N",
+                   help="train only this seed (repeatable; default: the config's seeds)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue runs that were interrupted (they have last.pt but no done file)")
+    p.add_argument("--device", default=None,
+                   help="auto (CUDA when present), cpu, cuda or cuda:N; overrides train.device of every method")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.training.loop import train_pipeline
+
+    # a training run is long: report each epoch unless the user asked for less (-v gives debug)
+    pkg = logging.getLogger("wsi_pipeline")
+    if pkg.getEffectiveLevel() > logging.INFO:
+        pkg.setLevel(logging.INFO)
+    try:
+        config = load_config(args.config, args.overrides)
+        runs = train_pipeline(
+            config, methods=args.methods, seeds=args.seeds, resume=args.resume,
+            device=args.device, progress=not args.no_progress,
+        )
+    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
+        if getattr(args, "verbose", 0) >= 2:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"trained {len(runs)} run(s) of pipeline {config.name!r}:")
+    for r in runs:
+        print(f"  {r}")
+    return 0

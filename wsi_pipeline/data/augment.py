@@ -1,0 +1,158 @@
+"""Per-slide augmentation: one random draw of parameters per bag, applied identically to all its tiles.
+
+The Big-Layers protocol augments a whole slide uniformly (Gaussian blur, colour jitter,
+horizontal and vertical flips, rotation) rather than each tile independently. We draw the
+parameters of a bag once (:meth:`SlideAugment.draw`, from torch's global generator, so a seeded
+run is reproducible) and apply them with kornia's image functions
+(:meth:`SlideAugment.apply`). Because the draw is separate from the application, a bag can be
+augmented chunk by chunk on the device and still get one transform (see :func:`tiles_to_input`).
+
+Order of operations: blur, brightness, contrast, saturation, hue, horizontal flip, vertical
+flip, rotation by a multiple of 90 degrees (lossless on square tiles). Colour-jitter factors
+follow kornia's ``ColorJitter``: brightness adds ``b - 1`` with ``b ~ U[1 - B, 1 + B]``,
+contrast and saturation multiply by ``U[1 - x, 1 + x]``, hue turns by ``U[-H, H]`` of a full turn.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from wsi_pipeline.data.tensors import IMAGENET_MEAN, IMAGENET_STD, tiles_to_tensor
+
+__all__ = ["AugmentParams", "SlideAugment", "build_augment", "tiles_to_input"]
+
+
+@dataclass(frozen=True)
+class AugmentParams:
+    """One bag's augmentation: None/False/0 means "not applied"."""
+
+    blur_sigma: float | None = None
+    brightness: float | None = None
+    contrast: float | None = None
+    saturation: float | None = None
+    hue: float | None = None
+    hflip: bool = False
+    vflip: bool = False
+    rot90: int = 0
+
+
+def _uniform(low: float, high: float) -> float:
+    return float(low + (high - low) * torch.rand(()).item())
+
+
+class SlideAugment:
+    """Draws and applies per-slide augmentation parameters.
+
+    Parameters
+    ----------
+    cfg : a :class:`wsi_pipeline.training.config.AugmentConfig`.
+    """
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+
+    def draw(self) -> AugmentParams:
+        """One random draw (torch's global generator) of the parameters of a bag."""
+        c = self.cfg
+        # every branch draws the same count of numbers whatever the outcome, so one bag's
+        # outcome does not shift the random stream of what comes after it
+        blur_on, sigma = torch.rand(()).item() < c.blur_p, _uniform(*c.blur_sigma)
+        jit_on = torch.rand(()).item() < c.jitter_p
+        b = _uniform(max(0.0, 1 - c.brightness), 1 + c.brightness)
+        ct = _uniform(max(0.0, 1 - c.contrast), 1 + c.contrast)
+        s = _uniform(max(0.0, 1 - c.saturation), 1 + c.saturation)
+        h = _uniform(-c.hue, c.hue)
+        hflip, vflip = torch.rand(()).item() < 0.5, torch.rand(()).item() < 0.5
+        rot = int(torch.randint(0, 4, ()).item())
+        return AugmentParams(
+            blur_sigma=sigma if blur_on else None,
+            brightness=b if jit_on and c.brightness > 0 else None,
+            contrast=ct if jit_on and c.contrast > 0 else None,
+            saturation=s if jit_on and c.saturation > 0 else None,
+            hue=h if jit_on and c.hue > 0 else None,
+            hflip=bool(c.flips and hflip),
+            vflip=bool(c.flips and vflip),
+            rot90=rot if c.rotation else 0,
+        )
+
+    def apply(self, images: torch.Tensor, params: AugmentParams) -> torch.Tensor:
+        """Apply ``params`` to float images ``[k, 3, T, T]`` in [0, 1]; returns a new tensor in [0, 1]."""
+        from kornia.enhance import adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation
+        from kornia.filters import gaussian_blur2d
+
+        x = images
+        if x.shape[0] == 0:
+            return x
+        if params.blur_sigma is not None:
+            k = self.cfg.blur_kernel
+            x = gaussian_blur2d(x, (k, k), (params.blur_sigma, params.blur_sigma))
+        if params.brightness is not None:
+            x = adjust_brightness(x, params.brightness - 1.0)
+        if params.contrast is not None:
+            x = adjust_contrast(x, params.contrast)
+        if params.saturation is not None:
+            x = adjust_saturation(x, params.saturation)
+        if params.hue is not None:
+            x = adjust_hue(x, params.hue * 2.0 * math.pi)
+        if params.hflip:
+            x = torch.flip(x, dims=(3,))
+        if params.vflip:
+            x = torch.flip(x, dims=(2,))
+        if params.rot90:
+            x = torch.rot90(x, params.rot90, dims=(2, 3))
+        return x.clamp(0.0, 1.0)
+
+
+def build_augment(cfg: Any) -> SlideAugment | None:
+    """A :class:`SlideAugment` when ``cfg.enabled``, else None."""
+    return SlideAugment(cfg) if cfg.enabled else None
+
+
+def tiles_to_input(
+    tiles: np.ndarray | torch.Tensor,
+    augment: SlideAugment | None = None,
+    params: AugmentParams | None = None,
+    *,
+    device: torch.device | str | None = None,
+    out_device: torch.device | str | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """uint8 tiles ``(k, T, T, 3)`` RGB -> normalised float ``(k, 3, T, T)``, augmented per slide.
+
+    Parameters
+    ----------
+    tiles : the bag's tiles.
+    augment, params : the augmentation and this bag's draw (``params`` is drawn when None).
+    device : where the conversion and augmentation run.
+    out_device : where the result goes (default ``device``); with ``chunk``, a bag bigger than
+        the device can hold is processed ``chunk`` tiles at a time and collected there.
+    chunk : tiles per piece (None: the whole bag at once).
+
+    Without ``augment`` the result equals :func:`wsi_pipeline.data.tensors.tiles_to_tensor`.
+    """
+    out_device = device if out_device is None else out_device
+    if augment is not None and params is None:
+        params = augment.draw()
+    t = torch.as_tensor(tiles)
+    if t.dtype != torch.uint8 or t.ndim != 4 or t.shape[-1] != 3:
+        raise ValueError(f"tiles must be uint8 (k, T, T, 3); got {t.dtype} {tuple(t.shape)}")
+    n = t.shape[0]
+    step = n if not chunk else max(1, int(chunk))
+    pieces = []
+    for a in range(0, max(n, 1), max(step, 1)):
+        part = t[a : a + step]
+        if augment is None:
+            x = tiles_to_tensor(part, device=device)
+        else:
+            x = part.to(device=device).permute(0, 3, 1, 2).float().div_(255.0)
+            x = augment.apply(x, params)
+            mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
+            std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
+            x = x.sub_(mean).div_(std).contiguous()
+        pieces.append(x.to(out_device) if out_device is not None else x)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)

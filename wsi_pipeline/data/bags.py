@@ -1,0 +1,208 @@
+"""Training bags from a manifest and tile stores (or frozen-feature files).
+
+Each epoch, every training slide contributes one bag of ``k`` tiles drawn at random without
+replacement (all its tiles when it has fewer); slides come in a random order, grouped into
+optimiser steps of ``B x S`` bags (B bags per batch, S accumulated batches). The draw depends
+only on ``(seed, epoch)``, so an interrupted run that resumes at epoch e sees the same bags as
+an uninterrupted one. Tiles are read by a background thread one bag ahead of the consumer.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from wsi_pipeline.tiling.store import TileStore, is_complete, open_store, store_path
+
+__all__ = [
+    "Bag",
+    "FeatureReader",
+    "Slide",
+    "TileReader",
+    "check_stores",
+    "epoch_plan",
+    "iter_bags",
+    "sample_indices",
+    "slides_for_split",
+]
+
+
+@dataclass(frozen=True)
+class Slide:
+    """A labelled slide: ``slide_id``, integer ``label`` and its tile store path."""
+
+    slide_id: str
+    label: int
+    store: Path
+
+
+@dataclass
+class Bag:
+    """One slide's sampled tiles.
+
+    Attributes
+    ----------
+    slide : the slide.
+    indices : int64 (k,) tile positions in the store, increasing.
+    data : uint8 tiles (k, T, T, 3) from a :class:`TileReader`, or float32 features (k, D)
+        from a :class:`FeatureReader`.
+    """
+
+    slide: Slide
+    indices: np.ndarray
+    data: Any
+
+
+def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike) -> list[Slide]:
+    """Labelled slides of ``split`` (``train``/``val``/``test``) in manifest order.
+
+    Unlabelled rows of the split are left out (they cannot be trained or validated on).
+    """
+    rows = manifest[(manifest["split"] == split) & manifest["label"].notna()]
+    return [Slide(str(r.slide_id), int(r.label), store_path(tiles_dir, str(r.slide_id))) for r in rows.itertuples()]
+
+
+def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
+    """Raise ``FileNotFoundError`` naming every slide without a complete tile store, and the fix."""
+    missing = [s.slide_id for s in slides if not s.store.exists()]
+    partial = [s.slide_id for s in slides if s.store.exists() and not is_complete(s.store)]
+    if not missing and not partial:
+        return
+    parts = []
+    if missing:
+        parts.append(f"no store for {len(missing)}: {_first(missing)}")
+    if partial:
+        parts.append(f"partial store (no `complete: true`) for {len(partial)}: {_first(partial)}")
+    raise FileNotFoundError(
+        f"{len(missing) + len(partial)} slide(s) of the manifest have no complete tile store in {tiles_dir} "
+        f"({'; '.join(parts)}). Run `wsi-pipeline tile` (make tile) on these slides to (re)build their "
+        f"<slide_id>.zarr stores, or point data.tiles_dir at the folder that holds them."
+    )
+
+
+def _first(values: Sequence[str], k: int = 8) -> str:
+    more = f" (and {len(values) - k} more)" if len(values) > k else ""
+    return ", ".join(values[:k]) + more
+
+
+def sample_indices(n_tiles: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """``k`` distinct tile positions out of ``n_tiles`` (all when ``n_tiles <= k``), increasing, int64."""
+    if n_tiles <= k:
+        return np.arange(n_tiles, dtype=np.int64)
+    return np.sort(rng.choice(n_tiles, size=k, replace=False)).astype(np.int64)
+
+
+def epoch_plan(
+    n_tiles: Sequence[int],
+    *,
+    bag_size: int,
+    bags_per_step: int,
+    seed: int,
+    epoch: int,
+) -> list[list[tuple[int, np.ndarray]]]:
+    """The bags of one epoch, grouped by optimiser step.
+
+    Parameters
+    ----------
+    n_tiles : tiles per training slide.
+    bag_size : k tiles per bag.
+    bags_per_step : B x S bags per optimiser step (the last group may be smaller).
+    seed, epoch : the draw depends on these only.
+
+    Returns
+    -------
+    groups : list of groups; each group lists ``(slide position, tile indices)``.
+    """
+    rng = np.random.default_rng([int(seed), int(epoch), 0x5A6])
+    order = rng.permutation(len(n_tiles))
+    bags = [(int(i), sample_indices(int(n_tiles[i]), bag_size, rng)) for i in order]
+    return [bags[i : i + bags_per_step] for i in range(0, len(bags), bags_per_step)]
+
+
+class TileReader:
+    """Reads tiles of slides from their stores (stores stay open for the run)."""
+
+    def __init__(self, slides: Sequence[Slide]) -> None:
+        self.slides = list(slides)
+        self._stores: dict[int, TileStore] = {}
+
+    def store(self, i: int) -> TileStore:
+        """The open store of slide ``i``."""
+        if i not in self._stores:
+            self._stores[i] = open_store(self.slides[i].store)
+        return self._stores[i]
+
+    def n_tiles(self) -> list[int]:
+        """Tiles per slide."""
+        return [len(self.store(i)) for i in range(len(self.slides))]
+
+    def read(self, i: int, indices: np.ndarray) -> np.ndarray:
+        """uint8 tiles (k, T, T, 3) of slide ``i``."""
+        return self.store(i).read(indices)
+
+
+class FeatureReader:
+    """Reads frozen-encoder features (``read_features`` h5 files), one file per slide.
+
+    Parameters
+    ----------
+    slides : the slides.
+    paths : one feature file per slide.
+    read : ``read_features(path) -> (features (n, D), coords (n, 2), attrs)``.
+    """
+
+    def __init__(self, slides: Sequence[Slide], paths: Sequence[Path], read: Callable[[Path], tuple]) -> None:
+        self.slides = list(slides)
+        self.paths = list(paths)
+        self._read = read
+        self._n: list[int] | None = None
+
+    def features(self, i: int) -> np.ndarray:
+        """All features (n, D) float32 of slide ``i``."""
+        return np.asarray(self._read(self.paths[i])[0], dtype=np.float32)
+
+    def n_tiles(self) -> list[int]:
+        """Feature rows (tiles) per slide."""
+        if self._n is None:
+            self._n = [len(self.features(i)) for i in range(len(self.slides))]
+        return self._n
+
+    def read(self, i: int, indices: np.ndarray) -> np.ndarray:
+        """float32 features (k, D) of slide ``i``."""
+        return self.features(i)[indices]
+
+
+def iter_bags(
+    plan: Sequence[Sequence[tuple[int, np.ndarray]]],
+    reader: TileReader | FeatureReader,
+    *,
+    prefetch: bool = True,
+) -> Iterator[tuple[int, Bag]]:
+    """Yield ``(group index, bag)`` in plan order, reading the next bag in a background thread.
+
+    Only I/O happens in the thread (no random numbers), so the result does not depend on timing.
+    """
+    flat = [(g, i, idx) for g, group in enumerate(plan) for i, idx in group]
+
+    def load(item: tuple[int, int, np.ndarray]) -> tuple[int, Bag]:
+        g, i, idx = item
+        return g, Bag(reader.slides[i], idx, reader.read(i, idx))
+
+    if not prefetch or len(flat) < 2:
+        for item in flat:
+            yield load(item)
+        return
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="bag-reader") as pool:
+        pending = pool.submit(load, flat[0])
+        for nxt in flat[1:]:
+            current = pending.result()
+            pending = pool.submit(load, nxt)
+            yield current
+        yield pending.result()

@@ -1,0 +1,462 @@
+"""Test protocols: embed a slide once, then aggregate all tiles or R random k-tile subsets.
+
+The papers score a slide on all its foreground tiles and on R repeats of k random tiles (TCGA-PRAD
+100 x 256, CAMELYON 10 x 2048), the slide's score being the mean over repeats. Because the
+encoder sees each tile independently in eval mode, a tile's embedding does not depend on which
+subset it is in: we embed every tile once (:func:`embed_slide`) and re-run only the aggregator on
+index subsets (:func:`predict_slide`). This is exactly what re-embedding each subset would give,
+at the cost of one encoder pass plus R cheap aggregator passes.
+
+Reproducibility: the subsets of a slide come from a NumPy generator seeded by
+``(seed, slide_id, protocol name)`` (:func:`protocol_rng`), so they do not depend on the order
+of slides, on the other protocols, or on the model; repeats differ from each other.
+
+Validation API for the training loop
+------------------------------------
+``validate_model(encoder, aggregator, slides, labels, protocol="all", *, n_classes,
+device=None, batch_size=64, seed=0, progress=False, slide_ids=None) -> dict[str, float]``
+
+``slides`` holds, per slide, a :class:`~wsi_pipeline.tiling.store.TileStore`, a store path, or
+precomputed embeddings (a Tensor [N, D], or a tuple ``(z, grid)``) when the encoder is frozen
+(then ``encoder`` may be None). The result has the keys of
+:func:`~wsi_pipeline.evaluation.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
+the slide probabilities, natural log). Both modules are put in eval mode for the call and their
+previous train/eval mode is restored afterwards; no gradient is recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from wsi_pipeline.data.tensors import tiles_to_tensor
+from wsi_pipeline.evaluation.metrics import compute_metrics
+from wsi_pipeline.tiling.store import TileStore, open_store
+
+__all__ = [
+    "Protocol",
+    "ALL",
+    "parse_protocol",
+    "parse_protocols",
+    "protocol_rng",
+    "subset_indices",
+    "SlidePrediction",
+    "embed_slide",
+    "predict_slide",
+    "predict_protocols",
+    "run_aggregator",
+    "validate_model",
+]
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
+
+    ``name`` is ``"all"`` or ``"sub<k>x<repeats>"`` (e.g. ``sub256x100``); it appears in file
+    names (``predictions_<cohort>_<name>.csv``) and in ``metrics.json``.
+    """
+
+    k: int | None = None
+    repeats: int = 1
+
+    def __post_init__(self) -> None:
+        if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
+            raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
+
+    @property
+    def is_all(self) -> bool:
+        return self.k is None
+
+    @property
+    def name(self) -> str:
+        return "all" if self.k is None else f"sub{self.k}x{self.repeats}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+ALL = Protocol()
+
+_NAME_RE = re.compile(r"^(?:sub(?:sample)?[_:=-]?)?(\d+)\s*[xX*]\s*(\d+)$")
+
+
+def parse_protocol(entry: Any) -> Protocol:
+    """Parse one protocol from a config entry or a command-line string.
+
+    Accepted forms: ``"all"``; ``{"subsample": {"k": 256, "repeats": 100}}``;
+    ``{"k": 256, "repeats": 100}``; the strings ``"256x100"`` / ``"sub256x100"`` (k x repeats);
+    a :class:`Protocol`; any object with ``k`` and ``repeats`` attributes (``k`` None = all).
+    """
+    if isinstance(entry, Protocol):
+        return entry
+    if entry is None:
+        return ALL
+    if isinstance(entry, str):
+        s = entry.strip().lower()
+        if s == "all":
+            return ALL
+        m = _NAME_RE.match(s)
+        if m:
+            return Protocol(int(m.group(1)), int(m.group(2)))
+        raise ValueError(f"protocol {entry!r} not understood; use 'all' or '<k>x<repeats>' such as '256x100'")
+    if isinstance(entry, Mapping):
+        if set(entry) == {"all"}:
+            return ALL
+        body = entry.get("subsample", entry)
+        if isinstance(body, Mapping):
+            unknown = set(body) - {"k", "repeats"}
+            if unknown or "k" not in body:
+                raise ValueError(
+                    f"subsample protocol {dict(entry)!r}: expected keys k and repeats, found {sorted(body)}; "
+                    "write e.g. {subsample: {k: 256, repeats: 100}}"
+                )
+            return Protocol(int(body["k"]), int(body.get("repeats", 1)))
+        if isinstance(body, Sequence) and len(body) == 2:
+            return Protocol(int(body[0]), int(body[1]))
+        raise ValueError(f"protocol {dict(entry)!r} not understood; write 'all' or {{subsample: {{k: 256, repeats: 100}}}}")
+    if hasattr(entry, "k"):
+        k = getattr(entry, "k")
+        return ALL if k is None else Protocol(int(k), int(getattr(entry, "repeats", 1)))
+    raise TypeError(f"protocol must be a string, a mapping or a Protocol; got {type(entry).__name__}: {entry!r}")
+
+
+def parse_protocols(entries: Sequence[Any] | None) -> list[Protocol]:
+    """Parse a list of protocol entries; duplicates are dropped, order kept; empty means ``[all]``."""
+    out: list[Protocol] = []
+    for e in entries or ["all"]:
+        p = parse_protocol(e)
+        if p not in out:
+            out.append(p)
+    return out
+
+
+def protocol_rng(seed: int, slide_id: str, protocol: Protocol | str) -> np.random.Generator:
+    """The generator of one slide's subsets under one protocol, from a stable hash of the three."""
+    key = f"{int(seed)}\x1f{slide_id}\x1f{protocol}".encode()
+    return np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
+
+
+def subset_indices(n_tiles: int, protocol: Protocol, generator: np.random.Generator | None = None) -> list[np.ndarray]:
+    """Tile indices of each repeat, each sorted ascending (the store's order, which TransMIL's
+    positional layout expects).
+
+    ``all``, or ``k >= n_tiles``: one repeat holding every tile. Otherwise ``repeats`` draws of
+    ``k`` distinct tiles, each drawn independently from ``generator``.
+    """
+    if n_tiles < 1:
+        raise ValueError("a slide with no tiles cannot be scored; check its tile store (n_tiles=0)")
+    if protocol.is_all or protocol.k >= n_tiles:  # type: ignore[operator]
+        return [np.arange(n_tiles)]
+    if generator is None:
+        raise ValueError(f"protocol {protocol} draws random subsets: pass a generator (see protocol_rng)")
+    return [np.sort(generator.choice(n_tiles, size=protocol.k, replace=False)) for _ in range(protocol.repeats)]
+
+
+@dataclass
+class SlidePrediction:
+    """One slide's prediction under one protocol.
+
+    Attributes
+    ----------
+    probs : float64 (C,), mean over repeats of the softmax class probabilities.
+    prob_std : float64 (C,), standard deviation over repeats (ddof 0; zeros for one repeat).
+    attention : float32 (N,) or None, one score per tile of the slide from the all-tiles pass
+        (for every protocol, so heatmaps do not depend on random subsets).
+    instance_scores : float32 (N, C) or None, per-tile class scores from the all-tiles pass
+        when the aggregator defines them.
+    n_repeats : aggregator passes averaged (1 for ``all`` or when k >= n_tiles).
+    n_tiles : tiles in the slide (N).
+    protocol : the protocol's name.
+    """
+
+    probs: np.ndarray
+    prob_std: np.ndarray
+    attention: np.ndarray | None
+    instance_scores: np.ndarray | None
+    n_repeats: int
+    n_tiles: int
+    protocol: str = "all"
+
+    @property
+    def pred(self) -> int:
+        return int(np.argmax(self.probs))
+
+
+@contextmanager
+def _eval_mode(*modules: nn.Module | None) -> Iterator[None]:
+    """Eval mode and no gradient inside; previous train/eval flags restored on exit."""
+    mods = [m for m in modules if m is not None]
+    flags = [m.training for m in mods]
+    try:
+        for m in mods:
+            m.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        for m, f in zip(mods, flags):
+            m.train(f)
+
+
+def _module_device(module: nn.Module, default: torch.device | str | None = None) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    for b in module.buffers():
+        return b.device
+    return torch.device(default or "cpu")
+
+
+def embed_slide(
+    encoder: nn.Module,
+    store: TileStore | str | os.PathLike,
+    *,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    on_batch: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    progress: bool = False,
+) -> Tensor:
+    """Embed every tile of a store once, in eval mode without gradient.
+
+    Parameters
+    ----------
+    encoder : [B, 3, T, T] -> [B, D].
+    store : an open store or its path.
+    batch_size : tiles per encoder call.
+    device : where the encoder runs (default: where its parameters are).
+    on_batch : called as ``on_batch(indices, tiles_uint8)`` for every batch read (e.g. to build a
+        thumbnail from the tiles without reading the store twice).
+    progress : show a tqdm bar over batches.
+
+    Returns
+    -------
+    Tensor float32 [N, D] on the CPU, row i = tile i of the store. The next batch is read in a
+    background thread while the current one is embedded.
+    """
+    st = store if isinstance(store, TileStore) else open_store(store)
+    n = len(st)
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size}; expected >= 1")
+    dev = torch.device(device) if device is not None else _module_device(encoder)
+    starts = list(range(0, n, batch_size))
+    out: list[Tensor] = []
+    with _eval_mode(encoder), ThreadPoolExecutor(max_workers=1) as pool:
+        read = lambda s: st.read(np.arange(s, min(s + batch_size, n)))  # noqa: E731
+        pending = pool.submit(read, starts[0]) if starts else None
+        it = starts
+        if progress:
+            from tqdm.auto import tqdm
+
+            it = tqdm(starts, desc=f"embed {st.slide_id}", unit="batch", leave=False)
+        for i, s in enumerate(it):
+            tiles = pending.result()  # type: ignore[union-attr]
+            pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
+            if on_batch is not None:
+                on_batch(np.arange(s, s + len(tiles)), tiles)
+            z = encoder(tiles_to_tensor(tiles, device=dev))
+            out.append(z.float().cpu())
+    if not out:
+        raise ValueError(f"tile store {st.path} has no tiles; nothing to embed")
+    return torch.cat(out, 0)
+
+
+def run_aggregator(aggregator: nn.Module, z: Tensor, grid: Tensor | np.ndarray | None = None) -> Any:
+    """Call an aggregator on one bag, passing the tile grid to heads that declare ``needs_grid``."""
+    if getattr(aggregator, "needs_grid", False):
+        if grid is None:
+            raise ValueError(
+                f"{type(aggregator).__name__} needs the tile grid (needs_grid=True) but none was given; "
+                "pass the store's grid [n, 2] (col, row)"
+            )
+        g = torch.as_tensor(np.asarray(grid), device=z.device)
+        return aggregator(z, g)
+    return aggregator(z)
+
+
+def predict_slide(
+    aggregator: nn.Module,
+    z: Tensor,
+    grid: Tensor | np.ndarray | None = None,
+    protocol: Protocol | str = ALL,
+    generator: np.random.Generator | None = None,
+    *,
+    with_attention: bool = True,
+) -> SlidePrediction:
+    """Score one embedded slide under ``protocol``, re-running only the aggregator per subset.
+
+    Parameters
+    ----------
+    aggregator : MIL aggregator, ``forward(z [n, D]) -> MILOutput`` (or ``forward(z, grid)`` when
+        it has ``needs_grid = True``).
+    z : float [N, D] tile embeddings (from :func:`embed_slide`).
+    grid : (N, 2) tile (col, row), required by grid heads only.
+    protocol : ``all`` or a subsample protocol.
+    generator : NumPy generator for the subsets (see :func:`protocol_rng`); unused for ``all``.
+    with_attention : also return the all-tiles attention. For a subsample protocol this costs
+        one extra aggregator pass over all tiles.
+    """
+    protocol = parse_protocol(protocol)
+    n = int(z.shape[0])
+    subsets = subset_indices(n, protocol, generator)
+    grid_np = None if grid is None else np.asarray(grid.cpu() if isinstance(grid, Tensor) else grid)
+    with _eval_mode(aggregator):
+        zd = z.to(_module_device(aggregator))
+        probs = []
+        attention = instance_scores = None
+        for idx in subsets:
+            whole = len(idx) == n
+            sub = zd if whole else zd[torch.as_tensor(idx, device=zd.device)]
+            out = run_aggregator(aggregator, sub, None if grid_np is None else grid_np[idx])
+            probs.append(torch.softmax(out.logits.detach().float().reshape(-1), 0).cpu().double().numpy())
+            if whole and with_attention:
+                attention, instance_scores = _tile_scores(out)
+        if with_attention and attention is None:
+            attention, instance_scores = _tile_scores(run_aggregator(aggregator, zd, grid_np))
+    p = np.stack(probs)
+    return SlidePrediction(
+        probs=p.mean(0),
+        prob_std=p.std(0),
+        attention=attention,
+        instance_scores=instance_scores,
+        n_repeats=len(subsets),
+        n_tiles=n,
+        protocol=protocol.name,
+    )
+
+
+def _tile_scores(out: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
+    att = getattr(out, "attention", None)
+    inst = getattr(out, "instance_scores", None)
+    a = None if att is None else att.detach().float().reshape(-1).cpu().numpy()
+    s = None if inst is None else inst.detach().float().cpu().numpy()
+    return a, s
+
+
+def predict_protocols(
+    encoder: nn.Module | None,
+    aggregator: nn.Module,
+    slide: TileStore | Tensor | tuple[Tensor, Any],
+    protocols: Sequence[Protocol],
+    *,
+    slide_id: str,
+    seed: int = 0,
+    batch_size: int = 64,
+    device: torch.device | str | None = None,
+    on_batch: Callable[[np.ndarray, np.ndarray], None] | None = None,
+    with_attention: bool = True,
+) -> dict[str, SlidePrediction]:
+    """Embed one slide once and score it under every protocol; keys are protocol names.
+
+    The all-tiles attention is computed once and shared by every protocol's prediction.
+    """
+    z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device, on_batch=on_batch)
+    out: dict[str, SlidePrediction] = {}
+    attention = instance = None
+    any_all = any(p.is_all for p in protocols)
+    for prot in protocols:
+        # attention comes from the all-tiles pass: the "all" protocol's own, else one extra pass
+        want = with_attention and attention is None and (prot.is_all or not any_all)
+        pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, slide_id, prot), with_attention=want)
+        if pred.attention is not None:
+            attention, instance = pred.attention, pred.instance_scores
+        out[prot.name] = pred
+    for pred in out.values():
+        pred.attention, pred.instance_scores = attention, instance
+    return out
+
+
+def _embedding(
+    encoder: nn.Module | None,
+    slide: TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any],
+    *,
+    batch_size: int,
+    device: torch.device | str | None,
+    on_batch: Callable[[np.ndarray, np.ndarray], None] | None = None,
+) -> tuple[Tensor, np.ndarray | None]:
+    if isinstance(slide, tuple):
+        return torch.as_tensor(slide[0]), None if slide[1] is None else np.asarray(slide[1])
+    if isinstance(slide, (Tensor, np.ndarray)):
+        return torch.as_tensor(slide), None
+    st = slide if isinstance(slide, TileStore) else open_store(slide)
+    if encoder is None:
+        raise ValueError(f"slide {st.path} is a tile store but encoder is None; pass the encoder or precomputed embeddings")
+    return embed_slide(encoder, st, batch_size=batch_size, device=device, on_batch=on_batch), st.grid
+
+
+def validate_model(
+    encoder: nn.Module | None,
+    aggregator: nn.Module,
+    slides: Sequence[TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any]],
+    labels: Sequence[int],
+    protocol: Protocol | str | Mapping[str, Any] = "all",
+    *,
+    n_classes: int,
+    device: torch.device | str | None = None,
+    batch_size: int = 64,
+    seed: int = 0,
+    progress: bool = False,
+    slide_ids: Sequence[str] | None = None,
+) -> dict[str, float]:
+    """Validation metrics of a model on labelled slides (the training loop's checkpoint criterion).
+
+    Parameters
+    ----------
+    encoder : tile encoder, or None when ``slides`` are precomputed embeddings.
+    aggregator : MIL aggregator (or grid head with ``needs_grid``).
+    slides : per slide a TileStore, a store path, a Tensor [N, D] or ``(z, grid)``.
+    labels : int class per slide, same order.
+    protocol : test-time protocol (``"all"``, ``"256x100"``, a config mapping, a Protocol);
+        subsets are seeded per slide by ``seed`` (see :func:`protocol_rng`), so every epoch
+        sees the same subsets.
+    n_classes : C.
+    device : where the encoder runs (default: where its parameters are).
+    batch_size : tiles per encoder call.
+    progress : tqdm bar over slides.
+    slide_ids : ids keying each slide's subsets (default: the store's slide id, or ``#<i>`` for
+        precomputed embeddings); pass them with embeddings to draw the subsets evaluation draws.
+
+    Returns
+    -------
+    dict: ``qwk``, ``accuracy``, ``balanced_accuracy``, ``auc``, ``n_slides`` (see
+    :func:`~wsi_pipeline.evaluation.metrics.compute_metrics`) and ``loss`` (mean cross-entropy
+    of the mean slide probabilities, natural log, probabilities clipped at 1e-7).
+    """
+    prot = parse_protocol(protocol)
+    if len(slides) != len(labels):
+        raise ValueError(f"validate_model: {len(slides)} slides but {len(labels)} labels; give one label per slide")
+    y = np.asarray([int(v) for v in labels], dtype=np.int64)
+    probs = np.zeros((len(y), n_classes))
+    items: Any = enumerate(slides)
+    if progress:
+        from tqdm.auto import tqdm
+
+        items = tqdm(items, total=len(slides), desc="validate", unit="slide", leave=False)
+    for i, slide in items:
+        if isinstance(slide, (str, os.PathLike)):
+            slide = open_store(slide)
+        # subsets are keyed by slide id (stores) or position (embeddings), stable across epochs
+        if slide_ids is not None:
+            sid = str(slide_ids[i])
+        else:
+            sid = slide.slide_id if isinstance(slide, TileStore) else f"#{i}"
+        z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device)
+        pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
+        if pred.probs.shape != (n_classes,):
+            raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")
+        probs[i] = pred.probs
+    out = compute_metrics(y, probs, n_classes)
+    if len(y):
+        out["loss"] = float(-np.mean(np.log(np.clip(probs[np.arange(len(y)), y], 1e-7, None))))
+    else:
+        out["loss"] = math.nan
+    return out

@@ -1,0 +1,565 @@
+"""The evaluation stage (``wsi-pipeline eval``): every trained seed of every method, on every test cohort.
+
+Which slides are evaluated (:func:`evaluation_sets`)
+----------------------------------------------------
+The *training cohorts* are the ``cohort`` values of the manifest's ``train`` and ``val`` slides.
+
+- internal test set: the ``test`` slides of a training cohort (``split`` recorded as ``"test"``);
+- external cohort: every slide of a cohort with no ``train``/``val`` slide, whatever its split
+  value (``split`` recorded as ``"external"``).
+
+Slides of the training cohorts with split ``train``, ``val`` or empty are never evaluated.
+
+Order of work (the model is fixed before any test slide is read)
+----------------------------------------------------------------
+For each method and each seed whose run has finished (``runs/<pipeline>/<method>/seed<k>/done``),
+``best.pt`` (chosen on validation during training) is loaded first; only then are the test
+stores opened. Each slide is embedded once and scored under every protocol of ``eval.protocols``
+(:func:`~wsi_pipeline.evaluation.protocols.predict_protocols`), subsets seeded by ``eval.seed``
+and the slide id, so every model sees the same subsets.
+
+Outputs in ``results/<pipeline>/``
+----------------------------------
+``predictions_<cohort>_<protocol>.csv`` (all methods and seeds), ``metrics.json`` (metrics of
+each model, their mean/std over seeds, bootstrap 95 % intervals of the seed mean as metrics
+``<metric>_ci_low``/``<metric>_ci_high`` under seed ``"mean"``, and ``localisation_auc``),
+``heatmaps/<slide_id>.{png,geojson}`` and ``heatmaps/<slide_id>_scores.csv`` for one model
+(the first evaluated method's first seed, or ``heatmap_method``), ``report.html``, and the
+resolved ``config.yaml``.
+
+``localisation_auc``: for slides with ground truth (manifest ``lesion_mask`` +
+``mask_downsample`` columns, or a ``lesion`` array in the store), a tile is positive when at
+least half its footprint is lesion; the ROC AUC (scikit-learn) of the all-tiles attention
+against that truth is computed per slide (slides with both kinds of tile) and averaged over the
+cohort's slides (a per-slide AUC is unaffected by attention scales that differ between slides).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from wsi_pipeline.evaluation.metrics import METRICS, bootstrap_interval, compute_metrics
+from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols
+from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
+from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
+from wsi_pipeline.tiling.store import TileStore, open_store, store_path
+
+__all__ = [
+    "EvalSet",
+    "EvalSummary",
+    "PredictSummary",
+    "evaluation_sets",
+    "trained_runs",
+    "localisation_auc",
+    "evaluate_pipeline",
+    "predict_slides",
+]
+
+log = logging.getLogger(__name__)
+
+EXTERNAL = "external"
+
+
+@dataclass
+class EvalSet:
+    """Slides scored together: one cohort, internal test split or external."""
+
+    cohort: str
+    split: str
+    slides: pd.DataFrame
+
+
+@dataclass
+class EvalSummary:
+    """What :func:`evaluate_pipeline` did: the results folder, files written, models and slides."""
+
+    results_dir: Path
+    files: list[Path] = field(default_factory=list)
+    models: list[tuple[str, int]] = field(default_factory=list)
+    n_slides: int = 0
+    missing_stores: list[str] = field(default_factory=list)
+    skipped_runs: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def evaluation_sets(manifest: pd.DataFrame) -> list[EvalSet]:
+    """Split a manifest into the internal test set(s) and external cohorts (see the module docstring)."""
+    cohort = manifest["cohort"].astype("string").fillna("")
+    split = manifest["split"].astype("string").fillna("")
+    training = set(cohort[split.isin(["train", "val"])])
+    sets = []
+    for c in sorted(set(cohort)):
+        in_c = cohort == c
+        if c in training:
+            rows = manifest[in_c & (split == "test")]
+            if len(rows):
+                sets.append(EvalSet(c or "default", "test", rows))
+        else:
+            sets.append(EvalSet(c or "default", EXTERNAL, manifest[in_c]))
+    return sets
+
+
+def trained_runs(config: Any, methods: Sequence[str] | None = None) -> tuple[list[tuple[Any, int, Path]], list[str]]:
+    """``([(method, seed, run_dir)], [skipped reasons])`` for every finished run of the config's methods."""
+    wanted = list(methods) if methods else [m.name for m in config.methods]
+    known = {m.name: m for m in config.methods}
+    unknown = [w for w in wanted if w not in known]
+    if unknown:
+        raise ValueError(f"method(s) {unknown} not in pipeline {config.name!r}; its methods: {list(known)}")
+    runs, skipped = [], []
+    for name in wanted:
+        for seed in config.seeds:
+            d = config.run_dir(name, seed)
+            if (d / "done").is_file() and (d / "best.pt").is_file():
+                runs.append((known[name], int(seed), d))
+            elif (d / "best.pt").is_file():
+                skipped.append(f"{d}: unfinished (no `done` marker); finish it with `wsi-pipeline train`")
+            else:
+                skipped.append(f"{d}: not trained")
+    return runs, skipped
+
+
+def localisation_auc(attention: np.ndarray, lesion_fraction: np.ndarray, threshold: float = 0.5) -> float:
+    """ROC AUC (scikit-learn) of tile attention against ``lesion_fraction >= threshold``; nan if one class only."""
+    from sklearn.metrics import roc_auc_score
+
+    truth = np.asarray(lesion_fraction) >= threshold
+    if truth.all() or not truth.any():
+        return math.nan
+    return float(roc_auc_score(truth, np.asarray(attention, dtype=np.float64)))
+
+
+def _lesion_fraction(row: pd.Series, store: TileStore, extent: float) -> np.ndarray | None:
+    mask_path = row.get("lesion_mask")
+    if isinstance(mask_path, str) and mask_path and os.path.isfile(mask_path):
+        from wsi_pipeline.synthetic.truth import read_mask, tile_lesion_fraction
+
+        ds = float(row.get("mask_downsample", 1.0) or 1.0)
+        return tile_lesion_fraction(read_mask(mask_path), ds, store.coords, extent)
+    if "lesion" in store.group:
+        return store.array("lesion").astype(np.float64).reshape(-1)
+    return None
+
+
+def _label(v: Any) -> int | None:
+    return None if v is None or pd.isna(v) else int(v)
+
+
+def _resolve_device(device: str) -> str:
+    from wsi_pipeline.data.features import resolve_device
+
+    return resolve_device(device)
+
+
+def _frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:
+    """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
+    if getattr(model.method, "strategy", None) != "frozen":
+        return None
+    try:
+        from wsi_pipeline.data.features import features_path, read_features, store_fingerprint
+        from wsi_pipeline.training.strategies import frozen_features_dir
+    except ImportError:
+        return None
+    path = features_path(frozen_features_dir(model.method, config.data.features_dir), store.slide_id)
+    if not path.is_file():
+        return None
+    try:
+        feats, coords, attrs = read_features(path)
+    except (OSError, ValueError) as e:
+        log.warning("ignoring feature file %s (%s); embedding the store instead", path, e)
+        return None
+    if attrs.get("store_fingerprint") != store_fingerprint(store) or len(feats) != len(store):
+        log.info("feature file %s does not match store %s; embedding the store instead", path, store.path)
+        return None
+    return torch.from_numpy(feats)
+
+
+def evaluate_pipeline(
+    config: Any,
+    *,
+    methods: Sequence[str] | None = None,
+    device: str = "auto",
+    batch_size: int | None = None,
+    heatmaps: bool = True,
+    heatmap_method: str | None = None,
+    heatmap_mode: str = "rank",
+    n_boot: int = 1000,
+    results_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> EvalSummary:
+    """Evaluate every finished run of a pipeline and write ``results/<pipeline>/`` (module docstring).
+
+    Parameters
+    ----------
+    config : a :class:`~wsi_pipeline.training.config.PipelineConfig`.
+    methods : evaluate only these methods (default: all of the config's).
+    device : ``auto``, ``cpu``, ``cuda``...
+    batch_size : tiles per encoder call (default: each method's ``chunk_size``).
+    heatmaps : write per-slide heatmaps, scores CSV and GeoJSON for one model.
+    heatmap_method : method whose first finished seed makes the heatmaps (default: the first).
+    heatmap_mode : ``rank`` (default), ``minmax`` or ``raw``.
+    n_boot : bootstrap resamples for the 95 % intervals (0: no intervals).
+    results_dir : default ``<config.results_dir>/<config.name>``.
+    progress : tqdm bars over slides.
+
+    Raises
+    ------
+    FileNotFoundError : no finished run (train first) or no manifest.
+    ValueError : the manifest has no test slides and no external cohort.
+    """
+    from wsi_pipeline.manifests.schema import read_manifest
+    from wsi_pipeline.training.checkpoint import load_trained_model
+
+    t0 = time.perf_counter()
+    n_classes = int(config.data.n_classes)
+    out = Path(results_dir) if results_dir is not None else Path(config.results_dir) / config.name
+    summary = EvalSummary(results_dir=out)
+    runs, skipped = trained_runs(config, methods)
+    summary.skipped_runs = skipped
+    for s in skipped:
+        log.warning("skipping run %s", s)
+    if not runs:
+        raise FileNotFoundError(
+            f"no finished run of pipeline {config.name!r} under {Path(config.runs_dir) / config.name} "
+            f"({'; '.join(skipped) or 'no methods'}); train first: wsi-pipeline train --config <yaml>"
+        )
+    manifest = read_manifest(config.data.manifest, n_classes=n_classes)
+    sets = evaluation_sets(manifest)
+    if not sets:
+        raise ValueError(
+            f"{config.data.manifest}: no slide to evaluate: no `test` split in the training cohorts and no "
+            "external cohort (a cohort value without train/val slides); set split=test on held-out slides"
+        )
+    protocols = parse_protocols(config.eval.protocols)
+    dev = _resolve_device(device)
+    hm_method = heatmap_method or runs[0][0].name
+    hm_run = next(((m.name, s) for m, s, _ in runs if m.name == hm_method), None)
+    if heatmap_method and hm_run is None:
+        raise ValueError(f"heatmap_method {heatmap_method!r} has no finished run; finished: {sorted({m.name for m, _, _ in runs})}")
+
+    rows: dict[tuple[str, str], list[dict]] = defaultdict(list)  # (cohort, protocol) -> prediction rows
+    records: list[MetricRecord] = []
+    probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = defaultdict(dict)
+    gallery: list[dict] = []
+    missing: set[str] = set()
+    tiles_dir = Path(config.data.tiles_dir)
+
+    for method, seed, run_dir in runs:
+        # the model is fixed by validation (best.pt) before any test slide is opened
+        model = load_trained_model(run_dir, device=dev, which="best")
+        summary.models.append((method.name, seed))
+        log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
+        bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)
+        make_heatmaps = heatmaps and hm_run == (method.name, seed)
+        for es in sets:
+            labels, preds, loc = [], {p.name: [] for p in protocols}, []
+            it: Any = es.slides.iterrows()
+            if progress:
+                from tqdm.auto import tqdm
+
+                it = tqdm(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
+            for _, row in it:
+                sid = str(row["slide_id"])
+                try:
+                    store = open_store(store_path(tiles_dir, sid))
+                except (FileNotFoundError, ValueError) as e:
+                    if sid not in missing:
+                        log.warning("slide %s skipped: %s", sid, e)
+                    missing.add(sid)
+                    continue
+                res = _score_slide(model, config, store, row, protocols, seed=config.eval.seed, batch_size=bs,
+                                   device=dev, heatmap_dir=out / "heatmaps" if make_heatmaps else None,
+                                   heatmap_mode=heatmap_mode, title=f"attention, {method.name} seed {seed}")
+                lab = _label(row["label"])
+                for pname, pred in res.preds.items():
+                    rows[(es.cohort, pname)].append(prediction_row(
+                        slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
+                        n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=method.name, seed=seed))
+                    if lab is not None:
+                        preds[pname].append(pred.probs)
+                if lab is not None:
+                    labels.append(lab)
+                if res.localisation is not None and not math.isnan(res.localisation):
+                    loc.append(res.localisation)
+                if res.heatmap is not None:
+                    gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab, "png": res.heatmap,
+                                    "probs": res.preds[protocols[0].name].probs})
+            y = np.asarray(labels, dtype=np.int64)
+            for p in protocols:
+                P = np.asarray(preds[p.name]).reshape(len(y), n_classes)
+                for k, v in compute_metrics(y, P, n_classes).items():
+                    records.append(MetricRecord(method.name, seed, es.cohort, es.split, p.name, k, v))
+                probs_by[(method.name, es.cohort, es.split, p.name)][seed] = (y, P)
+            if loc:
+                records.append(MetricRecord(method.name, seed, es.cohort, es.split, "all", "localisation_auc", float(np.mean(loc))))
+                records.append(MetricRecord(method.name, seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(loc))))
+        del model
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    if n_boot > 0:
+        records += _bootstrap_records(probs_by, n_classes, n_boot, seed=int(config.eval.seed))
+    summary.missing_stores = sorted(missing)
+    summary.n_slides = sum(len(s.slides) for s in sets) - len(missing)
+    out.mkdir(parents=True, exist_ok=True)
+    for (cohort, pname), rr in sorted(rows.items()):
+        summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, n_classes))
+    summary.files.append(write_metrics_json(out / "metrics.json", records))
+    try:
+        from wsi_pipeline.training.config import save_config
+
+        summary.files.append(save_config(config, out / "config.yaml"))
+    except ImportError:  # config module absent: the results are still complete without it
+        pass
+    from wsi_pipeline.export.report import write_report
+
+    all_rows = pd.DataFrame([r for rr in rows.values() for r in rr])
+    summary.files.append(write_report(
+        out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
+        n_classes=n_classes, gallery=gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
+        protocols=[p.name for p in protocols],
+    ))
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _bootstrap_records(
+    probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]], n_classes: int, n_boot: int, seed: int
+) -> list[MetricRecord]:
+    """95 % bootstrap intervals of each method's seed-mean metric (same resampled slides for every seed)."""
+    out = []
+    for (method, cohort, split, pname), by_seed in probs_by.items():
+        ys = [y for y, _ in by_seed.values()]
+        if not ys or len(ys[0]) == 0 or any(not np.array_equal(ys[0], y) for y in ys[1:]):
+            continue  # seeds saw different slides (a store vanished mid-run): no paired interval
+        stack = [P for _, P in by_seed.values()]
+        for metric in METRICS:
+            lo, hi = bootstrap_interval(ys[0], stack, n_classes, metric, n_boot=n_boot, seed=seed)
+            out.append(MetricRecord(method, "mean", cohort, split, pname, f"{metric}_ci_low", lo))
+            out.append(MetricRecord(method, "mean", cohort, split, pname, f"{metric}_ci_high", hi))
+    return out
+
+
+@dataclass
+class _SlideResult:
+    preds: dict[str, SlidePrediction]
+    localisation: float | None
+    heatmap: Path | None
+
+
+def _score_slide(
+    model: Any,
+    config: Any,
+    store: TileStore,
+    row: pd.Series,
+    protocols: list[Protocol],
+    *,
+    seed: int,
+    batch_size: int,
+    device: str,
+    heatmap_dir: Path | None,
+    heatmap_mode: str,
+    title: str,
+) -> _SlideResult:
+    from wsi_pipeline.export.thumbnail import StoreThumbnail, open_slide_or_none, slide_thumbnail, store_level0_size, store_tile_extent
+
+    extent = store_tile_extent(store.attrs, store.tile_size)
+    thumb = level0 = None
+    builder = None
+    if heatmap_dir is not None:
+        slide = open_slide_or_none(row.get("path"))
+        if slide is not None:
+            try:
+                thumb, level0 = slide_thumbnail(slide)
+            finally:
+                close = getattr(slide, "close", None)
+                if close:
+                    close()
+    feats = _frozen_features(model, config, store)
+    if heatmap_dir is not None and thumb is None:
+        builder = StoreThumbnail(store.coords, extent, store_level0_size(store.attrs, store.coords, extent))
+    slide_in: Any = store
+    if feats is not None:
+        slide_in = (feats, store.grid)
+        if builder is not None:  # no embedding pass to piggy-back on: read the tiles once for the thumbnail
+            builder = StoreThumbnail.from_store(store)
+    preds = predict_protocols(
+        model.encoder, model.aggregator, slide_in, protocols, slide_id=str(row["slide_id"]), seed=seed,
+        batch_size=batch_size, device=device, on_batch=builder.add if (builder is not None and feats is None) else None,
+    )
+    any_pred = next(iter(preds.values()))
+    att = any_pred.attention
+    loc = None
+    if att is not None:
+        frac = _lesion_fraction(row, store, extent)
+        if frac is not None:
+            loc = localisation_auc(att, frac)
+    png = None
+    if heatmap_dir is not None and att is not None:
+        from wsi_pipeline.export.slide_outputs import write_slide_outputs
+
+        if builder is not None:
+            thumb, level0 = builder.image, builder.level0_size
+        outs = write_slide_outputs(
+            heatmap_dir, str(row["slide_id"]), thumbnail=thumb, level0_size=level0, coords=store.coords, grid=store.grid,
+            tile_extent=extent, attention=att, instance_scores=any_pred.instance_scores, mode=heatmap_mode, title=title,
+        )
+        png = outs.png
+    return _SlideResult(preds=preds, localisation=loc, heatmap=png)
+
+
+# ----------------------------------------------------------------------------------------------
+# Prediction on new slides (``wsi-pipeline predict``)
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PredictSummary:
+    """What :func:`predict_slides` did: output folder, predictions file, per-slide rows, failures."""
+
+    out_dir: Path
+    predictions: Path | None
+    rows: list[dict] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    heatmaps_dir: Path | None = None
+    tiles_dir: Path | None = None
+    seconds: float = 0.0
+
+
+def _tiler_config(tiling: Any, mpp: float | None) -> Any:
+    """The tiler's settings from the tiling parameters saved with a model."""
+    from wsi_pipeline.tiling.tiler import TilingConfig as TilerConfig
+
+    kw: dict[str, Any] = {"tile_size": int(getattr(tiling, "tile_size", 256))}
+    if getattr(tiling, "method", None):
+        kw["method"] = tiling.method
+    if getattr(tiling, "min_foreground", None) is not None:
+        kw["min_foreground"] = float(tiling.min_foreground)
+    if getattr(tiling, "mpp_target", None) is not None:
+        kw["mpp_target"] = float(tiling.mpp_target)
+    if mpp is not None:
+        kw["mpp"] = float(mpp)
+    return TilerConfig(**kw)
+
+
+def _store_folder(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*.zarr") if p.is_dir())
+
+
+def predict_slides(
+    model_path: str | os.PathLike,
+    slides: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    protocols: Sequence[Any] = ("all",),
+    device: str = "auto",
+    workers: int | None = None,
+    batch_size: int | None = None,
+    mpp: float | None = None,
+    heatmaps: bool = True,
+    heatmap_mode: str = "rank",
+    seed: int = 0,
+    progress: bool = True,
+) -> PredictSummary:
+    """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
+
+    Parameters
+    ----------
+    model_path : a run folder (its ``best.pt`` is used) or a checkpoint file.
+    slides : a folder of slide files (tiled into ``<out_dir>/tiles`` with the tiling parameters
+        saved with the model; complete, current stores there are reused), or a folder of
+        ``<slide_id>.zarr`` tile stores (used as they are).
+    out_dir : receives ``predictions.csv`` (the columns of the evaluation's predictions files;
+        ``label`` empty, ``cohort`` = the slides folder's name, all protocols in one file),
+        ``heatmaps/`` and ``predict_info.json``.
+    protocols : scoring protocols (``"all"``, ``"256x100"``, ...).
+    device, workers, batch_size : compute settings (``workers``: tiling processes).
+    mpp : um/px to assume for slides whose files lack it.
+    heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
+    seed : seed of the subsample protocols.
+    """
+    import json
+
+    from wsi_pipeline.training.checkpoint import load_trained_model
+
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    src = Path(slides)
+    if not src.is_dir():
+        raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
+    dev = _resolve_device(device)
+    model = load_trained_model(model_path, device=dev)
+    prots = parse_protocols(protocols)
+    summary = PredictSummary(out_dir=out, predictions=None)
+    stores = _store_folder(src)
+    slide_paths: dict[str, str] = {}
+    if stores:
+        tiles_dir = src
+        ids = [p.name[: -len(".zarr")] for p in stores]
+    else:
+        from wsi_pipeline.tiling.runner import tile_cohort
+
+        tiles_dir = out / "tiles"
+        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress)
+        ids = []
+        for r in report.results:
+            slide_paths[r.slide_id] = r.path
+            if r.status in ("ok", "skipped") and r.n_tiles > 0:
+                ids.append(r.slide_id)
+            elif r.status in ("ok", "skipped"):
+                summary.failed.append((r.slide_id, "no tissue tiles found (check the slide, or lower min_foreground)"))
+            else:
+                summary.failed.append((r.slide_id, f"tiling failed: {r.error}"))
+    summary.tiles_dir = tiles_dir
+    if not ids and not summary.failed:
+        raise FileNotFoundError(f"no slides found in {src} (looked for slide files and *.zarr stores)")
+    cohort = src.resolve().name or "predict"
+    hm_dir = out / "heatmaps" if heatmaps else None
+    summary.heatmaps_dir = hm_dir
+    bs = int(batch_size or getattr(model.method, "chunk_size", 64) or 64)
+    it: Any = ids
+    if progress:
+        from tqdm.auto import tqdm
+
+        it = tqdm(ids, desc="predicting", unit="slide")
+    for sid in it:
+        try:
+            store = open_store(store_path(tiles_dir, sid))
+        except (FileNotFoundError, ValueError) as e:
+            summary.failed.append((sid, str(e)))
+            continue
+        if len(store) == 0:
+            summary.failed.append((sid, "the tile store has no tiles"))
+            continue
+        row = pd.Series({"slide_id": sid, "path": slide_paths.get(sid) or store.attrs.get("slide_path", "")})
+        res = _score_slide(model, model.config, store, row, prots, seed=seed, batch_size=bs, device=dev,
+                           heatmap_dir=hm_dir, heatmap_mode=heatmap_mode, title=f"attention, {model.method.name}")
+        for pname, pred in res.preds.items():
+            summary.rows.append(prediction_row(
+                slide_id=sid, cohort=cohort, label=None, probs=pred.probs, prob_std=pred.prob_std, n_tiles=pred.n_tiles,
+                protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed))
+    out.mkdir(parents=True, exist_ok=True)
+    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes))
+    info = {
+        "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
+        "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
+        "tiles_dir": str(tiles_dir), "tiling": {k: getattr(model.tiling, k, None) for k in ("method", "tile_size", "min_foreground", "mpp_target")},
+        "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
+    }
+    tmp = out / f".predict_info.json.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(info, indent=1) + "\n")
+    os.replace(tmp, out / "predict_info.json")
+    summary.seconds = time.perf_counter() - t0
+    return summary

@@ -1,0 +1,103 @@
+"""Per-slide predictions CSV: ``predictions_<cohort>_<protocol>.csv``, one row per slide, method and seed.
+
+Columns, in order: ``slide_id, cohort, label, pred, prob_0 .. prob_{C-1}, n_tiles, protocol,
+n_repeats, prob_std, method, seed``.
+
+- ``label``: the manifest's class, empty for unlabelled slides.
+- ``pred``: argmax of the mean probabilities (ties to the lower class).
+- ``prob_c``: mean over repeats of the softmax probability of class c.
+- ``n_tiles``: tiles in the slide's store (a repeat uses ``min(k, n_tiles)`` of them).
+- ``n_repeats``: aggregator passes averaged (1 for ``all`` and when ``k >= n_tiles``).
+- ``prob_std``: standard deviation over repeats of the predicted class's probability (0 for one repeat).
+- ``seed``: the training seed of the model (empty for ``predict`` runs on a checkpoint without one).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["prediction_columns", "prediction_row", "predictions_path", "write_predictions", "read_predictions"]
+
+
+def prediction_columns(n_classes: int) -> list[str]:
+    """The column names of a predictions CSV for ``n_classes`` classes, in order."""
+    return (
+        ["slide_id", "cohort", "label", "pred"]
+        + [f"prob_{c}" for c in range(n_classes)]
+        + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed"]
+    )
+
+
+def prediction_row(
+    *,
+    slide_id: str,
+    cohort: str,
+    label: int | None,
+    probs: Sequence[float] | np.ndarray,
+    prob_std: Sequence[float] | np.ndarray,
+    n_tiles: int,
+    protocol: str,
+    n_repeats: int,
+    method: str,
+    seed: int | str | None,
+) -> dict[str, Any]:
+    """One CSV row as a dict; ``probs``/``prob_std`` are (C,) mean and std over repeats."""
+    p = np.asarray(probs, dtype=np.float64)
+    s = np.asarray(prob_std, dtype=np.float64)
+    pred = int(np.argmax(p))
+    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort, "label": None if label is None or pd.isna(label) else int(label), "pred": pred}
+    row.update({f"prob_{c}": float(v) for c, v in enumerate(p)})
+    row.update(
+        {
+            "n_tiles": int(n_tiles),
+            "protocol": str(protocol),
+            "n_repeats": int(n_repeats),
+            "prob_std": float(s[pred]) if s.size else 0.0,
+            "method": str(method),
+            "seed": "" if seed is None else seed,
+        }
+    )
+    return row
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)) or "unnamed"
+
+
+def predictions_path(results_dir: str | os.PathLike, cohort: str, protocol: str) -> Path:
+    """``<results_dir>/predictions_<cohort>_<protocol>.csv`` (unsafe characters replaced by ``-``)."""
+    return Path(results_dir) / f"predictions_{_safe(cohort)}_{_safe(protocol)}.csv"
+
+
+def write_predictions(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], n_classes: int) -> Path:
+    """Write rows (from :func:`prediction_row`) atomically with exactly :func:`prediction_columns`."""
+    path = Path(path)
+    cols = prediction_columns(n_classes)
+    df = pd.DataFrame(list(rows), columns=cols)
+    missing = [c for c in cols if c not in df.columns]
+    if missing:
+        raise ValueError(f"prediction rows for {path} lack column(s) {missing}")
+    df["label"] = df["label"].astype("Int64")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    df.to_csv(tmp, index=False, float_format="%.6g")
+    os.replace(tmp, path)
+    return path
+
+
+def read_predictions(path: str | os.PathLike) -> pd.DataFrame:
+    """Read a predictions CSV (``label`` as nullable Int64, ``slide_id``/``cohort``/``method``/``seed`` as strings)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"predictions file not found: {path}; run `wsi-pipeline eval` first")
+    df = pd.read_csv(path, dtype={"slide_id": "string", "cohort": "string", "method": "string", "seed": "string", "protocol": "string"}, keep_default_na=True)
+    df["label"] = df["label"].astype("Int64")
+    df["seed"] = df["seed"].fillna("")
+    return df

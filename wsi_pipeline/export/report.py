@@ -1,0 +1,293 @@
+"""``report.html``: one self-contained page (no external files; images inline) summarising an evaluation.
+
+Sections: tables like the papers' (method x cohort x protocol, mean +- std over seeds, with the
+bootstrap 95 % interval of the seed mean), localisation AUC when measured, ROC curves (inline
+SVG; binary tasks: one curve per model; multi-class: one-vs-rest per class of each method's
+seed-mean probabilities), confusion matrices (inline SVG, counts summed over seeds), and a
+gallery of the heatmaps of the most and least confident slides (PNG, base64-embedded, shrunk
+to at most 480 px; each links to the full-size file beside the report).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+import os
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+from PIL import Image
+
+from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
+
+__all__ = ["write_report", "roc_svg", "confusion_svg"]
+
+_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
+_TABLE_METRICS = ("qwk", "accuracy", "balanced_accuracy", "auc")
+_CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
+h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
+table{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
+th,td{border:1px solid #ccc;padding:4px 8px;text-align:center}th{background:#f3f3f3}
+td.m{text-align:left;font-weight:600}.ci{color:#777;font-size:11px}.note{color:#555;font-size:13px}
+.grid{display:flex;flex-wrap:wrap;gap:12px}.card{border:1px solid #ddd;padding:6px;font-size:12px;max-width:490px}
+.card img{max-width:480px;display:block}
+"""
+
+
+def _fmt(v: float | None, digits: int = 3) -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
+
+
+def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
+    return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
+
+
+def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str]) -> str:
+    look = _lookup(records)
+    methods = list(dict.fromkeys(r.method for r in records))
+    sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
+    present = {r.metric for r in records}
+    metrics = [m for m in _TABLE_METRICS if m in present]
+    n_seeds = {m: len({r.seed for r in records if r.method == m and isinstance(r.seed, int)}) for m in methods}
+    parts = []
+    for prot in protocols:
+        head1 = "".join(f'<th colspan="{len(metrics)}">{html.escape(c)} ({html.escape(s)})</th>' for c, s in sets)
+        head2 = "".join(f"<th>{m}</th>" for _ in sets for m in metrics)
+        body = []
+        for meth in methods:
+            cells = []
+            for c, s in sets:
+                for m in metrics:
+                    mean = look.get((meth, "mean", c, s, prot, m))
+                    std = look.get((meth, "std", c, s, prot, m))
+                    lo = look.get((meth, "mean", c, s, prot, f"{m}_ci_low"))
+                    hi = look.get((meth, "mean", c, s, prot, f"{m}_ci_high"))
+                    txt = _fmt(mean) + ("" if std is None or math.isnan(std) else f" ± {_fmt(std)}")
+                    ci = "" if lo is None or math.isnan(lo) else f'<br><span class="ci">[{_fmt(lo)}, {_fmt(hi)}]</span>'
+                    cells.append(f"<td>{txt}{ci}</td>")
+            body.append(f'<tr><td class="m">{html.escape(meth)} <span class="ci">({n_seeds[meth]} seed{"s" * (n_seeds[meth] != 1)})</span></td>{"".join(cells)}</tr>')
+        parts.append(
+            f"<h3>Protocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
+            f"<tr>{head2}</tr>{''.join(body)}</table>"
+        )
+    if "localisation_auc" in present:
+        rows = []
+        for meth in methods:
+            cells = []
+            for c, s in sets:
+                mean = look.get((meth, "mean", c, s, "all", "localisation_auc"))
+                std = look.get((meth, "std", c, s, "all", "localisation_auc"))
+                cells.append(f"<td>{_fmt(mean)}{'' if std is None or math.isnan(std) else f' ± {_fmt(std)}'}</td>")
+            rows.append(f'<tr><td class="m">{html.escape(meth)}</td>{"".join(cells)}</tr>')
+        head = "".join(f"<th>{html.escape(c)} ({html.escape(s)})</th>" for c, s in sets)
+        parts.append(
+            "<h3>Localisation (tile attention vs. ground-truth lesion, per-slide ROC AUC, mean over slides)</h3>"
+            f"<table><tr><th>method</th>{head}</tr>{''.join(rows)}</table>"
+        )
+    return "\n".join(parts)
+
+
+def roc_svg(curves: Sequence[tuple[str, str, np.ndarray, np.ndarray]], *, size: int = 300, title: str = "") -> str:
+    """Inline SVG of ROC curves: ``curves`` = ``[(label, colour, fpr, tpr)]``, axes 0..1 with a chance diagonal."""
+    pad, W = 36, size
+    inner = W - pad - 10
+
+    def pt(x: float, y: float) -> str:
+        return f"{pad + x * inner:.1f},{10 + (1 - y) * inner:.1f}"
+
+    els = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{W + 150}" height="{W}" font-size="11" font-family="sans-serif">',
+        f'<rect x="{pad}" y="10" width="{inner}" height="{inner}" fill="white" stroke="#888"/>',
+        f'<polyline points="{pt(0, 0)} {pt(1, 1)}" fill="none" stroke="#bbb" stroke-dasharray="4 3"/>',
+    ]
+    for t in (0, 0.5, 1):
+        els.append(f'<text x="{pad + t * inner:.1f}" y="{W - 12}" text-anchor="middle">{t:g}</text>')
+        els.append(f'<text x="{pad - 4}" y="{10 + (1 - t) * inner + 4:.1f}" text-anchor="end">{t:g}</text>')
+    els.append(f'<text x="{pad + inner / 2:.1f}" y="{W - 1}" text-anchor="middle">false positive rate</text>')
+    els.append(f'<text x="10" y="{10 + inner / 2:.1f}" transform="rotate(-90 10 {10 + inner / 2:.1f})" text-anchor="middle">true positive rate</text>')
+    for i, (label, colour, fpr, tpr) in enumerate(curves):
+        pts = " ".join(pt(float(x), float(y)) for x, y in zip(fpr, tpr))
+        els.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.6"/>')
+        els.append(f'<text x="{W + 4}" y="{20 + 14 * i}" fill="{colour}">{html.escape(label)}</text>')
+    if title:
+        els.append(f'<text x="{pad + inner / 2:.1f}" y="9" text-anchor="middle" font-weight="bold">{html.escape(title)}</text>')
+    els.append("</svg>")
+    return "".join(els)
+
+
+def confusion_svg(cm: np.ndarray, *, title: str = "", cell: int = 34) -> str:
+    """Inline SVG of a confusion matrix (rows: true class, columns: predicted), shaded by row fraction."""
+    cm = np.asarray(cm)
+    C = cm.shape[0]
+    off = 40
+    W = off + C * cell + 10
+    H = off + C * cell + 24
+    row_sum = np.maximum(cm.sum(1, keepdims=True), 1)
+    frac = cm / row_sum
+    els = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-size="11" font-family="sans-serif">']
+    if title:
+        els.append(f'<text x="{off}" y="11" font-weight="bold">{html.escape(title)}</text>')
+    els.append(f'<text x="{off + C * cell / 2:.0f}" y="{H - 2}" text-anchor="middle">predicted</text>')
+    els.append(f'<text x="9" y="{off + C * cell / 2:.0f}" transform="rotate(-90 9 {off + C * cell / 2:.0f})" text-anchor="middle">true</text>')
+    for i in range(C):
+        els.append(f'<text x="{off + i * cell + cell / 2:.0f}" y="{off - 4}" text-anchor="middle">{i}</text>')
+        els.append(f'<text x="{off - 4}" y="{off + i * cell + cell / 2 + 4:.0f}" text-anchor="end">{i}</text>')
+        for j in range(C):
+            g = int(round(255 - 180 * frac[i, j]))
+            colour = f"rgb({g},{g},255)"
+            text = "white" if frac[i, j] > 0.6 else "black"
+            x, y = off + j * cell, off + i * cell
+            els.append(f'<rect x="{x}" y="{y}" width="{cell}" height="{cell}" fill="{colour}" stroke="#999"/>')
+            els.append(f'<text x="{x + cell / 2:.0f}" y="{y + cell / 2 + 4:.0f}" text-anchor="middle" fill="{text}">{int(cm[i, j])}</text>')
+    els.append("</svg>")
+    return "".join(els)
+
+
+def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
+    from sklearn.metrics import roc_curve
+
+    df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
+    if df.empty:
+        return '<p class="note">No labelled slides: no ROC curves.</p>'
+    out = []
+    methods = list(dict.fromkeys(df["method"]))
+    for cohort in dict.fromkeys(df["cohort"]):
+        d = df[df["cohort"] == cohort]
+        curves = []
+        if n_classes == 2:
+            for mi, meth in enumerate(methods):
+                for seed, g in d[d["method"] == meth].groupby("seed", sort=True):
+                    y = g["label"].astype(int).to_numpy()
+                    if len(set(y)) < 2:
+                        continue
+                    fpr, tpr, _ = roc_curve(y, g["prob_1"].to_numpy())
+                    curves.append((f"{meth} s{seed}", _COLOURS[mi % len(_COLOURS)], fpr, tpr))
+            title = f"{cohort} ({protocol})"
+            if curves:
+                out.append(roc_svg(curves, title=title))
+        else:
+            for mi, meth in enumerate(methods):
+                g = d[d["method"] == meth]
+                mean = g.groupby("slide_id", sort=False)[[f"prob_{c}" for c in range(n_classes)] + ["label"]].mean()
+                y = mean["label"].astype(int).to_numpy()
+                curves = []
+                for c in range(n_classes):
+                    if 0 < (y == c).sum() < len(y):
+                        fpr, tpr, _ = roc_curve(y == c, mean[f"prob_{c}"].to_numpy())
+                        curves.append((f"class {c} vs rest", _COLOURS[c % len(_COLOURS)], fpr, tpr))
+                if curves:
+                    out.append(roc_svg(curves, title=f"{meth}, {cohort} ({protocol}, seed mean)"))
+    return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else '<p class="note">ROC undefined (one class per cohort).</p>'
+
+
+def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
+    from wsi_pipeline.evaluation.metrics import confusion
+
+    df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
+    out = []
+    for cohort in dict.fromkeys(df["cohort"]):
+        for meth in dict.fromkeys(df["method"]):
+            g = df[(df["cohort"] == cohort) & (df["method"] == meth)]
+            if g.empty:
+                continue
+            P = g[[f"prob_{c}" for c in range(n_classes)]].to_numpy()
+            cm = confusion(g["label"].astype(int).to_numpy(), P, n_classes)
+            out.append(confusion_svg(cm, title=f"{meth}, {cohort}"))
+    return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else ""
+
+
+def _png_data_uri(path: Path, max_side: int = 480) -> str:
+    img = Image.open(path).convert("RGB")
+    img.thumbnail((max_side, max_side))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG", compress_level=6)
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _gallery(gallery: Sequence[dict], report_dir: Path, k: int) -> str:
+    if not gallery:
+        return '<p class="note">No heatmaps were written (no attention, or heatmaps disabled).</p>'
+    items = sorted(gallery, key=lambda g: float(np.max(g["probs"])))
+    least, most = items[:k], items[::-1][:k]
+    if len(items) <= 2 * k:  # small cohort: show each slide once, most confident first
+        most, least = items[::-1][: (len(items) + 1) // 2], items[: len(items) // 2]
+
+    def card(g: dict) -> str:
+        p = np.asarray(g["probs"])
+        rel = os.path.relpath(g["png"], report_dir)
+        cap = (f"<b>{html.escape(g['slide_id'])}</b> ({html.escape(g['cohort'])}) label {g['label'] if g['label'] is not None else '–'}, "
+               f"pred {int(p.argmax())}, p = {p.max():.3f}")
+        return f'<div class=card><a href="{html.escape(rel)}"><img src="{_png_data_uri(Path(g["png"]))}" alt="{html.escape(g["slide_id"])}"></a>{cap}</div>'
+
+    return (
+        "<h3>Most confident</h3><div class=grid>" + "".join(card(g) for g in most) + "</div>"
+        "<h3>Least confident</h3><div class=grid>" + "".join(card(g) for g in least) + "</div>"
+    )
+
+
+def write_report(
+    path: str | os.PathLike,
+    *,
+    pipeline: str,
+    predictions: pd.DataFrame,
+    metrics_path: str | os.PathLike,
+    n_classes: int,
+    gallery: Sequence[dict] = (),
+    heatmap_model: str | None = None,
+    protocols: Sequence[str] | None = None,
+    gallery_size: int = 4,
+) -> Path:
+    """Write ``report.html`` atomically.
+
+    Parameters
+    ----------
+    predictions : all prediction rows (the columns of the predictions CSVs).
+    metrics_path : the ``metrics.json`` to tabulate.
+    gallery : per slide ``{"slide_id", "cohort", "label", "png" (path), "probs" (C,)}``.
+    heatmap_model : which model made the heatmaps (stated in the page).
+    protocols : protocol names in display order (default: those in the records).
+    """
+    path = Path(path)
+    records = read_metrics_json(metrics_path)
+    prots = list(protocols) if protocols else list(dict.fromkeys(r.protocol for r in records))
+    pred = predictions.copy()
+    if len(pred):
+        pred["label"] = pred["label"].astype("Int64")
+    models = sorted({(r.method, r.seed) for r in records if isinstance(r.seed, int)}, key=str)
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from wsi_pipeline import __version__
+
+    body = [
+        f"<h1>wsi-pipeline evaluation: {html.escape(pipeline)}</h1>",
+        f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
+        f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
+        "Each model is its run's <code>best.pt</code> (chosen on validation). Slide score under a subsample protocol: "
+        "mean class probability over the repeats. Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval "
+        "of the seed mean (slides resampled).</p>",
+        "<h2>Metrics</h2>",
+        _metric_tables(records, prots),
+    ]
+    if len(pred):
+        first = prots[0]
+        body += [f"<h2>ROC curves (protocol <code>{html.escape(first)}</code>)</h2>", _roc_section(pred, n_classes, first)]
+        body += [f"<h2>Confusion matrices (protocol <code>{html.escape(first)}</code>, counts over seeds)</h2>",
+                 _confusion_section(pred, n_classes, first)]
+    body.append("<h2>Heatmaps</h2>")
+    if heatmap_model:
+        body.append(f'<p class="note">Attention of {html.escape(heatmap_model)} over each slide (all tiles), '
+                    "colour = per-slide rank unless stated in the image. Click an image for the full-size PNG; "
+                    "<code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
+    body.append(_gallery(gallery, path.parent, gallery_size))
+    doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
+           f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(doc, encoding="utf-8")
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,143 @@
+"""Slide thumbnails for heatmaps, read from the slide or rebuilt from a tile store.
+
+Both ways keep memory at the thumbnail's size: the slide is read block by block at the pyramid
+level nearest the thumbnail resolution (each block at most 4096 x 4096 px of that level) and each
+block is shrunk into place; a store-only slide (no readable slide file) is rebuilt by shrinking
+its tiles into their footprints, batch by batch, on a white background.
+
+The thumbnail's longest side is ``max_side`` px (default 1024, up- or down-scaled from level 0),
+so the overlay and legend have room even for a small slide.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import cv2
+import numpy as np
+
+from wsi_pipeline.export.heatmap import tile_rects
+
+__all__ = ["thumbnail_shape", "slide_thumbnail", "StoreThumbnail", "store_level0_size", "store_tile_extent"]
+
+log = logging.getLogger(__name__)
+
+_MAX_BLOCK = 4096  # level px per side of one read_region call
+
+
+def thumbnail_shape(level0_size: tuple[int, int], max_side: int = 1024) -> tuple[int, int]:
+    """(h, w) of the thumbnail of a level 0 of (width, height) px whose longest side is ``max_side``."""
+    W, H = level0_size
+    if W <= 0 or H <= 0:
+        raise ValueError(f"level-0 size must be positive; got {level0_size}")
+    s = max_side / max(W, H)
+    return max(1, int(round(H * s))), max(1, int(round(W * s)))
+
+
+def slide_thumbnail(slide: Any, max_side: int = 1024) -> tuple[np.ndarray, tuple[int, int]]:
+    """Thumbnail of an open slide (the :func:`wsi_pipeline.slides.open_slide` interface).
+
+    Returns ``(uint8 (h, w, 3), (W, H) level-0 size)``. Reads the level with the largest
+    downsample that is still at least as fine as the thumbnail, in blocks.
+    """
+    W, H = (int(v) for v in slide.dimensions)
+    h, w = thumbnail_shape((W, H), max_side)
+    s = w / W  # thumbnail px per level-0 px
+    downs = [float(d) for d in slide.level_downsamples]
+    fine_enough = [i for i, d in enumerate(downs) if d * s <= 1.0 + 1e-6]
+    level = max(fine_enough, key=lambda i: downs[i]) if fine_enough else int(np.argmin(downs))
+    d = downs[level]
+    lw, lh = (int(v) for v in slide.level_dimensions[level])
+    per_thumb = 1.0 / (s * d)  # level px per thumbnail px
+    step = max(1, int(_MAX_BLOCK / max(per_thumb, 1.0)))  # thumbnail px per block side
+    out = np.full((h, w, 3), 255, np.uint8)
+    for ty0 in range(0, h, step):
+        ty1 = min(h, ty0 + step)
+        for tx0 in range(0, w, step):
+            tx1 = min(w, tx0 + step)
+            lx0, ly0 = int(math.floor(tx0 * per_thumb)), int(math.floor(ty0 * per_thumb))
+            lx1, ly1 = min(lw, int(math.ceil(tx1 * per_thumb))), min(lh, int(math.ceil(ty1 * per_thumb)))
+            if lx1 <= lx0 or ly1 <= ly0:
+                continue
+            block = np.asarray(slide.read_region((int(round(lx0 * d)), int(round(ly0 * d))), level, (lx1 - lx0, ly1 - ly0)))
+            block = np.ascontiguousarray(block[..., :3])
+            interp = cv2.INTER_AREA if per_thumb >= 1 else cv2.INTER_LINEAR
+            out[ty0:ty1, tx0:tx1] = cv2.resize(block, (tx1 - tx0, ty1 - ty0), interpolation=interp)
+    return out, (W, H)
+
+
+def store_tile_extent(attrs: Mapping[str, Any], tile_size: int) -> float:
+    """Tile side in level-0 px: ``tile_size * downsample`` (store attribute, default 1)."""
+    return float(tile_size) * float(attrs.get("downsample", 1.0) or 1.0)
+
+
+def store_level0_size(attrs: Mapping[str, Any], coords: np.ndarray, tile_extent: float) -> tuple[int, int]:
+    """Level-0 (width, height) of a store's slide.
+
+    From the store attributes when the tiler recorded them (``level0_size``, ``slide_dimensions``
+    or ``dimensions`` as (W, H)), else the bounding box of the tiles from the origin.
+    """
+    for key in ("level0_size", "slide_dimensions", "dimensions"):
+        v = attrs.get(key)
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(float(x) > 0 for x in v):
+            return int(v[0]), int(v[1])
+    c = np.asarray(coords).reshape(-1, 2)
+    if len(c) == 0:
+        return max(1, int(math.ceil(tile_extent))), max(1, int(math.ceil(tile_extent)))
+    return int(math.ceil(c[:, 0].max() + tile_extent)), int(math.ceil(c[:, 1].max() + tile_extent))
+
+
+class StoreThumbnail:
+    """Rebuild a thumbnail from tiles, batch by batch (pass :meth:`add` as ``embed_slide``'s ``on_batch``).
+
+    Parameters
+    ----------
+    coords : (N, 2) tile top-left (x, y) in level-0 px, for all tiles of the store.
+    tile_extent : tile side in level-0 px.
+    level0_size : (W, H) level-0 px.
+    max_side : longest thumbnail side in px.
+    """
+
+    def __init__(self, coords: np.ndarray, tile_extent: float, level0_size: tuple[int, int], max_side: int = 1024) -> None:
+        self.level0_size = level0_size
+        h, w = thumbnail_shape(level0_size, max_side)
+        self.image = np.full((h, w, 3), 255, np.uint8)
+        self.rects = tile_rects(coords, tile_extent, (w / level0_size[0], h / level0_size[1]), (h, w))
+
+    def add(self, indices: np.ndarray, tiles: np.ndarray) -> None:
+        """Shrink ``tiles`` uint8 (k, T, T, 3) of store ``indices`` (k,) into their footprints."""
+        x0, y0, x1, y1 = self.rects
+        for i, tile in zip(np.asarray(indices), tiles):
+            tw, th = int(x1[i] - x0[i]), int(y1[i] - y0[i])
+            if tw <= 0 or th <= 0:
+                continue
+            interp = cv2.INTER_AREA if tw <= tile.shape[1] else cv2.INTER_LINEAR
+            self.image[y0[i] : y1[i], x0[i] : x1[i]] = cv2.resize(tile, (tw, th), interpolation=interp)
+
+    @classmethod
+    def from_store(cls, store: Any, max_side: int = 1024, batch_size: int = 256) -> "StoreThumbnail":
+        """Rebuild from every tile of an open store (reads it once, ``batch_size`` tiles at a time)."""
+        extent = store_tile_extent(store.attrs, store.tile_size)
+        th = cls(store.coords, extent, store_level0_size(store.attrs, store.coords, extent), max_side)
+        n = len(store)
+        for s in range(0, n, batch_size):
+            idx = np.arange(s, min(n, s + batch_size))
+            th.add(idx, store.read(idx))
+        return th
+
+
+def open_slide_or_none(path: str | os.PathLike | None) -> Any | None:
+    """The slide at ``path`` opened with :func:`wsi_pipeline.slides.open_slide`, or None when it cannot be read."""
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        from wsi_pipeline.slides import open_slide
+
+        return open_slide(path)
+    except (ImportError, OSError, ValueError, RuntimeError) as e:  # unreadable: fall back to the tiles
+        log.info("cannot open slide %s for a thumbnail (%s); rebuilding it from the tile store", path, e)
+        return None

@@ -1,0 +1,119 @@
+"""Manifest of every slide in a folder, with labels joined from an optional CSV.
+
+For a user's own cohort, and for ``predict`` on new slides (no labels needed). The slide id is
+the file name without its extension (see :mod:`wsi_pipeline.manifests.files` for the formats).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from pathlib import Path
+
+import pandas as pd
+
+from wsi_pipeline.manifests.files import find_slides, first_few
+from wsi_pipeline.manifests.schema import ManifestError
+from wsi_pipeline.manifests.sources import (
+    SLIDE_ID_COLUMNS,
+    ManifestWarning,
+    check_label_range,
+    check_one_split_per_slide,
+    check_patient_splits,
+    clean_slide_ids,
+    finalise,
+    pick_column,
+    read_table,
+)
+
+__all__ = ["build_folder_manifest"]
+
+log = logging.getLogger(__name__)
+
+
+def _read_labels(labels_csv: Path) -> pd.DataFrame:
+    """The labels CSV with ``slide_id`` and ``label`` columns, checked; other columns kept."""
+    df = read_table(labels_csv, what="labels CSV")
+    id_col = pick_column(df, SLIDE_ID_COLUMNS, source=labels_csv, what="slide id")
+    label_col = pick_column(df, ("label",), source=labels_csv, what="label")
+    df = df.rename(columns={id_col: "slide_id", label_col: "label"})
+    df["slide_id"] = clean_slide_ids(df["slide_id"])
+    if (df["slide_id"] == "").any():
+        raise ManifestError(f"{labels_csv}: empty slide id in {int((df['slide_id'] == '').sum())} row(s)")
+    if "split" in df.columns:
+        check_one_split_per_slide(df, source=labels_csv)
+    else:
+        check_one_split_per_slide(df.assign(split=""), source=labels_csv)
+    df["label"] = check_label_range(df, n_classes=None, source=labels_csv, column="label")
+    if "split" in df.columns:
+        check_patient_splits(df, source=labels_csv)
+    if "path" in df.columns:
+        warnings.warn(
+            f"{labels_csv}: its 'path' column is ignored; paths come from the files found in the slides folder",
+            ManifestWarning, stacklevel=3,
+        )
+        df = df.drop(columns="path")
+    return df
+
+
+def build_folder_manifest(
+    slides_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None, *, cohort: str | None = None
+) -> pd.DataFrame:
+    """Manifest of all slides under ``slides_dir`` (recursive), labelled from ``labels_csv`` when given.
+
+    Parameters
+    ----------
+    slides_dir : folder searched recursively for slide files (known extensions only).
+    labels_csv : optional CSV with a slide id column (``slide_id``, or ``image_id``/``filename``...;
+        file endings are stripped) and a ``label`` column (integer class >= 0, empty = unlabelled).
+        Its ``split``, ``cohort``, ``patient_id``, ``mpp`` and any other columns are carried over.
+    cohort : cohort name; default the labels CSV's ``cohort`` column, else the folder's name.
+
+    Returns
+    -------
+    Validated manifest frame, one row per slide file, absolute paths, in path order. Slides
+    missing from the labels CSV are unlabelled; CSV rows without a slide file are dropped with a
+    :class:`ManifestWarning` naming them.
+
+    Raises
+    ------
+    FileNotFoundError
+        ``slides_dir`` or ``labels_csv`` does not exist.
+    ManifestError
+        No slide files; two files with the same slide id; in the CSV: duplicate slide ids, a
+        slide in two splits, a patient in two splits, a non-integer or negative label.
+    """
+    slides_dir = Path(slides_dir)
+    index = find_slides(slides_dir)
+    if not index:
+        raise ManifestError(
+            f"{slides_dir}: no slide files found (known extensions: .svs .tif .tiff .ndpi .vms .vmu .scn .mrxs "
+            ".svslide .bif .czi .dcm); check the folder"
+        )
+    df = pd.DataFrame({"slide_id": pd.Series(list(index), dtype="string"), "path": [str(p) for p in index.values()]})
+    if labels_csv is not None:
+        labels_csv = Path(labels_csv)
+        labels = _read_labels(labels_csv)
+        orphans = labels.loc[~labels["slide_id"].isin(df["slide_id"]), "slide_id"].tolist()
+        if orphans:
+            warnings.warn(
+                f"{labels_csv}: {len(orphans)} labelled slide(s) have no file under {slides_dir} and are left out: "
+                f"{first_few(orphans)}",
+                ManifestWarning, stacklevel=2,
+            )
+        df = df.merge(labels, on="slide_id", how="left", validate="one_to_one")
+        n_unlabelled = int(df["label"].isna().sum())
+        if n_unlabelled:
+            log.info("%d of %d slides have no label in %s (kept, unlabelled)", n_unlabelled, len(df), labels_csv)
+    else:
+        df["label"] = pd.array([pd.NA] * len(df), dtype="Int64")
+    if "split" not in df.columns:
+        df["split"] = ""
+    default = cohort if cohort is not None else slides_dir.resolve().name
+    if cohort is not None or "cohort" not in df.columns:
+        df["cohort"] = default
+    else:  # the CSV's cohort column, the folder's name for slides it does not list
+        df["cohort"] = df["cohort"].astype("string").fillna("").replace("", default)
+    df["split"] = df["split"].astype("string").fillna("")
+    return finalise(df, source=labels_csv if labels_csv is not None else slides_dir, n_classes=None)

@@ -1,0 +1,269 @@
+"""Tile encoders: ResNet-18/34/50 written here, with torchvision's parameter and buffer names.
+
+The names (``conv1``, ``bn1``, ``layer1.0.conv1``, ``layer2.0.downsample.0``, ...) match
+torchvision's ``ResNet`` so a torchvision checkpoint file loads with ``weights=path``; the
+classifier (``fc.*``) is not part of the encoder and its keys are ignored when loading.
+Every encoder maps ``[B, 3, H, W]`` to ``[B, num_features]`` (global average of the last stage).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from wsi_pipeline.models.registry import Registry
+
+__all__ = [
+    "ENCODERS",
+    "BasicBlock",
+    "Bottleneck",
+    "ResNet",
+    "build_encoder",
+    "load_torchvision_weights",
+]
+
+log = logging.getLogger(__name__)
+
+ENCODERS: Registry[Callable[..., nn.Module]] = Registry("encoder")
+
+
+def _conv3x3(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, kernel_size=3, stride=stride, padding=1, bias=False)
+
+
+def _conv1x1(c_in: int, c_out: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, kernel_size=1, stride=stride, bias=False)
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with a residual connection (ResNet-18/34).
+
+    Children: ``conv1, bn1, relu, conv2, bn2`` and ``downsample`` (``None`` or
+    ``Sequential(conv1x1, BatchNorm2d)``) when the shape changes.
+    """
+
+    expansion = 1
+
+    def __init__(self, c_in: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        c_out = width * self.expansion
+        self.conv1 = _conv3x3(c_in, width, stride)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = _conv3x3(width, c_out)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(_conv1x1(c_in, c_out, stride), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += identity
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):
+    """1x1 -> 3x3 (strided, as torchvision's "ResNet v1.5") -> 1x1 with a residual (ResNet-50).
+
+    Children: ``conv1, bn1, conv2, bn2, conv3, bn3, relu`` and ``downsample``.
+    """
+
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        c_out = width * self.expansion
+        self.conv1 = _conv1x1(c_in, width)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = _conv3x3(width, width, stride)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = _conv1x1(width, c_out)
+        self.bn3 = nn.BatchNorm2d(c_out)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample: nn.Module | None = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(_conv1x1(c_in, c_out, stride), nn.BatchNorm2d(c_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.downsample is None else self.downsample(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += identity
+        return self.relu(out)
+
+
+class ResNet(nn.Module):
+    """A ResNet trunk without classifier: ``[B, 3, H, W]`` -> ``[B, num_features]``.
+
+    Parameters
+    ----------
+    block
+        ``BasicBlock`` or ``Bottleneck``.
+    layers
+        Number of blocks in each of the four stages, e.g. ``(2, 2, 2, 2)`` for ResNet-18.
+    zero_init_residual
+        Start the last BatchNorm of every block at zero weight (each block starts as identity).
+
+    Attributes
+    ----------
+    num_features : int
+        Channels of the last stage (512 for BasicBlock, 2048 for Bottleneck): the output width.
+    """
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        layers: tuple[int, int, int, int],
+        *,
+        zero_init_residual: bool = False,
+    ) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        c_in = 64
+        for i, (width, n_blocks) in enumerate(zip((64, 128, 256, 512), layers), start=1):
+            stride = 1 if i == 1 else 2
+            blocks = [block(c_in, width, stride)]
+            c_in = width * block.expansion
+            blocks += [block(c_in, width) for _ in range(n_blocks - 1)]
+            self.add_module(f"layer{i}", nn.Sequential(*blocks))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.num_features = c_in
+        self._init_weights(zero_init_residual)
+
+    def _init_weights(self, zero_init_residual: bool) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+        if zero_init_residual:
+            for m in self.modules():
+                last_bn = m.bn3 if isinstance(m, Bottleneck) else m.bn2 if isinstance(m, BasicBlock) else None
+                if last_bn is not None:
+                    nn.init.zeros_(last_bn.weight)
+
+    def stages(self) -> list[nn.Sequential]:
+        """The four residual stages ``[layer1, layer2, layer3, layer4]``."""
+        return [self.layer1, self.layer2, self.layer3, self.layer4]
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Last-stage feature map ``[B, num_features, H/32, W/32]`` (sizes rounded up)."""
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for stage in self.stages():
+            x = stage(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Pooled features ``[B, num_features]`` of images ``[B, 3, H, W]``."""
+        return torch.flatten(self.avgpool(self.forward_features(x)), 1)
+
+
+@ENCODERS.register("resnet18")
+def resnet18(**kw) -> ResNet:
+    """ResNet-18 trunk, 512 features."""
+    return ResNet(BasicBlock, (2, 2, 2, 2), **kw)
+
+
+@ENCODERS.register("resnet34")
+def resnet34(**kw) -> ResNet:
+    """ResNet-34 trunk, 512 features."""
+    return ResNet(BasicBlock, (3, 4, 6, 3), **kw)
+
+
+@ENCODERS.register("resnet50")
+def resnet50(**kw) -> ResNet:
+    """ResNet-50 trunk, 2048 features."""
+    return ResNet(Bottleneck, (3, 4, 6, 3), **kw)
+
+
+_CLASSIFIER_PREFIXES = ("fc.",)
+
+
+def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
+    """Load a torchvision ResNet checkpoint file into ``model`` (in place).
+
+    Parameters
+    ----------
+    model
+        An encoder from :func:`build_encoder`.
+    path
+        A file written by ``torch.save(state_dict)`` (torchvision's published files are such
+        files); a dict holding the state dict under ``"state_dict"`` or ``"model"`` also works.
+
+    Raises
+    ------
+    FileNotFoundError
+        When ``path`` does not exist.
+    ValueError
+        When keys (other than the classifier's ``fc.*``) are missing or unexpected, or shapes
+        differ; the message names them. A missing ``num_batches_tracked`` (checkpoints saved by
+        PyTorch < 0.4.1) is accepted, as ``nn.BatchNorm2d`` accepts it.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"encoder weights {path} not found; pass the path of a torchvision ResNet .pth file")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if isinstance(state, Mapping):
+        for wrapper in ("state_dict", "model"):
+            if wrapper in state and isinstance(state[wrapper], Mapping):
+                state = state[wrapper]
+                break
+    if not isinstance(state, Mapping):
+        raise ValueError(f"{path} holds a {type(state).__name__}, expected a state dict (name -> tensor)")
+    # DataParallel / DistributedDataParallel checkpoints prefix every key with "module."
+    if state and all(k.startswith("module.") for k in state):
+        state = {k[len("module."):]: v for k, v in state.items()}
+    state = {k: v for k, v in state.items() if not k.startswith(_CLASSIFIER_PREFIXES)}
+
+    own = model.state_dict()
+    missing = [k for k in own if k not in state and not k.endswith("num_batches_tracked")]
+    unexpected = [k for k in state if k not in own]
+    wrong_shape = [
+        f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in state and tuple(state[k].shape) != tuple(own[k].shape)
+    ]
+    if missing or unexpected or wrong_shape:
+        arch = type(model).__name__
+        raise ValueError(
+            f"{path} does not match this {arch} encoder: missing keys {missing}, unexpected keys "
+            f"{unexpected}, shape mismatches {wrong_shape}; check that the file is a torchvision "
+            f"checkpoint of the same architecture (e.g. resnet18 vs resnet50)"
+        )
+    model.load_state_dict(state, strict=False)
+    log.info("loaded %d tensors from %s", len(state), path)
+
+
+def build_encoder(name: str, weights: str | Path | None = None, **kw) -> nn.Module:
+    """Build a registered encoder by name.
+
+    Parameters
+    ----------
+    name
+        One of ``ENCODERS.names()`` (``resnet18``, ``resnet34``, ``resnet50``).
+    weights
+        Optional path of a torchvision checkpoint file to load (classifier keys ignored).
+    **kw
+        Passed to the architecture (e.g. ``zero_init_residual=True``).
+
+    Returns
+    -------
+    nn.Module
+        Maps images ``[B, 3, H, W]`` (float, any H, W >= 1 px) to features ``[B, D]``;
+        ``.num_features`` is D (512 for resnet18/34, 2048 for resnet50).
+    """
+    model = ENCODERS.get(name)(**kw)
+    if weights is not None:
+        load_torchvision_weights(model, weights)
+    return model

@@ -1,0 +1,305 @@
+"""Open a whole-slide image with OpenSlide or tiffslide behind one small interface.
+
+:func:`open_slide` returns a :class:`Slide`: pyramid geometry, resolution (``mpp``), the slide's
+properties, and :meth:`Slide.read_region`, which always returns a uint8 RGB array with
+transparent or out-of-bounds areas filled with the background colour (white unless the slide
+says otherwise). ``backend="auto"`` tries OpenSlide first and falls back to tiffslide (OME-TIFF
+and other TIFFs OpenSlide rejects); when neither opens the file, the error keeps both reasons.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BACKENDS", "Slide", "SlideOpenError", "open_slide"]
+
+logger = logging.getLogger(__name__)
+
+#: Accepted values of ``backend``.
+BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide")
+
+
+class SlideOpenError(ValueError):
+    """A file that no backend could open; ``reasons`` maps each backend tried to its error text."""
+
+    def __init__(self, message: str, reasons: Mapping[str, str]) -> None:
+        super().__init__(message)
+        self.reasons = dict(reasons)
+
+
+def _parse_mpp(values: Mapping[str, Any], keys: tuple[str, str]) -> float | None:
+    """Mean of the positive, finite mpp values found under ``keys`` (x, y); None when there is none."""
+    found = []
+    for key in keys:
+        raw = values.get(key)
+        try:
+            v = float(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(v) and v > 0:
+            found.append(v)
+    return float(np.mean(found)) if found else None
+
+
+def _parse_colour(value: Any) -> tuple[int, int, int]:
+    """``"RRGGBB"`` hex (OpenSlide's background-color property) to an RGB tuple; white if absent or malformed."""
+    try:
+        s = str(value).strip().lstrip("#")
+        if len(s) == 6:
+            return (int(s[0:2], 16), int(s[2:4], 16), int(s[4:6], 16))
+    except (TypeError, ValueError):
+        pass
+    return (255, 255, 255)
+
+
+class Slide(ABC):
+    """A whole-slide image, read-only.
+
+    Attributes
+    ----------
+    path : the slide file.
+    backend : ``"openslide"`` or ``"tiffslide"``, the library that opened it.
+    dimensions : (width, height) of level 0 in px.
+    level_count : number of pyramid levels.
+    level_dimensions : (width, height) of each level in px.
+    level_downsamples : level-0 px per level px, per level (level 0 is 1.0).
+    mpp : microns per level-0 pixel (mean of x and y) from the slide's properties, or None.
+    properties : the slide's metadata as ``str -> str``.
+    background : RGB fill of transparent or out-of-bounds areas.
+    """
+
+    path: Path
+    backend: str
+    dimensions: tuple[int, int]
+    level_count: int
+    level_dimensions: tuple[tuple[int, int], ...]
+    level_downsamples: tuple[float, ...]
+    mpp: float | None
+    properties: dict[str, str]
+    background: tuple[int, int, int]
+
+    def _check(self, level: int, size: tuple[int, int]) -> tuple[int, int]:
+        if not 0 <= int(level) < self.level_count:
+            raise ValueError(f"level={level} out of range [0, {self.level_count}) for slide {self.path}")
+        w, h = int(size[0]), int(size[1])
+        if w < 0 or h < 0:
+            raise ValueError(f"size={size} must be non-negative (width, height) in px")
+        return w, h
+
+    def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
+        """Read a region.
+
+        Parameters
+        ----------
+        location : (x, y) of the top-left corner in level-0 px.
+        level : pyramid level to read from.
+        size : (width, height) in px of ``level``.
+
+        Returns
+        -------
+        uint8 array (height, width, 3), RGB; areas outside the slide or transparent are
+        filled with :attr:`background`.
+        """
+        w, h = self._check(level, size)
+        if w == 0 or h == 0:
+            return np.zeros((h, w, 3), np.uint8)
+        return self._read(int(location[0]), int(location[1]), int(level), w, h)
+
+    @abstractmethod
+    def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray: ...
+
+    def best_level_for_downsample(self, downsample: float) -> int:
+        """The coarsest level whose downsample is at most ``downsample`` (1e-3 relative slack)."""
+        best = 0
+        for i, d in enumerate(self.level_downsamples):
+            if d <= downsample * (1 + 1e-3) and d >= self.level_downsamples[best]:
+                best = i
+        return best
+
+    def thumbnail(self, max_size: int = 1024) -> np.ndarray:
+        """The whole slide scaled so that its longer side is at most ``max_size`` px; uint8 (h, w, 3) RGB."""
+        from wsi_pipeline.slides.scaled import read_scaled
+
+        w0, h0 = self.dimensions
+        return read_scaled(self, max(1.0, max(w0, h0) / float(max_size)))
+
+    def close(self) -> None:
+        """Release the file handle."""
+
+    def __enter__(self) -> Slide:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.path)!r}, backend={self.backend!r}, dimensions={self.dimensions}, levels={self.level_count}, mpp={self.mpp})"
+
+
+class OpenSlideSlide(Slide):
+    """A slide opened with OpenSlide (openslide-bin provides the library)."""
+
+    backend = "openslide"
+
+    def __init__(self, path: Path) -> None:
+        import openslide
+
+        self.path = path
+        self._osr = openslide.OpenSlide(str(path))
+        self.dimensions = tuple(int(v) for v in self._osr.dimensions)  # type: ignore[assignment]
+        self.level_count = int(self._osr.level_count)
+        self.level_dimensions = tuple((int(w), int(h)) for w, h in self._osr.level_dimensions)
+        self.level_downsamples = tuple(float(d) for d in self._osr.level_downsamples)
+        self.properties = {str(k): str(v) for k, v in self._osr.properties.items()}
+        self.mpp = _parse_mpp(self.properties, ("openslide.mpp-x", "openslide.mpp-y"))
+        self.background = _parse_colour(self.properties.get("openslide.background-color", "FFFFFF"))
+        # The C call writes premultiplied ARGB straight into a numpy buffer; the public Python
+        # API would build a PIL image and un-premultiply first (about a third slower per tile).
+        from openslide import lowlevel
+
+        self._raw_read = getattr(lowlevel, "_read_region", None)
+
+    def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:
+        import cv2
+
+        if self._raw_read is None:  # pragma: no cover - older/newer openslide-python without the private call
+            rgba = np.asarray(self._osr.read_region((x, y), level, (w, h)))
+            return _composite_straight(rgba, self.background)
+        buf = np.empty((h, w), np.uint32)
+        self._raw_read(self._osr._osr, buf.ctypes.data_as(ctypes.POINTER(ctypes.c_uint32)), x, y, level, w, h)
+        bgra = buf.view(np.uint8).reshape(h, w, 4)  # little-endian ARGB words are B, G, R, A bytes
+        rgb = cv2.cvtColor(bgra, cv2.COLOR_BGRA2RGB)
+        alpha = bgra[..., 3]
+        if alpha.min() < 255:
+            # premultiplied colour over the background: c + (1 - a) * bg
+            rest = (255 - alpha.astype(np.uint16))[..., None] * np.asarray(self.background, np.uint16) // 255
+            rgb = np.minimum(rgb.astype(np.uint16) + rest, 255).astype(np.uint8)
+        return rgb
+
+    def close(self) -> None:
+        self._osr.close()
+
+
+def _composite_straight(rgba: np.ndarray, background: tuple[int, int, int]) -> np.ndarray:
+    """Composite a straight-alpha RGBA array (h, w, 4) over ``background``; uint8 (h, w, 3)."""
+    rgb = rgba[..., :3]
+    if rgba.shape[-1] < 4 or rgba[..., 3].min() == 255:
+        return np.ascontiguousarray(rgb)
+    a = rgba[..., 3:4].astype(np.float32) / 255.0
+    out = rgb.astype(np.float32) * a + np.asarray(background, np.float32) * (1 - a)
+    return np.clip(np.rint(out), 0, 255).astype(np.uint8)
+
+
+class TiffSlideSlide(Slide):
+    """A slide opened with tiffslide (pure Python on tifffile; reads OME-TIFF and other TIFFs)."""
+
+    backend = "tiffslide"
+
+    def __init__(self, path: Path) -> None:
+        import tiffslide
+
+        self.path = path
+        self._ts = tiffslide.TiffSlide(str(path))
+        self.dimensions = tuple(int(v) for v in self._ts.dimensions)  # type: ignore[assignment]
+        self.level_count = int(self._ts.level_count)
+        self.level_dimensions = tuple((int(w), int(h)) for w, h in self._ts.level_dimensions)
+        self.level_downsamples = tuple(float(d) for d in self._ts.level_downsamples)
+        self.properties = {str(k): str(v) for k, v in self._ts.properties.items() if v is not None}
+        self.mpp = _parse_mpp(self.properties, ("tiffslide.mpp-x", "tiffslide.mpp-y"))
+        self.background = _parse_colour(self.properties.get("tiffslide.background-color", "FFFFFF"))
+
+    def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:
+        lw, lh = self.level_dimensions[level]
+        d = self.level_downsamples[level]
+        # tiffslide pads out-of-bounds areas with black; read the part inside and fill the rest.
+        lx, ly = int(math.floor(x / d)), int(math.floor(y / d))
+        x0, y0 = max(lx, 0), max(ly, 0)
+        x1, y1 = min(lx + w, lw), min(ly + h, lh)
+        if x0 == lx and y0 == ly and x1 == lx + w and y1 == ly + h:
+            return self._as_rgb(self._ts.read_region((x, y), level, (w, h), as_array=True, padding=False))
+        out = np.empty((h, w, 3), np.uint8)
+        out[:] = self.background
+        if x1 > x0 and y1 > y0:
+            part = self._ts.read_region((int(round(x0 * d)), int(round(y0 * d))), level, (x1 - x0, y1 - y0), as_array=True, padding=False)
+            out[y0 - ly : y1 - ly, x0 - lx : x1 - lx] = self._as_rgb(part)
+        return out
+
+    def _as_rgb(self, arr: np.ndarray) -> np.ndarray:
+        arr = np.asarray(arr)
+        if arr.dtype != np.uint8:
+            raise ValueError(f"slide {self.path}: pixel type {arr.dtype} is not supported (expected 8-bit RGB)")
+        if arr.ndim == 2:
+            return np.repeat(arr[..., None], 3, axis=2)
+        if arr.shape[-1] == 4:
+            return _composite_straight(arr, self.background)
+        if arr.shape[-1] == 1:
+            return np.repeat(arr, 3, axis=2)
+        return np.ascontiguousarray(arr[..., :3])
+
+    def close(self) -> None:
+        self._ts.close()
+
+
+_OPENERS = {"openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide}
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return f"{type(err).__name__}: {text}"
+
+
+def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
+    """Open a whole-slide image.
+
+    Parameters
+    ----------
+    path : the slide file (for DICOM, any ``.dcm`` file of the slide's series).
+    backend : ``"auto"`` (OpenSlide, then tiffslide), ``"openslide"`` or ``"tiffslide"``.
+
+    Returns
+    -------
+    A :class:`Slide`.
+
+    Raises
+    ------
+    FileNotFoundError : ``path`` does not exist or is not a file.
+    ValueError : unknown ``backend``; an empty file; :class:`SlideOpenError` when no backend
+        could open the file (the message carries each backend's reason).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"slide file not found: {p}")
+    if not p.is_file():
+        raise FileNotFoundError(f"slide path is not a file: {p} (for a DICOM series pass one of its .dcm files)")
+    if p.stat().st_size == 0:
+        raise ValueError(f"slide file is empty (0 bytes): {p}; the copy or download is incomplete, replace the file")
+    names = ("openslide", "tiffslide") if backend == "auto" else (backend,)
+    reasons: dict[str, str] = {}
+    for name in names:
+        try:
+            slide = _OPENERS[name](p)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as err:  # any backend failure is recorded and the next backend tried
+            reasons[name] = _reason(err)
+            logger.debug("backend %s could not open %s: %s", name, p, reasons[name])
+            continue
+        if slide.level_count < 1 or min(slide.dimensions) < 1:
+            reasons[name] = f"opened, but level 0 is empty (dimensions {slide.dimensions})"
+            slide.close()
+            continue
+        return slide
+    detail = "; ".join(f"{k}: {v}" for k, v in reasons.items())
+    hint = "" if backend == "auto" else " (try --backend auto)"
+    raise SlideOpenError(f"cannot open slide {p}: not a readable whole-slide image ({detail}){hint}", reasons)

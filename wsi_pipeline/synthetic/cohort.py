@@ -1,0 +1,133 @@
+"""A labelled cohort of synthetic slides: slide files, lesion masks and a manifest CSV.
+
+Label 1 = the slide carries planted lesions, 0 = it does not; labels are balanced. An external
+cohort (``cohort`` starting with ``"external"``, or explicit ``tint``/``noise``) has a stain tint
+shift and stronger scanner noise, for testing generalisation. Pen marks appear on a fraction of
+slides regardless of label, so they are no shortcut to the label.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from wsi_pipeline.manifests.schema import write_manifest
+from wsi_pipeline.synthetic.slides import make_slide
+from wsi_pipeline.synthetic.truth import write_mask
+
+__all__ = ["DEFAULT_SPLITS", "EXTERNAL_NOISE", "EXTERNAL_TINT", "make_slide_cohort"]
+
+DEFAULT_SPLITS: dict[str, float] = {"train": 0.5, "val": 0.25, "test": 0.25}
+#: Stain shift of external cohorts (R, G, B multipliers) and their tissue noise (grey levels).
+EXTERNAL_TINT: tuple[float, float, float] = (0.92, 0.97, 1.06)
+EXTERNAL_NOISE: float = 8.0
+INTERNAL_NOISE: float = 4.0
+
+
+def _slide_seed(seed: int, cohort: str, i: int) -> int:
+    return int(np.random.SeedSequence([int(seed), zlib.crc32(cohort.encode()), i]).generate_state(1)[0])
+
+
+def _assign_splits(labels: np.ndarray, splits: Mapping[str, float] | None, rng: np.random.Generator) -> np.ndarray:
+    out = np.full(len(labels), "", object)
+    if not splits:
+        return out
+    total = float(sum(splits.values()))
+    if total <= 0:
+        raise ValueError(f"splits={dict(splits)} must have positive fractions")
+    for lab in np.unique(labels):
+        idx = rng.permutation(np.flatnonzero(labels == lab))
+        bounds = np.round(np.cumsum([0.0] + [v / total for v in splits.values()]) * len(idx)).astype(int)
+        for name, a, b in zip(splits, bounds[:-1], bounds[1:]):
+            out[idx[a:b]] = name
+    return out
+
+
+def make_slide_cohort(
+    out_dir: str | os.PathLike,
+    n_slides: int = 12,
+    *,
+    size: int | tuple[int, int] = 1536,
+    tile_size: int = 256,
+    seed: int = 0,
+    cohort: str = "internal",
+    tint: tuple[float, float, float] | None = None,
+    noise: float | None = None,
+    splits: Mapping[str, float] | None = DEFAULT_SPLITS,
+    mpp: float = 0.5,
+    lesions: tuple[int, int] = (1, 3),
+    lesion_size: float = 0.12,
+    pen_fraction: float = 0.25,
+    quality: int = 90,
+) -> Path:
+    """Write ``n_slides`` synthetic slides and their manifest; return the manifest path.
+
+    Parameters
+    ----------
+    out_dir : folder; slides go to ``slides/<slide_id>.svs``, masks to ``masks/<slide_id>.png``,
+        the manifest to ``<cohort>.csv``.
+    n_slides : number of slides (labels alternate, so an even count is exactly balanced).
+    size : level-0 side or (width, height) in px.
+    tile_size : TIFF tile side in px.
+    seed : cohort seed; a slide's content depends only on (seed, cohort, index).
+    cohort : the manifest's cohort value and the slide_id prefix (``<cohort>_<index>``).
+    tint, noise : stain multiplier and tissue noise; None = internal defaults, or
+        :data:`EXTERNAL_TINT` / :data:`EXTERNAL_NOISE` when ``cohort`` starts with "external".
+    splits : split name -> fraction, assigned per label (balanced); None = empty split column.
+    mpp : um per level-0 px of every slide.
+    lesions : (min, max) lesion regions on a positive slide.
+    lesion_size : lesion radius relative to the square root of the tissue area.
+    pen_fraction : fraction of slides with pen marks.
+    quality : JPEG quality of the slide tiles.
+
+    Returns
+    -------
+    Path of the manifest CSV (columns slide_id, path, label, split, cohort, patient_id,
+    lesion_mask, mask_downsample, lesion_fraction, n_lesions, pen_marks). The slides carry
+    their mpp in their metadata; the manifest has no ``mpp`` column.
+    """
+    if n_slides < 1:
+        raise ValueError(f"n_slides={n_slides} must be >= 1")
+    external = cohort.lower().startswith("external")
+    tint = tint if tint is not None else (EXTERNAL_TINT if external else (1.0, 1.0, 1.0))
+    noise = noise if noise is not None else (EXTERNAL_NOISE if external else INTERNAL_NOISE)
+    out = Path(out_dir)
+    (out / "slides").mkdir(parents=True, exist_ok=True)
+    (out / "masks").mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng([int(seed), zlib.crc32(cohort.encode())])
+    labels = rng.permutation(np.arange(n_slides) % 2)
+    pens = rng.random(n_slides) < pen_fraction
+    split_of = _assign_splits(labels, splits, rng)
+    rows = []
+    for i in range(n_slides):
+        slide_id = f"{cohort}_{i:03d}"
+        srng = np.random.default_rng(_slide_seed(seed, cohort, i))
+        n_les = int(srng.integers(lesions[0], lesions[1] + 1)) if labels[i] == 1 else 0
+        n_pen = int(srng.integers(1, 4)) if pens[i] else 0
+        s = make_slide(
+            out / "slides" / f"{slide_id}.svs", size=size, tile_size=tile_size, mpp=mpp,
+            seed=_slide_seed(seed, cohort, i), n_lesions=n_les, lesion_size=lesion_size, pen_marks=n_pen,
+            tint=tint, noise=noise, quality=quality,
+        )
+        if n_les and not s.lesion.any():
+            raise ValueError(f"size={size} px leaves no room to plant a lesion in {slide_id}; use a larger size")
+        write_mask(out / "masks" / f"{slide_id}.png", s.lesion)
+        rows.append({
+            "slide_id": slide_id,
+            "path": f"slides/{slide_id}.svs",
+            "label": int(labels[i]),
+            "split": split_of[i],
+            "cohort": cohort,
+            "patient_id": slide_id,
+            "lesion_mask": f"masks/{slide_id}.png",
+            "mask_downsample": s.mask_downsample,
+            "lesion_fraction": round(s.lesion_fraction, 5),
+            "n_lesions": s.n_lesions,
+            "pen_marks": n_pen,
+        })
+    return write_manifest(pd.DataFrame(rows), out / f"{cohort}.csv")

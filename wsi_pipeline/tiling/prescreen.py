@@ -1,0 +1,64 @@
+"""A conservative low-resolution pre-screen for the greyscale foreground rule.
+
+A pixel is foreground when its grey value g <= ``grey_max`` (and >= ``grey_min``). Over any
+area whose mean grey is m, pixels are at most 255, so the fraction of pixels with
+g <= grey_max is at most (255 - m) / (255 - grey_max). A low-resolution image gives m per
+pixel (an area average, up to resampling and JPEG error, covered by ``margin`` grey levels).
+Averaging min(1, that bound) over a tile's footprint bounds the tile's foreground fraction
+from above; a tile whose bound is below the keep threshold cannot be kept and is skipped
+without decoding it. Everything else is decoded and tested exactly, so the kept set equals
+the exhaustive test's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from wsi_pipeline.tiling.grid import TileGrid
+from wsi_pipeline.tiling.tissue import box_mean, grey
+
+__all__ = ["foreground_bound_map", "prescreen_candidates"]
+
+
+def foreground_bound_map(overview_rgb: np.ndarray, grey_max: int, margin: float) -> np.ndarray:
+    """Per-pixel upper bound on the foreground fraction, float32 (H, W) in [0, 1]."""
+    if grey_max >= 255:
+        return np.ones(overview_rgb.shape[:2], np.float32)
+    m = grey(overview_rgb).astype(np.float32) - float(margin)
+    return np.clip((255.0 - m) / (255.0 - float(grey_max)), 0.0, 1.0)
+
+
+def prescreen_candidates(
+    overview_rgb: np.ndarray,
+    overview_downsample: float,
+    grid: TileGrid,
+    *,
+    grey_max: int,
+    min_foreground: float,
+    margin: float = 8.0,
+) -> np.ndarray:
+    """Tiles that may pass the greyscale rule.
+
+    Parameters
+    ----------
+    overview_rgb : uint8 (H, W, 3), the slide at ``overview_downsample`` level-0 px per px.
+    overview_downsample : level-0 px per overview px.
+    grid : the tile grid.
+    grey_max, min_foreground : the greyscale rule's upper grey bound and keep threshold.
+    margin : grey levels subtracted from each overview pixel before bounding (resampling and
+        compression error of the low-resolution level).
+
+    Returns
+    -------
+    bool (rows, cols); False = certainly below ``min_foreground``.
+    """
+    if grid.rows == 0 or grid.cols == 0:
+        return np.zeros((grid.rows, grid.cols), bool)
+    bound = foreground_bound_map(overview_rgb, grey_max, margin)
+    rows, cols = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
+    coords = grid.coords(cols.ravel(), rows.ravel())
+    # the footprint in level-0 px: origin rounded on the level grid, side = source px * level downsample
+    extent = grid.source_size * grid.level_downsample
+    # beyond the overview's edge nothing is known: assume foreground there
+    upper = box_mean(bound, overview_downsample, coords, extent, outside=1.0)
+    return (upper >= min_foreground - 1e-6).reshape(grid.rows, grid.cols)

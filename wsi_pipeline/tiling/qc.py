@@ -1,0 +1,80 @@
+"""QC image per slide: the slide's thumbnail with the kept tiles outlined."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["render_qc", "write_png", "qc_path"]
+
+
+def qc_path(out_dir: str | os.PathLike, slide_id: str) -> Path:
+    """``<out_dir>/qc/<slide_id>.png``."""
+    return Path(out_dir) / "qc" / f"{slide_id}.png"
+
+
+def render_qc(
+    thumbnail: np.ndarray,
+    thumbnail_downsample: float,
+    coords: np.ndarray,
+    extent: float,
+    *,
+    colour: tuple[int, int, int] = (0, 170, 0),
+    min_tile_px: int = 16,
+    min_side: int = 1024,
+    max_side: int = 4096,
+) -> np.ndarray:
+    """Outline tiles on a thumbnail.
+
+    Parameters
+    ----------
+    thumbnail : uint8 (h, w, 3) RGB, the slide at ``thumbnail_downsample`` level-0 px per px.
+    coords : (N, 2) level-0 (x, y) of the kept tiles' top-left corners.
+    extent : tile side in level-0 px.
+    colour : outline RGB.
+    min_tile_px, min_side : the thumbnail is enlarged (up to 4x) until a tile spans
+        ``min_tile_px`` px or its longer side reaches ``min_side`` px.
+    max_side : the image never exceeds this side length (larger thumbnails are shrunk first).
+
+    Returns
+    -------
+    uint8 (H, W, 3) RGB.
+    """
+    import cv2
+
+    img = np.ascontiguousarray(thumbnail)
+    h, w = img.shape[:2]
+    if max(h, w) > max_side:  # shrink huge thumbnails first
+        f = max_side / max(h, w)
+        img = cv2.resize(img, (max(1, round(w * f)), max(1, round(h * f))), interpolation=cv2.INTER_AREA)
+        thumbnail_downsample = thumbnail_downsample * w / img.shape[1]
+        h, w = img.shape[:2]
+    tile_px = extent / thumbnail_downsample
+    zoom = max(int(math.ceil(min_tile_px / max(tile_px, 1e-9))), int(math.ceil(min_side / max(h, w, 1))))
+    zoom = max(1, min(zoom, 4, max_side // max(h, w, 1)))
+    if zoom > 1:
+        img = cv2.resize(img, (w * zoom, h * zoom), interpolation=cv2.INTER_LINEAR)
+    scale = zoom / thumbnail_downsample
+    c = np.asarray(coords, np.float64).reshape(-1, 2) * scale
+    side = extent * scale
+    for x, y in c:
+        x0, y0 = int(round(x)), int(round(y))
+        x1, y1 = int(round(x + side)) - 1, int(round(y + side)) - 1
+        cv2.rectangle(img, (x0, y0), (max(x0, x1), max(y0, y1)), colour, 1)
+    return img
+
+
+def write_png(path: str | os.PathLike, rgb: np.ndarray) -> Path:
+    """Write an RGB image as PNG atomically (temp name, then rename)."""
+    import cv2
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
+    if not cv2.imwrite(str(tmp), cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2BGR)):
+        raise OSError(f"could not write QC image {tmp}")
+    os.replace(tmp, path)
+    return path

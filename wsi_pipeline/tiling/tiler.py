@@ -1,0 +1,526 @@
+"""Tile one slide: open, plan the grid, find foreground tiles, write the zarr store and QC image.
+
+The slide is decoded once: a low-resolution overview (the pre-screen, the Otsu mask and the
+QC thumbnail all come from it) and then only the candidate tiles, read in runs along each row.
+When the slide has no level coarse enough for a cheap overview, the greyscale method reads
+every tile row once and builds the thumbnail from the same strips. Kept tiles go to a writer
+thread, so compression and disk writes overlap decoding.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import wsi_pipeline
+from wsi_pipeline.slides import MissingMppError, open_slide, read_scaled, resolve_mpp, slide_fingerprint
+from wsi_pipeline.slides.reader import BACKENDS, Slide
+from wsi_pipeline.tiling.grid import TileGrid, make_grid
+from wsi_pipeline.tiling.prescreen import prescreen_candidates
+from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
+from wsi_pipeline.tiling.store import COMPRESSIONS, StoreWriter, store_path
+from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
+
+__all__ = ["METHODS", "SlideJob", "SlideResult", "TilingConfig", "precheck", "store_matches", "tile_slide"]
+
+logger = logging.getLogger(__name__)
+
+#: Foreground methods and their default keep thresholds (fraction of the tile).
+METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5}
+#: Overview pixels per tile side (the overview is the slide at tile extent / 16).
+_OVERVIEW_PER_TILE = 16
+
+
+@dataclass(frozen=True)
+class TilingConfig:
+    """Tiling settings (all lengths in px at the tile resolution unless stated).
+
+    Attributes
+    ----------
+    method : ``"greyscale"`` or ``"otsu"``.
+    tile_size : T.
+    min_foreground : keep a tile when its foreground fraction is at least this; None = the
+        method's default (greyscale 0.6, otsu 0.5).
+    grey_min, grey_max : inclusive grey range of a foreground pixel (greyscale method).
+    mpp_target : um per tile px, or None for native level 0.
+    mpp_tolerance : relative mpp difference within which a pyramid level is used without resizing.
+    mpp : run-wide mpp (um per level-0 px) overriding the slides' own; a manifest ``mpp`` wins over it.
+    compression : tile compression, one of ``zstd`` (lossless), ``jpeg`` (lossy), ``none``.
+    backend : slide reader, ``auto``, ``openslide`` or ``tiffslide``.
+    prescreen : skip tiles the low-resolution bound proves to be background (greyscale only;
+        the kept set is unchanged).
+    prescreen_margin : grey levels of slack in that bound.
+    otsu : :class:`OtsuParams`.
+    qc : write ``qc/<slide_id>.png``.
+    read_run : most tiles decoded by one ``read_region`` call.
+    """
+
+    method: str = "greyscale"
+    tile_size: int = 256
+    min_foreground: float | None = None
+    grey_min: int = 3
+    grey_max: int = 230
+    mpp_target: float | None = None
+    mpp_tolerance: float = 0.05
+    mpp: float | None = None
+    compression: str = "zstd"
+    backend: str = "auto"
+    prescreen: bool = True
+    prescreen_margin: float = 8.0
+    otsu: OtsuParams = field(default_factory=OtsuParams)
+    qc: bool = True
+    read_run: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method={self.method!r}; expected one of {sorted(METHODS)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r}; expected one of {COMPRESSIONS}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+        if int(self.tile_size) < 8:
+            raise ValueError(f"tile_size={self.tile_size} px is too small; use >= 8 (256 is the default)")
+        if not 0 <= self.grey_min <= self.grey_max <= 255:
+            raise ValueError(f"grey range [{self.grey_min}, {self.grey_max}] must satisfy 0 <= grey_min <= grey_max <= 255")
+        if self.min_foreground is not None and not 0 <= self.min_foreground <= 1:
+            raise ValueError(f"min_foreground={self.min_foreground} must be a fraction in [0, 1]")
+        for name in ("mpp_target", "mpp"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}={v} must be a positive number of um/px")
+        if self.read_run < 1:
+            raise ValueError(f"read_run={self.read_run} must be >= 1")
+
+    @property
+    def threshold(self) -> float:
+        """The keep threshold in effect."""
+        return METHODS[self.method] if self.min_foreground is None else float(self.min_foreground)
+
+    def output_params(self) -> dict[str, Any]:
+        """The settings that determine a store's content (compared on resume)."""
+        p: dict[str, Any] = {
+            "method": self.method,
+            "tile_size": int(self.tile_size),
+            "min_foreground": self.threshold,
+            "mpp_target": self.mpp_target,
+            "mpp_tolerance": self.mpp_tolerance if self.mpp_target is not None else None,
+            "compression": self.compression,
+            "backend": self.backend,
+        }
+        if self.method == "greyscale":
+            p.update(grey_min=int(self.grey_min), grey_max=int(self.grey_max))
+        else:
+            p.update(otsu=asdict(self.otsu))
+        return p
+
+
+@dataclass(frozen=True)
+class SlideJob:
+    """One slide to tile: its id, file, optional per-slide mpp, and a problem found while listing it."""
+
+    slide_id: str
+    path: str
+    mpp: float | None = None
+    problem: str | None = None
+
+
+@dataclass
+class SlideResult:
+    """One row of ``tiling_report.csv``."""
+
+    slide_id: str
+    status: str  # ok / failed / skipped
+    n_tiles: int = 0
+    mpp: float | None = None
+    seconds: float = 0.0
+    error: str = ""
+    note: str = ""
+    path: str = ""
+
+
+def _job_mpp_override(job: SlideJob, config: TilingConfig) -> float | None:
+    for v in (job.mpp, config.mpp):
+        if v is not None and math.isfinite(v) and v > 0:
+            return float(v)
+    return None
+
+
+def _identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str, Any]:
+    return {"fingerprint": fingerprint, "mpp_override": _job_mpp_override(job, config), **config.output_params()}
+
+
+def store_matches(path: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
+    """The attributes of a complete store at ``path`` built from the same slide and settings, else None."""
+    try:
+        import zarr
+
+        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+    except Exception:  # missing or unreadable: not a match
+        return None
+    if not attrs.get("complete"):
+        return None
+    return attrs if attrs.get("tiling_identity") == identity else None
+
+
+def _clean_stale(out_dir: Path, slide_id: str) -> None:
+    """Remove temporary stores of ``slide_id`` left by processes that no longer run."""
+    prefix = f".{slide_id}.zarr."
+    for p in out_dir.glob(f"{prefix}*"):
+        pid_text = p.name.rsplit("-", 1)[-1]
+        try:
+            pid = int(pid_text)
+            if pid != os.getpid():
+                os.kill(pid, 0)
+                continue  # a live process (another run) owns it
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        shutil.rmtree(p, ignore_errors=True)
+
+
+class _BackgroundWriter:
+    """Feed :meth:`StoreWriter.append` from a thread; errors surface on the next call."""
+
+    def __init__(self, writer: StoreWriter, depth: int = 3) -> None:
+        self.writer = writer
+        self._q: queue.Queue[tuple[np.ndarray, ...] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="tile-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            if self._error is None:
+                try:
+                    self.writer.append(*item)
+                except BaseException as err:  # re-raised in the main thread
+                    self._error = err
+
+    def put(self, tiles: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
+        if self._error is not None:
+            raise self._error
+        self._q.put((tiles, coords, grid, fg))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+
+class _Batch:
+    """Collect kept tiles and hand them to the writer in batches of ``size``."""
+
+    def __init__(self, sink: _BackgroundWriter, size: int = 64) -> None:
+        self.sink, self.size = sink, size
+        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self.count = 0
+
+    def add(self, tiles: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
+        if len(tiles):
+            self.parts.append((tiles, coords, grid, fg))
+            self.count += len(tiles)
+            if self.count >= self.size:
+                self.flush()
+
+    def flush(self) -> None:
+        if self.parts:
+            cat = [np.concatenate([p[i] for p in self.parts]) for i in range(4)]
+            self.sink.put(*cat)
+            self.parts, self.count = [], 0
+
+
+def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
+    """Split sorted column indices into runs of consecutive values, at most ``max_len`` long."""
+    if cols.size == 0:
+        return
+    breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+    for run in np.split(cols, breaks):
+        for i in range(0, len(run), max_len):
+            yield run[i : i + max_len]
+
+
+def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Decode tiles (row, cols) with one read; returns (tiles uint8 (k, T, T, 3), strip or None).
+
+    ``strip`` is the raw (T, k*T, 3) strip when tiles are not resized (for a fast foreground test).
+    """
+    import cv2
+
+    T, S = grid.tile_size, grid.source_size
+    lx = grid.level_origin(cols)
+    ly = int(grid.level_origin(row))
+    x0 = int(lx[0])
+    width = int(lx[-1]) - x0 + S
+    d = grid.level_downsample
+    strip = slide.read_region((int(math.floor(x0 * d + 0.5)), int(math.floor(ly * d + 0.5))), grid.level, (width, S))
+    k = len(cols)
+    if not grid.resized and width == k * T:
+        tiles = strip.reshape(T, k, T, 3).transpose(1, 0, 2, 3)
+        return tiles, strip
+    out = np.empty((k, T, T, 3), np.uint8)
+    for i, x in enumerate(lx - x0):
+        src = strip[:, x : x + S]
+        out[i] = src if S == T else cv2.resize(src, (T, T), interpolation=cv2.INTER_AREA if S > T else cv2.INTER_LINEAR)
+    return out, None
+
+
+def _overview_plan(slide: Slide, grid: TileGrid) -> tuple[float, bool]:
+    """(overview downsample in level-0 px per px, whether reading it is cheap next to the tiles)."""
+    ds = max(1.0, grid.extent / _OVERVIEW_PER_TILE)
+    level = slide.best_level_for_downsample(ds)
+    cheap = slide.level_downsamples[level] >= 4 * grid.level_downsample
+    return ds, cheap
+
+
+def tile_slide(
+    job: SlideJob,
+    out_dir: str | os.PathLike,
+    config: TilingConfig,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> SlideResult:
+    """Tile one slide into ``<out_dir>/<slide_id>.zarr``; never raises for a bad slide.
+
+    Parameters
+    ----------
+    job : the slide.
+    out_dir : the tiles folder.
+    config : :class:`TilingConfig`.
+    overwrite : rebuild even when a matching complete store exists.
+    progress : called with the number of tiles kept since the previous call.
+
+    Returns
+    -------
+    :class:`SlideResult` with status ``ok`` (store written), ``skipped`` (a complete store
+    with the same slide fingerprint and settings exists) or ``failed`` (``error`` says why).
+    """
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    res = SlideResult(job.slide_id, "failed", path=str(job.path))
+    try:
+        early = precheck(job, out, config, overwrite=overwrite)
+        if early is not None:
+            return early
+        path = Path(job.path)
+        identity = _identity(job, config, slide_fingerprint(path) if path.is_file() else "")
+        out.mkdir(parents=True, exist_ok=True)
+        _clean_stale(out, job.slide_id)
+        with open_slide(path, config.backend) as slide:
+            res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress)
+        res.status = "ok"
+    except MissingMppError as err:
+        res.error = str(err)
+    except Exception as err:  # a bad slide is a report row, never a crash of the run
+        res.error = f"{type(err).__name__}: {err}"
+        logger.debug("slide %s failed", job.slide_id, exc_info=True)
+    finally:
+        res.seconds = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def precheck(job: SlideJob, out_dir: str | os.PathLike, config: TilingConfig, *, overwrite: bool = False) -> SlideResult | None:
+    """The result of ``job`` when it is known without opening the slide, else None.
+
+    ``skipped`` when a complete store from the same slide file (fingerprint) and settings
+    exists; ``failed`` for a listing problem or a missing file. Cheap: hashes 1 MiB of the slide.
+    """
+    t0 = time.perf_counter()
+    res = SlideResult(job.slide_id, "failed", path=str(job.path))
+    try:
+        if job.problem:
+            raise ValueError(job.problem)
+        if not job.path:
+            raise ValueError(f"slide {job.slide_id!r} has no path; fill the manifest's `path` column")
+        path = Path(job.path)
+        if not path.exists():
+            raise FileNotFoundError(f"slide file not found: {path}; fix the path or remove the row/file")
+        if overwrite or not path.is_file():
+            return None
+        identity = _identity(job, config, slide_fingerprint(path))
+        attrs = store_matches(store_path(out_dir, job.slide_id), identity)
+        if attrs is None:
+            return None
+        res.status, res.n_tiles, res.mpp = "skipped", int(attrs.get("n_tiles", 0)), attrs.get("mpp")
+        res.note = "complete store from the same slide and settings exists"
+    except (ValueError, OSError) as err:
+        res.error = f"{type(err).__name__}: {err}"
+    res.seconds = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def _tile_open_slide(
+    slide: Slide,
+    job: SlideJob,
+    out: Path,
+    config: TilingConfig,
+    identity: dict[str, Any],
+    progress: Callable[[int], None] | None,
+) -> tuple[int, float | None, str]:
+    needed = None
+    if config.mpp_target is not None:
+        needed = f"--mpp-target {config.mpp_target:g}"
+    elif config.method == "otsu":
+        needed = "the otsu method (its sizes are in um^2)"
+    mpp, mpp_source = resolve_mpp(
+        slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, slide_id=job.slide_id, path=str(slide.path), needed_for=needed
+    )
+    grid = make_grid(
+        slide.level_dimensions, slide.level_downsamples, tile_size=config.tile_size,
+        slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance,
+    )
+    T = grid.tile_size
+    thr = config.threshold
+    ds_over, cheap = _overview_plan(slide, grid)
+    rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
+    attrs_extra: dict[str, Any] = {}
+    overview: np.ndarray | None = None
+    otsu_fg: np.ndarray | None = None
+    exhaustive_strips = False
+    if config.method == "otsu":
+        overview = read_scaled(slide, ds_over)
+        mask, info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu)
+        attrs_extra["otsu_info"] = info
+        coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
+        otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        candidates = otsu_fg >= thr - 1e-9
+    elif config.prescreen and cheap and thr > 0:
+        overview = read_scaled(slide, ds_over)
+        candidates = prescreen_candidates(
+            overview, ds_over, grid, grey_max=config.grey_max, min_foreground=thr, margin=config.prescreen_margin
+        )
+    else:
+        candidates = np.ones((grid.rows, grid.cols), bool)
+        # build the QC thumbnail from the strips this pass decodes anyway (not when resizing)
+        exhaustive_strips = config.qc and not grid.resized
+    n_candidates = int(candidates.sum())
+    thumb: np.ndarray | None = None
+    if exhaustive_strips:
+        from wsi_pipeline.slides.scaled import scaled_shape
+
+        thumb = np.full(scaled_shape(slide.dimensions, ds_over) + (3,), 255, np.uint8)
+
+    attrs = {
+        "slide_id": job.slide_id,
+        "slide_path": str(Path(slide.path).resolve()),
+        "slide_fingerprint": identity["fingerprint"],
+        "slide_dimensions": list(slide.dimensions),
+        "slide_mpp": mpp,
+        "mpp_source": mpp_source,
+        "backend": slide.backend,
+        **grid.describe(),
+        "method": config.method,
+        "min_foreground": thr,
+        "compression": config.compression,
+        "package_version": wsi_pipeline.__version__,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "tiling_identity": identity,
+        "n_candidates": n_candidates,
+        **attrs_extra,
+    }
+    if config.method == "greyscale":
+        attrs.update(grey_min=int(config.grey_min), grey_max=int(config.grey_max), prescreen=bool(overview is not None))
+    else:
+        attrs.update(otsu=asdict(config.otsu))
+    codecs = None
+    if config.compression == "zstd":
+        from wsi_pipeline.tiling.codecs import lossless_tile_codecs
+
+        codecs = lossless_tile_codecs()
+    writer = StoreWriter(
+        store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
+        compression=config.compression, tile_codecs=codecs,
+    )
+    sink = _BackgroundWriter(writer)
+    batch = _Batch(sink)
+    kept_coords: list[np.ndarray] = []
+    n_kept = 0
+    last_report = time.monotonic()
+    reported = 0
+    try:
+        for row in range(grid.rows):
+            cols = np.flatnonzero(candidates[row])
+            for run in _runs(cols, config.read_run):
+                tiles, strip = _read_run(slide, grid, row, run)
+                if thumb is not None and strip is not None:
+                    _paint_thumb(thumb, strip, grid, row, run, ds_over)
+                if otsu_fg is not None:
+                    fg = otsu_fg[row, run].astype(np.float32)
+                    keep = np.ones(len(run), bool)
+                else:
+                    if strip is not None:
+                        fg = strip_foreground(strip, T, config.grey_min, config.grey_max)
+                    else:
+                        fg = tiles_foreground(tiles, config.grey_min, config.grey_max)
+                    keep = fg >= thr
+                if not keep.any():
+                    continue
+                kc = run[keep]
+                coords = grid.coords(kc, np.full(len(kc), row))
+                gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
+                batch.add(np.ascontiguousarray(tiles[keep]), coords, gridxy, fg[keep])
+                kept_coords.append(coords)
+                n_kept += len(kc)
+                if progress is not None and time.monotonic() - last_report > 0.5:
+                    progress(n_kept - reported)
+                    reported, last_report = n_kept, time.monotonic()
+        batch.flush()
+        sink.close()
+    except BaseException:
+        try:
+            sink.close()
+        except BaseException:
+            pass
+        writer.abort()
+        raise
+    writer.commit()
+    if progress is not None and n_kept > reported:
+        progress(n_kept - reported)
+    note = "" if n_kept else "no foreground tiles (blank slide, or thresholds too strict for it)"
+    if config.qc:
+        try:
+            if thumb is None:
+                thumb = overview if overview is not None else read_scaled(slide, ds_over)
+            coords_kept = np.concatenate(kept_coords) if kept_coords else np.zeros((0, 2), np.int64)
+            write_png(qc_path(out, job.slide_id), render_qc(thumb, ds_over, coords_kept, grid.extent))
+        except Exception as err:  # the store is complete; a QC failure is only noted
+            logger.warning("QC image for %s failed: %s", job.slide_id, err)
+            note = (note + "; " if note else "") + f"QC image failed: {err}"
+    return n_kept, grid.mpp, note
+
+
+def _paint_thumb(thumb: np.ndarray, strip: np.ndarray, grid: TileGrid, row: int, run: np.ndarray, ds_over: float) -> None:
+    """Write the overview pixels of a decoded strip (exhaustive pass) into ``thumb``."""
+    import cv2
+
+    per = _OVERVIEW_PER_TILE
+    y0 = row * per
+    x0 = int(run[0]) * per
+    h = min(per, thumb.shape[0] - y0)
+    w = min(per * len(run), thumb.shape[1] - x0)
+    if h <= 0 or w <= 0:
+        return
+    small = cv2.resize(strip, (per * len(run), per), interpolation=cv2.INTER_AREA)
+    thumb[y0 : y0 + h, x0 : x0 + w] = small[:h, :w]
+
+
+def replace_config(config: TilingConfig, **changes: Any) -> TilingConfig:
+    """A copy of ``config`` with ``changes`` applied (validated)."""
+    return replace(config, **changes)

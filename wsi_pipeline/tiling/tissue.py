@@ -1,0 +1,209 @@
+"""Foreground and tissue detection: the greyscale rule and the Otsu tissue mask.
+
+- Greyscale (PANDA / TCGA-PRAD protocol): grey = BT.601 luma as OpenCV's ``RGB2GRAY`` computes
+  it (8-bit fixed point); a pixel is foreground when ``grey_min <= grey <= grey_max``
+  (3 and 230); a tile's foreground is the fraction of such pixels.
+- Otsu (CAMELYON protocol): on a low-resolution image, median blur, Otsu threshold,
+  morphological closing, then removal of small objects and small holes. Sizes are in um and
+  um^2, so the result does not depend on the resolution the mask is computed at.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["OtsuParams", "box_mean", "grey", "otsu_tissue_mask", "strip_foreground", "tiles_foreground"]
+
+
+def grey(rgb: np.ndarray) -> np.ndarray:
+    """uint8 (..., H, W, 3) RGB to uint8 (..., H, W) BT.601 luma, exactly as ``cv2.COLOR_RGB2GRAY``."""
+    import cv2
+
+    rgb = np.ascontiguousarray(rgb)
+    if rgb.ndim == 3:
+        return cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+    h, w = rgb.shape[-3:-1]
+    flat = rgb.reshape(-1, w, 3)
+    return cv2.cvtColor(flat, cv2.COLOR_RGB2GRAY).reshape(rgb.shape[:-1])
+
+
+def _in_range(g: np.ndarray, lo: int, hi: int) -> np.ndarray:
+    return (g >= lo) & (g <= hi)
+
+
+def strip_foreground(strip: np.ndarray, tile_size: int, grey_min: int = 3, grey_max: int = 230) -> np.ndarray:
+    """Foreground fractions of the tiles of a horizontal strip.
+
+    Parameters
+    ----------
+    strip : uint8 (T, k*T, 3) RGB, k tiles side by side.
+    tile_size : T in px.
+    grey_min, grey_max : inclusive foreground grey range.
+
+    Returns
+    -------
+    float32 (k,), fraction of each tile's pixels within the range.
+    """
+    T = int(tile_size)
+    g = grey(strip)
+    k = g.shape[1] // T
+    fg = _in_range(g[:, : k * T], grey_min, grey_max)
+    counts = fg.reshape(T, k, T).sum(axis=(0, 2), dtype=np.int64)
+    return (counts / float(T * T)).astype(np.float32)
+
+
+def tiles_foreground(tiles: np.ndarray, grey_min: int = 3, grey_max: int = 230) -> np.ndarray:
+    """Foreground fractions of tiles uint8 (k, T, T, 3); float32 (k,)."""
+    if len(tiles) == 0:
+        return np.zeros(0, np.float32)
+    g = grey(tiles)
+    fg = _in_range(g, grey_min, grey_max)
+    return fg.reshape(len(tiles), -1).mean(axis=1, dtype=np.float64).astype(np.float32)
+
+
+def box_mean(values: np.ndarray, downsample: float, coords: np.ndarray, extent: float, *, outside: float = 0.0) -> np.ndarray:
+    """Area-weighted mean of a low-resolution map over each tile's level-0 footprint.
+
+    The map is treated as constant over each of its pixels, so the integral over any box is
+    the bilinear interpolation of the summed-area table at the box corners: exact, including
+    partially covered pixels.
+
+    Parameters
+    ----------
+    values : float (H, W) map; pixel (i, j) covers level-0 [j*d, (j+1)*d) x [i*d, (i+1)*d).
+    downsample : d, level-0 px per map px.
+    coords : (N, 2) level-0 (x, y) of the footprints' top-left corners.
+    extent : footprint side in level-0 px.
+    outside : value assumed beyond the map's edge.
+
+    Returns
+    -------
+    float64 (N,).
+    """
+    v = np.asarray(values, np.float64)
+    pad = 2
+    v = np.pad(v, pad, constant_values=outside)
+    sat = np.zeros((v.shape[0] + 1, v.shape[1] + 1))
+    sat[1:, 1:] = v.cumsum(0).cumsum(1)
+
+    def integral(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        x = np.clip(x + pad, 0, v.shape[1])
+        y = np.clip(y + pad, 0, v.shape[0])
+        x0 = np.minimum(np.floor(x).astype(np.int64), v.shape[1] - 1)
+        y0 = np.minimum(np.floor(y).astype(np.int64), v.shape[0] - 1)
+        fx, fy = x - x0, y - y0
+        return (
+            sat[y0, x0] * (1 - fx) * (1 - fy)
+            + sat[y0, x0 + 1] * fx * (1 - fy)
+            + sat[y0 + 1, x0] * (1 - fx) * fy
+            + sat[y0 + 1, x0 + 1] * fx * fy
+        )
+
+    c = np.asarray(coords, np.float64).reshape(-1, 2) / downsample
+    e = extent / downsample
+    x0, y0 = c[:, 0], c[:, 1]
+    total = integral(x0 + e, y0 + e) - integral(x0, y0 + e) - integral(x0 + e, y0) + integral(x0, y0)
+    return total / (e * e)
+
+
+def _drop_small_components(mask: np.ndarray, min_area: int, *, touching_border: bool) -> np.ndarray:
+    """Remove 8-connected True components with fewer than ``min_area`` px.
+
+    With ``touching_border=False`` components that touch the image edge are always kept (used
+    for holes: background open to the slide edge is not a hole).
+    """
+    import cv2
+
+    n, labels, stats, _ = cv2.connectedComponentsWithStats(mask.astype(np.uint8), connectivity=8)
+    small = stats[:, cv2.CC_STAT_AREA] < min_area
+    small[0] = False  # label 0 is the complement
+    if not touching_border:
+        h, w = mask.shape
+        x, y = stats[:, cv2.CC_STAT_LEFT], stats[:, cv2.CC_STAT_TOP]
+        bw, bh = stats[:, cv2.CC_STAT_WIDTH], stats[:, cv2.CC_STAT_HEIGHT]
+        small &= ~((x == 0) | (y == 0) | (x + bw == w) | (y + bh == h))
+    if not small.any():
+        return mask
+    return mask & ~small[labels]
+
+
+@dataclass(frozen=True)
+class OtsuParams:
+    """Otsu tissue-mask settings; sizes in um / um^2 (independent of the mask resolution).
+
+    Attributes
+    ----------
+    median_um : median-blur kernel width.
+    closing_um : radius of the disk used for morphological closing.
+    min_object_um2 : tissue components smaller than this are removed.
+    min_hole_um2 : holes smaller than this are filled.
+    min_contrast : grey levels between the two Otsu class means below which the image is
+        taken as uniform (a blank slide): no tissue.
+    background : ``"auto"`` (dark when the image border's median grey is below 128),
+        ``"bright"`` (brightfield: tissue is darker than the threshold) or ``"dark"``
+        (fluorescence: tissue is brighter, thresholded on the brightest channel).
+    """
+
+    median_um: float = 30.0
+    closing_um: float = 30.0
+    min_object_um2: float = 10_000.0
+    min_hole_um2: float = 10_000.0
+    min_contrast: float = 15.0
+    background: str = "auto"
+
+
+def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = OtsuParams()) -> tuple[np.ndarray, dict[str, float | str]]:
+    """Tissue mask of a low-resolution slide image.
+
+    Parameters
+    ----------
+    rgb : uint8 (H, W, 3) RGB, the slide at a reduced scale.
+    um_per_px : microns per pixel of ``rgb``.
+    params : :class:`OtsuParams`.
+
+    Returns
+    -------
+    (mask, info): bool (H, W), True = tissue; info has the threshold, the background polarity
+    and the tissue fraction.
+    """
+    import cv2
+
+    if params.background not in ("auto", "bright", "dark"):
+        raise ValueError(f"background={params.background!r}; expected 'auto', 'bright' or 'dark'")
+    if not um_per_px > 0:
+        raise ValueError(f"um_per_px={um_per_px} must be > 0")
+    g = grey(rgb)
+    polarity = params.background
+    if polarity == "auto":
+        border = np.concatenate([g[0], g[-1], g[:, 0], g[:, -1]])
+        polarity = "bright" if np.median(border) >= 128 else "dark"
+    if polarity == "dark":
+        # fluorescence: stains are often one saturated channel whose luma is faint (DAPI blue)
+        g = np.ascontiguousarray(np.asarray(rgb).max(axis=2))
+    k = min(255, max(3, int(round(params.median_um / um_per_px)) | 1))
+    if min(g.shape) > k:
+        g = cv2.medianBlur(g, k)
+    thr, _ = cv2.threshold(g, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    lo, hi = g[g <= thr], g[g > thr]
+    contrast = float(hi.mean() - lo.mean()) if lo.size and hi.size else 0.0
+    info: dict[str, float | str] = {"threshold": float(thr), "background": polarity, "contrast": contrast}
+    if contrast < params.min_contrast:
+        info["tissue_fraction"] = 0.0
+        return np.zeros(g.shape, bool), info
+    mask = g <= thr if polarity == "bright" else g > thr
+    r = int(round(params.closing_um / um_per_px))
+    if r >= 1:
+        disk = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * r + 1, 2 * r + 1))
+        mask = cv2.morphologyEx(mask.astype(np.uint8), cv2.MORPH_CLOSE, disk, borderType=cv2.BORDER_CONSTANT, borderValue=0) > 0
+    px_area = um_per_px * um_per_px
+    min_obj = int(math.ceil(params.min_object_um2 / px_area))
+    min_hole = int(math.ceil(params.min_hole_um2 / px_area))
+    if min_obj > 1:
+        mask = _drop_small_components(mask, min_obj, touching_border=True)
+    if min_hole > 1:
+        mask = ~_drop_small_components(~mask, min_hole, touching_border=False)
+    info["tissue_fraction"] = float(mask.mean())
+    return mask, info

@@ -1,0 +1,280 @@
+"""Exact gradient accumulation through the encoder over one bag (ABMIL-ACC, generalised).
+
+A bag of n tiles is too big to embed with gradient in one go. The gradient of the loss with
+respect to the encoder parameters is ``sum_i dL/dz_i . dz_i/dtheta``, so three passes give it
+exactly, for any aggregator:
+
+1. embed all tiles in chunks without gradient -> ``Z`` [n, D];
+2. make ``Z`` a leaf requiring grad, run the aggregator and the loss, backpropagate ->
+   aggregator gradients and ``G = dL/dZ``;
+3. for each chunk, re-embed with gradient and backpropagate ``G[chunk]`` into the encoder.
+
+Cost: about two encoder forwards and one backward; memory: the saved activations of one chunk
+(plus the aggregator's graph on [n, D]), independent of n. The reference recomputes the
+aggregator per chunk instead (head cost O(n^2 / chunk)).
+
+The encoder must compute the same function in passes 1 and 3:
+
+- ``bn="frozen"`` (default, exact): BatchNorm layers run in eval mode (running statistics) for
+  the step and get their previous mode back afterwards.
+- ``bn="chunk"``: BatchNorm layers run in train mode with the statistics of each chunk; both
+  passes use the same chunks, so pass 3 recomputes exactly what pass 1 computed. Running
+  statistics are updated ONCE per bag, with the bag-level mean and unbiased variance of each
+  layer's input (merged over the chunks of pass 1), not once per chunk and pass.
+- The RNG state (CPU and the encoder's CUDA device) is saved before each chunk of pass 1 and
+  restored before the same chunk of pass 3, so dropout draws the same masks in both passes.
+
+Both :func:`accumulate_step` and :func:`full_step` ADD the bag's gradient to each parameter's
+``.grad`` (as ``loss.backward()`` does), so a caller can accumulate several bags before one
+optimiser step; zero the gradients yourself between steps. Neither steps an optimiser.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["accumulate_step", "full_step", "default_loss", "BN_MODES"]
+
+log = logging.getLogger(__name__)
+
+#: BatchNorm policies of :func:`accumulate_step` ("frozen" exact, "chunk" chunk statistics).
+BN_MODES: tuple[str, ...] = ("frozen", "chunk")
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+def default_loss(output: Any, label: int | Tensor) -> Tensor:
+    """Cross-entropy of ``output.logits`` [C] against the class index ``label``, plus ``output.aux_loss`` when set."""
+    logits = output.logits
+    target = torch.as_tensor(label, dtype=torch.long, device=logits.device).reshape(1)
+    loss = F.cross_entropy(logits.reshape(1, -1), target)
+    aux = getattr(output, "aux_loss", None)
+    return loss if aux is None else loss + aux
+
+
+def _device_of(module: nn.Module, fallback: torch.device) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return fallback
+
+
+def _check(tiles: Tensor, chunk_size: int | None = None) -> None:
+    if not isinstance(tiles, torch.Tensor) or not tiles.is_floating_point():
+        raise TypeError(
+            f"tiles must be a float tensor [n, 3, H, W] already normalised (see wsi_pipeline.data.tensors."
+            f"tiles_to_tensor); got {type(tiles).__name__} {getattr(tiles, 'dtype', '')}"
+        )
+    if tiles.ndim < 2 or tiles.shape[0] < 1:
+        raise ValueError(f"tiles must hold at least one tile [n, ...]; got shape {tuple(tiles.shape)}")
+    if chunk_size is not None and int(chunk_size) < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1 (tiles embedded with gradient at once)")
+
+
+def _call_aggregator(aggregator: nn.Module, z: Tensor, label: Any, extra: dict[str, Any] | None) -> Any:
+    """Call ``aggregator(z, label=label, **extra)``; ``label`` is left out when forward cannot take it."""
+    kwargs = dict(extra or {})
+    params = inspect.signature(aggregator.forward).parameters
+    if "label" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs.setdefault("label", label)
+    return aggregator(z, **kwargs)
+
+
+def _bn_layers(module: nn.Module) -> list[_BatchNorm]:
+    return [m for m in module.modules() if isinstance(m, _BatchNorm)]
+
+
+@contextmanager
+def _bn_training(encoder: nn.Module, training: bool) -> Iterator[list[_BatchNorm]]:
+    """Put every BatchNorm layer in train (``training=True``) or eval mode; restore the modes afterwards."""
+    layers = _bn_layers(encoder)
+    modes = [m.training for m in layers]
+    try:
+        for m in layers:
+            m.train(training)
+        yield layers
+    finally:
+        for m, mode in zip(layers, modes):
+            m.train(mode)
+
+
+def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
+
+
+class _BagStats:
+    """Per-channel (count, mean, M2) of each BatchNorm layer's input, merged over chunks (Chan et al.)."""
+
+    def __init__(self, layers: list[_BatchNorm]) -> None:
+        self.layers = layers
+        self.stats: dict[int, tuple[float, Tensor, Tensor]] = {}
+        self.handles = [m.register_forward_hook(self._hook) for m in layers]
+
+    def _hook(self, module: nn.Module, inputs: tuple[Tensor, ...], output: Tensor) -> None:
+        x = inputs[0].detach()
+        c = x.shape[1]
+        flat = x.transpose(0, 1).reshape(c, -1).to(torch.float64)
+        n_b = float(flat.shape[1])
+        mean_b = flat.mean(1)
+        m2_b = ((flat - mean_b[:, None]) ** 2).sum(1)
+        key = id(module)
+        if key not in self.stats:
+            self.stats[key] = (n_b, mean_b, m2_b)
+            return
+        n_a, mean_a, m2_a = self.stats[key]
+        n = n_a + n_b
+        delta = mean_b - mean_a
+        self.stats[key] = (n, mean_a + delta * (n_b / n), m2_a + m2_b + delta**2 * (n_a * n_b / n))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+    def apply_once(self) -> None:
+        """Update each layer's running statistics once, with the merged bag statistics."""
+        for m in self.layers:
+            if not m.track_running_stats or m.running_mean is None or id(m) not in self.stats:
+                continue
+            n, mean, m2 = self.stats[id(m)]
+            var = m2 / max(n - 1.0, 1.0)  # unbiased, as BatchNorm uses for running_var
+            with torch.no_grad():
+                m.num_batches_tracked.add_(1)
+                factor = 1.0 / float(m.num_batches_tracked) if m.momentum is None else m.momentum
+                m.running_mean.mul_(1 - factor).add_(mean.to(m.running_mean.dtype), alpha=factor)
+                m.running_var.mul_(1 - factor).add_(var.to(m.running_var.dtype), alpha=factor)
+
+
+def _snapshot_running(layers: list[_BatchNorm]) -> list[dict[str, Tensor]]:
+    return [{k: b.detach().clone() for k, b in m.named_buffers(recurse=False)} for m in layers]
+
+
+def _restore_running(layers: list[_BatchNorm], snaps: list[dict[str, Tensor]]) -> None:
+    with torch.no_grad():
+        for m, snap in zip(layers, snaps):
+            for k, b in m.named_buffers(recurse=False):
+                b.copy_(snap[k])
+
+
+def accumulate_step(
+    encoder: nn.Module,
+    aggregator: nn.Module,
+    tiles: Tensor,
+    label: int | Tensor,
+    chunk_size: int,
+    loss_fn: LossFn | None = None,
+    bn: str = "frozen",
+    *,
+    aggregator_kwargs: dict[str, Any] | None = None,
+) -> float:
+    """Add the exact full-bag gradient of one bag to every parameter's ``.grad``, embedding ``chunk_size`` tiles at a time.
+
+    Parameters
+    ----------
+    encoder : module [k, 3, H, W] -> [k, D].
+    aggregator : module with ``forward(z [n, D], **kw)`` returning an output with ``.logits``
+        (e.g. :class:`~wsi_pipeline.models.aggregators.MILOutput`); it is called with
+        ``label=label`` when its forward accepts it (DTFD needs it for ``aux_loss``).
+    tiles : float tensor [n, 3, H, W], already normalised; chunks are moved to the encoder's
+        device one at a time, so the bag may stay in host memory.
+    label : the bag's class index (int or 0-d tensor).
+    chunk_size : tiles embedded with gradient at once (>= 1); peak activation memory scales
+        with it, not with n.
+    loss_fn : ``loss_fn(output, label) -> scalar``; :func:`default_loss` when None.
+    bn : BatchNorm policy, ``"frozen"`` (eval statistics, exact) or ``"chunk"`` (chunk
+        statistics, running statistics updated once per bag); see the module docstring.
+    aggregator_kwargs : extra keywords for the aggregator call (e.g. a DTFD ``generator``).
+
+    Returns
+    -------
+    float : the loss of the bag. The gradient is added to ``.grad`` (not overwritten).
+    """
+    _check(tiles, chunk_size)
+    if bn not in BN_MODES:
+        raise ValueError(f"bn={bn!r}; expected one of {BN_MODES} ('frozen' is exact, 'chunk' uses chunk statistics)")
+    loss_fn = loss_fn or default_loss
+    device = _device_of(encoder, tiles.device)
+    n = tiles.shape[0]
+    bounds = [(s, min(s + int(chunk_size), n)) for s in range(0, n, int(chunk_size))]
+
+    with _bn_training(encoder, bn == "chunk") as layers:
+        stats = snaps = None
+        if bn == "chunk":
+            snaps = _snapshot_running(layers)
+            stats = _BagStats(layers)
+        states = []
+        try:
+            with torch.no_grad():
+                parts = []
+                for a, b in bounds:
+                    states.append(_rng_state(device))
+                    parts.append(encoder(tiles[a:b].to(device, non_blocking=True)))
+        finally:
+            if stats is not None:
+                stats.remove()
+        z = torch.cat(parts).detach().requires_grad_(True)
+        del parts
+        output = _call_aggregator(aggregator, z, label, aggregator_kwargs)
+        loss = loss_fn(output, label)
+        loss.backward()
+        value = float(loss.detach())
+        del output, loss
+        grad = z.grad
+        trainable = any(p.requires_grad for p in encoder.parameters())
+        if grad is not None and trainable:
+            for (a, b), state in zip(bounds, states):
+                _set_rng_state(state, device)
+                part = encoder(tiles[a:b].to(device, non_blocking=True))
+                part.backward(grad[a:b])
+        else:
+            log.debug("encoder frozen or loss independent of the embeddings: pass 3 skipped")
+        if stats is not None:
+            _restore_running(layers, snaps)
+            stats.apply_once()
+    return value
+
+
+def full_step(
+    encoder: nn.Module,
+    aggregator: nn.Module,
+    tiles: Tensor,
+    label: int | Tensor,
+    loss_fn: LossFn | None = None,
+    bn: str = "frozen",
+    *,
+    aggregator_kwargs: dict[str, Any] | None = None,
+) -> float:
+    """Add the gradient of one bag to every ``.grad`` by embedding all n tiles with gradient at once.
+
+    The reference for :func:`accumulate_step` and the cheaper choice for bags that fit. ``bn``:
+    ``"frozen"`` (eval statistics) or ``"chunk"`` (train-mode statistics of the whole bag, which
+    is then the single chunk; running statistics are updated once by the forward). Other
+    arguments as :func:`accumulate_step`. Returns the loss as a float.
+    """
+    _check(tiles)
+    if bn not in BN_MODES:
+        raise ValueError(f"bn={bn!r}; expected one of {BN_MODES}")
+    loss_fn = loss_fn or default_loss
+    device = _device_of(encoder, tiles.device)
+    with _bn_training(encoder, bn == "chunk"):
+        z = encoder(tiles.to(device, non_blocking=True))
+        output = _call_aggregator(aggregator, z, label, aggregator_kwargs)
+        loss = loss_fn(output, label)
+        loss.backward()
+    return float(loss.detach())

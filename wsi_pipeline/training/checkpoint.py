@@ -1,0 +1,228 @@
+"""Checkpoints: plain containers and tensors only, written atomically, read with ``weights_only=True``.
+
+A checkpoint is a dict::
+
+    format      "wsi-pipeline/checkpoint-v1"
+    config      the resolved pipeline config (plain dict; its methods list holds this run's method)
+    method      the method's config (plain dict)
+    seed        the run's seed
+    epoch       epochs completed
+    models      {"encoder": state dict or None, "aggregator": state dict}
+    optimizer, scheduler, rng   (last.pt only) optimiser / schedule state, RNG states
+    best        {"metric": name, "value": float, "epoch": int}
+    history     list of per-epoch dicts (the rows of history.csv)
+
+Nothing is pickled as a Python object, so ``torch.load(path, weights_only=True)`` reads it and a
+file that carries a pickled object is refused (:func:`load_checkpoint`).
+:func:`load_trained_model` rebuilds the models of a run for evaluation and prediction.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = [
+    "FORMAT",
+    "TrainedModel",
+    "capture_rng",
+    "load_checkpoint",
+    "load_trained_model",
+    "restore_rng",
+    "save_checkpoint",
+]
+
+FORMAT = "wsi-pipeline/checkpoint-v1"
+_PLAIN = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def _check_plain(obj: Any, where: str) -> None:
+    if isinstance(obj, _PLAIN):
+        return
+    if isinstance(obj, (dict, OrderedDict)):
+        for k, v in obj.items():
+            if not isinstance(k, (str, int)):
+                raise TypeError(f"checkpoint key {where}[{k!r}] is a {type(k).__name__}; only str/int keys are allowed")
+            _check_plain(v, f"{where}[{k!r}]")
+        return
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            _check_plain(v, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"checkpoint entry {where} is a {type(obj).__module__}.{type(obj).__name__}; checkpoints hold only "
+        "tensors and plain containers (dict, list, str, int, float, bool, None) so they load with weights_only=True"
+    )
+
+
+def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
+    """Write ``state`` to ``path`` atomically (temp file in the same folder, then ``os.replace``).
+
+    Raises ``TypeError`` naming the entry if ``state`` holds anything but tensors and plain containers.
+    """
+    path = Path(path)
+    state = dict(state)
+    state.setdefault("format", FORMAT)
+    _check_plain(state, "checkpoint")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """Read a checkpoint with ``torch.load(weights_only=True)``.
+
+    Raises
+    ------
+    FileNotFoundError : no such file.
+    ValueError : the file carries a pickled Python object (refused: loading it could run code),
+        is not a torch file, or is not a wsi-pipeline checkpoint; the message names the file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint not found: {path}")
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        detail = next((ln.strip() for ln in text.splitlines() if "global" in ln.lower()), "")
+        if not detail:  # the weights-only unpickler fails the same way on a file that is no pickle at all
+            lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+            reason = next((ln for ln in lines if ln.startswith("Unsupported")), lines[0] if lines else "")
+            raise ValueError(f"cannot read checkpoint {path}: not a torch checkpoint file ({reason[:200]})") from e
+        raise ValueError(
+            f"refusing to load {path}: it carries a pickled Python object, which torch.load(weights_only=True) "
+            "will not unpickle (unpickling can run arbitrary code). wsi-pipeline checkpoints hold only tensors and "
+            "plain containers; use a checkpoint written by `wsi-pipeline train`, or re-save this file's state dicts "
+            f"as plain tensors. Detail: {detail[:300]}"
+        ) from e
+    except (RuntimeError, EOFError, OSError) as e:
+        raise ValueError(f"cannot read checkpoint {path}: not a readable torch file ({e}); it may be truncated") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"{path} is not a wsi-pipeline checkpoint (format {found!r}, expected {FORMAT!r})")
+    return state
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, NumPy (legacy global) and torch (CPU and CUDA) RNG states as plain containers and tensors."""
+    np_state = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": _tuples_to_lists(random.getstate()),
+        "numpy": {
+            "key": torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+    return state
+
+
+def restore_rng(state: Mapping[str, Any]) -> None:
+    """Restore the states captured by :func:`capture_rng`."""
+    random.setstate(_lists_to_tuples(state["python"]))
+    n = state["numpy"]
+    np.random.set_state(("MT19937", n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuples_to_lists(obj: Any) -> Any:
+    return [_tuples_to_lists(v) for v in obj] if isinstance(obj, (tuple, list)) else obj
+
+
+def _lists_to_tuples(obj: Any) -> Any:
+    return tuple(_lists_to_tuples(v) for v in obj) if isinstance(obj, (tuple, list)) else obj
+
+
+@dataclass
+class TrainedModel:
+    """A trained method, ready to embed tiles and aggregate them.
+
+    Attributes
+    ----------
+    encoder : the tile encoder in eval mode, ``[B, 3, H, W] -> [B, D]`` (for ``frozen`` methods,
+        the frozen encoder that produced the features, so new slides can be embedded).
+    aggregator : the MIL aggregator in eval mode, ``[n, D] -> MILOutput`` (for ``patchgd``, the head).
+    config : the run's :class:`~wsi_pipeline.training.config.PipelineConfig`.
+    method : its :class:`~wsi_pipeline.training.config.MethodConfig`.
+    n_classes : C.
+    tiling : :class:`~wsi_pipeline.training.config.TilingConfig` the model was trained on.
+    checkpoint : the file loaded; ``epoch`` and ``seed`` of the run.
+    """
+
+    encoder: torch.nn.Module
+    aggregator: torch.nn.Module
+    config: Any
+    method: Any
+    n_classes: int
+    tiling: Any
+    checkpoint: Path
+    epoch: int
+    seed: int
+
+    @property
+    def strategy(self) -> str:
+        return self.method.strategy
+
+
+def load_trained_model(
+    run_or_checkpoint: str | os.PathLike,
+    *,
+    device: str | torch.device = "cpu",
+    which: str = "best",
+) -> TrainedModel:
+    """Rebuild a run's encoder and aggregator from ``runs/<pipeline>/<method>/seed<k>/`` or a ``.pt`` file.
+
+    Parameters
+    ----------
+    run_or_checkpoint : a run folder (``which`` picks ``best.pt`` or ``last.pt``) or a checkpoint file.
+    device : where the models go.
+    which : ``best`` or ``last`` (run folders only).
+    """
+    from wsi_pipeline.training.config import config_from_dict
+    from wsi_pipeline.training.strategies import build_models, load_encoder_state
+
+    path = Path(run_or_checkpoint)
+    if path.is_dir():
+        if which not in ("best", "last"):
+            raise ValueError(f"which={which!r}; expected 'best' or 'last'")
+        path = path / f"{which}.pt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: the run has not finished an epoch yet (train it with `wsi-pipeline train`)")
+    state = load_checkpoint(path)
+    config = config_from_dict(state["config"])
+    method = next((m for m in config.methods if m.name == state["method"]["name"]), None)
+    if method is None:
+        raise ValueError(f"{path}: method {state['method']['name']!r} is missing from the saved config")
+    n_classes = config.data.n_classes
+    encoder, aggregator = build_models(method, n_classes, device="cpu", for_training=False)
+    models = state["models"]
+    if models.get("encoder") is not None:
+        encoder = load_encoder_state(method, encoder, models["encoder"])
+    aggregator.load_state_dict(models["aggregator"])
+    encoder.to(device).eval()
+    aggregator.to(device).eval()
+    return TrainedModel(
+        encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=n_classes,
+        tiling=config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
+    )

@@ -1,0 +1,510 @@
+"""The training loop: one loop for every strategy, runs that resume exactly.
+
+:func:`train_pipeline` checks everything it can before any training (config, manifest,
+labels, tile stores, strategies and their building blocks, models, run folders), extracts
+missing frozen features, then trains each (method, seed) into
+``<runs_dir>/<pipeline>/<method>/seed<k>/``:
+
+- ``config.yaml``  the resolved config of the run (this method, this seed);
+- ``history.csv``  per epoch: ``epoch, train_loss, val_<metric>..., lr, seconds``;
+- ``last.pt``      written atomically after every epoch: models, optimiser, schedule, RNG states,
+                   best metric, history (see :mod:`wsi_pipeline.training.checkpoint`);
+- ``best.pt``      models of the best validation epoch (state dicts only);
+- ``done``         JSON summary, written last; a run with it is skipped.
+
+Per epoch: the Python, NumPy and torch generators are re-seeded from ``(seed, epoch)`` and the
+bags are drawn from ``(seed, epoch)`` (:func:`wsi_pipeline.data.bags.epoch_plan`), so a run
+resumed from ``last.pt`` after epoch e computes exactly what the uninterrupted run computes
+(on CPU; CUDA kernels may be non-deterministic). The RNG states are saved as well.
+
+Optimisation per epoch: bags come in groups of ``B x S`` (``batch_bags x accumulate_batches``);
+each bag's gradient of ``loss / group size`` is added by the strategy, then the gradients are
+clipped (optional) and the optimiser steps, so a step follows the mean loss of its group.
+Validation runs after every epoch with ``eval.val_protocol`` (each slide embedded once in eval
+mode, subsets re-run the aggregator only: :func:`wsi_pipeline.evaluation.protocols.validate_model`);
+``best.pt`` follows ``train.select_metric`` (AUC for binary, QWK for multi-class tasks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from wsi_pipeline.data.augment import build_augment
+from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, epoch_plan, iter_bags, slides_for_split
+from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
+from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
+from wsi_pipeline.training.strategies import Strategy, build_models, build_strategy, check_strategy, frozen_encoder, frozen_features_dir
+
+__all__ = ["RunPlan", "preflight", "resolve_device", "train_pipeline", "train_run"]
+
+log = logging.getLogger(__name__)
+
+VAL_METRICS = ("loss", "auc", "qwk", "accuracy", "balanced_accuracy")
+DONE = "done"
+
+
+@dataclass
+class RunPlan:
+    """What :func:`preflight` found: the cohort's slides and the runs to do."""
+
+    manifest: pd.DataFrame
+    train: list[Slide]
+    val: list[Slide]
+    runs: list[tuple[MethodConfig, int, Path]]
+    finished: list[Path]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks before training
+# ----------------------------------------------------------------------------------------------
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``auto``/None -> CUDA when present, else CPU; other names pass through (checked)."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available on this machine; use device auto or cpu")
+    return dev
+
+
+def preflight(
+    config: PipelineConfig,
+    methods: Sequence[MethodConfig],
+    seeds: Sequence[int],
+    *,
+    resume: bool = False,
+) -> RunPlan:
+    """Check everything before any training; raise a clear error naming the problem and the fix.
+
+    Checks: the manifest exists and validates (labels in ``[0, n_classes)``), there are training
+    slides, every training/validation slide has a complete tile store, each method's strategy
+    exists with its building blocks and options, its models build (encoder, weights,
+    aggregator options), and run folders are consistent with ``resume``.
+    """
+    from wsi_pipeline.manifests.schema import read_manifest
+
+    manifest_path = Path(config.data.manifest)
+    if not manifest_path.is_file():
+        raise FileNotFoundError(
+            f"data.manifest {manifest_path} not found (pipeline {config.name!r}; relative paths are relative to "
+            f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
+        )
+    manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
+    train = slides_for_split(manifest, "train", config.data.tiles_dir)
+    val = slides_for_split(manifest, "val", config.data.tiles_dir)
+    if not train:
+        raise ValueError(
+            f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
+            "or make splits with `wsi-pipeline manifest`"
+        )
+    if not val:
+        log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
+    for method in methods:
+        check_strategy(method)
+    check_stores(train + val, config.data.tiles_dir)
+    for method in methods:
+        if method.strategy == "frozen":
+            try:
+                import wsi_pipeline.data.features  # noqa: F401
+            except ImportError as e:
+                raise ImportError(f"method {method.name!r}: strategy 'frozen' needs wsi_pipeline.data.features ({e})") from e
+        if method.strategy == "frozen" and method.train.augment.enabled:
+            log.warning("method %s: augmentation is ignored by the frozen strategy (its features are fixed)", method.name)
+        with torch.random.fork_rng(devices=[]):
+            try:
+                build_models(method, config.data.n_classes, device="cpu", for_training=False)
+            except (ValueError, TypeError, FileNotFoundError) as e:
+                raise type(e)(f"method {method.name!r}: cannot build its models: {e}") from e
+    runs, finished, unfinished = [], [], []
+    for method in methods:
+        for seed in seeds:
+            run_dir = config.run_dir(method.name, seed)
+            if (run_dir / DONE).exists():
+                finished.append(run_dir)
+                continue
+            if (run_dir / "last.pt").exists():
+                if not resume:
+                    unfinished.append(run_dir)
+                else:
+                    _check_resumable(run_dir, _run_config(config, method, seed))
+            runs.append((method, seed, run_dir))
+    if unfinished:
+        raise ValueError(
+            f"unfinished run(s) found: {', '.join(map(str, unfinished))}; pass --resume to continue them, "
+            "or delete those folders to start over"
+        )
+    return RunPlan(manifest, train, val, runs, finished)
+
+
+def _run_config(config: PipelineConfig, method: MethodConfig, seed: int) -> PipelineConfig:
+    return dataclasses.replace(config, methods=(method,), seeds=(int(seed),))
+
+
+def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(obj, dict):
+        out: dict[str, Any] = {}
+        for k, v in obj.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):
+        out = {}
+        for i, v in enumerate(obj):
+            out.update(_flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+#: Settings a resumed run may change: where it runs and where runs and results are kept.
+_RESUME_FREE = ("device", "runs_dir", "results_dir")
+
+
+def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    a, b = _flatten(saved), _flatten(now)
+    keys = sorted(set(a) | set(b))
+    return [
+        f"{k}: {a.get(k, '<absent>')!r} (saved) vs {b.get(k, '<absent>')!r} (now)"
+        for k in keys
+        if a.get(k) != b.get(k) and k.rsplit(".", 1)[-1] not in _RESUME_FREE
+    ]
+
+
+def _check_resumable(run_dir: Path, run_config: PipelineConfig) -> None:
+    state = load_checkpoint(run_dir / "last.pt")
+    diff = _config_diff(state["config"], config_to_dict(run_config))
+    if diff:
+        raise ValueError(
+            f"cannot resume {run_dir}: its config differs from the current one ({'; '.join(diff[:6])}"
+            f"{' ...' if len(diff) > 6 else ''}); restore the config, or delete the run folder to start over"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Frozen features
+# ----------------------------------------------------------------------------------------------
+
+
+def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan, device: torch.device, progress: bool) -> Path:
+    """Make sure every training/validation slide has up-to-date features for a frozen method; extract the rest."""
+    from wsi_pipeline.data.features import extract_features, features_path
+
+    out = Path(frozen_features_dir(method, config.data.features_dir))
+    slides = plan.train + plan.val
+    missing = [s.slide_id for s in slides if not features_path(out, s.slide_id).is_file()]
+    if missing:
+        log.warning(
+            "method %s: %d of %d slides have no feature file in %s; extracting them now with the frozen %s encoder",
+            method.name, len(missing), len(slides), out, method.encoder.name,
+        )
+    rows = plan.manifest[plan.manifest["slide_id"].isin([s.slide_id for s in slides])]
+    # files that exist are checked against the encoder's weights and the store (stale ones are rebuilt)
+    report = extract_features(
+        rows, config.data.tiles_dir, out, method.encoder.name, method.encoder.weights,
+        encoder=frozen_encoder(method), batch_size=method.chunk_size, device=str(device), progress=progress,
+    )
+    failed = report[report["status"] == "failed"]
+    if len(failed):
+        raise RuntimeError(
+            f"method {method.name!r}: feature extraction failed for {len(failed)} slide(s): "
+            + "; ".join(f"{r.slide_id}: {r.error}" for r in failed.head(5).itertuples())
+        )
+    return out
+
+
+class _LazyFeatures(Sequence):
+    """Validation features read from h5 one slide at a time (a cohort's features need not fit in memory)."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        from wsi_pipeline.data.features import read_features
+
+        return torch.from_numpy(read_features(self.paths[i])[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+
+def train_pipeline(
+    config: PipelineConfig,
+    methods: Sequence[str] | None = None,
+    seeds: Sequence[int] | None = None,
+    resume: bool = False,
+    *,
+    device: str | None = None,
+    progress: bool = True,
+) -> list[Path]:
+    """Train every (method, seed) of ``config``; return the run folders (finished ones included).
+
+    Parameters
+    ----------
+    config : the pipeline.
+    methods : method names to train (default: all).
+    seeds : seeds to train (default: ``config.seeds``).
+    resume : continue runs that have ``last.pt`` but no ``done`` marker (without it they are an error).
+    device : overrides every method's ``train.device``.
+    progress : tqdm bars (shown on terminals only).
+    """
+    chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
+    seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
+    plan = preflight(config, chosen, seeds, resume=resume)
+    for run_dir in plan.finished:
+        log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
+    features: dict[str, Path] = {}
+    for method in {m.name: m for m, _, _ in plan.runs}.values():
+        if method.strategy == "frozen":
+            features[method.name] = _ensure_features(config, method, plan, resolve_device(device or method.train.device), progress)
+    for method, seed, run_dir in plan.runs:
+        train_run(config, method, seed, plan, features_dir=features.get(method.name), device=device, progress=progress)
+    return [config.run_dir(m.name, s) for m in chosen for s in seeds]
+
+
+def _seed_everything(*keys: int) -> None:
+    s = int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1)[0])
+    random.seed(s)
+    np.random.seed(s)
+    torch.manual_seed(s)
+
+
+def _seed_torch(*keys: int) -> None:
+    torch.manual_seed(int(np.random.SeedSequence([int(k) for k in keys]).generate_state(1)[0]))
+
+
+def _selection(train_cfg: Any, n_classes: int) -> tuple[str, bool]:
+    """(metric name, higher is better)."""
+    if train_cfg.select_metric == "loss":
+        return "loss", False
+    if train_cfg.select_metric == "auto":
+        return ("auc" if n_classes == 2 else "qwk"), True
+    return train_cfg.select_metric, True
+
+
+def _better(value: float | None, best: float | None, higher: bool) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None or not math.isfinite(best):
+        return True
+    return value > best if higher else value < best
+
+
+def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    pd.DataFrame(rows).to_csv(tmp, index=False)
+    os.replace(tmp, path)
+
+
+def _write_json(obj: Any, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2))
+    os.replace(tmp, path)
+
+
+def _bars(progress: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return lambda *a, **k: tqdm(*a, disable=None if progress else True, dynamic_ncols=True, **k)
+
+
+def train_run(
+    config: PipelineConfig,
+    method: MethodConfig,
+    seed: int,
+    plan: RunPlan,
+    *,
+    features_dir: Path | None = None,
+    device: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Train one (method, seed) into its run folder, resuming from ``last.pt`` when present; return the folder.
+
+    ``plan`` comes from :func:`preflight` (which also decides whether resuming is allowed).
+    """
+    run_dir = config.run_dir(method.name, seed)
+    if (run_dir / DONE).exists():
+        return run_dir
+    tc = method.train
+    n_classes = config.data.n_classes
+    dev = resolve_device(device or tc.device)
+    run_config = _run_config(config, method, seed)
+    metric, higher = _selection(tc, n_classes)
+    bar = _bars(progress)
+
+    _seed_everything(seed)
+    strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment) if method.strategy != "frozen" else None)
+    if strategy.input == "features":
+        from wsi_pipeline.data.features import features_path, read_features
+
+        if features_dir is None:
+            raise ValueError(f"method {method.name!r} is frozen: pass the folder of its feature files (features_dir)")
+        reader: TileReader | FeatureReader = FeatureReader(plan.train, [features_path(features_dir, s.slide_id) for s in plan.train], read_features)
+        val_inputs: Sequence[Any] = _LazyFeatures([features_path(features_dir, s.slide_id) for s in plan.val])
+    else:
+        reader = TileReader(plan.train)
+        val_reader = TileReader(plan.val)
+        val_inputs = [val_reader.store(i) for i in range(len(plan.val))]
+    val_labels = [s.label for s in plan.val]
+    n_tiles = reader.n_tiles()
+    if strategy.steps_optimizer:
+        steps_per_epoch = sum(strategy.optimizer_steps(n) for n in n_tiles)  # type: ignore[attr-defined]
+    else:
+        steps_per_epoch = math.ceil(len(n_tiles) / tc.bags_per_step)
+    params = strategy.parameters()
+    optimizer = build_optimizer(params, tc, total_steps=tc.epochs * steps_per_epoch)
+    schedule = EpochSchedule(optimizer, tc)
+
+    history: list[dict[str, Any]] = []
+    best: dict[str, Any] = {"metric": metric, "value": None, "epoch": 0}
+    start = 0
+    last = run_dir / "last.pt"
+    if last.exists():
+        state = load_checkpoint(last, map_location=dev)
+        for name, module in strategy.state_modules().items():
+            module.load_state_dict(state["models"][name])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
+        history, best, start = list(state["history"]), dict(state["best"]), int(state["epoch"])
+        log.info("resuming %s after epoch %d", run_dir, start)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(run_config, run_dir / "config.yaml")
+
+    def optimizer_step() -> None:
+        clip_gradients(params, tc.clip_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    autocast = (
+        torch.autocast(device_type="cuda", dtype=torch.bfloat16) if tc.bf16 and dev.type == "cuda" else nullcontext()
+    )
+    epochs = bar(range(start, tc.epochs), initial=start, total=tc.epochs, desc=f"{method.name} seed{seed}", unit="epoch")
+    for epoch in epochs:
+        if tc.early_stopping_patience and epoch - best["epoch"] >= tc.early_stopping_patience:
+            log.info("%s: early stopping, no %s improvement since epoch %d", run_dir, metric, best["epoch"])
+            break
+        t0 = time.perf_counter()
+        _seed_everything(seed, epoch + 1)
+        lr = schedule.set_epoch(epoch)
+        strategy.train()
+        with autocast:
+            train_loss = _train_epoch(strategy, reader, n_tiles, tc, seed, epoch, optimizer, optimizer_step, bar)
+            val = _validate(strategy, val_inputs, val_labels, config, method, dev)
+        row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": val.get(k, math.nan) for k in VAL_METRICS}}
+        row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3))
+        history.append(row)
+        value = val.get(metric) if val else None
+        improved = _better(value, best["value"], higher) or best["epoch"] == 0 or not val
+        if improved:
+            best = {"metric": metric, "value": None if value is None else float(value), "epoch": epoch + 1}
+        _write_csv(history, run_dir / "history.csv")
+        models = {name: m.state_dict() for name, m in strategy.state_modules().items()}
+        common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1}
+        if improved:
+            save_checkpoint(run_dir / "best.pt", {**common, "models": models, "best": best})
+        save_checkpoint(last, {
+            **common, "models": models, "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
+            "rng": capture_rng(), "best": best, "history": history,
+        })
+        log.info(
+            "%s seed %d epoch %d/%d: train_loss %.4f, val_%s %s, lr %.3g (%.1f s)",
+            method.name, seed, epoch + 1, tc.epochs, train_loss, metric,
+            "n/a" if value is None else f"{value:.4f}", lr, row["seconds"],
+        )
+        epochs.set_postfix(loss=f"{train_loss:.4f}", **({f"val_{metric}": f"{value:.3f}"} if value is not None else {}))
+    _write_json(
+        {
+            "epochs": len(history), "select_metric": metric, "best_epoch": best["epoch"],
+            "best_value": best["value"] if best["value"] is not None and math.isfinite(best["value"]) else None,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+        run_dir / DONE,
+    )
+    return run_dir
+
+
+def _train_epoch(
+    strategy: Strategy,
+    reader: TileReader | FeatureReader,
+    n_tiles: list[int],
+    tc: Any,
+    seed: int,
+    epoch: int,
+    optimizer: torch.optim.Optimizer,
+    optimizer_step: Any,
+    bar: Any,
+) -> float:
+    """One pass over the training slides; returns the mean bag loss."""
+    losses: list[float] = []
+    optimizer.zero_grad(set_to_none=True)
+    if strategy.steps_optimizer:
+        # one slide at a time, the strategy steps the optimiser; the whole store is its input
+        plan = epoch_plan(n_tiles, bag_size=max(n_tiles), bags_per_step=1, seed=seed, epoch=epoch)
+        gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch, 2]).generate_state(1)[0]))
+        bags = bar(total=len(plan), desc=f"epoch {epoch + 1}", unit="slide", leave=False)
+        for (i, _), in plan:
+            losses.append(strategy.run_bag(reader.store(i), reader.slides[i].label, optimizer_step, gen))  # type: ignore[attr-defined, union-attr]
+            bags.update()
+            bags.set_postfix(loss=f"{np.mean(losses):.4f}")
+        bags.close()
+        return float(np.mean(losses))
+    plan = epoch_plan(n_tiles, bag_size=tc.bag_size, bags_per_step=tc.bags_per_step, seed=seed, epoch=epoch)
+    bags = bar(total=len(n_tiles), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
+    done_in_group = 0
+    for b, (g, bag) in enumerate(iter_bags(plan, reader)):
+        # every bag starts from its own seed: its augmentation and dropout draws do not depend on
+        # what earlier bags consumed (accumulate_step, for one, rewinds the generator per chunk)
+        _seed_torch(seed, epoch, b)
+        losses.append(strategy.bag_step(bag, 1.0 / len(plan[g])))
+        done_in_group += 1
+        if done_in_group == len(plan[g]):
+            optimizer_step()
+            done_in_group = 0
+        bags.update()
+        bags.set_postfix(loss=f"{np.mean(losses):.4f}")
+    bags.close()
+    return float(np.mean(losses))
+
+
+def _validate(
+    strategy: Strategy,
+    inputs: Sequence[Any],
+    labels: list[int],
+    config: PipelineConfig,
+    method: MethodConfig,
+    device: torch.device,
+) -> dict[str, float]:
+    """Validation metrics (``loss, auc, qwk, accuracy, balanced_accuracy``); empty without validation slides."""
+    if not labels:
+        return {}
+    from wsi_pipeline.evaluation.protocols import validate_model
+
+    encoder = None if strategy.input == "features" else strategy.encoder
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(config.eval.seed)
+        return validate_model(
+            encoder, strategy.aggregator, inputs, labels, config.eval.val_protocol,
+            n_classes=config.data.n_classes, device=device, batch_size=method.chunk_size, seed=config.eval.seed,
+        )
+

@@ -1,0 +1,393 @@
+"""PatchGD (Gupta et al.) on slides: a Z block over the tile grid, updated a few tiles at a time.
+
+One slide per :meth:`PatchGDStrategy.bag_step`:
+
+1. **Fill** (no gradient): embed every tile of the store in chunks; the per-tile cache
+   ``E`` [n, D] laid out by the head's :class:`~wsi_pipeline.models.heads.GridLayout` *is* Z
+   [1, s, rows, cols] (spatial layout, row = y, col = x; background cells zero and masked;
+   large grids cropped to the tissue bounding box and pooled, see :mod:`wsi_pipeline.models.heads`).
+2. **zeta inner iterations**. Iteration j takes the next k tiles of a stream of random
+   permutations of the slide's tiles (:func:`plan_inner_iterations`: every tile exactly once
+   per pass, never twice in one iteration), re-embeds them *with* gradient, writes them into
+   a detached copy of Z (``E.index_copy``: gradient reaches the encoder through those k tiles
+   only), runs the head over the whole Z, and backpropagates ``loss / window``. The fresh
+   embeddings are then written (detached) into the cache, so later iterations see them.
+3. **Optimiser step every epsilon inner iterations** (default epsilon = zeta, one step per
+   slide). ``optimizer_step()`` (the caller's callback: step, then zero the gradients) is
+   called at the end of each window of epsilon iterations; when zeta is not a multiple of
+   epsilon the last window is shorter and its losses are divided by its own length, so no
+   gradient is ever left pending after a slide.
+
+Gradient scale (``backbone_scale``)
+-----------------------------------
+Within one window the head's gradient is the gradient of the window's mean loss. The encoder
+only sees the k live tiles of each iteration, so backpropagating ``loss / epsilon`` (what the
+reference does, ``backbone_scale: paper``) gives the encoder ``1 / epsilon`` of the full-slide
+gradient when the window covers every tile once, while the head gets all of its gradient.
+The default ``backbone_scale: full`` multiplies the gradient entering the live embeddings by
+``n / k``: each iteration's encoder gradient is then an unbiased estimate of the full-slide
+gradient ``sum_i dL/dz_i dz_i/dtheta`` (each tile is live with probability k/n), and with
+``epsilon = zeta`` and ``zeta * k = n`` (one pass, one step) the step uses *exactly* the
+gradient of the slide's loss with all tiles embedded with gradient, for head and encoder alike.
+(With Adam the scale hardly matters, being per-parameter; it matters for SGD, coupled weight
+decay and gradient-norm clipping.)
+
+BatchNorm in the encoder (``freeze_bn``)
+----------------------------------------
+Default ``freeze_bn: true``: the encoder's BatchNorm layers run on their running statistics in
+both the fill and the live passes (their affine parameters still train), so the encoder is one
+fixed function per step and a live tile's embedding equals its cached one bit for bit; this is
+what makes the gradients above exact. ``freeze_bn: false`` normalises the live k tiles with
+their own batch statistics (and updates the running statistics every inner iteration) while
+the fill uses the running statistics: inexact, offered for comparison only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from wsi_pipeline.data.tensors import tiles_to_tensor
+from wsi_pipeline.models.aggregators.base import MILOutput
+from wsi_pipeline.models.heads import GridHead, GridLayout, build_head
+
+__all__ = [
+    "PatchGDConfig",
+    "PatchGDStrategy",
+    "plan_inner_iterations",
+    "accumulation_windows",
+    "embed_store",
+    "build_patchgd_head",
+]
+
+log = logging.getLogger(__name__)
+
+BACKBONE_SCALES = ("full", "paper")
+
+
+@dataclass(frozen=True)
+class PatchGDConfig:
+    """The ``patchgd:`` options of a method config.
+
+    Attributes
+    ----------
+    k : tiles sampled per inner iteration (None = ``ceil(fraction * n)`` for a slide of n tiles);
+        clipped to n.
+    fraction : fraction of the slide's tiles per inner iteration when ``k`` is None.
+    zeta : inner iterations per slide (None = one pass: ``ceil(n / k)``).
+    epsilon : inner iterations per optimiser step (None = zeta, one step per slide).
+    backbone_scale : ``"full"`` (default; encoder gradient scaled by n/k, see module docstring)
+        or ``"paper"`` (the reference's 1/epsilon scale).
+    freeze_bn : encoder BatchNorm on running statistics (exact; default) or live batch statistics.
+    fill_batch : tiles per no-grad encoder batch when filling Z.
+    head : PatchGD head name (``cnn`` or ``transformer``).
+    head_options : keyword options of the head (width, dropout, pool, dim, ...).
+    max_grid : cap on Z's longer side in cells (None = no cap); passed to the head.
+    proj_dim : optional linear projection of embeddings to s channels; passed to the head.
+    """
+
+    k: int | None = None
+    fraction: float = 0.25
+    zeta: int | None = None
+    epsilon: int | None = None
+    backbone_scale: str = "full"
+    freeze_bn: bool = True
+    fill_batch: int = 64
+    head: str = "cnn"
+    head_options: Mapping[str, Any] = field(default_factory=dict)
+    max_grid: int | None = 128
+    proj_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("k", "zeta", "epsilon", "max_grid", "proj_dim"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"patchgd.{name}={v!r}; expected a positive integer or null")
+        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 1:
+            raise ValueError(f"patchgd.fraction={self.fraction!r}; expected a number in (0, 1]")
+        if self.backbone_scale not in BACKBONE_SCALES:
+            raise ValueError(f"patchgd.backbone_scale={self.backbone_scale!r}; expected one of {BACKBONE_SCALES}")
+        if not isinstance(self.freeze_bn, bool):
+            raise TypeError(f"patchgd.freeze_bn={self.freeze_bn!r}; expected true or false")
+        if isinstance(self.fill_batch, bool) or not isinstance(self.fill_batch, int) or self.fill_batch < 1:
+            raise ValueError(f"patchgd.fill_batch={self.fill_batch!r}; expected a positive integer")
+        if not isinstance(self.head_options, Mapping):
+            raise TypeError(f"patchgd.head_options must be a mapping of head keyword options; got {type(self.head_options).__name__}")
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any] | None) -> PatchGDConfig:
+        """Validate a ``patchgd:`` mapping; unknown keys raise ``ValueError`` naming them and the valid keys."""
+        options = dict(options or {})
+        valid = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown patchgd option(s) {unknown}; valid options are {valid}")
+        return cls(**options)
+
+    def tiles_per_iteration(self, n_tiles: int) -> int:
+        """k for a slide of ``n_tiles`` tiles (at least 1, at most n)."""
+        k = self.k if self.k is not None else math.ceil(self.fraction * n_tiles)
+        return max(1, min(int(k), int(n_tiles)))
+
+    def inner_iterations(self, n_tiles: int) -> int:
+        """zeta for a slide of ``n_tiles`` tiles."""
+        return self.zeta if self.zeta is not None else math.ceil(n_tiles / self.tiles_per_iteration(n_tiles))
+
+
+def build_patchgd_head(method_cfg: Mapping[str, Any] | PatchGDConfig | None, in_dim: int, n_classes: int) -> GridHead:
+    """Build the head a method config asks for (``head``, ``head_options``, ``max_grid``, ``proj_dim``)."""
+    cfg = method_cfg if isinstance(method_cfg, PatchGDConfig) else PatchGDConfig.from_mapping(_patchgd_mapping(method_cfg))
+    options = {"max_grid": cfg.max_grid, "proj_dim": cfg.proj_dim, **dict(cfg.head_options)}
+    return build_head(cfg.head, in_dim, n_classes, **options)
+
+
+def _get(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+def _patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
+    """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
+    attribute), or a bare ``patchgd`` mapping. The encoder's BatchNorm mode (``encoder.bn``),
+    when the method config has one, is the default of ``freeze_bn``."""
+    if method_cfg is None:
+        return {}
+    inner = _get(method_cfg, "patchgd")
+    keys = {f.name for f in fields(PatchGDConfig)}
+    if inner is None and isinstance(method_cfg, Mapping) and set(method_cfg) <= keys:
+        return dict(method_cfg)
+    if inner is not None and not isinstance(inner, Mapping):
+        raise TypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
+    options = dict(inner or {})
+    bn = _get(_get(method_cfg, "encoder"), "bn") if _get(method_cfg, "encoder") is not None else None
+    if "freeze_bn" not in options and bn is not None:
+        if bn not in ("frozen", "train"):
+            raise ValueError(f"encoder.bn={bn!r} is not supported by patchgd; use 'frozen' (exact) or 'train'")
+        options["freeze_bn"] = bn == "frozen"
+    return options
+
+
+def plan_inner_iterations(n_tiles: int, k: int, zeta: int, generator: torch.Generator | None = None) -> list[Tensor]:
+    """The tiles of each inner iteration: ``zeta`` long tensors of ``k`` distinct indices in [0, n).
+
+    The iterations read consecutive k-blocks of a stream of random permutations of the tiles,
+    so every tile appears exactly once per pass of n draws. When a pass ends inside an
+    iteration, the tiles already taken in that iteration are moved to the end of the next
+    permutation, so no iteration holds a tile twice and the pass property still holds.
+    """
+    if not 1 <= k <= n_tiles:
+        raise ValueError(f"k={k} tiles per inner iteration must be in [1, n_tiles={n_tiles}]")
+    if zeta < 1:
+        raise ValueError(f"zeta={zeta}; expected at least one inner iteration")
+    plan: list[Tensor] = []
+    pending = torch.randperm(n_tiles, generator=generator)
+    pos = 0
+    for _ in range(zeta):
+        take = pending[pos : pos + k]
+        pos += len(take)
+        if len(take) < k:
+            nxt = torch.randperm(n_tiles, generator=generator)
+            taken = torch.zeros(n_tiles, dtype=torch.bool)
+            taken[take] = True
+            nxt = torch.cat([nxt[~taken[nxt]], nxt[taken[nxt]]])
+            need = k - len(take)
+            take = torch.cat([take, nxt[:need]])
+            pending, pos = nxt, need
+        plan.append(take)
+    return plan
+
+
+def accumulation_windows(zeta: int, epsilon: int) -> list[int]:
+    """Lengths of the optimiser-step windows: ``epsilon`` each, the last one shorter if needed."""
+    if zeta < 1 or epsilon < 1:
+        raise ValueError(f"zeta={zeta} and epsilon={epsilon} must be positive")
+    full, rest = divmod(zeta, epsilon)
+    return [epsilon] * full + ([rest] if rest else [])
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    p = next(module.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _modes(module: nn.Module, *, train: bool, freeze_bn: bool) -> Iterator[None]:
+    """Set ``module``'s train/eval mode (BatchNorm layers to eval when ``freeze_bn``); restore on exit."""
+    saved = [(m, m.training) for m in module.modules()]
+    module.train(train)
+    if freeze_bn:
+        for m in module.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in saved:
+            m.training = mode
+
+
+def embed_store(
+    encoder: nn.Module,
+    store: Any,
+    *,
+    batch: int = 64,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Embed every tile of ``store`` with ``encoder`` in eval mode and without gradient: [n, D] of ``dtype``.
+
+    Rows follow the store's tile order (as ``store.grid`` and ``store.coords``).
+    """
+    device = torch.device(device) if device is not None else _device_of(encoder)
+    n = len(store)
+    out: list[Tensor] = []
+    with _modes(encoder, train=False, freeze_bn=True), torch.no_grad():
+        for start in range(0, n, batch):
+            idx = np.arange(start, min(start + batch, n))
+            out.append(encoder(tiles_to_tensor(store.read(idx), device=device)).to(dtype))
+    return torch.cat(out)
+
+
+class PatchGDStrategy:
+    """PatchGD training on one slide at a time (see the module docstring for the algorithm).
+
+    Parameters
+    ----------
+    method_cfg : the method's config mapping; its ``patchgd`` entry is validated into
+        :class:`PatchGDConfig` (a bare ``patchgd`` mapping or a :class:`PatchGDConfig` works too).
+    encoder : tile encoder, [B, 3, T, T] -> [B, D], with ``num_features`` = D.
+    head : a :class:`~wsi_pipeline.models.heads.GridHead`; None builds the configured one
+        (:func:`build_patchgd_head`; put its parameters in the optimiser via :attr:`head`).
+    n_classes : C.
+
+    Attributes
+    ----------
+    last_plan : the tile indices of each inner iteration of the latest :meth:`bag_step`.
+    """
+
+    def __init__(self, method_cfg: Mapping[str, Any] | PatchGDConfig | None, encoder: nn.Module, head: GridHead | None, n_classes: int) -> None:
+        if isinstance(method_cfg, PatchGDConfig):
+            self.cfg, explicit = method_cfg, set()
+        else:
+            options = _patchgd_mapping(method_cfg)
+            self.cfg, explicit = PatchGDConfig.from_mapping(options), set(options)
+        self.encoder = encoder
+        self.n_classes = int(n_classes)
+        if head is None:
+            in_dim = getattr(encoder, "num_features", None)
+            if in_dim is None:
+                raise ValueError("encoder has no `num_features`; build the head yourself and pass it as head=")
+            head = build_patchgd_head(self.cfg, int(in_dim), self.n_classes)
+        if not isinstance(head, GridHead):
+            raise TypeError(
+                f"PatchGD needs a grid head from wsi_pipeline.models.heads (build_head); got {type(head).__name__}"
+            )
+        if "max_grid" in explicit and head.max_grid != self.cfg.max_grid:
+            # the cap only changes the layout, so the strategy's setting can be applied to a built head
+            head.max_grid = self.cfg.max_grid
+        if "proj_dim" in explicit and (self.cfg.proj_dim or head.in_dim) != head.z_dim:
+            raise ValueError(
+                f"patchgd.proj_dim={self.cfg.proj_dim} but the head was built with proj_dim={head.z_dim}; "
+                "set proj_dim in the head's options (it creates parameters) and drop it from patchgd"
+            )
+        if self.n_classes != head.n_classes:
+            raise ValueError(f"n_classes={self.n_classes} but the head was built for {head.n_classes} classes")
+        self.head = head
+        self.last_plan: list[Tensor] = []
+
+    @property
+    def device(self) -> torch.device:
+        return _device_of(self.encoder)
+
+    def _embed_all(self, store: Any) -> Tensor:
+        dtype = next(self.head.parameters()).dtype
+        return embed_store(self.encoder, store, batch=self.cfg.fill_batch, device=self.device, dtype=dtype)
+
+    def fill_z(self, store: Any) -> tuple[Tensor, Tensor, GridLayout]:
+        """Z for a slide without gradient: ``(Z [1, s, rows, cols], mask [1, rows, cols], layout)``."""
+        emb = self._embed_all(store)
+        layout = self.head.layout(store.grid).to(emb.device)
+        with torch.no_grad():
+            z_grid, mask = self.head.to_z(emb, layout)
+        return z_grid, mask, layout
+
+    def predict(self, store: Any) -> MILOutput:
+        """Evaluate a slide: fill Z with all tiles and run the head in eval mode (logits [C], scores [n])."""
+        emb = self._embed_all(store)
+        was = self.head.training
+        self.head.eval()
+        try:
+            with torch.no_grad():
+                out = self.head(emb, store.grid)
+        finally:
+            self.head.train(was)
+        return out
+
+    def bag_step(
+        self,
+        store: Any,
+        label: int | Tensor,
+        optimizer_step: Callable[[], None],
+        generator: torch.Generator | None = None,
+    ) -> float:
+        """Run the inner iterations on one slide, stepping the optimiser every epsilon of them.
+
+        Parameters
+        ----------
+        store : the slide's TileStore (``read``, ``grid``, ``len``).
+        label : the slide's class in [0, C).
+        optimizer_step : called after every window of epsilon inner iterations; it must step
+            the optimiser and zero the gradients (the caller's schedule, clipping, scaler...).
+        generator : the source of the tile sampling (CPU generator).
+
+        Returns
+        -------
+        The mean loss over the inner iterations (each loss is the full task loss of one
+        iteration, not divided by epsilon).
+        """
+        cfg = self.cfg
+        n = len(store)
+        if n < 1:
+            raise ValueError(f"store {getattr(store, 'path', store)} has no tiles; PatchGD needs at least one")
+        y = int(label)
+        if not 0 <= y < self.n_classes:
+            raise ValueError(f"label={y} outside [0, n_classes={self.n_classes})")
+        k = cfg.tiles_per_iteration(n)
+        zeta = cfg.inner_iterations(n)
+        windows = accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta)
+        plan = plan_inner_iterations(n, k, zeta, generator)
+        self.last_plan = plan
+        device = self.device
+        target = torch.tensor([y], device=device)
+        scale = n / k if cfg.backbone_scale == "full" else 1.0
+
+        cache = self._embed_all(store)
+        layout = self.head.layout(store.grid).to(device)
+        losses: list[float] = []
+        j = 0
+        with _modes(self.encoder, train=self.encoder.training, freeze_bn=cfg.freeze_bn):
+            for length in windows:
+                for _ in range(length):
+                    idx = plan[j].to(device)
+                    live = self.encoder(tiles_to_tensor(store.read(plan[j].numpy()), device=device)).to(cache.dtype)
+                    if scale != 1.0:
+                        live.register_hook(lambda g, s=scale: g * s)
+                    out = self.head(cache.index_copy(0, idx, live), layout=layout)
+                    loss = F.cross_entropy(out.logits[None], target)
+                    if out.aux_loss is not None:
+                        loss = loss + out.aux_loss
+                    (loss / length).backward()
+                    with torch.no_grad():
+                        cache.index_copy_(0, idx, live.detach())
+                    losses.append(float(loss.detach()))
+                    j += 1
+                optimizer_step()
+        return float(np.mean(losses))

@@ -1,0 +1,360 @@
+"""Training strategies: how one bag's loss and gradients are computed. One loop drives them all.
+
+=============  ==============================================================================
+``frozen``     aggregator only, on frozen-encoder features read from h5 files (the baseline)
+``full``       the whole bag through the encoder with gradient at once (the reference)
+``accumulate`` exact gradient accumulation over chunks of the bag (ABMIL-ACC, generalised)
+``bigl``       the encoder converted to Big-Layers, the whole bag as one batch
+``patchgd``    PatchGD inner iterations on the slide's tile grid (steps the optimiser itself)
+=============  ==============================================================================
+
+Every strategy has the same interface (:class:`Strategy`): ``bag_step(bag, scale)`` ADDS the
+gradient of ``scale * loss(bag)`` to the parameters' ``.grad`` and returns the bag's loss; the
+loop zeroes gradients, clips and steps the optimiser. A strategy with ``steps_optimizer = True``
+(PatchGD) instead receives an ``optimizer_step`` callback and calls it itself.
+
+BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exact in every
+strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``), which for
+``full`` and ``bigl`` is the whole bag; ``train`` is batch statistics of the whole bag
+(``full``, ``bigl``; rejected by ``accumulate``, where it could not be exact).
+
+Building blocks are imported when a strategy is built, so a strategy whose block is missing
+fails with a message naming it (:func:`check_strategy`), never by silently falling back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import nn
+
+from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
+from wsi_pipeline.data.bags import Bag
+from wsi_pipeline.models.registry import Registry
+
+__all__ = [
+    "STRATEGIES",
+    "Strategy",
+    "build_models",
+    "build_strategy",
+    "check_strategy",
+    "frozen_encoder",
+    "frozen_features_dir",
+    "load_encoder_state",
+]
+
+log = logging.getLogger(__name__)
+
+STRATEGIES: Registry = Registry("strategy")
+
+#: Seed of the random initialisation of a frozen encoder without weights (as ``extract_features``).
+FROZEN_INIT_SEED = 0
+
+
+def _missing_block(strategy: str, what: str, err: Exception) -> ImportError:
+    return ImportError(
+        f"strategy {strategy!r} needs {what}, which is not available in this installation ({err}); "
+        f"choose another strategy or update wsi-pipeline"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------------
+
+
+def frozen_encoder(method: Any) -> nn.Module:
+    """The frozen encoder of a method: ``encoder.name`` with ``encoder.weights``, eval mode, no gradient.
+
+    Without weights the encoder is initialised from a fixed seed, the one
+    :func:`wsi_pipeline.data.features.extract_features` uses, so features and model agree.
+    """
+    from wsi_pipeline.models import build_encoder
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(FROZEN_INIT_SEED)
+        enc = build_encoder(method.encoder.name, weights=method.encoder.weights)
+    enc.eval()
+    enc.requires_grad_(False)
+    return enc
+
+
+def frozen_features_dir(method: Any, features_root: str) -> str:
+    """Feature folder of a frozen method: its ``features_dir``, else ``<features_root>/<encoder>[-<weights stem>]``."""
+    if method.features_dir:
+        return method.features_dir
+    from pathlib import Path
+
+    tag = method.encoder.name
+    if method.encoder.weights:
+        tag += "-" + Path(method.encoder.weights).stem
+    return str(Path(features_root) / tag)
+
+
+def build_models(method: Any, n_classes: int, *, device: str | torch.device = "cpu", for_training: bool = True) -> tuple[nn.Module, nn.Module]:
+    """Build a method's ``(encoder, aggregator)``; the aggregator is the PatchGD head for ``patchgd``.
+
+    Random initialisation follows torch's global generator (seed it first). ``for_training``
+    converts a ``bigl`` encoder to Big-Layers; for inference the plain encoder is returned.
+    """
+    from wsi_pipeline.models import build_aggregator, build_encoder
+
+    if method.strategy == "frozen":
+        encoder = frozen_encoder(method)
+    else:
+        encoder = build_encoder(method.encoder.name, weights=method.encoder.weights)
+    dim = int(encoder.num_features)
+    if method.strategy == "patchgd":
+        try:
+            from wsi_pipeline.training.patchgd import build_patchgd_head
+        except ImportError as e:
+            raise _missing_block("patchgd", "wsi_pipeline.training.patchgd", e) from e
+        aggregator = build_patchgd_head(method, dim, n_classes)
+    else:
+        aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
+    encoder.to(device)
+    aggregator.to(device)
+    if method.strategy == "bigl" and for_training:
+        encoder = _bigify(method, encoder, device)
+    return encoder, aggregator
+
+
+def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.Module:
+    try:
+        from wsi_pipeline.bigl import bigify
+    except ImportError as e:
+        raise _missing_block("bigl", "wsi_pipeline.bigl.bigify", e) from e
+    dim = encoder.num_features
+    big = bigify(encoder, method.bigl.stages, method.bigl.max_elements, device=torch.device(device))
+    if not hasattr(big, "num_features"):
+        big.num_features = dim
+    return big
+
+
+def load_encoder_state(method: Any, encoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """Load a checkpoint's encoder state into a plain encoder (a Big-Layers state is converted when needed).
+
+    Returns the module holding the weights (the plain encoder, or its Big-Layers version when
+    the Big-Layers parameter names differ from the plain ones).
+    """
+    try:
+        encoder.load_state_dict(state)
+        return encoder
+    except RuntimeError:
+        if method.strategy != "bigl":
+            raise
+    big = _bigify(method, encoder, "cpu")
+    big.load_state_dict(state)
+    return big
+
+
+# ----------------------------------------------------------------------------------------------
+# Strategies
+# ----------------------------------------------------------------------------------------------
+
+
+class Strategy:
+    """Base class: builds the models and defines how a bag's gradient is computed.
+
+    Attributes
+    ----------
+    name : registry name.
+    input : what a bag carries: ``"tiles"`` (uint8 tiles), ``"features"`` (frozen features) or
+        ``"store"`` (the whole tile store; PatchGD).
+    steps_optimizer : True when :meth:`bag_step` steps the optimiser itself.
+    bn_modes : accepted ``encoder.bn`` values.
+    encoder, aggregator : the models (``aggregator`` is the head for PatchGD).
+    """
+
+    name: ClassVar[str] = ""
+    input: ClassVar[str] = "tiles"
+    steps_optimizer: ClassVar[bool] = False
+    bn_modes: ClassVar[tuple[str, ...]] = ("frozen", "chunk", "train")
+    augment: SlideAugment | None = None
+
+    def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
+        self.method = method
+        self.n_classes = int(n_classes)
+        self.device = torch.device(device)
+        self.encoder, self.aggregator = build_models(method, n_classes, device=self.device)
+
+    @classmethod
+    def check(cls, method: Any) -> None:
+        """Raise before training if this strategy cannot run ``method`` (missing block, bad option)."""
+        if method.encoder.bn not in cls.bn_modes:
+            raise ValueError(
+                f"method {method.name!r}: encoder.bn={method.encoder.bn!r} is not supported by strategy "
+                f"{cls.name!r}; use one of {list(cls.bn_modes)}"
+            )
+
+    def state_modules(self) -> dict[str, nn.Module]:
+        """Modules whose state dicts go into checkpoints."""
+        return {"encoder": self.encoder, "aggregator": self.aggregator}
+
+    def trainable(self) -> list[nn.Module]:
+        """Modules the optimiser trains."""
+        return [self.encoder, self.aggregator]
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.trainable() for p in m.parameters() if p.requires_grad]
+
+    def train(self) -> None:
+        for m in self.trainable():
+            m.train()
+
+    def eval(self) -> None:
+        self.encoder.eval()
+        self.aggregator.eval()
+
+    def _bn(self) -> str:
+        """``encoder.bn`` as the accumulate module's policy names it."""
+        return "frozen" if self.method.encoder.bn == "frozen" else "chunk"
+
+    def _loss_fn(self, scale: float) -> Callable[[Any, Any], torch.Tensor]:
+        from wsi_pipeline.training.accumulate import default_loss
+
+        return lambda output, label: default_loss(output, label) * scale
+
+    def bag_step(self, bag: Bag, scale: float) -> float:
+        """Add the gradient of ``scale * loss(bag)`` to ``.grad``; return the (unscaled) loss."""
+        raise NotImplementedError
+
+
+@STRATEGIES.register("frozen")
+class FrozenStrategy(Strategy):
+    """The aggregator on frozen-encoder features (h5 files); the encoder is kept for inference only."""
+
+    name = "frozen"
+    input = "features"
+
+    def trainable(self) -> list[nn.Module]:
+        return [self.aggregator]
+
+    def bag_step(self, bag: Bag, scale: float) -> float:
+        from wsi_pipeline.training.accumulate import full_step
+
+        feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.float32, device=self.device)
+        # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
+        loss = full_step(nn.Identity(), self.aggregator, feats, bag.slide.label, loss_fn=self._loss_fn(scale))
+        return loss / scale
+
+
+@STRATEGIES.register("full")
+class FullStrategy(Strategy):
+    """The whole bag through the encoder with gradient at once (needs memory for all its activations)."""
+
+    name = "full"
+
+    def bag_step(self, bag: Bag, scale: float) -> float:
+        from wsi_pipeline.training.accumulate import full_step
+
+        tiles = tiles_to_input(bag.data, self.augment, device=self.device)
+        loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.label, loss_fn=self._loss_fn(scale), bn=self._bn())
+        return loss / scale
+
+
+@STRATEGIES.register("accumulate")
+class AccumulateStrategy(Strategy):
+    """Exact accumulation: the bag stays in host memory, ``chunk_size`` tiles go through the encoder at a time."""
+
+    name = "accumulate"
+    bn_modes = ("frozen", "chunk")
+
+    def bag_step(self, bag: Bag, scale: float) -> float:
+        from wsi_pipeline.training.accumulate import accumulate_step
+
+        chunk = self.method.chunk_size
+        tiles = tiles_to_input(bag.data, self.augment, device=self.device, out_device="cpu", chunk=chunk)
+        loss = accumulate_step(
+            self.encoder, self.aggregator, tiles, bag.slide.label, chunk, loss_fn=self._loss_fn(scale), bn=self._bn()
+        )
+        return loss / scale
+
+
+@STRATEGIES.register("bigl")
+class BiglStrategy(Strategy):
+    """The encoder converted to Big-Layers; the whole bag is one batch whose big activations live in host memory."""
+
+    name = "bigl"
+
+    @classmethod
+    def check(cls, method: Any) -> None:
+        super().check(method)
+        try:
+            from wsi_pipeline.bigl import bigify  # noqa: F401
+        except ImportError as e:
+            raise _missing_block("bigl", "wsi_pipeline.bigl.bigify", e) from e
+
+    def bag_step(self, bag: Bag, scale: float) -> float:
+        from wsi_pipeline.training.accumulate import full_step
+
+        tiles = tiles_to_input(bag.data, self.augment, device=self.device, out_device="cpu", chunk=self.method.chunk_size)
+        loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.label, loss_fn=self._loss_fn(scale), bn=self._bn())
+        return loss / scale
+
+
+@STRATEGIES.register("patchgd")
+class PatchGDAdapter(Strategy):
+    """PatchGD (:mod:`wsi_pipeline.training.patchgd`): inner iterations over the whole slide, own optimiser steps."""
+
+    name = "patchgd"
+    input = "store"
+    steps_optimizer = True
+    bn_modes = ("frozen", "train")
+
+    def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
+        super().__init__(method, n_classes, device)
+        from wsi_pipeline.training.patchgd import PatchGDStrategy
+
+        self.impl = PatchGDStrategy(method, self.encoder, self.aggregator, n_classes)
+
+    @classmethod
+    def check(cls, method: Any) -> None:
+        super().check(method)
+        try:
+            from wsi_pipeline.training.patchgd import PatchGDConfig, PatchGDStrategy  # noqa: F401
+        except ImportError as e:
+            raise _missing_block("patchgd", "wsi_pipeline.training.patchgd (PatchGDStrategy)", e) from e
+        PatchGDConfig.from_mapping(dict(method.patchgd))
+
+    def optimizer_steps(self, n_tiles: int) -> int:
+        """Optimiser steps :meth:`run_bag` takes on a slide of ``n_tiles`` tiles."""
+        from wsi_pipeline.training.patchgd import accumulation_windows
+
+        cfg = self.impl.cfg
+        zeta = cfg.inner_iterations(n_tiles)
+        return len(accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta))
+
+    def run_bag(self, store: Any, label: int, optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
+        """One slide of PatchGD; ``optimizer_step`` steps and zeroes the gradients."""
+        return self.impl.bag_step(store, label, optimizer_step, generator)
+
+
+def check_strategy(method: Any) -> type[Strategy]:
+    """The strategy class of ``method``; raises ``ValueError`` listing the valid strategies when unknown,
+    ``ImportError`` naming a missing building block, ``ValueError`` for an unsupported option."""
+    try:
+        cls = STRATEGIES.get(method.strategy)
+    except ValueError:
+        raise ValueError(
+            f"method {method.name!r}: unknown strategy {method.strategy!r}; valid strategies: {STRATEGIES.names()}"
+        ) from None
+    cls.check(method)
+    return cls
+
+
+def build_strategy(method: Any, n_classes: int, device: torch.device | str, augment: SlideAugment | None = None) -> Strategy:
+    """Build the strategy of ``method`` with its models on ``device`` (initialised from torch's global RNG)."""
+    cls = check_strategy(method)
+    strategy = cls(method, n_classes, torch.device(device))
+    strategy.augment = augment
+    return strategy
+
+
+def trainable_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
+    """Parameters that require gradients, in module order."""
+    return [p for m in modules for p in m.parameters() if p.requires_grad]
