@@ -1,8 +1,8 @@
 """Big-Layers: every partitioned layer and every bigified ResNet equals plain PyTorch.
 
 References are the ordinary torch layers / the same encoder without Big-Layers, computed in the
-test. float64: max abs difference <= 1e-9; float32: max abs difference relative to the largest
-reference value <= 1e-4.
+test. float64: max abs difference <= 1e-9 (times the largest reference value when that exceeds 1);
+float32: max abs difference relative to the largest reference value <= 1e-4.
 """
 
 from __future__ import annotations
@@ -30,15 +30,27 @@ from wsi_pipeline.models import build_encoder
 CPU = ChunkRunner("cpu")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Chunked layers issue many small ops; on a shared 2-core machine a second intra-op
+    thread only adds synchronisation stalls (6x slower measured), so these tests use one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:
     assert got.shape == ref.shape, what
     got, ref = got.detach().to(ref.device), ref.detach()
     diff = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    scale = ref.double().abs().max().item() if ref.numel() else 0.0
     if ref.dtype == torch.float64:
-        assert diff <= 1e-9, f"{what}: max abs diff {diff:.3g}"
+        # absolute 1e-9 for quantities of order 1; large ones (running variances of deep
+        # layers reach 1e5) cannot agree better than float64 rounding, ~1e-15 of their size
+        assert diff <= 1e-9 * max(1.0, scale), f"{what}: max abs diff {diff:.3g} (max |ref| {scale:.3g})"
     else:
-        scale = max(ref.double().abs().max().item(), 1e-12)
-        assert diff / scale <= 1e-4, f"{what}: relative diff {diff / scale:.3g}"
+        assert diff <= 1e-4 * max(scale, 1e-12), f"{what}: relative diff {diff / max(scale, 1e-12):.3g}"
 
 
 def smallest_budget(fn) -> int:
@@ -221,17 +233,17 @@ def test_maxpool_relu_add_on_device_equal_torch():
 
 
 # ---------------------------------------------------------------- whole encoders
-# (name, stages, input shape, max_elements): each budget is the smallest (or close to it) that
-# fits the input, so the binding layer runs single-row chunks and others uneven row chunks
+# (name, stages, input shape, max_elements): each budget is (close to) the smallest that fits
+# the input, so the binding layer runs single-row chunks and other layers uneven row chunks
 MODEL_CASES = [
-    ("resnet18", 0, (3, 3, 97, 131), 12_700),
-    ("resnet18", 1, (3, 3, 97, 131), 19_100),
-    ("resnet18", 2, (3, 3, 97, 131), 19_700),
-    ("resnet18", 3, (3, 3, 97, 131), 20_800),
-    ("resnet18", 4, (3, 3, 97, 131), 23_200),
-    ("resnet50", 0, (2, 3, 64, 72), 7_000),
-    ("resnet50", 1, (2, 3, 64, 72), 13_900),
-    ("resnet50", 2, (2, 3, 64, 72), 17_400),
+    ("resnet18", 0, (2, 3, 61, 45), 4_510),
+    ("resnet18", 1, (2, 3, 61, 45), 6_950),
+    ("resnet18", 2, (2, 3, 61, 45), 6_950),
+    ("resnet18", 3, (2, 3, 61, 45), 6_950),
+    ("resnet18", 4, (2, 3, 61, 45), 6_950),
+    ("resnet50", 0, (2, 3, 37, 41), 4_120),
+    ("resnet50", 1, (2, 3, 37, 41), 8_500),
+    ("resnet50", 2, (2, 3, 37, 41), 10_650),
 ]
 
 
@@ -251,7 +263,8 @@ def train_step(model: nn.Module, x: torch.Tensor, r: torch.Tensor, lr: float = 0
 
 def compare_models(plain: nn.Module, big: nn.Module, x: torch.Tensor, steps: int = 1) -> None:
     torch.manual_seed(5)
-    r = torch.randn(x.shape[0], plain.num_features, dtype=x.dtype) / x.shape[0]
+    # loss = mean(y * r): an ordinary mean-reduced loss, gradients of order 1
+    r = torch.randn(x.shape[0], plain.num_features, dtype=x.dtype) / (x.shape[0] * plain.num_features)
     for step in range(steps):
         y_p, gx_p, g_p = train_step(plain, x, r)
         y_b, gx_b, g_b = train_step(big, x, r)
@@ -288,12 +301,11 @@ def compare_models(plain: nn.Module, big: nn.Module, x: torch.Tensor, steps: int
     assert_close(xs[1].grad, xs[0].grad, "eval input gradient")
 
 
-@pytest.mark.parametrize(("name", "stages", "shape", "budget"), MODEL_CASES, ids=[f"{c[0]}-stages{c[1]}" for c in MODEL_CASES])
-def test_bigified_resnet_equals_plain_float64(name, stages, shape, budget):
+def check_bigified(name: str, stages: int, shape: tuple[int, ...], budget: int, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    plain = build_encoder(name).double()
+    plain = build_encoder(name).to(dtype)
     big = bigify(copy.deepcopy(plain), stages=stages, max_elements=budget, device="cpu")
-    x = torch.randn(*shape, dtype=torch.float64)
+    x = torch.randn(*shape, dtype=dtype)
     with monitor_transfers() as mon:
         compare_models(plain, big, x)
     chunks = [e for e in mon.events if e.kind == "chunk"]
@@ -307,6 +319,15 @@ def test_bigified_resnet_equals_plain_float64(name, stages, shape, budget):
     assert any(len(rows) > 1 for rows in by_pass.values())
 
 
+@pytest.mark.parametrize(("name", "stages", "shape", "budget"), MODEL_CASES, ids=[f"{c[0]}-stages{c[1]}" for c in MODEL_CASES])
+def test_bigified_resnet_equals_plain_float64(name, stages, shape, budget):
+    check_bigified(name, stages, shape, budget, torch.float64)
+
+
+def test_bigified_resnet18_float32_odd_size():
+    check_bigified("resnet18", 4, (3, 3, 97, 131), 23_200, torch.float32)
+
+
 def test_bigified_float32_pointwise_on_device_two_steps():
     torch.manual_seed(0)
     plain = build_encoder("resnet18")
@@ -317,10 +338,7 @@ def test_bigified_float32_pointwise_on_device_two_steps():
 
 @pytest.mark.slow
 def test_bigified_resnet18_bag_256px_float32():
-    torch.manual_seed(0)
-    plain = build_encoder("resnet18")
-    big = bigify(copy.deepcopy(plain), stages=2, max_elements=150_000, device="cpu")
-    compare_models(plain, big, torch.rand(2, 3, 256, 256))
+    check_bigified("resnet18", 2, (2, 3, 256, 256), 150_000, torch.float32)
 
 
 def test_state_dict_round_trip_and_sharing():

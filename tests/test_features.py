@@ -87,8 +87,17 @@ def test_missing_store_is_recorded_and_others_go_on(store_cohort, tmp_path) -> N
 @pytest.mark.slow
 def test_cli_resnet18(store_cohort, tmp_path) -> None:
     encoders = pytest.importorskip("wsi_pipeline.models.encoders")
-    from wsi_pipeline.cli.main import main
+    import argparse
+
+    from wsi_pipeline.cli import features as cli_features
     from wsi_pipeline.manifests.schema import write_manifest
+
+    def main(argv: list[str]) -> int:
+        # only this command's parser, so a half-written sibling command cannot break the test
+        parser = argparse.ArgumentParser()
+        cli_features.register(parser.add_subparsers())
+        args = parser.parse_args(argv)
+        return args.func(args)
 
     df = read_manifest(store_cohort).head(3)
     manifest = write_manifest(df, tmp_path / "manifest.csv")

@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if len(df):
         probs = [c for c in df.columns if c.startswith("prob_") and c != "prob_std"]
         show = df[["slide_id", "protocol", "n_tiles", "pred"]].copy()
-        show["p(pred)"] = [f"{r[f'prob_{int(r['pred'])}']:.3f}" for r in s.rows]
+        show["p(pred)"] = ["{:.3f}".format(r["prob_" + str(int(r["pred"]))]) for r in s.rows]
         show["probs"] = [" ".join(f"{v:.3f}" for v in r) for r in df[probs].to_numpy()]
         print(show.to_string(index=False))
     for sid, why in s.failed:

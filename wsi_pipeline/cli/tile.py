@@ -37,7 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively; slide_id = file name without extension")
+    src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively (or one slide file); slide_id = file name without extension, a DICOM folder's name")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
     p.add_argument("--method", choices=("greyscale", "otsu"), default="greyscale",
@@ -70,7 +70,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments."""
+    """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments, 130 on Ctrl-C."""
     import sys
 
     from wsi_pipeline.manifests.schema import ManifestError
@@ -90,5 +90,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, ManifestError) as err:
         print(f"wsi-pipeline tile: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"wsi-pipeline tile: interrupted; finished stores are kept, rerun the same command to resume ({args.out})",
+              file=sys.stderr)
+        return 130
     print(report.summary())
     return 0 if report.ok else 1

@@ -284,6 +284,13 @@ class MaskedBatchNorm2d(nn.BatchNorm2d):
         return out.reshape(b, h, w, c).permute(0, 3, 1, 2)
 
 
+class CellLayerNorm(nn.LayerNorm):
+    """LayerNorm over the channels of each cell separately (independent of other cells and slides)."""
+
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+        return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
 class _NoNorm(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         return x
@@ -323,8 +330,8 @@ class CNNHead(GridHead):
         max_grid: int | None = 128,
     ) -> None:
         super().__init__(in_dim, n_classes, proj_dim=proj_dim, max_grid=max_grid)
-        if norm not in ("batch", "none"):
-            raise ValueError(f"norm={norm!r}; expected 'batch' (the paper's masked BatchNorm) or 'none'")
+        if norm not in ("batch", "layer", "none"):
+            raise ValueError(f"norm={norm!r}; expected 'layer' (per-cell LayerNorm), 'batch' (masked BatchNorm) or 'none'")
         if pool not in ("mean", "max", "meanmax"):
             raise ValueError(f"pool={pool!r}; expected 'mean', 'max' or 'meanmax'")
         if int(n_strided) < 0 or int(width) < 1:
@@ -335,9 +342,8 @@ class CNNHead(GridHead):
         self.convs = nn.ModuleList(
             nn.Conv2d(chans[i], chans[i + 1], 3, stride=s, padding=1) for i, s in enumerate(self.strides)
         )
-        self.norms = nn.ModuleList(
-            MaskedBatchNorm2d(int(width)) if norm == "batch" else _NoNorm() for _ in self.strides
-        )
+        make = {"batch": MaskedBatchNorm2d, "layer": CellLayerNorm, "none": lambda _: _NoNorm()}[norm]
+        self.norms = nn.ModuleList(make(int(width)) for _ in self.strides)
         self.drop = nn.Dropout2d(float(dropout))
         self.fc = nn.Linear(int(width) * (2 if pool == "meanmax" else 1), n_classes)
 

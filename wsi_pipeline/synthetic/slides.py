@@ -24,6 +24,8 @@ __all__ = ["SyntheticSlide", "make_slide", "BACKGROUND_GREY"]
 
 #: Grey level of the glass background (scanners white-balance to about 245-252).
 BACKGROUND_GREY = 250
+#: Widest region (px) painted in one call.
+_PAINT_CHUNK = 2048
 #: Pen colours (RGB): green, blue, black.
 _PENS = ((40, 150, 70), (40, 70, 170), (35, 35, 40))
 
@@ -36,7 +38,7 @@ class SyntheticSlide:
     ----------
     path : the ``.svs`` file.
     size : (width, height) of level 0 in px.
-    mpp : um per level-0 px.
+    mpp : um per level-0 px (None: the file has no resolution metadata).
     mask_downsample : level-0 px per mask px (for ``tissue`` and ``lesion``).
     tissue : bool (h, w) tissue mask.
     lesion : bool (h, w) planted-lesion mask (inside the tissue).
@@ -47,7 +49,7 @@ class SyntheticSlide:
 
     path: Path
     size: tuple[int, int]
-    mpp: float
+    mpp: float | None
     mask_downsample: int
     tissue: np.ndarray
     lesion: np.ndarray
@@ -151,11 +153,15 @@ def _paint_strip(
     if cols.size:
         x0 = (cols[0] // tile) * tile
         x1 = min(w, -(-(cols[-1] + 1) // tile) * tile)
-        lesion = _upsample_rows(lesion_map, md, y0, y1, w)[:, x0:x1] > 0.5
-        tissue = paint_tissue(rng, h, x1 - x0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise)
-        a = alpha[:, x0:x1, None]
-        mixed = base[:, x0:x1, None] * (1 - a) + tissue.astype(np.float32) * a
-        img[:, x0:x1] = np.clip(mixed, 0, 255).astype(np.uint8)
+        lesion_all = _upsample_rows(lesion_map, md, y0, y1, w) > 0.5
+        # paint in tile-aligned chunks: paint_tissue's temporaries (~50 bytes/px) stay bounded
+        for c0 in range(x0, x1, _PAINT_CHUNK):
+            c1 = min(x1, c0 + _PAINT_CHUNK)
+            lesion = lesion_all[:, c0:c1]
+            tissue = paint_tissue(rng, h, c1 - c0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise)
+            a = alpha[:, c0:c1, None]
+            mixed = base[:, c0:c1, None] * (1 - a) + tissue.astype(np.float32) * a
+            img[:, c0:c1] = np.clip(mixed, 0, 255).astype(np.uint8)
     if strokes:
         ink = np.zeros((h, w), np.uint8)
         for pts, colour, thick in strokes:
@@ -200,7 +206,7 @@ def make_slide(
     *,
     size: int | tuple[int, int] = 2048,
     tile_size: int = 256,
-    mpp: float = 0.5,
+    mpp: float | None = 0.5,
     seed: int = 0,
     n_lesions: int = 0,
     lesion_size: float = 0.12,
@@ -220,7 +226,8 @@ def make_slide(
     path : output file (``.svs`` recommended; the layout is Aperio SVS either way).
     size : level-0 side, or (width, height), in px.
     tile_size : TIFF tile side in px (multiple of 16).
-    mpp : um per level-0 px, written as the SVS ``MPP`` (0.5 = 20x).
+    mpp : um per level-0 px, written as the SVS ``MPP`` (0.5 = 20x); None writes a slide
+        without resolution metadata (readers report no mpp).
     seed : all randomness derives from it.
     n_lesions : lesion regions to plant (0 = a negative slide).
     lesion_size : lesion radius relative to the square root of the tissue area.
@@ -279,16 +286,21 @@ def make_slide(
                     level1[r0:r1] = cv2.resize(part, (level1.shape[1], r1 - r0), interpolation=cv2.INTER_AREA)
             yield from _row_tiles(strip, T, BACKGROUND_GREY)
 
-    mag = 10.0 / mpp
     head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({T}x{T}) JPEG/RGB Q={quality}"
-    desc0 = f"{head}|AppMag = {mag:g}|MPP = {mpp:.6g}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
-    res = (1e4 / mpp, 1e4 / mpp)
+    if mpp is not None:
+        if not mpp > 0:
+            raise ValueError(f"mpp={mpp} must be > 0 um/px (or None for no resolution metadata)")
+        desc0 = f"{head}|AppMag = {10.0 / mpp:g}|MPP = {mpp:.6g}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
+        resolution = {"resolution": (1e4 / mpp, 1e4 / mpp), "resolutionunit": "CENTIMETER"}
+    else:
+        desc0 = f"{head}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
+        resolution = {}
     # photometric "rgb" + JPEG: tifffile stores YCbCr 4:2:0 JPEG tiles (as scanners do) from RGB input
     jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
         tw.write(level0_tiles(), shape=(h, w, 3), dtype=np.uint8, tile=(T, T), description=desc0,
-                 resolution=res, resolutionunit="CENTIMETER", metadata=None, **jpeg)
+                 metadata=None, **resolution, **jpeg)
         levels = [level1] if level1 is not None else []
         for lw, lh in sizes[2:]:
             levels.append(cv2.resize(levels[-1][: lh * f, : lw * f], (lw, lh), interpolation=cv2.INTER_AREA))
@@ -306,7 +318,7 @@ def make_slide(
     os.replace(tmp, path)
     t_area = float(tissue.sum())
     return SyntheticSlide(
-        path=path, size=(w, h), mpp=float(mpp), mask_downsample=md, tissue=tissue, lesion=lesion,
+        path=path, size=(w, h), mpp=None if mpp is None else float(mpp), mask_downsample=md, tissue=tissue, lesion=lesion,
         lesion_fraction=float(lesion.sum()) / t_area if t_area else 0.0,
         n_lesions=int(n_lesions) if lesion.any() else 0, level_dimensions=tuple(sizes),
     )

@@ -158,15 +158,28 @@ class CohortReport:
         return text
 
 
-def _write_report(results: Sequence[SlideResult | None], jobs: Sequence[SlideJob], path: Path) -> None:
-    rows = []
-    for job, r in zip(jobs, results):
-        rows.append(asdict(r) if r is not None else asdict(SlideResult(job.slide_id, "pending", path=job.path)))
+def _unfinished(job: SlideJob, final: bool) -> SlideResult:
+    if final:
+        return SlideResult(job.slide_id, "failed", error="not processed: the run was interrupted; rerun to resume", path=job.path)
+    return SlideResult(job.slide_id, "pending", path=job.path)
+
+
+def _write_report(results: Sequence[SlideResult | None], jobs: Sequence[SlideJob], path: Path, *, final: bool = False) -> None:
+    """Write ``tiling_report.csv`` atomically; unfinished slides are ``pending`` (``failed`` when ``final``)."""
+    rows = [asdict(r if r is not None else _unfinished(job, final)) for job, r in zip(jobs, results)]
     df = pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     df.to_csv(tmp, index=False)
     os.replace(tmp, path)
+
+
+def _default_workers() -> int:
+    """Cores this process may use (CPU affinity, e.g. under SLURM), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not available on macOS / Windows
+        return os.cpu_count() or 1
 
 
 def _worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite: bool) -> None:
@@ -224,10 +237,10 @@ def tile_cohort(
 
     Parameters
     ----------
-    source : a folder of slides, a manifest CSV, or a list of :class:`SlideJob`.
+    source : a folder of slides, one slide file, a manifest CSV, or a list of :class:`SlideJob`.
     out_dir : the tiles folder (``<slide_id>.zarr``, ``qc/``, ``tiling_report.csv``).
     config : :class:`TilingConfig` (defaults: greyscale, 256 px, level 0, zstd).
-    workers : worker processes; None = the number of cores; 0 = tile in this process
+    workers : worker processes; None = the cores available to this process; 0 = tile in this process
         (no crash isolation; for debugging and small jobs).
     overwrite : rebuild stores even when they are complete and current.
     progress : show a tqdm bar (slides, with tiles kept in the postfix).
@@ -236,6 +249,11 @@ def tile_cohort(
     Returns
     -------
     :class:`CohortReport`; ``report.ok`` is False when any slide failed.
+
+    Notes
+    -----
+    Workers are started with ``spawn``: a script calling this must guard its entry point with
+    ``if __name__ == "__main__":``.
     """
     t0 = time.perf_counter()
     config = config or TilingConfig()
@@ -246,14 +264,16 @@ def tile_cohort(
             jobs = jobs_from_folder(src, exclude=[out])
         elif src.suffix.lower() == ".csv":
             jobs = jobs_from_manifest(src)
+        elif src.is_file() and src.name.lower().endswith(SLIDE_EXTENSIONS):
+            jobs = [SlideJob(_slide_id(src.name), str(src.resolve()))]
         else:
-            raise FileNotFoundError(f"{src} is neither a folder of slides nor a manifest .csv")
+            raise FileNotFoundError(f"{src} is neither a folder of slides, a slide file, nor a manifest .csv")
     else:
         jobs = list(source)
     out.mkdir(parents=True, exist_ok=True)
     report_path = out / REPORT_NAME
     results: list[SlideResult | None] = [None] * len(jobs)
-    n_workers = (os.cpu_count() or 1) if workers is None else int(workers)
+    n_workers = _default_workers() if workers is None else int(workers)
     if n_workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0 = in this process)")
 
@@ -298,8 +318,8 @@ def tile_cohort(
             _run_pool(jobs, todo, out, config, overwrite, min(n_workers, len(todo)), finish, add_tiles)
     finally:
         bar.close()
-        _write_report(results, jobs, report_path)
-    final = [r if r is not None else SlideResult(j.slide_id, "failed", error="not processed (run interrupted)", path=j.path) for j, r in zip(jobs, results)]
+        _write_report(results, jobs, report_path, final=True)
+    final = [r if r is not None else _unfinished(j, True) for j, r in zip(jobs, results)]
     return CohortReport(final, report_path, round(time.perf_counter() - t0, 3))
 
 

@@ -17,7 +17,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import numpy as np
 import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, read_scaled, resolve_mpp, slide_fingerprint
 from wsi_pipeline.slides.reader import BACKENDS, Slide
+from wsi_pipeline.tiling.codecs import tile_codecs_for
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
@@ -439,14 +440,9 @@ def _tile_open_slide(
         attrs.update(grey_min=int(config.grey_min), grey_max=int(config.grey_max), prescreen=bool(overview is not None))
     else:
         attrs.update(otsu=asdict(config.otsu))
-    codecs = None
-    if config.compression == "zstd":
-        from wsi_pipeline.tiling.codecs import lossless_tile_codecs
-
-        codecs = lossless_tile_codecs()
     writer = StoreWriter(
         store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
-        compression=config.compression, tile_codecs=codecs,
+        compression=config.compression, tile_codecs=tile_codecs_for(config.compression),
     )
     sink = _BackgroundWriter(writer)
     batch = _Batch(sink)
@@ -507,20 +503,13 @@ def _tile_open_slide(
 
 
 def _paint_thumb(thumb: np.ndarray, strip: np.ndarray, grid: TileGrid, row: int, run: np.ndarray, ds_over: float) -> None:
-    """Write the overview pixels of a decoded strip (exhaustive pass) into ``thumb``."""
+    """Write the overview pixels of a decoded strip (exhaustive pass, native tiles) into ``thumb``."""
     import cv2
 
-    per = _OVERVIEW_PER_TILE
-    y0 = row * per
-    x0 = int(run[0]) * per
-    h = min(per, thumb.shape[0] - y0)
-    w = min(per * len(run), thumb.shape[1] - x0)
-    if h <= 0 or w <= 0:
+    per = grid.extent / ds_over  # overview px per tile side
+    y0, y1 = int(round(row * per)), int(round((row + 1) * per))
+    x0, x1 = int(round(int(run[0]) * per)), int(round((int(run[-1]) + 1) * per))
+    y1, x1 = min(y1, thumb.shape[0]), min(x1, thumb.shape[1])
+    if y1 <= y0 or x1 <= x0:
         return
-    small = cv2.resize(strip, (per * len(run), per), interpolation=cv2.INTER_AREA)
-    thumb[y0 : y0 + h, x0 : x0 + w] = small[:h, :w]
-
-
-def replace_config(config: TilingConfig, **changes: Any) -> TilingConfig:
-    """A copy of ``config`` with ``changes`` applied (validated)."""
-    return replace(config, **changes)
+    thumb[y0:y1, x0:x1] = cv2.resize(strip, (x1 - x0, y1 - y0), interpolation=cv2.INTER_AREA)

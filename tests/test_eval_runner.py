@@ -1,0 +1,239 @@
+"""The evaluation stage end to end, on hand-built run folders (checkpoints saved here) over tiny store cohorts.
+
+The models are randomly initialised ResNet-18 + ABMIL saved in the checkpoint format of
+:mod:`wsi_pipeline.training.checkpoint`; what is checked is that evaluation reproduces what the
+saved model computes, follows the schemas, and orders its work correctly.
+"""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import yaml
+from PIL import Image
+from sklearn.metrics import accuracy_score, roc_auc_score
+
+from wsi_pipeline.data.tensors import tiles_to_tensor
+from wsi_pipeline.evaluation.runner import evaluate_pipeline, evaluation_sets, localisation_auc, predict_slides
+from wsi_pipeline.export.predictions import prediction_columns
+from wsi_pipeline.export.thumbnail import store_level0_size, thumbnail_shape
+from wsi_pipeline.manifests.schema import read_manifest, write_manifest
+from wsi_pipeline.tiling.store import open_store, store_path
+
+pytestmark = pytest.mark.slow
+
+METHOD = "abmil_e2e"
+
+
+def _raw_config(tmp, manifest, seeds):
+    return {
+        "name": "t",
+        "data": {"manifest": str(manifest), "tiles_dir": str(tmp / "data" / "tiles"), "n_classes": 2, "tiling": {"tile_size": 32}},
+        "eval": {"val_protocol": "all", "protocols": ["all", {"subsample": {"k": 8, "repeats": 5}}], "seed": 0},
+        "seeds": seeds,
+        "methods": [{"name": METHOD, "strategy": "full", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}, "chunk_size": 16}],
+        "runs_dir": str(tmp / "runs"),
+        "results_dir": str(tmp / "results"),
+    }
+
+
+def _save_run(cfg, seed, done=True):
+    from wsi_pipeline.training.checkpoint import save_checkpoint
+    from wsi_pipeline.training.config import config_to_dict
+    from wsi_pipeline.training.strategies import build_models
+
+    torch.manual_seed(seed)
+    enc, agg = build_models(cfg.methods[0], 2, for_training=False)
+    d = cfg.run_dir(METHOD, seed)
+    save_checkpoint(d / "best.pt", {
+        "config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]), "seed": seed, "epoch": 3,
+        "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()},
+    })
+    if done:
+        (d / "done").touch()
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    from wsi_pipeline.synthetic.stores import make_store_cohort
+    from wsi_pipeline.training.config import config_from_dict
+
+    tmp = tmp_path_factory.mktemp("eval")
+    internal = read_manifest(make_store_cohort(tmp / "data", n_slides=8, tiles_per_slide=(12, 20), seed=0))
+    external = read_manifest(make_store_cohort(tmp / "data", n_slides=4, tiles_per_slide=(12, 20), cohort="ext",
+                                              splits={"test": 1.0}, tint=(1.0, 0.9, 1.05), seed=1))
+    manifest = write_manifest(pd.concat([internal, external]), tmp / "data" / "all.csv")
+    raw = _raw_config(tmp, manifest, [0, 1, 2])
+    cfg = config_from_dict(raw)
+    _save_run(cfg, 0)
+    _save_run(cfg, 1)
+    _save_run(cfg, 2, done=False)  # unfinished: must be skipped
+    (tmp / "t.yaml").write_text(yaml.safe_dump(raw))
+
+    # record the order of model loads and test-store reads
+    import wsi_pipeline.evaluation.runner as runner_mod
+    import wsi_pipeline.training.checkpoint as ckpt_mod
+
+    events = []
+    orig_load, orig_open = ckpt_mod.load_trained_model, runner_mod.open_store
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ckpt_mod, "load_trained_model", lambda *a, **k: (events.append(("load", str(a[0]))), orig_load(*a, **k))[1])
+    mp.setattr(runner_mod, "open_store", lambda p: (events.append(("open", str(p))), orig_open(p))[1])
+    try:
+        summary = evaluate_pipeline(cfg, device="cpu", n_boot=40, progress=False)
+    finally:
+        mp.undo()
+    return {"cfg": cfg, "summary": summary, "events": events, "tmp": tmp, "manifest": read_manifest(manifest)}
+
+
+def test_evaluation_sets_internal_and_external():
+    df = pd.DataFrame({
+        "slide_id": list("abcdefg"), "label": [0, 1, 0, 1, 0, 1, 1],
+        "split": ["train", "val", "test", "test", "", "test", "train"], "cohort": ["A", "A", "A", "A", "B", "B", "C"],
+    })
+    df.loc[6, "cohort"] = "A"
+    sets = {(s.cohort, s.split): sorted(s.slides["slide_id"]) for s in evaluation_sets(df)}
+    assert sets == {("A", "test"): ["c", "d"], ("B", "external"): ["e", "f"]}
+
+
+def test_localisation_auc_is_sklearn():
+    att = np.array([0.1, 0.5, 0.2, 0.9, 0.3])
+    frac = np.array([0.0, 0.6, 0.4, 1.0, 0.5])
+    assert localisation_auc(att, frac) == pytest.approx(roc_auc_score(frac >= 0.5, att))
+    assert math.isnan(localisation_auc(att, np.zeros(5)))
+
+
+def test_model_fixed_before_test_slides_and_unfinished_runs_skipped(evaluated):
+    ev = evaluated["events"]
+    assert [e[0] for e in ev].count("load") == 2
+    loads = [i for i, e in enumerate(ev) if e[0] == "load"]
+    assert loads[0] == 0  # nothing read before the first model is loaded
+    # each model is loaded before any store read of its pass, and each pass reads every test store
+    n_test = len(ev[loads[0] + 1 : loads[1]])
+    assert n_test == len(ev) - loads[1] - 1 > 0
+    assert any("seed2" in s for s in evaluated["summary"].skipped_runs)
+    assert evaluated["summary"].models == [(METHOD, 0), (METHOD, 1)]
+
+
+def test_predictions_schema_and_values_match_the_saved_model(evaluated):
+    from wsi_pipeline.training.checkpoint import load_trained_model
+
+    cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
+    man = evaluated["manifest"]
+    for cohort, split_ids in (("synthetic", man[(man.cohort == "synthetic") & (man.split == "test")].slide_id),
+                              ("ext", man[man.cohort == "ext"].slide_id)):
+        for prot, n_rep in (("all", 1), ("sub8x5", 5)):
+            df = pd.read_csv(out / f"predictions_{cohort}_{prot}.csv")
+            assert list(df.columns) == prediction_columns(2)
+            assert sorted(df.slide_id.unique()) == sorted(split_ids)  # train/val slides never evaluated
+            assert len(df) == 2 * len(split_ids)  # one row per slide and seed
+            assert set(df.seed) == {0, 1} and set(df.method) == {METHOD} and set(df.protocol) == {prot}
+            assert (df.n_repeats == n_rep).all()
+            np.testing.assert_allclose(df[["prob_0", "prob_1"]].sum(axis=1), 1.0, atol=1e-5)
+    # the all-tiles probabilities equal a plain forward of the saved model on the store's tiles
+    df = pd.read_csv(out / "predictions_ext_all.csv")
+    row = df[df.seed == 1].iloc[0]
+    model = load_trained_model(cfg.run_dir(METHOD, 1))
+    store = open_store(store_path(cfg.data.tiles_dir, row.slide_id))
+    with torch.no_grad():
+        p = torch.softmax(model.aggregator(model.encoder.eval()(tiles_to_tensor(store.read()))).logits, 0).numpy()
+    np.testing.assert_allclose([row.prob_0, row.prob_1], p, atol=1e-5)
+    assert row.n_tiles == len(store)
+
+
+def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
+    out = evaluated["summary"].results_dir
+    recs = json.loads((out / "metrics.json").read_text())["records"]
+    for r in recs:
+        assert set(r) == {"method", "seed", "cohort", "split", "protocol", "metric", "value"}
+    look = {(r["seed"], r["cohort"], r["split"], r["protocol"], r["metric"]): r["value"] for r in recs}
+    df = pd.read_csv(out / "predictions_synthetic_sub8x5.csv")
+    accs = []
+    for seed in (0, 1):
+        d = df[df.seed == seed]
+        acc = accuracy_score(d.label, d[["prob_0", "prob_1"]].to_numpy().argmax(1))
+        accs.append(acc)
+        assert look[(seed, "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(acc)
+        assert look[(seed, "synthetic", "test", "sub8x5", "auc")] == pytest.approx(roc_auc_score(d.label, d.prob_1))
+    assert look[("mean", "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.mean(accs))
+    assert look[("std", "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.std(accs, ddof=1))
+    assert ("mean", "ext", "external", "all", "auc_ci_low") in look
+    lo, hi = look[("mean", "ext", "external", "all", "auc_ci_low")], look[("mean", "ext", "external", "all", "auc_ci_high")]
+    assert lo is None or lo <= hi
+
+
+def test_localisation_and_heatmaps_of_the_first_model(evaluated):
+    cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
+    recs = json.loads((out / "metrics.json").read_text())["records"]
+    loc = {r["cohort"]: r["value"] for r in recs if r["metric"] == "localisation_auc" and r["seed"] == 0}
+    man = evaluated["manifest"]
+    for cohort in ("synthetic", "ext"):
+        ids = man[(man.cohort == cohort) & ((man.split == "test") | (cohort == "ext"))].slide_id
+        per_slide = []
+        for sid in ids:
+            store = open_store(store_path(cfg.data.tiles_dir, sid))
+            scores = pd.read_csv(out / "heatmaps" / f"{sid}_scores.csv")
+            np.testing.assert_array_equal(scores[["x", "y"]].to_numpy(), store.coords)
+            # truth read directly from the mask (one mask px per grid cell), not via tile_lesion_fraction
+            mask = np.asarray(Image.open(man.set_index("slide_id").loc[sid, "lesion_mask"]).convert("L")) > 127
+            truth = mask[store.grid[:, 1], store.grid[:, 0]]
+            if 0 < truth.sum() < len(truth):
+                per_slide.append(roc_auc_score(truth, scores.attention))
+            png = Image.open(out / "heatmaps" / f"{sid}.png")
+            extent = store.tile_size
+            h, w = thumbnail_shape(store_level0_size(store.attrs, store.coords, extent))
+            assert png.size == (w, h)
+            geo = json.loads((out / "heatmaps" / f"{sid}.geojson").read_text())
+            assert len(geo["features"]) == len(store)
+        assert loc[cohort] == pytest.approx(np.mean(per_slide))
+
+
+def test_report_is_self_contained(evaluated):
+    html = (evaluated["summary"].results_dir / "report.html").read_text()
+    assert "<svg" in html and "data:image/png;base64," in html
+    assert "sub8x5" in html and "synthetic (test)" in html and "ext (external)" in html
+    import re
+
+    srcs = re.findall(r'src="([^"]+)"', html)
+    assert srcs and all(s.startswith("data:") for s in srcs)
+
+
+def test_eval_cli(evaluated, capsys):
+    from wsi_pipeline.cli.main import main
+
+    tmp = evaluated["tmp"]
+    rc = main(["eval", "--config", str(tmp / "t.yaml"), "--bootstrap", "0", "--no-heatmaps", "--quiet",
+               "--results", str(tmp / "cli_results"), "--set", "eval.protocols=[all]"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Evaluated 2 model(s)" in out and "report.html" in out
+    assert sorted(p.name for p in (tmp / "cli_results").glob("predictions_*.csv")) == ["predictions_ext_all.csv", "predictions_synthetic_all.csv"]
+
+
+def test_predict_on_a_folder_of_stores(evaluated, tmp_path, capsys):
+    import shutil
+
+    cfg = evaluated["cfg"]
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    for sid in ("ext_000", "ext_001"):
+        shutil.copytree(store_path(cfg.data.tiles_dir, sid), stores / f"{sid}.zarr")
+    from wsi_pipeline.cli.main import main
+
+    rc = main(["predict", "--model", str(cfg.run_dir(METHOD, 0)), "--slides", str(stores), "--out", str(tmp_path / "pred"),
+               "--device", "cpu", "--protocol", "all", "--protocol", "8x5", "--quiet"])
+    assert rc == 0
+    df = pd.read_csv(tmp_path / "pred" / "predictions.csv")
+    assert list(df.columns) == prediction_columns(2) and df.label.isna().all()
+    assert len(df) == 4 and set(df.protocol) == {"all", "sub8x5"}
+    ref = pd.read_csv(evaluated["summary"].results_dir / "predictions_ext_all.csv")
+    ref = ref[(ref.seed == 0)].set_index("slide_id")
+    got = df[df.protocol == "all"].set_index("slide_id")
+    np.testing.assert_allclose(got.loc[["ext_000", "ext_001"], "prob_1"], ref.loc[["ext_000", "ext_001"], "prob_1"], atol=1e-5)
+    assert (tmp_path / "pred" / "heatmaps" / "ext_000.png").is_file()
+    assert "predictions.csv" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="slides folder not found"):
+        predict_slides(cfg.run_dir(METHOD, 0), tmp_path / "nope", tmp_path / "x")
