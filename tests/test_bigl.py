@@ -21,6 +21,7 @@ from wsi_pipeline.bigl import (
     BigConv2d,
     BigMaxPool2d,
     BigReLU,
+    BigResNet,
     ChunkRunner,
     bigify,
     monitor_transfers,
@@ -247,13 +248,18 @@ MODEL_CASES = [
 ]
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where the test feeds images: host memory for Big-Layers, the parameters' device otherwise."""
+    return torch.device("cpu") if isinstance(model, BigResNet) else next(model.parameters()).device
+
+
 def train_step(model: nn.Module, x: torch.Tensor, r: torch.Tensor, lr: float = 0.05):
     """Forward + backward + SGD step; returns output, input gradient, parameter gradients."""
     model.train()
     model.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
+    x = x.to(input_device(model)).clone().requires_grad_(True)
     y = model(x)
-    (y * r).sum().backward()
+    (y * r.to(y.device)).sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         for p in model.parameters():
@@ -287,21 +293,21 @@ def compare_models(plain: nn.Module, big: nn.Module, x: torch.Tensor, steps: int
                 m.reset_running_stats()
         with torch.no_grad():
             model.train()
-            model(x)
+            model(x.to(input_device(model)))
     sd_p, sd_b = plain.state_dict(), big.state_dict()
     for name in sd_p:
         assert_close(sd_b[name].to(sd_p[name].dtype), sd_p[name], f"cumulative {name}")
     plain.eval()
     big.eval()
-    xs = [x.clone().requires_grad_(True) for _ in range(2)]
+    xs = [x.to(input_device(m)).clone().requires_grad_(True) for m in (plain, big)]
     ys = [m(xi) for m, xi in zip((plain, big), xs)]
     for y, xi in zip(ys, xs):
-        (y * r).sum().backward()
+        (y * r.to(y.device)).sum().backward()
     assert_close(ys[1], ys[0], "eval output")
     assert_close(xs[1].grad, xs[0].grad, "eval input gradient")
 
 
-def check_bigified(name: str, stages: int, shape: tuple[int, ...], budget: int, dtype: torch.dtype) -> None:
+def check_bigified(name: str, stages: int, shape: tuple[int, ...], budget: int, dtype: torch.dtype, single_rows: bool = True) -> None:
     torch.manual_seed(0)
     plain = build_encoder(name).to(dtype)
     big = bigify(copy.deepcopy(plain), stages=stages, max_elements=budget, device="cpu")
@@ -310,7 +316,8 @@ def check_bigified(name: str, stages: int, shape: tuple[int, ...], budget: int, 
         compare_models(plain, big, x)
     chunks = [e for e in mon.events if e.kind == "chunk"]
     assert mon.max_chunk <= budget
-    assert any(e.rows == 1 and not e.full for e in chunks), "the budget must force single-row chunks somewhere"
+    if single_rows:
+        assert any(e.rows == 1 and not e.full for e in chunks), "the budget must force single-row chunks somewhere"
     # some pass splits a height into chunks that do not divide it (a shorter last chunk)
     by_pass: dict[str, set[int]] = {}
     for e in chunks:
@@ -325,20 +332,23 @@ def test_bigified_resnet_equals_plain_float64(name, stages, shape, budget):
 
 
 def test_bigified_resnet18_float32_odd_size():
+    # float32 agreement to 1e-4 holds while no ReLU input is within rounding of 0; on large
+    # inputs single sign flips move a BN bias gradient by ~1 %, the same as plain PyTorch
+    # NCHW vs channels-last (measured 5 %), so the larger cases below run in float64
     check_bigified("resnet18", 4, (3, 3, 97, 131), 23_200, torch.float32)
 
 
-def test_bigified_float32_pointwise_on_device_two_steps():
+def test_bigified_pointwise_on_device_two_steps():
     torch.manual_seed(0)
-    plain = build_encoder("resnet18")
-    big = bigify(copy.deepcopy(plain), stages=2, max_elements=30_000, device="cpu", pointwise="device")
+    plain = build_encoder("resnet18").double()
+    big = bigify(copy.deepcopy(plain), stages=2, max_elements=12_000, device="cpu", pointwise="device")
     assert isinstance(big.maxpool, BigMaxPool2d) and isinstance(big.relu, BigReLU)
-    compare_models(plain, big, torch.randn(2, 3, 75, 83), steps=2)
+    compare_models(plain, big, torch.randn(2, 3, 53, 47, dtype=torch.float64), steps=2)
 
 
 @pytest.mark.slow
-def test_bigified_resnet18_bag_256px_float32():
-    check_bigified("resnet18", 2, (2, 3, 256, 256), 150_000, torch.float32)
+def test_bigified_resnet18_bag_256px():
+    check_bigified("resnet18", 2, (2, 3, 256, 256), 150_000, torch.float64, single_rows=False)
 
 
 def test_state_dict_round_trip_and_sharing():
@@ -388,3 +398,67 @@ def test_budget_holds_and_device_residency_does_not_grow_with_input():
         peak, moved = stats[label][2], stats[label][3]
         assert moved > 3.5 * small_moved, f"{label}: the input did not grow ({stats})"
         assert peak <= small_peak, f"{label}: resident elements grew from {small_peak} to {peak}"
+
+
+# ---------------------------------------------------------------- the benchmark's fit
+def test_power_law_fit_recovers_known_curve():
+    from wsi_pipeline.bench.bigl import fit_power_law
+
+    a, b, c = 3e-7, 1.3, 0.05
+    areas = [s * s for s in (256, 384, 512, 768, 1024, 1536)]
+    times = [a * A**b + c for A in areas]
+    fit = fit_power_law(areas, times)
+    assert fit.n == 6
+    assert fit.b == pytest.approx(b, abs=1e-3)
+    assert fit.a == pytest.approx(a, rel=1e-2)
+    assert fit.c == pytest.approx(c, abs=1e-4)
+    assert fit.r2 == pytest.approx(1.0, abs=1e-9)
+    a_med = sorted(areas)[2] / 2 + sorted(areas)[3] / 2  # median of an even count
+    assert fit.f_dbl == pytest.approx((a * (2 * a_med) ** b + c) / (a * a_med**b + c), rel=1e-3)
+    with pytest.raises(ValueError, match="need at least 3 sizes"):
+        fit_power_law(areas[:2], times[:2])
+
+
+# ---------------------------------------------------------------- CUDA (skipped without a GPU)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+@pytest.mark.parametrize("pin_memory", [True, False])
+def test_cuda_bigified_equals_plain(pin_memory):
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18").double().cuda()
+    big = bigify(copy.deepcopy(plain), stages=3, max_elements=6_950, device="cuda", pin_memory=pin_memory)
+    assert big.runner.is_cuda and big.runner.pin_memory == pin_memory
+    compare_models(plain, big, torch.randn(2, 3, 61, 45, dtype=torch.float64), steps=2)
+
+
+@cuda
+def test_cuda_pointwise_on_device_equals_plain():
+    torch.manual_seed(0)
+    plain = build_encoder("resnet50").double().cuda()
+    big = bigify(copy.deepcopy(plain), stages=2, max_elements=10_650, device="cuda", pointwise="device")
+    compare_models(plain, big, torch.randn(2, 3, 37, 41, dtype=torch.float64))
+
+
+@cuda
+def test_cuda_peak_memory_does_not_grow_with_input():
+    torch.manual_seed(0)
+    budget = 1 << 20
+    big = bigify(build_encoder("resnet18"), stages=4, max_elements=budget, device="cuda")
+    peaks = []
+    for side in (512, 1024):  # 4x the area
+        x = torch.randn(1, 3, side, side)
+        big.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with monitor_transfers() as mon:
+            big(x).square().mean().backward()
+        torch.cuda.synchronize()
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+        assert mon.max_chunk <= budget
+    param_bytes = sum(p.numel() * p.element_size() for p in big.parameters())
+    # gradients plus a few chunks and convolution workspaces (the bound is loose on purpose)
+    assert peaks[1] <= 1.25 * peaks[0] + (1 << 20), peaks
+    assert peaks[1] <= 2 * param_bytes + 64 * budget * 4, (peaks, param_bytes)

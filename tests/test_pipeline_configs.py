@@ -34,14 +34,17 @@ def test_there_are_configs():
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.name)
 def test_every_config_loads_and_its_parts_exist(path):
     from wsi_pipeline.models import AGGREGATORS, ENCODERS, build_aggregator
+    from wsi_pipeline.models.heads import HEADS
     from wsi_pipeline.training.strategies import check_strategy
 
     cfg = load_config(path)
     for m in cfg.methods:
         check_strategy(m)
         assert m.encoder.name in ENCODERS.names()
-        assert m.aggregator.name in AGGREGATORS.names()
-        if m.strategy != "patchgd":
+        if m.strategy == "patchgd":  # the aggregator entry names a PatchGD head
+            assert m.aggregator.name in HEADS.names()
+        else:
+            assert m.aggregator.name in AGGREGATORS.names()
             build_aggregator(m.aggregator.name, 16, cfg.data.n_classes, **m.aggregator.options)
 
 

@@ -21,6 +21,21 @@ from wsi_pipeline.slides import (
 from wsi_pipeline.synthetic.slides import make_slide
 
 
+@pytest.fixture
+def opener():
+    """``open_slide`` that closes every slide it opened when the test ends."""
+    opened = []
+
+    def _open(*args, **kwargs):
+        slide = open_slide(*args, **kwargs)
+        opened.append(slide)
+        return slide
+
+    yield _open
+    for slide in opened:
+        slide.close()
+
+
 @pytest.fixture(scope="module")
 def synth(tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("slides_synth")
@@ -35,8 +50,8 @@ def _tifffile_level(path: Path, level: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("backend", ["openslide", "tiffslide"])
-def test_backends_report_geometry_mpp_and_pixels_of_the_file(synth: Path, backend: str) -> None:
-    s = open_slide(synth, backend)
+def test_backends_report_geometry_mpp_and_pixels_of_the_file(synth: Path, backend: str, opener) -> None:
+    s = opener(synth, backend)
     assert s.backend == backend
     assert s.dimensions == (1280, 1024)
     assert s.level_count == 3
@@ -55,8 +70,8 @@ def test_backends_report_geometry_mpp_and_pixels_of_the_file(synth: Path, backen
 
 
 @pytest.mark.parametrize("backend", ["openslide", "tiffslide"])
-def test_out_of_bounds_is_white_and_inside_is_unchanged(synth: Path, backend: str) -> None:
-    s = open_slide(synth, backend)
+def test_out_of_bounds_is_white_and_inside_is_unchanged(synth: Path, backend: str, opener) -> None:
+    s = opener(synth, backend)
     ref = _tifffile_level(synth, 0)
     got = s.read_region((1200, -30), 0, (200, 100))
     assert (got[:30] == 255).all()  # above the slide
@@ -64,33 +79,33 @@ def test_out_of_bounds_is_white_and_inside_is_unchanged(synth: Path, backend: st
     np.testing.assert_array_equal(got[30:, :80], ref[0:70, 1200:1280])
 
 
-def test_open_errors_name_the_problem(tmp_path: Path) -> None:
+def test_open_errors_name_the_problem(tmp_path: Path, opener) -> None:
     with pytest.raises(FileNotFoundError, match="slide file not found"):
-        open_slide(tmp_path / "missing.svs")
+        opener(tmp_path / "missing.svs")
     empty = tmp_path / "empty.svs"
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match=r"empty \(0 bytes\)"):
-        open_slide(empty)
+        opener(empty)
     text = tmp_path / "notes.svs"
     text.write_text("this is not a slide\n" * 50)
     with pytest.raises(SlideOpenError, match="openslide: .*tiffslide: ") as info:
-        open_slide(text)
+        opener(text)
     assert set(info.value.reasons) == {"openslide", "tiffslide"}
     with pytest.raises(ValueError, match="backend='bioformats'"):
-        open_slide(text, backend="bioformats")
+        opener(text, backend="bioformats")
     with pytest.raises(ValueError, match=r"level=3 out of range \[0, 1\)"):
         img = tmp_path / "flat.tif"
         tifffile.imwrite(img, np.zeros((64, 64, 3), np.uint8), photometric="rgb")
-        open_slide(img).read_region((0, 0), 3, (8, 8))
+        opener(img).read_region((0, 0), 3, (8, 8))
 
 
-def test_auto_falls_back_to_tiffslide_for_a_tiff_openslide_rejects(tmp_path: Path) -> None:
+def test_auto_falls_back_to_tiffslide_for_a_tiff_openslide_rejects(tmp_path: Path, opener) -> None:
     img = np.random.default_rng(0).integers(0, 255, (96, 128, 3), dtype=np.uint8)
     path = tmp_path / "stripped.tif"
     tifffile.imwrite(path, img, photometric="rgb")  # not tiled: OpenSlide's generic TIFF reader refuses it
     with pytest.raises(SlideOpenError, match="openslide"):
-        open_slide(path, backend="openslide")
-    s = open_slide(path)
+        opener(path, backend="openslide")
+    s = opener(path)
     assert s.backend == "tiffslide"
     np.testing.assert_array_equal(s.read_region((0, 0), 0, (128, 96)), img)
 
@@ -116,8 +131,8 @@ def test_fingerprint_tracks_size_and_head(tmp_path: Path, synth: Path) -> None:
     assert slide_fingerprint(a) != slide_fingerprint(synth)
 
 
-def test_read_scaled_uses_pyramid_and_matches_area_average(synth: Path) -> None:
-    s = open_slide(synth)
+def test_read_scaled_uses_pyramid_and_matches_area_average(synth: Path, opener) -> None:
+    s = opener(synth)
     # downsample 4 is a pyramid level: returned as stored
     np.testing.assert_array_equal(read_scaled(s, 4), _tifffile_level(synth, 1))
     # downsample 2 comes from level 0 by area averaging (independent reference: block means)
@@ -131,18 +146,18 @@ def test_read_scaled_uses_pyramid_and_matches_area_average(synth: Path) -> None:
 
 
 @pytest.mark.real_slides
-def test_real_slides_open_with_their_documented_facts(real_slides_dir: Path) -> None:
+def test_real_slides_open_with_their_documented_facts(real_slides_dir: Path, opener) -> None:
     svs = real_slides_dir / "CMU-1-Small-Region.svs"
     for backend in ("openslide", "tiffslide"):
-        s = open_slide(svs, backend)
+        s = opener(svs, backend)
         assert s.dimensions == (2220, 2967) and s.level_count == 1
         assert s.mpp == pytest.approx(0.499)
-    a = open_slide(svs, "openslide").read_region((1000, 1000), 0, (300, 200))
-    b = open_slide(svs, "tiffslide").read_region((1000, 1000), 0, (300, 200))
+    a = opener(svs, "openslide").read_region((1000, 1000), 0, (300, 200))
+    b = opener(svs, "tiffslide").read_region((1000, 1000), 0, (300, 200))
     assert np.abs(a.astype(int) - b).max() <= 2  # same JPEG data, two decoders
     dcm = real_slides_dir / "dicom-bone" / "jpeg.dcm"
-    assert open_slide(dcm).backend == "openslide"
+    assert opener(dcm).backend == "openslide"
     with pytest.raises(SlideOpenError, match="tiffslide: .*not a TIFF"):
-        open_slide(dcm, backend="tiffslide")
-    ndpi = open_slide(real_slides_dir / "test3-DAPI-2-387.ndpi")
+        opener(dcm, backend="tiffslide")
+    ndpi = opener(real_slides_dir / "test3-DAPI-2-387.ndpi")
     assert ndpi.dimensions == (3968, 4864) and ndpi.mpp == pytest.approx(0.2282, rel=1e-3)

@@ -17,6 +17,21 @@ from wsi_pipeline.synthetic.slides import BACKGROUND_GREY, make_slide
 from wsi_pipeline.synthetic.truth import read_mask
 
 
+@pytest.fixture
+def opener():
+    """``open_slide`` that closes every slide it opened when the test ends."""
+    opened = []
+
+    def _open(*args, **kwargs):
+        slide = open_slide(*args, **kwargs)
+        opened.append(slide)
+        return slide
+
+    yield _open
+    for slide in opened:
+        slide.close()
+
+
 def _level0(path: Path) -> np.ndarray:
     with tifffile.TiffFile(path) as tf:
         return tf.pages[0].asarray()
@@ -52,9 +67,9 @@ def test_slide_content_tissue_lesions_background(tmp_path: Path) -> None:
     assert not blank.tissue.any() and abs(_level0(blank.path).astype(float).mean() - BACKGROUND_GREY) < 2
 
 
-def test_both_readers_open_it_with_mpp_and_the_same_pixels(tmp_path: Path) -> None:
+def test_both_readers_open_it_with_mpp_and_the_same_pixels(tmp_path: Path, opener) -> None:
     s = make_slide(tmp_path / "s.svs", size=(1100, 700), seed=4, mpp=0.2521, n_lesions=1)
-    slides = [open_slide(s.path, b) for b in ("openslide", "tiffslide")]
+    slides = [opener(s.path, b) for b in ("openslide", "tiffslide")]
     for sl in slides:
         assert sl.mpp == pytest.approx(0.2521)
         assert sl.level_dimensions == s.level_dimensions
@@ -65,10 +80,10 @@ def test_both_readers_open_it_with_mpp_and_the_same_pixels(tmp_path: Path) -> No
     ref = _level0(s.path)[: 175 * 4, : 275 * 4].reshape(175, 4, 275, 4, 3).mean(axis=(1, 3))
     assert np.abs(a.astype(float) - ref).mean() < 3
     assert make_slide(tmp_path / "n.svs", size=512, seed=1, mpp=None).mpp is None
-    assert open_slide(tmp_path / "n.svs").mpp is None
+    assert opener(tmp_path / "n.svs").mpp is None
 
 
-def test_large_slide_is_written_without_holding_level0(tmp_path: Path) -> None:
+def test_large_slide_is_written_without_holding_level0(tmp_path: Path, opener) -> None:
     """Peak memory grows with the slide by about its level 1 (1/16 of level 0), not by level 0."""
     w = 384
     peaks = {}
@@ -79,11 +94,11 @@ def test_large_slide_is_written_without_holding_level0(tmp_path: Path) -> None:
         tracemalloc.stop()
     growth_full = w * (12288 - 3072) * 3
     assert peaks[12288] - peaks[3072] < 0.15 * growth_full, {k: v / 2**20 for k, v in peaks.items()}
-    assert open_slide(tmp_path / "tall12288.svs").dimensions == (w, 12288)
+    assert opener(tmp_path / "tall12288.svs").dimensions == (w, 12288)
 
 
 def test_cohort_labels_splits_masks_and_external_shift(tmp_path: Path) -> None:
-    m = make_slide_cohort(tmp_path, 8, size=768, seed=1, pen_fraction=0.5)
+    m = make_slide_cohort(tmp_path, 8, size=512, seed=1, pen_fraction=0.5)
     df = read_manifest(m)
     assert df["label"].tolist().count(1) == 4 and df["label"].tolist().count(0) == 4
     assert set(df["split"]) == {"train", "val", "test"}
@@ -92,14 +107,14 @@ def test_cohort_labels_splits_masks_and_external_shift(tmp_path: Path) -> None:
     for row in df.itertuples():
         mask = read_mask(row.lesion_mask)
         assert Path(row.path).is_file()
-        assert mask.shape == (-(-768 // row.mask_downsample),) * 2
+        assert mask.shape == (-(-512 // row.mask_downsample),) * 2
         assert bool(mask.any()) == (row.label == 1)
         assert (row.lesion_fraction > 0) == (row.label == 1)
     assert df["pen_marks"].gt(0).any()
     # same seed, same cohort: identical files; external cohort: tinted towards blue
-    m2 = make_slide_cohort(tmp_path / "again", 2, size=768, seed=1)
+    m2 = make_slide_cohort(tmp_path / "again", 2, size=512, seed=1)
     np.testing.assert_array_equal(_level0(Path(read_manifest(m2).path[0])), _level0(Path(df.path[0])))
-    ext = read_manifest(make_slide_cohort(tmp_path / "ext", 2, size=768, seed=1, cohort="external", splits=None))
+    ext = read_manifest(make_slide_cohort(tmp_path / "ext", 2, size=512, seed=1, cohort="external", splits=None))
     assert set(ext["split"]) == {""} and set(ext["cohort"]) == {"external"}
 
     def tissue_rgb(path: str) -> np.ndarray:

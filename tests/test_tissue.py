@@ -6,9 +6,25 @@ import cv2
 import numpy as np
 import pytest
 
+from wsi_pipeline.slides import open_slide
 from wsi_pipeline.tiling.grid import make_grid
 from wsi_pipeline.tiling.prescreen import foreground_bound_map, prescreen_candidates
 from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, grey, otsu_tissue_mask, strip_foreground, tiles_foreground
+
+
+@pytest.fixture
+def opener():
+    """``open_slide`` that closes every slide it opened when the test ends."""
+    opened = []
+
+    def _open(*args, **kwargs):
+        slide = open_slide(*args, **kwargs)
+        opened.append(slide)
+        return slide
+
+    yield _open
+    for slide in opened:
+        slide.close()
 
 
 def test_grey_is_opencv_bt601() -> None:
@@ -154,3 +170,16 @@ def test_prescreen_bound_never_below_true_foreground() -> None:
     cand = prescreen_candidates(overview, ds, g, grey_max=230, min_foreground=0.6, margin=1.0).ravel()
     assert cand[true >= 0.6].all()
     assert not cand.all()  # and it does skip some tiles
+
+
+def test_otsu_finds_pale_stroma_not_only_dark_lesions(tmp_path, opener) -> None:
+    """Three grey modes (glass, pale stroma, dark lesion): the mask must cover the whole tissue."""
+    from wsi_pipeline.slides import read_scaled
+    from wsi_pipeline.synthetic.slides import make_slide
+
+    s = make_slide(tmp_path / "s.svs", size=1024, seed=8, n_lesions=3, lesion_size=0.2, tissue_fraction=0.4)
+    overview = read_scaled(opener(s.path), s.mask_downsample)  # same grid as the true mask
+    mask, info = otsu_tissue_mask(overview, 0.5 * s.mask_downsample)
+    truth = s.tissue[: mask.shape[0], : mask.shape[1]]
+    iou = (mask & truth).sum() / (mask | truth).sum()
+    assert info["channel"] == "saturation" and iou > 0.85, (info, iou)

@@ -71,13 +71,14 @@ STRATEGY_METHODS = {
     "full": {"name": "m", "strategy": "full", "encoder": {"bn": "train"}},
     "accumulate": {"name": "m", "strategy": "accumulate", "chunk_size": 3, "encoder": {"bn": "frozen"}},
     "bigl": {"name": "m", "strategy": "bigl", "encoder": {"bn": "train"}, "chunk_size": 16, "bigl": {"stages": 1, "max_elements": 2**22}},
+    "patchgd": {"name": "m", "strategy": "patchgd", "chunk_size": 16, "patchgd": {"fraction": 1.0, "head_options": {"width": 16}}},
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", sorted(STRATEGY_METHODS))
 def test_each_strategy_trains_two_epochs_through_the_cli(tmp_path, store_cohort, strategy, caplog):
-    cfg_path = make_config(tmp_path, store_cohort, [STRATEGY_METHODS[strategy]], train={"augment": {"enabled": strategy != "frozen"}})
+    cfg_path = make_config(tmp_path, store_cohort, [STRATEGY_METHODS[strategy]], train={"augment": {"enabled": strategy not in ("frozen", "patchgd")}})
     with caplog.at_level(logging.INFO, logger="wsi_pipeline"):
         assert main(["train", "--config", str(cfg_path), "--no-progress"]) == 0
     run = tmp_path / "runs" / "t" / "m" / "seed0"
@@ -101,7 +102,8 @@ def test_each_strategy_trains_two_epochs_through_the_cli(tmp_path, store_cohort,
         # features were extracted automatically, and the log says so
         assert any("extracting them now" in r.getMessage() for r in caplog.records)
         h5 = sorted(p.name for p in (tmp_path / "features" / "resnet18").glob("*.h5"))
-        assert len(h5) == 9  # 6 train + 3 val slides
+        df = pd.read_csv(store_cohort)
+        assert h5 == sorted(f"{s}.h5" for s in df.loc[df["split"].isin(["train", "val"]), "slide_id"])
         # the rebuilt frozen encoder embeds tiles exactly as the features were extracted
         from wsi_pipeline.data.features import read_features
         from wsi_pipeline.tiling.store import open_store
@@ -212,7 +214,7 @@ sys.exit(main(["train", "--config", config, "--no-progress"]))
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, store_cohort, capsys):
     method = [{"name": "m", "strategy": "accumulate", "chunk_size": 4}]  # dropout in ABMIL, augmentation on: RNG matters
-    train = {"epochs": 3, "augment": {"enabled": True}, "demon": {"beta_init": 0.9}}
+    train = {"epochs": 2, "augment": {"enabled": True}, "demon": {"beta_init": 0.9}}
     straight = make_config(tmp_path, store_cohort, method, name="t", train=train, runs="straight")
     (tmp_path / "k").mkdir()
     killed = make_config(tmp_path / "k", store_cohort, method, name="t", train=train, runs="killed")
@@ -249,7 +251,20 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, store_cohort
     ha = pd.read_csv(run_s / "history.csv").drop(columns="seconds")
     hb = pd.read_csv(run_k / "history.csv").drop(columns="seconds")
     pd.testing.assert_frame_equal(ha, hb, check_exact=True)
-    assert len(ha) == 3
+    assert len(ha) == 2
+
+
+def test_early_stopping_stops_and_marks_the_run_done(tmp_path, store_cohort):
+    # a learning rate too small to change any prediction: validation accuracy never improves
+    method = [{"name": "m", "strategy": "frozen", "chunk_size": 32}]
+    cfg = make_config(tmp_path, store_cohort, method,
+                      train={"epochs": 6, "lr": 1e-12, "select_metric": "accuracy", "early_stopping_patience": 2})
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    done = json.loads((run / "done").read_text())
+    assert done["epochs"] == 3 and done["best_epoch"] == 1 and done["select_metric"] == "accuracy"
+    assert pd.read_csv(run / "history.csv")["epoch"].tolist() == [1, 2, 3]
+    assert load_checkpoint(run / "best.pt")["epoch"] == 1
 
 
 def test_resume_refuses_a_changed_config(tmp_path, store_cohort, capsys):
@@ -337,6 +352,14 @@ def test_bad_options_fail_before_training(tmp_path, store_cohort):
     _no_training(tmp_path)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_cuda_requested_without_cuda(tmp_path, store_cohort):
+    cfg = load_config(make_config(tmp_path, store_cohort, [{"name": "m", "strategy": "full"}], train={"device": "cuda"}))
+    with pytest.raises(ValueError, match=r"device='cuda' but CUDA is not available on this machine; use device auto or cpu"):
+        train_pipeline(cfg, progress=False)
+    _no_training(tmp_path)
+
+
 # ----------------------------------------------------------------------------------------------
 # Bags and augmentation
 # ----------------------------------------------------------------------------------------------
@@ -406,7 +429,7 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
     manifest = make_store_cohort(tmp_path / "cohort", n_slides=24, tile_size=32, seed=1)
     method = {"name": "e2e", "strategy": "accumulate", "chunk_size": 8, "encoder": {"name": "resnet18", "bn": "frozen"},
               "aggregator": {"name": "abmil"}}
-    cfg = load_config(make_config(tmp_path, manifest, [method], train={"epochs": 4, "bag_size": 16, "lr": 1e-4}))
+    cfg = load_config(make_config(tmp_path, manifest, [method], train={"epochs": 3, "bag_size": 16, "lr": 1e-4}))
     train_pipeline(cfg, progress=False)
     run = tmp_path / "runs" / "t" / "e2e" / "seed0"
     hist = pd.read_csv(run / "history.csv")

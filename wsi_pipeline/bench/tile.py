@@ -94,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         n = len(store)
         print(f"slide A: {args.size} x {args.size} px, {store.attrs['grid_shape'][0] * store.attrs['grid_shape'][1]} grid tiles, "
               f"{store.attrs['n_candidates']} candidates after pre-screen, {n} tiles kept")
-        print(f"tiling, 1 worker: {wall:.2f} s wall ({r.seconds:.2f} s in the worker), {n / wall:.0f} tiles/s, "
-              f"worker CPU {cpu_tile:.2f} s")
+        timing = store.attrs.get("timing", {})
+        print(f"tiling, 1 worker: {wall:.2f} s wall ({r.seconds:.2f} s in the worker), {n / wall:.0f} tiles/s; "
+              f"slide CPU {r.cpu_seconds:.2f} s = decode/filter thread {timing.get('main_thread_cpu', float('nan')):.2f} s "
+              f"+ writer thread {timing.get('writer_thread_cpu', float('nan')):.2f} s (+ overview, QC); worker process CPU {cpu_tile:.2f} s")
 
-        # 2. decode limit: only read_region the kept tiles, fresh handle, same process type of read
+        # 2. decode limit: only read_region the kept tiles, one call each, fresh handle
         _warm(a)
         coords = store.coords
         T = store.tile_size
@@ -110,9 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         decode_cpu = time.process_time() - c1
         print(f"decode limit: {decode:.2f} s for {n} read_region calls ({n / decode:.0f} tiles/s, CPU {decode_cpu:.2f} s)")
         ratio_wall = wall / decode
-        ratio_slide = r.seconds / decode
-        print(f"ratio tiling / decode limit: {ratio_wall:.2f} (whole run incl. worker start), {ratio_slide:.2f} (slide only); "
-              f"CPU ratio {cpu_tile / decode_cpu:.2f}   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
+        print(f"ratio tiling / decode limit (wall): {ratio_wall:.2f} whole run incl. worker start, {r.seconds / decode:.2f} slide only"
+              f"   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
+        crit = max(timing.get("main_thread_cpu", 0.0), timing.get("writer_thread_cpu", 0.0))
+        print(f"ratio in CPU time: {r.cpu_seconds / decode_cpu:.2f} total slide CPU / decode CPU; "
+              f"{crit / decode_cpu:.2f} busiest thread / decode CPU (the wall ratio when a second core is free)")
 
         if not args.skip_two:
             jobs = [SlideJob("bench_a", str(a)), SlideJob("bench_b", str(b))]

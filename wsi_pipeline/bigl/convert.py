@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 import torch
+from torch import nn
 
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
@@ -143,6 +142,7 @@ def bigify(
     device: torch.device | str | None = None,
     *,
     pointwise: str = "host",
+    pin_memory: bool = True,
 ) -> BigResNet:
     """Convert the stem and the first ``stages`` residual stages of a ResNet to Big-Layers.
 
@@ -162,6 +162,10 @@ def bigify(
     pointwise
         ``"host"`` (default): ReLU, MaxPool and the residual add run on the host;
         ``"device"``: they are chunked on the device too.
+    pin_memory
+        CUDA only: keep the host activations in pinned memory (fastest transfers; PyTorch's
+        pinned allocator rounds blocks up to a power of two). ``False``: pageable activations,
+        each chunk staged through a chunk-sized pinned buffer.
 
     Returns
     -------
@@ -179,6 +183,6 @@ def bigify(
         raise ValueError(f"pointwise={pointwise!r}; choose one of {POINTWISE}")
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    runner = ChunkRunner(device)
+    runner = ChunkRunner(device, pin_memory=pin_memory)
     model.to(runner.device)
     return BigResNet(model, stages, runner, max_elements, pointwise)

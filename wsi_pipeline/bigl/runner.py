@@ -3,7 +3,8 @@
 Host activations are channels-last (``[N, C, H, W]`` with NHWC memory), so a chunk of whole
 samples, or of rows of one sample, is one contiguous block of host memory and one DMA.
 
-On CUDA the host tensors the runner allocates are pinned, and two side streams carry the
+On CUDA the host tensors the runner allocates are pinned (or, with ``pin_memory=False``,
+pageable and staged through chunk-sized pinned buffers), and two side streams carry the
 copies: while the compute stream works on chunk ``i``, the host-to-device stream already
 moves chunk ``i + 1`` and the device-to-host stream returns chunk ``i - 1``'s results. Chunk
 tensors are allocated by PyTorch's caching allocator and tagged with ``record_stream`` for
@@ -28,6 +29,15 @@ Compute = Callable[[int, RowChunk, Sequence[torch.Tensor]], Sequence[torch.Tenso
 Store = Callable[[int, RowChunk], Sequence[torch.Tensor]]
 
 
+def _empty_host(shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    if len(shape) == 4:
+        n, c, h, w = shape
+        # a base tensor with channels-last strides (not a permuted view: autograd forbids
+        # in-place ops on views returned by custom Functions)
+        return torch.empty_strided((n, c, h, w), (h * w * c, 1, w * c, c), dtype=dtype, pin_memory=pinned)
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pinned)
+
+
 def _dense(t: torch.Tensor) -> bool:
     if t.dim() == 4:
         return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
@@ -41,13 +51,19 @@ class ChunkRunner:
     ----------
     device
         The compute device (``cpu`` or ``cuda[:k]``). Host tensors always live in CPU memory.
+    pin_memory
+        CUDA only: allocate host activations in pinned memory, so every chunk copy is an async
+        DMA straight from/to them. PyTorch's pinned allocator rounds each block up to a power of
+        two; with ``False`` activations are pageable and each chunk passes through a
+        chunk-sized pinned staging buffer (one extra host copy, still overlapped).
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, *, pin_memory: bool = True) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
+        self.pin_memory = bool(pin_memory) and self.is_cuda
         if self.is_cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
@@ -56,14 +72,8 @@ class ChunkRunner:
         return f"ChunkRunner(device={self.device})"
 
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
-        """Host tensor for Big-Layer activations: channels-last for 4-D, pinned on CUDA."""
-        if len(shape) == 4:
-            n, c, h, w = shape
-            # a base tensor with channels-last strides (not a permuted view: autograd forbids
-            # in-place ops on views returned by custom Functions)
-            t = torch.empty_strided((n, c, h, w), (h * w * c, 1, w * c, c), dtype=dtype, pin_memory=self.is_cuda)
-        else:
-            t = torch.empty(tuple(shape), dtype=dtype, pin_memory=self.is_cuda)
+        """Host tensor for Big-Layer activations: channels-last for 4-D, pinned when ``pin_memory``."""
+        t = _empty_host(shape, dtype, self.pin_memory)
         if zero:
             t.zero_()
         return t
@@ -135,7 +145,8 @@ class ChunkRunner:
         for t in load(i, ch):
             if not (t.is_pinned() and _dense(t)):
                 # pageable or strided: stage through a pinned buffer so the copy is a real async DMA
-                staged = self.host_empty(t.shape, t.dtype)
+                # (the pinned allocator keeps the buffer until the copy has completed)
+                staged = _empty_host(t.shape, t.dtype, True)
                 staged.copy_(t)
                 t = staged
             srcs.append(t)
@@ -154,6 +165,9 @@ class ChunkRunner:
 
     def _run_cuda(self, layer, chunks, load, compute, store, watch) -> None:
         cur = torch.cuda.current_stream(self.device)
+        # results bound for pageable host memory: (event, pinned staging buffer, destination),
+        # copied on the host once their DMA is done, while the device works on later chunks
+        landing: list[tuple[int, torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
         pending = self._send_cuda(layer, 0, chunks[0], load, watch)
         for i, ch in enumerate(chunks):
             ins, ready = pending
@@ -168,7 +182,10 @@ class ChunkRunner:
             self._check(layer, dests, outs)
             if outs:
                 # same memory layout as the host view, so each copy back is a single DMA
-                outs = tuple(o if d.stride() == o.stride() else o.contiguous(memory_format=torch.channels_last) if o.dim() == 4 else o.contiguous() for d, o in zip(dests, outs))
+                outs = tuple(
+                    o if d.stride() == o.stride() else o.contiguous(memory_format=torch.channels_last) if o.dim() == 4 else o.contiguous()
+                    for d, o in zip(dests, outs)
+                )
                 done = torch.cuda.Event()
                 done.record(cur)
                 self._d2h.wait_event(done)
@@ -177,13 +194,27 @@ class ChunkRunner:
                         if o.numel() == 0:
                             continue
                         o.record_stream(self._d2h)
-                        d.copy_(o, non_blocking=True)
+                        if d.is_pinned() and _dense(d):
+                            d.copy_(o, non_blocking=True)
+                        else:
+                            staged = _empty_host(o.shape, o.dtype, True)
+                            staged.copy_(o, non_blocking=True)
+                            arrived = torch.cuda.Event()
+                            arrived.record(self._d2h)
+                            landing.append((i, arrived, staged, d))
                         moved += o.numel()
                         if watch:
                             instrument.track("d2h", layer, i, o)
+            # land the previous chunks' results (their DMA ran while this chunk was computed)
+            while landing and landing[0][0] < i:
+                _, arrived, staged, d = landing.pop(0)
+                arrived.synchronize()
+                d.copy_(staged)
             if watch:
                 instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full)
             del ins, outs
         # host code (autograd, the next layer's staging) reads the results right after; device
         # state of the pass (accumulated dW, statistics) stays ordered on `cur`
         self._d2h.synchronize()
+        for _, _, staged, d in landing:
+            d.copy_(staged)

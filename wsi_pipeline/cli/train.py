@@ -51,12 +51,15 @@ def run(args: argparse.Namespace) -> int:
     pkg = logging.getLogger("wsi_pipeline")
     if pkg.getEffectiveLevel() > logging.INFO:
         pkg.setLevel(logging.INFO)
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
         config = load_config(args.config, args.overrides)
-        runs = train_pipeline(
-            config, methods=args.methods, seeds=args.seeds, resume=args.resume,
-            device=args.device, progress=not args.no_progress,
-        )
+        with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
+            runs = train_pipeline(
+                config, methods=args.methods, seeds=args.seeds, resume=args.resume,
+                device=args.device, progress=not args.no_progress,
+            )
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         if getattr(args, "verbose", 0) >= 2:
             raise

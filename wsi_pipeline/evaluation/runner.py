@@ -27,6 +27,10 @@ each model, their mean/std over seeds, bootstrap 95 % intervals of the seed mean
 (the first evaluated method's first seed, or ``heatmap_method``), ``report.html``, and the
 resolved ``config.yaml``.
 
+Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
+scoring: tile a folder with the model's saved tiling parameters, embed once, aggregate, write
+``predictions.csv`` and the same heatmap files.
+
 ``localisation_auc``: for slides with ground truth (manifest ``lesion_mask`` +
 ``mask_downsample`` columns, or a ``lesion`` array in the store), a tile is positive when at
 least half its footprint is lesion; the ROC AUC (scikit-learn) of the all-tiles attention
@@ -277,6 +281,11 @@ def evaluate_pipeline(
                 except (FileNotFoundError, ValueError) as e:
                     if sid not in missing:
                         log.warning("slide %s skipped: %s", sid, e)
+                    missing.add(sid)
+                    continue
+                if len(store) == 0:
+                    if sid not in missing:
+                        log.warning("slide %s skipped: its tile store %s has no tiles", sid, store.path)
                     missing.add(sid)
                     continue
                 res = _score_slide(model, config, store, row, protocols, seed=config.eval.seed, batch_size=bs,

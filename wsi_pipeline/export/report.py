@@ -48,12 +48,15 @@ def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
     return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
 
 
-def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str]) -> str:
+def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_classes: int) -> str:
     look = _lookup(records)
     methods = list(dict.fromkeys(r.method for r in records))
     sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
     present = {r.metric for r in records}
-    metrics = [m for m in _TABLE_METRICS if m in present]
+    # binary tasks are reported with accuracy and AUC (CAMELYON), graded ones with QWK first (PANDA);
+    # every metric stays in metrics.json
+    shown = _TABLE_METRICS if n_classes > 2 else ("accuracy", "balanced_accuracy", "auc")
+    metrics = [m for m in shown if m in present]
     n_seeds = {m: len({r.seed for r in records if r.method == m and isinstance(r.seed, int)}) for m in methods}
     parts = []
     for prot in protocols:
@@ -111,10 +114,15 @@ def roc_svg(curves: Sequence[tuple[str, str, np.ndarray, np.ndarray]], *, size: 
         els.append(f'<text x="{pad - 4}" y="{10 + (1 - t) * inner + 4:.1f}" text-anchor="end">{t:g}</text>')
     els.append(f'<text x="{pad + inner / 2:.1f}" y="{W - 1}" text-anchor="middle">false positive rate</text>')
     els.append(f'<text x="10" y="{10 + inner / 2:.1f}" transform="rotate(-90 10 {10 + inner / 2:.1f})" text-anchor="middle">true positive rate</text>')
+    dashes = ["", "6 3", "2 2", "8 3 2 3"]
+    seen: dict[str, int] = {}
     for i, (label, colour, fpr, tpr) in enumerate(curves):
+        k = seen[colour] = seen.get(colour, -1) + 1  # curves sharing a colour (seeds of a method) differ in dash
+        dash = f' stroke-dasharray="{dashes[k % len(dashes)]}"' if dashes[k % len(dashes)] else ""
         pts = " ".join(pt(float(x), float(y)) for x, y in zip(fpr, tpr))
-        els.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.6"/>')
-        els.append(f'<text x="{W + 4}" y="{20 + 14 * i}" fill="{colour}">{html.escape(label)}</text>')
+        els.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.6"{dash}/>')
+        els.append(f'<line x1="{W + 4}" y1="{16 + 14 * i}" x2="{W + 22}" y2="{16 + 14 * i}" stroke="{colour}" stroke-width="1.6"{dash}/>')
+        els.append(f'<text x="{W + 26}" y="{20 + 14 * i}" fill="{colour}">{html.escape(label)}</text>')
     if title:
         els.append(f'<text x="{pad + inner / 2:.1f}" y="9" text-anchor="middle" font-weight="bold">{html.escape(title)}</text>')
     els.append("</svg>")
@@ -126,7 +134,7 @@ def confusion_svg(cm: np.ndarray, *, title: str = "", cell: int = 34) -> str:
     cm = np.asarray(cm)
     C = cm.shape[0]
     off = 40
-    W = off + C * cell + 10
+    W = max(off + C * cell + 10, int(len(title) * 6.5) + off)
     H = off + C * cell + 24
     row_sum = np.maximum(cm.sum(1, keepdims=True), 1)
     frac = cm / row_sum
@@ -271,7 +279,7 @@ def write_report(
         "mean class probability over the repeats. Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval "
         "of the seed mean (slides resampled).</p>",
         "<h2>Metrics</h2>",
-        _metric_tables(records, prots),
+        _metric_tables(records, prots, n_classes),
     ]
     if len(pred):
         first = prots[0]

@@ -326,6 +326,7 @@ class CNNHead(GridHead):
         dropout: float = 0.2,
         pool: str = "mean",
         norm: str = "batch",
+        partial: bool = True,
         proj_dim: int | None = None,
         max_grid: int | None = 128,
     ) -> None:
@@ -336,7 +337,7 @@ class CNNHead(GridHead):
             raise ValueError(f"pool={pool!r}; expected 'mean', 'max' or 'meanmax'")
         if int(n_strided) < 0 or int(width) < 1:
             raise ValueError(f"width={width} must be >= 1 and n_strided={n_strided} >= 0")
-        self.pool = pool
+        self.pool, self.partial = pool, bool(partial)
         self.strides = [1] + [2] * int(n_strided)
         chans = [self.z_dim] + [int(width)] * len(self.strides)
         self.convs = nn.ModuleList(
@@ -350,10 +351,16 @@ class CNNHead(GridHead):
     def forward_z(self, z_grid: Tensor, mask: Tensor) -> Tensor:
         m = mask.to(z_grid.dtype)[:, None]
         x = z_grid * m
+        ones = m.new_ones(1, 1, 3, 3)
         for conv, norm, stride in zip(self.convs, self.norms, self.strides):
-            x = conv(x)
+            cover = F.conv2d(m, ones, stride=stride, padding=1)  # tissue cells under each 3x3 window
+            if self.partial:
+                x = F.conv2d(x, conv.weight, None, stride, 1) * (9.0 / cover.clamp(min=1.0))
+                x = x + conv.bias[None, :, None, None]
+            else:
+                x = conv(x)
             if stride > 1:
-                m = F.max_pool2d(m, 3, stride=stride, padding=1)
+                m = (cover > 0).to(m.dtype)
             x = self.drop(norm(torch.relu(x), m[:, 0] > 0)) * m
         valid = m > 0
         feats = []

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import math
 import os
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from pathlib import Path
@@ -155,6 +156,18 @@ class OpenSlideSlide(Slide):
 
         self.path = path
         self._osr = openslide.OpenSlide(str(path))
+        try:
+            self._describe()
+        except BaseException:
+            self._osr.close()
+            raise
+        # The C call writes premultiplied ARGB straight into a numpy buffer; the public Python
+        # API would build a PIL image and un-premultiply first (about a third slower per tile).
+        from openslide import lowlevel
+
+        self._raw_read = getattr(lowlevel, "_read_region", None) if sys.byteorder == "little" else None
+
+    def _describe(self) -> None:
         self.dimensions = tuple(int(v) for v in self._osr.dimensions)  # type: ignore[assignment]
         self.level_count = int(self._osr.level_count)
         self.level_dimensions = tuple((int(w), int(h)) for w, h in self._osr.level_dimensions)
@@ -162,11 +175,6 @@ class OpenSlideSlide(Slide):
         self.properties = {str(k): str(v) for k, v in self._osr.properties.items()}
         self.mpp = _parse_mpp(self.properties, ("openslide.mpp-x", "openslide.mpp-y"))
         self.background = _parse_colour(self.properties.get("openslide.background-color", "FFFFFF"))
-        # The C call writes premultiplied ARGB straight into a numpy buffer; the public Python
-        # API would build a PIL image and un-premultiply first (about a third slower per tile).
-        from openslide import lowlevel
-
-        self._raw_read = getattr(lowlevel, "_read_region", None)
 
     def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:
         import cv2
@@ -209,6 +217,13 @@ class TiffSlideSlide(Slide):
 
         self.path = path
         self._ts = tiffslide.TiffSlide(str(path))
+        try:
+            self._describe()
+        except BaseException:
+            self._ts.close()
+            raise
+
+    def _describe(self) -> None:
         self.dimensions = tuple(int(v) for v in self._ts.dimensions)  # type: ignore[assignment]
         self.level_count = int(self._ts.level_count)
         self.level_dimensions = tuple((int(w), int(h)) for w, h in self._ts.level_dimensions)

@@ -281,25 +281,27 @@ def tile_cohort(
 
     bar = tqdm(total=len(jobs), unit="slide", desc="tiling", disable=not progress, dynamic_ncols=True)
     tiles_done = 0
+    n_failed = 0
     last_write = 0.0
 
     def finish(i: int, r: SlideResult) -> None:
-        nonlocal last_write
+        nonlocal last_write, n_failed
         results[i] = r
         if r.status == "failed":
+            n_failed += 1
             logger.warning("slide %s failed: %s", r.slide_id, r.error)
         if on_result is not None:
             on_result(r)
+        bar.set_postfix(tiles=tiles_done, failed=n_failed, refresh=False)
         bar.update(1)
-        bar.set_postfix(tiles=tiles_done, failed=sum(x is not None and x.status == "failed" for x in results), refresh=False)
         if time.monotonic() - last_write > 2.0:
             _write_report(results, jobs, report_path)
             last_write = time.monotonic()
 
-    def add_tiles(n: int) -> None:
+    def add_tiles(n: int, refresh: bool = True) -> None:
         nonlocal tiles_done
         tiles_done += n
-        bar.set_postfix(tiles=tiles_done, refresh=True)
+        bar.set_postfix(tiles=tiles_done, failed=n_failed, refresh=refresh)
 
     try:
         todo = []
@@ -309,7 +311,7 @@ def tile_cohort(
                 todo.append(i)
                 continue
             if early.status == "skipped":
-                add_tiles(early.n_tiles)
+                add_tiles(early.n_tiles, refresh=False)
             finish(i, early)
         if n_workers == 0:
             for i in todo:
@@ -387,7 +389,7 @@ def _run_pool(
                             elif kind == "done" and w.index is not None:
                                 r: SlideResult = payload
                                 if r.status == "skipped":
-                                    add_tiles(r.n_tiles)
+                                    add_tiles(r.n_tiles, refresh=False)
                                 finish(w.index, r)
                                 assign(w)
                     except (EOFError, OSError):

@@ -80,6 +80,7 @@ class StoreWriter:
         codecs = dict(tile_codecs) if tile_codecs is not None else _tile_codecs(compression)
         T = self.tile_size
         self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), chunks=(1, T, T, 3), dtype="uint8", **codecs)
+        self._direct = _direct_chunk_encoder(self.tiles)
         self.coords = np.zeros((cap, 2), np.int64)
         self.grid = np.zeros((cap, 2), np.int32)
         self.foreground = np.zeros((cap,), np.float32)
@@ -105,11 +106,31 @@ class StoreWriter:
             self.coords = np.resize(self.coords, (grow, 2))
             self.grid = np.resize(self.grid, (grow, 2))
             self.foreground = np.resize(self.foreground, (grow,))
-        self.tiles[self.n : end] = tiles
+        if self._direct is not None:
+            self._write_direct(self.n, tiles)
+        else:
+            self.tiles[self.n : end] = tiles
         self.coords[self.n : end] = coords
         self.grid[self.n : end] = grid
         self.foreground[self.n : end] = foreground
         self.n = end
+
+    def _write_direct(self, start: int, tiles: np.ndarray) -> None:
+        """Write one chunk file per tile straight to the local store (same bytes zarr would write)."""
+        encode = self._direct
+        meta = self.tiles.metadata
+        root = Path(self.tiles.store_path.store.root) / self.tiles.store_path.path
+        for i, tile in enumerate(tiles):
+            key = meta.chunk_key_encoding.encode_chunk_key((start + i, 0, 0, 0))
+            dest = root / key
+            data = encode(np.ascontiguousarray(tile))
+            try:
+                f = open(dest, "wb")
+            except FileNotFoundError:  # "/" chunk keys: the chunk's folder is new
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                f = open(dest, "wb")
+            with f:
+                f.write(data)
 
     def add_array(self, name: str, values: np.ndarray) -> None:
         """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``."""
@@ -135,6 +156,36 @@ class StoreWriter:
     def abort(self) -> None:
         """Remove the temporary store; the destination (if any) is untouched."""
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _direct_chunk_encoder(array: Any) -> Any:
+    """For an uncompressed or plain-zstd tile array in a local store, a function that encodes one
+    tile chunk exactly as zarr's codec pipeline would; None for any other layout (zarr writes those).
+
+    Writing the chunk files ourselves skips zarr's per-chunk asynchronous machinery, about half
+    of the writer's CPU time per 256 px tile; the files on disk are identical.
+    """
+    try:
+        from numcodecs import Zstd
+        from zarr.codecs import BytesCodec, ZstdCodec
+        from zarr.storage import LocalStore
+
+        meta = array.metadata
+        if not isinstance(array.store_path.store, LocalStore) or getattr(meta, "zarr_format", 3) != 3:
+            return None
+        if tuple(meta.chunk_grid.chunk_shape) != (1,) + tuple(array.shape[1:]):
+            return None
+        codecs = tuple(meta.codecs)
+        if not codecs or not isinstance(codecs[0], BytesCodec):
+            return None
+        if len(codecs) == 1:
+            return lambda tile: memoryview(tile).cast("B")
+        if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
+            zstd = Zstd(level=codecs[1].level, checksum=codecs[1].checksum)
+            return zstd.encode
+    except Exception:  # any surprise in zarr's internals: let zarr write
+        return None
+    return None
 
 
 def is_complete(path: str | os.PathLike) -> bool:

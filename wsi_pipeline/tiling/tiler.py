@@ -149,6 +149,7 @@ class SlideResult:
     error: str = ""
     note: str = ""
     path: str = ""
+    cpu_seconds: float = 0.0
 
 
 def _job_mpp_override(job: SlideJob, config: TilingConfig) -> float | None:
@@ -162,17 +163,37 @@ def _identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str
     return {"fingerprint": fingerprint, "mpp_override": _job_mpp_override(job, config), **config.output_params()}
 
 
-def store_matches(path: Path, identity: dict[str, Any]) -> dict[str, Any] | None:
-    """The attributes of a complete store at ``path`` built from the same slide and settings, else None."""
+def _complete_attrs(path: Path) -> dict[str, Any] | None:
+    """Attributes of a complete store at ``path``; None when missing, unreadable or partial."""
     try:
         import zarr
 
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    except Exception:  # missing or unreadable: not a match
+    except Exception:  # missing or unreadable: no usable store
         return None
-    if not attrs.get("complete"):
+    return attrs if attrs.get("complete") else None
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [int(st.st_size), int(st.st_mtime_ns)]
+
+
+def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, Any] | None:
+    """The attributes of a complete store at ``path`` built from the same slide file and settings, else None.
+
+    The slide is identified by its fingerprint; when its size and modification time equal
+    those recorded in the store, the recorded fingerprint is reused instead of re-hashing
+    (a resume check of thousands of slides on a network file system stays cheap).
+    """
+    attrs = _complete_attrs(path)
+    if attrs is None:
         return None
-    return attrs if attrs.get("tiling_identity") == identity else None
+    slide = Path(job.path)
+    recorded = attrs.get("tiling_identity", {}).get("fingerprint")
+    same_stat = recorded and attrs.get("slide_stat") == _stat_key(slide)
+    fingerprint = recorded if same_stat else slide_fingerprint(slide)
+    return attrs if attrs.get("tiling_identity") == _identity(job, config, fingerprint) else None
 
 
 def _clean_stale(out_dir: Path, slide_id: str) -> None:
@@ -193,12 +214,18 @@ def _clean_stale(out_dir: Path, slide_id: str) -> None:
 
 
 class _BackgroundWriter:
-    """Feed :meth:`StoreWriter.append` from a thread; errors surface on the next call."""
+    """Feed :meth:`StoreWriter.append` from a thread; errors surface on the next call.
 
-    def __init__(self, writer: StoreWriter, depth: int = 3) -> None:
+    Batches arrive as (tiles, keep, coords, grid, foreground) with ``tiles`` possibly a strided
+    view of a decoded strip: selecting and copying the kept tiles happens here, off the
+    decoding thread.
+    """
+
+    def __init__(self, writer: StoreWriter, depth: int = 8) -> None:
         self.writer = writer
         self._q: queue.Queue[tuple[np.ndarray, ...] | None] = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
+        self.cpu_seconds = 0.0  # the writer thread's CPU time, set when it ends
         self._thread = threading.Thread(target=self._run, name="tile-writer", daemon=True)
         self._thread.start()
 
@@ -206,45 +233,26 @@ class _BackgroundWriter:
         while True:
             item = self._q.get()
             if item is None:
+                self.cpu_seconds = time.thread_time()
                 return
             if self._error is None:
+                tiles, keep, coords, grid, fg = item
                 try:
-                    self.writer.append(*item)
+                    self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg)
                 except BaseException as err:  # re-raised in the main thread
                     self._error = err
 
-    def put(self, tiles: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
+        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
         if self._error is not None:
             raise self._error
-        self._q.put((tiles, coords, grid, fg))
+        self._q.put((tiles, keep, coords, grid, fg))
 
     def close(self) -> None:
         self._q.put(None)
         self._thread.join()
         if self._error is not None:
             raise self._error
-
-
-class _Batch:
-    """Collect kept tiles and hand them to the writer in batches of ``size``."""
-
-    def __init__(self, sink: _BackgroundWriter, size: int = 64) -> None:
-        self.sink, self.size = sink, size
-        self.parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
-        self.count = 0
-
-    def add(self, tiles: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
-        if len(tiles):
-            self.parts.append((tiles, coords, grid, fg))
-            self.count += len(tiles)
-            if self.count >= self.size:
-                self.flush()
-
-    def flush(self) -> None:
-        if self.parts:
-            cat = [np.concatenate([p[i] for p in self.parts]) for i in range(4)]
-            self.sink.put(*cat)
-            self.parts, self.count = [], 0
 
 
 def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
@@ -314,6 +322,7 @@ def tile_slide(
     with the same slide fingerprint and settings exists) or ``failed`` (``error`` says why).
     """
     t0 = time.perf_counter()
+    c0 = time.process_time()
     out = Path(out_dir)
     res = SlideResult(job.slide_id, "failed", path=str(job.path))
     try:
@@ -334,6 +343,7 @@ def tile_slide(
         logger.debug("slide %s failed", job.slide_id, exc_info=True)
     finally:
         res.seconds = round(time.perf_counter() - t0, 3)
+        res.cpu_seconds = round(time.process_time() - c0, 3)
     return res
 
 
@@ -355,8 +365,7 @@ def precheck(job: SlideJob, out_dir: str | os.PathLike, config: TilingConfig, *,
             raise FileNotFoundError(f"slide file not found: {path}; fix the path or remove the row/file")
         if overwrite or not path.is_file():
             return None
-        identity = _identity(job, config, slide_fingerprint(path))
-        attrs = store_matches(store_path(out_dir, job.slide_id), identity)
+        attrs = store_matches(store_path(out_dir, job.slide_id), job, config)
         if attrs is None:
             return None
         res.status, res.n_tiles, res.mpp = "skipped", int(attrs.get("n_tiles", 0)), attrs.get("mpp")
@@ -422,6 +431,7 @@ def _tile_open_slide(
         "slide_id": job.slide_id,
         "slide_path": str(Path(slide.path).resolve()),
         "slide_fingerprint": identity["fingerprint"],
+        "slide_stat": _stat_key(Path(slide.path)),
         "slide_dimensions": list(slide.dimensions),
         "slide_mpp": mpp,
         "mpp_source": mpp_source,
@@ -444,8 +454,8 @@ def _tile_open_slide(
         store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
         compression=config.compression, tile_codecs=tile_codecs_for(config.compression),
     )
+    main_cpu0 = time.thread_time()
     sink = _BackgroundWriter(writer)
-    batch = _Batch(sink)
     kept_coords: list[np.ndarray] = []
     n_kept = 0
     last_report = time.monotonic()
@@ -471,14 +481,19 @@ def _tile_open_slide(
                 kc = run[keep]
                 coords = grid.coords(kc, np.full(len(kc), row))
                 gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
-                batch.add(np.ascontiguousarray(tiles[keep]), coords, gridxy, fg[keep])
+                sink.put(tiles, keep, coords, gridxy, fg[keep])
                 kept_coords.append(coords)
                 n_kept += len(kc)
                 if progress is not None and time.monotonic() - last_report > 0.5:
                     progress(n_kept - reported)
                     reported, last_report = n_kept, time.monotonic()
-        batch.flush()
         sink.close()
+        # CPU split of the tile pass: decoding + filtering (this thread) vs compression + writes
+        writer.group.attrs.update({"timing": {
+            "main_thread_cpu": round(time.thread_time() - main_cpu0, 3),
+            "writer_thread_cpu": round(sink.cpu_seconds, 3),
+            "n_decoded": n_candidates,
+        }})
     except BaseException:
         try:
             sink.close()

@@ -3,9 +3,10 @@
 - Greyscale (PANDA / TCGA-PRAD protocol): grey = BT.601 luma as OpenCV's ``RGB2GRAY`` computes
   it (8-bit fixed point); a pixel is foreground when ``grey_min <= grey <= grey_max``
   (3 and 230); a tile's foreground is the fraction of such pixels.
-- Otsu (CAMELYON protocol): on a low-resolution image, median blur, Otsu threshold,
-  morphological closing, then removal of small objects and small holes. Sizes are in um and
-  um^2, so the result does not depend on the resolution the mask is computed at.
+- Otsu (CAMELYON protocol): on a low-resolution image, median blur, Otsu threshold (of the
+  HSV saturation on brightfield slides, as CLAM does: pale stroma is grey-ish in luma but
+  clearly coloured), morphological closing, then removal of small objects and small holes.
+  Sizes are in um and um^2, so the result does not depend on the mask's resolution.
 """
 
 from __future__ import annotations
@@ -140,11 +141,14 @@ class OtsuParams:
     closing_um : radius of the disk used for morphological closing.
     min_object_um2 : tissue components smaller than this are removed.
     min_hole_um2 : holes smaller than this are filled.
-    min_contrast : grey levels between the two Otsu class means below which the image is
+    min_contrast : levels (0..255) between the two Otsu class means below which the image is
         taken as uniform (a blank slide): no tissue.
     background : ``"auto"`` (dark when the image border's median grey is below 128),
-        ``"bright"`` (brightfield: tissue is darker than the threshold) or ``"dark"``
-        (fluorescence: tissue is brighter, thresholded on the brightest channel).
+        ``"bright"`` (brightfield) or ``"dark"`` (fluorescence).
+    channel : what Otsu thresholds. ``"auto"``: on a bright background the HSV saturation
+        (stained tissue, pale stroma included, against grey-white glass, as CLAM does); on a
+        dark background the brightest channel (a DAPI-blue nucleus has faint luma).
+        ``"grey"``: luma, tissue darker than the threshold (bright) or brighter (dark).
     """
 
     median_um: float = 30.0
@@ -153,6 +157,7 @@ class OtsuParams:
     min_hole_um2: float = 10_000.0
     min_contrast: float = 15.0
     background: str = "auto"
+    channel: str = "auto"
 
 
 def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = OtsuParams()) -> tuple[np.ndarray, dict[str, float | str]]:
@@ -166,34 +171,53 @@ def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = Ots
 
     Returns
     -------
-    (mask, info): bool (H, W), True = tissue; info has the threshold, the background polarity
-    and the tissue fraction.
+    (mask, info): bool (H, W), True = tissue; info has the threshold, the background polarity,
+    the channel thresholded, the contrast between the two classes and the tissue fraction.
     """
     import cv2
 
     if params.background not in ("auto", "bright", "dark"):
         raise ValueError(f"background={params.background!r}; expected 'auto', 'bright' or 'dark'")
+    if params.channel not in ("auto", "grey"):
+        raise ValueError(f"channel={params.channel!r}; expected 'auto' or 'grey'")
     if not um_per_px > 0:
         raise ValueError(f"um_per_px={um_per_px} must be > 0")
+    rgb = np.ascontiguousarray(rgb)
     g = grey(rgb)
     polarity = params.background
     if polarity == "auto":
         border = np.concatenate([g[0], g[-1], g[:, 0], g[:, -1]])
         polarity = "bright" if np.median(border) >= 128 else "dark"
-    if polarity == "dark":
-        # fluorescence: stains are often one saturated channel whose luma is faint (DAPI blue)
-        g = np.ascontiguousarray(np.asarray(rgb).max(axis=2))
+    # signal: larger = more likely tissue
+    if params.channel == "grey":
+        signal, channel = (255 - g if polarity == "bright" else g), "grey"
+    elif polarity == "bright":
+        signal, channel = cv2.cvtColor(rgb, cv2.COLOR_RGB2HSV)[..., 1], "saturation"
+    else:
+        signal, channel = rgb.max(axis=2), "max_rgb"
+    signal = np.ascontiguousarray(signal, dtype=np.uint8)
     k = min(255, max(3, int(round(params.median_um / um_per_px)) | 1))
-    if min(g.shape) > k:
-        g = cv2.medianBlur(g, k)
-    thr, _ = cv2.threshold(g, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    lo, hi = g[g <= thr], g[g > thr]
+    if min(signal.shape) > k:
+        signal = cv2.medianBlur(signal, k)
+    thr, _ = cv2.threshold(signal, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    lo, hi = signal[signal <= thr], signal[signal > thr]
     contrast = float(hi.mean() - lo.mean()) if lo.size and hi.size else 0.0
-    info: dict[str, float | str] = {"threshold": float(thr), "background": polarity, "contrast": contrast}
+    passes = 1
+    if lo.size > 1 and contrast >= params.min_contrast:
+        # Three populations (glass, pale tissue, dense dark tissue) make Otsu split the two
+        # kinds of tissue. A second pass on the lower class finds the pale tissue when it is a
+        # distinct population (>= 10 % of the image, well above the glass level).
+        thr2, _ = cv2.threshold(lo.reshape(1, -1), 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+        glass, mid = lo[lo <= thr2], lo[lo > thr2]
+        if mid.size >= 0.1 * signal.size and glass.size and mid.mean() - glass.mean() >= params.min_contrast:
+            thr, passes = thr2, 2
+    info: dict[str, float | str] = {
+        "threshold": float(thr), "passes": passes, "background": polarity, "channel": channel, "contrast": contrast,
+    }
     if contrast < params.min_contrast:
         info["tissue_fraction"] = 0.0
-        return np.zeros(g.shape, bool), info
-    mask = g <= thr if polarity == "bright" else g > thr
+        return np.zeros(signal.shape, bool), info
+    mask = signal > thr
     r = int(round(params.closing_um / um_per_px))
     if r >= 1:
         disk = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * r + 1, 2 * r + 1))

@@ -23,6 +23,12 @@ The encoder must compute the same function in passes 1 and 3:
   layer's input (merged over the chunks of pass 1), not once per chunk and pass.
 - The RNG state (CPU and the encoder's CUDA device) is saved before each chunk of pass 1 and
   restored before the same chunk of pass 3, so dropout draws the same masks in both passes.
+  After pass 3 the generators are set back to where they stood before it, so pass 3 consumes
+  no random numbers on balance: when :func:`accumulate_step` returns, the CPU and CUDA
+  generators are exactly where the encoder's single forward over the bag (pass 1) followed by
+  the aggregator's forward and backward (pass 2) left them. Consecutive steps therefore draw
+  fresh dropout masks (the generator is never rewound), and a step consumes the same random
+  numbers as running the pass-1 chunks and the aggregator once.
 
 Both :func:`accumulate_step` and :func:`full_step` ADD the bag's gradient to each parameter's
 ``.grad`` (as ``loss.backward()`` does), so a caller can accumulate several bags before one
@@ -204,6 +210,14 @@ def accumulate_step(
     Returns
     -------
     float : the loss of the bag. The gradient is added to ``.grad`` (not overwritten).
+
+    Notes
+    -----
+    Random numbers: pass 3 replays the dropout draws of pass 1 chunk by chunk, then the CPU
+    generator and the encoder's CUDA generator are restored to where passes 1 and 2 left them.
+    On return the global RNG state is therefore exactly the one after the chunked no-grad
+    encoder forward over the bag and the aggregator's forward and backward (with an
+    aggregator that draws nothing: the state right after pass 1), never a rewound one.
     """
     _check(tiles, chunk_size)
     if bn not in BN_MODES:
@@ -238,10 +252,16 @@ def accumulate_step(
         grad = z.grad
         trainable = any(p.requires_grad for p in encoder.parameters())
         if grad is not None and trainable:
-            for (a, b), state in zip(bounds, states):
-                _set_rng_state(state, device)
-                part = encoder(tiles[a:b].to(device, non_blocking=True))
-                part.backward(grad[a:b])
+            # where passes 1 and 2 left the generators; pass 3 replays pass 1's draws and then
+            # puts them back here, so the caller's random stream is never rewound
+            after = _rng_state(device)
+            try:
+                for (a, b), state in zip(bounds, states):
+                    _set_rng_state(state, device)
+                    part = encoder(tiles[a:b].to(device, non_blocking=True))
+                    part.backward(grad[a:b])
+            finally:
+                _set_rng_state(after, device)
         else:
             log.debug("encoder frozen or loss independent of the embeddings: pass 3 skipped")
         if stats is not None:

@@ -19,6 +19,7 @@ file that carries a pickled object is refused (:func:`load_checkpoint`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import random
@@ -215,8 +216,12 @@ def load_trained_model(
     if method is None:
         raise ValueError(f"{path}: method {state['method']['name']!r} is missing from the saved config")
     n_classes = config.data.n_classes
-    encoder, aggregator = build_models(method, n_classes, device="cpu", for_training=False)
     models = state["models"]
+    build = method
+    if models.get("encoder") is not None and method.encoder.weights:
+        # the checkpoint holds the encoder: the initial weights file is not needed (it may have moved)
+        build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=None))
+    encoder, aggregator = build_models(build, n_classes, device="cpu", for_training=False)
     if models.get("encoder") is not None:
         encoder = load_encoder_state(method, encoder, models["encoder"])
     aggregator.load_state_dict(models["aggregator"])

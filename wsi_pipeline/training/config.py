@@ -372,7 +372,8 @@ class MethodConfig:
     ----------
     name : folder name under ``runs/<pipeline>/``.
     strategy : ``frozen``, ``full``, ``accumulate``, ``bigl`` or ``patchgd``.
-    encoder, aggregator : the models (for ``patchgd`` the aggregator entry names the head).
+    encoder, aggregator : the models. For ``patchgd`` the head is ``patchgd.head``, or the
+        aggregator entry when it names a PatchGD head (``cnn``, ``transformer``).
     chunk_size : tiles per encoder call (accumulation chunks, and embedding for validation).
     bigl : Big-Layers settings (``bigl`` strategy).
     patchgd : free-form options passed to the PatchGD strategy.

@@ -119,6 +119,7 @@ def preflight(
         log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
     for method in methods:
         check_strategy(method)
+        resolve_device(method.train.device)
     check_stores(train + val, config.data.tiles_dir)
     for method in methods:
         if method.strategy == "frozen":
@@ -126,8 +127,8 @@ def preflight(
                 import wsi_pipeline.data.features  # noqa: F401
             except ImportError as e:
                 raise ImportError(f"method {method.name!r}: strategy 'frozen' needs wsi_pipeline.data.features ({e})") from e
-        if method.strategy == "frozen" and method.train.augment.enabled:
-            log.warning("method %s: augmentation is ignored by the frozen strategy (its features are fixed)", method.name)
+        if method.strategy == "patchgd" and method.train.augment.enabled:
+            log.warning("method %s: augmentation is not applied by the %s strategy", method.name, method.strategy)
         with torch.random.fork_rng(devices=[]):
             try:
                 build_models(method, config.data.n_classes, device="cpu", for_training=False)
@@ -202,11 +203,17 @@ def _check_resumable(run_dir: Path, run_config: PipelineConfig) -> None:
 
 
 def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan, device: torch.device, progress: bool) -> Path:
-    """Make sure every training/validation slide has up-to-date features for a frozen method; extract the rest."""
+    """Make sure the slides a frozen method reads as features have up-to-date ones; extract the rest.
+
+    Those are the training and validation slides, or only the validation slides when the method
+    augments (its training bags are then embedded on the fly from augmented tiles).
+    """
     from wsi_pipeline.data.features import extract_features, features_path
 
     out = Path(frozen_features_dir(method, config.data.features_dir))
-    slides = plan.train + plan.val
+    slides = plan.val if method.train.augment.enabled else plan.train + plan.val
+    if not slides:
+        return out
     missing = [s.slide_id for s in slides if not features_path(out, s.slide_id).is_file()]
     if missing:
         log.warning(
@@ -353,16 +360,21 @@ def train_run(
     bar = _bars(progress)
 
     _seed_everything(seed)
-    strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment) if method.strategy != "frozen" else None)
-    if strategy.input == "features":
+    strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment))
+    if "features" in (strategy.input, strategy.val_input):
         from wsi_pipeline.data.features import features_path, read_features
 
         if features_dir is None:
             raise ValueError(f"method {method.name!r} is frozen: pass the folder of its feature files (features_dir)")
-        reader: TileReader | FeatureReader = FeatureReader(plan.train, [features_path(features_dir, s.slide_id) for s in plan.train], read_features)
-        val_inputs: Sequence[Any] = _LazyFeatures([features_path(features_dir, s.slide_id) for s in plan.val])
+    reader: TileReader | FeatureReader
+    if strategy.input == "features":
+        reader = FeatureReader(plan.train, [features_path(features_dir, s.slide_id) for s in plan.train], read_features)
     else:
         reader = TileReader(plan.train)
+    val_inputs: Sequence[Any]
+    if strategy.val_input == "features":
+        val_inputs = _LazyFeatures([features_path(features_dir, s.slide_id) for s in plan.val])
+    else:
         val_reader = TileReader(plan.val)
         val_inputs = [val_reader.store(i) for i in range(len(plan.val))]
     val_labels = [s.label for s in plan.val]
@@ -380,7 +392,7 @@ def train_run(
     start = 0
     last = run_dir / "last.pt"
     if last.exists():
-        state = load_checkpoint(last, map_location=dev)
+        state = load_checkpoint(last)  # on the CPU: RNG states must stay there; load_state_dict moves the rest
         for name, module in strategy.state_modules().items():
             module.load_state_dict(state["models"][name])
         optimizer.load_state_dict(state["optimizer"])
@@ -500,7 +512,7 @@ def _validate(
         return {}
     from wsi_pipeline.evaluation.protocols import validate_model
 
-    encoder = None if strategy.input == "features" else strategy.encoder
+    encoder = None if strategy.val_input == "features" else strategy.encoder
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
         return validate_model(

@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
-from wsi_pipeline.models.heads import GridHead, GridLayout, build_head
+from wsi_pipeline.models.heads import HEADS, GridHead, GridLayout, build_head
 
 __all__ = [
     "PatchGDConfig",
@@ -156,8 +156,12 @@ def _get(obj: Any, key: str) -> Any:
 
 def _patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
     """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
-    attribute), or a bare ``patchgd`` mapping. The encoder's BatchNorm mode (``encoder.bn``),
-    when the method config has one, is the default of ``freeze_bn``."""
+    attribute), or a bare ``patchgd`` mapping.
+
+    Defaults taken from the rest of the method config: ``freeze_bn`` from the encoder's
+    BatchNorm mode (``encoder.bn``: ``frozen`` or ``train``), and ``head`` / ``head_options``
+    from the ``aggregator`` entry when it names a registered PatchGD head (``cnn``, ``transformer``).
+    """
     if method_cfg is None:
         return {}
     inner = _get(method_cfg, "patchgd")
@@ -172,6 +176,11 @@ def _patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
         if bn not in ("frozen", "train"):
             raise ValueError(f"encoder.bn={bn!r} is not supported by patchgd; use 'frozen' (exact) or 'train'")
         options["freeze_bn"] = bn == "frozen"
+    agg = _get(method_cfg, "aggregator")
+    if agg is not None and "head" not in options and _get(agg, "name") in HEADS:
+        options["head"] = _get(agg, "name")
+        if "head_options" not in options:
+            options["head_options"] = dict(_get(agg, "options") or {})
     return options
 
 

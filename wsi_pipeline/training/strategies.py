@@ -1,7 +1,8 @@
 """Training strategies: how one bag's loss and gradients are computed. One loop drives them all.
 
 =============  ==============================================================================
-``frozen``     aggregator only, on frozen-encoder features read from h5 files (the baseline)
+``frozen``     aggregator only, on frozen-encoder features: read from h5 files, or with
+               augmentation embedded on the fly from augmented tiles (the baselines)
 ``full``       the whole bag through the encoder with gradient at once (the reference)
 ``accumulate`` exact gradient accumulation over chunks of the bag (ABMIL-ACC, generalised)
 ``bigl``       the encoder converted to Big-Layers, the whole bag as one batch
@@ -24,8 +25,9 @@ fails with a message naming it (:func:`check_strategy`), never by silently falli
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import numpy as np
@@ -45,6 +47,7 @@ __all__ = [
     "frozen_encoder",
     "frozen_features_dir",
     "load_encoder_state",
+    "patchgd_method",
 ]
 
 log = logging.getLogger(__name__)
@@ -113,7 +116,7 @@ def build_models(method: Any, n_classes: int, *, device: str | torch.device = "c
             from wsi_pipeline.training.patchgd import build_patchgd_head
         except ImportError as e:
             raise _missing_block("patchgd", "wsi_pipeline.training.patchgd", e) from e
-        aggregator = build_patchgd_head(method, dim, n_classes)
+        aggregator = build_patchgd_head(patchgd_method(method), dim, n_classes)
     else:
         aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
     encoder.to(device)
@@ -121,6 +124,29 @@ def build_models(method: Any, n_classes: int, *, device: str | torch.device = "c
     if method.strategy == "bigl" and for_training:
         encoder = _bigify(method, encoder, device)
     return encoder, aggregator
+
+
+def patchgd_method(method: Any) -> Any:
+    """``method`` with its PatchGD head named in ``patchgd``: the head is ``patchgd.head`` when given,
+    else ``aggregator.name`` when that names a PatchGD head (its ``options`` become ``head_options``).
+
+    Raises ``ValueError`` when ``aggregator.name`` is neither a head nor the default ``abmil``.
+    """
+    from wsi_pipeline.models.heads import HEADS
+
+    options = dict(method.patchgd)
+    if "head" in options:
+        return method
+    agg = method.aggregator
+    if agg.name in HEADS:
+        options["head"] = agg.name
+        options["head_options"] = {**dict(agg.options), **dict(options.get("head_options", {}))}
+    elif agg.name != "abmil" or agg.options:
+        raise ValueError(
+            f"method {method.name!r}: patchgd trains a grid head, not the aggregator {agg.name!r}; name the head in "
+            f"aggregator.name or patchgd.head (one of {HEADS.names()})"
+        )
+    return dataclasses.replace(method, patchgd=options)
 
 
 def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.Module:
@@ -163,8 +189,10 @@ class Strategy:
     Attributes
     ----------
     name : registry name.
-    input : what a bag carries: ``"tiles"`` (uint8 tiles), ``"features"`` (frozen features) or
-        ``"store"`` (the whole tile store; PatchGD).
+    input : what a training bag carries: ``"tiles"`` (uint8 tiles), ``"features"`` (frozen
+        features) or ``"store"`` (the whole tile store; PatchGD).
+    val_input : what validation reads: ``"tiles"`` (tile stores, embedded by :attr:`encoder`)
+        or ``"features"`` (the frozen method's h5 files, aggregator only).
     steps_optimizer : True when :meth:`bag_step` steps the optimiser itself.
     bn_modes : accepted ``encoder.bn`` values.
     encoder, aggregator : the models (``aggregator`` is the head for PatchGD).
@@ -172,6 +200,7 @@ class Strategy:
 
     name: ClassVar[str] = ""
     input: ClassVar[str] = "tiles"
+    val_input: ClassVar[str] = "tiles"
     steps_optimizer: ClassVar[bool] = False
     bn_modes: ClassVar[tuple[str, ...]] = ("frozen", "chunk", "train")
     augment: SlideAugment | None = None
@@ -214,6 +243,10 @@ class Strategy:
         """``encoder.bn`` as the accumulate module's policy names it."""
         return "frozen" if self.method.encoder.bn == "frozen" else "chunk"
 
+    def _prep_device(self) -> torch.device:
+        """Where a host-resident bag is converted: the device when augmenting (fast), else the host (no round trip)."""
+        return self.device if self.augment is not None else torch.device("cpu")
+
     def _loss_fn(self, scale: float) -> Callable[[Any, Any], torch.Tensor]:
         from wsi_pipeline.training.accumulate import default_loss
 
@@ -226,18 +259,57 @@ class Strategy:
 
 @STRATEGIES.register("frozen")
 class FrozenStrategy(Strategy):
-    """The aggregator on frozen-encoder features (h5 files); the encoder is kept for inference only."""
+    """The aggregator on frozen-encoder embeddings; only the aggregator trains.
+
+    Without augmentation a training bag carries the slide's precomputed features (h5 files,
+    :mod:`wsi_pipeline.data.features`). With augmentation (the Baseline-Aug rows of the
+    Big-Layers paper) a training bag carries its uint8 tiles instead: they are augmented with
+    one draw of parameters per bag and embedded on the fly by the frozen encoder (eval mode,
+    no gradient, ``chunk_size`` tiles at a time), see :meth:`embed`. Validation reads the
+    unaugmented h5 features in both cases.
+    """
 
     name = "frozen"
-    input = "features"
+    val_input = "features"
+
+    @property
+    def input(self) -> str:  # type: ignore[override]
+        """``"tiles"`` when augmenting (embedded on the fly), else ``"features"`` (h5 files)."""
+        return "features" if self.augment is None else "tiles"
 
     def trainable(self) -> list[nn.Module]:
         return [self.aggregator]
 
+    def embed(self, tiles: np.ndarray | torch.Tensor) -> torch.Tensor:
+        """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
+
+        Parameters
+        ----------
+        tiles : uint8 (k, T, T, 3) RGB tiles of one bag.
+
+        Returns
+        -------
+        float32 tensor (k, D) on the strategy's device, without gradient: the encoder (eval
+        mode) applied to the augmented, normalised tiles, ``chunk_size`` tiles at a time.
+        Without augmentation it is the embedding the h5 features hold.
+        """
+        params = self.augment.draw() if self.augment is not None else None
+        chunk = int(self.method.chunk_size)
+        self.encoder.eval()  # frozen: running BatchNorm statistics, no dropout, whatever the loop set
+        parts = []
+        with torch.no_grad():
+            for a in range(0, len(tiles), chunk):
+                x = tiles_to_input(tiles[a : a + chunk], self.augment, params, device=self.device)
+                parts.append(self.encoder(x).float())
+        return torch.cat(parts)
+
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
-        feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.float32, device=self.device)
+        if self.augment is None:
+            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.float32, device=self.device)
+        else:
+            feats = self.embed(bag.data)
         # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
         loss = full_step(nn.Identity(), self.aggregator, feats, bag.slide.label, loss_fn=self._loss_fn(scale))
         return loss / scale
@@ -268,7 +340,7 @@ class AccumulateStrategy(Strategy):
         from wsi_pipeline.training.accumulate import accumulate_step
 
         chunk = self.method.chunk_size
-        tiles = tiles_to_input(bag.data, self.augment, device=self.device, out_device="cpu", chunk=chunk)
+        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk)
         loss = accumulate_step(
             self.encoder, self.aggregator, tiles, bag.slide.label, chunk, loss_fn=self._loss_fn(scale), bn=self._bn()
         )
@@ -292,7 +364,7 @@ class BiglStrategy(Strategy):
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
-        tiles = tiles_to_input(bag.data, self.augment, device=self.device, out_device="cpu", chunk=self.method.chunk_size)
+        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
         loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.label, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
 
@@ -310,7 +382,7 @@ class PatchGDAdapter(Strategy):
         super().__init__(method, n_classes, device)
         from wsi_pipeline.training.patchgd import PatchGDStrategy
 
-        self.impl = PatchGDStrategy(method, self.encoder, self.aggregator, n_classes)
+        self.impl = PatchGDStrategy(patchgd_method(method), self.encoder, self.aggregator, n_classes)
 
     @classmethod
     def check(cls, method: Any) -> None:
@@ -319,7 +391,7 @@ class PatchGDAdapter(Strategy):
             from wsi_pipeline.training.patchgd import PatchGDConfig, PatchGDStrategy  # noqa: F401
         except ImportError as e:
             raise _missing_block("patchgd", "wsi_pipeline.training.patchgd (PatchGDStrategy)", e) from e
-        PatchGDConfig.from_mapping(dict(method.patchgd))
+        PatchGDConfig.from_mapping(dict(patchgd_method(method).patchgd))
 
     def optimizer_steps(self, n_tiles: int) -> int:
         """Optimiser steps :meth:`run_bag` takes on a slide of ``n_tiles`` tiles."""
@@ -354,7 +426,3 @@ def build_strategy(method: Any, n_classes: int, device: torch.device | str, augm
     strategy.augment = augment
     return strategy
 
-
-def trainable_parameters(modules: Iterable[nn.Module]) -> list[nn.Parameter]:
-    """Parameters that require gradients, in module order."""
-    return [p for m in modules for p in m.parameters() if p.requires_grad]

@@ -1,0 +1,417 @@
+"""``make bench-bigl``: runtime scaling of Big-Layers, in the format of the paper's Table 4.
+
+For the plain encoder and for 0..k Big-Layer stages, the per-iteration time (forward +
+backward + Adam step) of one image ``[batch, 3, S, S]`` is measured against the side S
+(``--warmup`` untimed + ``--repeats`` timed iterations per point, 5 + 10 by default as in the
+paper). For each configuration the fit ``t(A) = a A^b + c`` (A = S^2 px, a, b, c >= 0) gives
+a, b, c, R^2 and the doubling factor ``F = t(2 A_med) / t(A_med)`` at the median tested area.
+At the largest side every configuration ran, the Big-Layers / plain time ratio is printed,
+with (on CUDA) the peak device memory, the host<->device volume of one iteration and the rate
+it implies next to the measured pinned-memory bandwidth.
+
+Defaults follow the device: on CPU small sides (the whole run takes a few minutes on two
+cores); on CUDA sides up to 16384 px, where the plain model runs out of memory first. The
+input lives in host memory for every configuration (the plain model copies it to the device
+inside the timed iteration). Examples::
+
+    python -m wsi_pipeline.bench.bigl                                   # device defaults
+    python -m wsi_pipeline.bench.bigl --warmup 1 --repeats 2 --sides 96 128 160   # quick
+    python -m wsi_pipeline.bench.bigl --device cuda --memory-fraction 0.25 --sides 8192 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["PowerLawFit", "fit_power_law", "main"]
+
+CPU_SIDES = (256, 320, 384, 448, 512)
+CUDA_SIDES = (2048, 4096, 6144, 8192, 10240, 12288, 14336, 16384)
+CPU_MAX_ELEMENTS = 1 << 18  # 1 MiB of float32: chunking happens at every CPU side
+CUDA_MAX_ELEMENTS = 1 << 27  # 512 MiB of float32 per chunk step
+
+
+@dataclass(frozen=True)
+class PowerLawFit:
+    """``t(A) = a * A**b + c`` fitted to mean iteration times (s) against areas (px)."""
+
+    n: int
+    a: float
+    b: float
+    c: float
+    r2: float
+    f_dbl: float
+
+    def __call__(self, area: float) -> float:
+        return self.a * area**self.b + self.c
+
+
+def _nonneg_linear(x: np.ndarray, t: np.ndarray) -> tuple[float, float]:
+    """Least squares ``t ~ a x + c`` with a, c >= 0 (two unknowns: check the boundaries)."""
+    candidates = []
+    design = np.stack([x, np.ones_like(x)], axis=1)
+    (a, c), *_ = np.linalg.lstsq(design, t, rcond=None)
+    if a >= 0 and c >= 0:
+        candidates.append((a, c))
+    candidates.append((max(0.0, float(x @ t / (x @ x))) if x @ x > 0 else 0.0, 0.0))
+    candidates.append((0.0, max(0.0, float(t.mean()))))
+    return min(candidates, key=lambda ac: float(((ac[0] * x + ac[1] - t) ** 2).sum()))
+
+
+def fit_power_law(areas: list[float], times: list[float]) -> PowerLawFit:
+    """Fit ``t(A) = a A^b + c`` with a, b, c >= 0.
+
+    A grid over b (each b solved exactly for a, c >= 0) starts scipy's bounded least squares.
+
+    Parameters
+    ----------
+    areas
+        Image areas A (px, S^2 per sample), at least 3 distinct values.
+    times
+        Mean seconds per iteration at each area.
+
+    Returns
+    -------
+    PowerLawFit
+        With R^2 on the original scale and F_dbl = t(2 A_med) / t(A_med).
+    """
+    if len(areas) < 3:
+        raise ValueError(f"need at least 3 sizes to fit a, b and c, got {len(areas)}; pass more --sides")
+    A = np.asarray(areas, dtype=float)
+    t = np.asarray(times, dtype=float)
+    scale = float(np.median(A))
+    x = A / scale  # fit in units of the median area: a is then of order t
+
+    def sse(b: float) -> tuple[float, float, float]:
+        xb = x**b
+        a, c = _nonneg_linear(xb, t)
+        return float(((a * xb + c - t) ** 2).sum()), a, c
+
+    best = min((sse(b) + (b,) for b in np.linspace(0.0, 4.0, 401)), key=lambda r: r[0])
+    _, a_s, c_s, b = best
+    try:
+        from scipy.optimize import OptimizeWarning, curve_fit
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", OptimizeWarning)  # covariance unused
+            (a_s, b, c_s), _ = curve_fit(
+                lambda xx, a, bb, c: a * xx**bb + c, x, t, p0=(max(a_s, 1e-12), b, max(c_s, 0.0)),
+                bounds=([0.0, 0.0, 0.0], [np.inf, 6.0, np.inf]), maxfev=20000,
+            )
+    except (ImportError, RuntimeError, ValueError):
+        pass  # the grid solution stands
+    pred = a_s * x**b + c_s
+    ss_res = float(((t - pred) ** 2).sum())
+    ss_tot = float(((t - t.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    a = float(a_s) / scale**b
+    fit = PowerLawFit(len(A), a, float(b), float(c_s), r2, 1.0)
+    a_med = scale
+    return PowerLawFit(fit.n, fit.a, fit.b, fit.c, fit.r2, fit(2 * a_med) / fit(a_med))
+
+
+@dataclass
+class Point:
+    """Measurements of one configuration at one side."""
+
+    side: int
+    times: list[float] = field(default_factory=list)  # by the clock chosen with --clock (s)
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    oom: bool = False
+    peak_mib: float | None = None
+    moved_mib: float | None = None
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.times)
+
+    @property
+    def std(self) -> float:
+        return statistics.stdev(self.times) if len(self.times) > 1 else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def _build(name: str, stages: int | None, device: torch.device, max_elements: int) -> torch.nn.Module:
+    from wsi_pipeline.bigl import bigify
+    from wsi_pipeline.models import build_encoder
+
+    torch.manual_seed(0)
+    model = build_encoder(name)
+    if stages is None:
+        return model.to(device).train()
+    return bigify(model, stages=stages, max_elements=max_elements, device=device).train()
+
+
+def _count_big_layers(model: torch.nn.Module) -> int:
+    from wsi_pipeline.bigl import BigBatchNorm2d, BigConv2d
+
+    return sum(isinstance(m, (BigConv2d, BigBatchNorm2d)) for m in model.modules())
+
+
+def measure(model: torch.nn.Module, big: bool, side: int, batch: int, device: torch.device, warmup: int, repeats: int,
+            clock: str = "wall") -> Point:
+    """Time ``warmup + repeats`` iterations (forward, backward, Adam step) at one side.
+
+    ``clock="wall"`` (the paper's) times wall-clock seconds; ``"cpu"`` the process CPU seconds,
+    which on a shared machine measure the work without other processes' interference (CPU
+    device only; on CUDA wall time is the measure).
+    """
+    from wsi_pipeline.bigl import monitor_transfers
+
+    point = Point(side)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5, weight_decay=1e-4)
+    x = torch.randn(batch, 3, side, side)
+    if device.type == "cuda":
+        x = x.contiguous(memory_format=torch.channels_last).pin_memory() if big else x.pin_memory()
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        y = model(x if big else x.to(device, non_blocking=True))
+        y.float().square().mean().backward()
+        opt.step()
+
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        for _ in range(warmup):
+            step()
+        _sync(device)
+        for _ in range(repeats):
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            _sync(device)
+            point.wall.append(time.perf_counter() - t0)
+            point.cpu.append(time.process_time() - c0)
+        point.times = list(point.cpu if clock == "cpu" else point.wall)
+        if device.type == "cuda":
+            point.peak_mib = torch.cuda.max_memory_allocated(device) / 2**20
+        if big:
+            with monitor_transfers() as mon:
+                step()
+                _sync(device)
+            moved = sum(e.numel for e in mon.events if e.kind in ("h2d", "d2h"))
+            point.moved_mib = moved * x.element_size() / 2**20
+    except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+        point.oom, point.times, point.wall, point.cpu = True, [], [], []
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return point
+
+
+def pinned_bandwidth(device: torch.device, mib: int = 256) -> tuple[float, float]:
+    """Measured host->device and device->host bandwidth (GB/s) with pinned host memory."""
+    n = mib * 2**20 // 4
+    host = torch.empty(n, dtype=torch.float32).pin_memory()
+    dev = torch.empty(n, dtype=torch.float32, device=device)
+    rates = []
+    for dst, src in ((dev, host), (host, dev)):
+        dst.copy_(src, non_blocking=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(5):
+            dst.copy_(src, non_blocking=True)
+        _sync(device)
+        rates.append(5 * n * 4 / (time.perf_counter() - t0) / 1e9)
+    return rates[0], rates[1]
+
+
+def _label(stages: int | None, n_big: int) -> str:
+    if stages is None:
+        return "Baseline (whole model on device)"
+    return f"No. of Big-Layer stages = {stages} ({n_big} Big-Layers)"
+
+
+def _write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=2)
+    os.replace(tmp, path)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m wsi_pipeline.bench.bigl",
+        description="Per-iteration time of plain vs Big-Layers ResNets against input side, with the power-law fit of the Big-Layers paper's Table 4.",
+    )
+    p.add_argument("--model", default="resnet18", help="encoder name (resnet18, resnet50, ...); default resnet18")
+    p.add_argument("--device", default=None, help="compute device (cpu, cuda, cuda:1); default cuda when available, else cpu")
+    p.add_argument("--sides", type=int, nargs="+", default=None,
+                   help=f"input sides S in px (image [batch, 3, S, S]); default CPU {list(CPU_SIDES)}, CUDA {list(CUDA_SIDES)}")
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], help="Big-Layer stage counts to run (0..4); default 0 1 2 3")
+    p.add_argument("--no-plain", action="store_true", help="skip the plain (baseline) model")
+    p.add_argument("--batch", type=int, default=1, help="images per iteration (a bag is e.g. --batch 256 --sides 256); default 1")
+    p.add_argument("--warmup", type=int, default=5, help="untimed iterations per point; default 5 (paper)")
+    p.add_argument("--repeats", type=int, default=10, help="timed iterations per point; default 10 (paper)")
+    p.add_argument("--max-elements", type=int, default=None,
+                   help=f"Big-Layer chunk budget in elements; default CPU {CPU_MAX_ELEMENTS}, CUDA {CUDA_MAX_ELEMENTS}")
+    p.add_argument("--memory-fraction", type=float, default=None,
+                   help="CUDA only: cap this process at this fraction of device memory (torch.cuda.set_per_process_memory_fraction)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="what is timed: wall-clock seconds (default, as the paper) or process CPU seconds "
+                        "(robust on a busy shared CPU machine; CPU device only)")
+    p.add_argument("--out", type=Path, default=None, help="also write all measurements and fits to this JSON file (atomically)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark and print the tables; returns the exit status."""
+    args = _parser().parse_args(argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda given but CUDA is not available; use --device cpu", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.memory_fraction is not None:
+        if device.type != "cuda":
+            print("--memory-fraction applies to CUDA only", file=sys.stderr)
+            return 2
+        torch.cuda.set_per_process_memory_fraction(args.memory_fraction, device)
+    bad = [s for s in args.stages if not 0 <= s <= 4]
+    if bad:
+        print(f"--stages {bad} out of range; use 0..4", file=sys.stderr)
+        return 2
+    cuda = device.type == "cuda"
+    if cuda and args.clock == "cpu":
+        print("--clock cpu measures host CPU time only; on CUDA use --clock wall", file=sys.stderr)
+        return 2
+    sides = sorted(args.sides or (CUDA_SIDES if cuda else CPU_SIDES))
+    max_elements = args.max_elements or (CUDA_MAX_ELEMENTS if cuda else CPU_MAX_ELEMENTS)
+    configs: list[int | None] = ([] if args.no_plain else [None]) + sorted(set(args.stages))
+
+    where = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
+    print(f"Big-Layers runtime scaling: {args.model}, {device} ({where}), input [{args.batch}, 3, S, S] float32, "
+          f"max_elements {max_elements}, {args.warmup} warm-up + {args.repeats} timed iterations per point, "
+          f"{args.clock} clock")
+    if cuda and args.memory_fraction is not None:
+        print(f"device memory capped at {args.memory_fraction:.2f} of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB")
+
+    results: dict[int | None, list[Point]] = {}
+    labels: dict[int | None, str] = {}
+    for cfg in configs:
+        model = _build(args.model, cfg, device, max_elements)
+        labels[cfg] = _label(cfg, _count_big_layers(model))
+        results[cfg] = []
+        for side in sides:
+            t0 = time.perf_counter()
+            pt = measure(model, cfg is not None, side, args.batch, device, args.warmup, args.repeats, args.clock)
+            results[cfg].append(pt)
+            status = "out of memory" if pt.oom else f"{pt.mean:.4f} s +- {pt.std:.4f}"
+            print(f"  {labels[cfg]:<45s} S={side:<6d} {status}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if pt.oom:
+                break  # larger sides will not fit either
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+
+    # per-side table
+    print(f"\nPer-iteration time (s, {args.clock} clock), mean +- std over the timed iterations")
+    head = f"{'side':>6} {'area (px)':>12} " + " ".join(f"{('plain' if c is None else f'{c} stages'):>17}" for c in configs)
+    print(head)
+    for i, side in enumerate(sides):
+        cells = []
+        for c in configs:
+            pts = results[c]
+            if i >= len(pts):
+                cells.append(f"{'-':>17}")
+            elif pts[i].oom:
+                cells.append(f"{'OOM':>17}")
+            else:
+                cells.append(f"{pts[i].mean:>9.4f} +-{pts[i].std:>6.4f}")
+        print(f"{side:>6} {side * side * args.batch:>12} " + " ".join(cells))
+
+    # Table 4
+    print("\nPower-law-plus-offset fit t(A) = a A^b + c (A = image area in px, t in s)")
+    print(f"{'Model':<48} {'n':>3} {'a':>10} {'b':>6} {'c':>10} {'R^2':>6} {'F_dbl':>6}")
+    print(args.model)
+    fits: dict[int | None, PowerLawFit | None] = {}
+    for c in configs:
+        ok = [p for p in results[c] if not p.oom]
+        fit = None
+        if len(ok) >= 3:
+            fit = fit_power_law([p.side**2 for p in ok], [p.mean for p in ok])
+            print(f"{labels[c]:<48} {fit.n:>3} {fit.a:>10.3e} {fit.b:>6.2f} {fit.c:>10.3e} {fit.r2:>6.2f} {fit.f_dbl:>6.2f}")
+        else:
+            print(f"{labels[c]:<48} {len(ok):>3}   (fewer than 3 sizes ran: no fit)")
+        fits[c] = fit
+    if len(sides) < 4:
+        print("note: with 3 sizes a 3-parameter fit is exact (R^2 = 1); use more --sides for a meaningful R^2")
+
+    # shared size
+    common = [s for s in sides if all(any(p.side == s and not p.oom for p in results[c]) for c in configs)]
+    bandwidth = pinned_bandwidth(device) if cuda else None
+    if common:
+        s = common[-1]
+        print(f"\nAt side {s} px (the largest every configuration ran):")
+        plain_pt = next((p for p in results.get(None, []) if p.side == s), None)
+        cols = f"{'configuration':<48} {'time (s)':>9} {'/ plain':>8}"
+        if cuda:
+            cols += f" {'peak device MiB':>16}"
+        cols += f" {'moved MiB/iter':>15}"
+        if cuda:
+            cols += f" {'moved GB/s':>11}"
+        print(cols)
+        for c in configs:
+            p = next(p for p in results[c] if p.side == s)
+            ratio = f"{p.mean / plain_pt.mean:>8.2f}" if plain_pt else f"{'-':>8}"
+            line = f"{labels[c]:<48} {p.mean:>9.4f} {ratio}"
+            if cuda:
+                line += f" {p.peak_mib:>16.0f}"
+            line += f" {p.moved_mib:>15.1f}" if p.moved_mib is not None else f" {'-':>15}"
+            if cuda:
+                rate = p.moved_mib * 2**20 / p.mean / 1e9 if p.moved_mib else math.nan
+                line += f" {rate:>11.2f}"
+            print(line)
+        if bandwidth:
+            print(f"pinned-memory bandwidth: host->device {bandwidth[0]:.1f} GB/s, device->host {bandwidth[1]:.1f} GB/s "
+                  f"('moved GB/s' over the whole iteration is a lower bound of what the big layers achieve)")
+    else:
+        print("\nno side ran in every configuration: no ratio table")
+
+    if args.out:
+        payload = {
+            "model": args.model, "device": str(device), "clock": args.clock, "device_name": where, "batch": args.batch,
+            "max_elements": max_elements, "warmup": args.warmup, "repeats": args.repeats,
+            "memory_fraction": args.memory_fraction,
+            "bandwidth_gbps": bandwidth,
+            "configs": [
+                {"stages": c, "label": labels[c], "points": [asdict(p) for p in results[c]],
+                 "fit": asdict(fits[c]) if fits[c] else None}
+                for c in configs
+            ],
+        }
+        _write_json(args.out, payload)
+        print(f"\nwrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
