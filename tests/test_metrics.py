@@ -83,9 +83,9 @@ def test_bootstrap_interval():
     y = rng.integers(0, 2, 60)
     p = _probs(rng, y, 2)
     point = roc_auc_score(y, p[:, 1])
-    lo, hi = bootstrap_interval(y, p, 2, "auc", n_boot=300, seed=0)
+    lo, hi = bootstrap_interval(y, p, 2, "auc", n_boot=200, seed=0)
     assert lo < point < hi and 0 <= lo and hi <= 1
-    assert (lo, hi) == bootstrap_interval(y, p, 2, "auc", n_boot=300, seed=0)
+    assert (lo, hi) == bootstrap_interval(y, p, 2, "auc", n_boot=200, seed=0)
     # a perfect classifier has a degenerate interval at 1
     perfect = np.eye(2)[y]
     assert bootstrap_interval(y, perfect, 2, "accuracy", n_boot=50) == (1.0, 1.0)

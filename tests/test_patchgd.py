@@ -26,6 +26,16 @@ from wsi_pipeline.training.patchgd import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These tests run many small ops; on a shared 2-core machine two intra-op threads made
+    them about 10x slower (threads waiting for each other), so they run on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class TinyEncoder(nn.Module):
     """A small CNN with a BatchNorm whose running statistics are not the identity."""
 
@@ -262,10 +272,33 @@ def test_gradient_flows_only_through_sampled_tiles(tmp_path):
     assert max(float((a - b).abs().max()) for a, b in zip(got_enc, full_enc)) > 1e-6
 
 
+def test_fresh_embeddings_stay_in_z_for_later_iterations(tmp_path):
+    """Z at iteration j: tiles sampled before j hold their latest live embedding, the others the fill."""
+    store = make_store(tmp_path / "s.zarr", block_grid(2, 3))
+    enc, head = models(dtype=torch.float32)
+    opt = torch.optim.SGD([*enc.parameters(), *head.parameters()], lr=0.05)
+    live_out: list[torch.Tensor] = []
+    head_in: list[torch.Tensor] = []
+    enc.register_forward_hook(lambda m, i, o: live_out.append(o.detach().clone()) if torch.is_grad_enabled() else None)
+    head.register_forward_pre_hook(lambda m, a: head_in.append(a[0].detach().clone()))
+    strat = PatchGDStrategy({"patchgd": {"k": 2, "zeta": 3, "epsilon": 1}}, enc, head, 2)
+    enc.eval()
+    with torch.no_grad():
+        fill = enc(tiles_to_tensor(store.read()))
+    strat.bag_step(store, 1, lambda: (opt.step(), opt.zero_grad()), torch.Generator().manual_seed(0))
+    plan = strat.last_plan
+    for j in range(3):
+        expect = fill.clone()
+        for i in range(j + 1):
+            expect[plan[i]] = live_out[i]
+        torch.testing.assert_close(head_in[j], expect)
+    assert not torch.allclose(live_out[2], fill[plan[2]]), "parameters changed, so must the fresh embeddings"
+
+
 def test_parameters_change_only_at_optimizer_steps(tmp_path):
     store = make_store(tmp_path / "s.zarr", block_grid(3, 4))
     enc, head = models(dtype=torch.float32)
-    opt = torch.optim.SGD([p for m in (enc, head) for p in m.parameters()], lr=0.5)
+    opt = torch.optim.SGD([p for m in (enc, head) for p in m.parameters()], lr=0.01)
     seen: list[torch.Tensor] = []
     enc.register_forward_pre_hook(lambda m, i: seen.append(flat_params([enc, head])) if torch.is_grad_enabled() else None)
     n_steps = []
@@ -281,6 +314,48 @@ def test_parameters_change_only_at_optimizer_steps(tmp_path):
     assert len(n_steps) == 3 and len(seen) == 5  # windows 2, 2, 1
     same = [torch.equal(seen[i], seen[i + 1]) for i in range(4)]
     assert same == [True, False, True, False]
+
+
+def test_method_config_plumbing(tmp_path):
+    from types import SimpleNamespace
+
+    from wsi_pipeline.models.heads import TransformerHead
+
+    enc = TinyEncoder(6)
+    method = SimpleNamespace(
+        encoder=SimpleNamespace(bn="train"),
+        aggregator=SimpleNamespace(name="cnn", options={"width": 4}),
+        patchgd={"k": 2, "max_grid": 3},
+    )
+    strat = PatchGDStrategy(method, enc, None, 2)
+    assert isinstance(strat.head, CNNHead) and strat.head.convs[0].out_channels == 4
+    assert strat.cfg.freeze_bn is False and strat.head.max_grid == 3
+    # a head built elsewhere takes the strategy's grid cap; the projection must match
+    head = build_head("transformer", 6, 2, dim=8, max_grid=50)
+    PatchGDStrategy({"patchgd": {"max_grid": 7}}, enc, head, 2)
+    assert head.max_grid == 7
+    with pytest.raises(ValueError, match="patchgd.proj_dim=4 but the head was built with proj_dim=6"):
+        PatchGDStrategy({"patchgd": {"proj_dim": 4}}, enc, head, 2)
+    with pytest.raises(ValueError, match="n_classes=3 but the head was built for 2 classes"):
+        PatchGDStrategy({}, enc, head, 3)
+    with pytest.raises(TypeError, match="PatchGD needs a grid head"):
+        PatchGDStrategy({}, enc, nn.Linear(6, 2), 2)
+    assert isinstance(PatchGDStrategy({"aggregator": {"name": "abmil"}}, enc, None, 2).head, TransformerHead)
+    store = make_store(tmp_path / "s.zarr", block_grid(2, 3))
+    with pytest.raises(ValueError, match=r"label=2 outside \[0, n_classes=2\)"):
+        strat.bag_step(store, 2, lambda: None)
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_encoder_batchnorm_frozen_or_live(tmp_path, freeze):
+    store = make_store(tmp_path / "s.zarr", block_grid(3, 3))
+    enc, head = models(dtype=torch.float32)
+    enc.train()
+    before = enc.net[1].running_mean.clone()
+    strat = PatchGDStrategy({"patchgd": {"k": 3, "freeze_bn": freeze}}, enc, head, 2)
+    strat.bag_step(store, 1, lambda: None, torch.Generator().manual_seed(0))
+    assert torch.equal(enc.net[1].running_mean, before) == freeze
+    assert enc.training and enc.net[1].training  # modes restored
 
 
 # ----------------------------------------------------------------------------------------------
@@ -357,11 +432,22 @@ def test_heads_take_any_grid_size(name, rows, cols, cap):
     torch.testing.assert_close(head(z[perm], g[perm.numpy()]).logits, head(z, g).logits, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", HEADS.names())
+HEAD_VARIANTS = [
+    ("cnn", {"width": 8, "dropout": 0.0}),
+    ("cnn", {"width": 8, "dropout": 0.0, "norm": "layer", "pool": "meanmax"}),
+    ("cnn", {"width": 8, "dropout": 0.0, "norm": "none", "partial": False, "pool": "max"}),
+    ("transformer", {"dim": 16, "dropout": 0.0}),
+]
+
+
+def test_head_variants_cover_the_registry():
+    assert sorted({name for name, _ in HEAD_VARIANTS}) == HEADS.names()
+
+
+@pytest.mark.parametrize(("name", "opts"), HEAD_VARIANTS)
 @pytest.mark.parametrize("train", [False, True])
-def test_masked_cells_do_not_influence_heads(name, train):
+def test_masked_cells_do_not_influence_heads(name, opts, train):
     torch.manual_seed(1)
-    opts = {"width": 8, "dropout": 0.0} if name == "cnn" else {"dim": 16, "dropout": 0.0}
     head = build_head(name, 5, 2, **opts).train(train)
     z = torch.randn(2, 5, 9, 6)
     mask = torch.rand(2, 9, 6) > 0.5

@@ -29,11 +29,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DemoCohort:
-    """Size of the synthetic cohort: slide counts, level-0 side in px, seed."""
+    """The synthetic cohort: slide counts, level-0 side in px, lesion visibility (0..1) and size, seed.
+
+    Lesions are deliberately subtle (``lesion_contrast`` 0.3): obvious ones are ranked perfectly
+    even by a randomly initialised frozen encoder, which would leave nothing to show.
+    """
 
     n_internal: int = 40
     n_external: int = 16
-    size: int = 1024
+    size: int = 896
+    lesion_contrast: float = 0.3
+    lesion_size: float = 0.14
     seed: int = 0
 
 
@@ -55,8 +61,10 @@ def make_cohort(folder: Path, cohort: DemoCohort) -> Path:
     manifest = folder / "manifest.csv"
     if manifest.is_file():
         return manifest
-    internal = make_slide_cohort(folder, cohort.n_internal, size=cohort.size, seed=cohort.seed, cohort="internal")
-    external = make_slide_cohort(folder, cohort.n_external, size=cohort.size, seed=cohort.seed, cohort="external", splits=None)
+    common = dict(size=cohort.size, seed=cohort.seed, lesion_contrast=cohort.lesion_contrast,
+                  lesion_size=cohort.lesion_size, lesions=(2, 3))
+    internal = make_slide_cohort(folder, cohort.n_internal, cohort="internal", **common)
+    external = make_slide_cohort(folder, cohort.n_external, cohort="external", splits=None, **common)
     merged = merge_manifests([internal], [external])
     # paths relative to the manifest, so the cohort folder can move
     for col in ("path", "lesion_mask"):

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="override a config value, e.g. --set train.epochs=2 (repeatable)")
     p.add_argument("--internal", type=int, default=40, help="internal slides (default: %(default)s)")
     p.add_argument("--external", type=int, default=16, help="external-cohort slides (default: %(default)s)")
-    p.add_argument("--size", type=int, default=1024, help="slide side in level-0 px (default: %(default)s)")
+    p.add_argument("--size", type=int, default=896, help="slide side in level-0 px (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="cohort seed (default: %(default)s)")
     p.add_argument("--workers", type=int, default=None, help="tiling worker processes (default: number of cores)")
     p.add_argument("--device", default=None, help="training/eval device: auto, cpu, cuda (default: the config's)")

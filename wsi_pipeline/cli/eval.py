@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from collections import defaultdict
 
 __all__ = ["register", "run"]
@@ -46,21 +47,26 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.training.config import load_config
 
-    config = load_config(args.config, args.overrides)
     if args.bootstrap < 0:
-        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples")
-    summary = evaluate_pipeline(
-        config,
-        methods=args.methods,
-        device=args.device,
-        batch_size=args.batch_size,
-        heatmaps=not args.no_heatmaps,
-        heatmap_method=args.heatmap_method,
-        heatmap_mode=args.heatmap_mode,
-        n_boot=args.bootstrap,
-        results_dir=args.results,
-        progress=not args.quiet,
-    )
+        print(f"error: --bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config, args.overrides)
+        summary = evaluate_pipeline(
+            config,
+            methods=args.methods,
+            device=args.device,
+            batch_size=args.batch_size,
+            heatmaps=not args.no_heatmaps,
+            heatmap_method=args.heatmap_method,
+            heatmap_mode=args.heatmap_mode,
+            n_boot=args.bootstrap,
+            results_dir=args.results,
+            progress=not args.quiet,
+        )
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     out = summary.results_dir
     print(f"Evaluated {len(summary.models)} model(s) on {summary.n_slides} slide(s) in {summary.seconds:.1f} s.")
     for s in summary.skipped_runs:

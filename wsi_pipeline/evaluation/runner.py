@@ -319,7 +319,7 @@ def evaluate_pipeline(
             torch.cuda.empty_cache()
 
     if n_boot > 0:
-        records += _bootstrap_records(probs_by, n_classes, n_boot, seed=int(config.eval.seed))
+        records += _bootstrap_records(probs_by, n_classes, n_boot, seed=int(config.eval.seed), progress=progress)
     summary.missing_stores = sorted(missing)
     summary.n_slides = sum(len(s.slides) for s in sets) - len(missing)
     out.mkdir(parents=True, exist_ok=True)
@@ -345,11 +345,20 @@ def evaluate_pipeline(
 
 
 def _bootstrap_records(
-    probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]], n_classes: int, n_boot: int, seed: int
+    probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]],
+    n_classes: int,
+    n_boot: int,
+    seed: int,
+    progress: bool = False,
 ) -> list[MetricRecord]:
     """95 % bootstrap intervals of each method's seed-mean metric (same resampled slides for every seed)."""
     out = []
-    for (method, cohort, split, pname), by_seed in probs_by.items():
+    items: Any = probs_by.items()
+    if progress:
+        from tqdm.auto import tqdm
+
+        items = tqdm(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
+    for (method, cohort, split, pname), by_seed in items:
         ys = [y for y, _ in by_seed.values()]
         if not ys or len(ys[0]) == 0 or any(not np.array_equal(ys[0], y) for y in ys[1:]):
             continue  # seeds saw different slides (a store vanished mid-run): no paired interval
@@ -392,6 +401,9 @@ def _score_slide(
         if slide is not None:
             try:
                 thumb, level0 = slide_thumbnail(slide)
+            except (OSError, ValueError, RuntimeError) as e:  # a damaged region: rebuild from the tiles instead
+                log.warning("thumbnail of %s failed (%s); rebuilding it from the tile store", row.get("path"), e)
+                thumb = level0 = None
             finally:
                 close = getattr(slide, "close", None)
                 if close:

@@ -52,7 +52,8 @@ def prediction_row(
     p = np.asarray(probs, dtype=np.float64)
     s = np.asarray(prob_std, dtype=np.float64)
     pred = int(np.argmax(p))
-    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort, "label": None if label is None or pd.isna(label) else int(label), "pred": pred}
+    lab = None if label is None or pd.isna(label) else int(label)
+    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort, "label": lab, "pred": pred}
     row.update({f"prob_{c}": float(v) for c, v in enumerate(p)})
     row.update(
         {
@@ -97,7 +98,8 @@ def read_predictions(path: str | os.PathLike) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"predictions file not found: {path}; run `wsi-pipeline eval` first")
-    df = pd.read_csv(path, dtype={"slide_id": "string", "cohort": "string", "method": "string", "seed": "string", "protocol": "string"}, keep_default_na=True)
+    strings = {c: "string" for c in ("slide_id", "cohort", "method", "seed", "protocol")}
+    df = pd.read_csv(path, dtype=strings, keep_default_na=True)
     df["label"] = df["label"].astype("Int64")
     df["seed"] = df["seed"].fillna("")
     return df

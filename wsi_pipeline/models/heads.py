@@ -175,8 +175,7 @@ def tiles_to_z(emb: Tensor, layout: GridLayout) -> Tensor:
         raise ValueError(f"emb must be [n={layout.n_tiles}, s] (one row per tile of the layout); got {tuple(emb.shape)}")
     rows, cols = layout.shape
     flat = emb.new_zeros(rows * cols, emb.shape[1]).index_add(0, layout.cell, emb)
-    if layout.factor > 1 or bool((layout.count > 1).any()):
-        flat = flat / layout.count.clamp(min=1).to(flat.dtype)[:, None]
+    flat = flat / layout.count.clamp(min=1).to(flat.dtype)[:, None]  # x / 1 is exact: single tiles unchanged
     return flat.t().reshape(1, emb.shape[1], rows, cols)
 
 
@@ -298,14 +297,26 @@ class _NoNorm(nn.Module):
 
 @HEADS.register("cnn")
 class CNNHead(GridHead):
-    """The PatchGD paper's CNN head, with masked global pooling so that any grid size works.
+    """The PatchGD paper's CNN head, made mask-aware and size-agnostic for slides.
 
-    Blocks of Conv3x3 -> ReLU -> BatchNorm -> Dropout2d, ``width`` channels: one stride-1 conv,
-    then ``n_strided`` stride-2 convs; then global pooling over the tissue cells and a Linear.
-    (The reference flattens a fixed-size map; pooling is what lets one head take any slide.)
-    Empty cells never influence the output: Z is zeroed there, BatchNorm statistics and the
-    pooling use tissue cells only, and activations are re-masked after every block (a coarse
-    cell counts as tissue when any cell in its 3x3 stride-2 receptive field does).
+    Blocks of Conv3x3 -> ReLU -> norm -> Dropout2d, ``width`` channels: one stride-1 conv, then
+    ``n_strided`` stride-2 convs; then global pooling over the tissue cells and a Linear.
+    Departures from the reference, each for slides:
+
+    - global pooling instead of flattening a fixed-size map, so one head takes any grid;
+    - empty (background) cells never influence the output: Z is zeroed there, the norm
+      statistics and the pooling use tissue cells only, and activations are re-masked after
+      every block (a coarse cell counts as tissue when its 3x3 stride-2 window holds any);
+    - ``partial=True`` (default): partial convolutions, i.e. each window's sum is rescaled by
+      9 / (tissue cells in the window), so a cell at the tissue border responds like an
+      interior one and the tissue outline (arbitrary on slides) is not an edge in Z, as it is
+      with plain zero padding (``partial=False``, the reference's behaviour on full images);
+    - ``norm``: ``batch`` is the paper's BatchNorm (masked). The paper's batches hold several
+      images; a PatchGD step here sees one slide, so batch statistics are those of one
+      slide's cells (an instance norm in training, running statistics in evaluation), which
+      generalised poorly in our synthetic experiments. ``layer`` (LayerNorm per cell) and
+      ``none`` are offered. On small cohorts every CNN-head variant we tried memorised the
+      training slides; the transformer head generalised far better (see the README section).
 
     Parameters
     ----------
@@ -313,6 +324,8 @@ class CNNHead(GridHead):
     n_strided : number of stride-2 blocks after the stride-1 block (3 in the paper).
     dropout : Dropout2d probability (0.2 in the paper).
     pool : global pooling over tissue cells: ``"mean"``, ``"max"`` or ``"meanmax"`` (concatenated).
+    norm : ``"batch"`` (default, the paper's), ``"layer"`` or ``"none"``.
+    partial : partial (mask-normalised) convolutions.
     proj_dim, max_grid : see :class:`GridHead`.
     """
 

@@ -64,6 +64,7 @@ def make_slide_cohort(
     lesion_size: float = 0.12,
     pen_fraction: float = 0.25,
     quality: int = 90,
+    lesion_contrast: float = 1.0,
 ) -> Path:
     """Write ``n_slides`` synthetic slides and their manifest; return the manifest path.
 
@@ -84,6 +85,8 @@ def make_slide_cohort(
     lesion_size : lesion radius relative to the square root of the tissue area.
     pen_fraction : fraction of slides with pen marks.
     quality : JPEG quality of the slide tiles.
+    lesion_contrast : how visible lesions are, 0 (subtle) .. 1 (obvious); see
+        :func:`~wsi_pipeline.synthetic.texture.paint_tissue`.
 
     Returns
     -------
@@ -112,7 +115,7 @@ def make_slide_cohort(
         s = make_slide(
             out / "slides" / f"{slide_id}.svs", size=size, tile_size=tile_size, mpp=mpp,
             seed=_slide_seed(seed, cohort, i), n_lesions=n_les, lesion_size=lesion_size, pen_marks=n_pen,
-            tint=tint, noise=noise, quality=quality,
+            tint=tint, noise=noise, quality=quality, lesion_contrast=lesion_contrast,
         )
         if n_les and not s.lesion.any():
             raise ValueError(f"size={size} px leaves no room to plant a lesion in {slide_id}; use a larger size")

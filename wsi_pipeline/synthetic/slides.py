@@ -135,7 +135,7 @@ def _upsample_rows(mask: np.ndarray, md: int, y0: int, y1: int, w: int) -> np.nd
 
 def _paint_strip(
     y0: int, y1: int, w: int, *, seed: int, md: int, alpha_map: np.ndarray, lesion_map: np.ndarray,
-    strokes: list, tint: tuple[float, float, float], noise: float, tile: int,
+    strokes: list, tint: tuple[float, float, float], noise: float, tile: int, lesion_contrast: float = 1.0,
 ) -> np.ndarray:
     """Level-0 rows [y0, y1): uint8 (y1 - y0, w, 3)."""
     import cv2
@@ -158,7 +158,8 @@ def _paint_strip(
         for c0 in range(x0, x1, _PAINT_CHUNK):
             c1 = min(x1, c0 + _PAINT_CHUNK)
             lesion = lesion_all[:, c0:c1]
-            tissue = paint_tissue(rng, h, c1 - c0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise)
+            tissue = paint_tissue(rng, h, c1 - c0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise,
+                                  lesion_contrast=lesion_contrast)
             a = alpha[:, c0:c1, None]
             mixed = base[:, c0:c1, None] * (1 - a) + tissue.astype(np.float32) * a
             img[:, c0:c1] = np.clip(mixed, 0, 255).astype(np.uint8)
@@ -216,6 +217,7 @@ def make_slide(
     tint: tuple[float, float, float] = (1.0, 1.0, 1.0),
     noise: float = 4.0,
     quality: int = 90,
+    lesion_contrast: float = 1.0,
     level_factor: int = 4,
     mask_downsample: int = 16,
 ) -> SyntheticSlide:
@@ -236,6 +238,7 @@ def make_slide(
     blank : no tissue and no pen: background only.
     tint : per-channel stain multiplier (stain shift of an external cohort).
     noise : pixel noise (grey levels) of the tissue; the background gets a fraction of it.
+    lesion_contrast : how visible lesions are, 0..1 (see :func:`~wsi_pipeline.synthetic.texture.paint_tissue`).
     quality : JPEG quality of the tiles.
     level_factor : downsample between pyramid levels (2 or 4).
     mask_downsample : level-0 px per px of the returned masks (divides ``tile_size``).
@@ -278,7 +281,7 @@ def make_slide(
         for y0 in range(0, h, T):
             y1 = min(h, y0 + T)
             strip = _paint_strip(y0, y1, w, seed=seed, md=md, alpha_map=alpha_map, lesion_map=lesion_map,
-                                 strokes=strokes, tint=tint, noise=noise, tile=T)
+                                 strokes=strokes, tint=tint, noise=noise, tile=T, lesion_contrast=lesion_contrast)
             if level1 is not None:
                 r0, r1 = y0 // f, min(level1.shape[0], y1 // f)
                 if r1 > r0:

@@ -41,6 +41,7 @@ def paint_tissue(
     tint: tuple[float, float, float] = (1.0, 1.0, 1.0),
     noise: float = 4.0,
     scale: float = 1.0,
+    lesion_contrast: float = 1.0,
 ) -> np.ndarray:
     """Paint an H&E-like tissue region.
 
@@ -53,6 +54,9 @@ def paint_tissue(
     tint : per-channel multiplier (a stain/scanner shift for external cohorts).
     noise : standard deviation of additive Gaussian pixel noise, in grey levels.
     scale : texture scale (1.0 = nuclei radius ~2 px normal, ~3 px lesion).
+    lesion_contrast : 1.0 = dense, large, dark lesion nuclei (obvious at a glance); 0.0 = extra
+        nuclei of the normal size and colour, only twice as dense as normal tissue (hard to see);
+        values in between interpolate density, radius and colour.
 
     Returns
     -------
@@ -67,8 +71,13 @@ def paint_tissue(
     a = _nuclei(rng, h, w, 0.004 / scale**2, 1.6 * scale)[..., None]
     img = img * (1 - 0.7 * a) + nuc * 0.7 * a
     if lesion is not None and lesion.any():
-        b = _nuclei(rng, h, w, 0.03 / scale**2, 2.6 * scale)[..., None] * lesion[..., None].astype(np.float32)
-        img = img * (1 - b) + les * b
+        c = float(np.clip(lesion_contrast, 0.0, 1.0))
+        density = (0.008 + c * 0.022) / scale**2
+        radius = (1.6 + c * 1.0) * scale
+        colour = nuc + c * (les - nuc)
+        opacity = 0.7 + c * 0.3
+        b = _nuclei(rng, h, w, density, radius)[..., None] * lesion[..., None].astype(np.float32) * opacity
+        img = img * (1 - b) + colour * b
     img *= np.asarray(tint, np.float32)
     if noise > 0:
         img += rng.normal(0.0, noise, img.shape).astype(np.float32)

@@ -485,8 +485,9 @@ def _train_epoch(
     bags = bar(total=len(n_tiles), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
     done_in_group = 0
     for b, (g, bag) in enumerate(iter_bags(plan, reader)):
-        # every bag starts from its own seed: its augmentation and dropout draws do not depend on
-        # what earlier bags consumed (accumulate_step, for one, rewinds the generator per chunk)
+        # every bag starts from its own seed: its augmentation and dropout draws depend on
+        # (seed, epoch, bag) only, not on how many numbers earlier bags consumed, so strategies
+        # that draw differently per bag still give a bag the same augmentation
         _seed_torch(seed, epoch, b)
         losses.append(strategy.bag_step(bag, 1.0 / len(plan[g])))
         done_in_group += 1
