@@ -340,7 +340,9 @@ def test_method_config_plumbing(tmp_path):
         PatchGDStrategy({}, enc, head, 3)
     with pytest.raises(TypeError, match="PatchGD needs a grid head"):
         PatchGDStrategy({}, enc, nn.Linear(6, 2), 2)
-    assert isinstance(PatchGDStrategy({"aggregator": {"name": "abmil"}}, enc, None, 2).head, TransformerHead)
+    assert isinstance(PatchGDStrategy({"aggregator": {"name": "abmil"}}, enc, None, 2).head, CNNHead)
+    method = {"aggregator": {"name": "transformer", "options": {"dim": 8}}, "patchgd": {}}
+    assert isinstance(PatchGDStrategy(method, enc, None, 2).head, TransformerHead)
     store = make_store(tmp_path / "s.zarr", block_grid(2, 3))
     with pytest.raises(ValueError, match=r"label=2 outside \[0, n_classes=2\)"):
         strat.bag_step(store, 2, lambda: None)

@@ -221,7 +221,7 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, store_cohort
     assert main(["train", "--config", str(straight), "--no-progress"]) == 0
 
     flag = tmp_path / "epoch1.flag"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}  # same summation order as this process
     proc = subprocess.Popen([sys.executable, "-c", KILL_AFTER_EPOCH_1, str(killed), str(flag)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240

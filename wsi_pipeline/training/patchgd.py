@@ -89,9 +89,9 @@ class PatchGDConfig:
         or ``"paper"`` (the reference's 1/epsilon scale).
     freeze_bn : encoder BatchNorm on running statistics (exact; default) or live batch statistics.
     fill_batch : tiles per no-grad encoder batch when filling Z.
-    head : PatchGD head name, ``transformer`` (default) or ``cnn`` (the paper's). On the small
+    head : PatchGD head name, ``cnn`` (default, the paper's) or ``transformer``. On the small
         synthetic cohorts the CNN head memorised the training slides while the transformer
-        head generalised (README), hence the default.
+        head generalised (README): prefer ``transformer`` for small cohorts.
     head_options : keyword options of the head (width, dropout, pool, dim, ...).
     max_grid : cap on Z's longer side in cells (None = no cap); passed to the head.
     proj_dim : optional linear projection of embeddings to s channels; passed to the head.
@@ -104,7 +104,7 @@ class PatchGDConfig:
     backbone_scale: str = "full"
     freeze_bn: bool = True
     fill_batch: int = 64
-    head: str = "transformer"
+    head: str = "cnn"
     head_options: Mapping[str, Any] = field(default_factory=dict)
     max_grid: int | None = 128
     proj_dim: int | None = None
@@ -382,6 +382,10 @@ class PatchGDStrategy:
 
         cache = self._embed_all(store)
         layout = self.head.layout(store.grid).to(device)
+        log.debug(
+            "patchgd %s: n=%d tiles, Z %dx%d (pool %d), k=%d, zeta=%d, windows=%s",
+            getattr(store, "slide_id", "slide"), n, *layout.shape, layout.factor, k, zeta, windows,
+        )
         losses: list[float] = []
         j = 0
         with _modes(self.encoder, train=self.encoder.training, freeze_bn=cfg.freeze_bn):
