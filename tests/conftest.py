@@ -38,3 +38,20 @@ def store_cohort(tmp_path_factory) -> Path:
     from wsi_pipeline.synthetic.stores import make_store_cohort
 
     return make_store_cohort(tmp_path_factory.mktemp("store_cohort"), n_slides=12, seed=0)
+
+
+@pytest.fixture
+def opener():
+    """``open_slide`` that closes every slide it opened when the test ends."""
+    from wsi_pipeline.slides import open_slide
+
+    opened = []
+
+    def _open(*args, **kwargs):
+        slide = open_slide(*args, **kwargs)
+        opened.append(slide)
+        return slide
+
+    yield _open
+    for slide in opened:
+        slide.close()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import cv2
 import numpy as np
 import pytest
 import tifffile
@@ -13,27 +12,11 @@ import tifffile
 from wsi_pipeline.slides import (
     MissingMppError,
     SlideOpenError,
-    open_slide,
     read_scaled,
     resolve_mpp,
     slide_fingerprint,
 )
 from wsi_pipeline.synthetic.slides import make_slide
-
-
-@pytest.fixture
-def opener():
-    """``open_slide`` that closes every slide it opened when the test ends."""
-    opened = []
-
-    def _open(*args, **kwargs):
-        slide = open_slide(*args, **kwargs)
-        opened.append(slide)
-        return slide
-
-    yield _open
-    for slide in opened:
-        slide.close()
 
 
 @pytest.fixture(scope="module")

@@ -11,25 +11,9 @@ import pytest
 import tifffile
 
 from wsi_pipeline.manifests.schema import read_manifest
-from wsi_pipeline.slides import open_slide
 from wsi_pipeline.synthetic.cohort import EXTERNAL_TINT, make_slide_cohort
 from wsi_pipeline.synthetic.slides import BACKGROUND_GREY, make_slide
 from wsi_pipeline.synthetic.truth import read_mask
-
-
-@pytest.fixture
-def opener():
-    """``open_slide`` that closes every slide it opened when the test ends."""
-    opened = []
-
-    def _open(*args, **kwargs):
-        slide = open_slide(*args, **kwargs)
-        opened.append(slide)
-        return slide
-
-    yield _open
-    for slide in opened:
-        slide.close()
 
 
 def _level0(path: Path) -> np.ndarray:

@@ -169,7 +169,7 @@ def test_bad_inputs_in_a_folder_get_specific_rows_and_the_rest_is_tiled(tmp_path
 
 
 def test_manifest_missing_file_and_missing_mpp(tmp_path: Path, good_slide: Path, capsys) -> None:
-    nompp = make_slide(tmp_path / "nompp.svs", size=768, seed=5, mpp=None, tissue_fraction=0.5).path
+    make_slide(tmp_path / "nompp.svs", size=768, seed=5, mpp=None, tissue_fraction=0.5)  # a slide without mpp
     manifest = tmp_path / "m.csv"
     pd.DataFrame({
         "slide_id": ["good", "gone", "nompp", "nompp_fixed"],

@@ -6,25 +6,9 @@ import cv2
 import numpy as np
 import pytest
 
-from wsi_pipeline.slides import open_slide
 from wsi_pipeline.tiling.grid import make_grid
 from wsi_pipeline.tiling.prescreen import foreground_bound_map, prescreen_candidates
 from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, grey, otsu_tissue_mask, strip_foreground, tiles_foreground
-
-
-@pytest.fixture
-def opener():
-    """``open_slide`` that closes every slide it opened when the test ends."""
-    opened = []
-
-    def _open(*args, **kwargs):
-        slide = open_slide(*args, **kwargs)
-        opened.append(slide)
-        return slide
-
-    yield _open
-    for slide in opened:
-        slide.close()
 
 
 def test_grey_is_opencv_bt601() -> None:

@@ -336,11 +336,21 @@ class EncoderConfig:
     ``bn``: ``frozen`` (running statistics, exact for every strategy), ``chunk`` (batch
     statistics per chunk, ``accumulate`` only) or ``train`` (batch statistics of the whole bag;
     ``full`` and ``bigl``).
+
+    ``calibrate_bn``: before training, re-estimate the BatchNorm running statistics on this many
+    randomly drawn training tiles (0: off). Meant for an encoder without pretrained weights
+    (whose initial statistics describe nothing) used with ``bn: frozen``; a frozen method's
+    feature files are extracted with the calibrated encoder.
     """
 
     name: str = "resnet18"
     weights: str | None = None
     bn: Literal["frozen", "chunk", "train"] = "frozen"
+    calibrate_bn: int = 0
+
+    def __post_init__(self) -> None:
+        if self.calibrate_bn < 0:
+            raise ValueError(f"encoder.calibrate_bn={self.calibrate_bn}; expected a number of tiles >= 0 (0 = off)")
 
 
 @dataclass(frozen=True)

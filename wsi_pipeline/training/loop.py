@@ -221,10 +221,12 @@ def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan
             method.name, len(missing), len(slides), out, method.encoder.name,
         )
     rows = plan.manifest[plan.manifest["slide_id"].isin([s.slide_id for s in slides])]
+    encoder = frozen_encoder(method).to(device)
+    calibrate_encoder(encoder, method, plan.train, device)
     # files that exist are checked against the encoder's weights and the store (stale ones are rebuilt)
     report = extract_features(
         rows, config.data.tiles_dir, out, method.encoder.name, method.encoder.weights,
-        encoder=frozen_encoder(method), batch_size=method.chunk_size, device=str(device), progress=progress,
+        encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress,
     )
     failed = report[report["status"] == "failed"]
     if len(failed):
@@ -233,6 +235,38 @@ def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan
             + "; ".join(f"{r.slide_id}: {r.error}" for r in failed.head(5).itertuples())
         )
     return out
+
+
+#: Seed of the tile draw for BatchNorm calibration: the same tiles for every run and seed of a
+#: method and for its feature extraction, so a frozen method's features and model agree.
+CALIBRATION_SEED = 0
+
+
+def calibrate_encoder(encoder: torch.nn.Module, method: MethodConfig, slides: Sequence[Slide], device: torch.device) -> None:
+    """Calibrate ``encoder``'s BatchNorm statistics on ``method.encoder.calibrate_bn`` training tiles (no-op at 0).
+
+    Tiles are drawn evenly over ``slides`` with a fixed seed, shuffled so that every batch of
+    ``method.chunk_size`` tiles mixes slides; see :mod:`wsi_pipeline.models.bn_calibration`.
+    """
+    n = method.encoder.calibrate_bn
+    if n <= 0 or not slides:
+        return
+    from wsi_pipeline.data.tensors import tiles_to_tensor
+    from wsi_pipeline.models.bn_calibration import calibrate_batchnorm
+
+    reader = TileReader(slides)
+    rng = np.random.default_rng(CALIBRATION_SEED)
+    per_slide = -(-n // len(slides))
+    parts = []
+    for i in range(len(slides)):
+        count = len(reader.store(i))
+        parts.append(reader.read(i, np.sort(rng.choice(count, min(per_slide, count), replace=False))))
+    tiles = np.concatenate(parts)
+    tiles = tiles[rng.permutation(len(tiles))[:n]]
+    step = max(2, method.chunk_size)
+    batches = (tiles_to_tensor(tiles[j : j + step], device=device) for j in range(0, len(tiles), step) if len(tiles[j : j + step]) > 1)
+    seen = calibrate_batchnorm(encoder, batches)
+    log.info("method %s: BatchNorm statistics calibrated on %d training tiles (%d batches)", method.name, len(tiles), seen)
 
 
 class _LazyFeatures(Sequence):
@@ -361,6 +395,7 @@ def train_run(
 
     _seed_everything(seed)
     strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment))
+    calibrate_encoder(strategy.encoder, method, plan.train, dev)  # overwritten by last.pt when resuming
     if "features" in (strategy.input, strategy.val_input):
         from wsi_pipeline.data.features import features_path, read_features
 

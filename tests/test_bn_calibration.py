@@ -1,0 +1,34 @@
+import torch
+from torch import nn
+
+from wsi_pipeline.models import build_encoder
+from wsi_pipeline.models.bn_calibration import calibrate_batchnorm
+
+
+def test_running_stats_become_the_mean_of_the_batch_statistics():
+    torch.manual_seed(0)
+    enc = build_encoder("resnet18").eval()
+    params = {k: v.clone() for k, v in enc.named_parameters()}
+    batches = [torch.randn(4, 3, 32, 32) * 2 + 1 for _ in range(3)]
+    assert calibrate_batchnorm(enc, batches) == 3
+    # reference for the first BatchNorm: per-batch statistics of conv1's output, averaged
+    with torch.no_grad():
+        outs = [enc.conv1(x) for x in batches]
+    mean = torch.stack([o.mean((0, 2, 3)) for o in outs]).mean(0)
+    var = torch.stack([o.var((0, 2, 3), unbiased=True) for o in outs]).mean(0)
+    torch.testing.assert_close(enc.bn1.running_mean, mean, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(enc.bn1.running_var, var, rtol=1e-5, atol=1e-6)
+    assert not enc.training and enc.bn1.momentum == 0.1  # mode and momentum restored
+    for k, v in enc.named_parameters():
+        assert torch.equal(v, params[k]), k  # parameters untouched
+
+
+def test_calibration_makes_frozen_bn_normalise_the_data():
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).eval()
+    x = torch.randn(16, 3, 12, 12) * 5 + 3
+    before = enc(x)
+    assert before.mean().abs() > 0.5 or (before.std() - 1).abs() > 0.5  # uncalibrated: not normalised
+    calibrate_batchnorm(enc, [x[:8], x[8:]])
+    after = enc(x)
+    assert after.mean().abs() < 0.1 and (after.std() - 1).abs() < 0.1
