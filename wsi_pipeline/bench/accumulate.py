@@ -95,7 +95,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the benchmark and print one row per bag size; return 0."""
-    from wsi_pipeline.data.features import resolve_device
+    from wsi_pipeline.devices import resolve_device
     from wsi_pipeline.models import build_aggregator, build_encoder
     from wsi_pipeline.training.accumulate import accumulate_step, full_step
 

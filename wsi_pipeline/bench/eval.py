@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="time only this many naive repeats and scale to R (default: all R)")
     args = p.parse_args(argv)
 
-    from wsi_pipeline.data.features import resolve_device
+    from wsi_pipeline.devices import resolve_device
     from wsi_pipeline.models import build_aggregator, build_encoder
 
     device = torch.device(resolve_device(args.device))

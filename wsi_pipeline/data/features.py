@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from wsi_pipeline.devices import resolve_device
 import pandas as pd
 
 __all__ = [
@@ -73,20 +75,6 @@ def store_fingerprint(store: Any) -> str:
     h.update(np.ascontiguousarray(store.coords, dtype=np.int64).tobytes())
     h.update(str(len(store)).encode())
     return h.hexdigest()
-
-
-def resolve_device(device: str = "auto") -> str:
-    """``"auto"`` -> ``"cuda"`` when available, else ``"mps"`` when available, else ``"cpu"``; other values pass through."""
-    import torch
-
-    if device != "auto":
-        return device
-    if torch.cuda.is_available():
-        return "cuda"
-    mps = getattr(torch.backends, "mps", None)
-    if mps is not None and mps.is_available():
-        return "mps"
-    return "cpu"
 
 
 def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:

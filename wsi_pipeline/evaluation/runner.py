@@ -162,9 +162,9 @@ def _label(v: Any) -> int | None:
 
 
 def _resolve_device(device: str) -> str:
-    from wsi_pipeline.data.features import resolve_device
+    from wsi_pipeline.devices import resolve_device
 
-    return resolve_device(device)
+    return str(resolve_device(device))
 
 
 def _frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:

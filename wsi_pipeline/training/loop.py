@@ -45,6 +45,7 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.data.augment import build_augment
+from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
@@ -73,16 +74,6 @@ class RunPlan:
 # ----------------------------------------------------------------------------------------------
 # Checks before training
 # ----------------------------------------------------------------------------------------------
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """``auto``/None -> CUDA when present, else CPU; other names pass through (checked)."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available on this machine; use device auto or cpu")
-    return dev
 
 
 def preflight(
