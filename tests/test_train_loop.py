@@ -456,3 +456,15 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
     num = sum(float((trained[k] - init[k]).pow(2).sum()) for k in init if init[k].is_floating_point() and "running" not in k)
     den = sum(float(init[k].pow(2).sum()) for k in init if init[k].is_floating_point() and "running" not in k)
     assert (num / den) ** 0.5 > 1e-3
+
+
+def test_best_checkpoint_ties_are_broken_by_validation_loss():
+    from wsi_pipeline.training.loop import improves
+
+    best = {"value": 1.0, "loss": 0.69, "epoch": 1}
+    assert improves(1.0, 0.05, best, higher=True)  # same AUC, much lower loss: a better model
+    assert not improves(1.0, 0.70, best, higher=True)
+    assert not improves(0.9, 0.01, best, higher=True)  # the selection metric comes first
+    assert improves(0.95, 0.99, {"value": 0.9, "loss": 0.1}, higher=True)
+    assert improves(0.2, None, {"value": 0.3, "loss": None}, higher=False)  # lower is better (loss as metric)
+    assert not improves(float("nan"), 0.01, best, higher=True)

@@ -342,6 +342,19 @@ def _better(value: float | None, best: float | None, higher: bool) -> bool:
     return value > best if higher else value < best
 
 
+def improves(value: float | None, loss: float | None, best: dict[str, Any], higher: bool) -> bool:
+    """Whether an epoch with validation ``value`` (the selection metric) and ``loss`` beats ``best``.
+
+    A better metric wins; an equal metric wins with a lower validation loss. Without the
+    tie-break a metric that saturates early (AUC 1.0 on a small validation set after one epoch)
+    would pin ``best.pt`` to that first, barely trained, epoch.
+    """
+    if _better(value, best.get("value"), higher):
+        return True
+    tied = value is not None and best.get("value") is not None and value == best["value"]
+    return tied and _better(loss, best.get("loss"), higher=False)
+
+
 def _write_csv(rows: list[dict[str, Any]], path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     pd.DataFrame(rows).to_csv(tmp, index=False)
@@ -453,9 +466,11 @@ def train_run(
         row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3))
         history.append(row)
         value = val.get(metric) if val else None
-        improved = _better(value, best["value"], higher) or best["epoch"] == 0 or not val
+        loss = val.get("loss") if val else None
+        improved = improves(value, loss, best, higher) or best["epoch"] == 0 or not val
         if improved:
-            best = {"metric": metric, "value": None if value is None else float(value), "epoch": epoch + 1}
+            best = {"metric": metric, "value": None if value is None else float(value), "epoch": epoch + 1,
+                    "loss": None if loss is None or not math.isfinite(loss) else float(loss)}
         _write_csv(history, run_dir / "history.csv")
         models = {name: m.state_dict() for name, m in strategy.state_modules().items()}
         common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1}
