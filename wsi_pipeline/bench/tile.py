@@ -7,7 +7,11 @@ tiles, 4x pyramid) and measures, in one run:
 2. the decode limit: the time to only ``read_region`` the same kept tiles of slide A, one
    256 x 256 read each, in this process with a fresh slide handle;
 3. the ratio tiling wall time / decode limit (target <= 1.3);
-4. one worker vs two workers on slides A and B: throughput ratio (target >= 1.6).
+4. one worker vs two workers on slides A and B: throughput ratio (target >= 1.6), for the
+   chosen compression and (``--also-compare``) without compression, next to the bound the
+   CPU sets: two workers on two cores cannot exceed 2 / (CPU s per tile x one-worker tiles/s).
+   A worker compresses in a second thread only while cores are left over, so with one worker
+   on two cores the one-worker figure already uses both cores when compression is costly.
 
 The page cache is warmed before each measurement, so the figures are CPU-bound, as on a
 cluster node reading from a fast file system.
@@ -20,6 +24,7 @@ import json
 import os
 import resource
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -65,7 +70,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="folder for the generated slides (reused between runs; env WSI_BENCH_CACHE)")
     p.add_argument("--regenerate", action="store_true", help="regenerate the slides even if cached")
     p.add_argument("--compression", choices=("zstd", "jpeg", "none"), default="zstd", help="tile store compression")
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs of tiling and decode limit; medians are compared")
     p.add_argument("--skip-two", action="store_true", help="skip the one- vs two-worker comparison")
+    p.add_argument("--also-compare", nargs="*", default=["none"], choices=("zstd", "jpeg", "none"),
+                   help="compressions whose one- vs two-worker scaling is measured as well (default: none)")
     args = p.parse_args(argv)
 
     from wsi_pipeline.slides import open_slide
@@ -76,42 +84,51 @@ def main(argv: list[str] | None = None) -> int:
     a, b = _slides(args.cache, args.size, args.regenerate)
     cfg = TilingConfig(compression=args.compression)
     work = Path(tempfile.mkdtemp(prefix="wsi-bench-tile-"))
-    print(f"cores: {os.cpu_count()}; load average: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    cores = os.cpu_count() or 1
+    print(f"cores: {cores}; load average: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     try:
-        # 1. one worker, slide A
-        _warm(a)
-        cpu0 = _child_cpu()
-        t0 = time.perf_counter()
-        rep = tile_cohort([SlideJob("bench_a", str(a))], work / "one", cfg, workers=1, overwrite=True, progress=False)
-        wall = time.perf_counter() - t0
-        cpu_tile = _child_cpu() - cpu0
-        r = rep.results[0]
-        if r.status != "ok":
-            print(f"tiling failed: {r.error}")
-            return 1
-        store = open_store(work / "one" / "bench_a.zarr")
-        n = len(store)
-        print(f"slide A: {args.size} x {args.size} px, {store.attrs['grid_shape'][0] * store.attrs['grid_shape'][1]} grid tiles, "
-              f"{store.attrs['n_candidates']} candidates after pre-screen, {n} tiles kept")
-        timing = store.attrs.get("timing", {})
-        print(f"tiling, 1 worker: {wall:.2f} s wall ({r.seconds:.2f} s in the worker), {n / wall:.0f} tiles/s; "
-              f"slide CPU {r.cpu_seconds:.2f} s = decode/filter thread {timing.get('main_thread_cpu', float('nan')):.2f} s "
-              f"+ writer thread {timing.get('writer_thread_cpu', float('nan')):.2f} s (+ overview, QC); worker process CPU {cpu_tile:.2f} s")
-
-        # 2. decode limit: only read_region the kept tiles, one call each, fresh handle
-        _warm(a)
-        coords = store.coords
-        T = store.tile_size
-        t1 = time.perf_counter()
-        c1 = time.process_time()
-        with open_slide(a) as slide:
-            for x, y in coords:
-                slide.read_region((int(x), int(y)), 0, (T, T))
-        decode = time.perf_counter() - t1
-        decode_cpu = time.process_time() - c1
-        print(f"decode limit: {decode:.2f} s for {n} read_region calls ({n / decode:.0f} tiles/s, CPU {decode_cpu:.2f} s)")
+        # 1 + 2, alternated `repeats` times (medians): one worker tiling slide A, then the decode
+        # limit, i.e. only read_region of the same kept tiles, one call each, fresh handle
+        walls, inner, decodes, decode_cpus = [], [], [], []
+        for rep_i in range(args.repeats):
+            _warm(a)
+            cpu0 = _child_cpu()
+            t0 = time.perf_counter()
+            rep = tile_cohort([SlideJob("bench_a", str(a))], work / "one", cfg, workers=1, overwrite=True, progress=False)
+            walls.append(time.perf_counter() - t0)
+            cpu_tile = _child_cpu() - cpu0
+            r = rep.results[0]
+            if r.status != "ok":
+                print(f"tiling failed: {r.error}")
+                return 1
+            inner.append(r.seconds)
+            store = open_store(work / "one" / "bench_a.zarr")
+            n = len(store)
+            if rep_i == 0:
+                print(f"slide A: {args.size} x {args.size} px, {store.attrs['grid_shape'][0] * store.attrs['grid_shape'][1]} grid tiles, "
+                      f"{store.attrs['n_candidates']} candidates after pre-screen, {n} tiles kept")
+            timing = store.attrs.get("timing", {})
+            print(f"  run {rep_i + 1}: tiling {walls[-1]:.2f} s wall ({r.seconds:.2f} s in the worker); "
+                  f"slide CPU {r.cpu_seconds:.2f} s = decode/filter thread {timing.get('main_thread_cpu', float('nan')):.2f} s "
+                  f"+ writer thread {timing.get('writer_thread_cpu', float('nan')):.2f} s (+ overview, QC); worker process CPU {cpu_tile:.2f} s",
+                  flush=True)
+            _warm(a)
+            coords = store.coords
+            T = store.tile_size
+            t1 = time.perf_counter()
+            c1 = time.process_time()
+            with open_slide(a) as slide:
+                for x, y in coords:
+                    slide.read_region((int(x), int(y)), 0, (T, T))
+            decodes.append(time.perf_counter() - t1)
+            decode_cpus.append(time.process_time() - c1)
+            print(f"  run {rep_i + 1}: decode limit {decodes[-1]:.2f} s for {n} read_region calls (CPU {decode_cpus[-1]:.2f} s)", flush=True)
+        wall, decode, decode_cpu = statistics.median(walls), statistics.median(decodes), statistics.median(decode_cpus)
+        r_seconds = statistics.median(inner)
+        print(f"tiling, 1 worker (median of {args.repeats}): {wall:.2f} s wall ({r_seconds:.2f} s in the worker), {n / wall:.0f} tiles/s")
+        print(f"decode limit (median of {args.repeats}): {decode:.2f} s ({n / decode:.0f} tiles/s)")
         ratio_wall = wall / decode
-        print(f"ratio tiling / decode limit (wall): {ratio_wall:.2f} whole run incl. worker start, {r.seconds / decode:.2f} slide only"
+        print(f"ratio tiling / decode limit (wall): {ratio_wall:.2f} whole run incl. worker start, {r_seconds / decode:.2f} slide only"
               f"   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
         crit = max(timing.get("main_thread_cpu", 0.0), timing.get("writer_thread_cpu", 0.0))
         print(f"ratio in CPU time: {r.cpu_seconds / decode_cpu:.2f} total slide CPU / decode CPU; "
@@ -119,21 +136,28 @@ def main(argv: list[str] | None = None) -> int:
 
         if not args.skip_two:
             jobs = [SlideJob("bench_a", str(a)), SlideJob("bench_b", str(b))]
-            res = {}
-            for w in (1, 2):
-                _warm(a)
-                _warm(b)
-                t = time.perf_counter()
-                rep = tile_cohort(jobs, work / f"w{w}", cfg, workers=w, overwrite=True, progress=False)
-                dt = time.perf_counter() - t
-                if not rep.ok:
-                    print(rep.summary())
-                    return 1
-                res[w] = rep.n_tiles / dt
-                print(f"2 slides, {w} worker(s): {rep.n_tiles} tiles in {dt:.2f} s, {res[w]:.0f} tiles/s")
-            speed = res[2] / res[1]
-            print(f"two workers / one worker throughput: {speed:.2f}x   target >= 1.6: {'PASS' if speed >= 1.6 else 'FAIL'}"
-                  f"{'' if (os.cpu_count() or 1) >= 4 else ' (fewer than 4 cores: each worker also runs a writer thread)'}")
+            compressions = [args.compression] + [c for c in args.also_compare if c != args.compression]
+            for comp in compressions:
+                res, cpu = {}, {}
+                for w in (1, 2):
+                    _warm(a)
+                    _warm(b)
+                    t = time.perf_counter()
+                    rep = tile_cohort(jobs, work / f"w{w}-{comp}", TilingConfig(compression=comp), workers=w,
+                                      overwrite=True, progress=False)
+                    dt = time.perf_counter() - t
+                    if not rep.ok:
+                        print(rep.summary())
+                        return 1
+                    res[w] = rep.n_tiles / dt
+                    cpu[w] = sum(r.cpu_seconds for r in rep.results) / rep.n_tiles
+                    print(f"2 slides, {comp}, {w} worker(s){' (writer thread)' if w < cores else ' (no writer thread)'}: "
+                          f"{rep.n_tiles} tiles in {dt:.2f} s, {res[w]:.0f} tiles/s, {1e3 * cpu[w]:.2f} ms CPU per tile")
+                speed = res[2] / res[1]
+                # two workers on `cores` cores cannot beat cores / (CPU per tile) tiles/s
+                bound = min(2.0, min(cores, 2) / (cpu[1] * res[1])) if cpu[1] > 0 else float("nan")
+                print(f"two workers / one worker throughput, {comp}: {speed:.2f}x   target >= 1.6: {'PASS' if speed >= 1.6 else 'FAIL'}"
+                      f"   (CPU bound on {cores} cores: {bound:.2f}x = min(cores, 2) / (CPU s per tile x one-worker tiles/s))")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

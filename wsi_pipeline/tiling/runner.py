@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig, precheck, tile_slide
+from wsi_pipeline.tiling.worker import worker_main
 
 __all__ = [
     "REPORT_COLUMNS",
@@ -182,24 +183,6 @@ def _default_workers() -> int:
         return os.cpu_count() or 1
 
 
-def _worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite: bool) -> None:
-    """Worker process: receive jobs until ``None``; send ("progress", n) and ("done", result)."""
-    import cv2
-
-    cv2.setNumThreads(1)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    while True:
-        try:
-            job = conn.recv()
-        except EOFError:
-            return
-        if job is None:
-            return
-        result = tile_slide(job, out_dir, config, overwrite=overwrite, progress=lambda n: conn.send(("progress", n)))
-        conn.send(("done", result))
-
-
 @dataclass
 class _Worker:
     proc: Any
@@ -337,12 +320,15 @@ def _run_pool(
 ) -> None:
     # spawn: workers must not inherit a parent's threads or CUDA state (predict may have torch loaded)
     ctx = mp.get_context("spawn")
+    # a writer thread per worker pays off only when cores are left over for it; otherwise the
+    # workers' compression threads compete with the other workers' decoding
+    background_write = n_workers < _default_workers()
     pending = deque(todo)
     pool: list[_Worker] = []
 
     def start() -> _Worker:
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_worker_main, args=(child, str(out), config, overwrite), daemon=True, name="wsi-tile-worker")
+        proc = ctx.Process(target=worker_main, args=(child, str(out), config, overwrite, background_write), daemon=True, name="wsi-tile-worker")
         proc.start()
         child.close()
         w = _Worker(proc, parent)

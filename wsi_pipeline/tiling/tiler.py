@@ -4,7 +4,7 @@ The slide is decoded once: a low-resolution overview (the pre-screen, the Otsu m
 QC thumbnail all come from it) and then only the candidate tiles, read in runs along each row.
 When the slide has no level coarse enough for a cheap overview, the greyscale method reads
 every tile row once and builds the thumbnail from the same strips. Kept tiles go to a writer
-thread, so compression and disk writes overlap decoding.
+thread, so compression and disk writes overlap decoding, unless every core already has a worker.
 """
 
 from __future__ import annotations
@@ -255,6 +255,27 @@ class _BackgroundWriter:
             raise self._error
 
 
+class _InlineWriter:
+    """The same interface as :class:`_BackgroundWriter`, compressing and writing in the caller's thread.
+
+    Used when every core already runs a worker: a second thread per worker would only compete
+    with the other workers for the cores.
+    """
+
+    def __init__(self, writer: StoreWriter) -> None:
+        self.writer = writer
+        self.cpu_seconds = 0.0  # CPU time spent in append
+
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
+        """Write ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
+        c0 = time.thread_time()
+        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg)
+        self.cpu_seconds += time.thread_time() - c0
+
+    def close(self) -> None:
+        pass
+
+
 def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
     """Split sorted column indices into runs of consecutive values, at most ``max_len`` long."""
     if cols.size == 0:
@@ -305,6 +326,7 @@ def tile_slide(
     *,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    background_write: bool = True,
 ) -> SlideResult:
     """Tile one slide into ``<out_dir>/<slide_id>.zarr``; never raises for a bad slide.
 
@@ -315,6 +337,8 @@ def tile_slide(
     config : :class:`TilingConfig`.
     overwrite : rebuild even when a matching complete store exists.
     progress : called with the number of tiles kept since the previous call.
+    background_write : compress and write tiles in a second thread, overlapping decoding (worth
+        it when a core is free for it; the runner turns it off when every core has a worker).
 
     Returns
     -------
@@ -334,7 +358,7 @@ def tile_slide(
         out.mkdir(parents=True, exist_ok=True)
         _clean_stale(out, job.slide_id)
         with open_slide(path, config.backend) as slide:
-            res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress)
+            res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress, background_write)
         res.status = "ok"
     except MissingMppError as err:
         res.error = str(err)
@@ -383,6 +407,7 @@ def _tile_open_slide(
     config: TilingConfig,
     identity: dict[str, Any],
     progress: Callable[[int], None] | None,
+    background_write: bool = True,
 ) -> tuple[int, float | None, str]:
     needed = None
     if config.mpp_target is not None:
@@ -455,7 +480,7 @@ def _tile_open_slide(
         compression=config.compression, tile_codecs=tile_codecs_for(config.compression),
     )
     main_cpu0 = time.thread_time()
-    sink = _BackgroundWriter(writer)
+    sink: _BackgroundWriter | _InlineWriter = _BackgroundWriter(writer) if background_write else _InlineWriter(writer)
     kept_coords: list[np.ndarray] = []
     n_kept = 0
     last_report = time.monotonic()
@@ -490,7 +515,8 @@ def _tile_open_slide(
         sink.close()
         # CPU split of the tile pass: decoding + filtering (this thread) vs compression + writes
         writer.group.attrs.update({"timing": {
-            "main_thread_cpu": round(time.thread_time() - main_cpu0, 3),
+            "main_thread_cpu": round(time.thread_time() - main_cpu0 - (0.0 if background_write else sink.cpu_seconds), 3),
+            "background_write": bool(background_write),
             "writer_thread_cpu": round(sink.cpu_seconds, 3),
             "n_decoded": n_candidates,
         }})

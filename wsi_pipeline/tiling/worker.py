@@ -1,0 +1,40 @@
+"""The tiling worker process: receives slide jobs over a pipe, tiles them, reports back.
+
+Kept apart from :mod:`wsi_pipeline.tiling.runner` so that a freshly spawned worker imports only
+what tiling needs (not pandas or the CLI): a worker is ready about 0.4 s sooner.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from multiprocessing.connection import Connection
+
+from wsi_pipeline.tiling.tiler import TilingConfig, tile_slide
+
+__all__ = ["worker_main"]
+
+
+def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite: bool, background_write: bool) -> None:
+    """Receive :class:`~wsi_pipeline.tiling.tiler.SlideJob` objects until ``None``.
+
+    Sends ``("progress", n_tiles)`` while a slide is tiled and ``("done", SlideResult)`` at its
+    end. ``background_write`` is passed to :func:`~wsi_pipeline.tiling.tiler.tile_slide`.
+    """
+    import cv2
+
+    cv2.setNumThreads(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        result = tile_slide(
+            job, out_dir, config, overwrite=overwrite, background_write=background_write,
+            progress=lambda n: conn.send(("progress", n)),
+        )
+        conn.send(("done", result))
