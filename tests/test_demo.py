@@ -56,3 +56,17 @@ def test_demo_runs_every_stage_and_reuses_them(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "reusing" in out
     assert (results / "metrics.json").stat().st_mtime == mtime
+
+
+def test_demo_refuses_a_cohort_made_with_other_settings(tmp_path):
+    from dataclasses import asdict
+
+    from wsi_pipeline.demo import DemoCohort, make_cohort
+
+    folder = tmp_path / "runs" / "demo" / "cohort"
+    folder.mkdir(parents=True)
+    (folder / "manifest.csv").write_text("slide_id,path,label\n")
+    (folder / "demo_cohort.json").write_text(json.dumps(asdict(DemoCohort(n_internal=8))))
+    assert make_cohort(folder, DemoCohort(n_internal=8)) == folder / "manifest.csv"  # same settings: reused
+    with pytest.raises(ValueError, match=r"other settings.*delete"):
+        make_cohort(folder, DemoCohort(n_internal=8, lesion_contrast=0.9))

@@ -108,3 +108,40 @@ def test_cohort_labels_splits_masks_and_external_shift(tmp_path: Path) -> None:
     internal_rb = np.mean([tissue_rgb(p)[2] / tissue_rgb(p)[0] for p in df.path[:2]])
     external_rb = np.mean([tissue_rgb(p)[2] / tissue_rgb(p)[0] for p in ext.path])
     assert external_rb > internal_rb * (EXTERNAL_TINT[2] / EXTERNAL_TINT[0]) * 0.95
+
+
+def test_mimics_darken_tissue_like_lesions_but_stay_out_of_the_lesion_mask(tmp_path: Path) -> None:
+    from wsi_pipeline.synthetic.texture import paint_tissue
+
+    def grey(**kw) -> float:
+        img = paint_tissue(np.random.default_rng(0), 256, 256, **kw)
+        return float(cv2.cvtColor(img, cv2.COLOR_RGB2GRAY).mean())
+
+    full = np.ones((256, 256), bool)
+    normal, mimic, lesion = grey(), grey(mimic=full), grey(lesion=full, lesion_contrast=0.5)
+    # both darken the tissue, by amounts of the same order: mean grey alone cannot tell them apart
+    assert mimic < normal - 10 and lesion < normal - 10
+    assert 0.3 < (normal - mimic) / (normal - lesion) < 3
+    # the mimic nuclei are smaller than lesion nuclei: finer texture (more high-frequency energy)
+    def fine(**kw) -> float:
+        g = cv2.cvtColor(paint_tissue(np.random.default_rng(1), 256, 256, noise=0, **kw), cv2.COLOR_RGB2GRAY).astype(np.float32)
+        return float(np.abs(g - cv2.GaussianBlur(g, (0, 0), 1.0)).mean() / (np.abs(g - cv2.GaussianBlur(g, (0, 0), 4.0)).mean() + 1e-6))
+    assert fine(mimic=full) > fine(lesion=full, lesion_contrast=0.5)
+
+    plain = make_slide(tmp_path / "plain.svs", size=768, seed=21, n_lesions=1)
+    mimicked = make_slide(tmp_path / "mimic.svs", size=768, seed=21, n_lesions=1, n_mimics=2)
+    np.testing.assert_array_equal(plain.lesion, mimicked.lesion)  # the truth mask is the lesions only
+    a, b = _level0(plain.path).astype(int), _level0(mimicked.path).astype(int)
+    changed = np.abs(a - b).max(axis=2) > 40
+    md = plain.mask_downsample
+    changed_cells = changed[: (768 // md) * md, : (768 // md) * md].reshape(768 // md, md, 768 // md, md).mean(axis=(1, 3)) > 0.05
+    assert changed_cells.any()
+    assert not (changed_cells & plain.lesion[: changed_cells.shape[0], : changed_cells.shape[1]]).any()
+
+
+def test_cohort_nuisance_variation_is_label_independent(tmp_path: Path) -> None:
+    df = read_manifest(make_slide_cohort(tmp_path, 12, size=384, seed=4, mimic_fraction=0.6, stain_jitter=0.06,
+                                         density_jitter=0.3, lesion_size=0.2, lesions=(1, 1)))
+    assert df.loc[df.label == 0, "n_mimics"].gt(0).any() and df.loc[df.label == 1, "n_mimics"].gt(0).any()
+    for row in df.itertuples():  # mimics never enter the truth mask
+        assert bool(read_mask(row.lesion_mask).any()) == (row.label == 1)

@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -29,17 +29,26 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DemoCohort:
-    """The synthetic cohort: slide counts, level-0 side in px, lesion visibility (0..1) and size, seed.
+    """The synthetic cohort: slide counts, level-0 side in px, lesion look and size, nuisance variation, seed.
 
-    Lesions are deliberately subtle (``lesion_contrast`` 0.3): obvious ones are ranked perfectly
-    even by a randomly initialised frozen encoder, which would leave nothing to show.
+    A randomly initialised encoder (no network, so no pretrained weights) with calibrated
+    BatchNorm already tells textures apart, and when slides differ only by their lesions, the
+    mean of its tile features gives every label away: the frozen baseline would rank the slides
+    perfectly and there would be nothing left to show. So, as in real cohorts, slides also differ
+    in ways that do not matter: benign mimic regions (dense small dark nuclei) on 60 % of slides
+    of either label darken tissue as lesions do, and stain (+-6 % per channel) and nuclei density
+    (x e^+-0.3) vary from slide to slide. The label is then in the lesion texture only, which the
+    end-to-end models learn and the frozen features blur.
     """
 
     n_internal: int = 40
     n_external: int = 16
     size: int = 896
-    lesion_contrast: float = 0.3
-    lesion_size: float = 0.14
+    lesion_contrast: float = 0.5
+    lesion_size: float = 0.1
+    mimic_fraction: float = 0.6
+    stain_jitter: float = 0.06
+    density_jitter: float = 0.3
     seed: int = 0
 
 
@@ -59,17 +68,27 @@ def make_cohort(folder: Path, cohort: DemoCohort) -> Path:
     from wsi_pipeline.synthetic.cohort import make_slide_cohort
 
     manifest = folder / "manifest.csv"
+    spec_path = folder / "demo_cohort.json"
+    spec = asdict(cohort)
     if manifest.is_file():
+        found = json.loads(spec_path.read_text()) if spec_path.is_file() else None
+        if found != spec:
+            raise ValueError(
+                f"{folder} holds a demo cohort made with other settings ({found or 'unrecorded'}; this run asks for "
+                f"{spec}); delete {folder.parent} and the pipeline's results folder to start over"
+            )
         return manifest
     common = dict(size=cohort.size, seed=cohort.seed, lesion_contrast=cohort.lesion_contrast,
-                  lesion_size=cohort.lesion_size, lesions=(2, 3))
+                  lesion_size=cohort.lesion_size, lesions=(2, 3), mimic_fraction=cohort.mimic_fraction,
+                  stain_jitter=cohort.stain_jitter, density_jitter=cohort.density_jitter)
     internal = make_slide_cohort(folder, cohort.n_internal, cohort="internal", **common)
     external = make_slide_cohort(folder, cohort.n_external, cohort="external", splits=None, **common)
     merged = merge_manifests([internal], [external])
     # paths relative to the manifest, so the cohort folder can move
     for col in ("path", "lesion_mask"):
         merged[col] = [os.path.relpath(p, folder) for p in merged[col]]
-    return write_manifest(merged, manifest)
+    spec_path.write_text(json.dumps(spec, indent=1))
+    return write_manifest(merged, manifest)  # last: marks the stage done
 
 
 def _eval_is_current(results: Path, run_dirs: list[Path]) -> bool:

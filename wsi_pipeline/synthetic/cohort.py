@@ -17,6 +17,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.manifests.schema import write_manifest
+from wsi_pipeline.manifests.splits import stratified_split
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.synthetic.truth import write_mask
 
@@ -31,21 +32,6 @@ INTERNAL_NOISE: float = 4.0
 
 def _slide_seed(seed: int, cohort: str, i: int) -> int:
     return int(np.random.SeedSequence([int(seed), zlib.crc32(cohort.encode()), i]).generate_state(1)[0])
-
-
-def _assign_splits(labels: np.ndarray, splits: Mapping[str, float] | None, rng: np.random.Generator) -> np.ndarray:
-    out = np.full(len(labels), "", object)
-    if not splits:
-        return out
-    total = float(sum(splits.values()))
-    if total <= 0:
-        raise ValueError(f"splits={dict(splits)} must have positive fractions")
-    for lab in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == lab))
-        bounds = np.round(np.cumsum([0.0] + [v / total for v in splits.values()]) * len(idx)).astype(int)
-        for name, a, b in zip(splits, bounds[:-1], bounds[1:]):
-            out[idx[a:b]] = name
-    return out
 
 
 def make_slide_cohort(
@@ -65,6 +51,9 @@ def make_slide_cohort(
     pen_fraction: float = 0.25,
     quality: int = 90,
     lesion_contrast: float = 1.0,
+    mimic_fraction: float = 0.0,
+    stain_jitter: float = 0.0,
+    density_jitter: float = 0.0,
 ) -> Path:
     """Write ``n_slides`` synthetic slides and their manifest; return the manifest path.
 
@@ -87,11 +76,17 @@ def make_slide_cohort(
     quality : JPEG quality of the slide tiles.
     lesion_contrast : how visible lesions are, 0 (subtle) .. 1 (obvious); see
         :func:`~wsi_pipeline.synthetic.texture.paint_tissue`.
+    mimic_fraction : fraction of slides, of either label, with 1..2 benign mimic regions (dense
+        small dark nuclei) that darken tissue as lesions do: the mean colour of a slide then no
+        longer gives its label away, only the lesion texture does.
+    stain_jitter : per-slide stain variation: each channel of the slide's tint is multiplied by
+        1 + U(-j, j).
+    density_jitter : per-slide normal nuclei density multiplier exp(U(-j, j)).
 
     Returns
     -------
     Path of the manifest CSV (columns slide_id, path, label, split, cohort, patient_id,
-    lesion_mask, mask_downsample, lesion_fraction, n_lesions, pen_marks). The slides carry
+    lesion_mask, mask_downsample, lesion_fraction, n_lesions, pen_marks, n_mimics). The slides carry
     their mpp in their metadata; the manifest has no ``mpp`` column.
     """
     if n_slides < 1:
@@ -105,17 +100,30 @@ def make_slide_cohort(
     rng = np.random.default_rng([int(seed), zlib.crc32(cohort.encode())])
     labels = rng.permutation(np.arange(n_slides) % 2)
     pens = rng.random(n_slides) < pen_fraction
-    split_of = _assign_splits(labels, splits, rng)
+    ids = [f"{cohort}_{i:03d}" for i in range(n_slides)]
+    split_of = np.full(n_slides, "", object)
+    if splits:
+        total = float(sum(splits.values()))
+        if total <= 0:
+            raise ValueError(f"splits={dict(splits)} must have positive fractions")
+        split_of = stratified_split(ids, labels, {k: v / total for k, v in splits.items()}, seed=int(rng.integers(2**31)))
     rows = []
     for i in range(n_slides):
-        slide_id = f"{cohort}_{i:03d}"
+        slide_id = ids[i]
         srng = np.random.default_rng(_slide_seed(seed, cohort, i))
         n_les = int(srng.integers(lesions[0], lesions[1] + 1)) if labels[i] == 1 else 0
         n_pen = int(srng.integers(1, 4)) if pens[i] else 0
+        # nuisance variation, drawn only when asked for (cohorts without it stay as they were)
+        n_mim = int(srng.integers(1, 3)) if mimic_fraction > 0 and srng.random() < mimic_fraction else 0
+        slide_tint = tint
+        if stain_jitter > 0:
+            slide_tint = tuple(float(t * (1 + srng.uniform(-stain_jitter, stain_jitter))) for t in tint)
+        density = float(np.exp(srng.uniform(-density_jitter, density_jitter))) if density_jitter > 0 else 1.0
         s = make_slide(
             out / "slides" / f"{slide_id}.svs", size=size, tile_size=tile_size, mpp=mpp,
             seed=_slide_seed(seed, cohort, i), n_lesions=n_les, lesion_size=lesion_size, pen_marks=n_pen,
-            tint=tint, noise=noise, quality=quality, lesion_contrast=lesion_contrast,
+            tint=slide_tint, noise=noise, quality=quality, lesion_contrast=lesion_contrast,
+            n_mimics=n_mim, nuclei_density=density,
         )
         if n_les and not s.lesion.any():
             raise ValueError(f"size={size} px leaves no room to plant a lesion in {slide_id}; use a larger size")
@@ -132,5 +140,6 @@ def make_slide_cohort(
             "lesion_fraction": round(s.lesion_fraction, 5),
             "n_lesions": s.n_lesions,
             "pen_marks": n_pen,
+            "n_mimics": n_mim,
         })
     return write_manifest(pd.DataFrame(rows), out / f"{cohort}.csv")

@@ -136,6 +136,7 @@ def _upsample_rows(mask: np.ndarray, md: int, y0: int, y1: int, w: int) -> np.nd
 def _paint_strip(
     y0: int, y1: int, w: int, *, seed: int, md: int, alpha_map: np.ndarray, lesion_map: np.ndarray,
     strokes: list, tint: tuple[float, float, float], noise: float, tile: int, lesion_contrast: float = 1.0,
+    mimic_map: np.ndarray | None = None, nuclei_density: float = 1.0,
 ) -> np.ndarray:
     """Level-0 rows [y0, y1): uint8 (y1 - y0, w, 3)."""
     import cv2
@@ -154,12 +155,14 @@ def _paint_strip(
         x0 = (cols[0] // tile) * tile
         x1 = min(w, -(-(cols[-1] + 1) // tile) * tile)
         lesion_all = _upsample_rows(lesion_map, md, y0, y1, w) > 0.5
+        mimic_all = _upsample_rows(mimic_map, md, y0, y1, w) > 0.5 if mimic_map is not None else None
         # paint in tile-aligned chunks: paint_tissue's temporaries (~50 bytes/px) stay bounded
         for c0 in range(x0, x1, _PAINT_CHUNK):
             c1 = min(x1, c0 + _PAINT_CHUNK)
             lesion = lesion_all[:, c0:c1]
+            mimic = mimic_all[:, c0:c1] if mimic_all is not None else None
             tissue = paint_tissue(rng, h, c1 - c0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise,
-                                  lesion_contrast=lesion_contrast)
+                                  lesion_contrast=lesion_contrast, mimic=mimic, nuclei_density=nuclei_density)
             a = alpha[:, c0:c1, None]
             mixed = base[:, c0:c1, None] * (1 - a) + tissue.astype(np.float32) * a
             img[:, c0:c1] = np.clip(mixed, 0, 255).astype(np.uint8)
@@ -220,6 +223,8 @@ def make_slide(
     lesion_contrast: float = 1.0,
     level_factor: int = 4,
     mask_downsample: int = 16,
+    n_mimics: int = 0,
+    nuclei_density: float = 1.0,
 ) -> SyntheticSlide:
     """Write a synthetic slide.
 
@@ -239,6 +244,9 @@ def make_slide(
     tint : per-channel stain multiplier (stain shift of an external cohort).
     noise : pixel noise (grey levels) of the tissue; the background gets a fraction of it.
     lesion_contrast : how visible lesions are, 0..1 (see :func:`~wsi_pipeline.synthetic.texture.paint_tissue`).
+    n_mimics : benign mimic regions (dense small dark nuclei, outside the lesions and not in the
+        lesion mask), the same size as lesions: they darken tissue as lesions do.
+    nuclei_density : multiplier of the normal nuclei density.
     quality : JPEG quality of the tiles.
     level_factor : downsample between pyramid levels (2 or 4).
     mask_downsample : level-0 px per px of the returned masks (divides ``tile_size``).
@@ -273,6 +281,10 @@ def make_slide(
     # rounded lesion outlines for painting (the returned mask stays the planted one)
     lesion_map = cv2.GaussianBlur(lesion.astype(np.float32), (0, 0), 0.7) if lesion.any() else np.zeros((mh, mw), np.float32)
     strokes = [] if blank else _pen_strokes(rng, w, h, int(pen_marks))
+    mimic_map = None
+    if n_mimics and not blank:  # own generator: slides without mimics stay as they were
+        mimic = _lesions(np.random.default_rng([seed, 11]), tissue & ~lesion, int(n_mimics), lesion_size)
+        mimic_map = cv2.GaussianBlur(mimic.astype(np.float32), (0, 0), 0.7) if mimic.any() else None
     sizes = _level_sizes(w, h, level_factor, max(64, T // 4))
     f = level_factor
     level1 = np.empty((sizes[1][1], sizes[1][0], 3), np.uint8) if len(sizes) > 1 else None
@@ -281,7 +293,8 @@ def make_slide(
         for y0 in range(0, h, T):
             y1 = min(h, y0 + T)
             strip = _paint_strip(y0, y1, w, seed=seed, md=md, alpha_map=alpha_map, lesion_map=lesion_map,
-                                 strokes=strokes, tint=tint, noise=noise, tile=T, lesion_contrast=lesion_contrast)
+                                 strokes=strokes, tint=tint, noise=noise, tile=T, lesion_contrast=lesion_contrast,
+                                 mimic_map=mimic_map, nuclei_density=nuclei_density)
             if level1 is not None:
                 r0, r1 = y0 // f, min(level1.shape[0], y1 // f)
                 if r1 > r0:

@@ -16,6 +16,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.manifests.schema import write_manifest
+from wsi_pipeline.manifests.splits import stratified_split
 from wsi_pipeline.synthetic.texture import paint_tissue
 from wsi_pipeline.synthetic.truth import write_mask
 from wsi_pipeline.tiling.store import StoreWriter, store_path
@@ -47,8 +48,9 @@ def make_store_cohort(
 ) -> Path:
     """Write ``n_slides`` tile stores under ``out_dir/tiles`` and return the manifest path.
 
-    Labels alternate 0/1 (balanced). Splits are assigned in order from ``splits`` fractions
-    (default train 0.5 / val 0.25 / test 0.25), balanced by label. Each store's ``coords`` are
+    Labels alternate 0/1 (balanced). Splits follow ``splits`` fractions (default train 0.5 / val
+    0.25 / test 0.25), stratified by label and seeded
+    (:func:`wsi_pipeline.manifests.splits.stratified_split`). Each store's ``coords`` are
     ``grid * tile_size`` (level-0 px, downsample 1); masks go to ``out_dir/masks``.
     The manifest's ``path`` points at a (non-existent) slide file name; stages that read tiles
     use the store, found by ``slide_id`` in ``out_dir/tiles``.
@@ -60,16 +62,13 @@ def make_store_cohort(
     rng = np.random.default_rng(seed)
     splits = splits or {"train": 0.5, "val": 0.25, "test": 0.25}
     labels = np.arange(n_slides) % 2
-    split_of = np.empty(n_slides, object)
-    for lab in (0, 1):
-        idx = np.flatnonzero(labels == lab)
-        bounds = np.round(np.cumsum([0.0] + list(splits.values())) * len(idx)).astype(int)
-        for name, a, b in zip(splits, bounds[:-1], bounds[1:]):
-            split_of[idx[a:b]] = name
+    ids = [f"{cohort}_{i:03d}" for i in range(n_slides)]
+    total = sum(splits.values())
+    split_of = stratified_split(ids, labels, {k: v / total for k, v in splits.items()}, seed=seed)
     rows = []
     T = tile_size
     for i in range(n_slides):
-        slide_id = f"{cohort}_{i:03d}"
+        slide_id = ids[i]
         n = int(rng.integers(tiles_per_slide[0], tiles_per_slide[1] + 1))
         grid = _blob(rng, n)
         lesion = np.zeros(n, np.uint8)

@@ -1,7 +1,9 @@
 """H&E-like texture painting, shared by the synthetic slide generator and the tile-level cohort.
 
 Normal tissue is pink stroma with sparse, small, pale nuclei; a lesion is a dense cluster of
-large dark nuclei, a texture a CNN tells apart from a few pixels. Everything is deterministic in
+large dark nuclei, a texture a CNN tells apart from a few pixels. A mimic (think of an
+inflammatory infiltrate) is a benign cluster of small, very dark nuclei: it darkens a region about
+as much as a lesion does, so only the nuclei's size and spacing tell the two apart. Everything is deterministic in
 the ``numpy.random.Generator`` passed in.
 """
 
@@ -42,6 +44,8 @@ def paint_tissue(
     noise: float = 4.0,
     scale: float = 1.0,
     lesion_contrast: float = 1.0,
+    mimic: np.ndarray | None = None,
+    nuclei_density: float = 1.0,
 ) -> np.ndarray:
     """Paint an H&E-like tissue region.
 
@@ -57,6 +61,8 @@ def paint_tissue(
     lesion_contrast : 1.0 = dense, large, dark lesion nuclei (obvious at a glance); 0.0 = extra
         nuclei of the normal size and colour, only twice as dense as normal tissue (hard to see);
         values in between interpolate density, radius and colour.
+    mimic : optional bool mask (height, width); True pixels get the benign mimic texture.
+    nuclei_density : multiplier of the normal nuclei density (slide-to-slide variation).
 
     Returns
     -------
@@ -68,7 +74,7 @@ def paint_tissue(
     # low-frequency stroma variation (fibres)
     var = cv2.GaussianBlur(rng.standard_normal((h, w)).astype(np.float32), (0, 0), 3.0 * scale)
     img += 60.0 * var[..., None] * np.array([0.3, 0.6, 0.4], np.float32)
-    a = _nuclei(rng, h, w, 0.004 / scale**2, 1.6 * scale)[..., None]
+    a = _nuclei(rng, h, w, 0.004 * nuclei_density / scale**2, 1.6 * scale)[..., None]
     img = img * (1 - 0.7 * a) + nuc * 0.7 * a
     if lesion is not None and lesion.any():
         c = float(np.clip(lesion_contrast, 0.0, 1.0))
@@ -78,6 +84,9 @@ def paint_tissue(
         opacity = 0.7 + c * 0.3
         b = _nuclei(rng, h, w, density, radius)[..., None] * lesion[..., None].astype(np.float32) * opacity
         img = img * (1 - b) + colour * b
+    if mimic is not None and mimic.any():
+        m = _nuclei(rng, h, w, 0.03 / scale**2, 1.1 * scale)[..., None] * mimic[..., None].astype(np.float32) * 0.85
+        img = img * (1 - m) + les * m
     img *= np.asarray(tint, np.float32)
     if noise > 0:
         img += rng.normal(0.0, noise, img.shape).astype(np.float32)
