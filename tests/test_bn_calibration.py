@@ -32,3 +32,4 @@ def test_calibration_makes_frozen_bn_normalise_the_data():
     calibrate_batchnorm(enc, [x[:8], x[8:]])
     after = enc(x)
     assert after.mean().abs() < 0.1 and (after.std() - 1).abs() < 0.1
+

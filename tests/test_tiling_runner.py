@@ -417,3 +417,12 @@ def test_store_writes_chunk_files_identical_to_zarr(tmp_path: Path, compression:
         key = ref.metadata.chunk_key_encoding.encode_chunk_key((i, 0, 0, 0))
         assert (tmp_path / "a.zarr" / "tiles" / key).read_bytes() == (tmp_path / "b.zarr" / "tiles" / key).read_bytes()
     np.testing.assert_array_equal(open_store(tmp_path / "a.zarr").read(), tiles)
+    # reading: the direct path returns what zarr itself reads, for any order, with repeats, and a
+    # chunk file that was never written reads as zarr's fill value
+    a = open_store(tmp_path / "a.zarr")
+    assert a._direct is not None
+    idx = np.array([4, 0, 4, 2, 1, 3])
+    np.testing.assert_array_equal(a.read(idx), zarr.open_array(str(tmp_path / "a.zarr" / "tiles"), mode="r")[:][idx])
+    (tmp_path / "a.zarr" / "tiles" / ref.metadata.chunk_key_encoding.encode_chunk_key((2, 0, 0, 0))).unlink()
+    np.testing.assert_array_equal(open_store(tmp_path / "a.zarr").read([2, 1]),
+                                  zarr.open_array(str(tmp_path / "a.zarr" / "tiles"), mode="r").get_orthogonal_selection(([2, 1],)))

@@ -468,3 +468,35 @@ def test_best_checkpoint_ties_are_broken_by_validation_loss():
     assert improves(0.95, 0.99, {"value": 0.9, "loss": 0.1}, higher=True)
     assert improves(0.2, None, {"value": 0.3, "loss": None}, higher=False)  # lower is better (loss as metric)
     assert not improves(float("nan"), 0.01, best, higher=True)
+
+
+def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoch(tmp_path, store_cohort):
+    """Two epochs with ``recalibrate_bn``: the statistics at the end equal a calibration of the
+    weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
+    from wsi_pipeline.training.loop import calibrate_encoder, preflight
+    from wsi_pipeline.training.strategies import build_models
+
+    def method(recal: bool) -> dict:
+        return {"name": "acc", "strategy": "accumulate", "chunk_size": 4,
+                "encoder": {"bn": "frozen", "calibrate_bn": 32, "recalibrate_bn": recal}}
+
+    runs = {}
+    for name, epochs, recal in (("one", 1, True), ("two", 2, True), ("fixed", 2, False)):
+        cfg = load_config(make_config(tmp_path, store_cohort, [method(recal)], name=name, train={"epochs": epochs, "lr": 1e-3}))
+        train_pipeline(cfg, progress=False)
+        runs[name] = (cfg, models_of(tmp_path / "runs" / name / "acc" / "seed0" / "last.pt")["encoder"])
+    cfg, two = runs["two"]
+    enc, _ = build_models(cfg.methods[0], 2, for_training=False)
+    enc.load_state_dict(runs["one"][1])
+    calibrate_encoder(enc, cfg.methods[0], preflight(cfg, cfg.methods, [0]).train, torch.device("cpu"))
+    ref = enc.state_dict()
+    stats = [k for k in ref if k.endswith(("running_mean", "running_var"))]
+    assert stats
+    for k in stats:
+        torch.testing.assert_close(two[k], ref[k], rtol=1e-5, atol=1e-6)
+    # without recalibration the statistics stay those of the first calibration: different
+    fixed = runs["fixed"][1]
+    assert max(float((fixed[k] - two[k]).abs().max()) for k in stats) > 1e-4
+    with pytest.raises(ValueError, match="calibrate_bn > 0"):
+        load_config(make_config(tmp_path, store_cohort, [{"name": "x", "strategy": "accumulate",
+                                                           "encoder": {"recalibrate_bn": True}}], name="bad"))

@@ -30,8 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="evaluate only this method (repeatable; default: every method of the config)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
     p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: each method's chunk_size)")
-    p.add_argument("--bootstrap", type=int, default=1000, metavar="N",
-                   help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: 1000)")
+    p.add_argument("--bootstrap", type=int, default=None, metavar="N",
+                   help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: the config's eval.bootstrap, 1000)")
     p.add_argument("--no-heatmaps", action="store_true", help="skip heatmaps, per-tile scores and GeoJSON")
     p.add_argument("--heatmap-method", default=None, metavar="NAME",
                    help="method whose first finished seed draws the heatmaps (default: the first method)")
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.training.config import load_config
 
-    if args.bootstrap < 0:
+    if args.bootstrap is not None and args.bootstrap < 0:
         print(f"error: --bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples", file=sys.stderr)
         return 2
     try:

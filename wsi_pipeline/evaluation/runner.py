@@ -199,7 +199,7 @@ def evaluate_pipeline(
     heatmaps: bool = True,
     heatmap_method: str | None = None,
     heatmap_mode: str = "rank",
-    n_boot: int = 1000,
+    n_boot: int | None = None,
     results_dir: str | os.PathLike | None = None,
     progress: bool = True,
 ) -> EvalSummary:
@@ -214,7 +214,7 @@ def evaluate_pipeline(
     heatmaps : write per-slide heatmaps, scores CSV and GeoJSON for one model.
     heatmap_method : method whose first finished seed makes the heatmaps (default: the first).
     heatmap_mode : ``rank`` (default), ``minmax`` or ``raw``.
-    n_boot : bootstrap resamples for the 95 % intervals (0: no intervals).
+    n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
     results_dir : default ``<config.results_dir>/<config.name>``.
     progress : tqdm bars over slides.
 
@@ -318,6 +318,8 @@ def evaluate_pipeline(
         if dev.startswith("cuda"):
             torch.cuda.empty_cache()
 
+    if n_boot is None:
+        n_boot = int(config.eval.bootstrap)
     if n_boot > 0:
         records += _bootstrap_records(probs_by, n_classes, n_boot, seed=int(config.eval.seed), progress=progress)
     summary.missing_stores = sorted(missing)

@@ -80,7 +80,7 @@ class StoreWriter:
         codecs = dict(tile_codecs) if tile_codecs is not None else _tile_codecs(compression)
         T = self.tile_size
         self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), chunks=(1, T, T, 3), dtype="uint8", **codecs)
-        self._direct = _direct_chunk_encoder(self.tiles)
+        self._direct = _DirectChunks.for_array(self.tiles)
         self.coords = np.zeros((cap, 2), np.int64)
         self.grid = np.zeros((cap, 2), np.int32)
         self.foreground = np.zeros((cap,), np.float32)
@@ -117,20 +117,9 @@ class StoreWriter:
 
     def _write_direct(self, start: int, tiles: np.ndarray) -> None:
         """Write one chunk file per tile straight to the local store (same bytes zarr would write)."""
-        encode = self._direct
-        meta = self.tiles.metadata
-        root = Path(self.tiles.store_path.store.root) / self.tiles.store_path.path
+        assert self._direct is not None
         for i, tile in enumerate(tiles):
-            key = meta.chunk_key_encoding.encode_chunk_key((start + i, 0, 0, 0))
-            dest = root / key
-            data = encode(np.ascontiguousarray(tile))
-            try:
-                f = open(dest, "wb")
-            except FileNotFoundError:  # "/" chunk keys: the chunk's folder is new
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                f = open(dest, "wb")
-            with f:
-                f.write(data)
+            self._direct.write(start + i, tile)
 
     def add_array(self, name: str, values: np.ndarray) -> None:
         """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``."""
@@ -158,34 +147,71 @@ class StoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _direct_chunk_encoder(array: Any) -> Any:
-    """For an uncompressed or plain-zstd tile array in a local store, a function that encodes one
-    tile chunk exactly as zarr's codec pipeline would; None for any other layout (zarr writes those).
+class _DirectChunks:
+    """One-tile chunk files of a local zarr v3 array with plain ``bytes`` (+ ``zstd``) codecs, read
+    and written straight from/to disk: the same bytes zarr reads and writes, without its
+    per-chunk asynchronous machinery (about half of the writer's CPU time per 256 px tile, and
+    most of the reading time: ~3.5 ms per 256 px tile through zarr, ~0.5 ms directly).
 
-    Writing the chunk files ourselves skips zarr's per-chunk asynchronous machinery, about half
-    of the writer's CPU time per 256 px tile; the files on disk are identical.
+    Built by :meth:`for_array`, which returns None for any other layout (zarr handles those).
     """
-    try:
-        from numcodecs import Zstd
-        from zarr.codecs import BytesCodec, ZstdCodec
-        from zarr.storage import LocalStore
 
-        meta = array.metadata
-        if not isinstance(array.store_path.store, LocalStore) or getattr(meta, "zarr_format", 3) != 3:
+    def __init__(self, array: Any, codec: Any | None) -> None:
+        self.meta = array.metadata
+        self.root = Path(array.store_path.store.root) / array.store_path.path
+        self.codec = codec  # numcodecs Zstd, or None for uncompressed chunks
+        self.chunk_shape = tuple(int(v) for v in self.meta.chunk_grid.chunk_shape[1:])
+        fill = self.meta.fill_value
+        self.fill = 0 if fill is None else int(fill)
+
+    @classmethod
+    def for_array(cls, array: Any) -> _DirectChunks | None:
+        try:
+            from numcodecs import Zstd
+            from zarr.codecs import BytesCodec, ZstdCodec
+            from zarr.storage import LocalStore
+
+            meta = array.metadata
+            if not isinstance(array.store_path.store, LocalStore) or getattr(meta, "zarr_format", 3) != 3:
+                return None
+            if tuple(meta.chunk_grid.chunk_shape) != (1,) + tuple(array.shape[1:]) or np.dtype(array.dtype) != np.uint8:
+                return None
+            codecs = tuple(meta.codecs)
+            if not codecs or not isinstance(codecs[0], BytesCodec):
+                return None
+            if len(codecs) == 1:
+                return cls(array, None)
+            if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
+                return cls(array, Zstd(level=codecs[1].level, checksum=codecs[1].checksum))
+        except Exception:  # any surprise in zarr's internals: let zarr do the work
             return None
-        if tuple(meta.chunk_grid.chunk_shape) != (1,) + tuple(array.shape[1:]):
-            return None
-        codecs = tuple(meta.codecs)
-        if not codecs or not isinstance(codecs[0], BytesCodec):
-            return None
-        if len(codecs) == 1:
-            return lambda tile: memoryview(tile).cast("B")
-        if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
-            zstd = Zstd(level=codecs[1].level, checksum=codecs[1].checksum)
-            return zstd.encode
-    except Exception:  # any surprise in zarr's internals: let zarr write
         return None
-    return None
+
+    def path(self, index: int) -> Path:
+        return self.root / self.meta.chunk_key_encoding.encode_chunk_key((int(index),) + (0,) * len(self.chunk_shape))
+
+    def write(self, index: int, tile: np.ndarray) -> None:
+        """Write ``tile`` (uint8, the chunk's shape) as chunk ``index``."""
+        tile = np.ascontiguousarray(tile)
+        data = memoryview(tile).cast("B") if self.codec is None else self.codec.encode(tile)
+        dest = self.path(index)
+        try:
+            f = open(dest, "wb")
+        except FileNotFoundError:  # "/" chunk keys: the chunk's folder is new
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            f = open(dest, "wb")
+        with f:
+            f.write(data)
+
+    def read(self, index: int, out: np.ndarray) -> None:
+        """Read chunk ``index`` into ``out`` (a missing chunk file reads as the fill value, as in zarr)."""
+        try:
+            raw = self.path(index).read_bytes()
+        except FileNotFoundError:
+            out[...] = self.fill
+            return
+        data = raw if self.codec is None else self.codec.decode(raw)
+        out[...] = np.frombuffer(data, np.uint8).reshape(self.chunk_shape)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -217,6 +243,7 @@ class TileStore:
         self.grid = np.asarray(self.group["grid"][:])
         self.foreground = np.asarray(self.group["foreground"][:])
         self.tile_size = int(self._tiles.shape[1])
+        self._direct = _DirectChunks.for_array(self._tiles)
 
     @property
     def slide_id(self) -> str:
@@ -228,12 +255,19 @@ class TileStore:
     def read(self, indices: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
         """Return tiles as uint8 (k, T, T, 3) in the order of ``indices`` (all tiles when None)."""
         if indices is None:
-            return np.asarray(self._tiles[:])
+            if self._direct is None:
+                return np.asarray(self._tiles[:])
+            indices = np.arange(len(self))
         idx = np.asarray(indices, dtype=np.int64)
         if idx.size == 0:
             return np.zeros((0, self.tile_size, self.tile_size, 3), np.uint8)
         if idx.min() < 0 or idx.max() >= len(self):
             raise IndexError(f"tile index out of range [0, {len(self)}) in store {self.path}")
+        if self._direct is not None:
+            out = np.empty((len(idx),) + tuple(self._tiles.shape[1:]), np.uint8)
+            for j, i in enumerate(idx):
+                self._direct.read(int(i), out[j])
+            return out
         order = np.argsort(idx, kind="stable")
         sorted_idx = idx[order]
         uniq, inverse = np.unique(sorted_idx, return_inverse=True)

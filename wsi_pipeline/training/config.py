@@ -319,6 +319,8 @@ class EvalConfig:
     val_protocol : protocol of the per-epoch validation (the paper validates with the test protocol).
     protocols : protocols of the evaluation stage.
     seed : seed of the random tile draws of subsampling protocols (and random pseudo-bags).
+    bootstrap : resamples of the slides for the 95 % intervals (0: no intervals; each costs one
+        scikit-learn call per metric and seed, ~1 ms).
     """
 
     val_protocol: Protocol = field(default_factory=Protocol, metadata={"custom": _Custom(_parse_protocol, "protocol")})
@@ -327,6 +329,11 @@ class EvalConfig:
         metadata={"custom": _Custom(_parse_protocols, "list of protocols")},
     )
     seed: int = 0
+    bootstrap: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.bootstrap < 0:
+            raise ValueError(f"eval.bootstrap={self.bootstrap}; expected 0 (off) or a number of resamples")
 
 
 @dataclass(frozen=True)
@@ -341,16 +348,24 @@ class EncoderConfig:
     randomly drawn training tiles (0: off). Meant for an encoder without pretrained weights
     (whose initial statistics describe nothing) used with ``bn: frozen``; a frozen method's
     feature files are extracted with the calibrated encoder.
+
+    ``recalibrate_bn``: calibrate again at the start of every epoch, so that frozen statistics
+    follow the weights as they train (an encoder trained from scratch otherwise drifts away from
+    the statistics it started with, and training can diverge). Exact gradients within each epoch
+    are kept: the statistics are constant while the epoch's steps are taken.
     """
 
     name: str = "resnet18"
     weights: str | None = None
     bn: Literal["frozen", "chunk", "train"] = "frozen"
     calibrate_bn: int = 0
+    recalibrate_bn: bool = False
 
     def __post_init__(self) -> None:
         if self.calibrate_bn < 0:
             raise ValueError(f"encoder.calibrate_bn={self.calibrate_bn}; expected a number of tiles >= 0 (0 = off)")
+        if self.recalibrate_bn and self.calibrate_bn <= 0:
+            raise ValueError("encoder.recalibrate_bn needs encoder.calibrate_bn > 0 (the number of tiles to calibrate on)")
 
 
 @dataclass(frozen=True)

@@ -458,6 +458,8 @@ def train_run(
         t0 = time.perf_counter()
         _seed_everything(seed, epoch + 1)
         lr = schedule.set_epoch(epoch)
+        if method.encoder.recalibrate_bn and epoch > 0 and strategy.encoder is not None:
+            calibrate_encoder(strategy.encoder, method, plan.train, dev)
         strategy.train()
         with autocast:
             train_loss = _train_epoch(strategy, reader, n_tiles, tc, seed, epoch, optimizer, optimizer_step, bar)
