@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import zarr
 
+from wsi_pipeline.tiling.codecs import tile_codecs_for
+
 __all__ = ["StoreWriter", "TileStore", "open_store", "is_complete", "store_path", "COMPRESSIONS"]
 
 #: Tile compressions: lossless ``zstd`` (default), ``none``, or lossy ``jpeg`` (quality 90).
@@ -32,20 +34,6 @@ def store_path(tiles_dir: str | os.PathLike, slide_id: str) -> Path:
     return Path(tiles_dir) / f"{slide_id}.zarr"
 
 
-def _tile_codecs(compression: str) -> dict[str, Any]:
-    if compression == "zstd":
-        from zarr.codecs import BloscCodec
-
-        return {"compressors": [BloscCodec(cname="zstd", clevel=3, shuffle="bitshuffle")]}
-    if compression == "none":
-        return {"compressors": None}
-    if compression == "jpeg":
-        from wsi_pipeline.tiling.codecs import jpeg_tile_codecs
-
-        return jpeg_tile_codecs()
-    raise ValueError(f"compression={compression!r}; expected one of {COMPRESSIONS}")
-
-
 class StoreWriter:
     """Write one slide's tiles into a temporary store, then :meth:`commit` it atomically.
 
@@ -55,7 +43,9 @@ class StoreWriter:
     tile_size : tile side T in px (at the read resolution).
     capacity : upper bound on the number of tiles; the arrays are trimmed at commit.
     attrs : store attributes (``complete`` is set by :meth:`commit` only).
-    compression : one of :data:`COMPRESSIONS`.
+    compression : one of :data:`COMPRESSIONS` (its codecs from
+        :func:`~wsi_pipeline.tiling.codecs.tile_codecs_for`, as the tiling runner writes them).
+    tile_codecs : explicit ``create_array`` codec arguments, overriding ``compression``.
     """
 
     def __init__(
@@ -77,7 +67,7 @@ class StoreWriter:
         cap = max(int(capacity), 1)
         self.group = zarr.open_group(str(self.tmp), mode="w")
         self.group.attrs.update({**dict(attrs), "complete": False})
-        codecs = dict(tile_codecs) if tile_codecs is not None else _tile_codecs(compression)
+        codecs = dict(tile_codecs) if tile_codecs is not None else tile_codecs_for(compression)
         T = self.tile_size
         self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), chunks=(1, T, T, 3), dtype="uint8", **codecs)
         self._direct = _DirectChunks.for_array(self.tiles)
