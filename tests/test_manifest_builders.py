@@ -452,3 +452,13 @@ def test_merge_internal_and_external(tmp_path):
     out = tmp_path / "merged.csv"
     assert main(["manifest", "merge", "--internal", str(internal), "--external", str(external), "--out", str(out)]) == 0
     assert len(read_manifest(out)) == 5
+
+
+def test_normalise_fractions_scales_to_one_and_rejects_bad_values():
+    from wsi_pipeline.manifests.splits import normalise_fractions
+
+    assert normalise_fractions({"train": 2, "val": 1, "test": 1}) == {"train": 0.5, "val": 0.25, "test": 0.25}
+    with pytest.raises(ValueError, match="positive fractions"):
+        normalise_fractions({"train": 0, "val": 0})
+    with pytest.raises(ValueError, match=">= 0"):
+        normalise_fractions({"train": 2, "val": -1})

@@ -10,9 +10,9 @@ tiles, 4x pyramid) and measures, in one run:
 4. one worker vs two workers on slides A and B: throughput ratio (target >= 1.6), for the
    chosen compression and (``--also-compare``) without compression, next to the bound the
    CPU sets: two workers on two cores cannot exceed 2 / (their CPU s per tile x one-worker tiles/s).
-5. reading 256 random tiles back from the store: straight from the chunk files vs through zarr.
    A worker compresses in a second thread only while cores are left over, so with one worker
-   on two cores the one-worker figure already uses both cores when compression is costly.
+   on two cores the one-worker figure already uses both cores when compression is costly;
+5. reading 256 random tiles back from the store: straight from the chunk files vs through zarr.
 
 The page cache is warmed before each measurement, so the figures are CPU-bound, as on a
 cluster node reading from a fast file system.

@@ -42,6 +42,21 @@ def check_fractions(fractions: Mapping[str, float], *, what: str = "split fracti
     return fr
 
 
+def normalise_fractions(fractions: Mapping[str, float], *, what: str = "split fractions") -> dict[str, float]:
+    """Return ``fractions`` scaled to sum to 1 (e.g. ``{"train": 2, "val": 1, "test": 1}``), checked.
+
+    Raises
+    ------
+    ValueError
+        When a fraction is negative or not finite, or none is positive.
+    """
+    fr = {str(k): float(v) for k, v in fractions.items()}
+    total = sum(fr.values())
+    if not (total > 0 and math.isfinite(total)):
+        raise ValueError(f"{what}: {fr} must have positive fractions")
+    return check_fractions({k: v / total for k, v in fr.items()}, what=what)
+
+
 def quota_counts(sizes: Sequence[int], fractions: Mapping[str, float]) -> np.ndarray:
     """Integer item counts per (stratum, split) under the quota rule.
 

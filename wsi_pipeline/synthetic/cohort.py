@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.manifests.schema import write_manifest
-from wsi_pipeline.manifests.splits import stratified_split
+from wsi_pipeline.manifests.splits import normalise_fractions, stratified_split
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.synthetic.truth import write_mask
 
@@ -103,10 +103,7 @@ def make_slide_cohort(
     ids = [f"{cohort}_{i:03d}" for i in range(n_slides)]
     split_of = np.full(n_slides, "", object)
     if splits:
-        total = float(sum(splits.values()))
-        if total <= 0:
-            raise ValueError(f"splits={dict(splits)} must have positive fractions")
-        split_of = stratified_split(ids, labels, {k: v / total for k, v in splits.items()}, seed=int(rng.integers(2**31)))
+        split_of = stratified_split(ids, labels, normalise_fractions(splits, what="splits"), seed=int(rng.integers(2**31)))
     rows = []
     for i in range(n_slides):
         slide_id = ids[i]

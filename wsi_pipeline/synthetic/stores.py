@@ -16,7 +16,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.manifests.schema import write_manifest
-from wsi_pipeline.manifests.splits import stratified_split
+from wsi_pipeline.manifests.splits import normalise_fractions, stratified_split
 from wsi_pipeline.synthetic.texture import paint_tissue
 from wsi_pipeline.synthetic.truth import write_mask
 from wsi_pipeline.tiling.store import StoreWriter, store_path
@@ -63,8 +63,7 @@ def make_store_cohort(
     splits = splits or {"train": 0.5, "val": 0.25, "test": 0.25}
     labels = np.arange(n_slides) % 2
     ids = [f"{cohort}_{i:03d}" for i in range(n_slides)]
-    total = sum(splits.values())
-    split_of = stratified_split(ids, labels, {k: v / total for k, v in splits.items()}, seed=seed)
+    split_of = stratified_split(ids, labels, normalise_fractions(splits, what="splits"), seed=seed)
     rows = []
     T = tile_size
     for i in range(n_slides):

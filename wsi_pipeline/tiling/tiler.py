@@ -27,7 +27,6 @@ import numpy as np
 import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, read_scaled, resolve_mpp, slide_fingerprint
 from wsi_pipeline.slides.reader import BACKENDS, Slide
-from wsi_pipeline.tiling.codecs import tile_codecs_for
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
@@ -213,53 +212,11 @@ def _clean_stale(out_dir: Path, slide_id: str) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-class _BackgroundWriter:
-    """Feed :meth:`StoreWriter.append` from a thread; errors surface on the next call.
-
-    Batches arrive as (tiles, keep, coords, grid, foreground) with ``tiles`` possibly a strided
-    view of a decoded strip: selecting and copying the kept tiles happens here, off the
-    decoding thread.
-    """
-
-    def __init__(self, writer: StoreWriter, depth: int = 8) -> None:
-        self.writer = writer
-        self._q: queue.Queue[tuple[np.ndarray, ...] | None] = queue.Queue(maxsize=depth)
-        self._error: BaseException | None = None
-        self.cpu_seconds = 0.0  # the writer thread's CPU time, set when it ends
-        self._thread = threading.Thread(target=self._run, name="tile-writer", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                self.cpu_seconds = time.thread_time()
-                return
-            if self._error is None:
-                tiles, keep, coords, grid, fg = item
-                try:
-                    self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg)
-                except BaseException as err:  # re-raised in the main thread
-                    self._error = err
-
-    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
-        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
-        if self._error is not None:
-            raise self._error
-        self._q.put((tiles, keep, coords, grid, fg))
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
 class _InlineWriter:
-    """The same interface as :class:`_BackgroundWriter`, compressing and writing in the caller's thread.
+    """Feed :meth:`StoreWriter.append` in the caller's thread (what :class:`_BackgroundWriter` runs in its own).
 
-    Used when every core already runs a worker: a second thread per worker would only compete
-    with the other workers for the cores.
+    Used on its own when every core already runs a worker: a second thread per worker would only
+    compete with the other workers for the cores.
     """
 
     def __init__(self, writer: StoreWriter) -> None:
@@ -274,6 +231,47 @@ class _InlineWriter:
 
     def close(self) -> None:
         pass
+
+
+class _BackgroundWriter:
+    """Feed :meth:`StoreWriter.append` from a thread; errors surface on the next call.
+
+    Batches arrive as (tiles, keep, coords, grid, foreground) with ``tiles`` possibly a strided
+    view of a decoded strip: selecting and copying the kept tiles happens here, off the
+    decoding thread.
+    """
+
+    def __init__(self, writer: StoreWriter, depth: int = 8) -> None:
+        self._inline = _InlineWriter(writer)
+        self._q: queue.Queue[tuple[np.ndarray, ...] | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
+        self.cpu_seconds = 0.0  # the writer thread's CPU time, set when it ends
+        self._thread = threading.Thread(target=self._run, name="tile-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                self.cpu_seconds = time.thread_time()
+                return
+            if self._error is None:
+                try:
+                    self._inline.put(*item)
+                except BaseException as err:  # re-raised in the main thread
+                    self._error = err
+
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
+        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
+        if self._error is not None:
+            raise self._error
+        self._q.put((tiles, keep, coords, grid, fg))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
@@ -477,7 +475,7 @@ def _tile_open_slide(
         attrs.update(otsu=asdict(config.otsu))
     writer = StoreWriter(
         store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
-        compression=config.compression, tile_codecs=tile_codecs_for(config.compression),
+        compression=config.compression,
     )
     main_cpu0 = time.thread_time()
     sink: _BackgroundWriter | _InlineWriter = _BackgroundWriter(writer) if background_write else _InlineWriter(writer)
