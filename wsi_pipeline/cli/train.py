@@ -40,6 +40,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None,
                    help="auto (CUDA when present), cpu, cuda or cuda:N; overrides train.device of every method")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--strict", action="store_true",
+                   help="stop when a train/val slide's store holds 0 tiles (default: leave it out with a warning)")
     p.set_defaults(func=run)
 
 
@@ -58,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             runs = train_pipeline(
                 config, methods=args.methods, seeds=args.seeds, resume=args.resume,
-                device=args.device, progress=not args.no_progress,
+                device=args.device, progress=not args.no_progress, strict=args.strict,
             )
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         if getattr(args, "verbose", 0) >= 2:

@@ -9,6 +9,7 @@ an uninterrupted one. Tiles are read by a background thread one bag ahead of the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +22,15 @@ import pandas as pd
 
 from wsi_pipeline.tiling.store import TileStore, is_complete, open_store, store_path
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "Bag",
     "FeatureReader",
     "Slide",
     "TileReader",
     "check_stores",
+    "drop_empty",
     "epoch_plan",
     "iter_bags",
     "sample_indices",
@@ -85,6 +89,32 @@ def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
         f"({'; '.join(parts)}). Run `wsi-pipeline tile` (make tile) on these slides to (re)build their "
         f"<slide_id>.zarr stores, or point data.tiles_dir at the folder that holds them."
     )
+
+
+def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> list[Slide]:
+    """``slides`` without those whose (complete) store holds 0 tiles, with one warning naming them.
+
+    A slide whose tiles all failed the foreground rule (a blank scan, a fluorescence slide under a
+    brightfield rule) has an empty store: it cannot form a bag, so it is left out of training and
+    evaluation. With ``strict`` that is an error instead.
+
+    Raises
+    ------
+    ValueError
+        ``strict`` and some slide has no tiles.
+    """
+    kept, empty = [], []
+    for s in slides:
+        (kept if len(open_store(s.store)) > 0 else empty).append(s)
+    if empty:
+        ids = [s.slide_id for s in empty]
+        msg = (f"{len(ids)} {split} slide(s) have 0 tiles in their store and are left out: {_first(ids)} "
+               "(all tiles failed the foreground rule; check the tiling report and QC images, or retile with "
+               "other thresholds, e.g. `wsi-pipeline tile --min-foreground 0.3`)")
+        if strict:
+            raise ValueError(msg + "; --strict makes this an error")
+        log.warning(msg)
+    return kept
 
 
 def _first(values: Sequence[str], k: int = 8) -> str:

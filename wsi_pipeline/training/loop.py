@@ -46,7 +46,7 @@ import torch
 
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, epoch_plan, iter_bags, slides_for_split
+from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, drop_empty, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
@@ -82,11 +82,13 @@ def preflight(
     seeds: Sequence[int],
     *,
     resume: bool = False,
+    strict: bool = False,
 ) -> RunPlan:
     """Check everything before any training; raise a clear error naming the problem and the fix.
 
     Checks: the manifest exists and validates (labels in ``[0, n_classes)``), there are training
-    slides, every training/validation slide has a complete tile store, each method's strategy
+    slides, every training/validation slide has a complete tile store (slides whose store holds 0
+    tiles are left out with one warning, or refused with ``strict``), each method's strategy
     exists with its building blocks and options, its models build (encoder, weights,
     aggregator options), and run folders are consistent with ``resume``.
     """
@@ -101,6 +103,9 @@ def preflight(
     manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
     train = slides_for_split(manifest, "train", config.data.tiles_dir)
     val = slides_for_split(manifest, "val", config.data.tiles_dir)
+    check_stores(train + val, config.data.tiles_dir)
+    train = drop_empty(train, split="train", strict=strict)
+    val = drop_empty(val, split="val", strict=strict)
     if not train:
         raise ValueError(
             f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
@@ -111,7 +116,6 @@ def preflight(
     for method in methods:
         check_strategy(method)
         resolve_device(method.train.device)
-    check_stores(train + val, config.data.tiles_dir)
     for method in methods:
         if method.strategy == "frozen":
             try:
@@ -288,6 +292,7 @@ def train_pipeline(
     *,
     device: str | None = None,
     progress: bool = True,
+    strict: bool = False,
 ) -> list[Path]:
     """Train every (method, seed) of ``config``; return the run folders (finished ones included).
 
@@ -297,12 +302,13 @@ def train_pipeline(
     methods : method names to train (default: all).
     seeds : seeds to train (default: ``config.seeds``).
     resume : continue runs that have ``last.pt`` but no ``done`` marker (without it they are an error).
+    strict : refuse slides whose store holds 0 tiles instead of leaving them out with a warning.
     device : overrides every method's ``train.device``.
     progress : tqdm bars (shown on terminals only).
     """
     chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
-    plan = preflight(config, chosen, seeds, resume=resume)
+    plan = preflight(config, chosen, seeds, resume=resume, strict=strict)
     for run_dir in plan.finished:
         log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
     features: dict[str, Path] = {}
