@@ -81,7 +81,7 @@ def preflight(
     methods: Sequence[MethodConfig],
     seeds: Sequence[int],
     *,
-    resume: bool = False,
+    resume: bool = True,
     strict: bool = False,
 ) -> RunPlan:
     """Check everything before any training; raise a clear error naming the problem and the fix.
@@ -144,7 +144,7 @@ def preflight(
             runs.append((method, seed, run_dir))
     if unfinished:
         raise ValueError(
-            f"unfinished run(s) found: {', '.join(map(str, unfinished))}; pass --resume to continue them, "
+            f"unfinished run(s) found: {', '.join(map(str, unfinished))}; run without --no-resume to continue them, "
             "or delete those folders to start over"
         )
     return RunPlan(manifest, train, val, runs, finished)
@@ -288,7 +288,7 @@ def train_pipeline(
     config: PipelineConfig,
     methods: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
-    resume: bool = False,
+    resume: bool = True,
     *,
     device: str | None = None,
     progress: bool = True,
@@ -301,7 +301,8 @@ def train_pipeline(
     config : the pipeline.
     methods : method names to train (default: all).
     seeds : seeds to train (default: ``config.seeds``).
-    resume : continue runs that have ``last.pt`` but no ``done`` marker (without it they are an error).
+    resume : continue runs that have ``last.pt`` but no ``done`` marker (the default; with ``False``
+        such runs are an error). A run whose config changed is never resumed: that is an error.
     strict : refuse slides whose store holds 0 tiles instead of leaving them out with a warning.
     device : overrides every method's ``train.device``.
     progress : tqdm bars (shown on terminals only).
