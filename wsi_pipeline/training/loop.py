@@ -237,8 +237,14 @@ def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan
 CALIBRATION_SEED = 0
 
 
-def calibrate_encoder(encoder: torch.nn.Module, method: MethodConfig, slides: Sequence[Slide], device: torch.device) -> None:
+def calibrate_encoder(
+    encoder: torch.nn.Module, method: MethodConfig, slides: Sequence[Slide], device: torch.device, *,
+    log_level: int = logging.DEBUG,
+) -> None:
     """Calibrate ``encoder``'s BatchNorm statistics on ``method.encoder.calibrate_bn`` training tiles (no-op at 0).
+
+    The calibration is logged at ``log_level``: the run logs its first one, not the repeats
+    (feature extraction, per-epoch recalibration).
 
     Tiles are drawn evenly over ``slides`` with a fixed seed, shuffled so that every batch of
     ``method.chunk_size`` tiles mixes slides; see :mod:`wsi_pipeline.models.bn_calibration`.
@@ -261,7 +267,7 @@ def calibrate_encoder(encoder: torch.nn.Module, method: MethodConfig, slides: Se
     step = max(2, method.chunk_size)
     batches = (tiles_to_tensor(tiles[j : j + step], device=device) for j in range(0, len(tiles), step) if len(tiles[j : j + step]) > 1)
     seen = calibrate_batchnorm(encoder, batches)
-    log.info("method %s: BatchNorm statistics calibrated on %d training tiles (%d batches)", method.name, len(tiles), seen)
+    log.log(log_level, "method %s: BatchNorm statistics calibrated on %d training tiles (%d batches)", method.name, len(tiles), seen)
 
 
 class _LazyFeatures(Sequence):
@@ -406,7 +412,7 @@ def train_run(
 
     _seed_everything(seed)
     strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment))
-    calibrate_encoder(strategy.encoder, method, plan.train, dev)  # overwritten by last.pt when resuming
+    calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO)  # overwritten by last.pt when resuming
     if "features" in (strategy.input, strategy.val_input):
         from wsi_pipeline.data.features import features_path, read_features
 
