@@ -30,6 +30,7 @@ __all__ = [
     "Slide",
     "TileReader",
     "check_stores",
+    "check_tiling",
     "drop_empty",
     "epoch_plan",
     "iter_bags",
@@ -89,6 +90,71 @@ def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
         f"({'; '.join(parts)}). Run `wsi-pipeline tile` (make tile) on these slides to (re)build their "
         f"<slide_id>.zarr stores, or point data.tiles_dir at the folder that holds them."
     )
+
+
+#: Store settings that may differ between the slides of one cohort (they describe the slide, not the tiling).
+_PER_SLIDE = ("fingerprint", "mpp_override", "mpp", "mpp_source", "compression", "backend")
+
+
+def store_settings(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The tiling settings recorded in a store (tile size, method, thresholds, mpp target, ...).
+
+    None for a store that records none (stores written outside the tiler, e.g. synthetic ones).
+    """
+    identity = open_store(path).attrs.get("tiling_identity")
+    if not isinstance(identity, dict):
+        return None
+    return {k: v for k, v in identity.items() if k not in _PER_SLIDE}
+
+
+def check_tiling(slides: Sequence[Slide], expected: Any = None) -> dict[str, Any] | None:
+    """The tiling settings shared by every slide's store, checked; None when the stores record none.
+
+    Parameters
+    ----------
+    slides : slides with complete stores.
+    expected : the config's ``data.tiling`` (fields that are not None must match the stores).
+
+    Raises
+    ------
+    ValueError
+        The stores were made with different settings (naming a few stores of each), or with
+        settings other than ``expected``.
+    """
+    groups: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for s in slides:
+        settings = store_settings(s.store)
+        if settings is None:
+            continue
+        key = repr(sorted(settings.items()))
+        groups.setdefault(key, (settings, []))[1].append(s.slide_id)
+    if not groups:
+        return None
+    if len(groups) > 1:
+        parts = [f"{_first(ids, 4)}: {_describe(settings)}" for settings, ids in groups.values()]
+        raise ValueError(
+            f"the tile stores were made with different tiling settings ({'; '.join(parts)}); retile the odd "
+            "ones with the same `wsi-pipeline tile` options (a model must see one resolution and tile size)"
+        )
+    settings = next(iter(groups.values()))[0]
+    if expected is not None:
+        wrong = []
+        for name in ("method", "tile_size", "min_foreground", "mpp_target"):
+            want = getattr(expected, name, None)
+            got = settings.get(name)
+            if want is not None and not (got == want or (isinstance(got, float) and abs(got - float(want)) < 1e-9)):
+                wrong.append(f"{name}: config {want} vs stores {got}")
+        if wrong:
+            raise ValueError(
+                f"data.tiling disagrees with the tile stores ({'; '.join(wrong)}); remove those keys from data.tiling "
+                "(the stores' settings are used) or retile with the config's settings"
+            )
+    return settings
+
+
+def _describe(settings: dict[str, Any]) -> str:
+    keys = ("method", "tile_size", "mpp_target", "min_foreground")
+    return ", ".join(f"{k}={settings.get(k)}" for k in keys if k in settings)
 
 
 def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> list[Slide]:

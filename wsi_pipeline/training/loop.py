@@ -46,7 +46,7 @@ import torch
 
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, drop_empty, epoch_plan, iter_bags, slides_for_split
+from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, check_tiling, drop_empty, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
@@ -69,6 +69,7 @@ class RunPlan:
     val: list[Slide]
     runs: list[tuple[MethodConfig, int, Path]]
     finished: list[Path]
+    tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,6 +105,7 @@ def preflight(
     train = slides_for_split(manifest, "train", config.data.tiles_dir)
     val = slides_for_split(manifest, "val", config.data.tiles_dir)
     check_stores(train + val, config.data.tiles_dir)
+    tiling = check_tiling(train + val, config.data.tiling)
     train = drop_empty(train, split="train", strict=strict)
     val = drop_empty(val, split="val", strict=strict)
     if not train:
@@ -147,7 +149,7 @@ def preflight(
             f"unfinished run(s) found: {', '.join(map(str, unfinished))}; run without --no-resume to continue them, "
             "or delete those folders to start over"
         )
-    return RunPlan(manifest, train, val, runs, finished)
+    return RunPlan(manifest, train, val, runs, finished, tiling)
 
 
 def _run_config(config: PipelineConfig, method: MethodConfig, seed: int) -> PipelineConfig:
@@ -488,7 +490,8 @@ def train_run(
                     "loss": None if loss is None or not math.isfinite(loss) else float(loss)}
         _write_csv(history, run_dir / "history.csv")
         models = {name: m.state_dict() for name, m in strategy.state_modules().items()}
-        common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1}
+        common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1,
+                  **({"tiling": plan.tiling} if plan.tiling is not None else {})}
         if improved:
             save_checkpoint(run_dir / "best.pt", {**common, "models": models, "best": best})
         save_checkpoint(last, {
