@@ -570,7 +570,7 @@ def _grey_max_for(config: TilingConfig, background: Background, slide_id: str) -
     if config.grey_max == "auto":
         auto = auto_grey_max(background, config.grey_auto_margin)
         grey_max = PAPER_GREY_MAX if auto is None else auto
-        if auto is None:
+        if auto is None and config.method == "greyscale":
             note = f"grey-max auto: no glass seen on the thumbnail, used {PAPER_GREY_MAX}"
     else:
         grey_max = int(config.grey_max)
