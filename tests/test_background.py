@@ -61,10 +61,10 @@ def test_blank_glass_of_any_level_is_glass_with_its_level_and_has_no_tissue(glas
 
 
 @pytest.mark.parametrize("stain", [HE_STAIN, IHC_STAIN], ids=["he", "ihc"])
-@pytest.mark.parametrize("cover", [1.0, 0.5])
-@pytest.mark.parametrize("glass", [225, 250])
+@pytest.mark.parametrize("cover", [1.0, 0.9, 0.5])
+@pytest.mark.parametrize("glass", [215, 250])
 def test_otsu_keeps_the_tissue_of_covered_and_half_covered_fields(stain, cover: float, glass: int) -> None:
-    level0, edge = _level0_field(stain, cover, glass)
+    level0, edge = _level0_field(stain, cover, glass, lesion=cover != 0.9)  # 0.9: uniform, low contrast
     ov = _overview(level0)
     truth = np.zeros(ov.shape[:2], bool)
     truth[:, : edge // DS] = True

@@ -13,6 +13,8 @@
   [glass's 99th percentile, that + ``glass_margin``] of the thresholded channel, so a split
   inside the tissue (dense vs pale, DAB vs haematoxylin) never drops the paler tissue, and
   the image is blank when the tissue class is within ``min_contrast`` of the glass.
+  Limit: on a field that shows glass, tissue less than ``min_contrast`` saturation levels
+  (6 %) above the glass, with nothing more saturated in it (an unstained section), is missed.
 """
 
 from __future__ import annotations
