@@ -68,7 +68,7 @@ __all__ = [
     "save_config",
 ]
 
-SCHEDULES = ("cosine", "exponential", "none")
+SCHEDULES = ("cosine", "exponential", "linear", "none")
 BN_MODES = ("frozen", "chunk", "train")
 SELECT_METRICS = ("auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -210,7 +210,8 @@ class TrainConfig:
     batch_bags, accumulate_batches : B bags per batch, S batches per optimiser step; the
         optimiser steps on the mean loss of B x S bags (bags are processed one at a time).
     schedule : ``cosine`` (annealed to ``min_lr`` over the run), ``exponential`` (lr x gamma per
-        epoch) or ``none``; ``warmup_epochs`` of linear warm-up come first.
+        epoch), ``linear`` (linear decay to ``min_lr`` over the run, the PatchGD paper's) or
+        ``none``; ``warmup_epochs`` of linear warm-up come first.
     demon : DEMON momentum decay on Adam's first moment.
     clip_grad_norm : clip the global gradient norm before each step (None: off).
     select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
@@ -227,7 +228,7 @@ class TrainConfig:
     bag_size: int = 256
     batch_bags: int = 2
     accumulate_batches: int = 1
-    schedule: Literal["cosine", "exponential", "none"] = "cosine"
+    schedule: Literal["cosine", "exponential", "linear", "none"] = "cosine"
     gamma: float = 0.955
     min_lr: float = 0.0
     warmup_epochs: int = 0
