@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.models.heads import HEADS, CNNHead, build_head, grid_layout, tiles_to_z
+from wsi_pipeline.models.heads import HEADS, CNNHead, PaperCNNHead, build_head, grid_layout, tiles_to_z
 from wsi_pipeline.tiling.store import StoreWriter, open_store
 from wsi_pipeline.training.patchgd import (
     PatchGDConfig,
@@ -421,7 +421,11 @@ def test_saved_activations_bounded_by_k_tiles_not_slide_size(tmp_path):
 @pytest.mark.parametrize(("rows", "cols", "cap"), [(1, 1, None), (1, 9, None), (6, 2, None), (5, 7, None), (40, 3, 8)])
 def test_heads_take_any_grid_size(name, rows, cols, cap):
     torch.manual_seed(0)
-    opts = {"width": 8} if name == "cnn" else {"dim": 16}
+    opts = {"dim": 16} if name == "transformer" else {"width": 8}
+    if name == "cnn_paper":
+        # its Z has a fixed side (grids up to it are padded, larger ones pooled); at least 9 cells,
+        # so that its last BatchNorm sees more than one value of a single slide in training mode
+        cap = max(cap or 9, 9)
     head = build_head(name, 6, 3, max_grid=cap, proj_dim=4, **opts)
     g = block_grid(rows, cols, row0=2, col0=1)
     z = torch.randn(len(g), 6, requires_grad=True)
@@ -440,10 +444,13 @@ HEAD_VARIANTS = [
     ("cnn", {"width": 8, "dropout": 0.0, "norm": "none", "partial": False, "pool": "max"}),
     ("transformer", {"dim": 16, "dropout": 0.0}),
 ]
+#: The paper's head is not mask-aware (plain convolutions and BatchNorm over every cell, as on
+#: whole images): background cells are zero in its Z, tested in test_paper_cnn_head_by_hand.
+UNMASKED_HEADS = ["cnn_paper"]
 
 
 def test_head_variants_cover_the_registry():
-    assert sorted({name for name, _ in HEAD_VARIANTS}) == HEADS.names()
+    assert sorted({name for name, _ in HEAD_VARIANTS} | set(UNMASKED_HEADS)) == HEADS.names()
 
 
 @pytest.mark.parametrize(("name", "opts"), HEAD_VARIANTS)
@@ -464,7 +471,7 @@ def test_masked_cells_do_not_influence_heads(name, opts, train):
 @pytest.mark.parametrize("name", HEADS.names())
 def test_attention_is_gradient_times_activation(name):
     torch.manual_seed(2)
-    opts = {"width": 8} if name == "cnn" else {"dim": 16}
+    opts = {"dim": 16} if name == "transformer" else {"width": 8}
     head = build_head(name, 6, 2, max_grid=3, **opts).eval()
     g = block_grid(5, 4, drop=3)
     z = torch.randn(len(g), 6)

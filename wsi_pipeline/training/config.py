@@ -47,6 +47,8 @@ from typing import Any, Literal
 
 import yaml
 
+from wsi_pipeline.training.patchgd_presets import apply_patchgd_preset
+
 __all__ = [
     "AggregatorConfig",
     "AugmentConfig",
@@ -402,7 +404,9 @@ class MethodConfig:
         aggregator entry when it names a PatchGD head (``cnn``, ``transformer``).
     chunk_size : tiles per encoder call (accumulation chunks, and embedding for validation).
     bigl : Big-Layers settings (``bigl`` strategy).
-    patchgd : free-form options passed to the PatchGD strategy.
+    patchgd : options of the PatchGD strategy (:class:`wsi_pipeline.training.patchgd.PatchGDConfig`);
+        ``preset: paper`` fills in the PatchGD paper's settings here and in ``encoder``,
+        ``aggregator`` and ``train`` (:mod:`wsi_pipeline.training.patchgd_presets`).
     features_dir : feature files of a ``frozen`` method (default ``<data.features_dir>/<encoder>``).
     train : the pipeline's ``train`` section with this method's overrides applied.
     """
@@ -661,7 +665,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
         if not isinstance(m, Mapping):
             raise TypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {m!r}")
         where = f"methods.{m['name']}" if "name" in m else f"methods[{i}]"
-        m = dict(m)
+        m = apply_patchgd_preset(m, where)  # `patchgd: {preset: paper}` fills in the paper's settings
         over = m.get("train") or {}
         if not isinstance(over, Mapping):
             raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {over!r}")
