@@ -69,8 +69,8 @@ running statistics in both the fill and the live passes (their affine parameters
 train), so the encoder is one fixed function per step and a live tile's embedding equals its
 cached one bit for bit; this is what makes the gradients above exact. ``freeze_bn: false``
 (``bn: train``, the paper's) runs the encoder in train mode throughout, as the reference does:
-the fill embeds each slide's tiles in random groups of k (the batch's groups in one call) with
-batch statistics, the live tiles of an iteration are normalised with their own batch
+the fill embeds each slide's tiles in random groups of at most k (the batch's g-th groups in one
+call) with batch statistics, the live tiles of an iteration are normalised with their own batch
 statistics, and the running statistics are updated by every such call. Not exact.
 """
 
@@ -414,18 +414,21 @@ class PatchGDStrategy:
         """Each slide's tile embeddings [n, D] without gradient (Z-filling).
 
         Frozen BatchNorm: :func:`embed_store` (eval mode). Train-mode BatchNorm (the paper's):
-        the encoder in its current mode, each slide's tiles in random groups of its k, the
-        batch's g-th groups embedded together, as the reference fills Z from its patch sampler.
+        the encoder in train mode, each slide's tiles split at random into G nearly equal groups
+        (G = the most of ``ceil(n / k)`` over the batch, so at most k tiles a group), the batch's
+        g-th groups embedded together, as the reference fills Z from its patch sampler.
         """
         if self.cfg.freeze_bn or not self.encoder.training:
             return [self._embed_all(store) for store in stores]
         device, dtype = self.device, next(self.head.parameters()).dtype
-        perms = [torch.randperm(len(store), generator=generator) for store in stores]
-        out: list[Tensor | None] = [None] * len(stores)
         n_groups = max(math.ceil(len(store) / k) for store, k in zip(stores, ks))
+        # every slide in n_groups nearly equal groups (at most k tiles each), so no call of the
+        # batch holds a lone leftover tile of one slide
+        groups = [torch.randperm(len(store), generator=generator).tensor_split(n_groups) for store in stores]
+        out: list[Tensor | None] = [None] * len(stores)
         with _modes(self.encoder, train=True, freeze_bn=False), torch.no_grad():
             for g in range(n_groups):
-                parts = [(b, perms[b][g * k : (g + 1) * k]) for b, k in enumerate(ks) if g * k < len(stores[b])]
+                parts = [(b, groups[b][g]) for b in range(len(stores)) if len(groups[b][g])]
                 x = torch.cat([tiles_to_tensor(stores[b].read(idx.numpy()), device=device) for b, idx in parts])
                 emb = self.encoder(x).to(dtype)
                 for (b, idx), e in zip(parts, emb.split([len(idx) for _, idx in parts])):
