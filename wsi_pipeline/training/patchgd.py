@@ -54,12 +54,15 @@ gradient (plain autograd), for head and encoder alike, **exactly when** all of t
 ``backbone_scale: full``; one window (epsilon = zeta); ``k`` divides ``n`` and zeta = n / k,
 so one pass makes every tile live exactly once; the encoder is one fixed function (frozen
 BatchNorm, no dropout); and the head is deterministic (no dropout: each inner iteration draws
-its own dropout masks, so the mean of the iterations' losses is not the all-tiles loss). It is
-not exact otherwise: when k does not divide n the last iteration wraps into the next pass and
-some tiles are live twice (measured on a 13-tile slide with k = 4, zeta = 4: 0.51 relative
-error of the encoder gradient, float64); with head dropout 0.2 on an otherwise exact setting,
-2.1 (tests/test_patchgd.py checks both statements). With ``paper`` scale the encoder gets
-1/epsilon of the exact gradient in the exact case. (With Adam the scale hardly matters, being
+its own dropout masks, so the mean of the iterations' losses is not the all-tiles loss). The
+head's part alone needs only the one window and no head dropout (its input Z is the same in
+every iteration). It is not exact otherwise: when k does not divide n the last iteration wraps
+into the next pass and some tiles are live twice while the n / k scale assumes once. Relative
+error of the encoder gradient against all-tiles autograd, float64 (``tests/test_patchgd.py``,
+which checks the exact case to 1e-10 and both inexact ones to differ): 13-tile slide, k = 4,
+zeta = 4: 0.59 (the audit of issue 15 measured 0.51 on another model); 12 tiles, k = 4 (exact
+without dropout: 7e-16) with head dropout 0.2: 1.5 (audit: 2.1). With ``paper`` scale the
+encoder gets 1/epsilon of the exact gradient in the exact case. (With Adam the scale hardly matters, being
 per-parameter; it matters for SGD, coupled weight decay and gradient-norm clipping.)
 
 BatchNorm in the encoder (``freeze_bn``, from ``encoder.bn``)
