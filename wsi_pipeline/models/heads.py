@@ -1,7 +1,9 @@
 """PatchGD heads: networks over a slide's latent grid Z instead of a bag of instances.
 
 A PatchGD head sees the tile embeddings laid out on the slide's tile grid, so it keeps the
-spatial context that attention pooling throws away. Every head takes the per-tile embeddings
+spatial context that attention pooling throws away. Heads: ``cnn`` (the paper's CNN head made
+mask-aware and size-agnostic; the default), ``cnn_paper`` (the paper's as published: fixed-size
+Z, flatten + Linear) and ``transformer``. Every head takes the per-tile embeddings
 and the store's grid, ``forward(z [n, D], grid [n, 2] (col, row)) -> MILOutput``, and builds Z
 itself (:func:`grid_layout`, :func:`tiles_to_z`); :class:`wsi_pipeline.training.patchgd.PatchGDStrategy`
 passes a precomputed layout so the grid is laid out once per slide.
@@ -338,7 +340,8 @@ class CNNHead(GridHead):
     - ``norm``: ``batch`` is the paper's BatchNorm (masked). The paper's batches hold several
       images; a PatchGD step here sees one slide, so batch statistics are those of one
       slide's cells (an instance norm in training, running statistics in evaluation), which
-      generalised poorly in our synthetic experiments. ``layer`` (LayerNorm per cell) and
+      generalised poorly in our synthetic experiments. (``patchgd.slides_per_batch`` gives a
+      step several slides; ``cnn_paper``, :class:`PaperCNNHead`, is the head as published.) ``layer`` (LayerNorm per cell) and
       ``none`` are offered. On small cohorts every CNN-head variant we tried memorised the
       training slides; the transformer head generalised far better (see the README section).
 
