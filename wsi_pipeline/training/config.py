@@ -344,8 +344,9 @@ class EncoderConfig:
     """Tile encoder: a name from ``wsi_pipeline.models.ENCODERS``, optional weights file, BatchNorm mode.
 
     ``bn``: ``frozen`` (running statistics, exact for every strategy), ``chunk`` (batch
-    statistics per chunk, ``accumulate`` only) or ``train`` (batch statistics of the whole bag;
-    ``full`` and ``bigl``).
+    statistics per chunk, ``accumulate`` only; the ABMIL-ACC paper's setting, not exact: each
+    chunk is normalised by its own statistics, not the bag's) or ``train`` (batch statistics of
+    the whole bag; ``full`` and ``bigl``; ``patchgd``: train mode throughout, the PatchGD paper's).
 
     ``calibrate_bn``: before training, re-estimate the BatchNorm running statistics on this many
     randomly drawn training tiles (0: off). Meant for an encoder without pretrained weights
