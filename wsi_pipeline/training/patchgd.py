@@ -62,8 +62,10 @@ error of the encoder gradient against all-tiles autograd, float64 (``tests/test_
 which checks the exact case to 1e-10 and both inexact ones to differ): 13-tile slide, k = 4,
 zeta = 4: 0.59 (the audit of issue 15 measured 0.51 on another model); 12 tiles, k = 4 (exact
 without dropout: 7e-16) with head dropout 0.2: 1.5 (audit: 2.1). With ``paper`` scale the
-encoder gets 1/epsilon of the exact gradient in the exact case. (With Adam the scale hardly matters, being
-per-parameter; it matters for SGD, coupled weight decay and gradient-norm clipping.)
+encoder gets 1/epsilon of the exact gradient in the exact case. (With Adam the scale hardly
+matters, being per-parameter; it matters for SGD, coupled weight decay and gradient-norm
+clipping.) A batch of slides is exact under the same conditions for every slide with one
+common zeta: the gradient of the batch's mean loss (tested with the ``cnn_paper`` head).
 
 BatchNorm in the encoder (``freeze_bn``, from ``encoder.bn``)
 -------------------------------------------------------------
