@@ -344,7 +344,7 @@ class EncoderConfig:
     """Tile encoder: a name from ``wsi_pipeline.models.ENCODERS``, optional weights file, BatchNorm mode.
 
     ``bn``: ``frozen`` (running statistics, exact for every strategy), ``chunk`` (batch
-    statistics per chunk, ``accumulate`` only; the ABMIL-ACC paper's setting, not exact: each
+    statistics per chunk, ``accumulate`` only; the ABMIL-ACC paper's setting, "the paper's, not exact": each
     chunk is normalised by its own statistics, not the bag's) or ``train`` (batch statistics of
     the whole bag; ``full`` and ``bigl``; ``patchgd``: train mode throughout, the PatchGD paper's).
 

@@ -15,9 +15,10 @@ loop zeroes gradients, clips and steps the optimiser. A strategy with ``steps_op
 (PatchGD) instead receives an ``optimizer_step`` callback and calls it itself.
 
 BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exact in every
-strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``; the ABMIL-ACC
-paper's setting, the paper's, not exact), which for ``full`` and ``bigl`` is the whole bag; ``train`` is batch statistics of the whole bag
-(``full``, ``bigl``; rejected by ``accumulate``, where it could not be exact).
+strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``: the ABMIL-ACC
+paper's setting, "the paper's, not exact"), which for ``full`` and ``bigl`` is the whole bag;
+``train`` is batch statistics of the whole bag (``full``, ``bigl``; rejected by ``accumulate``,
+where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's).
 
 Building blocks are imported when a strategy is built, so a strategy whose block is missing
 fails with a message naming it (:func:`check_strategy`), never by silently falling back.
