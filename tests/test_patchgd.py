@@ -792,3 +792,44 @@ def test_paper_preset_trains_through_the_loop(tmp_path, store_cohort):
     saved = load_config(tmp_path / "runs" / "pp" / "paper" / "seed0" / "config.yaml").methods[0]
     assert (saved.train.schedule, saved.train.min_lr, saved.encoder.bn) == ("linear", 5e-4, "train")
     assert np.isfinite(hist["train_loss"]).all() and np.isfinite(hist["val_loss"]).all()
+
+
+def test_batch_with_different_k_scales_each_slides_live_rows_by_its_own_n_over_k(tmp_path):
+    """n = 8 and 5 at fraction 0.5: k = 4 and 3, zeta = 2, scales 2 and 5/3; against plain autograd of the mean loss
+    over the inner iterations, the live rows' gradient scaled by hand (value unchanged: e.detach() + s (e - e.detach()))."""
+    grids = [block_grid(2, 4), block_grid(1, 5, row0=2, seed=1)]
+    stores = [make_store(tmp_path / f"s{i}.zarr", g, seed=i) for i, g in enumerate(grids)]
+    labels = [0, 1]
+    enc = TinyEncoder(12).double()
+    torch.manual_seed(0)
+    head = build_head("cnn_paper", 12, 2, width=8, dropout=0.0, max_grid=5).double()
+    init = {k: v.clone() for k, v in head.state_dict().items()}
+    enc.train()
+    head.train()
+    strat = PatchGDStrategy({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)
+    steps: list[list[torch.Tensor]] = []
+    strat.batch_step(stores, labels, lambda: steps.append(grads([enc, head])), torch.Generator().manual_seed(3))
+    plans = strat.last_plans
+    assert [len(p) for p in plans] == [2, 2] and [len(p[0]) for p in plans] == [4, 3]
+
+    enc2 = TinyEncoder(12).double().eval()
+    head2 = build_head("cnn_paper", 12, 2, width=8, dropout=0.0, max_grid=5).double().train()
+    head2.load_state_dict(init)
+    embs = [enc2(tiles_to_tensor(st.read())) for st in stores]
+    scales = [8 / 4, 5 / 3]
+    losses = []
+    for j in range(2):
+        zs = []
+        for b, (st, g, e) in enumerate(zip(stores, grids, embs)):
+            live = torch.zeros(len(e), 1, dtype=torch.bool)
+            live[plans[b][j]] = True
+            mixed = torch.where(live, e.detach() + scales[b] * (e - e.detach()), e.detach())
+            z = torch.zeros(12, 5, 5, dtype=torch.float64)
+            for i, (col, row) in enumerate(st.grid):
+                z[:, row - g[:, 1].min(), col - g[:, 0].min()] = mixed[i]
+            zs.append(z)
+        logits = head2.forward_z(torch.stack(zs), torch.ones(2, 5, 5, dtype=torch.bool))
+        losses.append(F.cross_entropy(logits, torch.tensor(labels)))
+    params = [p for m in (enc2, head2) for p in m.parameters()]
+    ref = torch.autograd.grad(torch.stack(losses).mean(), params)
+    assert rel_err(steps[0], ref) < EXACT_BOUND

@@ -494,13 +494,13 @@ class PatchGDStrategy:
         self.last_plans = plans
         device = self.device
         target = torch.tensor(ys, device=device)
+        caches = self._fill(stores, ks, generator)
         scales = [n / k if cfg.backbone_scale == "full" else 1.0 for n, k in zip(ns, ks)]
         if len(set(scales)) == 1:
             scale: float | Tensor = scales[0]
-        else:
-            scale = torch.repeat_interleave(torch.tensor(scales), torch.tensor(ks)).to(device)[:, None]
-
-        caches = self._fill(stores, ks, generator)
+        else:  # one n/k per live row
+            per_row = torch.repeat_interleave(torch.tensor(scales, dtype=torch.float64), torch.tensor(ks))
+            scale = per_row.to(device=device, dtype=caches[0].dtype)[:, None]
         layouts = [self.head.layout(store.grid).to(device) for store in stores]
         log.debug(
             "patchgd batch of %d: n=%s tiles, Z %s, k=%s, zeta=%d, windows=%s",
