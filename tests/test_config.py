@@ -92,7 +92,7 @@ def test_unknown_keys_are_named_with_section_and_valid_keys(tmp_path, raw, match
         ({"lr": "fast"}, TypeError, r"train.lr: expected float, got str 'fast'"),
         ({"bf16": "yes"}, TypeError, r"train.bf16: expected bool"),
         ({"clip_grad_norm": [1]}, TypeError, r"train.clip_grad_norm: expected float or null"),
-        ({"schedule": "linear"}, ValueError, r"train.schedule='linear'; expected one of 'cosine', 'exponential', 'none'"),
+        ({"schedule": "step"}, ValueError, r"train.schedule='step'; expected one of 'cosine', 'exponential', 'linear', 'none'"),
         ({"augment": {"blur_sigma": [1.0]}}, TypeError, r"train.augment.blur_sigma: expected list of 2 values"),
         ({"demon": 3}, TypeError, r"train.demon must be true, false or a mapping"),
         ({"bag_size": 0}, ValueError, r"train.bag_size=0; expected a value > 0"),

@@ -130,6 +130,18 @@ def test_exponential_schedule_matches_torch():
     assert lr_at_epoch(44, t) == pytest.approx(1e-4 * 0.955**44)
 
 
+def test_linear_schedule_matches_torch_after_the_papers_warmup():
+    """PatchGD paper: 2 warm-up epochs, then linear decay to half the peak (torch's LinearLR from 1 to 1/2)."""
+    epochs, lr, w = 12, 1e-3, 2
+    t = TrainConfig(epochs=epochs, lr=lr, schedule="linear", warmup_epochs=w, min_lr=lr / 2)
+    ref = _torch_lrs(lambda o: torch.optim.lr_scheduler.LinearLR(o, 1.0, 0.5, total_iters=epochs - w), epochs - w, lr)
+    lrs = [lr_at_epoch(e, t) for e in range(epochs)]
+    assert lrs[:w] == pytest.approx([lr / 3, 2 * lr / 3], rel=1e-12)  # warm-up by hand: lr (e + 1) / (w + 1)
+    assert lrs[w:] == pytest.approx(ref, rel=1e-9)
+    # one more epoch of the same decay would reach min_lr exactly
+    assert lrs[-1] - (lrs[-2] - lrs[-1]) == pytest.approx(lr / 2, rel=1e-9)
+
+
 def test_warmup_then_cosine_by_hand_and_constant_schedule():
     t = TrainConfig(epochs=6, lr=1.0, schedule="cosine", warmup_epochs=2)
     lrs = [lr_at_epoch(e, t) for e in range(6)]

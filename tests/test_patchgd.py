@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.models.heads import HEADS, CNNHead, build_head, grid_layout, tiles_to_z
+from wsi_pipeline.models.heads import HEADS, CNNHead, PaperCNNHead, build_head, grid_layout, tiles_to_z
 from wsi_pipeline.tiling.store import StoreWriter, open_store
 from wsi_pipeline.training.patchgd import (
     PatchGDConfig,
@@ -421,7 +421,11 @@ def test_saved_activations_bounded_by_k_tiles_not_slide_size(tmp_path):
 @pytest.mark.parametrize(("rows", "cols", "cap"), [(1, 1, None), (1, 9, None), (6, 2, None), (5, 7, None), (40, 3, 8)])
 def test_heads_take_any_grid_size(name, rows, cols, cap):
     torch.manual_seed(0)
-    opts = {"width": 8} if name == "cnn" else {"dim": 16}
+    opts = {"dim": 16} if name == "transformer" else {"width": 8}
+    if name == "cnn_paper":
+        # its Z has a fixed side (grids up to it are padded, larger ones pooled); at least 9 cells,
+        # so that its last BatchNorm sees more than one value of a single slide in training mode
+        cap = max(cap or 9, 9)
     head = build_head(name, 6, 3, max_grid=cap, proj_dim=4, **opts)
     g = block_grid(rows, cols, row0=2, col0=1)
     z = torch.randn(len(g), 6, requires_grad=True)
@@ -440,10 +444,13 @@ HEAD_VARIANTS = [
     ("cnn", {"width": 8, "dropout": 0.0, "norm": "none", "partial": False, "pool": "max"}),
     ("transformer", {"dim": 16, "dropout": 0.0}),
 ]
+#: The paper's head is not mask-aware (plain convolutions and BatchNorm over every cell, as on
+#: whole images): background cells are zero in its Z, tested in test_paper_cnn_head_by_hand.
+UNMASKED_HEADS = ["cnn_paper"]
 
 
 def test_head_variants_cover_the_registry():
-    assert sorted({name for name, _ in HEAD_VARIANTS}) == HEADS.names()
+    assert sorted({name for name, _ in HEAD_VARIANTS} | set(UNMASKED_HEADS)) == HEADS.names()
 
 
 @pytest.mark.parametrize(("name", "opts"), HEAD_VARIANTS)
@@ -464,7 +471,7 @@ def test_masked_cells_do_not_influence_heads(name, opts, train):
 @pytest.mark.parametrize("name", HEADS.names())
 def test_attention_is_gradient_times_activation(name):
     torch.manual_seed(2)
-    opts = {"width": 8} if name == "cnn" else {"dim": 16}
+    opts = {"dim": 16} if name == "transformer" else {"width": 8}
     head = build_head(name, 6, 2, max_grid=3, **opts).eval()
     g = block_grid(5, 4, drop=3)
     z = torch.randn(len(g), 6)
@@ -539,3 +546,290 @@ def test_patchgd_learns_planted_lesions(tmp_path):
     auc = roc_auc_score(val.label.astype(int), probs)
     assert auc >= 0.85, f"validation AUC {auc:.3f} after {time.perf_counter() - t0:.1f} s"
     assert float((flat_params([enc]) - enc_before).abs().max()) > 1e-5, "the encoder did not change"
+
+
+# ----------------------------------------------------------------------------------------------
+# exactness: when the step's gradient is the all-tiles gradient, and when it is not
+# ----------------------------------------------------------------------------------------------
+
+
+def all_tiles_grads(store, enc, head, label=1):
+    """Plain autograd: the slide's loss with every tile embedded with gradient (frozen encoder BatchNorm)."""
+    enc.eval()
+    emb = enc(tiles_to_tensor(store.read()))
+    loss = F.cross_entropy(head(emb, store.grid).logits[None], torch.tensor([label]))
+    params = [p for m in (enc, head) for p in m.parameters()]
+    return [g if g is not None else torch.zeros_like(p) for g, p in zip(torch.autograd.grad(loss, params, allow_unused=True), params)]
+
+
+def rel_err(got, ref) -> float:
+    a = torch.cat([g.reshape(-1) for g in got])
+    b = torch.cat([g.reshape(-1) for g in ref])
+    return float((a - b).norm() / b.norm())
+
+
+# float64 throughout: both sides compute the same sums in different orders, a few thousand
+# operations per gradient entry at unit round-off 1.1e-16, so an exact method stays far below
+# 1e-10; an inexact one is off by far more than 1e-3.
+EXACT_BOUND, INEXACT_BOUND = 1e-10, 1e-3
+
+
+@pytest.mark.parametrize(
+    ("rows", "cols", "k", "dropout", "exact"),
+    [
+        (3, 4, 4, 0.0, True),    # n = 12, k = 4 divides it: one pass, every tile live once
+        (1, 13, 4, 0.0, False),  # n = 13, k = 4: zeta = 4, the last iteration wraps, 3 tiles live twice
+        (3, 4, 4, 0.2, False),   # exact setting but head dropout 0.2: a fresh mask per inner iteration
+    ],
+)
+def test_step_gradient_equals_all_tiles_autograd_exactly_when_k_divides_n_without_dropout(tmp_path, rows, cols, k, dropout, exact):
+    store = make_store(tmp_path / "s.zarr", block_grid(rows, cols))
+    enc, head = models(dropout=dropout)
+    enc.train()
+    head.train()
+    torch.manual_seed(5)  # the first inner iteration draws the reference's dropout mask
+    strat, steps, _ = run_bag(store, enc, head, k=k)  # defaults: backbone_scale full, epsilon = zeta
+    assert len(steps) == 1
+    enc2, head2 = models(dropout=dropout)
+    head2.load_state_dict(head.state_dict())
+    head2.train()
+    torch.manual_seed(5)
+    ref = all_tiles_grads(store, enc2, head2)
+    (got_enc, got_head), (ref_enc, ref_head) = split(steps[0], enc), split(ref, enc2)
+    err_enc, err_head = rel_err(got_enc, ref_enc), rel_err(got_head, ref_head)
+    if exact:
+        assert err_enc < EXACT_BOUND and err_head < EXACT_BOUND
+    else:
+        assert err_enc > INEXACT_BOUND, f"encoder gradient unexpectedly exact ({err_enc:.2e})"
+
+
+def test_batch_of_slides_gives_the_batch_mean_loss_gradient_with_the_paper_head(tmp_path):
+    """Two slides per inner loop, the paper's head (BatchNorm over the batch): against plain autograd on a Z built by hand."""
+    grids = [block_grid(2, 4, row0=3, col0=1), block_grid(3, 2, row0=0, col0=5, seed=1)]  # n = 8 and 6
+    stores = [make_store(tmp_path / f"s{i}.zarr", g, seed=i) for i, g in enumerate(grids)]
+    labels = [1, 0]
+    enc = TinyEncoder(12).double()
+    torch.manual_seed(0)
+    head = build_head("cnn_paper", 12, 2, width=8, dropout=0.0, max_grid=5).double()
+    init = {k: v.clone() for k, v in head.state_dict().items()}
+    enc.train()
+    head.train()
+    strat = PatchGDStrategy({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)  # k = 4 and 3, zeta = 2
+    steps: list[list[torch.Tensor]] = []
+    strat.batch_step(stores, labels, lambda: steps.append(grads([enc, head])), torch.Generator().manual_seed(0))
+    assert len(steps) == 1 and [len(p) for p in strat.last_plans] == [2, 2]
+
+    enc2 = TinyEncoder(12).double().eval()
+    head2 = build_head("cnn_paper", 12, 2, width=8, dropout=0.0, max_grid=5).double().train()
+    head2.load_state_dict(init)
+    zs = []
+    for store, g in zip(stores, grids):
+        emb = enc2(tiles_to_tensor(store.read()))
+        z = torch.zeros(12, 5, 5, dtype=torch.float64)
+        for i, (col, row) in enumerate(store.grid):  # spatial layout from the tissue bounding box
+            z[:, row - g[:, 1].min(), col - g[:, 0].min()] = emb[i]
+        zs.append(z)
+    logits = head2.forward_z(torch.stack(zs), torch.ones(2, 5, 5, dtype=torch.bool))
+    loss = F.cross_entropy(logits, torch.tensor(labels))  # the batch mean, as the reference's criterion
+    params = [p for m in (enc2, head2) for p in m.parameters()]
+    ref = torch.autograd.grad(loss, params)
+    assert rel_err(steps[0], ref) < EXACT_BOUND
+
+
+def test_paper_head_by_hand():
+    """cnn_paper: Z padded to max_grid, Conv3x3 -> ReLU -> BatchNorm -> Dropout2d blocks (stride 1, 2, 2, 2), flatten, Linear."""
+    torch.manual_seed(3)
+    head = build_head("cnn_paper", 6, 3, max_grid=11).double().eval()
+    assert isinstance(head, PaperCNNHead) and head.strides == [1, 2, 2, 2]
+    convs = [m for m in head.modules() if isinstance(m, nn.Conv2d)]
+    assert all(c.out_channels == 256 and c.kernel_size == (3, 3) for c in convs)
+    assert [m.p for m in head.modules() if isinstance(m, nn.Dropout2d)] == [0.2] * 4
+    assert head.fc.in_features == 256 * 2 * 2  # 11 -> 11 -> 6 -> 3 -> 2 cells
+    for m in head.modules():  # running statistics that are not the identity
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-1, 1)
+            m.running_var.uniform_(0.5, 2)
+    g = block_grid(4, 7, row0=2, col0=3, drop=5)
+    z = torch.randn(len(g), 6, dtype=torch.float64)
+    x = torch.zeros(1, 6, 11, 11, dtype=torch.float64)
+    for i, (col, row) in enumerate(g):
+        x[0, :, row - 2, col - 3] = z[i]
+    for conv, bn in zip(convs, [m for m in head.modules() if isinstance(m, nn.BatchNorm2d)]):
+        x = torch.relu(F.conv2d(x, conv.weight, conv.bias, conv.stride, 1))
+        x = (x - bn.running_mean[:, None, None]) / torch.sqrt(bn.running_var[:, None, None] + bn.eps)
+        x = x * bn.weight[:, None, None] + bn.bias[:, None, None]
+    expect = head.fc.weight @ x.reshape(-1) + head.fc.bias
+    torch.testing.assert_close(head(z, g).logits, expect, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="max_grid must be a number of cells"):
+        build_head("cnn_paper", 6, 3, max_grid=None)
+
+
+def test_paper_windows_drop_the_trailing_partial_window(tmp_path):
+    assert accumulation_windows(5, 2, "drop") == [2, 2] and accumulation_windows(5, 2) == [2, 2, 1]
+    with pytest.raises(ValueError, match="epsilon=4 exceeds zeta=3"):
+        accumulation_windows(3, 4, "drop")
+    store = make_store(tmp_path / "s.zarr", block_grid(3, 4))
+    enc, head = models(dtype=torch.float32)
+    live = []
+    enc.register_forward_hook(lambda m, i, o: live.append(len(i[0])) if torch.is_grad_enabled() else None)
+    strat, steps, _ = run_bag(store, enc, head, k=2, zeta=5, epsilon=2, partial_window="drop")
+    assert len(steps) == 2 and live == [2] * 4 and len(strat.last_plan) == 4
+
+
+def test_train_mode_fill_embeds_random_k_groups_of_the_batch_together(tmp_path):
+    """freeze_bn false (the paper's): Z filled in train mode, the g-th group of k tiles of every slide in one call."""
+    import copy
+
+    stores = [make_store(tmp_path / "a.zarr", block_grid(2, 3)), make_store(tmp_path / "b.zarr", block_grid(1, 5), seed=1)]
+    enc, head = models()
+    ref = copy.deepcopy(enc).train()
+    enc.train()
+    strat = PatchGDStrategy({"patchgd": {"k": 2, "freeze_bn": False, "slides_per_batch": 2}}, enc, head, 2)
+    caches = strat._fill(stores, [2, 2], torch.Generator().manual_seed(7))
+    gen = torch.Generator().manual_seed(7)
+    perms = [torch.randperm(6, generator=gen), torch.randperm(5, generator=gen)]
+    expect = [torch.zeros(6, 12, dtype=torch.float64), torch.zeros(5, 12, dtype=torch.float64)]
+    sizes = [[2, 2, 2], [2, 2, 1]]  # 3 groups (ceil(6 / 2)), nearly equal
+    with torch.no_grad():
+        for g in range(3):
+            groups = [(b, perms[b][sum(sizes[b][:g]) : sum(sizes[b][: g + 1])]) for b in range(2)]
+            out = ref(torch.cat([tiles_to_tensor(stores[b].read(idx.numpy())) for b, idx in groups]))
+            for (b, idx), e in zip(groups, out.split([len(i) for _, i in groups])):
+                expect[b][idx] = e
+    for got, exp in zip(caches, expect):
+        torch.testing.assert_close(got, exp, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(enc.net[1].running_mean, ref.net[1].running_mean)  # updated by each call, as the reference
+
+
+# ----------------------------------------------------------------------------------------------
+# preset: paper
+# ----------------------------------------------------------------------------------------------
+
+
+def _raw_pipeline(methods):
+    return {"name": "p", "data": {"manifest": "m.csv", "tiles_dir": "t", "n_classes": 6},
+            "train": {"lr": 1e-4, "epochs": 10, "weight_decay": 1e-4, "schedule": "cosine"}, "methods": methods}
+
+
+def test_paper_preset_fills_in_the_papers_settings_and_explicit_keys_win():
+    from wsi_pipeline.training.config import config_from_dict, config_to_dict
+    from wsi_pipeline.training.strategies import patchgd_method
+
+    cfg = config_from_dict(_raw_pipeline([
+        {"name": "paper", "strategy": "patchgd", "patchgd": {"preset": "paper"}},
+        {"name": "mine", "strategy": "patchgd", "encoder": {"bn": "frozen"}, "aggregator": {"name": "transformer"},
+         "patchgd": {"preset": "paper", "fraction": 0.25}, "train": {"lr": 5e-4}},
+        {"name": "plain", "strategy": "patchgd", "aggregator": {"name": "transformer"}},
+    ]))
+    paper, mine, plain = cfg.methods
+    assert (paper.encoder.bn, paper.aggregator.name) == ("train", "cnn_paper")
+    t = paper.train
+    assert (t.schedule, t.warmup_epochs, t.lr, t.min_lr, t.weight_decay, t.epochs) == ("linear", 2, 1e-3, 5e-4, 0.0, 10)
+    strat = PatchGDStrategy(patchgd_method(paper), TinyEncoder(12), None, 6)
+    c = strat.cfg
+    assert (c.backbone_scale, c.freeze_bn, c.slides_per_batch, c.fraction, c.epsilon, c.partial_window) == (
+        "paper", False, 14, 0.1, None, "drop")
+    assert isinstance(strat.head, PaperCNNHead) and strat.head.grid_side == 128
+    # the method's own keys win over the preset's; the rest still comes from the preset
+    assert (mine.encoder.bn, mine.aggregator.name, mine.patchgd["fraction"]) == ("frozen", "transformer", 0.25)
+    assert (mine.train.lr, mine.train.min_lr, mine.train.schedule, mine.patchgd["backbone_scale"]) == (5e-4, 2.5e-4, "linear", "paper")
+    assert PatchGDStrategy(patchgd_method(mine), TinyEncoder(12), None, 6).cfg.freeze_bn is True
+    # no preset: nothing changes
+    assert (plain.train.lr, plain.train.schedule, plain.encoder.bn, plain.patchgd) == (1e-4, "cosine", "frozen", {})
+    assert PatchGDConfig.from_mapping({}).slides_per_batch == 1
+    # the saved config (all values resolved) loads back to the same config
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ValueError, match=r"methods.paper.patchgd.preset='papr'; expected one of \['default', 'paper'\]"):
+        config_from_dict(_raw_pipeline([{"name": "paper", "strategy": "patchgd", "patchgd": {"preset": "papr"}}]))
+    with pytest.raises(ValueError, match="applies to strategy 'patchgd'; got strategy 'accumulate'"):
+        config_from_dict(_raw_pipeline([{"name": "a", "strategy": "accumulate", "patchgd": {"preset": "paper"}}]))
+    with pytest.raises(ValueError, match="patchgd.partial_window='keep'"):
+        PatchGDConfig.from_mapping({"partial_window": "keep"})
+
+
+@pytest.mark.slow
+def test_paper_preset_trains_through_the_loop(tmp_path, store_cohort):
+    """preset: paper end to end (small head and grid for speed): batches of slides, linear schedule after warm-up."""
+    import pandas as pd
+
+    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.training.loop import train_pipeline
+
+    root = store_cohort.parent
+    raw = {
+        "name": "pp", "seeds": [0], "runs_dir": str(tmp_path / "runs"),
+        "data": {"manifest": str(store_cohort), "tiles_dir": str(root / "tiles"), "n_classes": 2, "tiling": {"tile_size": 32}},
+        "train": {"epochs": 3},
+        "methods": [{
+            "name": "paper", "strategy": "patchgd", "chunk_size": 16,
+            "aggregator": {"name": "cnn_paper", "options": {"width": 8}},
+            "patchgd": {"preset": "paper", "max_grid": 9, "slides_per_batch": 4, "fraction": 0.5},  # zeta = 2 for speed
+        }],
+    }
+    import yaml
+
+    path = tmp_path / "pp.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_config(path)
+    calls: list[int] = []
+    from wsi_pipeline.training import strategies
+
+    orig = strategies.PatchGDAdapter.run_batch
+
+    def spy(self, stores, labels, step, gen):
+        calls.append(len(stores))
+        return orig(self, stores, labels, step, gen)
+
+    strategies.PatchGDAdapter.run_batch = spy
+    try:
+        train_pipeline(cfg, progress=False)
+    finally:
+        strategies.PatchGDAdapter.run_batch = orig
+    assert calls == [4, 2] * 3  # 6 training slides in batches of 4 per epoch
+    hist = pd.read_csv(tmp_path / "runs" / "pp" / "paper" / "seed0" / "history.csv")
+    # the preset's lr 1e-3 and warm-up: lr/3, 2 lr/3, then the linear decay starts at lr (test_optim has the decay)
+    assert hist["lr"].tolist() == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3], rel=1e-9)
+    saved = load_config(tmp_path / "runs" / "pp" / "paper" / "seed0" / "config.yaml").methods[0]
+    assert (saved.train.schedule, saved.train.min_lr, saved.encoder.bn) == ("linear", 5e-4, "train")
+    assert np.isfinite(hist["train_loss"]).all() and np.isfinite(hist["val_loss"]).all()
+
+
+def test_batch_with_different_k_scales_each_slides_live_rows_by_its_own_n_over_k(tmp_path):
+    """n = 8 and 5 at fraction 0.5: k = 4 and 3, zeta = 2, scales 2 and 5/3; against plain autograd of the mean loss
+    over the inner iterations, the live rows' gradient scaled by hand (value unchanged: e.detach() + s (e - e.detach()))."""
+    grids = [block_grid(2, 4), block_grid(1, 5, row0=2, seed=1)]
+    stores = [make_store(tmp_path / f"s{i}.zarr", g, seed=i) for i, g in enumerate(grids)]
+    labels = [0, 1]
+    enc = TinyEncoder(12).double()
+    torch.manual_seed(0)
+    head = build_head("cnn_paper", 12, 2, width=8, dropout=0.0, max_grid=5).double()
+    init = {k: v.clone() for k, v in head.state_dict().items()}
+    enc.train()
+    head.train()
+    strat = PatchGDStrategy({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)
+    steps: list[list[torch.Tensor]] = []
+    strat.batch_step(stores, labels, lambda: steps.append(grads([enc, head])), torch.Generator().manual_seed(3))
+    plans = strat.last_plans
+    assert [len(p) for p in plans] == [2, 2] and [len(p[0]) for p in plans] == [4, 3]
+
+    enc2 = TinyEncoder(12).double().eval()
+    head2 = build_head("cnn_paper", 12, 2, width=8, dropout=0.0, max_grid=5).double().train()
+    head2.load_state_dict(init)
+    embs = [enc2(tiles_to_tensor(st.read())) for st in stores]
+    scales = [8 / 4, 5 / 3]
+    losses = []
+    for j in range(2):
+        zs = []
+        for b, (st, g, e) in enumerate(zip(stores, grids, embs)):
+            live = torch.zeros(len(e), 1, dtype=torch.bool)
+            live[plans[b][j]] = True
+            mixed = torch.where(live, e.detach() + scales[b] * (e - e.detach()), e.detach())
+            z = torch.zeros(12, 5, 5, dtype=torch.float64)
+            for i, (col, row) in enumerate(st.grid):
+                z[:, row - g[:, 1].min(), col - g[:, 0].min()] = mixed[i]
+            zs.append(z)
+        logits = head2.forward_z(torch.stack(zs), torch.ones(2, 5, 5, dtype=torch.bool))
+        losses.append(F.cross_entropy(logits, torch.tensor(labels)))
+    params = [p for m in (enc2, head2) for p in m.parameters()]
+    ref = torch.autograd.grad(torch.stack(losses).mean(), params)
+    assert rel_err(steps[0], ref) < EXACT_BOUND

@@ -1,7 +1,9 @@
 """PatchGD heads: networks over a slide's latent grid Z instead of a bag of instances.
 
 A PatchGD head sees the tile embeddings laid out on the slide's tile grid, so it keeps the
-spatial context that attention pooling throws away. Every head takes the per-tile embeddings
+spatial context that attention pooling throws away. Heads: ``cnn`` (the paper's CNN head made
+mask-aware and size-agnostic; the default), ``cnn_paper`` (the paper's as published: fixed-size
+Z, flatten + Linear) and ``transformer``. Every head takes the per-tile embeddings
 and the store's grid, ``forward(z [n, D], grid [n, 2] (col, row)) -> MILOutput``, and builds Z
 itself (:func:`grid_layout`, :func:`tiles_to_z`); :class:`wsi_pipeline.training.patchgd.PatchGDStrategy`
 passes a precomputed layout so the grid is laid out once per slide.
@@ -55,6 +57,7 @@ __all__ = [
     "tiles_to_z",
     "GridHead",
     "CNNHead",
+    "PaperCNNHead",
     "TransformerHead",
     "MaskedBatchNorm2d",
 ]
@@ -224,6 +227,29 @@ class GridHead(nn.Module):
         """Logits [B, C] for Z [B, s, rows, cols] with ``mask`` [B, rows, cols] (True = tissue cell)."""
         raise NotImplementedError
 
+    def z_shape(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+        """(rows, cols) of a batch of Z blocks whose own shapes are ``shapes``: the largest of each."""
+        return max(r for r, _ in shapes), max(c for _, c in shapes)
+
+    def batch_z(self, zs: list[Tensor], layouts: list[GridLayout]) -> tuple[Tensor, Tensor]:
+        """Z of several slides as one batch: ``(Z [B, s, rows, cols], mask [B, rows, cols])``.
+
+        ``zs[b]`` are slide b's tile embeddings [n_b, D]. Each slide's Z is padded at the bottom
+        and right (zero, masked out) to :meth:`z_shape`; a single slide of that shape is not touched.
+        """
+        if len(zs) != len(layouts) or not zs:
+            raise ValueError(f"batch_z needs one layout per slide; got {len(zs)} embeddings and {len(layouts)} layouts")
+        rows, cols = self.z_shape([lay.shape for lay in layouts])
+        grids, masks = [], []
+        for z, lay in zip(zs, layouts):
+            z_grid, mask = self.to_z(z, lay)
+            pad = (0, cols - z_grid.shape[3], 0, rows - z_grid.shape[2])
+            if any(pad):
+                z_grid, mask = F.pad(z_grid, pad), F.pad(mask, pad)
+            grids.append(z_grid)
+            masks.append(mask)
+        return torch.cat(grids), torch.cat(masks)
+
     def forward(self, z: Tensor, grid: np.ndarray | Tensor | None = None, *, layout: GridLayout | None = None, **_: Any) -> MILOutput:
         """Classify one slide from its tile embeddings ``z`` [n, D] and ``grid`` [n, 2] (col, row).
 
@@ -314,7 +340,8 @@ class CNNHead(GridHead):
     - ``norm``: ``batch`` is the paper's BatchNorm (masked). The paper's batches hold several
       images; a PatchGD step here sees one slide, so batch statistics are those of one
       slide's cells (an instance norm in training, running statistics in evaluation), which
-      generalised poorly in our synthetic experiments. ``layer`` (LayerNorm per cell) and
+      generalised poorly in our synthetic experiments. (``patchgd.slides_per_batch`` gives a
+      step several slides; ``cnn_paper``, :class:`PaperCNNHead`, is the head as published.) ``layer`` (LayerNorm per cell) and
       ``none`` are offered. On small cohorts every CNN-head variant we tried memorised the
       training slides; the transformer head generalised far better (see the README section).
 
@@ -382,6 +409,83 @@ class CNNHead(GridHead):
         if self.pool in ("max", "meanmax"):
             feats.append(x.masked_fill(~valid, float("-inf")).amax((2, 3)))
         return self.fc(torch.cat(feats, 1))
+
+
+@HEADS.register("cnn_paper")
+class PaperCNNHead(GridHead):
+    """The PatchGD paper's CNN head as its reference code builds it, on a fixed-size Z.
+
+    Z is padded (bottom, right; zero) to ``max_grid x max_grid`` cells, the paper's fixed
+    m x m latent grid; then blocks of Conv3x3 -> ReLU -> BatchNorm2d -> Dropout2d(``dropout``),
+    ``width`` channels: one stride-1 conv, then ``n_strided`` stride-2 convs (padding 1, so each
+    halves the side, rounding up), then flatten and one Linear over
+    ``width * ceil(max_grid / 2^n_strided)^2`` features. Plain zero padding and plain BatchNorm
+    over every cell of the batch, background cells included: nothing is masked, as on the
+    paper's whole images. It is what ``preset: paper`` uses; on slides the default ``cnn`` head
+    (masked, size-agnostic) and the ``transformer`` head are the better choices (see
+    :class:`CNNHead`). Its BatchNorm needs several slides per training batch
+    (``patchgd.slides_per_batch``) to see batch statistics of more than one slide.
+
+    Parameters
+    ----------
+    width, n_strided, dropout : as in the paper (256, 3, 0.2).
+    proj_dim : see :class:`GridHead`.
+    max_grid : side of the fixed Z, in cells (required: a grid larger than this is pooled to it,
+        see :func:`grid_layout`).
+    """
+
+    def __init__(
+        self,
+        in_dim: int,
+        n_classes: int,
+        *,
+        width: int = 256,
+        n_strided: int = 3,
+        dropout: float = 0.2,
+        proj_dim: int | None = None,
+        max_grid: int | None = 128,
+    ) -> None:
+        if max_grid is None:
+            raise ValueError("the cnn_paper head flattens a fixed-size Z: max_grid must be a number of cells, not null")
+        super().__init__(in_dim, n_classes, proj_dim=proj_dim, max_grid=max_grid)
+        if int(n_strided) < 0 or int(width) < 1:
+            raise ValueError(f"width={width} must be >= 1 and n_strided={n_strided} >= 0")
+        self.strides = [1] + [2] * int(n_strided)
+        chans = [self.z_dim] + [int(width)] * len(self.strides)
+        self.blocks = nn.Sequential(*(
+            nn.Sequential(
+                nn.Conv2d(chans[i], chans[i + 1], 3, stride=s, padding=1), nn.ReLU(),
+                nn.BatchNorm2d(chans[i + 1]), nn.Dropout2d(float(dropout)),
+            )
+            for i, s in enumerate(self.strides)
+        ))
+        side = self.grid_side
+        for _ in range(int(n_strided)):
+            side = (side - 1) // 2 + 1
+        self.fc = nn.Linear(int(width) * side * side, n_classes)
+
+    @property
+    def grid_side(self) -> int:
+        """Side of the fixed Z in cells (``max_grid``)."""
+        if self.max_grid is None:
+            raise ValueError("the cnn_paper head needs max_grid (the side of its fixed Z)")
+        return int(self.max_grid)
+
+    def z_shape(self, shapes: list[tuple[int, int]]) -> tuple[int, int]:
+        return self.grid_side, self.grid_side
+
+    def to_z(self, z: Tensor, layout: GridLayout) -> tuple[Tensor, Tensor]:
+        z_grid, mask = super().to_z(z, layout)
+        rows, cols = layout.shape
+        pad = (0, self.grid_side - cols, 0, self.grid_side - rows)
+        if min(pad) < 0:
+            raise ValueError(f"Z of {rows} x {cols} cells exceeds the cnn_paper head's fixed {self.grid_side} x {self.grid_side}")
+        return F.pad(z_grid, pad), F.pad(mask, pad)
+
+    def forward_z(self, z_grid: Tensor, mask: Tensor) -> Tensor:
+        if tuple(z_grid.shape[2:]) != (self.grid_side, self.grid_side):
+            raise ValueError(f"the cnn_paper head takes Z of {self.grid_side} x {self.grid_side} cells; got {tuple(z_grid.shape[2:])}")
+        return self.fc(self.blocks(z_grid).flatten(1))
 
 
 def sincos_2d(rc: Tensor, dim: int) -> Tensor:

@@ -17,7 +17,10 @@ The encoder must compute the same function in passes 1 and 3:
 
 - ``bn="frozen"`` (default, exact): BatchNorm layers run in eval mode (running statistics) for
   the step and get their previous mode back afterwards.
-- ``bn="chunk"``: BatchNorm layers run in train mode with the statistics of each chunk; both
+- ``bn="chunk"`` (``encoder.bn: chunk`` in a pipeline config; the ABMIL-ACC paper's setting:
+  the paper's, not exact, as the gradient is that of a model normalising each chunk by its own
+  statistics, not the bag by the bag's): BatchNorm layers run in train mode with the
+  statistics of each chunk; both
   passes use the same chunks, so pass 3 recomputes exactly what pass 1 computed. Running
   statistics are updated ONCE per bag, with the bag-level mean and unbiased variance of each
   layer's input (merged over the chunks of pass 1), not once per chunk and pass.

@@ -47,6 +47,8 @@ from typing import Any, Literal
 
 import yaml
 
+from wsi_pipeline.training.patchgd_presets import apply_patchgd_preset
+
 __all__ = [
     "AggregatorConfig",
     "AugmentConfig",
@@ -68,7 +70,7 @@ __all__ = [
     "save_config",
 ]
 
-SCHEDULES = ("cosine", "exponential", "none")
+SCHEDULES = ("cosine", "exponential", "linear", "none")
 BN_MODES = ("frozen", "chunk", "train")
 SELECT_METRICS = ("auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -216,7 +218,8 @@ class TrainConfig:
     batch_bags, accumulate_batches : B bags per batch, S batches per optimiser step; the
         optimiser steps on the mean loss of B x S bags (bags are processed one at a time).
     schedule : ``cosine`` (annealed to ``min_lr`` over the run), ``exponential`` (lr x gamma per
-        epoch) or ``none``; ``warmup_epochs`` of linear warm-up come first.
+        epoch), ``linear`` (linear decay to ``min_lr`` over the run, the PatchGD paper's) or
+        ``none``; ``warmup_epochs`` of linear warm-up come first.
     demon : DEMON momentum decay on Adam's first moment.
     clip_grad_norm : clip the global gradient norm before each step (None: off).
     select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
@@ -233,7 +236,7 @@ class TrainConfig:
     bag_size: int = 256
     batch_bags: int = 2
     accumulate_batches: int = 1
-    schedule: Literal["cosine", "exponential", "none"] = "cosine"
+    schedule: Literal["cosine", "exponential", "linear", "none"] = "cosine"
     gamma: float = 0.955
     min_lr: float = 0.0
     warmup_epochs: int = 0
@@ -347,8 +350,9 @@ class EncoderConfig:
     """Tile encoder: a name from ``wsi_pipeline.models.ENCODERS``, optional weights file, BatchNorm mode.
 
     ``bn``: ``frozen`` (running statistics, exact for every strategy), ``chunk`` (batch
-    statistics per chunk, ``accumulate`` only) or ``train`` (batch statistics of the whole bag;
-    ``full`` and ``bigl``).
+    statistics per chunk, ``accumulate`` only; the ABMIL-ACC paper's setting, "the paper's, not exact": each
+    chunk is normalised by its own statistics, not the bag's) or ``train`` (batch statistics of
+    the whole bag; ``full`` and ``bigl``; ``patchgd``: train mode throughout, the PatchGD paper's).
 
     ``calibrate_bn``: before training, re-estimate the BatchNorm running statistics on this many
     randomly drawn training tiles (0: off). Meant for an encoder without pretrained weights
@@ -407,7 +411,9 @@ class MethodConfig:
         aggregator entry when it names a PatchGD head (``cnn``, ``transformer``).
     chunk_size : tiles per encoder call (accumulation chunks, and embedding for validation).
     bigl : Big-Layers settings (``bigl`` strategy).
-    patchgd : free-form options passed to the PatchGD strategy.
+    patchgd : options of the PatchGD strategy (:class:`wsi_pipeline.training.patchgd.PatchGDConfig`);
+        ``preset: paper`` fills in the PatchGD paper's settings here and in ``encoder``,
+        ``aggregator`` and ``train`` (:mod:`wsi_pipeline.training.patchgd_presets`).
     features_dir : feature files of a ``frozen`` method (default ``<data.features_dir>/<encoder>``).
     train : the pipeline's ``train`` section with this method's overrides applied.
     """
@@ -666,7 +672,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
         if not isinstance(m, Mapping):
             raise TypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {m!r}")
         where = f"methods.{m['name']}" if "name" in m else f"methods[{i}]"
-        m = dict(m)
+        m = apply_patchgd_preset(m, where)  # `patchgd: {preset: paper}` fills in the paper's settings
         over = m.get("train") or {}
         if not isinstance(over, Mapping):
             raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {over!r}")

@@ -434,7 +434,7 @@ def train_run(
     val_labels = [s.label for s in plan.val]
     n_tiles = reader.n_tiles()
     if strategy.steps_optimizer:
-        steps_per_epoch = sum(strategy.optimizer_steps(n) for n in n_tiles)  # type: ignore[attr-defined]
+        steps_per_epoch = strategy.epoch_steps(n_tiles)  # type: ignore[attr-defined]
     else:
         steps_per_epoch = math.ceil(len(n_tiles) / tc.bags_per_step)
     params = strategy.parameters()
@@ -530,13 +530,18 @@ def _train_epoch(
     losses: list[float] = []
     optimizer.zero_grad(set_to_none=True)
     if strategy.steps_optimizer:
-        # one slide at a time, the strategy steps the optimiser; the whole store is its input
+        # slides_per_batch slides at a time (PatchGD's batch), the strategy steps the optimiser;
+        # the whole store is its input
         plan = epoch_plan(n_tiles, bag_size=max(n_tiles), bags_per_step=1, seed=seed, epoch=epoch)
         gen = torch.Generator().manual_seed(int(np.random.SeedSequence([seed, epoch, 2]).generate_state(1)[0]))
         bags = bar(total=len(plan), desc=f"epoch {epoch + 1}", unit="slide", leave=False)
-        for (i, _), in plan:
-            losses.append(strategy.run_bag(reader.store(i), reader.slides[i].label, optimizer_step, gen))  # type: ignore[attr-defined, union-attr]
-            bags.update()
+        order = [i for (i, _), in plan]
+        per = int(getattr(strategy, "slides_per_batch", 1))
+        for a in range(0, len(order), per):
+            group = order[a : a + per]
+            losses.append(strategy.run_batch(  # type: ignore[attr-defined]
+                [reader.store(i) for i in group], [reader.slides[i].label for i in group], optimizer_step, gen))  # type: ignore[union-attr]
+            bags.update(len(group))
             bags.set_postfix(loss=f"{np.mean(losses):.4f}")
         bags.close()
         return float(np.mean(losses))

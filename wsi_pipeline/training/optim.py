@@ -1,5 +1,10 @@
 """Optimisers and learning-rate schedules: Adam (L2 weight decay), DEMON momentum decay, per-epoch schedules.
 
+Schedules (:func:`lr_at_epoch`, applied once per epoch by :class:`EpochSchedule`): ``cosine``,
+``exponential``, ``linear`` (the PatchGD paper's warm-up + linear decay: 2 warm-up epochs, then
+linearly down to ``min_lr``, half the peak in that paper) and ``none``, each after optional
+``warmup_epochs`` of linear warm-up.
+
 DEMON (Chen et al. 2022) decays Adam's first-moment coefficient from ``beta_init`` to 0 over the
 ``T`` optimiser steps of a run::
 
@@ -128,7 +133,13 @@ def lr_at_epoch(epoch: int, train: Any) -> float:
     Warm-up: ``lr (e + 1) / (w + 1)`` for the first ``w = warmup_epochs`` epochs. Then, with
     ``e' = e - w`` and ``E' = epochs - w``: cosine ``min_lr + (lr - min_lr)(1 + cos(pi e'/E'))/2``
     (``torch.optim.lr_scheduler.CosineAnnealingLR`` with ``T_max=E'``), exponential
-    ``lr gamma^e'`` (``ExponentialLR``), or constant ``lr``.
+    ``lr gamma^e'`` (``ExponentialLR``), linear ``lr - (lr - min_lr) e'/E'`` (``LinearLR`` from
+    1 to ``min_lr / lr`` over ``E'`` epochs: the PatchGD paper's decay, which with its 2 warm-up
+    epochs and ``min_lr = lr / 2`` ends at half the peak), or constant ``lr``.
+
+    The PatchGD reference steps its schedule per optimiser step, from 0; this one is per epoch,
+    so its warm-up epochs run at ``lr / 3`` and ``2 lr / 3`` (means of the per-step ramp:
+    ``lr / 4``, ``3 lr / 4``).
     """
     w = train.warmup_epochs
     if epoch < w:
@@ -138,6 +149,8 @@ def lr_at_epoch(epoch: int, train: Any) -> float:
         return train.min_lr + (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * e / span)) / 2.0
     if train.schedule == "exponential":
         return train.lr * train.gamma**e
+    if train.schedule == "linear":
+        return train.lr - (train.lr - train.min_lr) * e / span
     return train.lr
 
 

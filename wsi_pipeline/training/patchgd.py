@@ -1,45 +1,82 @@
 """PatchGD (Gupta et al.) on slides: a Z block over the tile grid, updated a few tiles at a time.
 
-One slide per :meth:`PatchGDStrategy.bag_step`:
+One batch of ``slides_per_batch`` slides (default one) per :meth:`PatchGDStrategy.batch_step`:
 
-1. **Fill** (no gradient): embed every tile of the store in chunks; the per-tile cache
-   ``E`` [n, D] laid out by the head's :class:`~wsi_pipeline.models.heads.GridLayout` *is* Z
+1. **Fill** (no gradient): embed every tile of each store; the per-tile cache ``E`` [n, D]
+   laid out by the head's :class:`~wsi_pipeline.models.heads.GridLayout` *is* Z
    [1, s, rows, cols] (spatial layout, row = y, col = x; background cells zero and masked;
    large grids cropped to the tissue bounding box and pooled, see :mod:`wsi_pipeline.models.heads`).
-2. **zeta inner iterations**. Iteration j takes the next k tiles of a stream of random
-   permutations of the slide's tiles (:func:`plan_inner_iterations`: every tile exactly once
-   per pass, never twice in one iteration), re-embeds them *with* gradient, writes them into
-   a detached copy of Z (``E.index_copy``: gradient reaches the encoder through those k tiles
-   only), runs the head over the whole Z, and backpropagates ``loss / window``. The fresh
-   embeddings are then written (detached) into the cache, so later iterations see them.
+2. **zeta inner iterations**. Iteration j takes, from every slide, the next k tiles of a stream
+   of random permutations of its tiles (:func:`plan_inner_iterations`: every tile exactly once
+   per pass, never twice in one iteration), re-embeds them *with* gradient (all slides' live
+   tiles in one encoder call), writes them into detached copies of the Z blocks
+   (``E.index_copy``: gradient reaches the encoder through those tiles only), runs the head
+   over the whole Z (the batch's Z blocks padded to one shape) and backpropagates
+   ``loss / window`` (the loss is the mean over the batch's slides). The fresh embeddings are
+   then written (detached) into the caches, so later iterations see them. In a batch, k and
+   the pass length are each slide's own and zeta is the largest slide's.
 3. **Optimiser step every epsilon inner iterations** (default epsilon = zeta, one step per
-   slide). ``optimizer_step()`` (the caller's callback: step, then zero the gradients) is
-   called at the end of each window of epsilon iterations; when zeta is not a multiple of
-   epsilon the last window is shorter and its losses are divided by its own length, so no
-   gradient is ever left pending after a slide.
+   batch). ``optimizer_step()`` (the caller's callback: step, then zero the gradients) is
+   called at the end of each window of epsilon iterations. When zeta is not a multiple of
+   epsilon, ``partial_window: step`` (default) makes the last window shorter and divides its
+   losses by its own length, so no gradient is lost; ``partial_window: drop`` is the paper's
+   Algorithm 1, whose trailing partial window is never applied (here: not run).
 
-Gradient scale (``backbone_scale``)
------------------------------------
+Defaults and the paper (``patchgd: {preset: paper}``, :mod:`wsi_pipeline.training.patchgd_presets`)
+-----------------------------------------------------------------------------------------------
+Each default departs from the paper where that is better for slides; the preset restores the
+paper's choice. ``backbone_scale`` ``full`` vs ``paper`` (1/epsilon): below. ``encoder.bn``
+``frozen`` vs ``train``: frozen keeps a live tile's embedding equal to its cached one and the
+gradient exact; train-mode statistics of k tiles of one slide carry slide-level information
+between tiles (the pitfall in ``../shared/docs/methods.md``) and differ between fill and
+inner iterations. ``slides_per_batch`` 1 vs 14: one slide's live tiles and Z fit on any
+device, and our heads need no batch statistics; the paper's head BatchNorm does. ``fraction``
+0.25 vs 0.1: fewer inner iterations per slide for the same pass; the paper's Table 11 prefers
+0.1 on PANDA. epsilon = zeta in both, ``partial_window`` ``step`` vs ``drop``: no inner
+iteration's gradient is wasted. Head ``cnn`` (masked, size-agnostic, global pooling, partial
+convolutions) or ``transformer`` vs ``cnn_paper`` (fixed-size Z, flatten + Linear): slides
+differ in size and shape and their background is not an image edge; on our small cohorts the
+transformer head generalised best. Schedule: the pipeline's (cosine by default) vs
+``linear`` (2 warm-up epochs, linear decay to half the peak lr 1e-3, Adam without weight decay).
+
+Gradient scale (``backbone_scale``) and when the gradient is exact
+------------------------------------------------------------------
 Within one window the head's gradient is the gradient of the window's mean loss. The encoder
 only sees the k live tiles of each iteration, so backpropagating ``loss / epsilon`` (what the
 reference does, ``backbone_scale: paper``) gives the encoder ``1 / epsilon`` of the full-slide
 gradient when the window covers every tile once, while the head gets all of its gradient.
 The default ``backbone_scale: full`` multiplies the gradient entering the live embeddings by
 ``n / k``: each iteration's encoder gradient is then an unbiased estimate of the full-slide
-gradient ``sum_i dL/dz_i dz_i/dtheta`` (each tile is live with probability k/n), and with
-``epsilon = zeta`` and ``zeta * k = n`` (one pass, one step) the step uses *exactly* the
-gradient of the slide's loss with all tiles embedded with gradient, for head and encoder alike.
-(With Adam the scale hardly matters, being per-parameter; it matters for SGD, coupled weight
-decay and gradient-norm clipping.)
+gradient ``sum_i dL/dz_i dz_i/dtheta`` (each tile is live with probability k/n).
 
-BatchNorm in the encoder (``freeze_bn``)
-----------------------------------------
-Default ``freeze_bn: true``: the encoder's BatchNorm layers run on their running statistics in
-both the fill and the live passes (their affine parameters still train), so the encoder is one
-fixed function per step and a live tile's embedding equals its cached one bit for bit; this is
-what makes the gradients above exact. ``freeze_bn: false`` normalises the live k tiles with
-their own batch statistics (and updates the running statistics every inner iteration) while
-the fill uses the running statistics: inexact, offered for comparison only.
+The step's gradient equals the gradient of the slide's loss with every tile embedded with
+gradient (plain autograd), for head and encoder alike, **exactly when** all of these hold:
+``backbone_scale: full``; one window (epsilon = zeta); ``k`` divides ``n`` and zeta = n / k,
+so one pass makes every tile live exactly once; the encoder is one fixed function (frozen
+BatchNorm, no dropout); and the head is deterministic (no dropout: each inner iteration draws
+its own dropout masks, so the mean of the iterations' losses is not the all-tiles loss). The
+head's part alone needs only the one window and no head dropout (its input Z is the same in
+every iteration). It is not exact otherwise: when k does not divide n the last iteration wraps
+into the next pass and some tiles are live twice while the n / k scale assumes once. Relative
+error of the encoder gradient against all-tiles autograd, float64 (``tests/test_patchgd.py``,
+which checks the exact case to 1e-10 and both inexact ones to differ): 13-tile slide, k = 4,
+zeta = 4: 0.59 (the audit of issue 15 measured 0.51 on another model); 12 tiles, k = 4 (exact
+without dropout: 7e-16) with head dropout 0.2: 1.5 (audit: 2.1). With ``paper`` scale the
+encoder gets 1/epsilon of the exact gradient in the exact case. (With Adam the scale hardly
+matters, being per-parameter; it matters for SGD, coupled weight decay and gradient-norm
+clipping.) A batch of slides is exact under the same conditions for every slide with one
+common zeta: the gradient of the batch's mean loss (tested with the ``cnn_paper`` head).
+
+BatchNorm in the encoder (``freeze_bn``, from ``encoder.bn``)
+-------------------------------------------------------------
+Default ``freeze_bn: true`` (``bn: frozen``): the encoder's BatchNorm layers run on their
+running statistics in both the fill and the live passes (their affine parameters still
+train), so the encoder is one fixed function per step and a live tile's embedding equals its
+cached one bit for bit; this is what makes the gradients above exact. ``freeze_bn: false``
+(``bn: train``, the paper's) runs the encoder in train mode throughout, as the reference does:
+the fill embeds each slide's tiles in random groups of at most k (the batch's g-th groups in one
+call) with batch statistics, the live tiles of an iteration are normalised with their own batch
+statistics, and the running statistics are updated by every such call. Not exact.
 """
 
 from __future__ import annotations
@@ -59,6 +96,7 @@ from torch import Tensor, nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import HEADS, GridHead, GridLayout, build_head
+from wsi_pipeline.training.patchgd_presets import PRESETS, preset_patchgd_options
 
 __all__ = [
     "PatchGDConfig",
@@ -72,6 +110,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 BACKBONE_SCALES = ("full", "paper")
+PARTIAL_WINDOWS = ("step", "drop")
 
 
 @dataclass(frozen=True)
@@ -84,12 +123,18 @@ class PatchGDConfig:
         clipped to n.
     fraction : fraction of the slide's tiles per inner iteration when ``k`` is None.
     zeta : inner iterations per slide (None = one pass: ``ceil(n / k)``).
-    epsilon : inner iterations per optimiser step (None = zeta, one step per slide).
+    epsilon : inner iterations per optimiser step (None = zeta, one step per batch).
+    partial_window : ``"step"`` (default; a trailing window shorter than epsilon is stepped,
+        its losses divided by its length) or ``"drop"`` (the paper's: never applied, not run).
     backbone_scale : ``"full"`` (default; encoder gradient scaled by n/k, see module docstring)
         or ``"paper"`` (the reference's 1/epsilon scale).
-    freeze_bn : encoder BatchNorm on running statistics (exact; default) or live batch statistics.
+    freeze_bn : encoder BatchNorm on running statistics (exact; default) or train mode (the paper's).
+    slides_per_batch : slides per inner loop (default 1; the paper trains a batch of images).
+    preset : ``"default"`` or ``"paper"``: defaults for the options not given
+        (:mod:`wsi_pipeline.training.patchgd_presets`).
     fill_batch : tiles per no-grad encoder batch when filling Z.
-    head : PatchGD head name, ``cnn`` (default, the paper's) or ``transformer``. On the small
+    head : PatchGD head name, ``cnn`` (default, the paper's made mask-aware), ``cnn_paper``
+        (the paper's as published) or ``transformer``. On the small
         synthetic cohorts the CNN head memorised the training slides while the transformer
         head generalised (README): prefer ``transformer`` for small cohorts.
     head_options : keyword options of the head (width, dropout, pool, dim, ...).
@@ -108,9 +153,12 @@ class PatchGDConfig:
     head_options: Mapping[str, Any] = field(default_factory=dict)
     max_grid: int | None = 128
     proj_dim: int | None = None
+    partial_window: str = "step"
+    slides_per_batch: int = 1
+    preset: str = "default"
 
     def __post_init__(self) -> None:
-        for name in ("k", "zeta", "epsilon", "max_grid", "proj_dim"):
+        for name in ("k", "zeta", "epsilon", "max_grid", "proj_dim", "slides_per_batch"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ValueError(f"patchgd.{name}={v!r}; expected a positive integer or null")
@@ -118,6 +166,12 @@ class PatchGDConfig:
             raise ValueError(f"patchgd.fraction={self.fraction!r}; expected a number in (0, 1]")
         if self.backbone_scale not in BACKBONE_SCALES:
             raise ValueError(f"patchgd.backbone_scale={self.backbone_scale!r}; expected one of {BACKBONE_SCALES}")
+        if self.partial_window not in PARTIAL_WINDOWS:
+            raise ValueError(f"patchgd.partial_window={self.partial_window!r}; expected one of {PARTIAL_WINDOWS}")
+        if self.preset not in PRESETS:
+            raise ValueError(f"patchgd.preset={self.preset!r}; expected one of {list(PRESETS)}")
+        if self.slides_per_batch is None:
+            raise ValueError("patchgd.slides_per_batch=None; expected a positive integer")
         if not isinstance(self.freeze_bn, bool):
             raise TypeError(f"patchgd.freeze_bn={self.freeze_bn!r}; expected true or false")
         if isinstance(self.fill_batch, bool) or not isinstance(self.fill_batch, int) or self.fill_batch < 1:
@@ -127,8 +181,11 @@ class PatchGDConfig:
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> PatchGDConfig:
-        """Validate a ``patchgd:`` mapping; unknown keys raise ``ValueError`` naming them and the valid keys."""
-        options = dict(options or {})
+        """Validate a ``patchgd:`` mapping; unknown keys raise ``ValueError`` naming them and the valid keys.
+
+        A ``preset`` fills in its defaults for the options the mapping does not give.
+        """
+        options = preset_patchgd_options(dict(options or {}))
         valid = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:
@@ -216,11 +273,25 @@ def plan_inner_iterations(n_tiles: int, k: int, zeta: int, generator: torch.Gene
     return plan
 
 
-def accumulation_windows(zeta: int, epsilon: int) -> list[int]:
-    """Lengths of the optimiser-step windows: ``epsilon`` each, the last one shorter if needed."""
+def accumulation_windows(zeta: int, epsilon: int, partial: str = "step") -> list[int]:
+    """Lengths of the optimiser-step windows of ``zeta`` inner iterations: ``epsilon`` each.
+
+    ``partial="step"``: the last window is shorter when epsilon does not divide zeta.
+    ``partial="drop"`` (the paper's Algorithm 1): that partial window is left out; ``ValueError``
+    when no full window remains (epsilon > zeta: the paper would never step).
+    """
     if zeta < 1 or epsilon < 1:
         raise ValueError(f"zeta={zeta} and epsilon={epsilon} must be positive")
+    if partial not in PARTIAL_WINDOWS:
+        raise ValueError(f"partial={partial!r}; expected one of {PARTIAL_WINDOWS}")
     full, rest = divmod(zeta, epsilon)
+    if partial == "drop":
+        if full == 0:
+            raise ValueError(
+                f"patchgd.epsilon={epsilon} exceeds zeta={zeta} inner iterations with partial_window 'drop' "
+                "(the paper's): no optimiser step would be taken; lower epsilon, raise zeta or use partial_window 'step'"
+            )
+        return [epsilon] * full
     return [epsilon] * full + ([rest] if rest else [])
 
 
@@ -268,7 +339,7 @@ def embed_store(
 
 
 class PatchGDStrategy:
-    """PatchGD training on one slide at a time (see the module docstring for the algorithm).
+    """PatchGD training on a batch of slides at a time (see the module docstring for the algorithm).
 
     Parameters
     ----------
@@ -281,7 +352,8 @@ class PatchGDStrategy:
 
     Attributes
     ----------
-    last_plan : the tile indices of each inner iteration of the latest :meth:`bag_step`.
+    last_plan : the tile indices of each inner iteration run by the latest :meth:`batch_step`
+        (its first slide); ``last_plans`` holds every slide's.
     """
 
     def __init__(self, method_cfg: Mapping[str, Any] | PatchGDConfig | None, encoder: nn.Module, head: GridHead | None, n_classes: int) -> None:
@@ -313,6 +385,7 @@ class PatchGDStrategy:
             raise ValueError(f"n_classes={self.n_classes} but the head was built for {head.n_classes} classes")
         self.head = head
         self.last_plan: list[Tensor] = []
+        self.last_plans: list[list[Tensor]] = []
 
     @property
     def device(self) -> torch.device:
@@ -342,6 +415,33 @@ class PatchGDStrategy:
             self.head.train(was)
         return out
 
+    def _fill(self, stores: list[Any], ks: list[int], generator: torch.Generator | None) -> list[Tensor]:
+        """Each slide's tile embeddings [n, D] without gradient (Z-filling).
+
+        Frozen BatchNorm: :func:`embed_store` (eval mode). Train-mode BatchNorm (the paper's):
+        the encoder in train mode, each slide's tiles split at random into G nearly equal groups
+        (G = the most of ``ceil(n / k)`` over the batch, so at most k tiles a group), the batch's
+        g-th groups embedded together, as the reference fills Z from its patch sampler.
+        """
+        if self.cfg.freeze_bn or not self.encoder.training:
+            return [self._embed_all(store) for store in stores]
+        device, dtype = self.device, next(self.head.parameters()).dtype
+        n_groups = max(math.ceil(len(store) / k) for store, k in zip(stores, ks))
+        # every slide in n_groups nearly equal groups (at most k tiles each), so no call of the
+        # batch holds a lone leftover tile of one slide
+        groups = [torch.randperm(len(store), generator=generator).tensor_split(n_groups) for store in stores]
+        out: list[Tensor | None] = [None] * len(stores)
+        with _modes(self.encoder, train=True, freeze_bn=False), torch.no_grad():
+            for g in range(n_groups):
+                parts = [(b, groups[b][g]) for b in range(len(stores)) if len(groups[b][g])]
+                x = torch.cat([tiles_to_tensor(stores[b].read(idx.numpy()), device=device) for b, idx in parts])
+                emb = self.encoder(x).to(dtype)
+                for (b, idx), e in zip(parts, emb.split([len(idx) for _, idx in parts])):
+                    if out[b] is None:
+                        out[b] = emb.new_zeros(len(stores[b]), emb.shape[1])
+                    out[b][idx.to(device)] = e  # type: ignore[index]
+        return [o for o in out if o is not None]
+
     def bag_step(
         self,
         store: Any,
@@ -349,12 +449,23 @@ class PatchGDStrategy:
         optimizer_step: Callable[[], None],
         generator: torch.Generator | None = None,
     ) -> float:
-        """Run the inner iterations on one slide, stepping the optimiser every epsilon of them.
+        """Run the inner iterations on one slide (:meth:`batch_step` with a batch of one)."""
+        return self.batch_step([store], [label], optimizer_step, generator)
+
+    def batch_step(
+        self,
+        stores: list[Any],
+        labels: list[int | Tensor],
+        optimizer_step: Callable[[], None],
+        generator: torch.Generator | None = None,
+    ) -> float:
+        """Run the inner iterations on a batch of slides, stepping the optimiser every epsilon of them.
 
         Parameters
         ----------
-        store : the slide's TileStore (``read``, ``grid``, ``len``).
-        label : the slide's class in [0, C).
+        stores : the slides' TileStores (``read``, ``grid``, ``len``); usually
+            ``slides_per_batch`` of them (the last batch of an epoch may be smaller).
+        labels : each slide's class in [0, C).
         optimizer_step : called after every window of epsilon inner iterations; it must step
             the optimiser and zero the gradients (the caller's schedule, clipping, scaler...).
         generator : the source of the tile sampling (CPU generator).
@@ -362,46 +473,63 @@ class PatchGDStrategy:
         Returns
         -------
         The mean loss over the inner iterations (each loss is the full task loss of one
-        iteration, not divided by epsilon).
+        iteration, the mean over the batch's slides, not divided by epsilon).
         """
         cfg = self.cfg
-        n = len(store)
-        if n < 1:
-            raise ValueError(f"store {getattr(store, 'path', store)} has no tiles; PatchGD needs at least one")
-        y = int(label)
-        if not 0 <= y < self.n_classes:
-            raise ValueError(f"label={y} outside [0, n_classes={self.n_classes})")
-        k = cfg.tiles_per_iteration(n)
-        zeta = cfg.inner_iterations(n)
-        windows = accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta)
-        plan = plan_inner_iterations(n, k, zeta, generator)
-        self.last_plan = plan
+        if not stores or len(stores) != len(labels):
+            raise ValueError(f"batch_step needs one label per store and at least one store; got {len(stores)} stores, {len(labels)} labels")
+        ns = [len(store) for store in stores]
+        for store, n in zip(stores, ns):
+            if n < 1:
+                raise ValueError(f"store {getattr(store, 'path', store)} has no tiles; PatchGD needs at least one")
+        ys = [int(label) for label in labels]
+        for y in ys:
+            if not 0 <= y < self.n_classes:
+                raise ValueError(f"label={y} outside [0, n_classes={self.n_classes})")
+        ks = [cfg.tiles_per_iteration(n) for n in ns]
+        zeta = max(cfg.inner_iterations(n) for n in ns)
+        windows = accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta, cfg.partial_window)
+        plans = [plan_inner_iterations(n, k, zeta, generator)[: sum(windows)] for n, k in zip(ns, ks)]
+        self.last_plan = plans[0]
+        self.last_plans = plans
         device = self.device
-        target = torch.tensor([y], device=device)
-        scale = n / k if cfg.backbone_scale == "full" else 1.0
-
-        cache = self._embed_all(store)
-        layout = self.head.layout(store.grid).to(device)
+        target = torch.tensor(ys, device=device)
+        caches = self._fill(stores, ks, generator)
+        scales = [n / k if cfg.backbone_scale == "full" else 1.0 for n, k in zip(ns, ks)]
+        if len(set(scales)) == 1:
+            scale: float | Tensor = scales[0]
+        else:  # one n/k per live row
+            per_row = torch.repeat_interleave(torch.tensor(scales, dtype=torch.float64), torch.tensor(ks))
+            scale = per_row.to(device=device, dtype=caches[0].dtype)[:, None]
+        layouts = [self.head.layout(store.grid).to(device) for store in stores]
         log.debug(
-            "patchgd %s: n=%d tiles, Z %dx%d (pool %d), k=%d, zeta=%d, windows=%s",
-            getattr(store, "slide_id", "slide"), n, *layout.shape, layout.factor, k, zeta, windows,
+            "patchgd batch of %d: n=%s tiles, Z %s, k=%s, zeta=%d, windows=%s",
+            len(stores), ns, [lay.shape for lay in layouts], ks, zeta, windows,
         )
         losses: list[float] = []
         j = 0
         with _modes(self.encoder, train=self.encoder.training, freeze_bn=cfg.freeze_bn):
             for length in windows:
                 for _ in range(length):
-                    idx = plan[j].to(device)
-                    live = self.encoder(tiles_to_tensor(store.read(plan[j].numpy()), device=device)).to(cache.dtype)
-                    if scale != 1.0:
+                    idx = [plan[j].to(device) for plan in plans]
+                    x = torch.cat([tiles_to_tensor(st.read(plan[j].numpy()), device=device) for st, plan in zip(stores, plans)])
+                    live = self.encoder(x).to(caches[0].dtype)
+                    if not isinstance(scale, float) or scale != 1.0:
                         live.register_hook(lambda g, s=scale: g * s)
-                    out = self.head(cache.index_copy(0, idx, live), layout=layout)
-                    loss = F.cross_entropy(out.logits[None], target)
-                    if out.aux_loss is not None:
-                        loss = loss + out.aux_loss
+                    parts = live.split(ks) if len(stores) > 1 else [live]
+                    zs = [cache.index_copy(0, i, part) for cache, i, part in zip(caches, idx, parts)]
+                    if len(stores) == 1:
+                        out = self.head(zs[0], layout=layouts[0])
+                        logits, aux = out.logits[None], out.aux_loss
+                    else:
+                        logits, aux = self.head.forward_z(*self.head.batch_z(zs, layouts)), None
+                    loss = F.cross_entropy(logits, target)
+                    if aux is not None:
+                        loss = loss + aux
                     (loss / length).backward()
                     with torch.no_grad():
-                        cache.index_copy_(0, idx, live.detach())
+                        for cache, i, part in zip(caches, idx, parts):
+                            cache.index_copy_(0, i, part.detach())
                     losses.append(float(loss.detach()))
                     j += 1
                 optimizer_step()

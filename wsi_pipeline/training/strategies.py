@@ -15,9 +15,10 @@ loop zeroes gradients, clips and steps the optimiser. A strategy with ``steps_op
 (PatchGD) instead receives an ``optimizer_step`` callback and calls it itself.
 
 BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exact in every
-strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``), which for
-``full`` and ``bigl`` is the whole bag; ``train`` is batch statistics of the whole bag
-(``full``, ``bigl``; rejected by ``accumulate``, where it could not be exact).
+strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``: the ABMIL-ACC
+paper's setting, "the paper's, not exact"), which for ``full`` and ``bigl`` is the whole bag;
+``train`` is batch statistics of the whole bag (``full``, ``bigl``; rejected by ``accumulate``,
+where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's).
 
 Building blocks are imported when a strategy is built, so a strategy whose block is missing
 fails with a message naming it (:func:`check_strategy`), never by silently falling back.
@@ -393,17 +394,35 @@ class PatchGDAdapter(Strategy):
             raise _missing_block("patchgd", "wsi_pipeline.training.patchgd (PatchGDStrategy)", e) from e
         PatchGDConfig.from_mapping(dict(patchgd_method(method).patchgd))
 
+    @property
+    def slides_per_batch(self) -> int:
+        """Slides per PatchGD inner loop (``patchgd.slides_per_batch``); the loop hands over groups of this many."""
+        return int(self.impl.cfg.slides_per_batch)
+
     def optimizer_steps(self, n_tiles: int) -> int:
         """Optimiser steps :meth:`run_bag` takes on a slide of ``n_tiles`` tiles."""
         from wsi_pipeline.training.patchgd import accumulation_windows
 
         cfg = self.impl.cfg
         zeta = cfg.inner_iterations(n_tiles)
-        return len(accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta))
+        return len(accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta, cfg.partial_window))
+
+    def epoch_steps(self, n_tiles: list[int]) -> int:
+        """Optimiser steps of one epoch over slides of ``n_tiles`` tiles: exact with one slide per
+        batch; with several, the most the randomly formed batches can take (a batch's zeta is its
+        largest slide's)."""
+        per = self.slides_per_batch
+        if per == 1:
+            return sum(self.optimizer_steps(n) for n in n_tiles)
+        return -(-len(n_tiles) // per) * max(self.optimizer_steps(n) for n in n_tiles)
 
     def run_bag(self, store: Any, label: int, optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
         """One slide of PatchGD; ``optimizer_step`` steps and zeroes the gradients."""
         return self.impl.bag_step(store, label, optimizer_step, generator)
+
+    def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
+        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDStrategy.batch_step`)."""
+        return self.impl.batch_step(stores, labels, optimizer_step, generator)
 
 
 def check_strategy(method: Any) -> type[Strategy]:
