@@ -10,7 +10,7 @@ import torch
 from wsi_pipeline.models import AGGREGATORS, build_aggregator
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.aggregators.dtfd import DISTILL_MODES, pseudo_bags
-from wsi_pipeline.models.aggregators.nystrom import NystromAttention
+from wsi_pipeline.models.aggregators.nystrom import NYSTROM_MODES, NystromAttention
 from wsi_pipeline.models.aggregators.transmil import TransMIL
 
 D = 24
@@ -215,7 +215,7 @@ def test_nystrom_equals_exact_attention_when_n_at_most_landmarks(n: int) -> None
     torch.manual_seed(6)
     # the landmarks are then the tokens themselves: exact up to the iterative pseudo-inverse,
     # which converges to float64 precision with enough iterations (6, the default, is ~1e-2)
-    attn = NystromAttention(32, heads=4, dim_head=8, num_landmarks=100, pinv_iterations=40).double()
+    attn = NystromAttention(32, heads=4, dim_head=8, num_landmarks=100, pinv_iterations=40, mode="masked").double()
     x = torch.randn(2, n, 32, dtype=torch.float64)
     out, row = attn(x, return_row=0)
     torch.testing.assert_close(out, _exact_out(attn, x), atol=1e-9, rtol=0)
@@ -223,13 +223,14 @@ def test_nystrom_equals_exact_attention_when_n_at_most_landmarks(n: int) -> None
     torch.testing.assert_close(row, exact_row, atol=1e-9, rtol=0)
 
 
+@pytest.mark.parametrize("mode", NYSTROM_MODES)
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("i", [0, 3, 150, 299])
-def test_nystrom_output_token_i_belongs_to_input_token_i(residual: bool, i: int) -> None:
+def test_nystrom_output_token_i_belongs_to_input_token_i(mode: str, residual: bool, i: int) -> None:
     # 300 tokens, 32 landmarks: left padding of 20; perturbing input i must change output i most
     # (the nystrom-attention 0.0.9 slicing bug would move the change to another position)
     torch.manual_seed(7)
-    attn = NystromAttention(64, heads=4, dim_head=16, num_landmarks=32, residual=residual).double()
+    attn = NystromAttention(64, heads=4, dim_head=16, num_landmarks=32, residual=residual, mode=mode).double()
     centres = torch.randn(8, 64, dtype=torch.float64) * 2
     x = (centres[torch.randint(0, 8, (300,))] + 0.05 * torch.randn(300, 64, dtype=torch.float64))[None]
     x2 = x.clone()
@@ -241,9 +242,9 @@ def test_nystrom_output_token_i_belongs_to_input_token_i(residual: bool, i: int)
 
 
 def test_nystrom_padding_is_masked() -> None:
-    # adding zero tokens at the front must not change the other outputs when n <= landmarks
+    # masked mode: adding zero tokens at the front must not change the other outputs when n <= landmarks
     torch.manual_seed(8)
-    attn = NystromAttention(16, heads=2, dim_head=8, num_landmarks=16, pinv_iterations=40, residual=False).double()
+    attn = NystromAttention(16, heads=2, dim_head=8, num_landmarks=16, pinv_iterations=40, residual=False, mode="masked").double()
     x = torch.randn(1, 10, 16, dtype=torch.float64)
     exact = _exact_out(attn, x)
     torch.testing.assert_close(attn(x), exact, atol=1e-9, rtol=0)  # 6 pads inside, invisible
@@ -277,8 +278,8 @@ def test_transmil_pads_with_duplicates_of_the_first_tokens() -> None:
 
 def test_transmil_cls_attention_equals_exact_row() -> None:
     torch.manual_seed(11)
-    n = 30  # 36 + 1 tokens <= 64 landmarks: Nystrom is exact
-    model = TransMIL(D, 2, dim=64, num_landmarks=64, pinv_iterations=40, dropout=0.0).double().eval()
+    n = 30  # 36 + 1 tokens <= 64 landmarks: masked Nystrom is exact
+    model = TransMIL(D, 2, dim=64, num_landmarks=64, pinv_iterations=40, dropout=0.0, nystrom="masked").double().eval()
     z = torch.randn(n, D, dtype=torch.float64)
     seen: dict = {}
     _record_input(model.layer2, seen)

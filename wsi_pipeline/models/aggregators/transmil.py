@@ -1,5 +1,13 @@
 """TransMIL (Shao et al., NeurIPS 2021): Nystrom transformer with a pyramid position encoding.
 
+``nystrom`` picks the attention's treatment of its own left padding to a multiple of the
+landmark count (:mod:`~wsi_pipeline.models.aggregators.nystrom`): ``reference`` (default), the
+numerics of the ``nystrom-attention`` package the paper's code uses, where the zero pads act as
+keys and landmarks, so this is the model the paper trained; or ``masked``, where the pads are
+masked out (closer to exact attention, and exact when ``H^2 + 1 <= num_landmarks``; with shared
+weights the two differ by up to tens of percent on bags of a few hundred tiles, less on large
+bags). Parameters are the same in both modes, so a state dict loads into either.
+
 One forward on a bag of n instances:
 
 1. ``h = ReLU(Linear(z))`` (512 wide).
@@ -16,8 +24,9 @@ Nystrom factors (one row, never an N x N matrix). A real instance that appears s
 the padded sequence gets the SUM of the weights of its copies (all copies feed the CLS output
 with the same value). The CLS token's weight on itself is dropped, and the depthwise-conv
 residual on V (which is not attention) is not part of the score. With Nystrom the row is an
-approximation and need not be positive or sum exactly to one; when ``H^2 + 1 <= num_landmarks``
-it equals the exact softmax attention row.
+approximation and need not be positive or sum exactly to one; in ``reference`` mode the weight
+on the attention's zero pads is left out; in ``masked`` mode with ``H^2 + 1 <= num_landmarks`` it
+equals the exact softmax attention row.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from wsi_pipeline.models.aggregators.base import MILOutput, check_bag
-from wsi_pipeline.models.aggregators.nystrom import NystromAttention
+from wsi_pipeline.models.aggregators.nystrom import NystromAttention, NystromMode, check_nystrom_mode
 
 __all__ = ["TransMIL", "PPEG", "TransLayer", "square_pad_index"]
 
@@ -44,7 +53,15 @@ def square_pad_index(n: int) -> tuple[Tensor, int]:
 class TransLayer(nn.Module):
     """``x + NystromAttention(LayerNorm(x))`` over [B, N, dim]."""
 
-    def __init__(self, dim: int = 512, *, num_landmarks: int = 256, pinv_iterations: int = 6, dropout: float = 0.1) -> None:
+    def __init__(
+        self,
+        dim: int = 512,
+        *,
+        num_landmarks: int = 256,
+        pinv_iterations: int = 6,
+        dropout: float = 0.1,
+        nystrom: NystromMode = "reference",
+    ) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
         self.attn = NystromAttention(
@@ -56,6 +73,7 @@ class TransLayer(nn.Module):
             residual=True,
             residual_kernel=33,
             dropout=dropout,
+            mode=nystrom,
         )
 
     def forward(self, x: Tensor, *, return_row: int | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -92,6 +110,8 @@ class TransMIL(nn.Module):
     num_landmarks : Nystrom landmarks (256).
     pinv_iterations : pseudo-inverse iterations (6).
     dropout : dropout after each attention's output projection (0.1).
+    nystrom : ``reference`` (the nystrom-attention package's numerics, as the paper trained) or
+        ``masked`` (pads masked out); see the module docstring.
     """
 
     def __init__(
@@ -103,14 +123,16 @@ class TransMIL(nn.Module):
         num_landmarks: int = 256,
         pinv_iterations: int = 6,
         dropout: float = 0.1,
+        nystrom: NystromMode = "reference",
     ) -> None:
         super().__init__()
+        check_nystrom_mode(nystrom, "transmil: nystrom")
         if dim % 8 != 0:
             raise ValueError(f"transmil: dim={dim} must be a multiple of the 8 heads")
         self.in_dim, self.n_classes = int(in_dim), int(n_classes)
         self.embed = nn.Sequential(nn.Linear(in_dim, dim), nn.ReLU())
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
-        opts = {"num_landmarks": num_landmarks, "pinv_iterations": pinv_iterations, "dropout": dropout}
+        opts = {"num_landmarks": num_landmarks, "pinv_iterations": pinv_iterations, "dropout": dropout, "nystrom": nystrom}
         self.layer1 = TransLayer(dim, **opts)
         self.ppeg = PPEG(dim)
         self.layer2 = TransLayer(dim, **opts)
