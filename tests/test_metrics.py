@@ -154,18 +154,29 @@ def test_bootstrap_interval_of_a_per_repeat_score():
     same = np.repeat(P[:1], 3, axis=0)
     assert bootstrap_interval(y, [same], 2, "auc", n_boot=60, seed=2) == pytest.approx(
         bootstrap_interval(y, P[0], 2, "auc", n_boot=60, seed=2))
-    # max_repeats=1 scores the first repeat only
+    # max_repeats=1 resamples the first repeat only, then moves to the 4-repeat score
+    first = np.asarray(bootstrap_interval(y, P[0], 2, "accuracy", n_boot=60, seed=2))
+    shift = np.mean([accuracy_score(y, P[k].argmax(1)) for k in range(4)]) - accuracy_score(y, P[0].argmax(1))
     assert bootstrap_interval(y, [P], 2, "accuracy", n_boot=60, seed=2, max_repeats=1) == pytest.approx(
-        bootstrap_interval(y, P[0], 2, "accuracy", n_boot=60, seed=2))
+        tuple(np.clip(first + shift, 0, 1)))
     # otherwise each resample is the mean over repeats of the per-repeat values: reference loop
-    lo, hi = bootstrap_interval(y, [P, P[::-1]], 2, "auc", n_boot=80, seed=3, max_repeats=2)
-    r = np.random.default_rng(3)
-    vals = []
-    for _ in range(80):
-        idx = r.integers(0, len(y), len(y))
-        a = np.mean([roc_auc_score(y[idx], P[k][idx, 1]) for k in (0, 1)])
-        b = np.mean([roc_auc_score(y[idx], P[::-1][k][idx, 1]) for k in (0, 1)])
-        vals.append((a + b) / 2)
-    assert (lo, hi) == pytest.approx(tuple(np.quantile(vals, [0.025, 0.975])))
-    point = compute_repeat_metrics(y, P, 2).mean["auc"]
+    def reference(max_rep):
+        r = np.random.default_rng(3)
+        vals = []
+        for _ in range(80):
+            idx = r.integers(0, len(y), len(y))
+            a = np.mean([roc_auc_score(y[idx], P[k][idx, 1]) for k in range(max_rep)])
+            b = np.mean([roc_auc_score(y[idx], P[::-1][k][idx, 1]) for k in range(max_rep)])
+            vals.append((a + b) / 2)
+        return np.quantile(vals, [0.025, 0.975])
+
+    point = compute_repeat_metrics(y, P, 2).mean["auc"]  # P[::-1] has the same repeat mean
+    lo, hi = bootstrap_interval(y, [P, P[::-1]], 2, "auc", n_boot=80, seed=3, max_repeats=4)
+    assert (lo, hi) == pytest.approx(tuple(reference(4)))
     assert lo < point < hi
+    # fewer repeats per resample than reported: the interval of the 2-repeat mean, moved by the
+    # difference between the 4-repeat and the 2-repeat scores on the whole cohort
+    lo2, hi2 = bootstrap_interval(y, [P, P[::-1]], 2, "auc", n_boot=80, seed=3, max_repeats=2)
+    two = np.mean([roc_auc_score(y, P[k][:, 1]) for k in (0, 1)] + [roc_auc_score(y, P[::-1][k][:, 1]) for k in (0, 1)])
+    assert (lo2, hi2) == pytest.approx(tuple(np.clip(reference(2) + point - two, 0, 1)))
+    assert lo2 < point < hi2

@@ -212,11 +212,14 @@ def bootstrap_interval(
     Resamples where the metric is undefined (e.g. one class only, for AUC) are skipped.
 
     Per-repeat protocols: an entry may be (R, N, C), one slide-probability matrix per repeat
-    (:func:`compute_repeat_metrics`); a resample then scores the first ``min(R, max_repeats)``
-    repeats on the same resampled slides and takes their mean. Repeats are independent draws,
-    so these are a random sample of them: the interval is the cohort-sampling interval of the
-    mean-over-repeats score, a little wide when R > ``max_repeats`` (the mean of fewer repeats
-    varies more), at ``min(R, max_repeats)`` times the cost of a one-pass interval.
+    (:func:`compute_repeat_metrics`); a resample then scores the first ``m = min(R, max_repeats)``
+    repeats on the same resampled slides and takes their mean, at m times the cost of a
+    one-pass interval. With R <= ``max_repeats`` this is exactly the interval of the
+    mean-over-repeats score. With R > ``max_repeats`` it is the interval of the m-repeat mean
+    (repeats are independent draws, so the first m are a random sample of them), shifted by
+    the difference between the R-repeat and the m-repeat scores on the whole cohort so that it
+    surrounds the reported score, and clipped to the metric's range ([-1, 1] for ``qwk``,
+    [0, 1] otherwise); it is a little wide, since a mean of fewer repeats varies more.
 
     Returns
     -------
@@ -232,8 +235,9 @@ def bootstrap_interval(
         raise ValueError(f"max_repeats={max_repeats}; expected >= 1")
     stack = [probs] if isinstance(probs, np.ndarray) and np.ndim(probs) in (2, 3) else list(probs)
     # every entry as (R, N, C): one pass (R = 1) or the repeats of a per-repeat protocol
-    rep = [np.asarray(p, dtype=np.float64) for p in stack]
-    rep = [p[None] if p.ndim == 2 else p[:max_repeats] for p in rep]
+    full = [np.asarray(p, dtype=np.float64) for p in stack]
+    full = [p[None] if p.ndim == 2 else p for p in full]
+    rep = [p[:max_repeats] for p in full]
     checked = [_check(labels, p[r], n_classes) for p in rep for r in range(len(p))]
     y = checked[0][0]
     ps = [c[1] for c in checked]
@@ -257,6 +261,13 @@ def bootstrap_interval(
         return math.nan, math.nan
     a = (1.0 - level) / 2.0
     lo, hi = np.quantile(values, [a, 1.0 - a])
+    if any(len(f) > len(r) for f, r in zip(full, rep)):
+        # fewer repeats per resample than reported: centre the interval on the reported score
+        score = lambda stacks: float(np.mean([np.mean([fn(y, p, n_classes) for p in ps_]) for ps_ in stacks]))  # noqa: E731
+        shift = score(full) - score(rep)
+        if math.isfinite(shift):
+            bounds = (-1.0, 1.0) if metric == "qwk" else (0.0, 1.0)
+            lo, hi = np.clip([lo + shift, hi + shift], *bounds)
     return float(lo), float(hi)
 
 

@@ -32,8 +32,9 @@ precomputed embeddings (a Tensor [N, D], or a tuple ``(z, grid)``) when the enco
 (then ``encoder`` may be None). The result has the keys of
 :func:`~wsi_pipeline.evaluation.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
 the slide probabilities, natural log); for a per-repeat protocol every value is the mean over
-repeats (the checkpoint criterion the paper uses) and ``<metric>_repeat_std`` is added. Both modules are put in eval mode for the call and their
-previous train/eval mode is restored afterwards; no gradient is recorded.
+repeats (the checkpoint criterion the paper uses) and ``<metric>_repeat_std`` is added. Both
+modules are put in eval mode for the call and their previous train/eval mode is restored
+afterwards; no gradient is recorded.
 """
 
 from __future__ import annotations

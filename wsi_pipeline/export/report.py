@@ -286,7 +286,8 @@ def write_report(
         "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
         "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
         "Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval of the seed mean (slides resampled; "
-        f"per-repeat protocols average at most {BOOTSTRAP_MAX_REPEATS} repeats per resample) and, for per-repeat protocols, the std over "
+        f"per-repeat protocols average at most {BOOTSTRAP_MAX_REPEATS} repeats per resample, the interval then moved onto "
+        "the all-repeats score) and, for per-repeat protocols, the std over "
         "repeats (mean over seeds). ROC curves and confusion matrices of a subsample protocol use the probabilities "
         "averaged over repeats.</p>",
         "<h2>Metrics</h2>",
