@@ -33,7 +33,7 @@ def _raw_config(tmp, manifest, seeds):
     return {
         "name": "t",
         "data": {"manifest": str(manifest), "tiles_dir": str(tmp / "data" / "tiles"), "n_classes": 2, "tiling": {"tile_size": 32}},
-        "eval": {"val_protocol": "all", "protocols": ["all", {"subsample": {"k": 8, "repeats": 5}}], "seed": 0},
+        "eval": {"val_protocol": "all", "protocols": ["all", {"subsample": {"k": 8, "repeats": 5}}, {"subsample_ensemble": {"k": 8, "repeats": 5}}], "seed": 0},
         "seeds": seeds,
         "methods": [{"name": METHOD, "strategy": "full", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}, "chunk_size": 16}],
         "runs_dir": str(tmp / "runs"),
@@ -126,7 +126,7 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
     man = evaluated["manifest"]
     for cohort, split_ids in (("synthetic", man[(man.cohort == "synthetic") & (man.split == "test")].slide_id),
                               ("ext", man[man.cohort == "ext"].slide_id)):
-        for prot, n_rep in (("all", 1), ("sub8x5", 5)):
+        for prot, n_rep in (("all", 1), ("sub8x5", 5), ("ens8x5", 5)):
             df = pd.read_csv(out / f"predictions_{cohort}_{prot}.csv")
             assert list(df.columns) == prediction_columns(2)
             assert sorted(df.slide_id.unique()) == sorted(split_ids)  # train/val slides never evaluated
@@ -146,24 +146,61 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
 
 
 def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
-    out = evaluated["summary"].results_dir
+    from wsi_pipeline.evaluation.protocols import Protocol, protocol_rng, subset_indices
+    from wsi_pipeline.training.checkpoint import load_trained_model
+
+    cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
     recs = json.loads((out / "metrics.json").read_text())["records"]
     for r in recs:
-        assert set(r) == {"method", "seed", "cohort", "split", "protocol", "metric", "value"}
-    look = {(r["seed"], r["cohort"], r["split"], r["protocol"], r["metric"]): r["value"] for r in recs}
-    df = pd.read_csv(out / "predictions_synthetic_sub8x5.csv")
-    accs = []
+        assert set(r) - {"repeat"} == {"method", "seed", "cohort", "split", "protocol", "metric", "value"}
+    head = [r for r in recs if "repeat" not in r]
+    look = {(r["seed"], r["cohort"], r["split"], r["protocol"], r["metric"]): r["value"] for r in head}
+    assert len(look) == len(head)  # one headline value per key
+    per_rep = {(r["seed"], r["cohort"], r["protocol"], r["metric"], r["repeat"]): r["value"] for r in recs if "repeat" in r}
+
+    # the ensemble protocol: sklearn on the CSV's mean probabilities
+    ens = pd.read_csv(out / "predictions_synthetic_ens8x5.csv")
     for seed in (0, 1):
-        d = df[df.seed == seed]
-        acc = accuracy_score(d.label, d[["prob_0", "prob_1"]].to_numpy().argmax(1))
-        accs.append(acc)
-        assert look[(seed, "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(acc)
-        assert look[(seed, "synthetic", "test", "sub8x5", "auc")] == pytest.approx(roc_auc_score(d.label, d.prob_1))
-    assert look[("mean", "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.mean(accs))
-    assert look[("std", "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.std(accs, ddof=1))
-    assert ("mean", "ext", "external", "all", "auc_ci_low") in look
-    lo, hi = look[("mean", "ext", "external", "all", "auc_ci_low")], look[("mean", "ext", "external", "all", "auc_ci_high")]
-    assert lo is None or lo <= hi
+        d = ens[ens.seed == seed]
+        assert look[(seed, "synthetic", "test", "ens8x5", "accuracy")] == pytest.approx(
+            accuracy_score(d.label, d[["prob_0", "prob_1"]].to_numpy().argmax(1)))
+        assert look[(seed, "synthetic", "test", "ens8x5", "auc")] == pytest.approx(roc_auc_score(d.label, d.prob_1))
+
+    # the papers' protocol: every repeat re-predicted here from the saved model on that repeat's
+    # tiles, scored by sklearn; the model's value is the mean over repeats
+    man = evaluated["manifest"]
+    test = man[(man.cohort == "synthetic") & (man.split == "test")]
+    y = test.label.astype(int).to_numpy()
+    means = {"accuracy": [], "auc": []}
+    for seed in (0, 1):
+        model = load_trained_model(cfg.run_dir(METHOD, seed))
+        enc = model.encoder.eval()
+        p1 = np.zeros((5, len(test)))
+        with torch.no_grad():
+            for i, sid in enumerate(test.slide_id):
+                store = open_store(store_path(cfg.data.tiles_dir, sid))
+                subsets = subset_indices(len(store), Protocol(8, 5), protocol_rng(cfg.eval.seed, sid, "sub8x5"))
+                assert len(subsets) == 5  # every store has more than 8 tiles
+                for r, idx in enumerate(subsets):
+                    p1[r, i] = torch.softmax(model.aggregator(enc(tiles_to_tensor(store.read(idx)))).logits, 0)[1].item()
+        accs = [accuracy_score(y, p1[r] > 0.5) for r in range(5)]
+        aucs = [roc_auc_score(y, p1[r]) for r in range(5)]
+        for r in range(5):
+            assert per_rep[(seed, "synthetic", "sub8x5", "accuracy", r)] == pytest.approx(accs[r])
+            assert per_rep[(seed, "synthetic", "sub8x5", "auc", r)] == pytest.approx(aucs[r], abs=1e-6)
+        assert look[(seed, "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.mean(accs))
+        assert look[(seed, "synthetic", "test", "sub8x5", "auc")] == pytest.approx(np.mean(aucs), abs=1e-6)
+        assert look[(seed, "synthetic", "test", "sub8x5", "auc_repeat_std")] == pytest.approx(np.std(aucs, ddof=1), abs=1e-6)
+        assert look[(seed, "synthetic", "test", "sub8x5", "n_repeats")] == 5
+        means["accuracy"].append(np.mean(accs))
+        means["auc"].append(np.mean(aucs))
+    # mean +- std over seeds of the per-seed repeat means
+    assert look[("mean", "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.mean(means["accuracy"]))
+    assert look[("std", "synthetic", "test", "sub8x5", "accuracy")] == pytest.approx(np.std(means["accuracy"], ddof=1))
+    assert look[("mean", "synthetic", "test", "sub8x5", "auc")] == pytest.approx(np.mean(means["auc"]), abs=1e-6)
+    for prot in ("all", "sub8x5", "ens8x5"):
+        lo, hi = look[("mean", "ext", "external", prot, "auc_ci_low")], look[("mean", "ext", "external", prot, "auc_ci_high")]
+        assert lo is None or lo <= hi
 
 
 def test_localisation_and_heatmaps_of_the_first_model(evaluated):
@@ -195,7 +232,8 @@ def test_localisation_and_heatmaps_of_the_first_model(evaluated):
 def test_report_is_self_contained(evaluated):
     html = (evaluated["summary"].results_dir / "report.html").read_text()
     assert "<svg" in html and "data:image/png;base64," in html
-    assert "sub8x5" in html and "synthetic (test)" in html and "ext (external)" in html
+    assert "sub8x5" in html and "ens8x5" in html and "synthetic (test)" in html and "ext (external)" in html
+    assert "repeats sd" in html  # the per-repeat protocol shows its std over repeats
     import re
 
     srcs = re.findall(r'src="([^"]+)"', html)

@@ -10,7 +10,7 @@ from PIL import Image
 
 from wsi_pipeline.export.geojson import write_geojson
 from wsi_pipeline.export.heatmap import normalise_scores, render_heatmap
-from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json, validate_records, write_metrics_json
+from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json, summary_table, validate_records, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_columns, prediction_row, predictions_path, read_predictions, write_predictions
 from wsi_pipeline.export.slide_outputs import write_slide_outputs
 from wsi_pipeline.export.thumbnail import StoreThumbnail, slide_thumbnail, thumbnail_shape
@@ -60,6 +60,34 @@ def test_metrics_json_schema_and_aggregates(tmp_path):
         validate_records({"records": [{"method": "x"}]})
     with pytest.raises(ValueError, match="seed must be an integer, 'mean' or 'std'"):
         validate_records({"records": [{**obj["records"][0], "seed": "best"}]})
+
+
+def test_metrics_json_per_repeat_records(tmp_path):
+    rng = np.random.default_rng(0)
+    per = rng.uniform(0.5, 1.0, (2, 4))  # (seed, repeat) AUCs
+    recs = []
+    for seed in (0, 1):
+        recs.append(MetricRecord("m", seed, "c", "test", "sub8x4", "auc", float(per[seed].mean())))
+        recs.append(MetricRecord("m", seed, "c", "test", "sub8x4", "auc_repeat_std", float(per[seed].std(ddof=1))))
+        recs += [MetricRecord("m", seed, "c", "test", "sub8x4", "auc", float(v), r) for r, v in enumerate(per[seed])]
+    path = write_metrics_json(tmp_path / "metrics.json", recs)
+    obj = json.loads(path.read_text())
+    reps = [r for r in obj["records"] if "repeat" in r]
+    assert sorted((r["seed"], r["repeat"]) for r in reps) == [(s, r) for s in (0, 1) for r in range(4)]
+    # seed aggregates come from the per-seed repeat means only
+    agg = {(r["seed"], r["metric"]): r["value"] for r in obj["records"] if r["seed"] in ("mean", "std")}
+    assert agg[("mean", "auc")] == pytest.approx(per.mean(1).mean())
+    assert agg[("std", "auc")] == pytest.approx(np.std(per.mean(1), ddof=1))
+    assert len(agg) == 4  # auc and auc_repeat_std, mean and std
+    back = read_metrics_json(path)
+    assert [r.repeat for r in back if r.repeat is not None] == [r["repeat"] for r in reps]
+    with pytest.raises(ValueError, match="repeat must be a non-negative integer"):
+        validate_records({"records": [{**reps[0], "repeat": "first"}]})
+    table = summary_table(back, ("auc", "auc_repeat_std"))
+    m, s = per.mean(1).mean(), np.std(per.mean(1), ddof=1)
+    assert table.loc["m", ("c", "sub8x4", "auc")] == f"{m:.3f} ± {s:.3f}"
+    rs = per.std(1, ddof=1)
+    assert table.loc["m", ("c", "sub8x4", "auc_repeat_std")] == f"{rs.mean():.3f} ± {np.std(rs, ddof=1):.3f}"
 
 
 def test_geojson_one_closed_polygon_per_tile_in_level0(tmp_path):

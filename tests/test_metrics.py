@@ -13,6 +13,7 @@ from sklearn.metrics import (
 from wsi_pipeline.evaluation.metrics import (
     bootstrap_interval,
     compute_metrics,
+    compute_repeat_metrics,
     confusion,
     mean_std,
     selection_metric,
@@ -100,3 +101,82 @@ def test_mean_std_over_seeds():
     assert mean_std(v) == pytest.approx((np.mean(v), np.std(v, ddof=1)))
     m, s = mean_std([0.5, float("nan")])
     assert m == 0.5 and math.isnan(s)
+
+
+def _sklearn_binary(y, p):
+    """Reference metrics of one (N, 2) probability matrix, straight from scikit-learn."""
+    pred = p.argmax(1)
+    return {
+        "auc": roc_auc_score(y, p[:, 1]),
+        "accuracy": accuracy_score(y, pred),
+        "balanced_accuracy": balanced_accuracy_score(y, pred),
+        "qwk": cohen_kappa_score(y, pred, weights="quadratic"),
+    }
+
+
+def test_repeat_metrics_are_sklearn_per_repeat_then_mean():
+    rng = np.random.default_rng(7)
+    y = rng.integers(0, 2, 30)
+    P = np.stack([_probs(rng, y, 2, signal=0.8) for _ in range(6)])  # (R=6, N, C)
+    rm = compute_repeat_metrics(y, P, 2)
+    assert len(rm.per_repeat) == 6
+    refs = [_sklearn_binary(y, P[r]) for r in range(6)]
+    for m in ("auc", "accuracy", "balanced_accuracy", "qwk"):
+        per = [ref[m] for ref in refs]
+        assert [d[m] for d in rm.per_repeat] == pytest.approx(per, rel=1e-12)
+        assert rm.mean[m] == pytest.approx(np.mean(per), rel=1e-12)
+        assert rm.std[m] == pytest.approx(np.std(per, ddof=1), rel=1e-12)
+    assert rm.mean["n_repeats"] == 6 and rm.mean["n_slides"] == 30
+    one = compute_repeat_metrics(y, P[:1], 2)
+    assert one.mean["auc"] == pytest.approx(refs[0]["auc"]) and math.isnan(one.std["auc"])
+    with pytest.raises(ValueError, match=r"shape \(R >= 1, N, n_classes=2\)"):
+        compute_repeat_metrics(y, P[0], 2)
+
+
+def test_per_repeat_score_and_ensemble_differ():
+    # two repeats that each rank one negative above one positive, in opposite slides: averaging
+    # the probabilities over repeats cancels the errors, scoring each repeat does not
+    y = np.array([0, 0, 1, 1])
+    p1 = np.array([[0.2, 0.6, 0.7, 0.5], [0.6, 0.2, 0.5, 0.7]])  # P(class 1), (R, N)
+    P = np.stack([1 - p1, p1], axis=-1)
+    per_repeat = compute_repeat_metrics(y, P, 2).mean["auc"]
+    ensemble = compute_metrics(y, P.mean(0), 2)["auc"]
+    assert per_repeat == pytest.approx(np.mean([roc_auc_score(y, p1[0]), roc_auc_score(y, p1[1])]))
+    assert ensemble == pytest.approx(roc_auc_score(y, p1.mean(0)))
+    assert ensemble - per_repeat > 0.2
+
+
+def test_bootstrap_interval_of_a_per_repeat_score():
+    rng = np.random.default_rng(5)
+    y = rng.integers(0, 2, 40)
+    P = np.stack([_probs(rng, y, 2, signal=1.0) for _ in range(4)])
+    # R identical repeats: the interval of one pass
+    same = np.repeat(P[:1], 3, axis=0)
+    assert bootstrap_interval(y, [same], 2, "auc", n_boot=60, seed=2) == pytest.approx(
+        bootstrap_interval(y, P[0], 2, "auc", n_boot=60, seed=2))
+    # max_repeats=1 resamples the first repeat only, then moves to the 4-repeat score
+    first = np.asarray(bootstrap_interval(y, P[0], 2, "accuracy", n_boot=60, seed=2))
+    shift = np.mean([accuracy_score(y, P[k].argmax(1)) for k in range(4)]) - accuracy_score(y, P[0].argmax(1))
+    assert bootstrap_interval(y, [P], 2, "accuracy", n_boot=60, seed=2, max_repeats=1) == pytest.approx(
+        tuple(np.clip(first + shift, 0, 1)))
+    # otherwise each resample is the mean over repeats of the per-repeat values: reference loop
+    def reference(max_rep):
+        r = np.random.default_rng(3)
+        vals = []
+        for _ in range(80):
+            idx = r.integers(0, len(y), len(y))
+            a = np.mean([roc_auc_score(y[idx], P[k][idx, 1]) for k in range(max_rep)])
+            b = np.mean([roc_auc_score(y[idx], P[::-1][k][idx, 1]) for k in range(max_rep)])
+            vals.append((a + b) / 2)
+        return np.quantile(vals, [0.025, 0.975])
+
+    point = compute_repeat_metrics(y, P, 2).mean["auc"]  # P[::-1] has the same repeat mean
+    lo, hi = bootstrap_interval(y, [P, P[::-1]], 2, "auc", n_boot=80, seed=3, max_repeats=4)
+    assert (lo, hi) == pytest.approx(tuple(reference(4)))
+    assert lo < point < hi
+    # fewer repeats per resample than reported: the interval of the 2-repeat mean, moved by the
+    # difference between the 4-repeat and the 2-repeat scores on the whole cohort
+    lo2, hi2 = bootstrap_interval(y, [P, P[::-1]], 2, "auc", n_boot=80, seed=3, max_repeats=2)
+    two = np.mean([roc_auc_score(y, P[k][:, 1]) for k in (0, 1)] + [roc_auc_score(y, P[::-1][k][:, 1]) for k in (0, 1)])
+    assert (lo2, hi2) == pytest.approx(tuple(np.clip(reference(2) + point - two, 0, 1)))
+    assert lo2 < point < hi2

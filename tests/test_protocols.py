@@ -14,6 +14,7 @@ from wsi_pipeline.evaluation.protocols import (
     predict_protocols,
     predict_slide,
     protocol_rng,
+    repeat_probs,
     subset_indices,
     validate_model,
 )
@@ -84,6 +85,25 @@ def test_parse_protocols():
         parse_protocol({"subsample": {"kk": 3}})
     with pytest.raises(ValueError, match="protocol 'most' not understood"):
         parse_protocol("most")
+    # the mean-probability ensemble has its own name, never the papers' sub<k>x<R>
+    ens = parse_protocol("ens256x100")
+    assert ens == Protocol(256, 100, ensemble=True) and ens.name == "ens256x100" and not ens.per_repeat
+    assert parse_protocol({"subsample_ensemble": {"k": 4, "repeats": 3}}).name == "ens4x3"
+    assert parse_protocol("256x100").per_repeat and not parse_protocol("256x100").ensemble
+    assert parse_protocols(["sub4x3", "ens4x3"]) == [Protocol(4, 3), Protocol(4, 3, ensemble=True)]
+    # config protocols (training.config) map onto the same names
+    from wsi_pipeline.training.config import Protocol as CfgProtocol
+
+    assert parse_protocol(CfgProtocol("subsample", 8, 5)).name == "sub8x5"
+    assert parse_protocol(CfgProtocol("subsample_ensemble", 8, 5)).name == "ens8x5"
+    assert CfgProtocol("subsample_ensemble", 8, 5).name == "ens8x5"
+
+
+def test_sub_and_ens_draw_the_same_subsets():
+    a, b = Protocol(5, 4), Protocol(5, 4, ensemble=True)
+    sa = subset_indices(40, a, protocol_rng(0, "s1", a))
+    sb = subset_indices(40, b, protocol_rng(0, "s1", "ens5x4"))
+    assert all(np.array_equal(x, y) for x, y in zip(sa, sb))
 
 
 def test_embed_once_equals_per_subset_recomputation(store):
@@ -143,10 +163,13 @@ def test_predict_protocols_embeds_once_and_passes_grid(store):
     enc.forward = lambda x: (calls.append(len(x)), orig(x))[1]
     torch.manual_seed(1)
     head = GridHead()
-    out = predict_protocols(enc, head, store, [ALL, Protocol(5, 4)], slide_id="s1", batch_size=16)
-    assert sum(calls) == len(store)  # every tile embedded exactly once for both protocols
-    assert set(out) == {"all", "sub5x4"}
+    out = predict_protocols(enc, head, store, [ALL, Protocol(5, 4), Protocol(5, 4, ensemble=True)], slide_id="s1", batch_size=16)
+    assert sum(calls) == len(store)  # every tile embedded exactly once for every protocol
+    assert set(out) == {"all", "sub5x4", "ens5x4"}
     assert out["sub5x4"].attention is out["all"].attention
+    assert out["ens5x4"].protocol == "ens5x4" and out["ens5x4"].repeat_probs.shape == (4, 2)
+    np.testing.assert_array_equal(out["ens5x4"].repeat_probs, out["sub5x4"].repeat_probs)
+    np.testing.assert_allclose(out["sub5x4"].probs, out["sub5x4"].repeat_probs.mean(0), rtol=1e-12)
     with pytest.raises(ValueError, match="needs the tile grid"):
         predict_slide(head, torch.zeros(3, D), None, ALL)
 
@@ -165,3 +188,66 @@ def test_validate_model_matches_compute_metrics(store, tmp_path):
     assert m["loss"] == pytest.approx(-np.mean(np.log(probs[[0, 1, 2], labels])))
     with pytest.raises(ValueError, match="3 slides but 2 labels"):
         validate_model(enc, agg, slides, [0, 1], n_classes=2)
+
+
+def _slide_embeddings(n_slides=12, seed=0):
+    """Per slide random embeddings [n, D] (some slides smaller than k) and a label that shifts them."""
+    rng = np.random.default_rng(seed)
+    labels = [i % 2 for i in range(n_slides)]
+    zs = []
+    for i, lab in enumerate(labels):
+        n = 4 if i == 3 else int(rng.integers(10, 30))  # slide 3 has fewer tiles than k: one pass
+        z = rng.normal(size=(n, D)) + 0.6 * lab * (rng.random((n, 1)) < 0.3)
+        zs.append(torch.tensor(z, dtype=torch.float32))
+    return zs, labels
+
+
+def test_validate_model_per_repeat_and_ensemble_protocols_vs_sklearn():
+    from sklearn.metrics import accuracy_score, cohen_kappa_score, roc_auc_score
+
+    _, agg = _models()
+    zs, labels = _slide_embeddings()
+    ids = [f"slide{i}" for i in range(len(zs))]
+    k, R = 6, 5
+    y = np.asarray(labels)
+    # reference: draw each slide's subsets, run the aggregator on each subset directly
+    ref = np.zeros((R, len(zs)))  # P(class 1) of each slide in each repeat
+    agg.eval()
+    with torch.no_grad():
+        for i, (z, sid) in enumerate(zip(zs, ids)):
+            subsets = subset_indices(len(z), Protocol(k, R), protocol_rng(0, sid, "sub6x5"))
+            ps = [torch.softmax(agg(z[torch.as_tensor(idx)]).logits, 0)[1].item() for idx in subsets]
+            ref[:, i] = ps if len(ps) == R else ps * R  # a one-pass slide counts in every repeat
+    per_auc = [roc_auc_score(y, ref[r]) for r in range(R)]
+    per_acc = [accuracy_score(y, ref[r] > 0.5) for r in range(R)]
+    per_qwk = [cohen_kappa_score(y, (ref[r] > 0.5).astype(int), weights="quadratic") for r in range(R)]
+    agg.train()
+    sub = validate_model(None, agg, zs, labels, f"{k}x{R}", n_classes=2, slide_ids=ids)
+    assert sub["auc"] == pytest.approx(np.mean(per_auc), abs=1e-6)
+    assert sub["accuracy"] == pytest.approx(np.mean(per_acc))
+    assert sub["qwk"] == pytest.approx(np.mean(per_qwk), abs=1e-6)
+    assert sub["auc_repeat_std"] == pytest.approx(np.std(per_auc, ddof=1), abs=1e-6)
+    ce = -np.log(np.where(y == 1, ref, 1 - ref))
+    assert sub["loss"] == pytest.approx(ce.mean(), rel=1e-5)
+    assert agg.training  # mode restored
+    # the ensemble protocol: the metric of the probabilities averaged over repeats
+    ens = validate_model(None, agg, zs, labels, f"ens{k}x{R}", n_classes=2, slide_ids=ids)
+    assert ens["auc"] == pytest.approx(roc_auc_score(y, ref.mean(0)), abs=1e-6)
+    assert ens["accuracy"] == pytest.approx(accuracy_score(y, ref.mean(0) > 0.5))
+    assert "auc_repeat_std" not in ens
+    # the two statistics of the same subsets are different numbers
+    print(f"per-repeat AUC {sub['auc']:.4f} +- {sub['auc_repeat_std']:.4f}; ensemble AUC {ens['auc']:.4f}")
+    assert not np.isclose(sub["auc"], ens["auc"])
+
+
+def test_repeat_probs_broadcasts_one_pass_slides(store):
+    _, agg = _models()
+    z = torch.randn(40, D)
+    many = predict_slide(agg, z, None, Protocol(5, 3), protocol_rng(0, "a", "sub5x3"), with_attention=False)
+    one = predict_slide(agg, z[:4], None, Protocol(5, 3), protocol_rng(0, "b", "sub5x3"), with_attention=False)
+    P = repeat_probs([many, one], 3)
+    assert P.shape == (3, 2, 2)
+    np.testing.assert_array_equal(P[:, 0], many.repeat_probs)
+    np.testing.assert_array_equal(P[:, 1], np.repeat(one.repeat_probs, 3, axis=0))
+    with pytest.raises(ValueError, match="has 3 repeats; expected 1 or 4"):
+        repeat_probs([many], 4)

@@ -100,12 +100,11 @@ def _eval_is_current(results: Path, run_dirs: list[Path]) -> bool:
 
 
 def results_table(metrics_json: Path) -> pd.DataFrame:
-    """Method x (cohort, protocol) table of mean AUC and accuracy (and localisation AUC) from ``metrics.json``."""
-    records = json.loads(Path(metrics_json).read_text())["records"]
-    df = pd.DataFrame(records)
-    df = df[(df["seed"] == "mean") & df["metric"].isin(["auc", "accuracy", "localisation_auc"])]
-    table = df.pivot_table(index="method", columns=["cohort", "protocol", "metric"], values="value", aggfunc="first")
-    return table.round(3)
+    """Method x (cohort, protocol) table of AUC and accuracy (and localisation AUC) from ``metrics.json``:
+    mean ± std over seeds; ``auc_repeat_std``: std over repeats of the per-repeat protocols."""
+    from wsi_pipeline.export.metrics_json import read_metrics_json, summary_table
+
+    return summary_table(read_metrics_json(metrics_json), ("auc", "accuracy", "auc_repeat_std", "localisation_auc"))
 
 
 def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: DemoCohort = DemoCohort(),

@@ -88,7 +88,7 @@ def _print_table(records: list) -> None:
     cells: dict[tuple[str, str, str], dict[str, str]] = defaultdict(dict)
     look = {(r.method, r.seed, r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
     for r in records:
-        if r.seed != "mean" or r.metric not in ("auc", "qwk", "accuracy", "localisation_auc"):
+        if r.seed != "mean" or r.metric not in ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc"):
             continue
         std = look.get((r.method, "std", r.cohort, r.split, r.protocol, r.metric))
         txt = "-" if math.isnan(r.value) else f"{r.value:.3f}"
@@ -97,7 +97,7 @@ def _print_table(records: list) -> None:
         cells[(r.method, f"{r.cohort} ({r.split})", r.protocol)][r.metric] = txt
     if not cells:
         return
-    metrics = [m for m in ("auc", "qwk", "accuracy", "localisation_auc") if any(m in c for c in cells.values())]
+    metrics = [m for m in ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc") if any(m in c for c in cells.values())]
     head = ["method", "cohort", "protocol", *metrics]
     rows = [[*k, *(v.get(m, "") for m in metrics)] for k, v in cells.items()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]

@@ -5,6 +5,11 @@ Metric names (keys of :func:`compute_metrics`): ``qwk`` (Cohen's kappa, quadrati
 macro one-vs-rest ROC AUC) and ``n_slides``. A metric that is undefined on the given slides (AUC
 with one class present, kappa when labels and predictions are one constant class) is ``nan``,
 never an exception, so one small cohort does not stop an evaluation.
+
+Repeated subsampling as the Big-Layers paper scores it (:func:`compute_repeat_metrics`): each
+repeat's slide probabilities are scored on their own, and the model's score is the mean of the R
+per-repeat metrics (the std over repeats reported beside it), not the metric of probabilities
+averaged over repeats (an ensemble, a different and usually higher number).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import sklearn
@@ -26,7 +32,10 @@ from sklearn.exceptions import UndefinedMetricWarning
 
 __all__ = [
     "METRICS",
+    "BOOTSTRAP_MAX_REPEATS",
+    "RepeatMetrics",
     "compute_metrics",
+    "compute_repeat_metrics",
     "confusion",
     "selection_metric",
     "bootstrap_interval",
@@ -35,6 +44,9 @@ __all__ = [
 
 #: Metrics :func:`compute_metrics` returns (besides ``n_slides``); all are "higher is better".
 METRICS: tuple[str, ...] = ("qwk", "accuracy", "balanced_accuracy", "auc")
+
+#: Repeats a bootstrap resample scores under a per-repeat protocol (see :func:`bootstrap_interval`).
+BOOTSTRAP_MAX_REPEATS = 5
 
 
 def _check(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -118,6 +130,49 @@ def compute_metrics(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_cla
     return {m: out[m] for m in (*METRICS, "n_slides")}
 
 
+@dataclass
+class RepeatMetrics:
+    """Metrics of a per-repeat subsample protocol on one cohort.
+
+    Attributes
+    ----------
+    mean : the model's score: per metric of :data:`METRICS`, the mean over repeats of the
+        per-repeat values (``nan`` if any repeat's value is undefined), plus ``n_slides`` and
+        ``n_repeats`` (R).
+    std : per metric, the sample standard deviation (ddof 1) over repeats; ``nan`` for R = 1.
+    per_repeat : R dicts from :func:`compute_metrics`, one per repeat, in repeat order.
+    """
+
+    mean: dict[str, float]
+    std: dict[str, float]
+    per_repeat: list[dict[str, float]]
+
+
+def compute_repeat_metrics(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> RepeatMetrics:
+    """The paper's subsample score: metrics of every repeat over all slides, then mean and std over repeats.
+
+    Parameters
+    ----------
+    labels : int (N,), classes in ``[0, n_classes)``.
+    probs : float (R, N, n_classes): slide n's class probabilities from repeat r's tiles (a slide
+        with at most k tiles has the same all-tiles row in every repeat).
+    n_classes : C >= 2.
+    """
+    p = np.asarray(probs, dtype=np.float64)
+    if p.ndim != 3 or p.shape[0] < 1:
+        raise ValueError(f"repeat probabilities must have shape (R >= 1, N, n_classes={n_classes}); got {p.shape}")
+    per = [compute_metrics(labels, p[r], n_classes) for r in range(p.shape[0])]
+    mean: dict[str, float] = {}
+    std: dict[str, float] = {}
+    for m in METRICS:
+        v = np.asarray([d[m] for d in per], dtype=np.float64)
+        mean[m] = float(v.mean())
+        std[m] = float(v.std(ddof=1)) if len(v) > 1 else math.nan
+    mean["n_slides"] = per[0]["n_slides"]
+    mean["n_repeats"] = float(p.shape[0])
+    return RepeatMetrics(mean=mean, std=std, per_repeat=per)
+
+
 def confusion(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> np.ndarray:
     """Confusion matrix int64 (C, C): row = true class, column = predicted class (argmax of ``probs``)."""
     y, p = _check(labels, probs, n_classes)
@@ -147,6 +202,7 @@ def bootstrap_interval(
     n_boot: int = 1000,
     level: float = 0.95,
     seed: int = 0,
+    max_repeats: int = BOOTSTRAP_MAX_REPEATS,
 ) -> tuple[float, float]:
     """Percentile bootstrap interval of a metric over slides.
 
@@ -154,6 +210,16 @@ def bootstrap_interval(
     a list of them (one per seed, same slides and order): each resample then scores every seed
     on the same slides and takes the mean, giving the interval of the method's seed-mean.
     Resamples where the metric is undefined (e.g. one class only, for AUC) are skipped.
+
+    Per-repeat protocols: an entry may be (R, N, C), one slide-probability matrix per repeat
+    (:func:`compute_repeat_metrics`); a resample then scores the first ``m = min(R, max_repeats)``
+    repeats on the same resampled slides and takes their mean, at m times the cost of a
+    one-pass interval. With R <= ``max_repeats`` this is exactly the interval of the
+    mean-over-repeats score. With R > ``max_repeats`` it is the interval of the m-repeat mean
+    (repeats are independent draws, so the first m are a random sample of them), shifted by
+    the difference between the R-repeat and the m-repeat scores on the whole cohort so that it
+    surrounds the reported score, and clipped to the metric's range ([-1, 1] for ``qwk``,
+    [0, 1] otherwise); it is a little wide, since a mean of fewer repeats varies more.
 
     Returns
     -------
@@ -165,10 +231,18 @@ def bootstrap_interval(
     """
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r} unknown; choose one of {list(METRICS)}")
-    stack = [probs] if isinstance(probs, np.ndarray) and np.ndim(probs) == 2 else list(probs)
-    checked = [_check(labels, p, n_classes) for p in stack]
+    if max_repeats < 1:
+        raise ValueError(f"max_repeats={max_repeats}; expected >= 1")
+    stack = [probs] if isinstance(probs, np.ndarray) and np.ndim(probs) in (2, 3) else list(probs)
+    # every entry as (R, N, C): one pass (R = 1) or the repeats of a per-repeat protocol
+    full = [np.asarray(p, dtype=np.float64) for p in stack]
+    full = [p[None] if p.ndim == 2 else p for p in full]
+    rep = [p[:max_repeats] for p in full]
+    checked = [_check(labels, p[r], n_classes) for p in rep for r in range(len(p))]
     y = checked[0][0]
     ps = [c[1] for c in checked]
+    n_rep = [len(p) for p in rep]
+    owner = np.repeat(np.arange(len(rep)), n_rep)  # which seed each checked matrix belongs to
     n = len(y)
     if n == 0:
         return math.nan, math.nan
@@ -179,13 +253,21 @@ def bootstrap_interval(
     with sklearn.config_context(skip_parameter_validation=True, assume_finite=True):
         for _ in range(n_boot):
             idx = rng.integers(0, n, n)
-            v = float(np.mean([fn(y[idx], p[idx], n_classes) for p in ps]))
+            per = np.asarray([fn(y[idx], p[idx], n_classes) for p in ps])
+            v = float(np.mean([per[owner == i].mean() for i in range(len(rep))]))  # repeat mean, then seed mean
             if not math.isnan(v):
                 values.append(v)
     if len(values) < 10:
         return math.nan, math.nan
     a = (1.0 - level) / 2.0
     lo, hi = np.quantile(values, [a, 1.0 - a])
+    if any(len(f) > len(r) for f, r in zip(full, rep)):
+        # fewer repeats per resample than reported: centre the interval on the reported score
+        score = lambda stacks: float(np.mean([np.mean([fn(y, p, n_classes) for p in ps_]) for ps_ in stacks]))  # noqa: E731
+        shift = score(full) - score(rep)
+        if math.isfinite(shift):
+            bounds = (-1.0, 1.0) if metric == "qwk" else (0.0, 1.0)
+            lo, hi = np.clip([lo + shift, hi + shift], *bounds)
     return float(lo), float(hi)
 
 

@@ -1,15 +1,26 @@
 """Test protocols: embed a slide once, then aggregate all tiles or R random k-tile subsets.
 
 The papers score a slide on all its foreground tiles and on R repeats of k random tiles (TCGA-PRAD
-100 x 256, CAMELYON 10 x 2048), the slide's score being the mean over repeats. Because the
-encoder sees each tile independently in eval mode, a tile's embedding does not depend on which
-subset it is in: we embed every tile once (:func:`embed_slide`) and re-run only the aggregator on
-index subsets (:func:`predict_slide`). This is exactly what re-embedding each subset would give,
-at the cost of one encoder pass plus R cheap aggregator passes.
+100 x 256, CAMELYON 10 x 2048). Because the encoder sees each tile independently in eval mode, a
+tile's embedding does not depend on which subset it is in: we embed every tile once
+(:func:`embed_slide`) and re-run only the aggregator on index subsets (:func:`predict_slide`).
+This is exactly what re-embedding each subset would give, at the cost of one encoder pass plus R
+cheap aggregator passes.
+
+Two ways to score R x k subsets (same subsets, different statistics)
+--------------------------------------------------------------------
+- ``sub<k>x<R>`` (YAML ``{subsample: {k, repeats}}``), the papers' protocol: repeat r predicts
+  every slide from that repeat's tiles; the metric is computed over slides for each repeat; the
+  model's score is the mean of the R per-repeat metrics (std over repeats beside it). Big-Layers
+  Table 3: "we test each model 10 times and use the mean AUC of the 10 runs".
+- ``ens<k>x<R>`` (YAML ``{subsample_ensemble: {k, repeats}}``): each slide's probabilities are
+  averaged over its R repeats and the metric is computed once on those means (an ensemble over
+  subsets; not the papers' number, usually higher).
 
 Reproducibility: the subsets of a slide come from a NumPy generator seeded by
-``(seed, slide_id, protocol name)`` (:func:`protocol_rng`), so they do not depend on the order
-of slides, on the other protocols, or on the model; repeats differ from each other.
+``(seed, slide_id, sub<k>x<R>)`` (:func:`protocol_rng`), so they do not depend on the order of
+slides, on the other protocols, or on the model; repeats differ from each other; the two
+statistics above see the same subsets.
 
 Validation API for the training loop
 ------------------------------------
@@ -20,8 +31,10 @@ device=None, batch_size=64, seed=0, progress=False, slide_ids=None) -> dict[str,
 precomputed embeddings (a Tensor [N, D], or a tuple ``(z, grid)``) when the encoder is frozen
 (then ``encoder`` may be None). The result has the keys of
 :func:`~wsi_pipeline.evaluation.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
-the slide probabilities, natural log). Both modules are put in eval mode for the call and their
-previous train/eval mode is restored afterwards; no gradient is recorded.
+the slide probabilities, natural log); for a per-repeat protocol every value is the mean over
+repeats (the checkpoint criterion the paper uses) and ``<metric>_repeat_std`` is added. Both
+modules are put in eval mode for the call and their previous train/eval mode is restored
+afterwards; no gradient is recorded.
 """
 
 from __future__ import annotations
@@ -33,7 +46,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -41,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.evaluation.metrics import compute_metrics
+from wsi_pipeline.evaluation.metrics import compute_metrics, compute_repeat_metrics
 from wsi_pipeline.tiling.store import TileStore, open_store
 
 __all__ = [
@@ -55,6 +68,7 @@ __all__ = [
     "embed_slide",
     "predict_slide",
     "predict_protocols",
+    "repeat_probs",
     "run_aggregator",
     "validate_model",
 ]
@@ -64,12 +78,15 @@ __all__ = [
 class Protocol:
     """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
 
-    ``name`` is ``"all"`` or ``"sub<k>x<repeats>"`` (e.g. ``sub256x100``); it appears in file
-    names (``predictions_<cohort>_<name>.csv``) and in ``metrics.json``.
+    ``ensemble`` False (the papers' protocol): metrics per repeat, mean over repeats.
+    ``ensemble`` True: metrics of the slide probabilities averaged over repeats (module docstring).
+    ``name`` is ``"all"``, ``"sub<k>x<repeats>"`` (e.g. ``sub256x100``) or ``"ens<k>x<repeats>"``;
+    it appears in file names (``predictions_<cohort>_<name>.csv``) and in ``metrics.json``.
     """
 
     k: int | None = None
     repeats: int = 1
+    ensemble: bool = False
 
     def __post_init__(self) -> None:
         if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
@@ -80,8 +97,20 @@ class Protocol:
         return self.k is None
 
     @property
-    def name(self) -> str:
+    def per_repeat(self) -> bool:
+        """True for the papers' subsample protocol (metric per repeat, then the mean over repeats)."""
+        return self.k is not None and not self.ensemble
+
+    @property
+    def draw_name(self) -> str:
+        """``all`` or ``sub<k>x<repeats>``: keys the subsets, shared by ``sub`` and ``ens`` of the same k, R."""
         return "all" if self.k is None else f"sub{self.k}x{self.repeats}"
+
+    @property
+    def name(self) -> str:
+        if self.k is None:
+            return "all"
+        return f"{'ens' if self.ensemble else 'sub'}{self.k}x{self.repeats}"
 
     def __str__(self) -> str:
         return self.name
@@ -89,15 +118,19 @@ class Protocol:
 
 ALL = Protocol()
 
-_NAME_RE = re.compile(r"^(?:sub(?:sample)?[_:=-]?)?(\d+)\s*[xX*]\s*(\d+)$")
+_NAME_RE = re.compile(r"^(?:(sub(?:sample)?|ens(?:emble)?|subsample_ensemble)[_:=-]?)?(\d+)\s*[xX*]\s*(\d+)$")
+_ENSEMBLE_KEY = "subsample_ensemble"
 
 
 def parse_protocol(entry: Any) -> Protocol:
     """Parse one protocol from a config entry or a command-line string.
 
-    Accepted forms: ``"all"``; ``{"subsample": {"k": 256, "repeats": 100}}``;
-    ``{"k": 256, "repeats": 100}``; the strings ``"256x100"`` / ``"sub256x100"`` (k x repeats);
-    a :class:`Protocol`; any object with ``k`` and ``repeats`` attributes (``k`` None = all).
+    Accepted forms: ``"all"``; ``{"subsample": {"k": 256, "repeats": 100}}`` (the papers'
+    per-repeat score); ``{"subsample_ensemble": {"k": 256, "repeats": 100}}`` (mean-probability
+    ensemble); ``{"k": 256, "repeats": 100}``; the strings ``"256x100"`` / ``"sub256x100"``
+    (per-repeat) and ``"ens256x100"`` (ensemble); a :class:`Protocol`; any object with ``k`` and
+    ``repeats`` attributes (``k`` None = all; ``kind == "subsample_ensemble"`` or a true
+    ``ensemble`` attribute = ensemble).
     """
     if isinstance(entry, Protocol):
         return entry
@@ -109,12 +142,16 @@ def parse_protocol(entry: Any) -> Protocol:
             return ALL
         m = _NAME_RE.match(s)
         if m:
-            return Protocol(int(m.group(1)), int(m.group(2)))
-        raise ValueError(f"protocol {entry!r} not understood; use 'all' or '<k>x<repeats>' such as '256x100'")
+            return Protocol(int(m.group(2)), int(m.group(3)), ensemble=(m.group(1) or "sub").startswith(("ens", _ENSEMBLE_KEY)))
+        raise ValueError(
+            f"protocol {entry!r} not understood; use 'all', '<k>x<repeats>' such as '256x100' (per-repeat, "
+            "the papers' score) or 'ens<k>x<repeats>' (mean-probability ensemble)"
+        )
     if isinstance(entry, Mapping):
         if set(entry) == {"all"}:
             return ALL
-        body = entry.get("subsample", entry)
+        ensemble = _ENSEMBLE_KEY in entry
+        body = entry.get(_ENSEMBLE_KEY, entry.get("subsample", entry))
         if isinstance(body, Mapping):
             unknown = set(body) - {"k", "repeats"}
             if unknown or "k" not in body:
@@ -122,13 +159,14 @@ def parse_protocol(entry: Any) -> Protocol:
                     f"subsample protocol {dict(entry)!r}: expected keys k and repeats, found {sorted(body)}; "
                     "write e.g. {subsample: {k: 256, repeats: 100}}"
                 )
-            return Protocol(int(body["k"]), int(body.get("repeats", 1)))
+            return Protocol(int(body["k"]), int(body.get("repeats", 1)), ensemble=ensemble)
         if isinstance(body, Sequence) and len(body) == 2:
-            return Protocol(int(body[0]), int(body[1]))
+            return Protocol(int(body[0]), int(body[1]), ensemble=ensemble)
         raise ValueError(f"protocol {dict(entry)!r} not understood; write 'all' or {{subsample: {{k: 256, repeats: 100}}}}")
     if hasattr(entry, "k"):
         k = getattr(entry, "k")
-        return ALL if k is None else Protocol(int(k), int(getattr(entry, "repeats", 1)))
+        ens = getattr(entry, "kind", None) == _ENSEMBLE_KEY or bool(getattr(entry, "ensemble", False))
+        return ALL if k is None else Protocol(int(k), int(getattr(entry, "repeats", 1)), ensemble=ens)
     raise TypeError(f"protocol must be a string, a mapping or a Protocol; got {type(entry).__name__}: {entry!r}")
 
 
@@ -143,8 +181,18 @@ def parse_protocols(entries: Sequence[Any] | None) -> list[Protocol]:
 
 
 def protocol_rng(seed: int, slide_id: str, protocol: Protocol | str) -> np.random.Generator:
-    """The generator of one slide's subsets under one protocol, from a stable hash of the three."""
-    key = f"{int(seed)}\x1f{slide_id}\x1f{protocol}".encode()
+    """The generator of one slide's subsets under one protocol, from a stable hash of the three.
+
+    A protocol is keyed by its :attr:`Protocol.draw_name`, so ``sub<k>x<R>`` and ``ens<k>x<R>``
+    draw the same subsets; a string that is not a protocol name is used as it is.
+    """
+    if isinstance(protocol, str):
+        try:
+            protocol = parse_protocol(protocol)
+        except ValueError:
+            pass
+    name = protocol.draw_name if isinstance(protocol, Protocol) else str(protocol)
+    key = f"{int(seed)}\x1f{slide_id}\x1f{name}".encode()
     return np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 
 
@@ -179,6 +227,8 @@ class SlidePrediction:
     n_repeats : aggregator passes averaged (1 for ``all`` or when k >= n_tiles).
     n_tiles : tiles in the slide (N).
     protocol : the protocol's name.
+    repeat_probs : float64 (n_repeats, C), the class probabilities of each repeat, in repeat
+        order (what the per-repeat score is computed from; see :func:`repeat_probs`).
     """
 
     probs: np.ndarray
@@ -188,6 +238,7 @@ class SlidePrediction:
     n_repeats: int
     n_tiles: int
     protocol: str = "all"
+    repeat_probs: np.ndarray | None = None
 
     @property
     def pred(self) -> int:
@@ -331,7 +382,29 @@ def predict_slide(
         n_repeats=len(subsets),
         n_tiles=n,
         protocol=protocol.name,
+        repeat_probs=p,
     )
+
+
+def repeat_probs(preds: Sequence[SlidePrediction], repeats: int) -> np.ndarray:
+    """Stack slides' per-repeat probabilities as float64 (R, N, C), R = ``repeats``.
+
+    Row r holds every slide's prediction from repeat r's tiles; a slide scored in one pass (at
+    most k tiles: every repeat would hold all its tiles) contributes that pass to every repeat.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats}; expected >= 1")
+    cols = []
+    for pred in preds:
+        rp = pred.repeat_probs if pred.repeat_probs is not None else pred.probs[None]
+        if len(rp) == 1:
+            rp = np.repeat(rp, repeats, axis=0)
+        elif len(rp) != repeats:
+            raise ValueError(f"slide prediction ({pred.protocol}) has {len(rp)} repeats; expected 1 or {repeats}")
+        cols.append(rp)
+    if not cols:
+        return np.zeros((repeats, 0, 0))
+    return np.stack(cols, axis=1)
 
 
 def _tile_scores(out: Any) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -357,19 +430,24 @@ def predict_protocols(
 ) -> dict[str, SlidePrediction]:
     """Embed one slide once and score it under every protocol; keys are protocol names.
 
-    The all-tiles attention is computed once and shared by every protocol's prediction.
+    The all-tiles attention is computed once and shared by every protocol's prediction;
+    ``sub<k>x<R>`` and ``ens<k>x<R>`` share their aggregator passes (same subsets).
     """
     z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device, on_batch=on_batch)
     out: dict[str, SlidePrediction] = {}
+    by_draw: dict[str, SlidePrediction] = {}
     attention = instance = None
     any_all = any(p.is_all for p in protocols)
     for prot in protocols:
+        if prot.draw_name in by_draw:
+            out[prot.name] = replace(by_draw[prot.draw_name], protocol=prot.name)
+            continue
         # attention comes from the all-tiles pass: the "all" protocol's own, else one extra pass
         want = with_attention and attention is None and (prot.is_all or not any_all)
         pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, slide_id, prot), with_attention=want)
         if pred.attention is not None:
             attention, instance = pred.attention, pred.instance_scores
-        out[prot.name] = pred
+        out[prot.name] = by_draw[prot.draw_name] = pred
     for pred in out.values():
         pred.attention, pred.instance_scores = attention, instance
     return out
@@ -429,13 +507,17 @@ def validate_model(
     -------
     dict: ``qwk``, ``accuracy``, ``balanced_accuracy``, ``auc``, ``n_slides`` (see
     :func:`~wsi_pipeline.evaluation.metrics.compute_metrics`) and ``loss`` (mean cross-entropy
-    of the mean slide probabilities, natural log, probabilities clipped at 1e-7).
+    of the slide probabilities, natural log, probabilities clipped at 1e-7). For ``all`` and an
+    ensemble protocol they are computed on the (mean) slide probabilities; for a per-repeat
+    protocol (``sub<k>x<R>``, the papers' validation with the test sampling) each is the mean over
+    repeats of its value on that repeat's predictions, with ``<metric>_repeat_std`` (std over
+    repeats, ddof 1) and ``n_repeats`` added.
     """
     prot = parse_protocol(protocol)
     if len(slides) != len(labels):
         raise ValueError(f"validate_model: {len(slides)} slides but {len(labels)} labels; give one label per slide")
     y = np.asarray([int(v) for v in labels], dtype=np.int64)
-    probs = np.zeros((len(y), n_classes))
+    preds: list[SlidePrediction] = []
     items: Any = enumerate(slides)
     if progress:
         from tqdm.auto import tqdm
@@ -453,10 +535,20 @@ def validate_model(
         pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
         if pred.probs.shape != (n_classes,):
             raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")
-        probs[i] = pred.probs
-    out = compute_metrics(y, probs, n_classes)
+        preds.append(pred)
+    if prot.per_repeat:
+        stack = repeat_probs(preds, prot.repeats) if preds else np.zeros((prot.repeats, 0, n_classes))
+    else:
+        stack = np.stack([p.probs for p in preds])[None] if preds else np.zeros((1, 0, n_classes))
+    if not prot.per_repeat:
+        out = compute_metrics(y, stack[0], n_classes)
+    else:
+        rm = compute_repeat_metrics(y, stack, n_classes)
+        out = {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
     if len(y):
-        out["loss"] = float(-np.mean(np.log(np.clip(probs[np.arange(len(y)), y], 1e-7, None))))
+        # per repeat (one repeat for all/ensemble), then the mean over repeats
+        ce = -np.log(np.clip(stack[:, np.arange(len(y)), y], 1e-7, None))
+        out["loss"] = float(ce.mean())
     else:
         out["loss"] = math.nan
     return out

@@ -16,13 +16,17 @@ For each method and each seed whose run has finished (``runs/<pipeline>/<method>
 ``best.pt`` (chosen on validation during training) is loaded first; only then are the test
 stores opened. Each slide is embedded once and scored under every protocol of ``eval.protocols``
 (:func:`~wsi_pipeline.evaluation.protocols.predict_protocols`), subsets seeded by ``eval.seed``
-and the slide id, so every model sees the same subsets.
+and the slide id, so every model sees the same subsets. A model's score under ``sub<k>x<R>`` is
+the papers': the metric of each repeat over the cohort's slides, averaged over repeats (each
+repeat's value kept in ``metrics.json``); ``ens<k>x<R>`` scores the slide probabilities averaged
+over repeats instead (see :mod:`wsi_pipeline.evaluation.protocols`).
 
 Outputs in ``results/<pipeline>/``
 ----------------------------------
-``predictions_<cohort>_<protocol>.csv`` (all methods and seeds), ``metrics.json`` (metrics of
-each model, their mean/std over seeds, bootstrap 95 % intervals of the seed mean as metrics
-``<metric>_ci_low``/``<metric>_ci_high`` under seed ``"mean"``, and ``localisation_auc``),
+``predictions_<cohort>_<protocol>.csv`` (all methods and seeds; per slide the mean and std of
+the probabilities over repeats), ``metrics.json`` (metrics of each model, their mean/std over
+seeds, bootstrap 95 % intervals of the seed mean as metrics ``<metric>_ci_low``/``<metric>_ci_high``
+under seed ``"mean"``, and ``localisation_auc``; see :mod:`wsi_pipeline.export.metrics_json`),
 ``heatmaps/<slide_id>.{png,geojson}`` and ``heatmaps/<slide_id>_scores.csv`` for one model
 (the first evaluated method's first seed, or ``heatmap_method``), ``report.html``, and the
 resolved ``config.yaml``.
@@ -54,8 +58,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from wsi_pipeline.evaluation.metrics import METRICS, bootstrap_interval, compute_metrics
-from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols
+from wsi_pipeline.evaluation.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
+from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
 from wsi_pipeline.tiling.store import TileStore, open_store, store_path
@@ -297,7 +301,7 @@ def evaluate_pipeline(
                         slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
                         n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=method.name, seed=seed))
                     if lab is not None:
-                        preds[pname].append(pred.probs)
+                        preds[pname].append(pred)
                 if lab is not None:
                     labels.append(lab)
                 if res.localisation is not None and not math.isnan(res.localisation):
@@ -307,9 +311,8 @@ def evaluate_pipeline(
                                     "probs": res.preds[protocols[0].name].probs})
             y = np.asarray(labels, dtype=np.int64)
             for p in protocols:
-                P = np.asarray(preds[p.name]).reshape(len(y), n_classes)
-                for k, v in compute_metrics(y, P, n_classes).items():
-                    records.append(MetricRecord(method.name, seed, es.cohort, es.split, p.name, k, v))
+                recs, P = _protocol_records(method.name, seed, es, p, y, preds[p.name], n_classes)
+                records += recs
                 probs_by[(method.name, es.cohort, es.split, p.name)][seed] = (y, P)
             if loc:
                 records.append(MetricRecord(method.name, seed, es.cohort, es.split, "all", "localisation_auc", float(np.mean(loc))))
@@ -346,6 +349,27 @@ def evaluate_pipeline(
     return summary
 
 
+def _protocol_records(
+    method: str, seed: int, es: EvalSet, protocol: Protocol, y: np.ndarray, preds: list[SlidePrediction], n_classes: int,
+) -> tuple[list[MetricRecord], np.ndarray]:
+    """One model's metric records on one cohort under one protocol, and the probabilities they came from.
+
+    ``all`` / ``ens<k>x<R>``: metrics of the (mean) slide probabilities, P (N, C).
+    ``sub<k>x<R>``: metrics per repeat (records with ``repeat``), their mean over repeats as the
+    model's score, ``<metric>_repeat_std`` and ``n_repeats``; P (R, N, C).
+    """
+    rec = lambda metric, value, repeat=None: MetricRecord(method, seed, es.cohort, es.split, protocol.name, metric, value, repeat)  # noqa: E731
+    if not protocol.per_repeat:
+        P = np.asarray([pr.probs for pr in preds], dtype=np.float64).reshape(len(y), n_classes)
+        return [rec(k, v) for k, v in compute_metrics(y, P, n_classes).items()], P
+    P = repeat_probs(preds, protocol.repeats) if preds else np.zeros((protocol.repeats, 0, n_classes))
+    rm = compute_repeat_metrics(y, P, n_classes)
+    out = [rec(k, v) for k, v in rm.mean.items()]
+    out += [rec(f"{k}_repeat_std", v) for k, v in rm.std.items()]
+    out += [rec(k, d[k], r) for r, d in enumerate(rm.per_repeat) for k in METRICS]
+    return out, P
+
+
 def _bootstrap_records(
     probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]],
     n_classes: int,
@@ -353,7 +377,12 @@ def _bootstrap_records(
     seed: int,
     progress: bool = False,
 ) -> list[MetricRecord]:
-    """95 % bootstrap intervals of each method's seed-mean metric (same resampled slides for every seed)."""
+    """95 % bootstrap intervals of each method's seed-mean metric (same resampled slides for every seed).
+
+    Per-repeat protocols (probabilities (R, N, C)): each resample scores the first
+    :data:`~wsi_pipeline.evaluation.metrics.BOOTSTRAP_MAX_REPEATS` repeats and averages them (see
+    :func:`~wsi_pipeline.evaluation.metrics.bootstrap_interval`).
+    """
     out = []
     items: Any = probs_by.items()
     if progress:

@@ -3,14 +3,24 @@
 Schema::
 
     {"records": [{"method": str, "seed": int | "mean" | "std", "cohort": str,
-                  "split": "test" | "external" | ..., "protocol": "all" | "sub256x100" | ...,
-                  "metric": str, "value": float | null}, ...]}
+                  "split": "test" | "external" | ..., "protocol": "all" | "sub256x100" | "ens256x100" | ...,
+                  "metric": str, "value": float | null[, "repeat": int]}, ...]}
 
-Per-seed records carry the model's metrics (for subsample protocols: computed on the
-probabilities averaged over repeats). Records with seed ``"mean"`` and ``"std"`` aggregate the
-per-seed values of one (method, cohort, split, protocol, metric) with
-:func:`~wsi_pipeline.evaluation.metrics.mean_std` (sample std; ``null`` with one seed).
-Undefined values (``nan``) are written as ``null``, which keeps the file strict JSON.
+Per-seed records (no ``repeat`` key) carry the model's metrics:
+
+- ``all``: computed on the all-tiles slide probabilities;
+- ``sub<k>x<R>`` (the papers' protocol): the mean over the R repeats of the metric computed on
+  each repeat's slide predictions; beside it ``<metric>_repeat_std`` (sample std over repeats)
+  and ``n_repeats``; and one record per repeat and metric with ``"repeat": r`` (0-based) holding
+  that repeat's value;
+- ``ens<k>x<R>``: computed on the slide probabilities averaged over the R repeats.
+
+Records with seed ``"mean"`` and ``"std"`` aggregate the per-seed values (not the per-repeat
+ones) of one (method, cohort, split, protocol, metric) with
+:func:`~wsi_pipeline.evaluation.metrics.mean_std` (sample std; ``null`` with one seed): for
+``sub<k>x<R>`` the mean +- std over seeds of the per-seed repeat means, as the papers' tables.
+Undefined values (``nan``) are written as ``null``, which keeps the file strict JSON. To read the
+headline numbers, take the records without a ``repeat`` key.
 """
 
 from __future__ import annotations
@@ -26,9 +36,19 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["RECORD_KEYS", "MetricRecord", "aggregate_seeds", "write_metrics_json", "read_metrics_json", "validate_records"]
+__all__ = [
+    "RECORD_KEYS",
+    "MetricRecord",
+    "aggregate_seeds",
+    "write_metrics_json",
+    "read_metrics_json",
+    "validate_records",
+    "summary_table",
+]
 
 RECORD_KEYS: tuple[str, ...] = ("method", "seed", "cohort", "split", "protocol", "metric", "value")
+#: Optional key of per-repeat records (the repeat's 0-based index).
+REPEAT_KEY = "repeat"
 AGGREGATE_SEEDS: tuple[str, ...] = ("mean", "std")
 
 
@@ -43,9 +63,14 @@ class MetricRecord:
     protocol: str
     metric: str
     value: float | None
+    repeat: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        if d["repeat"] is None:
+            del d["repeat"]  # headline records keep the seven keys
+        else:
+            d["repeat"] = int(d["repeat"])
         v = d["value"]
         d["value"] = None if v is None or (isinstance(v, float) and math.isnan(v)) else float(v)
         if isinstance(d["seed"], (np.integer,)):
@@ -56,14 +81,14 @@ class MetricRecord:
 def aggregate_seeds(records: Iterable[MetricRecord]) -> list[MetricRecord]:
     """Mean and std over seeds of every (method, cohort, split, protocol, metric) group.
 
-    Records that already have seed ``"mean"``/``"std"`` are left out of the groups. Returns the
-    new aggregate records only (two per group).
+    Records that already have seed ``"mean"``/``"std"`` and per-repeat records are left out of
+    the groups. Returns the new aggregate records only (two per group).
     """
     from wsi_pipeline.evaluation.metrics import mean_std
 
     groups: dict[tuple[str, str, str, str, str], list[float]] = defaultdict(list)
     for r in records:
-        if r.seed in AGGREGATE_SEEDS:
+        if r.seed in AGGREGATE_SEEDS or r.repeat is not None:
             continue
         groups[(r.method, r.cohort, r.split, r.protocol, r.metric)].append(math.nan if r.value is None else float(r.value))
     out = []
@@ -79,8 +104,13 @@ def validate_records(obj: Mapping[str, Any], *, source: str = "metrics.json") ->
     if not isinstance(obj, Mapping) or not isinstance(obj.get("records"), list):
         raise ValueError(f"{source}: expected an object {{\"records\": [...]}}; got {type(obj).__name__}")
     for i, r in enumerate(obj["records"]):
-        if not isinstance(r, Mapping) or tuple(sorted(r)) != tuple(sorted(RECORD_KEYS)):
-            raise ValueError(f"{source}: record {i} must have exactly the keys {list(RECORD_KEYS)}; got {r!r}")
+        if not isinstance(r, Mapping) or set(r) - {REPEAT_KEY} != set(RECORD_KEYS):
+            raise ValueError(
+                f"{source}: record {i} must have exactly the keys {list(RECORD_KEYS)} (and optionally "
+                f"{REPEAT_KEY!r}); got {r!r}"
+            )
+        if REPEAT_KEY in r and (not isinstance(r[REPEAT_KEY], int) or isinstance(r[REPEAT_KEY], bool) or r[REPEAT_KEY] < 0):
+            raise ValueError(f"{source}: record {i} repeat must be a non-negative integer; got {r[REPEAT_KEY]!r}")
         if not (isinstance(r["seed"], int) or r["seed"] in AGGREGATE_SEEDS):
             raise ValueError(f"{source}: record {i} seed must be an integer, 'mean' or 'std'; got {r['seed']!r}")
         if r["value"] is not None and not isinstance(r["value"], (int, float)):
@@ -115,3 +145,34 @@ def read_metrics_json(path: str | os.PathLike) -> list[MetricRecord]:
         raise FileNotFoundError(f"metrics file not found: {path}; run `wsi-pipeline eval` first")
     recs = validate_records(json.loads(path.read_text()), source=str(path))
     return [MetricRecord(**{**r, "value": math.nan if r["value"] is None else float(r["value"])}) for r in recs]
+
+
+def summary_table(records: Iterable[MetricRecord], metrics: Iterable[str] = ("auc", "accuracy"), *, digits: int = 3) -> "Any":
+    """Method x (cohort, protocol, metric) table of ``"mean ± std"`` strings over seeds (headline records).
+
+    Each cell is the seed mean of the metric (for ``sub<k>x<R>``: of the per-seed repeat means) and,
+    with two or more seeds, ``± sample std`` over seeds; ``-`` where undefined. Ask for
+    ``<metric>_repeat_std`` to show the (seed-mean) std over repeats of the per-repeat protocols.
+    Returns a pandas DataFrame (index ``method``; columns ``cohort, protocol, metric``).
+    """
+    import pandas as pd
+
+    wanted = list(metrics)
+    recs = [r for r in records if r.repeat is None and r.metric in wanted]
+    look = {(r.method, r.seed, r.cohort, r.protocol, r.metric): r.value for r in recs}
+
+    def cell(mean: float | None, std: float | None) -> str:
+        if mean is None or math.isnan(mean):
+            return "-"
+        txt = f"{mean:.{digits}f}"
+        return txt if std is None or math.isnan(std) else f"{txt} ± {std:.{digits}f}"
+
+    rows: dict[str, dict[tuple[str, str, str], str]] = defaultdict(dict)
+    for r in recs:
+        if r.seed == "mean":
+            std = look.get((r.method, "std", r.cohort, r.protocol, r.metric))
+            rows[r.method][(r.cohort, r.protocol, r.metric)] = cell(r.value, std)
+    cols = sorted({c for v in rows.values() for c in v}, key=lambda c: (c[0], c[1], wanted.index(c[2])))
+    table = pd.DataFrame([[rows[m].get(c, "") for c in cols] for m in rows], index=pd.Index(list(rows), name="method"),
+                         columns=pd.MultiIndex.from_tuples(cols, names=["cohort", "protocol", "metric"]) if cols else None)
+    return table

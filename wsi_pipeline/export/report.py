@@ -1,7 +1,9 @@
 """``report.html``: one self-contained page (no external files; images inline) summarising an evaluation.
 
 Sections: tables like the papers' (method x cohort x protocol, mean +- std over seeds, with the
-bootstrap 95 % interval of the seed mean), localisation AUC when measured, ROC curves (inline
+bootstrap 95 % interval of the seed mean; for ``sub<k>x<R>`` the per-seed value is the mean over
+repeats of the per-repeat metric, and the std over repeats is shown beside it), localisation AUC
+when measured, ROC curves (inline
 SVG; binary tasks: one curve per model; multi-class: one-vs-rest per class of each method's
 seed-mean probabilities), confusion matrices (inline SVG, counts summed over seeds), and a
 gallery of the heatmaps of the most and least confident slides (PNG, base64-embedded, shrunk
@@ -23,6 +25,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
+from wsi_pipeline.evaluation.metrics import BOOTSTRAP_MAX_REPEATS
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
 
 __all__ = ["write_report", "roc_svg", "confusion_svg"]
@@ -45,7 +48,8 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 
 def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
-    return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
+    """Headline values (per-repeat records left out) keyed by (method, seed, cohort, split, protocol, metric)."""
+    return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records if r.repeat is None}
 
 
 def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_classes: int) -> str:
@@ -71,9 +75,11 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
                     std = look.get((meth, "std", c, s, prot, m))
                     lo = look.get((meth, "mean", c, s, prot, f"{m}_ci_low"))
                     hi = look.get((meth, "mean", c, s, prot, f"{m}_ci_high"))
+                    rep = look.get((meth, "mean", c, s, prot, f"{m}_repeat_std"))
                     txt = _fmt(mean) + ("" if std is None or math.isnan(std) else f" ± {_fmt(std)}")
                     ci = "" if lo is None or math.isnan(lo) else f'<br><span class="ci">[{_fmt(lo)}, {_fmt(hi)}]</span>'
-                    cells.append(f"<td>{txt}{ci}</td>")
+                    sd = "" if rep is None or math.isnan(rep) else f'<br><span class="ci">repeats sd {_fmt(rep)}</span>'
+                    cells.append(f"<td>{txt}{ci}{sd}</td>")
             body.append(f'<tr><td class="m">{html.escape(meth)} <span class="ci">({n_seeds[meth]} seed{"s" * (n_seeds[meth] != 1)})</span></td>{"".join(cells)}</tr>')
         parts.append(
             f"<h3>Protocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
@@ -275,9 +281,15 @@ def write_report(
         f"<h1>wsi-pipeline evaluation: {html.escape(pipeline)}</h1>",
         f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
         f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
-        "Each model is its run's <code>best.pt</code> (chosen on validation). Slide score under a subsample protocol: "
-        "mean class probability over the repeats. Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval "
-        "of the seed mean (slides resampled).</p>",
+        "Each model is its run's <code>best.pt</code> (chosen on validation). Protocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
+        "(the papers'): each repeat of k random tiles per slide is scored over all slides, and a model's value is the mean "
+        "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
+        "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
+        "Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval of the seed mean (slides resampled; "
+        f"per-repeat protocols average at most {BOOTSTRAP_MAX_REPEATS} repeats per resample, the interval then moved onto "
+        "the all-repeats score) and, for per-repeat protocols, the std over "
+        "repeats (mean over seeds). ROC curves and confusion matrices of a subsample protocol use the probabilities "
+        "averaged over repeats.</p>",
         "<h2>Metrics</h2>",
         _metric_tables(records, prots, n_classes),
     ]

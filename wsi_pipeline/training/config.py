@@ -275,42 +275,51 @@ class TrainConfig:
 class Protocol:
     """An evaluation protocol: all tiles of a slide, or ``repeats`` draws of ``k`` random tiles.
 
-    In YAML: ``all`` or ``{subsample: {k: 256, repeats: 100}}``. With subsampling the slide's
-    score is the mean of the class probabilities over the repeats.
+    In YAML: ``all``, ``{subsample: {k: 256, repeats: 100}}`` (the papers' score: the metric of
+    each repeat's predictions, averaged over repeats) or ``{subsample_ensemble: {k: 256, repeats:
+    100}}`` (the metric of each slide's probabilities averaged over repeats); see
+    :mod:`wsi_pipeline.evaluation.protocols`.
     """
 
-    kind: Literal["all", "subsample"] = "all"
+    kind: Literal["all", "subsample", "subsample_ensemble"] = "all"
     k: int | None = None
     repeats: int = 1
 
     def __post_init__(self) -> None:
-        if self.kind == "subsample":
+        if self.kind != "all":
             if self.k is None or self.k < 1 or self.repeats < 1:
                 raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
 
     @property
     def name(self) -> str:
-        """Short name used in file and column names: ``all`` or ``sub256x100`` (as :mod:`wsi_pipeline.evaluation.protocols`)."""
-        return "all" if self.kind == "all" else f"sub{self.k}x{self.repeats}"
+        """Short name used in file and column names: ``all``, ``sub256x100`` or ``ens256x100`` (as :mod:`wsi_pipeline.evaluation.protocols`)."""
+        if self.kind == "all":
+            return "all"
+        return f"{'ens' if self.kind == 'subsample_ensemble' else 'sub'}{self.k}x{self.repeats}"
 
     def _to_raw(self) -> Any:
-        return "all" if self.kind == "all" else {"subsample": {"k": self.k, "repeats": self.repeats}}
+        return "all" if self.kind == "all" else {self.kind: {"k": self.k, "repeats": self.repeats}}
 
 
 def _parse_protocol(value: Any, where: str) -> Protocol:
     if value == "all":
         return Protocol()
-    if isinstance(value, Mapping) and list(value) == ["subsample"] and isinstance(value["subsample"], Mapping):
-        sub = dict(value["subsample"])
+    kinds = ("subsample", "subsample_ensemble")
+    if isinstance(value, Mapping) and len(value) == 1 and list(value)[0] in kinds and isinstance(next(iter(value.values())), Mapping):
+        kind = list(value)[0]
+        sub = dict(value[kind])
         unknown = sorted(set(sub) - {"k", "repeats"})
         if unknown:
-            raise ValueError(f"unknown key {unknown[0]!r} in {where}.subsample; valid keys: ['k', 'repeats']")
+            raise ValueError(f"unknown key {unknown[0]!r} in {where}.{kind}; valid keys: ['k', 'repeats']")
         if "k" not in sub:
-            raise ValueError(f"{where}.subsample needs k (tiles per draw)")
-        k = _coerce(sub["k"], int, f"{where}.subsample.k")
-        repeats = _coerce(sub.get("repeats", 1), int, f"{where}.subsample.repeats")
-        return Protocol("subsample", k, repeats)
-    raise ValueError(f"{where}={value!r}; expected `all` or {{subsample: {{k: 256, repeats: 100}}}}")
+            raise ValueError(f"{where}.{kind} needs k (tiles per draw)")
+        k = _coerce(sub["k"], int, f"{where}.{kind}.k")
+        repeats = _coerce(sub.get("repeats", 1), int, f"{where}.{kind}.repeats")
+        return Protocol(kind, k, repeats)
+    raise ValueError(
+        f"{where}={value!r}; expected `all`, {{subsample: {{k: 256, repeats: 100}}}} or "
+        "{subsample_ensemble: {k: 256, repeats: 100}}"
+    )
 
 
 def _parse_protocols(value: Any, where: str) -> tuple[Protocol, ...]:
