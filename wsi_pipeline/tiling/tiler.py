@@ -285,34 +285,38 @@ def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
 
 
 def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Decode tiles (row, cols) with one read; returns (tiles uint8 (k, T, T, 3), strip or None).
+    """Decode tiles (row, cols) with one exact level read; returns (tiles uint8 (k, T, T, 3), strip or None).
 
+    The strip spans the run's sources in px of the read level (:meth:`Slide.read_level`, no
+    resampling), so each tile's source, cut from it, is the same as if it were read alone.
     ``strip`` is the raw (T, k*T, 3) strip when tiles are not resized (for a fast foreground test).
     """
     import cv2
 
-    T, S = grid.tile_size, grid.source_size
-    lx = grid.level_origin(cols)
-    ly = int(grid.level_origin(row))
+    T = grid.tile_size
+    Sx, Sy = grid.source_shape
+    lx = grid.level_origin(cols, 0)
+    ly = int(grid.level_origin(row, 1))
     x0 = int(lx[0])
-    width = int(lx[-1]) - x0 + S
-    d = grid.level_downsample
-    strip = slide.read_region((int(math.floor(x0 * d + 0.5)), int(math.floor(ly * d + 0.5))), grid.level, (width, S))
+    width = int(lx[-1]) - x0 + Sx
+    strip = slide.read_level(grid.level, (x0, ly), (width, Sy))
     k = len(cols)
     if not grid.resized and width == k * T:
         tiles = strip.reshape(T, k, T, 3).transpose(1, 0, 2, 3)
         return tiles, strip
     out = np.empty((k, T, T, 3), np.uint8)
     for i, x in enumerate(lx - x0):
-        src = strip[:, x : x + S]
-        out[i] = src if S == T else cv2.resize(src, (T, T), interpolation=cv2.INTER_AREA if S > T else cv2.INTER_LINEAR)
+        src = strip[:, x : x + Sx]
+        out[i] = src if not grid.resized else cv2.resize(np.ascontiguousarray(src), (T, T), interpolation=cv2.INTER_AREA)
     return out, None
 
 
 def _overview_plan(slide: Slide, grid: TileGrid) -> tuple[float, bool]:
     """(overview downsample in level-0 px per px, whether reading it is cheap next to the tiles)."""
+    from wsi_pipeline.slides.scaled import best_exact_level
+
     ds = max(1.0, grid.extent / _OVERVIEW_PER_TILE)
-    level = slide.best_level_for_downsample(ds)
+    level = best_exact_level(slide, ds)
     cheap = slide.level_downsamples[level] >= 4 * grid.level_downsample
     return ds, cheap
 
@@ -417,7 +421,7 @@ def _tile_open_slide(
     )
     grid = make_grid(
         slide.level_dimensions, slide.level_downsamples, tile_size=config.tile_size,
-        slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance,
+        slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance, exact_levels=slide.exact_levels(),
     )
     T = grid.tile_size
     thr = config.threshold
@@ -511,6 +515,9 @@ def _tile_open_slide(
                     progress(n_kept - reported)
                     reported, last_report = n_kept, time.monotonic()
         sink.close()
+        # each tile's source origin in px of the read level (the tile formula; also derivable from grid)
+        n = writer.n
+        writer.add_array("level_coords", grid.level_coords(writer.grid[:n, 0], writer.grid[:n, 1]))
         # CPU split of the tile pass: decoding + filtering (this thread) vs compression + writes
         writer.group.attrs.update({"timing": {
             "main_thread_cpu": round(time.thread_time() - main_cpu0 - (0.0 if background_write else sink.cpu_seconds), 3),
