@@ -61,15 +61,18 @@ def _write_pyramid(path: Path, seed: int, size: tuple[int, int] = (2049, 1537), 
     return levels
 
 
-def _formula(levels: list[np.ndarray], target: float | None, T: int = T) -> dict[tuple[int, int], tuple[np.ndarray, tuple[int, int], tuple[int, int]]]:
-    """Every full tile of the formula: (col, row) -> (pixels, level-0 corner, level origin)."""
+def _formula(
+    levels: list[np.ndarray], target: float | None, T: int = T, usable: int | None = None
+) -> dict[tuple[int, int], tuple[np.ndarray, tuple[int, int], tuple[int, int]]]:
+    """Every full tile of the formula: (col, row) -> (pixels, level-0 corner, level origin); only
+    levels up to ``usable`` may be read (None = all)."""
     H0, W0 = levels[0].shape[:2]
     scales = [(W0 / lv.shape[1], H0 / lv.shape[0]) for lv in levels]
     if target is None:
         L, D = 0, 1.0
     else:
         D = target / MPP
-        L = max(i for i, (sx, sy) in enumerate(scales) if (sx + sy) / 2 <= D * (1 + TOL))
+        L = max(i for i, (sx, sy) in enumerate(scales) if (sx + sy) / 2 <= D * (1 + TOL) and (usable is None or i <= usable))
     sx, sy = scales[L]
     if abs((sx + sy) / 2 / D - 1) <= TOL:
         stx = sty = float(T)
@@ -149,6 +152,21 @@ def test_every_stored_tile_is_the_formula(pyramid, tmp_path: Path, backend: str,
     assert attrs["resize"] == ("cv2.INTER_AREA" if resized else "none")
     assert attrs["read_level"] == {None: 0, 0.5: 1, 0.6: 1, 1.1: 2}[target]
     assert "cv2.INTER_AREA" in attrs["tile_formula"]
+
+
+def test_openslide_without_tiff_access_skips_non_integer_levels(pyramid, tmp_path: Path, monkeypatch) -> None:
+    """A format only OpenSlide reads (no tiffslide twin): levels with a non-integer downsample are
+    never read (OpenSlide would interpolate them); the target is met from level 0, resized."""
+    from wsi_pipeline.slides.reader import OpenSlideSlide
+
+    monkeypatch.setattr(OpenSlideSlide, "_tiff_twin", lambda self: None)
+    path, levels = pyramid
+    res = tile_slide(SlideJob("s", str(path)), tmp_path, TilingConfig(tile_size=T, mpp_target=0.5, min_foreground=0.5,
+                                                                     backend="openslide", qc=False))
+    assert res.status == "ok", res.error
+    assert len(_check_store(tmp_path / "s.zarr", _formula(levels, 0.5, usable=0), 0.5)) > 0
+    attrs = open_store(tmp_path / "s.zarr").attrs
+    assert attrs["read_level"] == 0 and attrs["source_shape"] == [2 * T, 2 * T] and attrs["resize"] == "cv2.INTER_AREA"
 
 
 @pytest.mark.slow

@@ -456,7 +456,8 @@ def _tile_open_slide(
         logger.info("slide %s: %s", job.slide_id, mpp_note)
     grid = make_grid(
         slide.level_dimensions, slide.level_downsamples, tile_size=config.tile_size,
-        slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance, exact_levels=slide.exact_levels(),
+        slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance,
+        exact_levels=slide.exact_levels() if config.mpp_target is not None else None,  # native: level 0 only
     )
     T = grid.tile_size
     thr = config.threshold
