@@ -152,6 +152,8 @@ def test_every_stored_tile_is_the_formula(pyramid, tmp_path: Path, backend: str,
     assert attrs["resize"] == ("cv2.INTER_AREA" if resized else "none")
     assert attrs["read_level"] == {None: 0, 0.5: 1, 0.6: 1, 1.1: 2}[target]
     assert "cv2.INTER_AREA" in attrs["tile_formula"]
+    # OpenSlide would interpolate a 2.0011x level: tiffslide decodes it
+    assert attrs["level_reader"] == ("tiffslide" if backend == "tiffslide" or target is not None else "openslide")
 
 
 def test_openslide_without_tiff_access_skips_non_integer_levels(pyramid, tmp_path: Path, monkeypatch) -> None:

@@ -115,6 +115,12 @@ class Slide(ABC):
         -------
         uint8 array (height, width, 3), RGB; areas outside the slide or transparent are
         filled with :attr:`background`.
+
+        Notes
+        -----
+        At a level whose downsample is not an integer the backends map ``location`` differently
+        (OpenSlide interpolates at the fractional level position, tiffslide truncates); for a
+        level's own pixels use :meth:`read_level`.
         """
         w, h = self._check(level, size)
         if w == 0 or h == 0:
@@ -171,6 +177,10 @@ class Slide(ABC):
     def _read_level(self, level: int, lx: int, ly: int, w: int, h: int) -> np.ndarray:
         k = int(self.level_downsamples[level])  # an integer downsample (level_is_exact)
         return self._read(lx * k, ly * k, level, w, h)
+
+    def level_reader(self, level: int) -> str:
+        """The library that decodes ``level`` in :meth:`read_level` (this slide's backend unless stated)."""
+        return self.backend
 
     def exact_levels(self) -> tuple[bool, ...]:
         """:meth:`level_is_exact` of every level."""
@@ -262,6 +272,10 @@ class OpenSlideSlide(Slide):
         twin = self._tiff_twin()
         assert twin is not None  # read_level checked level_is_exact
         return twin._read_level(level, lx, ly, w, h)
+
+    def level_reader(self, level: int) -> str:
+        """``"openslide"``, or ``"tiffslide"`` for a non-integer-downsample level read through tiffslide."""
+        return "openslide" if super().level_is_exact(level) or self._tiff_twin() is None else "tiffslide"
 
     def _tiff_twin(self) -> TiffSlideSlide | None:
         """The same file opened with tiffslide when its pyramid equals OpenSlide's, else None (cached).

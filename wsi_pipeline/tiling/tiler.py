@@ -501,6 +501,7 @@ def _tile_open_slide(
         "metadata_mpp": slide.mpp,
         "manifest_mpp": _valid_mpp(job.mpp),
         "backend": slide.backend,
+        "level_reader": slide.level_reader(grid.level),
         **grid.describe(),
         "method": config.method,
         "min_foreground": thr,
