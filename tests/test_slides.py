@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import cv2
 import numpy as np
 import pytest
 import tifffile
@@ -94,12 +95,61 @@ def test_auto_falls_back_to_tiffslide_for_a_tiff_openslide_rejects(tmp_path: Pat
 
 
 def test_resolve_mpp_precedence_and_missing_message() -> None:
+    # manifest > slide metadata > run fallback; a forced run value beats all three
     assert resolve_mpp(0.25) == (0.25, "slide")
-    assert resolve_mpp(0.25, run_mpp=0.5) == (0.5, "run")
+    assert resolve_mpp(0.25, run_mpp=0.5) == (0.25, "slide")  # --mpp only fills in slides without one
+    assert resolve_mpp(None, run_mpp=0.5) == (0.5, "run-fallback")
     assert resolve_mpp(0.25, run_mpp=0.5, manifest_mpp=0.3) == (0.3, "manifest")
+    assert resolve_mpp(None, manifest_mpp=float("nan"), run_mpp=0.5) == (0.5, "run-fallback")  # empty manifest cell
+    assert resolve_mpp(0.25, manifest_mpp=0.3, force_mpp=0.4) == (0.4, "run-forced")
     assert resolve_mpp(None, manifest_mpp=float("nan"), run_mpp=None) == (None, "none")
-    with pytest.raises(MissingMppError, match=r"slide 'x7' \(/d/x7.svs\).*--mpp-target 0.5.*--mpp <um/px>.*`mpp` column"):
+    assert resolve_mpp(0.25, run_mpp=-1.0, force_mpp=float("inf")) == (0.25, "slide")  # invalid values are ignored
+    with pytest.raises(MissingMppError) as info:
         resolve_mpp(None, slide_id="x7", path="/d/x7.svs", needed_for="--mpp-target 0.5")
+    msg = str(info.value)
+    assert "slide 'x7' (/d/x7.svs)" in msg and "--mpp-target 0.5" in msg
+    assert "`mpp` column" in msg and "--mpp <um/px>" in msg and "--mpp-force <um/px>" in msg
+
+
+def _level_pages(path: Path) -> list[np.ndarray]:
+    """Every pyramid level decoded by tifffile alone (SVS layout: page 0, then pages 2, 3, ...)."""
+    with tifffile.TiffFile(path) as tf:
+        return [tf.pages[0].asarray()] + [p.asarray() for p in tf.pages[2:]]
+
+
+@pytest.mark.parametrize("backend", ["openslide", "tiffslide"])
+def test_read_level_is_exact_at_non_integer_downsamples(tmp_path: Path, backend: str, opener) -> None:
+    """Level sizes floor(W / 2): downsamples 2.0011 etc. read_level returns the level's own pixels at
+    any integer position (background outside), where read_region at such a level cannot."""
+    rng = np.random.default_rng(3)
+    W, H = 777, 519
+    levels = [cv2.GaussianBlur(rng.integers(0, 256, (H, W, 3), dtype=np.uint8), (0, 0), 1.0)]
+    for k in (1, 2):
+        levels.append(cv2.resize(levels[0], (W >> k, H >> k), interpolation=cv2.INTER_AREA))
+    path = tmp_path / "p.svs"
+    head = f"Aperio Image Library v12.0.16\r\n{W}x{H} [0,0 {W}x{H}] (64x64)"
+    opts = {"photometric": "rgb", "compression": "zlib", "metadata": None}
+    with tifffile.TiffWriter(path) as tw:
+        tw.write(levels[0], tile=(64, 64), description=f"{head}|MPP = 0.25", **opts)
+        tw.write(levels[2], description=f"{head} -> thumb", **opts)
+        for lv in levels[1:]:
+            tw.write(lv, tile=(64, 64), description=f"{head} -> {lv.shape[1]}x{lv.shape[0]}", **opts)
+    pages = _level_pages(path)
+    s = opener(path, backend)
+    assert s.exact_levels() == (True, True, True)
+    assert s.level_scale(1) == (W / (W >> 1), H / (H >> 1))
+    for L, page in enumerate(pages):
+        np.testing.assert_array_equal(page, levels[L])
+        lh, lw = page.shape[:2]
+        padded = np.full((lh + 80, lw + 80, 3), 255, np.uint8)  # the level with a 40 px white margin
+        padded[40 : 40 + lh, 40 : 40 + lw] = page
+        for _ in range(40):
+            x, y = int(rng.integers(-40, lw)), int(rng.integers(-40, lh))
+            w, h = (int(v) for v in rng.integers(1, 41, 2))
+            np.testing.assert_array_equal(s.read_level(L, (x, y), (w, h)), padded[y + 40 : y + 40 + h, x + 40 : x + 40 + w])
+    if backend == "openslide":  # why read_level exists: OpenSlide interpolates at a fractional level position
+        x0 = round(101 * s.level_downsamples[1])
+        assert not np.array_equal(s.read_region((x0, 0), 1, (32, 32)), pages[1][0:32, 101:133])
 
 
 def test_fingerprint_tracks_size_and_head(tmp_path: Path, synth: Path) -> None:

@@ -70,8 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mpp-target", type=_positive, default=None, metavar="UM",
                    help="tile resolution in um/px (0.5 is about 20x): read the best pyramid level at or finer than it "
                         "and resize; default: native level 0")
-    p.add_argument("--mpp", type=_positive, default=None, metavar="UM",
-                   help="um/px of level 0 for every slide, overriding the slides' metadata (a manifest mpp column wins over it)")
+    mpp = p.add_mutually_exclusive_group()
+    mpp.add_argument("--mpp", type=_positive, default=None, metavar="UM",
+                     help="um/px of level 0 for slides that have none (neither in their metadata nor in a manifest mpp "
+                          "column); slides with their own mpp keep it. The report's mpp_source column says which was used")
+    mpp.add_argument("--mpp-force", type=_positive, default=None, metavar="UM",
+                     help="um/px of level 0 for every slide, overriding the slides' metadata and any manifest mpp column "
+                          "(for scanners that write wrong values)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
                    help="slides tiled in parallel, one process each [default: number of cores]; 0 = in this process")
     p.add_argument("--compression", choices=("zstd", "jpeg", "none"), default="zstd",
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = TilingConfig(
             method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
-            grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp,
+            grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
             compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
             allow_dark_background=args.allow_dark_background,
         )

@@ -1,12 +1,13 @@
 """Slide reading: one interface over OpenSlide and tiffslide, resolution (mpp) and file identity."""
 
 from wsi_pipeline.slides.fingerprint import slide_fingerprint
-from wsi_pipeline.slides.mpp import MissingMppError, resolve_mpp
+from wsi_pipeline.slides.mpp import MPP_SOURCES, MissingMppError, resolve_mpp
 from wsi_pipeline.slides.reader import BACKENDS, Slide, SlideOpenError, open_slide
 from wsi_pipeline.slides.scaled import read_scaled, scaled_shape
 
 __all__ = [
     "BACKENDS",
+    "MPP_SOURCES",
     "MissingMppError",
     "Slide",
     "SlideOpenError",

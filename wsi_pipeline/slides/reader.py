@@ -5,6 +5,12 @@ properties, and :meth:`Slide.read_region`, which always returns a uint8 RGB arra
 transparent or out-of-bounds areas filled with the background colour (white unless the slide
 says otherwise). ``backend="auto"`` tries OpenSlide first and falls back to tiffslide (OME-TIFF
 and other TIFFs OpenSlide rejects); when neither opens the file, the error keeps both reasons.
+
+:meth:`Slide.read_level` reads a pyramid level's own pixels at integer positions of that level,
+exactly as stored (decoded, never resampled). ``read_region`` cannot promise that at levels whose
+downsample is not an integer (Aperio writes level sizes ``floor(W / 4)``, so level 1 is 4.0002x):
+OpenSlide places the region at a fractional level position and interpolates; tiffslide truncates
+``x / downsample``. The tiler reads only through :meth:`Slide.read_level`.
 """
 
 from __future__ import annotations
@@ -109,6 +115,12 @@ class Slide(ABC):
         -------
         uint8 array (height, width, 3), RGB; areas outside the slide or transparent are
         filled with :attr:`background`.
+
+        Notes
+        -----
+        At a level whose downsample is not an integer the backends map ``location`` differently
+        (OpenSlide interpolates at the fractional level position, tiffslide truncates); for a
+        level's own pixels use :meth:`read_level`.
         """
         w, h = self._check(level, size)
         if w == 0 or h == 0:
@@ -117,6 +129,62 @@ class Slide(ABC):
 
     @abstractmethod
     def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray: ...
+
+    def level_scale(self, level: int) -> tuple[float, float]:
+        """(x, y) level-0 px per px of ``level``, per axis from the level dimensions: (W0 / WL, H0 / HL)."""
+        self._check(level, (0, 0))
+        (w0, h0), (w, h) = self.dimensions, self.level_dimensions[level]
+        return w0 / w, h0 / h
+
+    def level_is_exact(self, level: int) -> bool:
+        """True when :meth:`read_level` can return ``level``'s pixels exactly (level 0 always can).
+
+        This base version accepts levels whose downsample is an integer k (level px x is level-0
+        px k * x for any reader convention); backends that address every level exactly override it.
+        """
+        self._check(level, (0, 0))
+        return level == 0 or float(self.level_downsamples[level]).is_integer()
+
+    def read_level(self, level: int, origin: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
+        """Read a level's own pixels, exactly as stored (no resampling).
+
+        Parameters
+        ----------
+        level : pyramid level (one for which :meth:`level_is_exact` is True).
+        origin : (x, y) of the top-left corner in px of ``level`` (not level-0 px).
+        size : (width, height) in px of ``level``.
+
+        Returns
+        -------
+        uint8 array (height, width, 3), RGB: pixels [x, x + width) x [y, y + height) of ``level``;
+        areas outside the level are filled with :attr:`background`.
+
+        Raises
+        ------
+        ValueError : ``level`` out of range, negative ``size``, or a level this reader cannot
+            address pixel-exactly.
+        """
+        w, h = self._check(level, size)
+        if not self.level_is_exact(level):
+            raise ValueError(
+                f"slide {self.path}: level {level} (downsample {self.level_downsamples[level]:.6g}) cannot be read "
+                f"pixel-exactly with the {self.backend} backend; use a level with level_is_exact() True"
+            )
+        if w == 0 or h == 0:
+            return np.zeros((h, w, 3), np.uint8)
+        return self._read_level(int(level), int(origin[0]), int(origin[1]), w, h)
+
+    def _read_level(self, level: int, lx: int, ly: int, w: int, h: int) -> np.ndarray:
+        k = int(self.level_downsamples[level])  # an integer downsample (level_is_exact)
+        return self._read(lx * k, ly * k, level, w, h)
+
+    def level_reader(self, level: int) -> str:
+        """The library that decodes ``level`` in :meth:`read_level` (this slide's backend unless stated)."""
+        return self.backend
+
+    def exact_levels(self) -> tuple[bool, ...]:
+        """:meth:`level_is_exact` of every level."""
+        return tuple(self.level_is_exact(i) for i in range(self.level_count))
 
     def best_level_for_downsample(self, downsample: float) -> int:
         """The coarsest level whose downsample is at most ``downsample`` (1e-3 relative slack)."""
@@ -193,7 +261,50 @@ class OpenSlideSlide(Slide):
             rgb = np.minimum(rgb.astype(np.uint16) + rest, 255).astype(np.uint8)
         return rgb
 
+    def level_is_exact(self, level: int) -> bool:
+        """Integer-downsample levels (read by OpenSlide) and, in a TIFF that tiffslide reads with the
+        same pyramid, every level (read through tiffslide: OpenSlide would interpolate there)."""
+        return super().level_is_exact(level) or self._tiff_twin() is not None
+
+    def _read_level(self, level: int, lx: int, ly: int, w: int, h: int) -> np.ndarray:
+        if super().level_is_exact(level):
+            return super()._read_level(level, lx, ly, w, h)
+        twin = self._tiff_twin()
+        assert twin is not None  # read_level checked level_is_exact
+        return twin._read_level(level, lx, ly, w, h)
+
+    def level_reader(self, level: int) -> str:
+        """``"openslide"``, or ``"tiffslide"`` for a non-integer-downsample level read through tiffslide."""
+        return "openslide" if super().level_is_exact(level) or self._tiff_twin() is None else "tiffslide"
+
+    def _tiff_twin(self) -> TiffSlideSlide | None:
+        """The same file opened with tiffslide when its pyramid equals OpenSlide's, else None (cached).
+
+        OpenSlide reads a level whose downsample d is not an integer at the fractional level
+        position x / d and interpolates (cairo, bilinear), so no level-0 location gives that level's
+        own pixels; tiffslide (tifffile) addresses level pixels directly.
+        """
+        if not hasattr(self, "_twin"):
+            self._twin: TiffSlideSlide | None = None
+            try:
+                twin = TiffSlideSlide(self.path)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except Exception as err:  # not a TIFF tiffslide reads: non-integer levels stay unused
+                logger.debug("tiffslide cannot read %s (%s); its non-integer-downsample levels are not used", self.path, _reason(err))
+                return None
+            if twin.level_dimensions == self.level_dimensions:
+                twin.background = self.background
+                self._twin = twin
+            else:
+                logger.debug("tiffslide sees another pyramid in %s (%s vs %s)", self.path, twin.level_dimensions, self.level_dimensions)
+                twin.close()
+        return self._twin
+
     def close(self) -> None:
+        twin = getattr(self, "_twin", None)
+        if twin is not None:
+            twin.close()
         self._osr.close()
 
 
@@ -232,21 +343,47 @@ class TiffSlideSlide(Slide):
         self.mpp = _parse_mpp(self.properties, ("tiffslide.mpp-x", "tiffslide.mpp-y"))
         self.background = _parse_colour(self.properties.get("tiffslide.background-color", "FFFFFF"))
 
+    def level_is_exact(self, level: int) -> bool:
+        """Every level: tiffslide addresses level pixels directly."""
+        self._check(level, (0, 0))
+        return True
+
     def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:
-        lw, lh = self.level_dimensions[level]
         d = self.level_downsamples[level]
+        return self._read_level(level, int(math.floor(x / d)), int(math.floor(y / d)), w, h)
+
+    def _read_level(self, level: int, lx: int, ly: int, w: int, h: int) -> np.ndarray:
+        lw, lh = self.level_dimensions[level]
         # tiffslide pads out-of-bounds areas with black; read the part inside and fill the rest.
-        lx, ly = int(math.floor(x / d)), int(math.floor(y / d))
         x0, y0 = max(lx, 0), max(ly, 0)
         x1, y1 = min(lx + w, lw), min(ly + h, lh)
         if x0 == lx and y0 == ly and x1 == lx + w and y1 == ly + h:
-            return self._as_rgb(self._ts.read_region((x, y), level, (w, h), as_array=True, padding=False))
+            return self._as_rgb(self._ts.read_region(self._location(level, lx, ly), level, (w, h), as_array=True, padding=False))
         out = np.empty((h, w, 3), np.uint8)
         out[:] = self.background
         if x1 > x0 and y1 > y0:
-            part = self._ts.read_region((int(round(x0 * d)), int(round(y0 * d))), level, (x1 - x0, y1 - y0), as_array=True, padding=False)
+            part = self._ts.read_region(self._location(level, x0, y0), level, (x1 - x0, y1 - y0), as_array=True, padding=False)
             out[y0 - ly : y1 - ly, x0 - lx : x1 - lx] = self._as_rgb(part)
         return out
+
+    def _location(self, level: int, lx: int, ly: int) -> tuple[int, int]:
+        """The level-0 location tiffslide maps to level px (lx, ly) >= 0 (it takes int(x / downsample))."""
+        transform = getattr(self._ts, "_read_region_loc_transform", None)
+        d = float(self._ts.level_downsamples[level])
+
+        def to_level(x: int, y: int) -> tuple[int, int]:
+            if transform is not None:
+                return tuple(int(v) for v in transform((x, y), level))  # type: ignore[return-value]
+            return int(x / d), int(y / d)
+
+        x, y = int(math.ceil(lx * d)), int(math.ceil(ly * d))
+        for _ in range(8):
+            gx, gy = to_level(x, y)
+            if (gx, gy) == (lx, ly):
+                return x, y
+            x += (lx > gx) - (lx < gx)
+            y += (ly > gy) - (ly < gy)
+        raise ValueError(f"slide {self.path}: no level-0 location maps to px ({lx}, {ly}) of level {level} in tiffslide")
 
     def _as_rgb(self, arr: np.ndarray) -> np.ndarray:
         arr = np.asarray(arr)

@@ -57,8 +57,9 @@ def prescreen_candidates(
     bound = foreground_bound_map(overview_rgb, grey_max, margin)
     rows, cols = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
     coords = grid.coords(cols.ravel(), rows.ravel())
-    # the footprint in level-0 px: origin rounded on the level grid, side = source px * level downsample
-    extent = grid.source_size * grid.level_downsample
+    # the footprint in level-0 px: origin rounded on the level grid, side = source px * level scale
+    # (the mean of the two axes; they differ by a fraction of a level px)
+    extent = 0.5 * (grid.source_shape[0] * grid.level_scale[0] + grid.source_shape[1] * grid.level_scale[1])
     # beyond the overview's edge nothing is known: assume foreground there
     upper = box_mean(bound, overview_downsample, coords, extent, outside=1.0)
     return (upper >= min_foreground - 1e-6).reshape(grid.rows, grid.cols)

@@ -4,7 +4,8 @@
   progress and results over its own pipe; a worker that dies (a reader crash, the OOM killer,
   ``kill -9``) costs only its current slide, which gets a ``failed`` row, and is replaced.
 - ``tiling_report.csv`` (slide_id, status, n_tiles, mpp, seconds, error, note, path,
-  cpu_seconds, background_grey: the glass grey level estimated from the thumbnail) is
+  cpu_seconds, background_grey: the glass grey level estimated from the thumbnail, slide_mpp,
+  mpp_source: the level-0 um/px used and where it came from) is
   rewritten atomically while the run goes on and at its end.
 - Resume: a complete store with the same slide fingerprint and settings is ``skipped``; a
   partial store (a temporary ``.<id>.zarr.tmp-<pid>``) is never taken for a result and is

@@ -2,8 +2,10 @@
 
 Arrays: ``tiles`` uint8 (N, T, T, 3) RGB, one tile per chunk; ``coords`` int64 (N, 2), (x, y) of
 each tile's top-left corner in level-0 px; ``grid`` int32 (N, 2), (col, row) on the slide's tile
-grid at the read resolution; ``foreground`` float32 (N,). Attributes describe the slide and the
-tiling; ``complete: true`` is written last.
+grid at the read resolution; ``foreground`` float32 (N,); stores from the tiler also hold
+``level_coords`` int64 (N, 2), each tile's source origin in px of the read level. Attributes
+describe the slide and the tiling (with the tile formula's parameters, see
+:mod:`wsi_pipeline.tiling.grid`); ``complete: true`` is written last.
 
 Writes are atomic at the store level: :class:`StoreWriter` builds ``.<slide_id>.zarr.tmp-<pid>``
 beside the destination and only :meth:`StoreWriter.commit` swaps it in, so a crash never

@@ -69,7 +69,10 @@ class TilingConfig:
         brightfield rules; by default they are ``skipped`` with the note ``DARK_NOTE``.
     mpp_target : um per tile px, or None for native level 0.
     mpp_tolerance : relative mpp difference within which a pyramid level is used without resizing.
-    mpp : run-wide mpp (um per level-0 px) overriding the slides' own; a manifest ``mpp`` wins over it.
+    mpp : run-wide fallback mpp (um per level-0 px, ``--mpp``) for slides with no mpp of their own
+        (neither in their metadata nor in the manifest).
+    mpp_force : run-wide mpp (``--mpp-force``) used for every slide, over the slides' metadata
+        and the manifest; at most one of ``mpp`` and ``mpp_force``.
     compression : tile compression, one of ``zstd`` (lossless), ``jpeg`` (lossy), ``none``.
     backend : slide reader, ``auto``, ``openslide`` or ``tiffslide``.
     prescreen : skip tiles the low-resolution bound proves to be background (greyscale only;
@@ -90,6 +93,7 @@ class TilingConfig:
     mpp_target: float | None = None
     mpp_tolerance: float = 0.05
     mpp: float | None = None
+    mpp_force: float | None = None
     compression: str = "zstd"
     backend: str = "auto"
     prescreen: bool = True
@@ -116,10 +120,15 @@ class TilingConfig:
             raise ValueError(f"grey range [{self.grey_min}, {self.grey_max}] must satisfy 0 <= grey_min <= grey_max <= 255")
         if self.min_foreground is not None and not 0 <= self.min_foreground <= 1:
             raise ValueError(f"min_foreground={self.min_foreground} must be a fraction in [0, 1]")
-        for name in ("mpp_target", "mpp"):
+        for name in ("mpp_target", "mpp", "mpp_force"):
             v = getattr(self, name)
             if v is not None and not (v > 0 and math.isfinite(v)):
                 raise ValueError(f"{name}={v} must be a positive number of um/px")
+        if self.mpp is not None and self.mpp_force is not None:
+            raise ValueError(
+                f"mpp={self.mpp} and mpp_force={self.mpp_force}: give --mpp (fills in slides without an mpp) "
+                "or --mpp-force (overrides every slide's), not both"
+            )
         if self.read_run < 1:
             raise ValueError(f"read_run={self.read_run} must be >= 1")
 
@@ -172,17 +181,28 @@ class SlideResult:
     path: str = ""
     cpu_seconds: float = 0.0
     background_grey: float | None = None  # glass (or dark background) grey level from the thumbnail; None: no glass seen
+    slide_mpp: float | None = None  # um per level-0 px used
+    mpp_source: str = ""  # where slide_mpp came from: slide / manifest / run-fallback / run-forced / none
 
 
-def _job_mpp_override(job: SlideJob, config: TilingConfig) -> float | None:
-    for v in (job.mpp, config.mpp):
-        if v is not None and math.isfinite(v) and v > 0:
-            return float(v)
-    return None
+#: Version of the tile formula (grid.TILE_FORMULA); stores built by an earlier one are rebuilt.
+TILE_FORMULA_VERSION = 2
+
+
+def _valid_mpp(v: float | None) -> float | None:
+    return float(v) if v is not None and math.isfinite(v) and v > 0 else None
 
 
 def _identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str, Any]:
-    return {"fingerprint": fingerprint, "mpp_override": _job_mpp_override(job, config), **config.output_params()}
+    """What determines a store's content, known before the slide is opened.
+
+    The fallback ``--mpp`` is not in it: it matters only for slides without an mpp of their own,
+    which :func:`store_matches` checks against the store's recorded ``mpp_source``.
+    """
+    return {
+        "fingerprint": fingerprint, "tile_formula": TILE_FORMULA_VERSION,
+        "mpp_manifest": _valid_mpp(job.mpp), "mpp_force": _valid_mpp(config.mpp_force), **config.output_params(),
+    }
 
 
 def _complete_attrs(path: Path) -> dict[str, Any] | None:
@@ -215,7 +235,12 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     recorded = attrs.get("tiling_identity", {}).get("fingerprint")
     same_stat = recorded and attrs.get("slide_stat") == _stat_key(slide)
     fingerprint = recorded if same_stat else slide_fingerprint(slide)
-    return attrs if attrs.get("tiling_identity") == _identity(job, config, fingerprint) else None
+    if attrs.get("tiling_identity") != _identity(job, config, fingerprint):
+        return None
+    # a store whose mpp came from the fallback (or that had none) depends on the fallback too
+    if attrs.get("mpp_source") in ("run-fallback", "none") and attrs.get("slide_mpp") != _valid_mpp(config.mpp):
+        return None
+    return attrs
 
 
 def _clean_stale(out_dir: Path, slide_id: str) -> None:
@@ -308,27 +333,29 @@ def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
 
 
 def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-    """Decode tiles (row, cols) with one read; returns (tiles uint8 (k, T, T, 3), strip or None).
+    """Decode tiles (row, cols) with one exact level read; returns (tiles uint8 (k, T, T, 3), strip or None).
 
+    The strip spans the run's sources in px of the read level (:meth:`Slide.read_level`, no
+    resampling), so each tile's source, cut from it, is the same as if it were read alone.
     ``strip`` is the raw (T, k*T, 3) strip when tiles are not resized (for a fast foreground test).
     """
     import cv2
 
-    T, S = grid.tile_size, grid.source_size
-    lx = grid.level_origin(cols)
-    ly = int(grid.level_origin(row))
+    T = grid.tile_size
+    Sx, Sy = grid.source_shape
+    lx = grid.level_origin(cols, 0)
+    ly = int(grid.level_origin(row, 1))
     x0 = int(lx[0])
-    width = int(lx[-1]) - x0 + S
-    d = grid.level_downsample
-    strip = slide.read_region((int(math.floor(x0 * d + 0.5)), int(math.floor(ly * d + 0.5))), grid.level, (width, S))
+    width = int(lx[-1]) - x0 + Sx
+    strip = slide.read_level(grid.level, (x0, ly), (width, Sy))
     k = len(cols)
     if not grid.resized and width == k * T:
         tiles = strip.reshape(T, k, T, 3).transpose(1, 0, 2, 3)
         return tiles, strip
     out = np.empty((k, T, T, 3), np.uint8)
     for i, x in enumerate(lx - x0):
-        src = strip[:, x : x + S]
-        out[i] = src if S == T else cv2.resize(src, (T, T), interpolation=cv2.INTER_AREA if S > T else cv2.INTER_LINEAR)
+        src = strip[:, x : x + Sx]
+        out[i] = src if not grid.resized else cv2.resize(np.ascontiguousarray(src), (T, T), interpolation=cv2.INTER_AREA)
     return out, None
 
 
@@ -380,7 +407,7 @@ def tile_slide(
             res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress, background_write, res)
         res.status = "skipped" if res.note.startswith(DARK_NOTE) else "ok"
     except MissingMppError as err:
-        res.error = str(err)
+        res.error, res.mpp_source = str(err), "none"
     except Exception as err:  # a bad slide is a report row, never a crash of the run
         res.error = f"{type(err).__name__}: {err}"
         logger.debug("slide %s failed", job.slide_id, exc_info=True)
@@ -413,6 +440,7 @@ def precheck(job: SlideJob, out_dir: str | os.PathLike, config: TilingConfig, *,
             return None
         res.status, res.n_tiles, res.mpp = "skipped", int(attrs.get("n_tiles", 0)), attrs.get("mpp")
         res.background_grey = (attrs.get("background") or {}).get("grey")
+        res.slide_mpp, res.mpp_source = attrs.get("slide_mpp"), str(attrs.get("mpp_source", ""))
         res.note = "complete store from the same slide and settings exists"
     except (ValueError, OSError) as err:
         res.error = f"{type(err).__name__}: {err}"
@@ -430,17 +458,26 @@ def _tile_open_slide(
     background_write: bool = True,
     res: SlideResult | None = None,
 ) -> tuple[int, float | None, str]:
+    """Tile an open slide; returns (tiles kept, um per tile px, note); fills ``res``'s mpp columns."""
     needed = None
     if config.mpp_target is not None:
         needed = f"--mpp-target {config.mpp_target:g}"
     elif config.method == "otsu":
         needed = "the otsu method (its sizes are in um^2)"
     mpp, mpp_source = resolve_mpp(
-        slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, slide_id=job.slide_id, path=str(slide.path), needed_for=needed
+        slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, force_mpp=config.mpp_force,
+        slide_id=job.slide_id, path=str(slide.path), needed_for=needed,
     )
+    if res is not None:
+        res.slide_mpp, res.mpp_source = mpp, mpp_source
+    mpp_note = ""
+    if mpp is not None and slide.mpp is not None and mpp_source != "slide" and abs(mpp / slide.mpp - 1) > 0.01:
+        mpp_note = f"mpp {mpp:g} um/px ({mpp_source}) replaces the slide's own {slide.mpp:g}"
+        logger.info("slide %s: %s", job.slide_id, mpp_note)
     grid = make_grid(
         slide.level_dimensions, slide.level_downsamples, tile_size=config.tile_size,
         slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance,
+        exact_levels=slide.exact_levels() if config.mpp_target is not None else None,  # native: level 0 only
     )
     T = grid.tile_size
     thr = config.threshold
@@ -481,7 +518,10 @@ def _tile_open_slide(
         "slide_dimensions": list(slide.dimensions),
         "slide_mpp": mpp,
         "mpp_source": mpp_source,
+        "metadata_mpp": slide.mpp,
+        "manifest_mpp": _valid_mpp(job.mpp),
         "backend": slide.backend,
+        "level_reader": slide.level_reader(grid.level),
         **grid.describe(),
         "method": config.method,
         "min_foreground": thr,
@@ -534,6 +574,9 @@ def _tile_open_slide(
                     progress(n_kept - reported)
                     reported, last_report = n_kept, time.monotonic()
         sink.close()
+        # each tile's source origin in px of the read level (the tile formula; also derivable from grid)
+        n = writer.n
+        writer.add_array("level_coords", grid.level_coords(writer.grid[:n, 0], writer.grid[:n, 1]))
         # CPU split of the tile pass: decoding + filtering (this thread) vs compression + writes
         writer.group.attrs.update({"timing": {
             "main_thread_cpu": round(time.thread_time() - main_cpu0 - (0.0 if background_write else sink.cpu_seconds), 3),
@@ -554,6 +597,8 @@ def _tile_open_slide(
     note = "" if n_kept else "no foreground tiles (blank slide, or thresholds too strict for it)"
     if note_bg:
         note = f"{note}; {note_bg}" if note else note_bg
+    if mpp_note:
+        note = (note + "; " if note else "") + mpp_note
     if config.qc:
         try:
             coords_kept = np.concatenate(kept_coords) if kept_coords else np.zeros((0, 2), np.int64)
