@@ -26,7 +26,7 @@ __all__ = ["BACKENDS", "Slide", "SlideOpenError", "open_slide"]
 logger = logging.getLogger(__name__)
 
 #: Accepted values of ``backend``.
-BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide")
+BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide", "wsidicom")
 
 
 class SlideOpenError(ValueError):
@@ -264,7 +264,25 @@ class TiffSlideSlide(Slide):
         self._ts.close()
 
 
-_OPENERS = {"openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide}
+def _open_wsidicom(path: Path) -> Slide:
+    from wsi_pipeline.slides.dicom import WsiDicomSlide
+
+    return WsiDicomSlide(path)
+
+
+_OPENERS = {"openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide, "wsidicom": _open_wsidicom}
+
+
+def _open_logging_warnings(name: str, p: Path) -> Slide:
+    """Open with backend ``name``; the readers' own warnings (e.g. tiffslide's "partially implemented") go to the log."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        slide = _OPENERS[name](p)
+    for w in caught:
+        logger.info("%s on %s: %s", name, p.name, w.message)
+    return slide
 
 
 def _reason(err: BaseException) -> str:
@@ -277,8 +295,9 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
 
     Parameters
     ----------
-    path : the slide file (for DICOM, any ``.dcm`` file of the slide's series).
-    backend : ``"auto"`` (OpenSlide, then tiffslide), ``"openslide"`` or ``"tiffslide"``.
+    path : the slide file (for DICOM, any ``.dcm`` file of the slide's series, or their folder).
+    backend : ``"auto"`` (OpenSlide, then tiffslide; for DICOM OpenSlide, then wsidicom),
+        ``"openslide"``, ``"tiffslide"`` or ``"wsidicom"``.
 
     Returns
     -------
@@ -292,18 +311,23 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    from wsi_pipeline.slides.dicom import SUPPORTED_LAYOUTS, describe_dicom, dicom_files, is_dicom_file
+
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"slide file not found: {p}")
+    if p.is_dir() and dicom_files(p):  # a DICOM slide's folder: open it through its first instance
+        p = dicom_files(p)[0]
     if not p.is_file():
         raise FileNotFoundError(f"slide path is not a file: {p} (for a DICOM series pass one of its .dcm files)")
     if p.stat().st_size == 0:
         raise ValueError(f"slide file is empty (0 bytes): {p}; the copy or download is incomplete, replace the file")
-    names = ("openslide", "tiffslide") if backend == "auto" else (backend,)
+    dicom = is_dicom_file(p)
+    names = (("openslide", "wsidicom") if dicom else ("openslide", "tiffslide")) if backend == "auto" else (backend,)
     reasons: dict[str, str] = {}
     for name in names:
         try:
-            slide = _OPENERS[name](p)
+            slide = _open_logging_warnings(name, p)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:  # any backend failure is recorded and the next backend tried
@@ -317,4 +341,6 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
         return slide
     detail = "; ".join(f"{k}: {v}" for k, v in reasons.items())
     hint = "" if backend == "auto" else " (try --backend auto)"
+    if dicom:
+        hint += f"; the file is DICOM: {describe_dicom(p)}; {SUPPORTED_LAYOUTS}"
     raise SlideOpenError(f"cannot open slide {p}: not a readable whole-slide image ({detail}){hint}", reasons)
