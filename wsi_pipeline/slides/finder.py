@@ -36,12 +36,13 @@ __all__ = [
 
 #: File endings of DICOM instances (one folder of them is one slide).
 DICOM_EXTENSIONS: tuple[str, ...] = (".dcm",)
+#: File endings taken as slides, in the order error messages list them.
+_LISTED: tuple[str, ...] = (
+    ".svs", ".tif", ".tiff", ".ome.tif", ".ome.tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".bif", ".svslide",
+    ".qptiff", ".czi", ".isyntax",
+) + DICOM_EXTENSIONS
 #: File endings taken as slides, lower case, longest first (so double endings win over their tail).
-SLIDE_EXTENSIONS: tuple[str, ...] = tuple(sorted(
-    (".ome.tiff", ".ome.tif", ".svs", ".tif", ".tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".bif",
-     ".svslide", ".qptiff", ".czi", ".isyntax") + DICOM_EXTENSIONS,
-    key=lambda e: (-len(e), e),
-))
+SLIDE_EXTENSIONS: tuple[str, ...] = tuple(sorted(_LISTED, key=len, reverse=True))
 
 
 class NoSlidesError(FileNotFoundError):
@@ -73,7 +74,7 @@ def slide_id(path: str | os.PathLike) -> str:
     p = Path(path)
     ext = _ending(p.name)
     if ext is None:
-        raise ValueError(f"{p.name!r} is not a slide file name; expected one of the endings {' '.join(SLIDE_EXTENSIONS)}")
+        raise ValueError(f"{p.name!r} is not a slide file name; expected one of the endings {describe_extensions()}")
     if ext in DICOM_EXTENSIONS:
         parent = Path(os.path.abspath(p)).parent.name
         if parent:
@@ -91,7 +92,7 @@ class SlideFile:
 
 def describe_extensions() -> str:
     """The endings looked for, as one line for error messages."""
-    return " ".join(SLIDE_EXTENSIONS) + " (a folder of .dcm files is one DICOM slide)"
+    return " ".join(_LISTED) + " (a folder of .dcm files is one DICOM slide)"
 
 
 def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.PathLike] = ()) -> list[SlideFile]:

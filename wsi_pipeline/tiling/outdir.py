@@ -41,6 +41,17 @@ def _explain(err: OSError) -> str:
     return f"{text}{where}" + (f"; {hint}" if hint else "")
 
 
+def _probe_write(folder: Path) -> None:
+    """Create, write and remove a small file in ``folder`` (what the tiler's writes need); raises OSError."""
+    probe = folder / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"ok")
+    finally:
+        os.close(fd)
+    probe.unlink()
+
+
 def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> str | None:
     """Why ``out`` cannot take the tiler's files, or None when it can (creating it if missing).
 
@@ -54,14 +65,8 @@ def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> 
         p.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         return f"cannot create it: {_explain(err)}"
-    probe = p / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        try:
-            os.write(fd, b"ok")
-        finally:
-            os.close(fd)
-        probe.unlink()
+        _probe_write(p)
     except OSError as err:
         return f"cannot write in it: {_explain(err)}"
     for sub in subfolders:

@@ -38,7 +38,15 @@ from typing import Any
 
 import pandas as pd
 
-from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, NoSlidesError, find_slide_files, is_slide_name, no_slides_message, slide_id
+from wsi_pipeline.slides.finder import (
+    SLIDE_EXTENSIONS,
+    NoSlidesError,
+    describe_extensions,
+    find_slide_files,
+    is_slide_name,
+    no_slides_message,
+    slide_id,
+)
 from wsi_pipeline.tiling.locks import HEARTBEAT_S, STALE_AFTER_S, LockDir
 from wsi_pipeline.tiling.outdir import OutputDirError, check_output_dir, output_problem
 from wsi_pipeline.tiling.store import store_path
@@ -266,7 +274,7 @@ def _jobs_from_source(source: str | os.PathLike | Sequence[SlideJob], out: Path)
         jobs = [SlideJob(slide_id(src), str(src.resolve()))]
     elif src.exists():
         raise NoSlidesError(
-            f"{src} is neither a folder of slides, a slide file (endings {' '.join(SLIDE_EXTENSIONS)}), nor a manifest .csv"
+            f"{src} is neither a folder of slides, a slide file (endings {describe_extensions()}), nor a manifest .csv"
         )
     else:
         raise FileNotFoundError(f"{src} not found; pass a folder of slides, a slide file or a manifest .csv")
