@@ -322,3 +322,28 @@ def test_no_slides_is_an_error_naming_the_folder_and_extensions(tmp_path: Path, 
     err = capsys.readouterr().err
     assert code == 2 and str(manifest) in err
     _no_traceback(err)
+
+
+def test_overwrite_does_not_rebuild_what_another_run_rebuilt_meanwhile(tmp_path: Path, cohort: Path, monkeypatch) -> None:
+    folder = tmp_path / "two"
+    folder.mkdir()
+    for k in (0, 1):
+        (folder / f"s{k}.svs").symlink_to(cohort / f"s{k}.svs")
+    out = tmp_path / "tiles"
+    cfg = runner.TilingConfig(tile_size=64)
+    assert tile_cohort(folder, out, cfg, workers=0, progress=False).count("ok") == 2
+    orig = runner.tile_slide
+    tiled: list[str] = []
+
+    def and_another_run(job, *a, **k):
+        tiled.append(job.slide_id)
+        if job.slide_id == "s0":  # meanwhile another --overwrite run rebuilds s1
+            orig(SlideJob("s1", str(folder / "s1.svs")), out, cfg, overwrite=True)
+        return orig(job, *a, **k)
+
+    monkeypatch.setattr(runner, "tile_slide", and_another_run)
+    time.sleep(1.0)  # store times have 1 s resolution: the first stores must predate this run
+    rep = tile_cohort(folder, out, cfg, workers=0, progress=False, overwrite=True)
+    by_id = {r.slide_id: r for r in rep.results}
+    assert tiled == ["s0"] and by_id["s0"].status == "ok"
+    assert by_id["s1"].status == "skipped" and "rebuilt by another run" in by_id["s1"].note

@@ -171,7 +171,8 @@ class LockDir:
             return True
         p = self.path(name)
         if _create(p, self.me):
-            self._held[name] = p
+            with self._mutex:
+                self._held[name] = p
             return True
         reason = self.stale_reason(name)
         if reason is None:
@@ -189,7 +190,8 @@ class LockDir:
             if not _create(p, self.me):
                 return False
         logger.warning("took over the stale lock %s: %s", p, reason)
-        self._held[name] = p
+        with self._mutex:
+            self._held[name] = p
         return True
 
     @contextlib.contextmanager
@@ -227,13 +229,14 @@ class LockDir:
 
     def release(self, name: str) -> None:
         """Give up ``name`` (deleting its file only when it is still this process's)."""
-        p = self._held.pop(name, None)
-        if p is None:
-            return
-        info = _read(p)
-        if info is not None and info.token == self.me.token:
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
+        with self._mutex:
+            p = self._held.pop(name, None)
+            if p is None:
+                return
+            info = _read(p)
+            if info is not None and info.token == self.me.token:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
 
     def release_all(self) -> None:
         for name in list(self._held):
@@ -241,18 +244,22 @@ class LockDir:
 
     def refresh(self) -> None:
         """Heartbeat: refresh every held lock; a lock another run took over is dropped with a warning."""
-        for name, p in list(self._held.items()):
-            info = _read(p)
-            if info is None or info.token != self.me.token:
-                self._held.pop(name, None)
-                self.lost.append(name)
-                logger.warning(
-                    "lock %s was taken over by %s while this run held it (this run was paused for longer than %g s?)",
-                    p, info.describe() if info else "another run", self.stale_after_s,
-                )
-                continue
-            with contextlib.suppress(FileNotFoundError):
-                os.utime(p)
+        for name in list(self._held):
+            with self._mutex:  # not while release() removes it
+                p = self._held.get(name)
+                if p is None:
+                    continue
+                info = _read(p)
+                if info is None or info.token != self.me.token:
+                    del self._held[name]
+                    self.lost.append(name)
+                    logger.warning(
+                        "lock %s was taken over by %s while this run held it (this run was paused for longer than %g s?)",
+                        p, info.describe() if info else "another run", self.stale_after_s,
+                    )
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(p)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.heartbeat_s):
