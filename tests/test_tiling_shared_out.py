@@ -347,3 +347,16 @@ def test_overwrite_does_not_rebuild_what_another_run_rebuilt_meanwhile(tmp_path:
     by_id = {r.slide_id: r for r in rep.results}
     assert tiled == ["s0"] and by_id["s0"].status == "ok"
     assert by_id["s1"].status == "skipped" and "rebuilt by another run" in by_id["s1"].note
+
+
+def test_an_output_write_error_is_not_blamed_on_the_slide(tmp_path: Path, cohort: Path, monkeypatch) -> None:
+    out = tmp_path / "tiles"
+    store = out / ".s0.zarr.tmp-1" / "tiles"
+
+    def full_disk(job, *a, **k):  # a write error on the output that the probe no longer sees (space freed since)
+        return SlideResult(job.slide_id, "failed", error=f"OSError: [Errno 28] No space left on device: '{store}'", path=job.path)
+
+    monkeypatch.setattr(runner, "tile_slide", full_disk)
+    rep = tile_cohort(cohort, out, workers=0, progress=False)
+    errors = {r.slide_id: r.error for r in rep.results}
+    assert errors["s0"].startswith("writing to the output folder failed (the slide itself may be fine): OSError: [Errno 28]")

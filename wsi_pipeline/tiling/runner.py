@@ -307,12 +307,12 @@ class _Claims:
     """
 
     def __init__(self, jobs: Sequence[SlideJob], todo: Sequence[int], out: Path, config: TilingConfig,
-                 overwrite: bool, locks: LockDir, settle: Callable[[int, SlideResult], None]) -> None:
+                 overwrite: bool, locks: LockDir, settle: Callable[[int, SlideResult], None], since: float) -> None:
         self.jobs, self.out, self.config, self.overwrite, self.locks = jobs, out, config, overwrite, locks
         self.pending = deque(todo)
         self.deferred: dict[int, float] = {}  # job index -> next attempt (monotonic s)
         self.settle = settle
-        self.since = time.time()
+        self.since = since  # this run's start (epoch s): stores built after it by others count as current
         self._told: set[int] = set()
 
     @property
@@ -397,7 +397,7 @@ def tile_cohort(
     Workers are started with ``spawn``: a script calling this must guard its entry point with
     ``if __name__ == "__main__":``.
     """
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     config = config or TilingConfig()
     out = Path(out_dir)
     n_workers = _default_workers() if workers is None else int(workers)
@@ -424,6 +424,8 @@ def tile_cohort(
             problem = output_problem(out)
             if problem is not None:  # the output broke, not the slide: stop here, this slide stays unprocessed
                 raise OutputDirError(out, f"{problem} (while tiling {r.slide_id}: {r.error})")
+            if r.error.startswith(("OSError", "PermissionError")) and any(f"'{o}{os.sep}" in r.error for o in (out, out.resolve())):
+                r.error = f"writing to the output folder failed (the slide itself may be fine): {r.error}"
             n_failed += 1
             logger.warning("slide %s failed: %s", r.slide_id, r.error)
         results[i] = r
@@ -454,7 +456,7 @@ def tile_cohort(
                     todo.append(i)
                 else:
                     settle(i, early)
-            claims = _Claims(jobs, todo, out, config, overwrite, locks, settle)
+            claims = _Claims(jobs, todo, out, config, overwrite, locks, settle, since=started)
             if n_workers == 0:
                 while not claims.done:
                     i = claims.next()
