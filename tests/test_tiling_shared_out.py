@@ -153,10 +153,10 @@ def test_two_runs_on_one_folder_tile_each_slide_once(tmp_path: Path, cohort: Pat
     wrapper = _wrapper(tmp_path)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     args = ["tile", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress", "--tile-size", "64"]
-    first = subprocess.Popen([sys.executable, str(wrapper), str(logs[0]), "0.6", *args], env=ENV,
+    first = subprocess.Popen([sys.executable, str(wrapper), str(logs[0]), "1.0", *args], env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: bool(_lines(logs[0]))), "the first run never started a slide"
-    second = subprocess.Popen([sys.executable, str(wrapper), str(logs[1]), "0.6", *args], env=ENV,
+    second = subprocess.Popen([sys.executable, str(wrapper), str(logs[1]), "1.0", *args], env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     outs = [p.communicate(timeout=240) for p in (first, second)]
     assert first.returncode == 0 and second.returncode == 0, outs

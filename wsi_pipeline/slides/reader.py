@@ -4,7 +4,8 @@
 properties, and :meth:`Slide.read_region`, which always returns a uint8 RGB array with
 transparent or out-of-bounds areas filled with the background colour (white unless the slide
 says otherwise). ``backend="auto"`` tries OpenSlide first and falls back to tiffslide (OME-TIFF
-and other TIFFs OpenSlide rejects); when neither opens the file, the error keeps both reasons.
+and other TIFFs OpenSlide rejects), or for a DICOM file to wsidicom (:mod:`wsi_pipeline.slides.dicom`);
+when none opens the file, the error keeps every reason.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Slide(ABC):
     Attributes
     ----------
     path : the slide file.
-    backend : ``"openslide"`` or ``"tiffslide"``, the library that opened it.
+    backend : ``"openslide"``, ``"tiffslide"`` or ``"wsidicom"``, the library that opened it.
     dimensions : (width, height) of level 0 in px.
     level_count : number of pyramid levels.
     level_dimensions : (width, height) of each level in px.
