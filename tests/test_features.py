@@ -114,3 +114,24 @@ def test_cli_resnet18(store_cohort, tmp_path) -> None:
     assert len(list(out.glob("*.h5"))) == len(df)
     assert main(argv) == 0  # second run: everything up to date
     assert main(argv[:-2] + ["--encoder", "nope"]) == 2
+
+
+def test_re_extraction_says_why_and_orphan_files_are_reported(store_cohort, tmp_path, caplog) -> None:
+    import logging
+
+    df = read_manifest(store_cohort).head(3)
+    tiles = store_cohort.parent / "tiles"
+    torch.manual_seed(1)
+    enc = StandIn()
+    extract_features(df, tiles, tmp_path, "standin", encoder=enc, progress=False)
+    with torch.no_grad():
+        enc.conv.weight[0, 0, 0, 0] += 0.1
+    with caplog.at_level(logging.INFO, logger="wsi_pipeline.data.features"):
+        report = extract_features(df.head(2), tiles, tmp_path, "standin", encoder=enc, progress=False)
+    assert list(report["status"]) == ["ok", "ok"]
+    text = [r.getMessage() for r in caplog.records]
+    why = [t for t in text if t.startswith("re-extracted")]
+    assert len(why) == 1 and "2 slide(s): encoder weights changed" in why[0]
+    orphan = [t for t in text if "not in this manifest" in t]
+    assert len(orphan) == 1 and str(df["slide_id"].iloc[2]) in orphan[0]
+    assert str(df["slide_id"].iloc[2]) not in set(report["slide_id"])  # ignored, not rebuilt or listed

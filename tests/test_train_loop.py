@@ -237,10 +237,10 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, store_cohort
     run_k = tmp_path / "k" / "killed" / "t" / "m" / "seed0"
     assert load_checkpoint(run_k / "last.pt")["epoch"] == 1 and not (run_k / "done").exists()
 
-    # without --resume an interrupted run is an error, before any training
-    assert main(["train", "--config", str(killed), "--no-progress"]) == 2
+    # with --no-resume an interrupted run is an error, before any training; by default it resumes
+    assert main(["train", "--config", str(killed), "--no-progress", "--no-resume"]) == 2
     assert "unfinished run(s) found" in capsys.readouterr().err and load_checkpoint(run_k / "last.pt")["epoch"] == 1
-    assert main(["train", "--config", str(killed), "--no-progress", "--resume"]) == 0
+    assert main(["train", "--config", str(killed), "--no-progress"]) == 0
 
     run_s = tmp_path / "straight" / "t" / "m" / "seed0"
     a, b = models_of(run_s / "last.pt"), models_of(run_k / "last.pt")

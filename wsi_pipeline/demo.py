@@ -130,7 +130,7 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
 
     t0 = time.perf_counter()
     tiling = config.data.tiling
-    tconf = TilingConfig(method=tiling.method or "greyscale", tile_size=tiling.tile_size,
+    tconf = TilingConfig(method=tiling.method or "greyscale", tile_size=tiling.tile_size or 256,
                          min_foreground=tiling.min_foreground, mpp_target=tiling.mpp_target)
     report = tile_cohort(manifest, config.data.tiles_dir, tconf, workers=workers, progress=progress)
     timer.stage("tile", time.perf_counter() - t0)

@@ -19,6 +19,9 @@ from wsi_pipeline import cli as _cli_pkg
 
 __all__ = ["build_parser", "main"]
 
+#: Commands in the order of the flow; ``--help`` lists them so, the others after.
+FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "demo")
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with one subparser per command module."""
@@ -32,10 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {wsi_pipeline.__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for info in sorted(pkgutil.iter_modules(_cli_pkg.__path__), key=lambda m: m.name):
-        if info.name.startswith("_") or info.name == "main":
-            continue
-        module = importlib.import_module(f"{_cli_pkg.__name__}.{info.name}")
+    names = [m.name for m in pkgutil.iter_modules(_cli_pkg.__path__) if not m.name.startswith("_") and m.name != "main"]
+    # the flow first (manifest, tile, train, eval, predict), then the rest alphabetically
+    for name in sorted(names, key=lambda n: (FLOW.index(n) if n in FLOW else len(FLOW), n)):
+        module = importlib.import_module(f"{_cli_pkg.__name__}.{name}")
         register = getattr(module, "register", None)
         if register is not None:
             register(sub)
@@ -51,7 +54,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        # finished work is kept by every stage (atomic writes, completion markers, last.pt)
+        print(f"\nwsi-pipeline {args.command}: interrupted; finished work is kept. Run the same command again to "
+              "continue where it stopped.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -16,6 +16,16 @@ __all__ = ["register", "run", "summary_table"]
 _NO_CHECK = "write the manifest even when slide files are missing (e.g. before downloading the slides)"
 
 
+def _add_split_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--split", default="0.6,0.2,0.2", metavar="TRAIN,VAL,TEST",
+                   help="fractions of patients (slides when there is no patient_id) drawn into train, val and test "
+                   "for labelled slides without a split; label-stratified, patient-grouped (default 0.6,0.2,0.2)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn splits (default 0)")
+    p.add_argument("--folds", type=int, metavar="K",
+                   help="K-fold cross-validation: draw the test split, cut the rest into K label-stratified folds, "
+                   "write OUT with a 'fold' column and one manifest per fold, OUT_fold<k>.csv (fold k = val)")
+
+
 def _add_out(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="CSV", help="manifest CSV to write (atomically; parent folders are created)")
 
@@ -41,8 +51,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "optional CSV; unlabelled slides are kept (for `predict`).",
     )
     p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for slide files")
-    p.add_argument("--labels", metavar="CSV", help="optional CSV with slide_id and label (integer class, empty = "
-                   "unlabelled); its split, cohort, patient_id, mpp and other columns are carried over")
+    p.add_argument("--labels", metavar="CSV", help="optional CSV with columns slide_id,label[,patient_id][,split][,mpp] "
+                   "(label: integer class, empty = unlabelled); its split, cohort, patient_id, mpp and other columns "
+                   "are carried over. Without a split column, splits are drawn (see --split)")
+    _add_split_options(p)
+    _add_out(p)
+    p.set_defaults(func=run)
+
+    p = sub.add_parser(
+        "split", help="draw train/val/test splits (or K folds) for an existing manifest",
+        description="Read a manifest and draw a split for every labelled slide whose split is empty: "
+        "label-stratified and patient-grouped (all slides of a patient_id in one split). Slides that already "
+        "have a split keep it, and so do their patients' other slides.",
+    )
+    p.add_argument("--manifest", required=True, metavar="CSV", help="the manifest to split")
+    p.add_argument("--redraw", action="store_true", help="discard the manifest's existing splits and draw all of them")
+    _add_split_options(p)
     _add_out(p)
     p.set_defaults(func=run)
 
@@ -137,6 +161,13 @@ def summary_table(df) -> str:
     return "\n".join(lines)
 
 
+def _drawn(df, args: argparse.Namespace):
+    """``df`` with splits (and folds) drawn for labelled slides that have none."""
+    from wsi_pipeline.manifests.assign import assign_splits, parse_fractions
+
+    return assign_splits(df, parse_fractions(args.split), seed=args.seed, folds=args.folds)
+
+
 def _builder(args: argparse.Namespace) -> Callable[[], object]:
     """The library call for the chosen source (heavy imports happen here)."""
     if args.cohort_builder == "merge":
@@ -146,7 +177,17 @@ def _builder(args: argparse.Namespace) -> Callable[[], object]:
     if args.cohort_builder == "folder":
         from wsi_pipeline.manifests.folder import build_folder_manifest
 
-        return lambda: build_folder_manifest(args.slides, args.labels)
+        return lambda: _drawn(build_folder_manifest(args.slides, args.labels), args)
+    if args.cohort_builder == "split":
+        from wsi_pipeline.manifests.schema import read_manifest
+
+        def split_existing():
+            df = read_manifest(args.manifest)
+            if args.redraw:
+                df["split"] = ""
+            return _drawn(df, args)
+
+        return split_existing
     if args.cohort_builder == "panda":
         from wsi_pipeline.manifests.panda import build_panda_manifest
 
@@ -188,7 +229,32 @@ def run(args: argparse.Namespace) -> int:
             return 1
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
+    _warn_duplicate_files(df)
     path = write_manifest(df, args.out)
     print(f"wrote {path}")
     print(summary_table(df))
+    if "fold" in df.columns:
+        from pathlib import Path
+
+        from wsi_pipeline.manifests.assign import fold_manifests
+
+        out = Path(args.out)
+        for k, fold_df in enumerate(fold_manifests(df)):
+            fold_path = write_manifest(fold_df, out.with_name(f"{out.stem}_fold{k}{out.suffix}"))
+            n_val = int((fold_df["split"] == "val").sum())
+            print(f"wrote {fold_path} (fold {k}: {n_val} val slides)")
+        print("train each fold with `wsi-pipeline train --config X.yaml --set data.manifest=<fold manifest>` "
+              "and a runs folder per fold")
     return 0
+
+
+def _warn_duplicate_files(df) -> None:
+    """Warn when two slide ids point to the same file (a leak when they fall in different splits)."""
+    from wsi_pipeline.manifests.assign import duplicate_files
+
+    if "path" not in df.columns:
+        return
+    for ids in duplicate_files(df):
+        splits = sorted(set(df.loc[df["slide_id"].isin(ids), "split"].astype(str)) - {""})
+        leak = f"; they are in different splits ({', '.join(splits)}): a leak" if len(splits) > 1 else ""
+        print(f"warning: slide ids {', '.join(ids)} point to the same file (same path or content){leak}", file=sys.stderr)

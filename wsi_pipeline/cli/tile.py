@@ -21,6 +21,18 @@ def _positive(text: str) -> float:
     return v
 
 
+def _grey_max(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a grey level 0..255 nor 'auto'") from None
+    if not 0 <= v <= 255:
+        raise argparse.ArgumentTypeError(f"{text} is not a grey level in [0, 255]")
+    return v
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``tile`` subcommand."""
     p = subparsers.add_parser(
@@ -52,7 +64,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="keep a tile when its foreground (greyscale) or tissue (otsu) fraction is >= F "
                         "[default: 0.6 for greyscale, 0.5 for otsu]")
     p.add_argument("--grey-min", type=int, default=3, metavar="G", help="darkest grey value counted as foreground (greyscale method)")
-    p.add_argument("--grey-max", type=int, default=230, metavar="G", help="brightest grey value counted as foreground (greyscale method)")
+    p.add_argument("--grey-max", type=_grey_max, default=230, metavar="G",
+                   help="brightest grey value counted as foreground (greyscale method); 'auto': each slide's glass grey "
+                        "level, estimated from its thumbnail, minus 10 (230 when a slide shows no glass). The glass level "
+                        "is in the report's background_grey column; a warning says when it lies inside the foreground band")
+    p.add_argument("--allow-dark-background", action="store_true",
+                   help="tile slides whose background is dark (fluorescence) with these brightfield rules; by default "
+                        "they are reported as skipped: dark background (fluorescence?)")
     p.add_argument("--mpp-target", type=_positive, default=None, metavar="UM",
                    help="tile resolution in um/px (0.5 is about 20x): read the best pyramid level at or finer than it "
                         "and resize; default: native level 0")
@@ -91,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
             grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp,
             compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
+            allow_dark_background=args.allow_dark_background,
         )
         if args.workers is not None and args.workers < 0:
             raise ValueError(f"--workers {args.workers} must be >= 0")

@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Train every method x seed of a pipeline YAML into runs/<pipeline>/<method>/seed<k>/ "
             "(config.yaml, history.csv, last.pt, best.pt, done). The config, manifest, labels, tile stores, "
             "strategies and models are checked before any training. Finished runs (with a `done` file) are "
-            "skipped; an interrupted run continues exactly with --resume. Frozen methods extract missing "
+            "skipped; an interrupted run (Ctrl-C, kill, crash) continues exactly from its last finished epoch when the "
+            "same command is run again. Frozen methods extract missing "
             "feature files first. Relative paths in the config are relative to the current directory."
         ),
     )
@@ -35,11 +36,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="train only this method (repeatable; default: every method of the config)")
     p.add_argument("--seed", dest="seeds", action="append", type=int, default=None, metavar="N",
                    help="train only this seed (repeatable; default: the config's seeds)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue runs that were interrupted (they have last.pt but no done file)")
+    p.add_argument("--resume", dest="resume", action="store_true", default=True,
+                   help="continue runs that were interrupted (last.pt but no done file) from their last epoch; "
+                   "the default, kept for old scripts")
+    p.add_argument("--no-resume", dest="resume", action="store_false",
+                   help="stop with an error instead when an interrupted run is found")
     p.add_argument("--device", default=None,
                    help="auto (CUDA when present), cpu, cuda or cuda:N; overrides train.device of every method")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    p.add_argument("--strict", action="store_true",
+                   help="stop when a train/val slide's store holds 0 tiles (default: leave it out with a warning)")
     p.set_defaults(func=run)
 
 
@@ -58,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             runs = train_pipeline(
                 config, methods=args.methods, seeds=args.seeds, resume=args.resume,
-                device=args.device, progress=not args.no_progress,
+                device=args.device, progress=not args.no_progress, strict=args.strict,
             )
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         if getattr(args, "verbose", 0) >= 2:

@@ -9,6 +9,7 @@ an uninterrupted one. Tiles are read by a background thread one bag ahead of the
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -21,12 +22,16 @@ import pandas as pd
 
 from wsi_pipeline.tiling.store import TileStore, is_complete, open_store, store_path
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "Bag",
     "FeatureReader",
     "Slide",
     "TileReader",
     "check_stores",
+    "check_tiling",
+    "drop_empty",
     "epoch_plan",
     "iter_bags",
     "sample_indices",
@@ -85,6 +90,97 @@ def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
         f"({'; '.join(parts)}). Run `wsi-pipeline tile` (make tile) on these slides to (re)build their "
         f"<slide_id>.zarr stores, or point data.tiles_dir at the folder that holds them."
     )
+
+
+#: Store settings that may differ between the slides of one cohort (they describe the slide, not the tiling).
+_PER_SLIDE = ("fingerprint", "mpp_override", "mpp", "mpp_source", "compression", "backend")
+
+
+def store_settings(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The tiling settings recorded in a store (tile size, method, thresholds, mpp target, ...).
+
+    None for a store that records none (stores written outside the tiler, e.g. synthetic ones).
+    """
+    identity = open_store(path).attrs.get("tiling_identity")
+    if not isinstance(identity, dict):
+        return None
+    return {k: v for k, v in identity.items() if k not in _PER_SLIDE}
+
+
+def check_tiling(slides: Sequence[Slide], expected: Any = None) -> dict[str, Any] | None:
+    """The tiling settings shared by every slide's store, checked; None when the stores record none.
+
+    Parameters
+    ----------
+    slides : slides with complete stores.
+    expected : the config's ``data.tiling`` (fields that are not None must match the stores).
+
+    Raises
+    ------
+    ValueError
+        The stores were made with different settings (naming a few stores of each), or with
+        settings other than ``expected``.
+    """
+    groups: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for s in slides:
+        settings = store_settings(s.store)
+        if settings is None:
+            continue
+        key = repr(sorted(settings.items()))
+        groups.setdefault(key, (settings, []))[1].append(s.slide_id)
+    if not groups:
+        return None
+    if len(groups) > 1:
+        parts = [f"{_first(ids, 4)}: {_describe(settings)}" for settings, ids in groups.values()]
+        raise ValueError(
+            f"the tile stores were made with different tiling settings ({'; '.join(parts)}); retile the odd "
+            "ones with the same `wsi-pipeline tile` options (a model must see one resolution and tile size)"
+        )
+    settings = next(iter(groups.values()))[0]
+    if expected is not None:
+        wrong = []
+        for name in ("method", "tile_size", "min_foreground", "mpp_target"):
+            want = getattr(expected, name, None)
+            got = settings.get(name)
+            if want is not None and not (got == want or (isinstance(got, float) and abs(got - float(want)) < 1e-9)):
+                wrong.append(f"{name}: config {want} vs stores {got}")
+        if wrong:
+            raise ValueError(
+                f"data.tiling disagrees with the tile stores ({'; '.join(wrong)}); remove those keys from data.tiling "
+                "(the stores' settings are used) or retile with the config's settings"
+            )
+    return settings
+
+
+def _describe(settings: dict[str, Any]) -> str:
+    keys = ("method", "tile_size", "mpp_target", "min_foreground")
+    return ", ".join(f"{k}={settings.get(k)}" for k in keys if k in settings)
+
+
+def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> list[Slide]:
+    """``slides`` without those whose (complete) store holds 0 tiles, with one warning naming them.
+
+    A slide whose tiles all failed the foreground rule (a blank scan, a fluorescence slide under a
+    brightfield rule) has an empty store: it cannot form a bag, so it is left out of training and
+    evaluation. With ``strict`` that is an error instead.
+
+    Raises
+    ------
+    ValueError
+        ``strict`` and some slide has no tiles.
+    """
+    kept, empty = [], []
+    for s in slides:
+        (kept if len(open_store(s.store)) > 0 else empty).append(s)
+    if empty:
+        ids = [s.slide_id for s in empty]
+        msg = (f"{len(ids)} {split} slide(s) have 0 tiles in their store and are left out: {_first(ids)} "
+               "(all tiles failed the foreground rule; check the tiling report and QC images, or retile with "
+               "other thresholds, e.g. `wsi-pipeline tile --min-foreground 0.3`)")
+        if strict:
+            raise ValueError(msg + "; --strict makes this an error")
+        log.warning(msg)
+    return kept
 
 
 def _first(values: Sequence[str], k: int = 8) -> str:

@@ -100,18 +100,41 @@ def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict
     return feats, coords, attrs
 
 
-def _up_to_date(path: Path, expected: Mapping[str, Any]) -> bool:
+#: Attribute -> why a file whose value differs is rebuilt.
+_STALE_BECAUSE = {
+    "encoder": "another encoder",
+    "weights_sha256": "encoder weights changed (other weights, or BatchNorm calibrated on another training set)",
+    "store_fingerprint": "tile store rebuilt or retiled",
+}
+
+
+def _stale_reason(path: Path, expected: Mapping[str, Any]) -> str | None:
+    """Why ``path`` must be (re)built for ``expected`` attributes, or None when it is up to date."""
     import h5py
 
     if not path.is_file():
-        return False
+        return "no feature file"
     try:
         with h5py.File(path, "r") as f:
             if not bool(f.attrs.get("complete", False)):
-                return False
-            return all(f.attrs.get(k) == v for k, v in expected.items())
-    except OSError:
-        return False
+                return "incomplete file"
+            for k, v in expected.items():
+                if f.attrs.get(k) != v:
+                    return _STALE_BECAUSE.get(k, f"{k} changed")
+    except OSError as e:
+        return f"unreadable file ({e})"
+    return None
+
+
+def _report_orphans(out: Path, slide_ids: list[str]) -> list[str]:
+    """Feature files in ``out`` of slides not in ``slide_ids``: ignored, and named in one log line."""
+    keep = set(slide_ids)
+    orphans = sorted(p.stem for p in out.glob("*.h5") if p.stem not in keep)
+    if orphans:
+        more = f" (and {len(orphans) - 8} more)" if len(orphans) > 8 else ""
+        log.info("%d feature file(s) in %s belong to slides not in this manifest and are ignored: %s%s",
+                 len(orphans), out, ", ".join(orphans[:8]), more)
+    return orphans
 
 
 def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarray, attrs: Mapping[str, Any]) -> None:
@@ -210,6 +233,8 @@ def extract_features(
 
     rows = []
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
+    _report_orphans(out, slide_ids)
+    reasons: dict[str, int] = {}
     for slide_id in tqdm(slide_ids, desc="features", unit="slide", disable=not progress):
         t0 = time.perf_counter()
         dest = features_path(out, slide_id)
@@ -218,9 +243,12 @@ def extract_features(
             store = open_store(store_path(tiles_dir, slide_id))
             expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store)}
             row["n_tiles"] = len(store)
-            if not overwrite and _up_to_date(dest, expected):
+            reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
+            if reason is None:
                 row["status"] = "skipped"
             else:
+                if reason != "no feature file":
+                    reasons[reason] = reasons.get(reason, 0) + 1
                 feats = _embed_store(store, encoder, dev, int(batch_size))
                 attrs = {
                     **expected,
@@ -237,6 +265,8 @@ def extract_features(
             row.update(status="failed", error=f"{type(e).__name__}: {e}")
         row["seconds"] = round(time.perf_counter() - t0, 3)
         rows.append(row)
+    if reasons:
+        log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
     report = pd.DataFrame(rows, columns=["slide_id", "status", "n_tiles", "seconds", "error"])
     tmp = out / f".{REPORT_NAME}.tmp-{os.getpid()}"
     report.to_csv(tmp, index=False)

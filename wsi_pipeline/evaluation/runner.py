@@ -462,10 +462,25 @@ class PredictSummary:
 
 
 def _tiler_config(tiling: Any, mpp: float | None) -> Any:
-    """The tiler's settings from the tiling parameters saved with a model."""
+    """The tiler's settings from the tiling parameters saved with a model.
+
+    ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
+    them), or an older checkpoint's config section (tile size, method, threshold, mpp target).
+    """
+    import dataclasses
+
+    from wsi_pipeline.tiling.tissue import OtsuParams
     from wsi_pipeline.tiling.tiler import TilingConfig as TilerConfig
 
-    kw: dict[str, Any] = {"tile_size": int(getattr(tiling, "tile_size", 256))}
+    if isinstance(tiling, dict):
+        names = {f.name for f in dataclasses.fields(TilerConfig)} - {"mpp", "backend", "compression"}
+        kw = {k: v for k, v in tiling.items() if k in names and v is not None}
+        if isinstance(kw.get("otsu"), dict):
+            kw["otsu"] = OtsuParams(**kw["otsu"])
+        if mpp is not None:
+            kw["mpp"] = float(mpp)
+        return TilerConfig(**kw)
+    kw: dict[str, Any] = {"tile_size": int(getattr(tiling, "tile_size", None) or 256)}
     if getattr(tiling, "method", None):
         kw["method"] = tiling.method
     if getattr(tiling, "min_foreground", None) is not None:
@@ -578,7 +593,7 @@ def predict_slides(
     info = {
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
         "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
-        "tiles_dir": str(tiles_dir), "tiling": {k: getattr(model.tiling, k, None) for k in ("method", "tile_size", "min_foreground", "mpp_target")},
+        "tiles_dir": str(tiles_dir), "tiling": _tiler_config(model.tiling, None).output_params(),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
     }
     tmp = out / f".predict_info.json.tmp-{os.getpid()}"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wsi_pipeline.synthetic.texture import paint_tissue
+from wsi_pipeline.synthetic.texture import HE_STAIN, Stain, paint_tissue
 
 __all__ = ["SyntheticSlide", "make_slide", "BACKGROUND_GREY"]
 
@@ -136,7 +136,8 @@ def _upsample_rows(mask: np.ndarray, md: int, y0: int, y1: int, w: int) -> np.nd
 def _paint_strip(
     y0: int, y1: int, w: int, *, seed: int, md: int, alpha_map: np.ndarray, lesion_map: np.ndarray,
     strokes: list, tint: tuple[float, float, float], noise: float, tile: int, lesion_contrast: float = 1.0,
-    mimic_map: np.ndarray | None = None, nuclei_density: float = 1.0,
+    mimic_map: np.ndarray | None = None, nuclei_density: float = 1.0, glass_grey: int = BACKGROUND_GREY,
+    stain: Stain = HE_STAIN,
 ) -> np.ndarray:
     """Level-0 rows [y0, y1): uint8 (y1 - y0, w, 3)."""
     import cv2
@@ -144,7 +145,7 @@ def _paint_strip(
     h = y1 - y0
     rng = np.random.default_rng([seed, 7, y0])
     bg_noise = min(noise, 1.0) + 0.25 * max(0.0, noise - 4.0)  # scanner noise shows on the glass too
-    base = np.full((h, w), float(BACKGROUND_GREY) + 0.5, np.float32)
+    base = np.full((h, w), float(glass_grey) + 0.5, np.float32)
     if bg_noise > 0:
         base += bg_noise * rng.standard_normal((h, w), dtype=np.float32)
     base_u8 = np.clip(base, 0, 255).astype(np.uint8)
@@ -162,7 +163,7 @@ def _paint_strip(
             lesion = lesion_all[:, c0:c1]
             mimic = mimic_all[:, c0:c1] if mimic_all is not None else None
             tissue = paint_tissue(rng, h, c1 - c0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise,
-                                  lesion_contrast=lesion_contrast, mimic=mimic, nuclei_density=nuclei_density)
+                                  lesion_contrast=lesion_contrast, mimic=mimic, nuclei_density=nuclei_density, stain=stain)
             a = alpha[:, c0:c1, None]
             mixed = base[:, c0:c1, None] * (1 - a) + tissue.astype(np.float32) * a
             img[:, c0:c1] = np.clip(mixed, 0, 255).astype(np.uint8)
@@ -225,6 +226,8 @@ def make_slide(
     mask_downsample: int = 16,
     n_mimics: int = 0,
     nuclei_density: float = 1.0,
+    glass_grey: int = BACKGROUND_GREY,
+    stain: Stain = HE_STAIN,
 ) -> SyntheticSlide:
     """Write a synthetic slide.
 
@@ -247,6 +250,10 @@ def make_slide(
     n_mimics : benign mimic regions (dense small dark nuclei, outside the lesions and not in the
         lesion mask), the same size as lesions: they darken tissue as lesions do.
     nuclei_density : multiplier of the normal nuclei density.
+    glass_grey : grey level (0..255) of the glass background (scanners put it anywhere from
+        about 210 to 252; near 0 gives a dark, fluorescence-like background).
+    stain : stroma, normal-nucleus and lesion-nucleus colours (H&E by default; e.g. an IHC
+        look: pale blue counterstain, haematoxylin nuclei, DAB-brown lesion nuclei).
     quality : JPEG quality of the tiles.
     level_factor : downsample between pyramid levels (2 or 4).
     mask_downsample : level-0 px per px of the returned masks (divides ``tile_size``).
@@ -268,6 +275,9 @@ def make_slide(
         raise ValueError(f"level_factor={level_factor}; expected 2 or 4")
     if min(w, h) < T:
         raise ValueError(f"size={size} is smaller than one tile ({T} px)")
+    if not 0 <= int(glass_grey) <= 255:
+        raise ValueError(f"glass_grey={glass_grey} must be a grey level in [0, 255]")
+    glass_grey = int(glass_grey)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -294,13 +304,13 @@ def make_slide(
             y1 = min(h, y0 + T)
             strip = _paint_strip(y0, y1, w, seed=seed, md=md, alpha_map=alpha_map, lesion_map=lesion_map,
                                  strokes=strokes, tint=tint, noise=noise, tile=T, lesion_contrast=lesion_contrast,
-                                 mimic_map=mimic_map, nuclei_density=nuclei_density)
+                                 mimic_map=mimic_map, nuclei_density=nuclei_density, glass_grey=glass_grey, stain=stain)
             if level1 is not None:
                 r0, r1 = y0 // f, min(level1.shape[0], y1 // f)
                 if r1 > r0:
                     part = strip[: (r1 - r0) * f, : level1.shape[1] * f]
                     level1[r0:r1] = cv2.resize(part, (level1.shape[1], r1 - r0), interpolation=cv2.INTER_AREA)
-            yield from _row_tiles(strip, T, BACKGROUND_GREY)
+            yield from _row_tiles(strip, T, glass_grey)
 
     head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({T}x{T}) JPEG/RGB Q={quality}"
     if mpp is not None:
@@ -323,13 +333,13 @@ def make_slide(
         # SVS layout: the second directory is a stripped thumbnail, the other levels follow
         small = levels[-1] if levels else None
         if small is None:
-            thumb = cv2.resize(np.full((h, w, 3), BACKGROUND_GREY, np.uint8), (max(1, w // 8), max(1, h // 8)))
+            thumb = cv2.resize(np.full((h, w, 3), glass_grey, np.uint8), (max(1, w // 8), max(1, h // 8)))
         else:
             thumb = small
         tw.write(thumb, description=f"{head} -> {thumb.shape[1]}x{thumb.shape[0]} - ", metadata=None, **jpeg)
         for img in levels:
             lh_, lw_ = img.shape[:2]
-            tw.write(_tiles_of(img, T, BACKGROUND_GREY), shape=img.shape, dtype=np.uint8, tile=(T, T),
+            tw.write(_tiles_of(img, T, glass_grey), shape=img.shape, dtype=np.uint8, tile=(T, T),
                      description=f"{head} -> {lw_}x{lh_} JPEG/RGB Q={quality}", metadata=None, **jpeg)
     os.replace(tmp, path)
     t_area = float(tissue.sum())

@@ -3,9 +3,10 @@
 - Slides run in parallel in worker processes (default: one per core). Each worker reports
   progress and results over its own pipe; a worker that dies (a reader crash, the OOM killer,
   ``kill -9``) costs only its current slide, which gets a ``failed`` row, and is replaced.
-- ``tiling_report.csv`` (slide_id, status, n_tiles, mpp, seconds, error, note, path) is
-  merged under a lock and replaced atomically while the run goes on and at its end: one row per
-  slide, this run's outcomes replacing older rows, never a partial view replacing finished rows.
+- ``tiling_report.csv`` (slide_id, status, n_tiles, mpp, seconds, error, note, path,
+  cpu_seconds, background_grey: the glass grey level estimated from the thumbnail) is merged
+  under a lock and replaced atomically while the run goes on and at its end: one row per slide,
+  this run's outcomes replacing older rows, never a partial view replacing finished rows.
 - Resume: a complete store with the same slide fingerprint and settings is ``skipped``; a
   partial store (a temporary ``.<id>.zarr.tmp-<pid>``) is never taken for a result and is
   removed once its process is gone; changed settings rebuild.
@@ -50,7 +51,7 @@ from wsi_pipeline.slides.finder import (
 from wsi_pipeline.tiling.locks import HEARTBEAT_S, STALE_AFTER_S, LockDir
 from wsi_pipeline.tiling.outdir import OutputDirError, check_output_dir, output_problem
 from wsi_pipeline.tiling.store import store_path
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig, precheck, store_matches, tile_slide
+from wsi_pipeline.tiling.tiler import DARK_NOTE, SlideJob, SlideResult, TilingConfig, precheck, store_matches, tile_slide
 from wsi_pipeline.tiling.worker import worker_main
 
 __all__ = [
@@ -151,6 +152,9 @@ class CohortReport:
         text = f"tiling: {len(self.results)} slides: " + ", ".join(parts)
         if empty:
             text += f" ({empty} with 0 tiles)"
+        dark = sum(r.status == "skipped" and r.note.startswith(DARK_NOTE) for r in self.results)
+        if dark:
+            text += f" ({dark} with a dark background, fluorescence?, not tiled)"
         text += f"; {self.n_tiles} tiles in {self.seconds:.1f} s; report: {self.report_path}"
         if not self.ok:
             failed = [r.slide_id for r in self.results if r.status == "failed"]

@@ -1,9 +1,10 @@
 """Tile one slide: open, plan the grid, find foreground tiles, write the zarr store and QC image.
 
-The slide is decoded once: a low-resolution overview (the pre-screen, the Otsu mask and the
-QC thumbnail all come from it) and then only the candidate tiles, read in runs along each row.
-When the slide has no level coarse enough for a cheap overview, the greyscale method reads
-every tile row once and builds the thumbnail from the same strips. Kept tiles go to a writer
+The slide is decoded once: a low-resolution overview (the background estimate, the
+pre-screen, the Otsu mask and the QC thumbnail all come from it) and then only the candidate
+tiles, read in runs along each row. A slide with no pyramid level coarse enough for the
+overview is decoded twice (the overview, then the candidates). Slides whose background is dark
+(fluorescence) are skipped unless ``allow_dark_background``. Kept tiles go to a writer
 thread, so compression and disk writes overlap decoding, unless every core already has a worker.
 """
 
@@ -27,6 +28,7 @@ import numpy as np
 import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, read_scaled, resolve_mpp, slide_fingerprint
 from wsi_pipeline.slides.reader import BACKENDS, Slide
+from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
@@ -41,6 +43,10 @@ logger = logging.getLogger(__name__)
 METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5}
 #: Overview pixels per tile side (the overview is the slide at tile extent / 16).
 _OVERVIEW_PER_TILE = 16
+#: The paper's brightest foreground grey, used by ``grey_max="auto"`` when a slide shows no glass.
+PAPER_GREY_MAX = 230
+#: Report note of a slide skipped for its dark background.
+DARK_NOTE = "skipped: dark background (fluorescence?)"
 
 
 @dataclass(frozen=True)
@@ -53,7 +59,14 @@ class TilingConfig:
     tile_size : T.
     min_foreground : keep a tile when its foreground fraction is at least this; None = the
         method's default (greyscale 0.6, otsu 0.5).
-    grey_min, grey_max : inclusive grey range of a foreground pixel (greyscale method).
+    grey_min, grey_max : inclusive grey range of a foreground pixel (greyscale method);
+        ``grey_max="auto"``: each slide's glass grey level (estimated from its thumbnail,
+        :mod:`wsi_pipeline.tiling.background`) minus ``grey_auto_margin``, or 230 when the
+        slide shows no glass.
+    grey_auto_margin : grey levels between the glass level and ``grey_max="auto"`` (10: on
+        CMU-1, 0.06 % of level-0 glass pixels lie 10 or more levels below the glass level).
+    allow_dark_background : tile slides whose background is dark (fluorescence) with these
+        brightfield rules; by default they are ``skipped`` with the note ``DARK_NOTE``.
     mpp_target : um per tile px, or None for native level 0.
     mpp_tolerance : relative mpp difference within which a pyramid level is used without resizing.
     mpp : run-wide mpp (um per level-0 px) overriding the slides' own; a manifest ``mpp`` wins over it.
@@ -71,7 +84,9 @@ class TilingConfig:
     tile_size: int = 256
     min_foreground: float | None = None
     grey_min: int = 3
-    grey_max: int = 230
+    grey_max: int | str = 230
+    grey_auto_margin: int = 10
+    allow_dark_background: bool = False
     mpp_target: float | None = None
     mpp_tolerance: float = 0.05
     mpp: float | None = None
@@ -92,7 +107,12 @@ class TilingConfig:
             raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
         if int(self.tile_size) < 8:
             raise ValueError(f"tile_size={self.tile_size} px is too small; use >= 8 (256 is the default)")
-        if not 0 <= self.grey_min <= self.grey_max <= 255:
+        if isinstance(self.grey_max, str):
+            if self.grey_max != "auto":
+                raise ValueError(f"grey_max={self.grey_max!r}; expected a grey level 0..255 or 'auto'")
+            if not 0 <= self.grey_min <= 255 or not 0 <= self.grey_auto_margin <= 255:
+                raise ValueError(f"grey_min={self.grey_min} and grey_auto_margin={self.grey_auto_margin} must be in [0, 255]")
+        elif not 0 <= self.grey_min <= self.grey_max <= 255:
             raise ValueError(f"grey range [{self.grey_min}, {self.grey_max}] must satisfy 0 <= grey_min <= grey_max <= 255")
         if self.min_foreground is not None and not 0 <= self.min_foreground <= 1:
             raise ValueError(f"min_foreground={self.min_foreground} must be a fraction in [0, 1]")
@@ -120,7 +140,9 @@ class TilingConfig:
             "backend": self.backend,
         }
         if self.method == "greyscale":
-            p.update(grey_min=int(self.grey_min), grey_max=int(self.grey_max))
+            p.update(grey_min=int(self.grey_min), grey_max=self.grey_max if self.grey_max == "auto" else int(self.grey_max))
+            if self.grey_max == "auto":
+                p.update(grey_auto_margin=int(self.grey_auto_margin))
         else:
             p.update(otsu=asdict(self.otsu))
         return p
@@ -149,6 +171,7 @@ class SlideResult:
     note: str = ""
     path: str = ""
     cpu_seconds: float = 0.0
+    background_grey: float | None = None  # glass (or dark background) grey level from the thumbnail; None: no glass seen
 
 
 def _job_mpp_override(job: SlideJob, config: TilingConfig) -> float | None:
@@ -309,12 +332,9 @@ def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple
     return out, None
 
 
-def _overview_plan(slide: Slide, grid: TileGrid) -> tuple[float, bool]:
-    """(overview downsample in level-0 px per px, whether reading it is cheap next to the tiles)."""
-    ds = max(1.0, grid.extent / _OVERVIEW_PER_TILE)
-    level = slide.best_level_for_downsample(ds)
-    cheap = slide.level_downsamples[level] >= 4 * grid.level_downsample
-    return ds, cheap
+def _overview_downsample(grid: TileGrid) -> float:
+    """Overview downsample in level-0 px per overview px (``_OVERVIEW_PER_TILE`` px per tile side)."""
+    return max(1.0, grid.extent / _OVERVIEW_PER_TILE)
 
 
 def tile_slide(
@@ -341,7 +361,8 @@ def tile_slide(
     Returns
     -------
     :class:`SlideResult` with status ``ok`` (store written), ``skipped`` (a complete store
-    with the same slide fingerprint and settings exists) or ``failed`` (``error`` says why).
+    with the same slide fingerprint and settings exists, or a dark-background slide: note
+    ``DARK_NOTE``, no store) or ``failed`` (``error`` says why).
     """
     t0 = time.perf_counter()
     c0 = time.process_time()
@@ -356,8 +377,8 @@ def tile_slide(
         out.mkdir(parents=True, exist_ok=True)
         _clean_stale(out, job.slide_id)
         with open_slide(path, config.backend) as slide:
-            res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress, background_write)
-        res.status = "ok"
+            res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress, background_write, res)
+        res.status = "skipped" if res.note.startswith(DARK_NOTE) else "ok"
     except MissingMppError as err:
         res.error = str(err)
     except Exception as err:  # a bad slide is a report row, never a crash of the run
@@ -391,6 +412,7 @@ def precheck(job: SlideJob, out_dir: str | os.PathLike, config: TilingConfig, *,
         if attrs is None:
             return None
         res.status, res.n_tiles, res.mpp = "skipped", int(attrs.get("n_tiles", 0)), attrs.get("mpp")
+        res.background_grey = (attrs.get("background") or {}).get("grey")
         res.note = "complete store from the same slide and settings exists"
     except (ValueError, OSError) as err:
         res.error = f"{type(err).__name__}: {err}"
@@ -406,6 +428,7 @@ def _tile_open_slide(
     identity: dict[str, Any],
     progress: Callable[[int], None] | None,
     background_write: bool = True,
+    res: SlideResult | None = None,
 ) -> tuple[int, float | None, str]:
     needed = None
     if config.mpp_target is not None:
@@ -421,34 +444,34 @@ def _tile_open_slide(
     )
     T = grid.tile_size
     thr = config.threshold
-    ds_over, cheap = _overview_plan(slide, grid)
+    ds_over = _overview_downsample(grid)
     rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
     attrs_extra: dict[str, Any] = {}
-    overview: np.ndarray | None = None
+    # the overview is always read: it gives the background estimate (and serves the pre-screen,
+    # the Otsu mask and the QC image); with no cheap level this decodes the tile level twice
+    overview = read_scaled(slide, ds_over)
+    background = estimate_background(overview)
+    if res is not None:
+        res.background_grey = background.grey
+    if background.is_dark and not config.allow_dark_background:
+        logger.warning("slide %s: dark background (grey %.0f), fluorescence? skipped; --allow-dark-background tiles it",
+                       job.slide_id, background.grey)
+        return 0, grid.mpp, f"{DARK_NOTE}; background grey {background.grey:.0f}; --allow-dark-background tiles it anyway"
+    grey_max, note_bg = _grey_max_for(config, background, job.slide_id)
     otsu_fg: np.ndarray | None = None
-    exhaustive_strips = False
     if config.method == "otsu":
-        overview = read_scaled(slide, ds_over)
-        mask, info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu)
+        mask, info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu, background=background)
         attrs_extra["otsu_info"] = info
         coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
         otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
         candidates = otsu_fg >= thr - 1e-9
-    elif config.prescreen and cheap and thr > 0:
-        overview = read_scaled(slide, ds_over)
+    elif config.prescreen and thr > 0:
         candidates = prescreen_candidates(
-            overview, ds_over, grid, grey_max=config.grey_max, min_foreground=thr, margin=config.prescreen_margin
+            overview, ds_over, grid, grey_max=grey_max, min_foreground=thr, margin=config.prescreen_margin
         )
     else:
         candidates = np.ones((grid.rows, grid.cols), bool)
-        # build the QC thumbnail from the strips this pass decodes anyway (not when resizing)
-        exhaustive_strips = config.qc and not grid.resized
     n_candidates = int(candidates.sum())
-    thumb: np.ndarray | None = None
-    if exhaustive_strips:
-        from wsi_pipeline.slides.scaled import scaled_shape
-
-        thumb = np.full(scaled_shape(slide.dimensions, ds_over) + (3,), 255, np.uint8)
 
     attrs = {
         "slide_id": job.slide_id,
@@ -467,10 +490,12 @@ def _tile_open_slide(
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tiling_identity": identity,
         "n_candidates": n_candidates,
+        "background": background.as_dict(),
         **attrs_extra,
     }
     if config.method == "greyscale":
-        attrs.update(grey_min=int(config.grey_min), grey_max=int(config.grey_max), prescreen=bool(overview is not None))
+        attrs.update(grey_min=int(config.grey_min), grey_max=int(grey_max), grey_max_rule=str(config.grey_max),
+                     prescreen=bool(config.prescreen and thr > 0))
     else:
         attrs.update(otsu=asdict(config.otsu))
     writer = StoreWriter(
@@ -488,16 +513,14 @@ def _tile_open_slide(
             cols = np.flatnonzero(candidates[row])
             for run in _runs(cols, config.read_run):
                 tiles, strip = _read_run(slide, grid, row, run)
-                if thumb is not None and strip is not None:
-                    _paint_thumb(thumb, strip, grid, row, run, ds_over)
                 if otsu_fg is not None:
                     fg = otsu_fg[row, run].astype(np.float32)
                     keep = np.ones(len(run), bool)
                 else:
                     if strip is not None:
-                        fg = strip_foreground(strip, T, config.grey_min, config.grey_max)
+                        fg = strip_foreground(strip, T, config.grey_min, grey_max)
                     else:
-                        fg = tiles_foreground(tiles, config.grey_min, config.grey_max)
+                        fg = tiles_foreground(tiles, config.grey_min, grey_max)
                     keep = fg >= thr
                 if not keep.any():
                     continue
@@ -529,26 +552,33 @@ def _tile_open_slide(
     if progress is not None and n_kept > reported:
         progress(n_kept - reported)
     note = "" if n_kept else "no foreground tiles (blank slide, or thresholds too strict for it)"
+    if note_bg:
+        note = f"{note}; {note_bg}" if note else note_bg
     if config.qc:
         try:
-            if thumb is None:
-                thumb = overview if overview is not None else read_scaled(slide, ds_over)
             coords_kept = np.concatenate(kept_coords) if kept_coords else np.zeros((0, 2), np.int64)
-            write_png(qc_path(out, job.slide_id), render_qc(thumb, ds_over, coords_kept, grid.extent))
+            write_png(qc_path(out, job.slide_id), render_qc(overview, ds_over, coords_kept, grid.extent))
         except Exception as err:  # the store is complete; a QC failure is only noted
             logger.warning("QC image for %s failed: %s", job.slide_id, err)
             note = (note + "; " if note else "") + f"QC image failed: {err}"
     return n_kept, grid.mpp, note
 
 
-def _paint_thumb(thumb: np.ndarray, strip: np.ndarray, grid: TileGrid, row: int, run: np.ndarray, ds_over: float) -> None:
-    """Write the overview pixels of a decoded strip (exhaustive pass, native tiles) into ``thumb``."""
-    import cv2
-
-    per = grid.extent / ds_over  # overview px per tile side
-    y0, y1 = int(round(row * per)), int(round((row + 1) * per))
-    x0, x1 = int(round(int(run[0]) * per)), int(round((int(run[-1]) + 1) * per))
-    y1, x1 = min(y1, thumb.shape[0]), min(x1, thumb.shape[1])
-    if y1 <= y0 or x1 <= x0:
-        return
-    thumb[y0:y1, x0:x1] = cv2.resize(strip, (x1 - x0, y1 - y0), interpolation=cv2.INTER_AREA)
+def _grey_max_for(config: TilingConfig, background: Background, slide_id: str) -> tuple[int, str]:
+    """(grey_max in effect for this slide, a report note or ""); warns when glass counts as foreground."""
+    note = ""
+    if config.grey_max == "auto":
+        auto = auto_grey_max(background, config.grey_auto_margin)
+        grey_max = PAPER_GREY_MAX if auto is None else auto
+        if auto is None and config.method == "greyscale":
+            note = f"grey-max auto: no glass seen on the thumbnail, used {PAPER_GREY_MAX}"
+    else:
+        grey_max = int(config.grey_max)
+    if config.method == "greyscale" and background.kind == "bright" and background.grey is not None:
+        if config.grey_min <= background.grey <= grey_max:
+            note = (
+                f"glass grey {background.grey:.0f} lies inside the foreground band [{config.grey_min}, {grey_max}]: "
+                "empty glass counts as foreground; try --grey-max auto"
+            )
+            logger.warning("slide %s: %s", slide_id, note)
+    return grey_max, note

@@ -7,14 +7,25 @@
   HSV saturation on brightfield slides, as CLAM does: pale stroma is grey-ish in luma but
   clearly coloured), morphological closing, then removal of small objects and small holes.
   Sizes are in um and um^2, so the result does not depend on the mask's resolution.
+  On a bright background the threshold is trusted only against glass the image shows
+  (:mod:`wsi_pipeline.tiling.background`): with no glass visible the whole field is tissue
+  (a crop inside the tissue); with glass, the threshold is clipped to
+  [glass's 99th percentile, that + ``glass_margin``] of the thresholded channel, so a split
+  inside the tissue (dense vs pale, DAB vs haematoxylin) never drops the paler tissue, and
+  the image is blank when the tissue class is within ``min_contrast`` of the glass.
+  Limit: on a field that shows glass, tissue less than ``min_contrast`` saturation levels
+  (6 %) above the glass, with nothing more saturated in it (an unstained section), is missed.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+
+from wsi_pipeline.tiling.background import Background, estimate_background, glass_pixels
 
 __all__ = ["OtsuParams", "box_mean", "grey", "otsu_tissue_mask", "strip_foreground", "tiles_foreground"]
 
@@ -141,10 +152,13 @@ class OtsuParams:
     closing_um : radius of the disk used for morphological closing.
     min_object_um2 : tissue components smaller than this are removed.
     min_hole_um2 : holes smaller than this are filled.
-    min_contrast : levels (0..255) between the two Otsu class means below which the image is
-        taken as uniform (a blank slide): no tissue.
-    background : ``"auto"`` (dark when the image border's median grey is below 128),
-        ``"bright"`` (brightfield) or ``"dark"`` (fluorescence).
+    min_contrast : levels (0..255) below which the image is taken as uniform (a blank slide),
+        no tissue: on a bright background with glass, between the upper Otsu class's mean and
+        the glass's median; otherwise between the two Otsu class means.
+    glass_margin : levels (0..255) of the thresholded channel above the glass's 99th
+        percentile at which a pixel is tissue even when Otsu's threshold is higher.
+    background : ``"auto"`` (dark when :func:`~wsi_pipeline.tiling.background.estimate_background`
+        says so), ``"bright"`` (brightfield) or ``"dark"`` (fluorescence).
     channel : what Otsu thresholds. ``"auto"``: on a bright background the HSV saturation
         (stained tissue, pale stroma included, against grey-white glass, as CLAM does); on a
         dark background the brightest channel (a DAPI-blue nucleus has faint luma).
@@ -156,11 +170,14 @@ class OtsuParams:
     min_object_um2: float = 10_000.0
     min_hole_um2: float = 10_000.0
     min_contrast: float = 15.0
+    glass_margin: float = 20.0
     background: str = "auto"
     channel: str = "auto"
 
 
-def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = OtsuParams()) -> tuple[np.ndarray, dict[str, float | str]]:
+def otsu_tissue_mask(
+    rgb: np.ndarray, um_per_px: float, params: OtsuParams = OtsuParams(), *, background: Background | None = None
+) -> tuple[np.ndarray, dict[str, Any]]:
     """Tissue mask of a low-resolution slide image.
 
     Parameters
@@ -168,11 +185,13 @@ def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = Ots
     rgb : uint8 (H, W, 3) RGB, the slide at a reduced scale.
     um_per_px : microns per pixel of ``rgb``.
     params : :class:`OtsuParams`.
+    background : the background estimate of ``rgb`` when the caller has it; None = estimate it here.
 
     Returns
     -------
     (mask, info): bool (H, W), True = tissue; info has the threshold, the background polarity,
-    the channel thresholded, the contrast between the two classes and the tissue fraction.
+    the channel thresholded, the contrast, the rule that decided (``otsu``, ``otsu-vs-glass``
+    or ``no-glass``), the background estimate and the tissue fraction.
     """
     import cv2
 
@@ -184,10 +203,11 @@ def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = Ots
         raise ValueError(f"um_per_px={um_per_px} must be > 0")
     rgb = np.ascontiguousarray(rgb)
     g = grey(rgb)
+    bg = estimate_background(rgb) if background is None else background
     polarity = params.background
     if polarity == "auto":
-        border = np.concatenate([g[0], g[-1], g[:, 0], g[:, -1]])
-        polarity = "bright" if np.median(border) >= 128 else "dark"
+        polarity = "dark" if bg.is_dark else "bright"
+    glass_px = glass_pixels(rgb) if polarity == "bright" and bg.kind == "bright" else None
     # signal: larger = more likely tissue
     if params.channel == "grey":
         signal, channel = (255 - g if polarity == "bright" else g), "grey"
@@ -211,17 +231,30 @@ def otsu_tissue_mask(rgb: np.ndarray, um_per_px: float, params: OtsuParams = Ots
         glass, mid = lo[lo <= thr2], lo[lo > thr2]
         if mid.size >= 0.1 * signal.size and glass.size and mid.mean() - glass.mean() >= params.min_contrast:
             thr, passes = thr2, 2
-    info: dict[str, float | str] = {
+    rule = "otsu"
+    if polarity == "bright" and glass_px is None:
+        # no glass in view: a bimodal split would cut the tissue in two; all of it is tissue
+        thr, rule = -1.0, "no-glass"
+    elif glass_px is not None and glass_px.any():
+        on_glass = signal[glass_px]
+        g_med, g_hi = float(np.median(on_glass)), float(np.percentile(on_glass, 99))
+        hi = signal[signal > thr]
+        contrast = float(hi.mean() - g_med) if hi.size else 0.0
+        thr, rule = float(min(max(thr, g_hi), g_hi + params.glass_margin)), "otsu-vs-glass"
+    info: dict[str, Any] = {
         "threshold": float(thr), "passes": passes, "background": polarity, "channel": channel, "contrast": contrast,
+        "rule": rule, "glass": bg.as_dict(),
     }
-    if contrast < params.min_contrast:
+    if rule != "no-glass" and contrast < params.min_contrast:
         info["tissue_fraction"] = 0.0
         return np.zeros(signal.shape, bool), info
     mask = signal > thr
     r = int(round(params.closing_um / um_per_px))
     if r >= 1:
         disk = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * r + 1, 2 * r + 1))
-        mask = cv2.morphologyEx(mask.astype(np.uint8), cv2.MORPH_CLOSE, disk, borderType=cv2.BORDER_CONSTANT, borderValue=0) > 0
+        # default border: dilation ignores, erosion keeps pixels beyond the edge (tissue cut by the
+        # image edge is not eroded from it)
+        mask = cv2.morphologyEx(mask.astype(np.uint8), cv2.MORPH_CLOSE, disk) > 0
     px_area = um_per_px * um_per_px
     min_obj = int(math.ceil(params.min_object_um2 / px_area))
     min_hole = int(math.ceil(params.min_hole_um2 / px_area))

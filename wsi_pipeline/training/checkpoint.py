@@ -167,7 +167,9 @@ class TrainedModel:
     config : the run's :class:`~wsi_pipeline.training.config.PipelineConfig`.
     method : its :class:`~wsi_pipeline.training.config.MethodConfig`.
     n_classes : C.
-    tiling : :class:`~wsi_pipeline.training.config.TilingConfig` the model was trained on.
+    tiling : the settings that tiled the training stores (a dict saved at training time: tile
+        size, method, thresholds, mpp target, ...), or for checkpoints written before stores
+        recorded them, the config's :class:`~wsi_pipeline.training.config.TilingConfig`.
     checkpoint : the file loaded; ``epoch`` and ``seed`` of the run.
     """
 
@@ -229,5 +231,5 @@ def load_trained_model(
     aggregator.to(device).eval()
     return TrainedModel(
         encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=n_classes,
-        tiling=config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
+        tiling=state.get("tiling") or config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
     )

@@ -89,24 +89,30 @@ class _Custom:
 
 @dataclass(frozen=True)
 class TilingConfig:
-    """How the tiles were cut, saved with the model so ``predict`` can tile new slides the same way.
+    """What the pipeline expects of its tile stores; every field is optional.
+
+    The stores record the settings that made them; training checks that all its stores agree,
+    and with each field given here, and saves the stores' settings in the checkpoint, so
+    ``predict`` tiles new slides exactly as the training data was tiled. A field left empty
+    (None) is taken from the stores.
 
     Attributes
     ----------
-    method : tissue-detection method of the tiler (None: the tiler's default).
+    method : tissue-detection method of the tiler.
     tile_size : tile side in px at the read resolution.
     min_foreground : keep a tile at >= this foreground fraction (0..1).
-    mpp_target : read resolution in um/px (None: level 0).
+    mpp_target : read resolution in um/px.
     """
 
     method: str | None = None
-    tile_size: int = 256
-    min_foreground: float = 0.6
+    tile_size: int | None = None
+    min_foreground: float | None = None
     mpp_target: float | None = None
 
     def __post_init__(self) -> None:
-        _positive("data.tiling.tile_size", self.tile_size)
-        if not 0.0 <= self.min_foreground <= 1.0:
+        if self.tile_size is not None:
+            _positive("data.tiling.tile_size", self.tile_size)
+        if self.min_foreground is not None and not 0.0 <= self.min_foreground <= 1.0:
             raise ValueError(f"data.tiling.min_foreground={self.min_foreground}; expected a fraction in [0, 1]")
         if self.mpp_target is not None:
             _positive("data.tiling.mpp_target", self.mpp_target)

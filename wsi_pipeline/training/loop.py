@@ -46,7 +46,7 @@ import torch
 
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, epoch_plan, iter_bags, slides_for_split
+from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, check_tiling, drop_empty, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
 from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
@@ -69,6 +69,7 @@ class RunPlan:
     val: list[Slide]
     runs: list[tuple[MethodConfig, int, Path]]
     finished: list[Path]
+    tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -81,12 +82,14 @@ def preflight(
     methods: Sequence[MethodConfig],
     seeds: Sequence[int],
     *,
-    resume: bool = False,
+    resume: bool = True,
+    strict: bool = False,
 ) -> RunPlan:
     """Check everything before any training; raise a clear error naming the problem and the fix.
 
     Checks: the manifest exists and validates (labels in ``[0, n_classes)``), there are training
-    slides, every training/validation slide has a complete tile store, each method's strategy
+    slides, every training/validation slide has a complete tile store (slides whose store holds 0
+    tiles are left out with one warning, or refused with ``strict``), each method's strategy
     exists with its building blocks and options, its models build (encoder, weights,
     aggregator options), and run folders are consistent with ``resume``.
     """
@@ -101,6 +104,10 @@ def preflight(
     manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
     train = slides_for_split(manifest, "train", config.data.tiles_dir)
     val = slides_for_split(manifest, "val", config.data.tiles_dir)
+    check_stores(train + val, config.data.tiles_dir)
+    tiling = check_tiling(train + val, config.data.tiling)
+    train = drop_empty(train, split="train", strict=strict)
+    val = drop_empty(val, split="val", strict=strict)
     if not train:
         raise ValueError(
             f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
@@ -111,7 +118,6 @@ def preflight(
     for method in methods:
         check_strategy(method)
         resolve_device(method.train.device)
-    check_stores(train + val, config.data.tiles_dir)
     for method in methods:
         if method.strategy == "frozen":
             try:
@@ -140,10 +146,10 @@ def preflight(
             runs.append((method, seed, run_dir))
     if unfinished:
         raise ValueError(
-            f"unfinished run(s) found: {', '.join(map(str, unfinished))}; pass --resume to continue them, "
+            f"unfinished run(s) found: {', '.join(map(str, unfinished))}; run without --no-resume to continue them, "
             "or delete those folders to start over"
         )
-    return RunPlan(manifest, train, val, runs, finished)
+    return RunPlan(manifest, train, val, runs, finished, tiling)
 
 
 def _run_config(config: PipelineConfig, method: MethodConfig, seed: int) -> PipelineConfig:
@@ -233,8 +239,14 @@ def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan
 CALIBRATION_SEED = 0
 
 
-def calibrate_encoder(encoder: torch.nn.Module, method: MethodConfig, slides: Sequence[Slide], device: torch.device) -> None:
+def calibrate_encoder(
+    encoder: torch.nn.Module, method: MethodConfig, slides: Sequence[Slide], device: torch.device, *,
+    log_level: int = logging.DEBUG,
+) -> None:
     """Calibrate ``encoder``'s BatchNorm statistics on ``method.encoder.calibrate_bn`` training tiles (no-op at 0).
+
+    The calibration is logged at ``log_level``: the run logs its first one, not the repeats
+    (feature extraction, per-epoch recalibration).
 
     Tiles are drawn evenly over ``slides`` with a fixed seed, shuffled so that every batch of
     ``method.chunk_size`` tiles mixes slides; see :mod:`wsi_pipeline.models.bn_calibration`.
@@ -257,7 +269,7 @@ def calibrate_encoder(encoder: torch.nn.Module, method: MethodConfig, slides: Se
     step = max(2, method.chunk_size)
     batches = (tiles_to_tensor(tiles[j : j + step], device=device) for j in range(0, len(tiles), step) if len(tiles[j : j + step]) > 1)
     seen = calibrate_batchnorm(encoder, batches)
-    log.info("method %s: BatchNorm statistics calibrated on %d training tiles (%d batches)", method.name, len(tiles), seen)
+    log.log(log_level, "method %s: BatchNorm statistics calibrated on %d training tiles (%d batches)", method.name, len(tiles), seen)
 
 
 class _LazyFeatures(Sequence):
@@ -284,10 +296,11 @@ def train_pipeline(
     config: PipelineConfig,
     methods: Sequence[str] | None = None,
     seeds: Sequence[int] | None = None,
-    resume: bool = False,
+    resume: bool = True,
     *,
     device: str | None = None,
     progress: bool = True,
+    strict: bool = False,
 ) -> list[Path]:
     """Train every (method, seed) of ``config``; return the run folders (finished ones included).
 
@@ -296,13 +309,15 @@ def train_pipeline(
     config : the pipeline.
     methods : method names to train (default: all).
     seeds : seeds to train (default: ``config.seeds``).
-    resume : continue runs that have ``last.pt`` but no ``done`` marker (without it they are an error).
+    resume : continue runs that have ``last.pt`` but no ``done`` marker (the default; with ``False``
+        such runs are an error). A run whose config changed is never resumed: that is an error.
+    strict : refuse slides whose store holds 0 tiles instead of leaving them out with a warning.
     device : overrides every method's ``train.device``.
     progress : tqdm bars (shown on terminals only).
     """
     chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
-    plan = preflight(config, chosen, seeds, resume=resume)
+    plan = preflight(config, chosen, seeds, resume=resume, strict=strict)
     for run_dir in plan.finished:
         log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
     features: dict[str, Path] = {}
@@ -399,7 +414,7 @@ def train_run(
 
     _seed_everything(seed)
     strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment))
-    calibrate_encoder(strategy.encoder, method, plan.train, dev)  # overwritten by last.pt when resuming
+    calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO)  # overwritten by last.pt when resuming
     if "features" in (strategy.input, strategy.val_input):
         from wsi_pipeline.data.features import features_path, read_features
 
@@ -475,7 +490,8 @@ def train_run(
                     "loss": None if loss is None or not math.isfinite(loss) else float(loss)}
         _write_csv(history, run_dir / "history.csv")
         models = {name: m.state_dict() for name, m in strategy.state_modules().items()}
-        common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1}
+        common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1,
+                  **({"tiling": plan.tiling} if plan.tiling is not None else {})}
         if improved:
             save_checkpoint(run_dir / "best.pt", {**common, "models": models, "best": best})
         save_checkpoint(last, {

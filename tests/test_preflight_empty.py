@@ -1,0 +1,46 @@
+"""Slides whose tile store holds 0 tiles: left out of training with one warning, or refused with --strict."""
+
+from __future__ import annotations
+
+import logging
+
+import pandas as pd
+import pytest
+
+from test_train_loop import make_config
+from wsi_pipeline.tiling.store import StoreWriter, open_store
+from wsi_pipeline.training.config import load_config
+from wsi_pipeline.training.loop import preflight
+
+
+def _cohort_with_an_empty_slide(tmp_path, store_cohort):
+    df = pd.read_csv(store_cohort)
+    root = tmp_path / "cohort"
+    (root / "tiles").mkdir(parents=True)
+    for sid in df["slide_id"]:
+        (root / "tiles" / f"{sid}.zarr").symlink_to(store_cohort.parent / "tiles" / f"{sid}.zarr")
+    empty = StoreWriter(root / "tiles" / "blank.zarr", tile_size=32, capacity=4, attrs={"slide_id": "blank"})
+    empty.commit()  # a complete store in which every tile failed the foreground rule
+    assert len(open_store(root / "tiles" / "blank.zarr")) == 0
+    row = {**df[df["split"] == "train"].iloc[0].to_dict(), "slide_id": "blank"}
+    pd.concat([df, pd.DataFrame([row])]).to_csv(root / "manifest.csv", index=False)
+    return root / "manifest.csv"
+
+
+def test_a_slide_with_no_tiles_is_left_out_with_one_warning(tmp_path, store_cohort, caplog):
+    manifest = _cohort_with_an_empty_slide(tmp_path, store_cohort)
+    cfg = load_config(make_config(tmp_path, manifest, [{"name": "m", "strategy": "accumulate"}]))
+    with caplog.at_level(logging.WARNING):
+        plan = preflight(cfg, cfg.methods, [0])
+    ids = [s.slide_id for s in plan.train]
+    n_train = int((pd.read_csv(manifest)["split"] == "train").sum())
+    assert "blank" not in ids and len(ids) == n_train - 1
+    warned = [r.getMessage() for r in caplog.records if "0 tiles" in r.getMessage()]
+    assert len(warned) == 1 and "blank" in warned[0] and "train" in warned[0]
+
+
+def test_strict_refuses_a_slide_with_no_tiles(tmp_path, store_cohort):
+    manifest = _cohort_with_an_empty_slide(tmp_path, store_cohort)
+    cfg = load_config(make_config(tmp_path, manifest, [{"name": "m", "strategy": "accumulate"}]))
+    with pytest.raises(ValueError, match=r"1 train slide\(s\) have 0 tiles .*blank.*--strict"):
+        preflight(cfg, cfg.methods, [0], strict=True)
