@@ -103,8 +103,9 @@ def _create(path: Path, info: LockInfo) -> bool:
     except FileExistsError:
         return False
     try:
+        # no fsync: existence is what locks; a file left empty by a machine crash reads as
+        # unreadable and goes stale after stale_after_s like any other
         os.write(fd, json.dumps(info.__dict__).encode())
-        os.fsync(fd)
     finally:
         os.close(fd)
     return True
