@@ -24,7 +24,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import multiprocessing as mp
 import os
 import signal
@@ -32,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
-from datetime import datetime
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -286,18 +284,23 @@ def _jobs_from_source(source: str | os.PathLike | Sequence[SlideJob], out: Path)
 
 
 def _current_store(job: SlideJob, out: Path, config: TilingConfig, since: float) -> SlideResult | None:
-    """With ``overwrite``: a ``skipped`` result when another run rebuilt this slide's store after ``since``."""
+    """With ``overwrite``: a ``skipped`` result when another run rebuilt this slide's store after ``since``.
+
+    "After" is read from the store's ``zarr.json``, written when it was marked complete (file
+    times have ns resolution locally; the ``created`` attribute only has seconds).
+    """
     path = Path(job.path)
     if not path.is_file():
         return None
-    attrs = store_matches(store_path(out, job.slide_id), job, config)
-    if attrs is None:
-        return None
+    store = store_path(out, job.slide_id)
     try:
-        created = datetime.fromisoformat(str(attrs.get("created"))).timestamp()
-    except ValueError:
+        completed = (store / "zarr.json").stat().st_mtime
+    except OSError:
         return None
-    if created < math.floor(since):
+    if completed <= since:
+        return None
+    attrs = store_matches(store, job, config)
+    if attrs is None:
         return None
     return SlideResult(job.slide_id, "skipped", n_tiles=int(attrs.get("n_tiles", 0)), mpp=attrs.get("mpp"),
                        note="rebuilt by another run during this one", path=job.path)
