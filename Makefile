@@ -10,6 +10,7 @@ STAMP      := $(VENV)/.installed
 
 PIPELINE ?= pipelines/demo.yaml
 SLIDES   ?=
+MANIFEST ?=
 OUT      ?= tiles
 PRED_OUT ?= predictions
 MODEL    ?=
@@ -33,8 +34,8 @@ test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 tile: install
-	@test -n "$(SLIDES)" || { echo "usage: make tile SLIDES=<folder of slides> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
-	$(BIN)/wsi-pipeline tile --slides $(SLIDES) --out $(OUT) $(ARGS)
+	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
+	$(BIN)/wsi-pipeline tile $(if $(MANIFEST),--manifest $(MANIFEST),--slides $(SLIDES)) --out $(OUT) $(ARGS)
 
 train: install
 	$(BIN)/wsi-pipeline train --config $(PIPELINE) $(ARGS)

@@ -50,20 +50,20 @@ def workdir(tmp_path_factory) -> Path:
     for i in range(10):
         label = i % 2
         name = f"case{i:02d}"
-        make_slide(slides / f"{name}.svs", size=768, mpp=0.25, seed=100 + i, n_lesions=3 * label, tile_size=256)
+        make_slide(slides / f"{name}.svs", size=2048, mpp=0.25, seed=100 + i, n_lesions=3 * label, tile_size=256)
         rows.append({"slide_id": name, "label": label, "patient_id": f"P{i // 2 if i < 4 else i}"})
     _write_ome(slides / "case09.svs", slides / "ome_case.ome.tif", 0.25)
     rows.append({"slide_id": "ome_case", "label": 1, "patient_id": "P20"})
-    make_slide(slides / "nompp.svs", size=768, mpp=None, seed=7, tile_size=256)
+    make_slide(slides / "nompp.svs", size=2048, mpp=None, seed=7, tile_size=256)
     rows.append({"slide_id": "nompp", "label": 0, "patient_id": "P21", "mpp": 0.25})
-    make_slide(slides / "blank.svs", size=768, mpp=0.25, seed=8, blank=True, tile_size=256)
+    make_slide(slides / "blank.svs", size=2048, mpp=0.25, seed=8, blank=True, tile_size=256)
     rows.append({"slide_id": "blank", "label": 0, "patient_id": "P22"})
     pd.DataFrame(rows).to_csv(root / "labels.csv", index=False)
     (root / "pipelines").mkdir()
     shutil.copy(REPO / "pipelines" / "own_cohort.yaml", root / "pipelines" / "own_cohort.yaml")
     new = root / "new_slides"
     new.mkdir()
-    make_slide(new / "fresh.svs", size=768, mpp=0.25, seed=55, n_lesions=2, tile_size=256)
+    make_slide(new / "fresh.svs", size=2048, mpp=0.25, seed=55, n_lesions=2, tile_size=256)
     return root
 
 

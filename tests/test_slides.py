@@ -194,3 +194,21 @@ def test_real_slides_open_with_their_documented_facts(real_slides_dir: Path, ope
         opener(dcm, backend="tiffslide")
     ndpi = opener(real_slides_dir / "test3-DAPI-2-387.ndpi")
     assert ndpi.dimensions == (3968, 4864) and ndpi.mpp == pytest.approx(0.2282, rel=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["auto", "openslide", "tiffslide"])
+@pytest.mark.parametrize("size, unit, expected", [(0.25, "µm", 0.25), (500.0, "nm", 0.5), (None, None, None)])
+def test_ome_tiff_pixel_size_is_the_slides_mpp(tmp_path, backend, size, unit, expected):
+    """OpenSlide reads an OME-TIFF as a generic TIFF and tiffslide skips OME-XML: the mpp comes from
+    the OME ``PhysicalSizeX/Y`` (in their unit) all the same, and stays None when the file has none."""
+    import tifffile
+
+    from wsi_pipeline.slides import open_slide
+
+    meta = {"axes": "YXS"}
+    if size is not None:
+        meta.update(PhysicalSizeX=size, PhysicalSizeY=size, PhysicalSizeXUnit=unit, PhysicalSizeYUnit=unit)
+    path = tmp_path / "crop.ome.tif"
+    tifffile.imwrite(path, np.full((512, 512, 3), 180, np.uint8), ome=True, tile=(256, 256), photometric="rgb", metadata=meta)
+    with open_slide(path, backend) as slide:
+        assert (slide.mpp is None) if expected is None else slide.mpp == pytest.approx(expected, rel=1e-12)

@@ -44,6 +44,49 @@ class SlideOpenError(ValueError):
         self.reasons = dict(reasons)
 
 
+#: OME length units -> micrometres.
+_OME_UNITS_UM = {"pm": 1e-6, "nm": 1e-3, "µm": 1.0, "um": 1.0, "\u03bcm": 1.0, "mm": 1e3, "cm": 1e4, "m": 1e6}
+
+
+def _ome_mpp(tif: Any) -> float | None:
+    """um per px of an OME-TIFF's first image (``Pixels`` ``PhysicalSizeX/Y`` and their units), or None.
+
+    The OME default unit is the micrometre; a pixel size in another length unit is converted,
+    and a non-length unit (e.g. a reference frame) is ignored.
+    """
+    if tif is None or not getattr(tif, "is_ome", False):
+        return None
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.fromstring(tif.ome_metadata)
+    except (ET.ParseError, TypeError, ValueError):
+        return None
+    pixels = next((el for el in root.iter() if el.tag.rsplit("}", 1)[-1] == "Pixels"), None)
+    if pixels is None:
+        return None
+    values = {}
+    for axis in ("X", "Y"):
+        size, unit = pixels.get(f"PhysicalSize{axis}"), pixels.get(f"PhysicalSize{axis}Unit", "µm")
+        if size is not None and unit in _OME_UNITS_UM:
+            try:
+                values[axis] = float(size) * _OME_UNITS_UM[unit]
+            except ValueError:
+                continue
+    return _parse_mpp(values, ("X", "Y"))
+
+
+def _ome_mpp_of_file(path: Path) -> float | None:
+    """:func:`_ome_mpp` of a TIFF file (None when it is not OME or cannot be read)."""
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            return _ome_mpp(tif)
+    except (OSError, ValueError, tifffile.TiffFileError):
+        return None
+
+
 def _parse_mpp(values: Mapping[str, Any], keys: tuple[str, str]) -> float | None:
     """Mean of the positive, finite mpp values found under ``keys`` (x, y); None when there is none."""
     found = []
@@ -342,6 +385,8 @@ class TiffSlideSlide(Slide):
         self.level_downsamples = tuple(float(d) for d in self._ts.level_downsamples)
         self.properties = {str(k): str(v) for k, v in self._ts.properties.items() if v is not None}
         self.mpp = _parse_mpp(self.properties, ("tiffslide.mpp-x", "tiffslide.mpp-y"))
+        if self.mpp is None:  # tiffslide does not read OME-XML's pixel size
+            self.mpp = _ome_mpp(getattr(self._ts, "ts_tifffile", None))
         self.background = _parse_colour(self.properties.get("tiffslide.background-color", "FFFFFF"))
 
     def level_is_exact(self, level: int) -> bool:
@@ -476,6 +521,8 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
             reasons[name] = f"opened, but level 0 is empty (dimensions {slide.dimensions})"
             slide.close()
             continue
+        if slide.mpp is None and p.is_file() and p.suffix.lower() in (".tif", ".tiff"):
+            slide.mpp = _ome_mpp_of_file(p)  # OpenSlide reads an OME-TIFF as a generic TIFF, without its pixel size
         return slide
     detail = "; ".join(f"{k}: {v}" for k, v in reasons.items())
     hint = "" if backend == "auto" else " (try --backend auto)"
