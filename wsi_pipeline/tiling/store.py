@@ -148,8 +148,10 @@ class StoreWriter:
             self._pending, self._pending_start = [], self._pending_start + len(block)
 
     def add_array(self, name: str, values: np.ndarray) -> None:
-        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``."""
-        self.group.create_array(name, data=np.asarray(values), overwrite=True)
+        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk (one file)."""
+        values = np.ascontiguousarray(values)
+        chunks = tuple(max(int(v), 1) for v in values.shape) or None
+        self.group.create_array(name, data=values, chunks=chunks or "auto", overwrite=True)
 
     def commit(self) -> Path:
         """Trim, write the small arrays, mark ``complete: true`` last, and rename into place."""
@@ -157,7 +159,7 @@ class StoreWriter:
         self._flush()
         self.tiles.resize((n,) + self.tiles.shape[1:])
         for name, arr in (("coords", self.coords[:n]), ("grid", self.grid[:n]), ("foreground", self.foreground[:n])):
-            self.group.create_array(name, data=np.ascontiguousarray(arr), overwrite=True)
+            self.add_array(name, arr)
         self.group.attrs.update({"n_tiles": n})
         self.group.attrs.update({"complete": True})
         old = None
@@ -301,6 +303,7 @@ class _DirectShards:
         fill = self.meta.fill_value
         self.fill = 0 if fill is None else int(fill)
         self._indexes: dict[int, tuple[tuple[int, int, int], np.ndarray]] = {}
+        self._paths: dict[int, str] = {}
         # the shard being written: number, open partial file, its index, bytes written so far
         self._shard = -1
         self._file: Any = None
@@ -390,28 +393,42 @@ class _DirectShards:
         """Read chunk ``index`` into ``out`` (an absent shard or chunk reads as the fill value, as in zarr)."""
         self.read_many(np.array([index]), out[None])
 
+    def _shard_file(self, shard: int) -> str:
+        path = self._paths.get(shard)
+        if path is None:
+            path = self._paths[shard] = str(self.path(shard))
+        return path
+
     def read_many(self, indices: np.ndarray, out: np.ndarray) -> None:
         """Read chunks ``indices`` into ``out[j]`` for each j, opening each shard once."""
-        shards = indices // self.S
-        order = np.argsort(shards, kind="stable")
-        bounds = np.flatnonzero(np.diff(shards[order])) + 1
-        for group in np.split(order, bounds):
-            shard = int(shards[group[0]])
-            try:
-                fd = os.open(self.path(shard), os.O_RDONLY)
-            except FileNotFoundError:
-                out[group] = self.fill
-                continue
-            try:
-                index = self._shard_index(shard, fd)
-                for j in group:
-                    offset, nbytes = index[int(indices[j]) - shard * self.S]
-                    if offset == _NO_CHUNK:
-                        out[j] = self.fill
-                        continue
-                    raw = os.pread(fd, int(nbytes), int(offset))
-                    out[j] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
-            finally:
+        S = self.S
+        order = np.argsort(indices, kind="stable") if len(indices) > 1 else range(1)
+        shard, fd, index = -1, -1, None
+        try:
+            for j in order:
+                i = int(indices[j])
+                if i // S != shard:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    shard = i // S
+                    try:
+                        fd = os.open(self._shard_file(shard), os.O_RDONLY)
+                    except FileNotFoundError:
+                        index = None
+                    else:
+                        index = self._shard_index(shard, fd)
+                if index is None:
+                    out[j] = self.fill
+                    continue
+                offset, nbytes = index[i - shard * S]
+                if offset == _NO_CHUNK:
+                    out[j] = self.fill
+                    continue
+                raw = os.pread(fd, int(nbytes), int(offset))
+                out[j] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+        finally:
+            if fd >= 0:
                 os.close(fd)
 
 
