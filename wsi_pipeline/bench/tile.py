@@ -95,9 +95,11 @@ def _store_layouts(src_path: Path, work: Path, compression: str, shard_tiles: in
         writes[name] = time.perf_counter() - t  # includes reading the source tiles back
         files[name] = _count_files(paths[name])
     size = {name: sum(p.stat().st_size for p in paths[name].rglob("*") if p.is_file()) for name in layouts}
+    print(f"the tiler's store of slide A ({'%d tiles per shard' % src.shard_tiles if src.shard_tiles else 'one file per tile'}): "
+          f"{_count_files(src_path)} files for {n} tiles")
     print(f"store layouts, {n} tiles of {T} px, {compression}: files per slide {files['per-tile']} one file per tile, "
           f"{files['sharded']} sharded ({shard_tiles} tiles per shard, {-(-n // shard_tiles)} shard files, "
-          f"{size['sharded'] / max(1, -(-n // shard_tiles)) / 2**20:.1f} MiB each); "
+          f"{size['sharded'] / n * shard_tiles / 2**20:.0f} MiB per full shard); "
           f"{files['per-tile'] / files['sharded']:.0f}x fewer   target >= 100x: "
           f"{'PASS' if files['per-tile'] >= 100 * files['sharded'] else 'FAIL'}")
     print(f"  copying the tiles into each layout: {1e3 * writes['per-tile'] / n:.2f} ms per tile one file per tile, "

@@ -4,8 +4,8 @@
   slows compression about threefold and compresses natural images *worse*; level 1 keeps the
   writer close to the speed of JPEG decoding.
 - :func:`tile_codecs_for`: the runner's choice per compression name. Chunk keys use ``.``
-  as separator (``tiles/c.<i>.0.0.0``), one file per tile in one folder instead of four
-  nested folders per tile: fewer file-system operations to write and to delete a store.
+  as separator (``tiles/c.<i>.0.0.0``), one file per shard (or per tile) in one folder instead
+  of four nested folders each: fewer file-system operations to write and to delete a store.
 - :func:`jpeg_tile_codecs`: a lossy JPEG chunk serializer (imagecodecs / libjpeg-turbo), about
   10x smaller than lossless. Readers need the codec registered with zarr; importing
   :mod:`wsi_pipeline.tiling` does that (and the ``zarr.codecs`` entry point, where installed).
