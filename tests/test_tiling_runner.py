@@ -392,7 +392,7 @@ def test_cli_help_documents_every_option(capsys) -> None:
     text = capsys.readouterr().out
     for opt in ("--slides", "--manifest", "--out", "--method", "--tile-size", "--min-foreground", "--grey-min",
                 "--grey-max", "--mpp-target", "--mpp", "--workers", "--compression", "--backend", "--no-prescreen",
-                "--no-qc", "--overwrite", "--no-progress"):
+                "--no-qc", "--overwrite", "--no-progress", "--lock-stale-after"):
         assert opt in text
     assert main(["tile", "--slides", "/nonexistent/dir", "--out", "/tmp/x"]) == 2
 

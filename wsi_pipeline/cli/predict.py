@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--model", required=True, metavar="RUN_OR_CHECKPOINT",
                    help="a run folder (runs/<pipeline>/<method>/seed<k>; its best.pt is used) or a .pt checkpoint")
-    p.add_argument("--slides", required=True, metavar="DIR", help="folder of slide files (searched recursively) or of .zarr stores")
+    p.add_argument("--slides", required=True, metavar="DIR",
+                   help="folder of slide files (searched recursively; found and named as `tile --slides` and "
+                        "`manifest folder` do: a.ome.tiff -> a) or of .zarr stores")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; tiles go to <out>/tiles)")
     p.add_argument("--workers", type=int, default=None, metavar="N", help="tiling processes (default: one per core; 0 = in-process)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")

@@ -43,13 +43,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "full tiles on a grid anchored at (0, 0), kept when their foreground fraction reaches a threshold. "
             "Writes <out>/tiling_report.csv and a QC image per slide (<out>/qc/<slide_id>.png). Reruns skip "
             "complete stores built from the same slide with the same settings, and rebuild partial or outdated "
-            "ones. Exit status 1 when any slide failed (after all others were tiled). Formats: whatever OpenSlide "
-            "reads (SVS, NDPI, SCN, MRXS, BIF, DICOM, generic tiled TIFF, ...) and, through tiffslide, OME-TIFF."
+            "ones; any number of runs may share one --out (each slide is tiled once, under a lock). "
+            "Exit status 1 when any slide failed (after all others were tiled); 2 when the arguments are unusable: "
+            "no slides found, or an --out that cannot be created or written (checked before any work). Formats: "
+            "whatever OpenSlide reads (SVS, NDPI, SCN, MRXS, BIF, DICOM, generic tiled TIFF, ...), through tiffslide "
+            "OME-TIFF, and through wsidicom DICOM WSI (a folder of one slide's .dcm files, or one .dcm file)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively (or one slide file); slide_id = file name without extension, a DICOM folder's name")
+    src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively (or one slide file); slide_id = file name without extension "
+                          "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
     p.add_argument("--method", choices=("greyscale", "otsu"), default="greyscale",
@@ -84,19 +88,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
                    help="tiles per shard file in new stores (zarr v3 sharding; a tile is still read on its own) "
                         "[default: 1024]; 0 = one file per tile (the older layout, 100-1000x more files)")
-    p.add_argument("--backend", choices=("auto", "openslide", "tiffslide"), default="auto",
-                   help="slide reader; auto tries OpenSlide, then tiffslide")
+    p.add_argument("--backend", choices=("auto", "openslide", "tiffslide", "wsidicom"), default="auto",
+                   help="slide reader; auto tries OpenSlide, then tiffslide (for a DICOM file: OpenSlide, then wsidicom)")
     p.add_argument("--no-prescreen", action="store_true",
                    help="test every tile instead of skipping tiles a low-resolution bound proves to be background "
                         "(same result, slower; for checking)")
     p.add_argument("--no-qc", action="store_true", help="do not write QC images")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--lock-stale-after", type=_positive, default=600.0, metavar="S",
+                   help="several runs may share one --out: each slide is tiled under a lock (<out>/.locks) that its run "
+                        "refreshes every 30 s; a lock whose run is gone (same host) or not refreshed for S seconds "
+                        "(another host) is taken over")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments, 130 on Ctrl-C."""
+    """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments (no slides, an
+    unwritable --out), 130 on Ctrl-C."""
     import sys
 
     from wsi_pipeline.manifests.schema import ManifestError
@@ -114,8 +123,9 @@ def run(args: argparse.Namespace) -> int:
         if args.workers is not None and args.workers < 0:
             raise ValueError(f"--workers {args.workers} must be >= 0")
         source = args.slides if args.slides is not None else args.manifest
-        report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite, progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, ManifestError) as err:
+        report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite,
+                             progress=not args.no_progress, lock_stale_s=args.lock_stale_after)
+    except (ValueError, FileNotFoundError, ManifestError, TimeoutError) as err:
         print(f"wsi-pipeline tile: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,7 +1,8 @@
 """Manifest of every slide in a folder, with labels joined from an optional CSV.
 
-For a user's own cohort, and for ``predict`` on new slides (no labels needed). The slide id is
-the file name without its extension (see :mod:`wsi_pipeline.manifests.files` for the formats).
+For a user's own cohort, and for ``predict`` on new slides (no labels needed). Slides are found
+and named by :mod:`wsi_pipeline.slides.finder`, as ``tile --slides`` and ``predict`` find them
+(the file name without its extension, ``a.ome.tiff`` -> ``a``; a DICOM folder's name).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from wsi_pipeline.manifests.sources import (
     pick_column,
     read_table,
 )
+from wsi_pipeline.slides.finder import no_slides_message
 
 __all__ = ["build_folder_manifest"]
 
@@ -64,7 +66,8 @@ def build_folder_manifest(
 
     Parameters
     ----------
-    slides_dir : folder searched recursively for slide files (known extensions only).
+    slides_dir : folder searched recursively for slide files (the finder's extensions,
+        :data:`wsi_pipeline.slides.finder.SLIDE_EXTENSIONS`).
     labels_csv : optional CSV with a slide id column (``slide_id``, or ``image_id``/``filename``...;
         file endings are stripped) and a ``label`` column (integer class >= 0, empty = unlabelled).
         Its ``split``, ``cohort``, ``patient_id``, ``mpp`` and any other columns are carried over.
@@ -87,10 +90,7 @@ def build_folder_manifest(
     slides_dir = Path(slides_dir)
     index = find_slides(slides_dir)
     if not index:
-        raise ManifestError(
-            f"{slides_dir}: no slide files found (known extensions: .svs .tif .tiff .ndpi .vms .vmu .scn .mrxs "
-            ".svslide .bif .czi .dcm); check the folder"
-        )
+        raise ManifestError(no_slides_message(slides_dir))
     df = pd.DataFrame({"slide_id": pd.Series(list(index), dtype="string"), "path": [str(p) for p in index.values()]})
     if labels_csv is not None:
         labels_csv = Path(labels_csv)

@@ -4,7 +4,8 @@
 properties, and :meth:`Slide.read_region`, which always returns a uint8 RGB array with
 transparent or out-of-bounds areas filled with the background colour (white unless the slide
 says otherwise). ``backend="auto"`` tries OpenSlide first and falls back to tiffslide (OME-TIFF
-and other TIFFs OpenSlide rejects); when neither opens the file, the error keeps both reasons.
+and other TIFFs OpenSlide rejects), or for a DICOM file to wsidicom (:mod:`wsi_pipeline.slides.dicom`);
+when none opens the file, the error keeps every reason.
 
 :meth:`Slide.read_level` reads a pyramid level's own pixels at integer positions of that level,
 exactly as stored (decoded, never resampled). ``read_region`` cannot promise that at levels whose
@@ -32,7 +33,7 @@ __all__ = ["BACKENDS", "Slide", "SlideOpenError", "open_slide"]
 logger = logging.getLogger(__name__)
 
 #: Accepted values of ``backend``.
-BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide")
+BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide", "wsidicom")
 
 
 class SlideOpenError(ValueError):
@@ -74,7 +75,7 @@ class Slide(ABC):
     Attributes
     ----------
     path : the slide file.
-    backend : ``"openslide"`` or ``"tiffslide"``, the library that opened it.
+    backend : ``"openslide"``, ``"tiffslide"`` or ``"wsidicom"``, the library that opened it.
     dimensions : (width, height) of level 0 in px.
     level_count : number of pyramid levels.
     level_dimensions : (width, height) of each level in px.
@@ -401,7 +402,25 @@ class TiffSlideSlide(Slide):
         self._ts.close()
 
 
-_OPENERS = {"openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide}
+def _open_wsidicom(path: Path) -> Slide:
+    from wsi_pipeline.slides.dicom import WsiDicomSlide
+
+    return WsiDicomSlide(path)
+
+
+_OPENERS = {"openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide, "wsidicom": _open_wsidicom}
+
+
+def _open_logging_warnings(name: str, p: Path) -> Slide:
+    """Open with backend ``name``; the readers' own warnings (e.g. tiffslide's "partially implemented") go to the log."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        slide = _OPENERS[name](p)
+    for w in caught:
+        logger.info("%s on %s: %s", name, p.name, w.message)
+    return slide
 
 
 def _reason(err: BaseException) -> str:
@@ -414,8 +433,9 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
 
     Parameters
     ----------
-    path : the slide file (for DICOM, any ``.dcm`` file of the slide's series).
-    backend : ``"auto"`` (OpenSlide, then tiffslide), ``"openslide"`` or ``"tiffslide"``.
+    path : the slide file (for DICOM, any ``.dcm`` file of the slide's series, or their folder).
+    backend : ``"auto"`` (OpenSlide, then tiffslide; for DICOM OpenSlide, then wsidicom),
+        ``"openslide"``, ``"tiffslide"`` or ``"wsidicom"``.
 
     Returns
     -------
@@ -429,18 +449,23 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r}; expected one of {BACKENDS}")
+    from wsi_pipeline.slides.dicom import SUPPORTED_LAYOUTS, describe_dicom, dicom_files, is_dicom_file
+
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"slide file not found: {p}")
+    if p.is_dir() and dicom_files(p):  # a DICOM slide's folder: open it through its first instance
+        p = dicom_files(p)[0]
     if not p.is_file():
         raise FileNotFoundError(f"slide path is not a file: {p} (for a DICOM series pass one of its .dcm files)")
     if p.stat().st_size == 0:
         raise ValueError(f"slide file is empty (0 bytes): {p}; the copy or download is incomplete, replace the file")
-    names = ("openslide", "tiffslide") if backend == "auto" else (backend,)
+    dicom = is_dicom_file(p)
+    names = (("openslide", "wsidicom") if dicom else ("openslide", "tiffslide")) if backend == "auto" else (backend,)
     reasons: dict[str, str] = {}
     for name in names:
         try:
-            slide = _OPENERS[name](p)
+            slide = _open_logging_warnings(name, p)
         except (KeyboardInterrupt, SystemExit):
             raise
         except Exception as err:  # any backend failure is recorded and the next backend tried
@@ -454,4 +479,6 @@ def open_slide(path: str | os.PathLike, backend: str = "auto") -> Slide:
         return slide
     detail = "; ".join(f"{k}: {v}" for k, v in reasons.items())
     hint = "" if backend == "auto" else " (try --backend auto)"
+    if dicom:
+        hint += f"; the file is DICOM: {describe_dicom(p)}; {SUPPORTED_LAYOUTS}"
     raise SlideOpenError(f"cannot open slide {p}: not a readable whole-slide image ({detail}){hint}", reasons)

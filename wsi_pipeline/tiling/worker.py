@@ -10,6 +10,7 @@ import logging
 import signal
 from multiprocessing.connection import Connection
 
+from wsi_pipeline.tiling.locks import die_with_parent
 from wsi_pipeline.tiling.tiler import TilingConfig, tile_slide
 
 __all__ = ["worker_main"]
@@ -23,6 +24,7 @@ def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite:
     """
     import cv2
 
+    die_with_parent()  # a runner killed with -9 must not leave a worker writing a slide whose lock goes stale
     cv2.setNumThreads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what an interrupt means
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,83 @@
+"""Checking the tiler's output folder before any work starts, and again when a write fails.
+
+A folder that cannot be created or written (read-only file system, permission denied, a path
+that is an existing file, a full disk) is one :class:`OutputDirError` naming the path and the
+cause, so the CLI can print one line and exit 2 instead of failing every slide in turn.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+
+__all__ = ["OutputDirError", "check_output_dir", "output_problem"]
+
+_HINTS = {
+    errno.EROFS: "the file system is read-only; choose a folder on a writable disk",
+    errno.EACCES: "permission denied; choose a folder you may write to, or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a folder you may write to, or fix its permissions",
+    errno.ENOSPC: "no space left on the device; free space or choose another disk",
+    errno.EDQUOT: "disk quota exceeded; free space or choose another disk",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; choose another path",
+    errno.EEXIST: "a part of the path is a file, not a folder; choose another path",
+}
+
+
+class OutputDirError(ValueError):
+    """The output folder cannot be created or written; ``path`` and ``cause`` say which and why."""
+
+    def __init__(self, path: Path, cause: str) -> None:
+        super().__init__(f"output folder {path} is not usable: {cause}")
+        self.path = path
+        self.cause = cause
+
+
+def _explain(err: OSError) -> str:
+    text = err.strerror or str(err)
+    hint = _HINTS.get(err.errno or -1)
+    where = f" ({err.filename})" if err.filename else ""
+    return f"{text}{where}" + (f"; {hint}" if hint else "")
+
+
+def _probe_write(folder: Path) -> None:
+    """Create, write and remove a small file in ``folder`` (what the tiler's writes need); raises OSError."""
+    probe = folder / f".write-test-{os.getpid()}-{secrets.token_hex(4)}"
+    fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    try:
+        os.write(fd, b"ok")
+    finally:
+        os.close(fd)
+    probe.unlink()
+
+
+def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> str | None:
+    """Why ``out`` cannot take the tiler's files, or None when it can (creating it if missing).
+
+    Checks that ``out`` is (or can be made) a folder, that a file can be created, written and
+    removed in it, and that each of ``subfolders`` is a folder where it exists.
+    """
+    p = Path(out)
+    if p.exists() and not p.is_dir():
+        return "it is an existing file, not a folder; pass a folder path (it is created when missing)"
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        return f"cannot create it: {_explain(err)}"
+    try:
+        _probe_write(p)
+    except OSError as err:
+        return f"cannot write in it: {_explain(err)}"
+    for sub in subfolders:
+        q = p / sub
+        if q.exists() and not q.is_dir():
+            return f"{q} is a file where a folder is expected; move it away"
+    return None
+
+
+def check_output_dir(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> None:
+    """Raise :class:`OutputDirError` when :func:`output_problem` finds one."""
+    problem = output_problem(out, subfolders)
+    if problem is not None:
+        raise OutputDirError(Path(out), problem)
