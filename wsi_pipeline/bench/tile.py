@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="tiles per shard file of the stores written [default: the tiler's]; 0 = one file per tile")
     p.add_argument("--store-only", action="store_true",
                    help="tile slide A once and only compare the store layouts (part 6)")
-    p.add_argument("--read-repeats", type=int, default=5, help="alternated repeats of the layout read comparison")
+    p.add_argument("--read-repeats", type=int, default=9, help="alternated repeats of the layout read comparison")
     args = p.parse_args(argv)
 
     from wsi_pipeline.slides import open_slide
