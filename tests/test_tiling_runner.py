@@ -206,9 +206,9 @@ def test_sigkill_of_a_worker_mid_slide_then_rerun(tmp_path: Path) -> None:
     make_slide(folder / "b_big.svs", size=1024, seed=32, tissue_fraction=0.6)
     make_slide(folder / "c_small.svs", size=512, seed=33, tissue_fraction=0.5)
     out = tmp_path / "tiles"
-    # 32 px tiles: ~600 kept tiles on b_big, so killing it mid-slide is easy to time
+    # 32 px tiles: ~600 kept tiles on b_big, so killing it mid-slide is easy to time (~19 shards of 32 tiles)
     cmd = [sys.executable, "-m", "wsi_pipeline.cli.main", "tile", "--slides", str(folder), "--out", str(out),
-           "--workers", "1", "--tile-size", "32", "--no-progress"]
+           "--workers", "1", "--tile-size", "32", "--no-progress", "--shard-tiles", "32"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     killed = None
@@ -406,7 +406,7 @@ def test_store_writes_chunk_files_identical_to_zarr(tmp_path: Path, compression:
 
     tiles = (np.random.default_rng(7).integers(0, 60, (5, 16, 16, 3)) + 90).astype(np.uint8)
     codecs = {**tile_codecs_for(compression), "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}}}
-    w = StoreWriter(tmp_path / "a.zarr", tile_size=16, capacity=2, attrs={"slide_id": "a"}, tile_codecs=codecs)
+    w = StoreWriter(tmp_path / "a.zarr", tile_size=16, capacity=2, attrs={"slide_id": "a"}, tile_codecs=codecs, shard_tiles=0)
     assert w._direct is not None  # the fast path is taken for these layouts
     w.append(tiles[:3], np.zeros((3, 2)), np.zeros((3, 2)), np.zeros(3))
     w.append(tiles[3:], np.zeros((2, 2)), np.zeros((2, 2)), np.zeros(2))

@@ -12,7 +12,11 @@ tiles, 4x pyramid) and measures, in one run:
    CPU sets: two workers on two cores cannot exceed 2 / (their CPU s per tile x one-worker tiles/s).
    A worker compresses in a second thread only while cores are left over, so with one worker
    on two cores the one-worker figure already uses both cores when compression is costly;
-5. reading 256 random tiles back from the store: straight from the chunk files vs through zarr.
+5. reading 256 random tiles back from the store: straight from the chunk files vs through zarr;
+6. store layouts: slide A's kept tiles written one file per tile (older stores) and in shards of
+   ``--shard-tiles`` tiles (new stores): files per slide (target: >= 100x fewer) and the random
+   read time per tile, one tile per call and 256 per call (target: sharded <= 1.2x per-tile).
+   ``--store-only`` tiles slide A once and runs only this part.
 
 The page cache is warmed before each measurement, so the figures are CPU-bound, as on a
 cluster node reading from a fast file system.
@@ -65,6 +69,64 @@ def _slides(cache: Path, size: int, regenerate: bool) -> list[Path]:
     return paths
 
 
+def _count_files(path: Path) -> int:
+    return sum(1 for p in path.rglob("*") if p.is_file())
+
+
+def _store_layouts(src_path: Path, work: Path, compression: str, shard_tiles: int, n_reads: int, repeats: int) -> None:
+    """Part 6: the same tiles in both layouts; files per slide and random-read time per tile."""
+    from wsi_pipeline.tiling.store import StoreWriter, open_store
+
+    src = open_store(src_path)
+    n, T = len(src), src.tile_size
+    if n == 0:
+        print("store layouts: no tiles kept, nothing to compare")
+        return
+    layouts = {"per-tile": 0, "sharded": shard_tiles}
+    paths, files, writes = {}, {}, {}
+    for name, S in layouts.items():
+        paths[name] = work / f"layout-{name}.zarr"
+        w = StoreWriter(paths[name], tile_size=T, capacity=n, attrs=src.attrs, compression=compression, shard_tiles=S)
+        t = time.perf_counter()
+        for i in range(0, n, 256):
+            k = min(256, n - i)
+            w.append(src.read(np.arange(i, i + k)), src.coords[i : i + k], src.grid[i : i + k], src.foreground[i : i + k])
+        w.commit()
+        writes[name] = time.perf_counter() - t  # includes reading the source tiles back
+        files[name] = _count_files(paths[name])
+    size = {name: sum(p.stat().st_size for p in paths[name].rglob("*") if p.is_file()) for name in layouts}
+    print(f"the tiler's store of slide A ({'%d tiles per shard' % src.shard_tiles if src.shard_tiles else 'one file per tile'}): "
+          f"{_count_files(src_path)} files for {n} tiles")
+    print(f"store layouts, {n} tiles of {T} px, {compression}: files per slide {files['per-tile']} one file per tile, "
+          f"{files['sharded']} sharded ({shard_tiles} tiles per shard, {-(-n // shard_tiles)} shard files, "
+          f"{size['sharded'] / n * shard_tiles / 2**20:.0f} MiB per full shard); "
+          f"{files['per-tile'] / files['sharded']:.0f}x fewer   target >= 100x: "
+          f"{'PASS' if files['per-tile'] >= 100 * files['sharded'] else 'FAIL'}")
+    print(f"  copying the tiles into each layout: {1e3 * writes['per-tile'] / n:.2f} ms per tile one file per tile, "
+          f"{1e3 * writes['sharded'] / n:.2f} ms sharded")
+    rng = np.random.default_rng(0)
+    single: dict[str, list[float]] = {k: [] for k in layouts}
+    batch: dict[str, list[float]] = {k: [] for k in layouts}
+    k = min(n_reads, n)
+    for _ in range(repeats):  # alternated, each with a freshly opened store (shard indexes read again)
+        for name in layouts:
+            store = open_store(paths[name])
+            idx = rng.choice(n, k, replace=False)
+            t = time.perf_counter()
+            for i in idx:
+                store.read([int(i)])
+            single[name].append((time.perf_counter() - t) / k)
+            store = open_store(paths[name])
+            idx = rng.choice(n, k, replace=False)
+            t = time.perf_counter()
+            store.read(idx)
+            batch[name].append((time.perf_counter() - t) / k)
+    for label, res in (("one tile per call", single), (f"{k} tiles per call", batch)):
+        a, b = statistics.median(res["per-tile"]), statistics.median(res["sharded"])
+        print(f"  random reads, {label} (median of {repeats}): {1e3 * a:.3f} ms per tile one file per tile, "
+              f"{1e3 * b:.3f} ms sharded = {b / a:.2f}x   target <= 1.2x: {'PASS' if b <= 1.2 * a else 'FAIL'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-two", action="store_true", help="skip the one- vs two-worker comparison")
     p.add_argument("--also-compare", nargs="*", default=["none"], choices=("zstd", "jpeg", "none"),
                    help="compressions whose one- vs two-worker scaling is measured as well (default: none)")
+    p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
+                   help="tiles per shard file of the stores written [default: the tiler's]; 0 = one file per tile")
+    p.add_argument("--store-only", action="store_true",
+                   help="tile slide A once and only compare the store layouts (part 6)")
+    p.add_argument("--read-repeats", type=int, default=9, help="alternated repeats of the layout read comparison")
     args = p.parse_args(argv)
 
     from wsi_pipeline.slides import open_slide
@@ -85,11 +152,21 @@ def main(argv: list[str] | None = None) -> int:
     from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
 
     a, b = _slides(args.cache, args.size, args.regenerate)
-    cfg = TilingConfig(compression=args.compression)
+    layout = {} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}
+    cfg = TilingConfig(compression=args.compression, **layout)
+    shard_tiles = cfg.shard_tiles or TilingConfig().shard_tiles  # the sharded side of part 6
     work = Path(tempfile.mkdtemp(prefix="wsi-bench-tile-"))
     cores = os.cpu_count() or 1
     print(f"cores: {cores}; load average: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
     try:
+        if args.store_only:
+            rep = tile_cohort([SlideJob("bench_a", str(a))], work / "one", cfg, workers=1, overwrite=True, progress=False)
+            if rep.results[0].status != "ok":
+                print(f"tiling failed: {rep.results[0].error}")
+                return 1
+            _store_layouts(work / "one" / "bench_a.zarr", work, args.compression, shard_tiles, 256, args.read_repeats)
+            print(f"load average after: {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
+            return 0
         # 1 + 2, alternated `repeats` times (medians): one worker tiling slide A, then the decode
         # limit, i.e. only read_region of the same kept tiles, one call each, fresh handle
         walls, inner, decodes, decode_cpus = [], [], [], []
@@ -146,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         store._direct = direct
         if direct is not None:
             z, d = min(reads["zarr"]), min(reads["direct"])
-            print(f"store reads, {min(256, n)} random tiles: {1e3 * d:.2f} ms per tile from the chunk files, "
-                  f"{1e3 * z:.2f} ms through zarr ({z / d:.1f}x)")
+            print(f"store reads, {min(256, n)} random tiles ({'sharded' if store.shard_tiles else 'one file per tile'}): "
+                  f"{1e3 * d:.2f} ms per tile from the chunk/shard files, {1e3 * z:.2f} ms through zarr ({z / d:.1f}x)")
         crit = max(timing.get("main_thread_cpu", 0.0), timing.get("writer_thread_cpu", 0.0))
         print(f"ratio in CPU time: {r.cpu_seconds / decode_cpu:.2f} total slide CPU / decode CPU; "
               f"{crit / decode_cpu:.2f} busiest thread / decode CPU (the wall ratio when a second core is free)")
+
+        _store_layouts(work / "one" / "bench_a.zarr", work, args.compression, shard_tiles, 256, args.read_repeats)
 
         if not args.skip_two:
             jobs = [SlideJob("bench_a", str(a)), SlideJob("bench_b", str(b))]
@@ -161,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                     _warm(a)
                     _warm(b)
                     t = time.perf_counter()
-                    rep = tile_cohort(jobs, work / f"w{w}-{comp}", TilingConfig(compression=comp), workers=w,
+                    rep = tile_cohort(jobs, work / f"w{w}-{comp}", TilingConfig(compression=comp, **layout), workers=w,
                                       overwrite=True, progress=False)
                     dt = time.perf_counter() - t
                     if not rep.ok:

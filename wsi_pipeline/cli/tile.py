@@ -85,6 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="slides tiled in parallel, one process each [default: number of cores]; 0 = in this process")
     p.add_argument("--compression", choices=("zstd", "jpeg", "none"), default="zstd",
                    help="tile compression in the store: zstd (lossless), jpeg (lossy, quality 90, ~10x smaller) or none")
+    p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
+                   help="tiles per shard file in new stores (zarr v3 sharding; a tile is still read on its own) "
+                        "[default: 1024]; 0 = one file per tile (the older layout, 100-1000x more files)")
     p.add_argument("--backend", choices=("auto", "openslide", "tiffslide", "wsidicom"), default="auto",
                    help="slide reader; auto tries OpenSlide, then tiffslide (for a DICOM file: OpenSlide, then wsidicom)")
     p.add_argument("--no-prescreen", action="store_true",
@@ -115,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
             grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
             compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
             allow_dark_background=args.allow_dark_background,
+            **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
         )
         if args.workers is not None and args.workers < 0:
             raise ValueError(f"--workers {args.workers} must be >= 0")

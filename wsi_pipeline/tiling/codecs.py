@@ -4,15 +4,20 @@
   slows compression about threefold and compresses natural images *worse*; level 1 keeps the
   writer close to the speed of JPEG decoding.
 - :func:`tile_codecs_for`: the runner's choice per compression name. Chunk keys use ``.``
-  as separator (``tiles/c.<i>.0.0.0``), one file per tile in one folder instead of four
-  nested folders per tile: fewer file-system operations to write and to delete a store.
+  as separator (``tiles/c.<i>.0.0.0``), one file per shard (or per tile) in one folder instead
+  of four nested folders each: fewer file-system operations to write and to delete a store.
 - :func:`jpeg_tile_codecs`: a lossy JPEG chunk serializer (imagecodecs / libjpeg-turbo), about
   10x smaller than lossless. Readers need the codec registered with zarr; importing
   :mod:`wsi_pipeline.tiling` does that (and the ``zarr.codecs`` entry point, where installed).
+- :func:`tile_layout_for`: one tile per chunk, optionally grouped into zarr v3 shards of
+  ``shard_tiles`` tiles (one file per shard; the chunk, the unit of a read, stays one tile).
+- :func:`direct_codec`: the same codec chain (raw, zstd, jpeg) as plain encode/decode functions,
+  for the store's direct chunk reads and writes (the bytes zarr writes and reads).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +31,10 @@ if TYPE_CHECKING:
     from zarr.core.array_spec import ArraySpec
     from zarr.core.buffer import Buffer, NDBuffer
 
-__all__ = ["JPEG_CODEC_NAME", "JpegTileCodec", "jpeg_tile_codecs", "lossless_tile_codecs", "register_codecs", "tile_codecs_for"]
+__all__ = [
+    "DEFAULT_SHARD_TILES", "DirectCodec", "JPEG_CODEC_NAME", "JpegTileCodec", "direct_codec", "jpeg_tile_codecs",
+    "lossless_tile_codecs", "register_codecs", "tile_codecs_for", "tile_layout_for",
+]
 
 #: The codec's name in a store's ``zarr.json``.
 JPEG_CODEC_NAME = "wsi_pipeline.jpeg"
@@ -127,3 +135,65 @@ def tile_codecs_for(compression: str) -> dict[str, Any]:
     else:
         raise ValueError(f"compression={compression!r}; expected 'zstd', 'jpeg' or 'none'")
     return {**kw, "chunk_key_encoding": _FLAT_KEYS}
+
+
+#: Tiles per shard file of new stores (0 = the older layout, one file per tile). 1024 tiles of
+#: 256 px make shards of ~50-200 MB (zstd): a 30,000-tile slide is ~30 shard files instead of
+#: 30,000 tile files, and the shard index a reader loads once per shard is 16 KiB.
+DEFAULT_SHARD_TILES = 1024
+
+
+def tile_layout_for(tile_size: int, shard_tiles: int | None) -> dict[str, Any]:
+    """``create_array`` keyword arguments for the ``tiles`` array's chunking.
+
+    One tile (``tile_size`` px square) per chunk; ``shard_tiles`` > 0 groups that many chunks into
+    one zarr v3 shard file (index at its end, with a crc32c checksum); 0 or None: one file per tile.
+    """
+    T = int(tile_size)
+    n = 0 if shard_tiles is None else int(shard_tiles)
+    if n < 0:
+        raise ValueError(f"shard_tiles={shard_tiles}; expected tiles per shard >= 1, or 0 for one file per tile")
+    kw: dict[str, Any] = {"chunks": (1, T, T, 3)}
+    if n > 0:
+        kw["shards"] = (n, T, T, 3)
+    return kw
+
+
+@dataclass(frozen=True)
+class DirectCodec:
+    """One chunk's codec chain as plain functions: the bytes zarr writes, and the array it reads.
+
+    ``encode(tile)`` takes a C-contiguous uint8 chunk; ``decode(data)`` returns its uint8 values
+    (any shape; the caller reshapes to the chunk's shape).
+    """
+
+    name: str
+    encode: Callable[[np.ndarray], Any]
+    decode: Callable[[bytes], Any]
+
+
+def direct_codec(codecs: Sequence[Any]) -> DirectCodec | None:
+    """The :class:`DirectCodec` for a uint8 chunk's zarr codec chain, or None if it is not one of
+    ``bytes``, ``bytes`` + ``zstd``, or :class:`JpegTileCodec` (zarr then does the work)."""
+    from zarr.codecs import BytesCodec, ZstdCodec
+
+    codecs = tuple(codecs)
+    if len(codecs) == 1 and isinstance(codecs[0], JpegTileCodec):
+        import imagecodecs
+
+        q = codecs[0].quality
+
+        def jpeg_encode(tile: np.ndarray) -> Any:
+            return imagecodecs.jpeg8_encode(tile.reshape(-1, tile.shape[-2], tile.shape[-1]), level=q)
+
+        return DirectCodec("jpeg", jpeg_encode, imagecodecs.jpeg8_decode)
+    if not codecs or not isinstance(codecs[0], BytesCodec):
+        return None
+    if len(codecs) == 1:
+        return DirectCodec("raw", lambda tile: memoryview(tile).cast("B"), lambda data: data)
+    if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
+        from numcodecs import Zstd
+
+        z = Zstd(level=codecs[1].level, checksum=codecs[1].checksum)
+        return DirectCodec("zstd", z.encode, z.decode)
+    return None

@@ -1,6 +1,8 @@
 """The zarr v3 tile store ``<tiles_dir>/<slide_id>.zarr`` (schema in ``data_manifests/README.md``).
 
-Arrays: ``tiles`` uint8 (N, T, T, 3) RGB, one tile per chunk; ``coords`` int64 (N, 2), (x, y) of
+Arrays: ``tiles`` uint8 (N, T, T, 3) RGB, one tile per chunk, in new stores grouped into zarr v3
+shards of :data:`~wsi_pipeline.tiling.codecs.DEFAULT_SHARD_TILES` tiles (one file per shard;
+``shard_tiles=0`` writes the older layout, one file per tile, which stays readable); ``coords`` int64 (N, 2), (x, y) of
 each tile's top-left corner in level-0 px; ``grid`` int32 (N, 2), (col, row) on the slide's tile
 grid at the read resolution; ``foreground`` float32 (N,); stores from the tiler also hold
 ``level_coords`` int64 (N, 2), each tile's source origin in px of the read level. Attributes
@@ -10,12 +12,19 @@ describe the slide and the tiling (with the tile formula's parameters, see
 Writes are atomic at the store level: :class:`StoreWriter` builds ``.<slide_id>.zarr.tmp-<pid>``
 beside the destination and only :meth:`StoreWriter.commit` swaps it in, so a crash never
 leaves a store marked complete, and a failed rebuild never destroys an earlier good store.
+Inside it, each shard is streamed into a temporary file and renamed into place once its index is
+written, so a shard file is complete or absent.
+
+Both layouts are read and written straight from/to the chunk and shard files when their codecs
+are plain (raw, zstd, jpeg): a tile is one ``pread`` of its bytes, found in a shard through the
+shard's index (per the zarr v3 sharding spec), without decoding the rest of the shard.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -23,9 +32,9 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wsi_pipeline.tiling.codecs import tile_codecs_for
+from wsi_pipeline.tiling.codecs import DEFAULT_SHARD_TILES, DirectCodec, direct_codec, tile_codecs_for, tile_layout_for
 
-__all__ = ["StoreWriter", "TileStore", "open_store", "is_complete", "store_path", "COMPRESSIONS"]
+__all__ = ["StoreWriter", "TileStore", "open_store", "is_complete", "store_path", "COMPRESSIONS", "DEFAULT_SHARD_TILES"]
 
 #: Tile compressions: lossless ``zstd`` (default), ``none``, or lossy ``jpeg`` (quality 90).
 COMPRESSIONS: tuple[str, ...] = ("zstd", "none", "jpeg")
@@ -48,6 +57,8 @@ class StoreWriter:
     compression : one of :data:`COMPRESSIONS` (its codecs from
         :func:`~wsi_pipeline.tiling.codecs.tile_codecs_for`, as the tiling runner writes them).
     tile_codecs : explicit ``create_array`` codec arguments, overriding ``compression``.
+    shard_tiles : tiles per shard file (default :data:`DEFAULT_SHARD_TILES`); 0 or None writes one
+        file per tile (the layout of older stores).
     """
 
     def __init__(
@@ -59,7 +70,9 @@ class StoreWriter:
         attrs: Mapping[str, Any],
         compression: str = "zstd",
         tile_codecs: Mapping[str, Any] | None = None,
+        shard_tiles: int | None = DEFAULT_SHARD_TILES,
     ) -> None:
+        layout = tile_layout_for(tile_size, shard_tiles)  # checks shard_tiles before touching the disk
         self.path = Path(path)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         if self.tmp.exists():
@@ -71,8 +84,11 @@ class StoreWriter:
         self.group.attrs.update({**dict(attrs), "complete": False})
         codecs = dict(tile_codecs) if tile_codecs is not None else tile_codecs_for(compression)
         T = self.tile_size
-        self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), chunks=(1, T, T, 3), dtype="uint8", **codecs)
-        self._direct = _DirectChunks.for_array(self.tiles)
+        self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), dtype="uint8", **layout, **codecs)
+        self.shard_tiles = int(layout["shards"][0]) if "shards" in layout else 0
+        self._direct: _DirectChunks | _DirectShards | None = _direct_for(self.tiles)
+        self._pending: list[np.ndarray] = []  # tiles of the open shard, when zarr writes the shards
+        self._pending_start = 0
         self.coords = np.zeros((cap, 2), np.int64)
         self.grid = np.zeros((cap, 2), np.int32)
         self.foreground = np.zeros((cap,), np.float32)
@@ -99,7 +115,10 @@ class StoreWriter:
             self.grid = np.resize(self.grid, (grow, 2))
             self.foreground = np.resize(self.foreground, (grow,))
         if self._direct is not None:
-            self._write_direct(self.n, tiles)
+            for i, tile in enumerate(tiles):
+                self._direct.write(self.n + i, tile)
+        elif self.shard_tiles:
+            self._buffer_for_zarr(tiles)
         else:
             self.tiles[self.n : end] = tiles
         self.coords[self.n : end] = coords
@@ -107,22 +126,40 @@ class StoreWriter:
         self.foreground[self.n : end] = foreground
         self.n = end
 
-    def _write_direct(self, start: int, tiles: np.ndarray) -> None:
-        """Write one chunk file per tile straight to the local store (same bytes zarr would write)."""
-        assert self._direct is not None
-        for i, tile in enumerate(tiles):
-            self._direct.write(start + i, tile)
+    def _buffer_for_zarr(self, tiles: np.ndarray) -> None:
+        """Sharded layout with codecs only zarr knows: hold the open shard's tiles, write whole shards."""
+        self._pending.append(np.array(tiles, np.uint8))
+        S = self.shard_tiles
+        held = sum(len(t) for t in self._pending)
+        if (self._pending_start + held) // S > self._pending_start // S:
+            block = np.concatenate(self._pending)
+            cut = (self._pending_start + held) // S * S - self._pending_start
+            self.tiles[self._pending_start : self._pending_start + cut] = block[:cut]
+            self._pending = [block[cut:]] if cut < len(block) else []
+            self._pending_start += cut
+
+    def _flush(self) -> None:
+        """Write the last, partial shard."""
+        if self._direct is not None:
+            self._direct.flush()
+        elif self._pending:
+            block = np.concatenate(self._pending)
+            self.tiles[self._pending_start : self._pending_start + len(block)] = block
+            self._pending, self._pending_start = [], self._pending_start + len(block)
 
     def add_array(self, name: str, values: np.ndarray) -> None:
-        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``."""
-        self.group.create_array(name, data=np.asarray(values), overwrite=True)
+        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk (one file)."""
+        values = np.ascontiguousarray(values)
+        chunks = tuple(max(int(v), 1) for v in values.shape) or None
+        self.group.create_array(name, data=values, chunks=chunks or "auto", overwrite=True)
 
     def commit(self) -> Path:
         """Trim, write the small arrays, mark ``complete: true`` last, and rename into place."""
         n = self.n
+        self._flush()
         self.tiles.resize((n,) + self.tiles.shape[1:])
         for name, arr in (("coords", self.coords[:n]), ("grid", self.grid[:n]), ("foreground", self.foreground[:n])):
-            self.group.create_array(name, data=np.ascontiguousarray(arr), overwrite=True)
+            self.add_array(name, arr)
         self.group.attrs.update({"n_tiles": n})
         self.group.attrs.update({"complete": True})
         old = None
@@ -136,56 +173,84 @@ class StoreWriter:
 
     def abort(self) -> None:
         """Remove the temporary store; the destination (if any) is untouched."""
+        if isinstance(self._direct, _DirectShards):
+            self._direct.discard()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
+_NO_CHUNK = 2**64 - 1  # offset and length of an absent chunk in a shard index (zarr v3 sharding spec)
+
+
+def _direct_for(array: Any) -> _DirectChunks | _DirectShards | None:
+    """The direct reader/writer for a local zarr v3 ``tiles`` array whose layout and codecs it
+    knows (one-tile chunks, raw / zstd / jpeg), or None: zarr then does the work."""
+    try:
+        from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
+        from zarr.storage import LocalStore
+
+        meta = array.metadata
+        if not isinstance(array.store_path.store, LocalStore) or getattr(meta, "zarr_format", 3) != 3:
+            return None
+        if np.dtype(array.dtype) != np.uint8 or len(array.shape) != 4:
+            return None
+        tile_shape = (1,) + tuple(int(v) for v in array.shape[1:])
+        grid_shape = tuple(int(v) for v in meta.chunk_grid.chunk_shape)
+        codecs = tuple(meta.codecs)
+        if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
+            sh = codecs[0]
+            if tuple(sh.chunk_shape) != tile_shape or grid_shape[1:] != tile_shape[1:]:
+                return None
+            index_codecs = tuple(sh.index_codecs)
+            if not index_codecs or not isinstance(index_codecs[0], BytesCodec) or str(getattr(index_codecs[0].endian, "value", "")) != "little":
+                return None
+            if index_codecs[1:] not in ((), (Crc32cCodec(),)):
+                return None
+            codec = direct_codec(sh.codecs)
+            if codec is None:
+                return None
+            return _DirectShards(array, codec, grid_shape[0], crc=len(index_codecs) == 2,
+                                 index_at_end=sh.index_location.value == "end")
+        if grid_shape != tile_shape:
+            return None
+        codec = direct_codec(codecs)
+        return None if codec is None else _DirectChunks(array, codec)
+    except Exception:  # any surprise in zarr's internals: let zarr do the work
+        return None
+
+
+def _shard_tiles_of(array: Any) -> int:
+    """Tiles per shard of a ``tiles`` array, 0 when it is not sharded."""
+    from zarr.codecs import ShardingCodec
+
+    codecs = tuple(getattr(array.metadata, "codecs", ()))
+    if len(codecs) == 1 and isinstance(codecs[0], ShardingCodec):
+        return int(array.metadata.chunk_grid.chunk_shape[0])
+    return 0
+
+
 class _DirectChunks:
-    """One-tile chunk files of a local zarr v3 array with plain ``bytes`` (+ ``zstd``) codecs, read
-    and written straight from/to disk: the same bytes zarr reads and writes, without its
-    per-chunk asynchronous machinery (about half of the writer's CPU time per 256 px tile, and
+    """One-tile chunk files of a local zarr v3 array (one file per tile, the layout of older
+    stores), read and written straight from/to disk: the same bytes zarr reads and writes, without
+    its per-chunk asynchronous machinery (about half of the writer's CPU time per 256 px tile, and
     most of the reading time: ~3.5 ms per 256 px tile through zarr, ~0.5 ms directly).
 
-    Built by :meth:`for_array`, which returns None for any other layout (zarr handles those).
+    Built by :func:`_direct_for`.
     """
 
-    def __init__(self, array: Any, codec: Any | None) -> None:
+    def __init__(self, array: Any, codec: DirectCodec) -> None:
         self.meta = array.metadata
         self.root = Path(array.store_path.store.root) / array.store_path.path
-        self.codec = codec  # numcodecs Zstd, or None for uncompressed chunks
-        self.chunk_shape = tuple(int(v) for v in self.meta.chunk_grid.chunk_shape[1:])
+        self.codec = codec
+        self.chunk_shape = tuple(int(v) for v in array.shape[1:])
         fill = self.meta.fill_value
         self.fill = 0 if fill is None else int(fill)
-
-    @classmethod
-    def for_array(cls, array: Any) -> _DirectChunks | None:
-        try:
-            from numcodecs import Zstd
-            from zarr.codecs import BytesCodec, ZstdCodec
-            from zarr.storage import LocalStore
-
-            meta = array.metadata
-            if not isinstance(array.store_path.store, LocalStore) or getattr(meta, "zarr_format", 3) != 3:
-                return None
-            if tuple(meta.chunk_grid.chunk_shape) != (1,) + tuple(array.shape[1:]) or np.dtype(array.dtype) != np.uint8:
-                return None
-            codecs = tuple(meta.codecs)
-            if not codecs or not isinstance(codecs[0], BytesCodec):
-                return None
-            if len(codecs) == 1:
-                return cls(array, None)
-            if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
-                return cls(array, Zstd(level=codecs[1].level, checksum=codecs[1].checksum))
-        except Exception:  # any surprise in zarr's internals: let zarr do the work
-            return None
-        return None
 
     def path(self, index: int) -> Path:
         return self.root / self.meta.chunk_key_encoding.encode_chunk_key((int(index),) + (0,) * len(self.chunk_shape))
 
     def write(self, index: int, tile: np.ndarray) -> None:
         """Write ``tile`` (uint8, the chunk's shape) as chunk ``index``."""
-        tile = np.ascontiguousarray(tile)
-        data = memoryview(tile).cast("B") if self.codec is None else self.codec.encode(tile)
+        data = self.codec.encode(np.ascontiguousarray(tile))
         dest = self.path(index)
         try:
             f = open(dest, "wb")
@@ -195,6 +260,9 @@ class _DirectChunks:
         with f:
             f.write(data)
 
+    def flush(self) -> None:
+        """Nothing is held back: every chunk file is written by :meth:`write`."""
+
     def read(self, index: int, out: np.ndarray) -> None:
         """Read chunk ``index`` into ``out`` (a missing chunk file reads as the fill value, as in zarr)."""
         try:
@@ -202,8 +270,166 @@ class _DirectChunks:
         except FileNotFoundError:
             out[...] = self.fill
             return
-        data = raw if self.codec is None else self.codec.decode(raw)
-        out[...] = np.frombuffer(data, np.uint8).reshape(self.chunk_shape)
+        out[...] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+
+    def read_many(self, indices: np.ndarray, out: np.ndarray) -> None:
+        """Read chunks ``indices`` into ``out[j]`` for each j."""
+        for j, i in enumerate(indices):
+            self.read(int(i), out[j])
+
+
+class _DirectShards:
+    """Shard files of a local zarr v3 array of one-tile chunks, read and written straight from/to disk.
+
+    A shard file holds ``S`` = ``shard_tiles`` consecutive tiles: their encoded chunks back to back,
+    then the shard index, ``S`` (offset, nbytes) pairs of little-endian uint64 (2**64 - 1 for an
+    absent chunk), followed by its crc32c (4 bytes, little-endian) when the index codecs include
+    ``crc32c`` (the zarr v3 sharding spec; zarr's default, which new stores use).
+
+    Reading a tile takes one ``pread`` of its bytes; each shard's index is read once and kept, as
+    long as the file's identity (inode, size, mtime) is unchanged. Writing streams tiles (in index
+    order) into ``.<shard>.partial`` and renames it to the shard's key once its index is appended.
+    """
+
+    def __init__(self, array: Any, codec: DirectCodec, shard_tiles: int, *, crc: bool, index_at_end: bool) -> None:
+        self.meta = array.metadata
+        self.root = Path(array.store_path.store.root) / array.store_path.path
+        self.codec = codec
+        self.S = int(shard_tiles)
+        self.crc = crc
+        self.index_at_end = index_at_end
+        self.index_nbytes = 16 * self.S + (4 if crc else 0)
+        self.chunk_shape = tuple(int(v) for v in array.shape[1:])
+        fill = self.meta.fill_value
+        self.fill = 0 if fill is None else int(fill)
+        self._indexes: dict[int, tuple[tuple[int, int, int], np.ndarray]] = {}
+        self._paths: dict[int, str] = {}
+        # the shard being written: number, open partial file, its index, bytes written so far
+        self._shard = -1
+        self._file: Any = None
+        self._index: np.ndarray | None = None
+        self._offset = 0
+        self._next = 0
+
+    def path(self, shard: int) -> Path:
+        return self.root / self.meta.chunk_key_encoding.encode_chunk_key((int(shard),) + (0,) * len(self.chunk_shape))
+
+    # writing
+
+    def write(self, index: int, tile: np.ndarray) -> None:
+        """Append ``tile`` (uint8, the chunk's shape) as chunk ``index``; tiles must come in index order."""
+        if not self.index_at_end:
+            raise ValueError(f"{self.root}: direct shard writes need the shard index at the end")
+        if int(index) != self._next:
+            raise ValueError(f"{self.root}: tile {index} written out of order (expected tile {self._next}); shards are written sequentially")
+        shard, j = divmod(int(index), self.S)
+        if shard != self._shard:
+            self.flush()
+            self._open(shard)
+        assert self._index is not None
+        data = self.codec.encode(np.ascontiguousarray(tile))
+        n = self._file.write(data)
+        self._index[j] = (self._offset, n)
+        self._offset += n
+        self._next += 1
+
+    def _open(self, shard: int) -> None:
+        dest = self.path(shard)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self._shard = shard
+        self._file = open(dest.with_name(f".{dest.name}.partial"), "wb")
+        self._index = np.full((self.S, 2), _NO_CHUNK, dtype="<u8")
+        self._offset = 0
+
+    def flush(self) -> None:
+        """Complete the shard being written: append its index, close it and rename it into place."""
+        if self._file is None:
+            return
+        assert self._index is not None
+        index = self._index.tobytes()
+        if self.crc:
+            import google_crc32c
+
+            index += struct.pack("<I", google_crc32c.value(index))
+        with self._file as f:
+            f.write(index)
+        os.replace(f.name, self.path(self._shard))
+        self._file, self._index, self._shard = None, None, -1
+
+    def discard(self) -> None:
+        """Close the shard being written without completing it (its partial file is left for removal)."""
+        if self._file is not None:
+            self._file.close()
+        self._file, self._index, self._shard = None, None, -1
+
+    # reading
+
+    def _shard_index(self, shard: int, fd: int) -> np.ndarray:
+        st = os.fstat(fd)
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        cached = self._indexes.get(shard)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        size, nb = st.st_size, self.index_nbytes
+        path = self.path(shard)
+        if size < nb:
+            raise ValueError(f"shard {path} has {size} bytes, fewer than its index ({nb} bytes for {self.S} tiles)")
+        raw = os.pread(fd, nb, size - nb if self.index_at_end else 0)
+        if self.crc:
+            import google_crc32c
+
+            body, (stored,) = raw[:-4], struct.unpack("<I", raw[-4:])
+            if google_crc32c.value(body) != stored:
+                raise ValueError(f"shard {path}: the index checksum (crc32c) does not match; the file is damaged")
+            raw = body
+        index = np.frombuffer(raw, dtype="<u8").reshape(self.S, 2)
+        present = index[:, 0] != _NO_CHUNK
+        if np.any(index[present, 0] + index[present, 1] > size):
+            raise ValueError(f"shard {path}: its index points past the end of the file ({size} bytes); the file is damaged")
+        self._indexes[shard] = (key, index)
+        return index
+
+    def read(self, index: int, out: np.ndarray) -> None:
+        """Read chunk ``index`` into ``out`` (an absent shard or chunk reads as the fill value, as in zarr)."""
+        self.read_many(np.array([index]), out[None])
+
+    def _shard_file(self, shard: int) -> str:
+        path = self._paths.get(shard)
+        if path is None:
+            path = self._paths[shard] = str(self.path(shard))
+        return path
+
+    def read_many(self, indices: np.ndarray, out: np.ndarray) -> None:
+        """Read chunks ``indices`` into ``out[j]`` for each j, opening each shard once."""
+        S = self.S
+        order = np.argsort(indices, kind="stable") if len(indices) > 1 else range(1)
+        shard, fd, index = -1, -1, None
+        try:
+            for j in order:
+                i = int(indices[j])
+                if i // S != shard:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    shard = i // S
+                    try:
+                        fd = os.open(self._shard_file(shard), os.O_RDONLY)
+                    except FileNotFoundError:
+                        index = None
+                    else:
+                        index = self._shard_index(shard, fd)
+                if index is None:
+                    out[j] = self.fill
+                    continue
+                offset, nbytes = index[i - shard * S]
+                if offset == _NO_CHUNK:
+                    out[j] = self.fill
+                    continue
+                raw = os.pread(fd, int(nbytes), int(offset))
+                out[j] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 def is_complete(path: str | os.PathLike) -> bool:
@@ -220,6 +446,7 @@ class TileStore:
     Attributes
     ----------
     path, attrs : the store and its attributes.
+    shard_tiles : tiles per shard file; 0 for a store with one file per tile.
     coords : int64 (N, 2) tile top-left (x, y) in level-0 px.
     grid : int32 (N, 2) tile (col, row) at the read resolution.
     foreground : float32 (N,).
@@ -235,7 +462,9 @@ class TileStore:
         self.grid = np.asarray(self.group["grid"][:])
         self.foreground = np.asarray(self.group["foreground"][:])
         self.tile_size = int(self._tiles.shape[1])
-        self._direct = _DirectChunks.for_array(self._tiles)
+        #: tiles per shard file, 0 for the one-file-per-tile layout of older stores
+        self.shard_tiles = _shard_tiles_of(self._tiles)
+        self._direct = _direct_for(self._tiles)
 
     @property
     def slide_id(self) -> str:
@@ -257,8 +486,7 @@ class TileStore:
             raise IndexError(f"tile index out of range [0, {len(self)}) in store {self.path}")
         if self._direct is not None:
             out = np.empty((len(idx),) + tuple(self._tiles.shape[1:]), np.uint8)
-            for j, i in enumerate(idx):
-                self._direct.read(int(i), out[j])
+            self._direct.read_many(idx, out)
             return out
         order = np.argsort(idx, kind="stable")
         sorted_idx = idx[order]

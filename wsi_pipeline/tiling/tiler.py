@@ -32,7 +32,7 @@ from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_b
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
-from wsi_pipeline.tiling.store import COMPRESSIONS, StoreWriter, store_path
+from wsi_pipeline.tiling.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, store_path
 from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
 
 __all__ = ["METHODS", "SlideJob", "SlideResult", "TilingConfig", "precheck", "store_matches", "tile_slide"]
@@ -74,6 +74,8 @@ class TilingConfig:
     mpp_force : run-wide mpp (``--mpp-force``) used for every slide, over the slides' metadata
         and the manifest; at most one of ``mpp`` and ``mpp_force``.
     compression : tile compression, one of ``zstd`` (lossless), ``jpeg`` (lossy), ``none``.
+    shard_tiles : tiles per shard file of the store (zarr v3 sharding); 0 = one file per tile.
+        The layout does not change a store's content, so it is not compared on resume.
     backend : slide reader, ``auto``, ``openslide`` or ``tiffslide``.
     prescreen : skip tiles the low-resolution bound proves to be background (greyscale only;
         the kept set is unchanged).
@@ -95,6 +97,7 @@ class TilingConfig:
     mpp: float | None = None
     mpp_force: float | None = None
     compression: str = "zstd"
+    shard_tiles: int = DEFAULT_SHARD_TILES
     backend: str = "auto"
     prescreen: bool = True
     prescreen_margin: float = 8.0
@@ -107,6 +110,8 @@ class TilingConfig:
             raise ValueError(f"method={self.method!r}; expected one of {sorted(METHODS)}")
         if self.compression not in COMPRESSIONS:
             raise ValueError(f"compression={self.compression!r}; expected one of {COMPRESSIONS}")
+        if int(self.shard_tiles) < 0:
+            raise ValueError(f"shard_tiles={self.shard_tiles}; expected tiles per shard >= 1, or 0 for one file per tile")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
         if int(self.tile_size) < 8:
@@ -540,7 +545,7 @@ def _tile_open_slide(
         attrs.update(otsu=asdict(config.otsu))
     writer = StoreWriter(
         store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
-        compression=config.compression,
+        compression=config.compression, shard_tiles=config.shard_tiles,
     )
     main_cpu0 = time.thread_time()
     sink: _BackgroundWriter | _InlineWriter = _BackgroundWriter(writer) if background_write else _InlineWriter(writer)
