@@ -53,6 +53,8 @@ CASES = {
     "jpeg-rgb-256": (dict(tile=256, compression="jpeg", photometric="rgb", subsampling=(1, 1), compressionargs={"outcolorspace": "rgb"}), "generic-tiff"),
     "svs-jpeg-rgb-240": (dict(tile=240, compression="jpeg", photometric="rgb", subsampling=(1, 1), compressionargs={"outcolorspace": "rgb"}, description=_APERIO), "aperio"),
     "svs-jpeg-ycbcr-240": (dict(tile=240, compression="jpeg", photometric="rgb", description=_APERIO), "aperio"),
+    # Aperio JPEG 2000, RGB (compression 33005), lossy: irreversible wavelet and colour transform
+    "svs-j2k-rgb-240": (dict(tile=240, compression=33005, compressionargs={"level": 40, "reversible": False}, photometric="rgb", description=_APERIO.replace("JPEG/RGB", "J2K/KDU")), "aperio"),
     "lzw-predictor-240": (dict(tile=240, compression="lzw", photometric="rgb", predictor=True), "generic-tiff"),
     "deflate-512": (dict(tile=512, compression="adobe_deflate", photometric="rgb"), "generic-tiff"),
     "raw-256": (dict(tile=256, photometric="rgb"), "generic-tiff"),

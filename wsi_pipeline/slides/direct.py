@@ -16,6 +16,8 @@ because it follows OpenSlide's conventions for that vendor driver:
 - Generic tiled TIFF, other codecs (none, LZW, deflate, zstd, ...) with 8-bit RGB or greyscale samples:
   OpenSlide goes through libtiff's RGBA interface, which for these layouts copies the samples (grey
   replicated to R = G = B); tifffile's decoder (predictors included) gives the same samples.
+- Aperio JPEG 2000 in RGB (compression 33005): OpenJPEG (in imagecodecs as in OpenSlide) decodes
+  the codestream and undoes the multi-component transform; the three components are the pixels.
 - Hamamatsu NDPI levels stored in the file (not OpenSlide's extra levels made by libjpeg's DCT
   scaling): the restart-marker tiles that tifffile exposes are OpenSlide's tiles too; each is decoded
   behind the file's JPEG header with the tile's size, libjpeg guessing the colour space as OpenSlide does.
@@ -25,7 +27,7 @@ because it follows OpenSlide's conventions for that vendor driver:
   the same colour).
 
 Anything else is declined (:meth:`DirectTiles.reason` says why) and the caller reads through OpenSlide:
-Aperio JPEG 2000 (33003/33005), Aperio levels with missing tiles (OpenSlide renders those from the
+Aperio JPEG 2000 in YCbCr (33003, converted by OpenSlide's own tables), Aperio levels with missing tiles (OpenSlide renders those from the
 level above), YCbCr without JPEG, old-style JPEG, planar or 16-bit samples, alpha, orientations other
 than top-left, other vendors' drivers (Philips, Ventana, Leica, ... whose grids OpenSlide assembles
 differently), and levels whose downsample is not an integer: OpenSlide maps a level-0 location to the
@@ -53,6 +55,7 @@ __all__ = ["DirectTiles", "direct_levels"]
 _LIBTIFF_CODECS = frozenset({1, 5, 8, 32773, 32946, 34925, 50000, 50001})
 _JPEG = 7
 _RGB, _YCBCR, _MINISBLACK = 2, 6, 1
+_APERIO_J2K_RGB = 33005  # JPEG 2000 codestream, RGB (with or without the multi-component transform)
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,16 @@ def _ndpi_decoder(header: bytes, tile_h: int, tile_w: int) -> Callable[[bytes, i
     return decode
 
 
+def _j2k_decoder() -> Callable[[bytes, int], np.ndarray]:
+    import imagecodecs
+
+    def decode(data: bytes, index: int) -> np.ndarray:
+        # OpenJPEG undoes the multi-component transform; OpenSlide copies the three components
+        return imagecodecs.jpeg2k_decode(data)
+
+    return decode
+
+
 def _tifffile_decoder(page: Any, samples: int) -> Callable[[bytes, int], np.ndarray]:
     page_decode = page.decode
 
@@ -118,8 +131,10 @@ def _page_problem(page: Any, vendor: str) -> str | None:
         if photo in (_RGB, _YCBCR) and spp == 3:
             return None
         return f"JPEG with photometric {photo} and {spp} samples (RGB or YCbCr, 3 samples expected)"
-    if vendor == "aperio" and comp in (33003, 33005):
-        return f"Aperio JPEG 2000 (compression {comp}); OpenSlide converts its colours itself"
+    if vendor == "aperio" and comp == _APERIO_J2K_RGB:
+        return None if photo == _RGB and spp == 3 else f"Aperio JPEG 2000 with photometric {photo} and {spp} samples"
+    if vendor == "aperio" and comp == 33003:
+        return "Aperio JPEG 2000 in YCbCr (compression 33003); OpenSlide converts its colours with its own tables"
     if comp not in _LIBTIFF_CODECS:
         return f"compression {comp} is not one this reader decodes like libtiff"
     if photo == _RGB and spp == 3:
@@ -239,6 +254,8 @@ class DirectTiles:
                 decode = _ndpi_decoder(page.jpegheader, th, tw)
             else:
                 decode = _jpeg_decoder(page.jpegtables, int(page.photometric))
+        elif int(page.compression) == _APERIO_J2K_RGB:
+            decode = _j2k_decoder()
         else:
             decode = _tifffile_decoder(page, int(page.samplesperpixel))
         return _Level(w, h, tw, th, across, down, offsets, counts, decode)
