@@ -58,6 +58,7 @@ CASES = {
     "lzw-predictor-240": (dict(tile=240, compression="lzw", photometric="rgb", predictor=True), "generic-tiff"),
     "deflate-512": (dict(tile=512, compression="adobe_deflate", photometric="rgb"), "generic-tiff"),
     "raw-256": (dict(tile=256, photometric="rgb"), "generic-tiff"),
+    "zstd-256": (dict(tile=256, compression="zstd", photometric="rgb"), "generic-tiff"),
     "grey-lzw-256": (dict(tile=256, compression="lzw", photometric="minisblack", grey=True), "generic-tiff"),
 }
 
@@ -171,6 +172,23 @@ def test_read_region_signature(pyramids: dict[str, Path]) -> None:
         assert np.array_equal(reader.read_region((100, 60), 2, (90, 70)), ref)
         with pytest.raises(ValueError, match="multiple"):
             reader.read_region((101, 60), 2, (10, 10))
+
+
+def test_any_order_and_threads(pyramids: dict[str, Path]) -> None:
+    """A tiny cache and a reversed, shuffled order still give OpenSlide's pixels; so do 4 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with open_slide(pyramids["jpeg-ycbcr422-512"], backend="openslide") as slide:
+        w, h = slide.level_dimensions[0]
+        origins = [(x, y) for y in range(-64, h, 200) for x in range(-64, w, 200)]
+        order = np.random.default_rng(3).permutation(len(origins))
+        refs = {o: slide.read_region(o, 0, (GRID, GRID)) for o in origins}
+        with DirectTiles.from_slide(slide, cache_tiles=1) as reader:
+            for i in order:
+                assert np.array_equal(reader.read(0, *origins[i], GRID, GRID), refs[origins[i]])
+        with DirectTiles.from_slide(slide, cache_tiles=4) as reader, ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(lambda o: reader.read(0, o[0], o[1], GRID, GRID), origins))
+        assert all(np.array_equal(g, refs[o]) for g, o in zip(got, origins, strict=True))
 
 
 def test_tiffslide_opened_slide_is_declined(pyramids: dict[str, Path]) -> None:

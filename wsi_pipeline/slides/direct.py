@@ -277,6 +277,17 @@ class DirectTiles:
         lv = self._level(level)
         return lv.tile_w, lv.tile_h
 
+    def stored_tile(self, level: int, col: int, row: int) -> np.ndarray | None:
+        """Stored tile (``col``, ``row``) of a served level, decoded once (then from the cache).
+
+        Returns uint8 (>= tile height, >= tile width, 3) RGB as stored (edge tiles keep their padding
+        past the level's edge), or None for a tile without data. Do not modify the array: it is shared.
+        """
+        lv = self._level(level)
+        if not (0 <= int(col) < lv.across and 0 <= int(row) < lv.down):
+            raise ValueError(f"stored tile ({col}, {row}) outside the {lv.across} x {lv.down} grid of level {level}")
+        return self._tile(int(level), lv, int(col), int(row))
+
     def _level(self, level: int) -> _Level:
         try:
             return self._levels[int(level)]
