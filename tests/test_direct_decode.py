@@ -183,10 +183,10 @@ def test_any_order_and_threads(pyramids: dict[str, Path]) -> None:
         origins = [(x, y) for y in range(-64, h, 200) for x in range(-64, w, 200)]
         order = np.random.default_rng(3).permutation(len(origins))
         refs = {o: slide.read_region(o, 0, (GRID, GRID)) for o in origins}
-        with DirectTiles.from_slide(slide, cache_tiles=1) as reader:
+        with DirectTiles.from_slide(slide, cache_bytes=0) as reader:
             for i in order:
                 assert np.array_equal(reader.read(0, *origins[i], GRID, GRID), refs[origins[i]])
-        with DirectTiles.from_slide(slide, cache_tiles=4) as reader, ThreadPoolExecutor(4) as pool:
+        with DirectTiles.from_slide(slide, cache_bytes=4 * 512 * 512 * 3) as reader, ThreadPoolExecutor(4) as pool:
             got = list(pool.map(lambda o: reader.read(0, o[0], o[1], GRID, GRID), origins))
         assert all(np.array_equal(g, refs[o]) for g, o in zip(got, origins, strict=True))
 

@@ -209,7 +209,7 @@ def _run_floor(path: Path) -> tuple[tuple[float, float], int]:
     from wsi_pipeline.slides.direct import DirectTiles
     from wsi_pipeline.slides.reader import open_slide
 
-    with open_slide(path, backend="openslide") as slide, DirectTiles.from_slide(slide, cache_tiles=1) as reader:
+    with open_slide(path, backend="openslide") as slide, DirectTiles.from_slide(slide, cache_bytes=0) as reader:
         tw, th = reader.stored_tile_size(0)
         w, h = slide.level_dimensions[0]
         cells = [(c, r) for r in range(-(-h // th)) for c in range(-(-w // tw))]

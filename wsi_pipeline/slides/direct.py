@@ -160,12 +160,13 @@ class DirectTiles:
     properties : the slide's OpenSlide properties (``openslide.vendor``, ``openslide.level[i].*``).
     level_downsamples : level-0 px per level px, per OpenSlide level.
     background : RGB fill for areas outside the level or without stored data.
-    cache_tiles : decoded stored tiles kept (least recently used dropped first); :meth:`read_tiles`
-        raises it while it runs so that a row-major grid decodes each stored tile once.
+    cache_bytes : bytes of decoded stored tiles kept (least recently used dropped first; at least one
+        tile is kept); :meth:`read_tiles` raises it while it runs to what a row-major grid needs to
+        decode each stored tile once (about two rows of stored tiles).
 
     Use :meth:`from_slide` with an OpenSlide-backed :class:`~wsi_pipeline.slides.reader.Slide`.
-    Reads are thread-safe (file reads are positional; the tile cache is locked; imagecodecs releases
-    the GIL while decoding).
+    :meth:`read` and :meth:`stored_tile` are thread-safe (file reads are positional; the tile cache is
+    locked; imagecodecs releases the GIL while decoding); run one :meth:`read_tiles` at a time.
     """
 
     def __init__(
@@ -174,12 +175,13 @@ class DirectTiles:
         properties: Mapping[str, str],
         level_downsamples: Iterable[float],
         background: tuple[int, int, int] = (255, 255, 255),
-        cache_tiles: int = 256,
+        cache_bytes: int = 128 * 2**20,
     ) -> None:
         self.path = Path(path)
         self.background = tuple(int(v) for v in background)
         self.level_downsamples = tuple(float(d) for d in level_downsamples)
-        self.cache_tiles = int(cache_tiles)
+        self.cache_bytes = int(cache_bytes)
+        self._cached_bytes = 0
         #: stored tiles decoded so far (a cache hit does not count)
         self.decoded = 0
         self._cache: OrderedDict[tuple[int, int, int], np.ndarray | None] = OrderedDict()
@@ -212,14 +214,14 @@ class DirectTiles:
                 self._reasons[i] = str(why)
 
     @classmethod
-    def from_slide(cls, slide: Any, cache_tiles: int = 256) -> DirectTiles:
+    def from_slide(cls, slide: Any, cache_bytes: int = 128 * 2**20) -> DirectTiles:
         """A reader for an open :class:`~wsi_pipeline.slides.reader.Slide`; every level is declined
         unless OpenSlide opened it (OpenSlide's pixels are the reference)."""
         if getattr(slide, "backend", None) != "openslide":
-            reader = cls(slide.path, {}, slide.level_downsamples, slide.background, cache_tiles)
+            reader = cls(slide.path, {}, slide.level_downsamples, slide.background, cache_bytes)
             reader._reasons = {i: f"slide opened with {slide.backend!r}, not OpenSlide" for i in range(slide.level_count)}
             return reader
-        return cls(slide.path, slide.properties, slide.level_downsamples, slide.background, cache_tiles)
+        return cls(slide.path, slide.properties, slide.level_downsamples, slide.background, cache_bytes)
 
     # -- level discovery ---------------------------------------------------------------------
 
@@ -235,6 +237,8 @@ class DirectTiles:
         match = [p for p in pages if (p.imagewidth, p.imagelength, p.tilewidth, p.tilelength) == (w, h, tw, th)]
         if vendor == "generic-tiff":  # OpenSlide takes the first page and reduced-resolution pages only
             match = [p for p in match if p.index == 0 or int(p.subfiletype) & 1]
+        if not match and vendor == "hamamatsu":
+            raise _Declined("OpenSlide makes this level by libjpeg's DCT scaling of a stored level; it is not stored in the file")
         if len(match) != 1:
             found = "no" if not match else f"{len(match)}"
             raise _Declined(f"{found} stored pages of {w} x {h} px with {tw} x {th} px tiles (one expected)")
@@ -318,9 +322,12 @@ class DirectTiles:
                 raise ValueError(f"slide {self.path}: stored tile {idx} of level {level} decoded to {tile.dtype} {tile.shape}; expected uint8 ({lv.tile_h}, {lv.tile_w}, 3)")
         with self._lock:
             self.decoded += 1
-            self._cache[key] = tile
-            while len(self._cache) > max(self.cache_tiles, 1):
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache[key] = tile
+                self._cached_bytes += 0 if tile is None else tile.nbytes
+            while self._cached_bytes > self.cache_bytes and len(self._cache) > 1:
+                _, old = self._cache.popitem(last=False)
+                self._cached_bytes -= 0 if old is None else old.nbytes
         return tile
 
     def _pread(self, count: int, offset: int) -> bytes:
@@ -389,8 +396,8 @@ class DirectTiles:
         lv = self._level(level)
         w, h = (int(size), int(size)) if isinstance(size, (int, np.integer)) else (int(size[0]), int(size[1]))
         need = lv.across * (-(-h // lv.tile_h) + 1) + -(-w // lv.tile_w) + 1
-        saved = self.cache_tiles
-        self.cache_tiles = max(saved, need)
+        saved = self.cache_bytes
+        self.cache_bytes = max(saved, need * lv.tile_w * lv.tile_h * 3)
         top = None
         try:
             for x, y in origins:
@@ -399,15 +406,17 @@ class DirectTiles:
                     first_row = max(top, 0) // lv.tile_h
                     with self._lock:
                         for key in [k for k in self._cache if k[0] == level and k[2] < first_row]:
-                            del self._cache[key]
+                            old = self._cache.pop(key)
+                            self._cached_bytes -= 0 if old is None else old.nbytes
                 yield self.read(level, int(x), int(y), w, h)
         finally:
-            self.cache_tiles = saved
+            self.cache_bytes = saved
 
     def clear_cache(self) -> None:
         """Drop every decoded stored tile."""
         with self._lock:
             self._cache.clear()
+            self._cached_bytes = 0
 
     def close(self) -> None:
         """Release the file handles and the cache."""
