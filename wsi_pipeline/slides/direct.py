@@ -202,16 +202,20 @@ class DirectTiles:
         except (OSError, ValueError, tifffile.TiffFileError) as err:
             self._reasons = {i: f"tifffile cannot parse {self.path}: {err}" for i in range(n)}
             return
-        if vendor == "hamamatsu" and not self._tif.is_ndpi:
-            self._reasons = {i: "Hamamatsu slide that is not NDPI" for i in range(n)}
-            return
-        self._fd = os.open(str(self.path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        pages = [p for p in self._tif.pages if getattr(p, "is_tiled", False)]
-        for i in range(n):
-            try:
-                self._levels[i] = self._describe(i, vendor, properties, pages)
-            except _Declined as why:
-                self._reasons[i] = str(why)
+        try:
+            if vendor == "hamamatsu" and not self._tif.is_ndpi:
+                self._reasons = {i: "Hamamatsu slide that is not NDPI" for i in range(n)}
+                return
+            self._fd = os.open(str(self.path), os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            pages = [p for p in self._tif.pages if getattr(p, "is_tiled", False)]
+            for i in range(n):
+                try:
+                    self._levels[i] = self._describe(i, vendor, properties, pages)
+                except _Declined as why:
+                    self._reasons[i] = str(why)
+        except BaseException:
+            self.close()
+            raise
 
     @classmethod
     def from_slide(cls, slide: Any, cache_bytes: int = 128 * 2**20) -> DirectTiles:
