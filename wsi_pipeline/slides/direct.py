@@ -26,13 +26,23 @@ because it follows OpenSlide's conventions for that vendor driver:
   OpenSlide leaves them transparent (:class:`~wsi_pipeline.slides.reader.Slide` composites them over
   the same colour).
 
-Anything else is declined (:meth:`DirectTiles.reason` says why) and the caller reads through OpenSlide:
-Aperio JPEG 2000 in YCbCr (33003, converted by OpenSlide's own tables), Aperio levels with missing tiles (OpenSlide renders those from the
-level above), YCbCr without JPEG, old-style JPEG, planar or 16-bit samples, alpha, orientations other
-than top-left, other vendors' drivers (Philips, Ventana, Leica, ... whose grids OpenSlide assembles
-differently), and levels whose downsample is not an integer: OpenSlide maps a level-0 location to the
-level by dividing by the downsample and paints at the sub-pixel remainder, so only integer downsamples
-give level pixels that a direct read can equal.
+Anything else is declined (:meth:`DirectTiles.reason` says why) and the caller reads through
+OpenSlide: Aperio JPEG 2000 in YCbCr (33003, converted by OpenSlide's own tables), Aperio levels
+with missing tiles (OpenSlide renders those from the level above), YCbCr without JPEG, old-style
+JPEG, planar or 16-bit samples, alpha, orientations other than top-left, other vendors' drivers
+(Philips, Ventana, Leica, ... whose grids OpenSlide assembles differently), and levels whose
+downsample is not an integer: OpenSlide maps a level-0 location to the level by dividing by the
+downsample and paints at the sub-pixel remainder, so only integer downsamples give level pixels that
+a direct read can equal.
+
+Typical use, with the OpenSlide fallback::
+
+    slide = open_slide(path)
+    direct = DirectTiles.from_slide(slide)
+    if direct.supports(level):
+        tiles = direct.read_tiles(level, origins, 256)   # (x, y) in level px, row-major
+    else:
+        tiles = (slide.read_region((round(x * d), round(y * d)), level, (256, 256)) for x, y in origins)
 """
 
 from __future__ import annotations
@@ -322,8 +332,13 @@ class DirectTiles:
                 tile = lv.decode(data, idx)
             except (ValueError, RuntimeError) as err:
                 raise ValueError(f"slide {self.path}: cannot decode stored tile {idx} of level {level}: {err}") from err
-            if tile.dtype != np.uint8 or tile.ndim != 3 or tile.shape[2] != 3 or tile.shape[0] < min(lv.tile_h, lv.height - row * lv.tile_h) or tile.shape[1] < min(lv.tile_w, lv.width - col * lv.tile_w):
-                raise ValueError(f"slide {self.path}: stored tile {idx} of level {level} decoded to {tile.dtype} {tile.shape}; expected uint8 ({lv.tile_h}, {lv.tile_w}, 3)")
+            need_h = min(lv.tile_h, lv.height - row * lv.tile_h)
+            need_w = min(lv.tile_w, lv.width - col * lv.tile_w)
+            if tile.dtype != np.uint8 or tile.ndim != 3 or tile.shape[2] != 3 or tile.shape[0] < need_h or tile.shape[1] < need_w:
+                raise ValueError(
+                    f"slide {self.path}: stored tile {idx} of level {level} decoded to {tile.dtype} {tile.shape}; "
+                    f"expected uint8 ({lv.tile_h}, {lv.tile_w}, 3)"
+                )
         with self._lock:
             self.decoded += 1
             if key not in self._cache:
