@@ -165,6 +165,25 @@ def test_non_integer_downsample_falls_back(tmp_path: Path) -> None:
             reader.read(1, 0, 0, 10, 10)
 
 
+def test_aperio_cases_left_to_openslide(tmp_path: Path) -> None:
+    """Aperio YCbCr JPEG 2000 (33003, OpenSlide's own colour tables) and Aperio levels with a missing
+    tile (OpenSlide paints it from the level above) are declined with the reason, other levels kept."""
+    j2k = tmp_path / "ycbcr_j2k.svs"
+    _write_pyramid(j2k, tile=240, levels=1, size=(300, 400), compression=33003, photometric="rgb", description=_APERIO)
+    sparse = tmp_path / "sparse.svs"
+    _write_pyramid(sparse, tile=240, levels=2, size=(600, 700), compression="jpeg", photometric="rgb", description=_APERIO)
+    with tifffile.TiffFile(sparse, mode="r+b") as tf:
+        tag = tf.pages[0].tags["TileByteCounts"]
+        tag.overwrite([0, *list(tag.value)[1:]])
+    with open_slide(j2k, backend="openslide") as slide:
+        assert slide.properties["openslide.vendor"] == "aperio"
+        assert "33003" in direct_levels(slide)[0]
+    with open_slide(sparse, backend="openslide") as slide:
+        assert slide.properties["openslide.vendor"] == "aperio"
+        reasons = direct_levels(slide)
+        assert "without data" in reasons[0] and reasons[1] is None
+
+
 def test_read_region_signature(pyramids: dict[str, Path]) -> None:
     """read_region takes level-0 px like Slide.read_region and rejects off-grid locations."""
     with open_slide(pyramids["lzw-predictor-240"], backend="openslide") as slide, DirectTiles.from_slide(slide) as reader:
