@@ -16,7 +16,7 @@ PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval clean
+.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode clean
 
 install: $(STAMP)
 
@@ -63,6 +63,9 @@ bench-accumulate: install
 
 bench-eval: install
 	$(BIN)/python -m wsi_pipeline.bench.eval $(ARGS)
+
+bench-decode: install
+	$(BIN)/python -m wsi_pipeline.bench.decode $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache
