@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.progress import progress_bar
 import pandas as pd
 
 __all__ = [
@@ -210,7 +211,6 @@ def extract_features(
     slide is recorded and the others go on.
     """
     import torch
-    from tqdm.auto import tqdm
 
     import wsi_pipeline
     from wsi_pipeline.tiling.store import open_store, store_path
@@ -235,7 +235,7 @@ def extract_features(
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
     _report_orphans(out, slide_ids)
     reasons: dict[str, int] = {}
-    for slide_id in tqdm(slide_ids, desc="features", unit="slide", disable=not progress):
+    for slide_id in progress_bar(slide_ids, desc="features", unit="slide", enabled=progress):
         t0 = time.perf_counter()
         dest = features_path(out, slide_id)
         row: dict[str, Any] = {"slide_id": slide_id, "status": "ok", "n_tiles": 0, "seconds": 0.0, "error": ""}

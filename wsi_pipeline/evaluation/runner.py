@@ -63,6 +63,7 @@ from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_p
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
 from wsi_pipeline.tiling.store import TileStore, open_store, store_path
+from wsi_pipeline.progress import progress_bar
 
 __all__ = [
     "EvalSet",
@@ -275,9 +276,7 @@ def evaluate_pipeline(
             labels, preds, loc = [], {p.name: [] for p in protocols}, []
             it: Any = es.slides.iterrows()
             if progress:
-                from tqdm.auto import tqdm
-
-                it = tqdm(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
+                it = progress_bar(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
             for _, row in it:
                 sid = str(row["slide_id"])
                 try:
@@ -386,9 +385,7 @@ def _bootstrap_records(
     out = []
     items: Any = probs_by.items()
     if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
+        items = progress_bar(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
     for (method, cohort, split, pname), by_seed in items:
         ys = [y for y, _ in by_seed.values()]
         if not ys or len(ys[0]) == 0 or any(not np.array_equal(ys[0], y) for y in ys[1:]):
@@ -598,9 +595,7 @@ def predict_slides(
     bs = int(batch_size or getattr(model.method, "chunk_size", 64) or 64)
     it: Any = ids
     if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(ids, desc="predicting", unit="slide")
+        it = progress_bar(ids, desc="predicting", unit="slide")
     for sid in it:
         try:
             store = open_store(store_path(tiles_dir, sid))

@@ -51,6 +51,7 @@ from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, resto
 from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
 from wsi_pipeline.training.strategies import Strategy, build_models, build_strategy, check_strategy, frozen_encoder, frozen_features_dir
+from wsi_pipeline.progress import progress_bar
 
 __all__ = ["RunPlan", "preflight", "resolve_device", "train_pipeline", "train_run"]
 
@@ -383,9 +384,7 @@ def _write_json(obj: Any, path: Path) -> None:
 
 
 def _bars(progress: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return lambda *a, **k: tqdm(*a, disable=None if progress else True, dynamic_ncols=True, **k)
+    return lambda *a, **k: progress_bar(*a, enabled=progress, **k)
 
 
 def train_run(
@@ -498,10 +497,12 @@ def train_run(
             **common, "models": models, "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
             "rng": capture_rng(), "best": best, "history": history,
         })
+        done_here = [r["seconds"] for r in history[-(epoch + 1 - start):]]  # epochs run by this process
+        left = (tc.epochs - epoch - 1) * float(np.mean(done_here))
         log.info(
-            "%s seed %d epoch %d/%d: train_loss %.4f, val_%s %s, lr %.3g (%.1f s)",
+            "%s seed %d epoch %d/%d: train_loss %.4f, val_%s %s, lr %.3g (%.1f s/epoch, ~%s left)",
             method.name, seed, epoch + 1, tc.epochs, train_loss, metric,
-            "n/a" if value is None else f"{value:.4f}", lr, row["seconds"],
+            "n/a" if value is None else f"{value:.4f}", lr, row["seconds"], _duration(left),
         )
         epochs.set_postfix(loss=f"{train_loss:.4f}", **({f"val_{metric}": f"{value:.3f}"} if value is not None else {}))
     _write_json(
@@ -513,6 +514,13 @@ def train_run(
         run_dir / DONE,
     )
     return run_dir
+
+
+def _duration(seconds: float) -> str:
+    """``"45 s"``, ``"3.2 min"``, ``"1.5 h"``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def _train_epoch(
