@@ -45,3 +45,12 @@ def test_train_prints_one_line_per_epoch_to_a_log_file(tmp_path, store_cohort):
     assert len(epochs) == 2, text[-3000:]
     assert "m seed 0 epoch 1/2" in epochs[0] and "s/epoch" in epochs[0] and "left)" in epochs[0]
     assert "epoch 2/2" in epochs[1] and "~0 s left" in epochs[1]
+
+
+@pytest.mark.parametrize("command", ["tile", "train", "eval", "predict", "features", "demo"])
+def test_every_long_command_takes_no_progress(command):
+    from wsi_pipeline.cli.main import build_parser
+
+    parser = build_parser()
+    sub = parser._subparsers._group_actions[0].choices[command]
+    assert "--no-progress" in sub._option_string_actions, f"{command} has no --no-progress"

@@ -30,6 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="tiles per forward pass (default: 64)")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     p.set_defaults(func=run)
 
 
@@ -41,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     if args.encoder not in ENCODERS:
         print(f"error: --encoder {args.encoder!r} is unknown; choose one of {ENCODERS.names()}")
         return 2
+
     df = read_manifest(args.manifest)
     report = extract_features(
         df,
@@ -51,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
     )
     counts = report["status"].value_counts().to_dict()
     print(f"features: {counts.get('ok', 0)} written, {counts.get('skipped', 0)} up to date, "

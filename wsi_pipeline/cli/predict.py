@@ -36,7 +36,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
     p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
                    help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                   help="no progress bars or progress lines (--quiet is the old name)")
     p.set_defaults(func=run)
 
 
@@ -53,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.slides, args.out,
             protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
-            progress=not args.quiet,
+            progress=not args.no_progress,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
