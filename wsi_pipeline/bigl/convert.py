@@ -92,7 +92,16 @@ class BigResNet(nn.Module):
         Number of residual stages converted (0 = stem only).
     runner : ChunkRunner
         The compute device and transfer machinery.
+    host_input : bool
+        True: the first layer takes its input from host memory, chunk by chunk. Callers keep the
+        images on the host (``full_step`` does): sending them to the device first would only
+        make a whole-bag round trip (device -> host again before the first chunk).
+    plain : ResNet
+        The wrapped encoder (same Parameters and buffers), e.g. for inference on the device
+        when its activations fit (:class:`~wsi_pipeline.bigl.embed.EmbeddingEncoder`).
     """
+
+    host_input = True
 
     def __init__(self, model: ResNet, stages: int, runner: ChunkRunner, max_elements: int, pointwise: str) -> None:
         super().__init__()
@@ -111,7 +120,14 @@ class BigResNet(nn.Module):
         self.big_stages = stages
         self.max_elements = max_elements
         self.runner = runner
+        # not a submodule: its state is this module's state under the same names
+        object.__setattr__(self, "_plain", model)
         self.train(model.training)
+
+    @property
+    def plain(self) -> ResNet:
+        """The wrapped plain encoder (shares every Parameter and buffer with this module)."""
+        return self._plain
 
     def stages(self) -> list[nn.Module]:
         """The four residual stages ``[layer1, layer2, layer3, layer4]``."""
@@ -131,7 +147,10 @@ class BigResNet(nn.Module):
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` (host or device) -> features ``[B, num_features]`` on the device."""
+        """Images ``[B, 3, H, W]`` -> features ``[B, num_features]`` on the device.
+
+        Pass host tensors (:attr:`host_input`): a device tensor is first copied back to the host.
+        """
         return torch.flatten(self.avgpool(self.forward_features(x)), 1)
 
 
