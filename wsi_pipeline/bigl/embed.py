@@ -61,6 +61,8 @@ def inference_activation_bytes(model: nn.Module, shape: Sequence[int], dtype: to
 
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_hook(hook) for m in leaves]
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # inference: BatchNorm on running statistics (any batch size)
     try:
         meta = {k: torch.empty_like(v, device="meta") for k, v in itertools.chain(model.named_parameters(), model.named_buffers())}
         x = torch.empty(tuple(shape), dtype=dtype, device="meta")
@@ -69,6 +71,8 @@ def inference_activation_bytes(model: nn.Module, shape: Sequence[int], dtype: to
     finally:
         for h in handles:
             h.remove()
+        for m, mode in modes:
+            m.training = mode
     n_in = 1
     for s in shape:
         n_in *= int(s)
