@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
@@ -14,6 +15,25 @@ from wsi_pipeline.models.encoders import ResNet
 __all__ = ["bigify", "BigResNet", "BigBlock"]
 
 POINTWISE = ("host", "device")
+
+
+class _Handoff(torch.autograd.Function):
+    """``x.to(device)`` where the big stages end, reported to the transfer instrumentation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        ctx.host = x.device
+        y = x.to(device, non_blocking=True)
+        if instrument.active():
+            instrument.handoff("handoff/forward", y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.to(ctx.host)
+        if instrument.active():
+            instrument.handoff("handoff/backward", g)
+        return g, None
 
 
 class _Converter:
@@ -141,7 +161,7 @@ class BigResNet(nn.Module):
         for stage in stages[: self.big_stages]:
             x = stage(x)
         # the tensor is small enough now: the rest of the network runs on the device
-        x = x.to(self.runner.device, non_blocking=True)
+        x = _Handoff.apply(x, self.runner.device)
         for stage in stages[self.big_stages :]:
             x = stage(x)
         return x

@@ -3,9 +3,11 @@
 Every chunk step of a Big-Layer reports its transfers to the registered hooks:
 ``h2d`` (a tensor sent to the compute device), ``d2h`` (a result sent back to host memory),
 ``chunk`` (one chunk step finished: ``numel`` is everything it moved, inputs plus outputs) and
-``free`` (a chunk tensor on the device was released). ``resident`` is the number of elements of
-chunk tensors alive on the device right after the event. Hooks cost nothing when none is
-registered.
+``free`` (a chunk tensor on the device was released), and ``handoff`` (the whole tensor where
+the Big-Layer stages end: ``handoff/forward`` moves it to the device, ``handoff/backward`` moves
+its gradient back to the host; not a chunk, so outside the chunk budget). ``resident`` is the
+number of elements of chunk tensors alive on the device right after the event. Every event
+carries its bytes (``nbytes``). Hooks cost nothing when none is registered.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class TransferEvent:
     Attributes
     ----------
     kind
-        ``"h2d"``, ``"d2h"``, ``"chunk"`` or ``"free"``.
+        ``"h2d"``, ``"d2h"``, ``"chunk"``, ``"free"`` or ``"handoff"``.
     layer
         Qualified name of the Big-Layer and its pass, e.g. ``"layer1.0.conv1/forward"``.
     chunk
@@ -113,6 +115,12 @@ def track(kind: str, layer: str, chunk: int, t: torch.Tensor) -> None:
     _emit(kind, layer, chunk, n, nbytes=nbytes)
 
 
+def handoff(layer: str, t: torch.Tensor) -> None:
+    """Report the whole-tensor move where the Big-Layer stages end (``layer``: ``handoff/forward``
+    host -> device, ``handoff/backward`` device -> host)."""
+    _emit("handoff", layer, 0, t.numel(), nbytes=t.numel() * t.element_size())
+
+
 def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool, nbytes: int = 0) -> None:
     """Report the end of one chunk step that moved ``numel`` elements (``nbytes`` bytes) in and out."""
     _emit("chunk", layer, chunk, numel, samples, rows, full, nbytes)
@@ -154,6 +162,14 @@ class TransferMonitor:
     def bytes(self, kind: str) -> int:
         """Bytes moved by the events of one kind (``"h2d"``: host to device, ``"d2h"``: back)."""
         return sum(e.nbytes for e in self.events if e.kind == kind)
+
+    def to_device_bytes(self) -> int:
+        """Every byte sent host -> device: chunk inputs plus the forward hand-off."""
+        return self.bytes("h2d") + sum(e.nbytes for e in self.events if e.kind == "handoff" and e.layer.endswith("/forward"))
+
+    def to_host_bytes(self) -> int:
+        """Every byte sent device -> host: chunk results plus the hand-off's gradient."""
+        return self.bytes("d2h") + sum(e.nbytes for e in self.events if e.kind == "handoff" and e.layer.endswith("/backward"))
 
 
 @contextmanager
