@@ -248,8 +248,7 @@ def measure(model: torch.nn.Module, big: bool, side: int, batch: int, device: to
             with monitor_transfers() as mon:
                 step()
                 _sync(device)
-            moved = sum(e.numel for e in mon.events if e.kind in ("h2d", "d2h"))
-            point.moved_mib = moved * x.element_size() / 2**20
+            point.moved_mib = (mon.to_device_bytes() + mon.to_host_bytes()) / 2**20  # chunks and the hand-off
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
         if not _is_oom(e):
             raise
