@@ -12,7 +12,9 @@ and the Big-Layers model on stated devices: PCIe 4.0 x16 at 25 GB/s and PCIe 5.0
 per direction, compute at ``--efficiency`` (default 0.3) of an H100 SXM's dense TF32 peak,
 494.7 TFLOP/s (PyTorch runs float32 convolutions as TF32 on it by default), serial and with the
 runner's copy-compute overlap. These are counts, not timings: they do not depend on the load of
-the machine that runs the bench. The plain step's input upload is part of its time.
+the machine that runs the bench. The plain step's input upload is part of its time; its
+activations are not checked against device memory, so at large sides the plain time (and the
+``/ plain`` ratio) is that of a device big enough to hold them.
 
 Row labels count Big-Layers as the paper does: its Table 4 labels ResNet-18 with 0..3 stages
 2/6/10/14 and ResNet-50 with 0..4 stages 2/11/23/41/50, which is 2 for the stem (conv1 and bn1)
