@@ -585,7 +585,7 @@ def _validate(
         return {}
     from wsi_pipeline.evaluation.protocols import validate_model
 
-    encoder = None if strategy.val_input == "features" else strategy.encoder
+    encoder = None if strategy.val_input == "features" else strategy.embedder()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
         return validate_model(
