@@ -72,3 +72,18 @@ def test_bad_shapes_are_rejected() -> None:
         big.loss(np.zeros((40, 64), np.uint8), np.zeros((40, 64), np.uint8))
     with pytest.raises(ValueError, match="uint8"):
         big.loss(np.zeros((64, 64), np.float32), np.zeros((64, 64), np.uint8))
+
+
+@pytest.mark.parametrize("s", [8, 4])
+def test_block_counts_vs_reshape_sum(s: int) -> None:
+    from wsi_pipeline.tissue_seg.chunked import _block_counts
+
+    lab = torch.from_numpy((np.random.default_rng(3).random((8 * s, 16 * s)) > 0.3).astype(np.uint8))
+    ref = lab.double().reshape(8, s, 16, s).sum(dim=(1, 3))
+    assert torch.equal(_block_counts(lab[None, None], s)[0, 0].double(), ref)
+
+
+def test_label_values_are_checked() -> None:
+    big = ChunkedTissueUNet(TissueUNet())
+    with pytest.raises(ValueError, match="0 \\(glass\\) and 1"):
+        big.loss(np.zeros((64, 64), np.uint8), np.full((64, 64), 255, np.uint8))

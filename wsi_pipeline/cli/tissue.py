@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--lr", type=_positive, default=1e-3, help="Adam learning rate (the paper: 1e-3)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--val-fraction", type=float, default=0.2, help="validation share when the manifest has no split")
-    t.add_argument("--channels", type=int, default=8, help="hidden channels (8: 4,337 parameters; the paper: 4,492)")
+    t.add_argument("--channels", type=int, default=8, help="hidden channels (8: 4,409 parameters; the paper: 4,492)")
     t.set_defaults(func=_train)
 
     q = sub.add_parser("predict", help="write a tissue mask per slide",

@@ -4,19 +4,21 @@ Big-Layers (``wsi_pipeline.bigl``) for a network that is not a ResNet: every act
 host memory and the compute device sees row chunks of it, with exact gradients. No full-resolution
 float tensor is ever held whole:
 
-* the input stays a uint8 greyscale image on the host; :class:`_InputConvReLU` converts each row
-  chunk to the inverted 0..1 float input on the device, applies ``conv1`` (8 x 8, stride 8) and
-  ReLU, and in the backward pass recomputes the chunk's input to accumulate the weight gradient
-  (the input needs no gradient);
+* the input stays a uint8 greyscale image on the host; :class:`_InputConvReLU` applies ``conv1``
+  (8 x 8, stride 8) and ReLU to each row chunk on the device. The inversion is folded into the
+  weights: ``conv(W, (255 - g) / 255) + b = conv(-W / 255, g) + (b + sum W)``, so the chunk is
+  converted to float once and never inverted; the backward pass re-reads the chunk for the weight
+  gradient ``dW = db - conv_w(dy, g) / 255`` (the input needs no gradient);
 * the 1/8 and 1/32 scale convolutions run as :class:`wsi_pipeline.bigl.conv.BigConv2d` (halo rows
   handled there); ReLU and the additive skips run on the host with ordinary autograd ops, the
   Big-Layers default for pointwise layers;
-* the transposed convolutions have kernel = stride, so each output row block depends on one
-  input row and :class:`_ConvTransposeNoOverlap` chunks them without halos;
-* the last layer (transposed 8 x 8, stride 8, to the full-resolution logit) and the binary
-  cross-entropy against the uint8 label are fused in :class:`_HeadBCE`: each chunk's logits are
-  made, reduced to a partial loss sum and dropped; the backward pass recomputes them to get
-  ``sigmoid(z) - y``.
+* the transposed convolution has kernel = stride, so each output row block depends on one input
+  row and :class:`_ConvTransposeNoOverlap` chunks it without halos;
+* the nearest x8 upsampling of the logit and the binary cross-entropy against the uint8 label are
+  fused in :class:`_UpsampleBCE`: a block of ``s*s`` px sharing the logit ``z`` with ``n`` tissue
+  px contributes exactly ``s*s*softplus(z) - n*z`` to the summed loss and ``s*s*sigmoid(z) - n`` to
+  its gradient, so each label chunk is reduced to per-block counts and the full-resolution logits
+  are never formed.
 
 The loss is the mean over all pixels, as ``F.binary_cross_entropy_with_logits``; the tests check
 the loss and every parameter gradient against plain autograd in float64.
@@ -55,36 +57,38 @@ def _rows_plan(h: int, in_row: int, out_row: int, max_elements: int, what: str, 
 
 
 class _InputConvReLU(torch.autograd.Function):
-    """``relu(conv(prepare_input(grey)))`` for a uint8 host image, padding 0, chunked over rows."""
+    """``relu(conv(prepare_input(grey)))`` for a uint8 host image, no padding, chunked over rows."""
 
     @staticmethod
     def forward(ctx: Any, grey: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, runner: ChunkRunner,
                 max_elements: int, name: str) -> torch.Tensor:
         _, _, h, w = grey.shape
         co, _, k, _ = weight.shape
-        s = k  # non-overlapping: kernel = stride
+        s = k  # kernel = stride, no padding (checked by ChunkedTissueUNet)
         win = Window(k, s, 0)
         ho, wo = win.out_size(h), (w - k) // s + 1
-        # device holds the uint8 chunk, its float copy (2 input-sized) and the output chunk
+        # device: the uint8 chunk and its float copy (2 input-sized), the output chunk
         chunks = plan_rows(1, h, win, in_row=w, out_row=co * wo, max_elements=max_elements, in_factor=2, what=name)
         y = runner.host_empty((1, co, ho, wo), weight.dtype)
+        w_fold = weight / -255.0
+        b_fold = bias + weight.sum(dim=(1, 2, 3))
 
         def compute(i: int, ch: RowChunk, ins):
-            x = prepare_input(ins[0], weight.dtype)
-            _track(f"{name}/forward", i, x)
-            return (F.relu(F.conv2d(x, weight, bias, stride=s)),)
+            g = ins[0].to(weight.dtype)
+            _track(f"{name}/forward", i, g)
+            return (F.conv2d(g, w_fold, b_fold, stride=s).clamp_min_(0),)
 
         runner.run(f"{name}/forward", chunks, lambda i, ch: (grey[:, :, ch.a : ch.b],), compute,
                    lambda i, ch: (y[:, :, ch.o0 : ch.o1],))
-        ctx.save_for_backward(grey, y, weight, bias)
+        ctx.save_for_backward(grey, y, weight)
         ctx.runner, ctx.max_elements, ctx.name, ctx.s = runner, max_elements, name, s
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, gy: torch.Tensor):
-        grey, y, weight, bias = ctx.saved_tensors
-        runner, s, name = ctx.runner, ctx.s, ctx.name
+        grey, y, weight = ctx.saved_tensors
+        runner, name, s = ctx.runner, ctx.name, ctx.s
         _, _, h, w = grey.shape
         co, _, k, _ = weight.shape
         wo = y.shape[3]
@@ -93,19 +97,22 @@ class _InputConvReLU(torch.autograd.Function):
         acc: dict[str, torch.Tensor] = {}
 
         def compute(i: int, ch: RowChunk, ins):
-            g, yc, gc = ins
-            x = prepare_input(g, weight.dtype)
+            g8, yc, gc = ins
+            g = g8.to(weight.dtype)
             gz = gc * (yc > 0)
-            _track(f"{name}/backward", i, x, gz)
+            _track(f"{name}/backward", i, g, gz)
             _, gw, gb = torch.ops.aten.convolution_backward(
-                gz, x, weight, [co], [s, s], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True])
+                gz, g, weight, [co], [s, s], [0, 0], [1, 1], False, [0, 0], 1, [False, True, True])
             acc["w"] = gw if "w" not in acc else acc["w"].add_(gw)
             acc["b"] = gb if "b" not in acc else acc["b"].add_(gb)
             return ()
 
         runner.run(f"{name}/backward", chunks,
                    lambda i, ch: (grey[:, :, ch.a : ch.b], y[:, :, ch.o0 : ch.o1], gy[:, :, ch.o0 : ch.o1]), compute)
-        return None, acc["w"].to(weight.device), acc["b"].to(weight.device), None, None, None
+        gb = acc["b"].to(weight.device)
+        # x = 1 - g / 255: dW = sum_b dy (1 - g / 255) = db - conv_w(dy, g) / 255
+        gw = gb.view(-1, 1, 1, 1) - acc["w"].to(weight.device) / 255.0
+        return None, gw, gb, None, None, None
 
 
 class _ConvTransposeNoOverlap(torch.autograd.Function):
@@ -151,60 +158,58 @@ class _ConvTransposeNoOverlap(torch.autograd.Function):
         return gx, acc["w"].to(weight.device), acc["b"].to(weight.device), None, None, None
 
 
-class _HeadBCE(torch.autograd.Function):
-    """Mean ``BCEWithLogits(conv_transpose(u), label)`` with kernel = stride; logits exist one chunk at a time."""
+_BYTE_SUM = 0x0101010101010101  # x * this has the sum of x's 8 bytes in its top byte (no carries while it is < 256)
+
+
+def _block_counts(lab: torch.Tensor, s: int) -> torch.Tensor:
+    """Tissue px per ``s`` x ``s`` block of a [1, 1, s*m, s*w] uint8 {0, 1} label: int32 [1, 1, m, w].
+
+    With ``s = 8`` a block row is 8 bytes, read as one int64 whose bytes are summed by one
+    multiplication (8 ones at most, so no carries); other ``s`` use a plain sum.
+    """
+    _, _, h, w = lab.shape
+    if s == 8 and lab.is_contiguous() and lab.device.type == "cpu":
+        words = lab.reshape(h, w).view(torch.int64)  # [8m, w/8]: one block row per word
+        row_sums = ((words * _BYTE_SUM) >> 56) & 0xFF
+        return row_sums.view(h // s, s, w // s).sum(dim=1, dtype=torch.int32).view(1, 1, h // s, w // s)
+    return lab.reshape(h // s, s, w // s, s).sum(dim=(1, 3), dtype=torch.int32).view(1, 1, h // s, w // s)
+
+
+class _UpsampleBCE(torch.autograd.Function):
+    """Mean ``BCEWithLogits(nearest_upsample(z, s), label)`` over all label px, from per-block counts."""
 
     @staticmethod
-    def forward(ctx: Any, u: torch.Tensor, label: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                runner: ChunkRunner, max_elements: int, name: str) -> torch.Tensor:
-        _, c, h, w = u.shape
-        s = weight.shape[2]
-        # per input row: u row in, label rows in; logits, target and loss terms on the device
-        chunks = _rows_plan(h, c * w + s * s * w, s * s * w, max_elements, name, out_factor=3)
-        total = torch.zeros((), dtype=u.dtype, device=runner.device)
+    def forward(ctx: Any, z: torch.Tensor, label: torch.Tensor, s: int, runner: ChunkRunner,
+                max_elements: int, name: str) -> torch.Tensor:
+        _, _, h, w = z.shape
+        # device: the uint8 label rows (s*s px per logit px) and the small count/logit rows
+        chunks = plan_rows(1, h, Window(), in_row=(s * s + 1) * w, out_row=w, max_elements=max_elements,
+                           in_factor=2, what=name)
+        counts = torch.empty((1, 1, h, w), dtype=torch.int32)
+        total = torch.zeros((), dtype=z.dtype, device=runner.device)
+        area = s * s
 
         def compute(i: int, ch: RowChunk, ins):
-            z = F.conv_transpose2d(ins[0], weight, bias, stride=s)
-            t = ins[1].to(z.dtype)
-            _track(f"{name}/forward", i, z, t)
-            total.add_(F.binary_cross_entropy_with_logits(z, t, reduction="sum"))
-            return ()
+            zc, lab = ins
+            n = _block_counts(lab, s)
+            _track(f"{name}/forward", i, n)
+            # sum over a block of BCE(z, t_j) = sum_j softplus(z) - t_j z = s*s*softplus(z) - n z
+            total.add_((area * -F.logsigmoid(-zc) - n * zc).sum())
+            return (n,)
 
-        runner.run(f"{name}/forward", chunks,
-                   lambda i, ch: (u[:, :, ch.a : ch.b], label[:, :, ch.a * s : ch.b * s]), compute)
-        ctx.save_for_backward(u, label, weight, bias)
-        ctx.runner, ctx.max_elements, ctx.name, ctx.count = runner, max_elements, name, label.numel()
-        return (total / ctx.count).to(u.device)
+        runner.run(f"{name}/forward", chunks, lambda i, ch: (z[:, :, ch.a : ch.b], label[:, :, ch.a * s : ch.b * s]),
+                   compute, lambda i, ch: (counts[:, :, ch.a : ch.b],))
+        ctx.save_for_backward(z, counts)
+        ctx.area, ctx.count = area, label.numel()
+        return total.to(z.device) / ctx.count
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, gl: torch.Tensor):
-        u, label, weight, bias = ctx.saved_tensors
-        runner, name = ctx.runner, ctx.name
-        _, c, h, w = u.shape
-        s = weight.shape[2]
-        chunks = plan_rows(1, h, Window(), in_row=c * w + s * s * w, out_row=s * s * w, max_elements=ctx.max_elements,
-                           in_factor=2, out_factor=3, what=name)
-        gu = runner.host_empty(u.shape, u.dtype)
-        scale = gl.to(runner.device) / ctx.count
-        acc: dict[str, torch.Tensor] = {}
-
-        def compute(i: int, ch: RowChunk, ins):
-            uc, lab = ins
-            z = F.conv_transpose2d(uc, weight, bias, stride=s)
-            gz = (torch.sigmoid(z) - lab.to(z.dtype)) * scale
-            _track(f"{name}/backward", i, z, gz)
-            del z
-            g_in, gw, gb = torch.ops.aten.convolution_backward(
-                gz, uc, weight, [1], [s, s], [0, 0], [1, 1], True, [0, 0], 1, [True, True, True])
-            acc["w"] = gw if "w" not in acc else acc["w"].add_(gw)
-            acc["b"] = gb if "b" not in acc else acc["b"].add_(gb)
-            return (g_in,)
-
-        runner.run(f"{name}/backward", chunks,
-                   lambda i, ch: (u[:, :, ch.a : ch.b], label[:, :, ch.a * s : ch.b * s]), compute,
-                   lambda i, ch: (gu[:, :, ch.a : ch.b],))
-        return gu, None, acc["w"].to(weight.device), acc["b"].to(weight.device), None, None, None
+        z, counts = ctx.saved_tensors
+        # a 1/8 scale tensor: held whole, as every other tensor at that scale
+        gz = (ctx.area * torch.sigmoid(z) - counts) * (gl.to(z.device) / ctx.count)
+        return gz, None, None, None, None, None
 
 
 def _as_image(t: torch.Tensor | np.ndarray, what: str) -> torch.Tensor:
@@ -236,13 +241,19 @@ class ChunkedTissueUNet:
         self.runner = runner or ChunkRunner(next(model.parameters()).device)
         self.max_elements = int(max_elements)
         me = self.max_elements
+        k, st = model.conv1.kernel_size, model.conv1.stride
+        if k[0] != k[1] or st != k or any(model.conv1.padding) or model.conv1.in_channels != 1:
+            raise ValueError(f"ChunkedTissueUNet needs conv1 with one input channel, a square kernel equal to its stride "
+                             f"and no padding; got kernel {k}, stride {st}, padding {model.conv1.padding}")
         self.conv2 = BigConv2d.from_conv(model.conv2, self.runner, me, "tissue.conv2")
         self.conv3 = BigConv2d.from_conv(model.conv3, self.runner, me, "tissue.conv3")
         self.conv4 = BigConv2d.from_conv(model.conv4, self.runner, me, "tissue.conv4")
         self.conv6 = BigConv2d.from_conv(model.conv6, self.runner, me, "tissue.conv6")
+        self.conv7 = BigConv2d.from_conv(model.conv7, self.runner, me, "tissue.conv7")
 
-    def features(self, grey: torch.Tensor | np.ndarray) -> torch.Tensor:
-        """Decoder features ``u`` [1, C, H/8, W/8] (host) of a uint8 greyscale image (H, W)."""
+    def low_logits(self, grey: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Logits ``z8`` [1, 1, H/8, W/8] (host) of a uint8 greyscale image (H, W); the model's
+        full-resolution logit is ``z8`` upsampled x8 by nearest neighbour."""
         m, r, me = self.model, self.runner, self.max_elements
         g = _as_image(grey, "image")
         e1 = _InputConvReLU.apply(g, m.conv1.weight, m.conv1.bias, r, me, "tissue.conv1")
@@ -250,31 +261,20 @@ class ChunkedTissueUNet:
         b = F.relu(self.conv3(e2))
         b = F.relu(self.conv4(b) + e2)
         u = F.relu(_ConvTransposeNoOverlap.apply(b, m.up5.weight, m.up5.bias, r, me, "tissue.up5") + e1)
-        return F.relu(self.conv6(u))
+        u = F.relu(self.conv6(u))
+        return self.conv7(u)
 
     def loss(self, grey: torch.Tensor | np.ndarray, label: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Mean binary cross-entropy of the whole image against a uint8 {0, 1} label of the same size."""
         g, lab = _as_image(grey, "image"), _as_image(label, "label")
         if g.shape != lab.shape:
             raise ValueError(f"label shape {tuple(lab.shape[2:])} differs from image shape {tuple(g.shape[2:])}")
-        u = self.features(grey)
-        m = self.model
-        return _HeadBCE.apply(u, lab, m.up7.weight, m.up7.bias, self.runner, self.max_elements, "tissue.up7_bce")
+        if int(lab.max()) > 1:
+            raise ValueError(f"label must hold 0 (glass) and 1 (tissue) only, found values up to {int(lab.max())}")
+        z = self.low_logits(g[0, 0])
+        return _UpsampleBCE.apply(z, lab, self.model.OUTPUT_STRIDE, self.runner, self.max_elements, "tissue.upsample_bce")
 
     @torch.no_grad()
     def predict_low(self, grey: torch.Tensor | np.ndarray) -> np.ndarray:
-        """Tissue probability averaged over each 8 x 8 px block: float32 (H/8, W/8)."""
-        u = self.features(grey)
-        m, r = self.model, self.runner
-        _, c, h, w = u.shape
-        s = m.up7.weight.shape[2]
-        out = torch.empty((1, 1, h, w), dtype=torch.float32)
-        chunks = _rows_plan(h, c * w, s * s * w, self.max_elements, "tissue.up7_predict", out_factor=2)
-
-        def compute(i: int, ch: RowChunk, ins):
-            p = torch.sigmoid(F.conv_transpose2d(ins[0], m.up7.weight, m.up7.bias, stride=s))
-            return (F.avg_pool2d(p, s).float(),)
-
-        r.run("tissue.up7_predict", chunks, lambda i, ch: (u[:, :, ch.a : ch.b],), compute,
-              lambda i, ch: (out[:, :, ch.a : ch.b],))
-        return out[0, 0].numpy()
+        """Tissue probability of each 8 x 8 px block (the model's output is constant on them): float32 (H/8, W/8)."""
+        return torch.sigmoid(self.low_logits(grey))[0, 0].float().cpu().numpy()

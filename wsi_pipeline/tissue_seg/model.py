@@ -2,7 +2,7 @@
 
 The paper gives 7 convolutional layers, 4,492 parameters, additive skips, early layers that
 downsample with few large kernels at high stride and no pooling. It gives no layer table, so the
-layers are chosen here (4,337 parameters, 3.4 % under 4,492; channels ``c = 8``)::
+layers are chosen here (4,409 parameters, 1.8 % under 4,492; channels ``c = 8``)::
 
     x   = (255 - grey) / 255                           [1, H,    W   ]  inverted, 0..1
     e1  = relu(conv1(x))     8x8 kernel, stride 8      [c, H/8,  W/8 ]      520 params
@@ -10,14 +10,17 @@ layers are chosen here (4,337 parameters, 3.4 % under 4,492; channels ``c = 8``)
     b   = relu(conv3(e2))    3x3, padding 1            [c, H/32, W/32]      584
     b   = relu(conv4(b) + e2)  3x3, padding 1, additive skip                584
     u   = relu(up5(b) + e1)  transposed 4x4, stride 4, additive skip      1,032
-    u   = relu(conv6(u))     1x1                       [c, H/8,  W/8 ]       72
-    z   = up7(u)             transposed 8x8, stride 8  [1, H,    W   ]      513  (logit)
+    u   = relu(conv6(u))     3x3, padding 1            [c, H/8,  W/8 ]      584
+    z8  = conv7(u)           3x3, padding 1            [1, H/8,  W/8 ]       73
+    z   = nearest x8 upsampling of z8                  [1, H,    W   ]  (logit; sigmoid gives p)
 
-The transposed convolutions have kernel = stride, so they upsample without overlap: every output
-pixel depends on exactly one input pixel, which keeps the full-resolution layers free of halos
-when they run in chunks (:mod:`wsi_pipeline.tissue_seg.chunked`). The labels of the paper are
-themselves built at 1/8 scale and upsampled by nearest neighbour, so an 8 x 8 px output block per
-feature pixel loses nothing. Input height and width must be multiples of 32 px (:data:`MULTIPLE`).
+Why the logit is made at 1/8 scale and upsampled by nearest neighbour: the paper's labels are
+themselves built at 1/8 scale and upsampled by nearest neighbour, so a prediction constant on 8 x 8
+px blocks loses nothing, and the full-resolution loss then needs no full-resolution float tensor:
+over one block of 64 px with logit z and n tissue px, the summed binary cross-entropy is exactly
+``64 softplus(z) - n z`` (:mod:`wsi_pipeline.tissue_seg.chunked` uses this identity). The
+transposed convolution has kernel = stride, so it upsamples without overlap (no halos when
+chunked). Input height and width must be multiples of 32 px (:data:`MULTIPLE`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ class TissueUNet(nn.Module):
     Parameters
     ----------
     channels
-        Feature channels of every hidden layer (8 gives 4,337 parameters).
+        Feature channels of every hidden layer (8 gives 4,409 parameters).
     """
 
     def __init__(self, channels: int = 8) -> None:
@@ -57,16 +60,20 @@ class TissueUNet(nn.Module):
         self.conv3 = nn.Conv2d(c, c, 3, padding=1)
         self.conv4 = nn.Conv2d(c, c, 3, padding=1)
         self.up5 = nn.ConvTranspose2d(c, c, 4, stride=4)
-        self.conv6 = nn.Conv2d(c, c, 1)
-        self.up7 = nn.ConvTranspose2d(c, 1, 8, stride=8)
+        self.conv6 = nn.Conv2d(c, c, 3, padding=1)
+        self.conv7 = nn.Conv2d(c, 1, 3, padding=1)
 
-    def encode_low(self, e1: torch.Tensor) -> torch.Tensor:
-        """From ``e1`` (1/8 scale) to the decoder features ``u`` (1/8 scale), plain autograd."""
+    #: Image px per logit px (nearest-neighbour upsampling factor of the output).
+    OUTPUT_STRIDE = 8
+
+    def low_logits(self, e1: torch.Tensor) -> torch.Tensor:
+        """From ``e1`` (1/8 scale) to the logits ``z8`` (1/8 scale), plain autograd."""
         e2 = F.relu(self.conv2(e1))
         b = F.relu(self.conv3(e2))
         b = F.relu(self.conv4(b) + e2)
         u = F.relu(self.up5(b) + e1)
-        return F.relu(self.conv6(u))
+        u = F.relu(self.conv6(u))
+        return self.conv7(u)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[N, 1, H, W]`` inverted 0..1 input -> ``[N, 1, H, W]`` logits (H, W multiples of 32 px)."""
@@ -76,7 +83,7 @@ class TissueUNet(nn.Module):
         if h % MULTIPLE or w % MULTIPLE:
             raise ValueError(f"TissueUNet input height and width must be multiples of {MULTIPLE} px, got {h} x {w}")
         e1 = F.relu(self.conv1(x))
-        return self.up7(self.encode_low(e1))
+        return F.interpolate(self.low_logits(e1), scale_factor=self.OUTPUT_STRIDE, mode="nearest")
 
 
 def count_parameters(model: nn.Module) -> int:
