@@ -15,7 +15,7 @@ PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval clean
+.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-tissue clean
 
 install: $(STAMP)
 
@@ -62,6 +62,9 @@ bench-accumulate: install
 
 bench-eval: install
 	$(BIN)/python -m wsi_pipeline.bench.eval $(ARGS)
+
+bench-tissue: install
+	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache
