@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from wsi_pipeline.slides.reader import open_slide
-from wsi_pipeline.slides.scaled import read_scaled
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import tile_cohort
 from wsi_pipeline.tiling.store import open_store
@@ -64,3 +63,32 @@ def test_shipped_model_is_small_and_matches_paper_labels_on_a_held_out_slide(sli
     mask, _ = stage.predict_mask(model, im.grey, im.valid)
     truth = im.label[::8, ::8][: mask.shape[0], : mask.shape[1]]  # paper labels are constant on 8 x 8 blocks
     assert stage.dice(mask, truth) >= 0.95
+
+
+@pytest.mark.real_slides
+@pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="shipped tissue model not built")
+def test_real_cmu1_unet_covers_greyscale_tissue_tiles_and_no_glass(real_slides_dir: Path, tmp_path: Path) -> None:
+    src = real_slides_dir / "CMU-1-Small-Region.svs"
+    jobs = [SlideJob("cmu", str(src))]
+    rep_u = tile_cohort(jobs, tmp_path / "u", TilingConfig(method="unet", qc=False), workers=0, progress=False)
+    rep_g = tile_cohort(jobs, tmp_path / "g", TilingConfig(method="greyscale", qc=False), workers=0, progress=False)
+    assert rep_u.ok and rep_g.ok
+    kept_u = {(int(x), int(y)) for x, y in open_store(tmp_path / "u" / "cmu.zarr").coords}
+    kept_g = {(int(x), int(y)) for x, y in open_store(tmp_path / "g" / "cmu.zarr").coords}
+    # independent references from level 0: the paper's label and the glass level
+    with open_slide(src) as s:
+        w, h = s.dimensions
+        rgb = s.read_region((0, 0), 0, (w, h))
+    lab = paper_labels(rgb)
+    grey = rgb.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+    glass_level = np.median(grey[grey > np.percentile(grey, 50)])
+    tissue_tiles, glass_tiles = set(), set()
+    for y in range(0, h - 255, 256):
+        for x in range(0, w - 255, 256):
+            if lab[y : y + 256, x : x + 256].mean() >= 0.5:
+                tissue_tiles.add((x, y))
+            if (grey[y : y + 256, x : x + 256] > glass_level - 10).mean() > 0.95:
+                glass_tiles.add((x, y))
+    assert kept_g & tissue_tiles <= kept_u  # every greyscale tile that is tissue is kept
+    assert not kept_u & glass_tiles  # no glass tile is kept
+    assert len(kept_u) > 0

@@ -22,6 +22,11 @@ Where the paper is silent this module chooses (all are keyword parameters of :fu
 * upsampling: nearest neighbour (each downsampled pixel becomes a ``downsample`` x ``downsample``
   block), cropped back to the crop size.
 
+The rule only tells glass from tissue when the glass is brighter than ``bright_threshold`` (mean
+over 230 by default): on a slide scanned with darker glass every block is "tissue". Lower the
+threshold for such scanners (the classical tiler estimates the glass level per slide,
+:mod:`wsi_pipeline.tiling.background`).
+
 All sizes are in px of the image given (the training resolution), not level-0 px.
 """
 

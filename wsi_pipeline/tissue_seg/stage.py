@@ -35,6 +35,7 @@ __all__ = [
     "TissueImage",
     "slides_from_folder",
     "slides_from_manifest",
+    "split_slides",
     "load_image",
     "cached_image",
     "dice",
