@@ -105,3 +105,12 @@ def test_bad_model_file_is_refused(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "x.pt", {"kind": "other"})
     with pytest.raises(ValueError, match="not a tissue model"):
         stage.load_tissue_model(tmp_path / "x.pt")
+
+
+def test_training_is_reproducible_from_the_seed(slide_dir: Path, tmp_path: Path) -> None:
+    entries = stage.slides_from_folder(slide_dir)
+    for run in ("a", "b"):
+        stage.train(entries, tmp_path / run, mpp=8.0, epochs=2, seed=3, log=lambda s: None)
+    a = torch.load(tmp_path / "a" / "best.pt", weights_only=True)["model"]
+    b = torch.load(tmp_path / "b" / "best.pt", weights_only=True)["model"]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
