@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import numpy as np
@@ -97,7 +99,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _run(cmd: list[str], timeout: float, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    t0, c0 = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run(cmd, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+    c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime
+    print(f"DDP-RUN wall {time.perf_counter() - t0:.1f} s, cpu {cpu:.1f} s: {' '.join(cmd[1:4])}")
+    return out
 
 
 def _config(tmp: Path, store_cohort: Path, runs: str) -> Path:

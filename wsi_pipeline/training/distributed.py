@@ -111,8 +111,8 @@ def init_from_env() -> DistContext:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``MASTER_ADDR``, ``MASTER_PORT``); idempotent. Returns the single-process context without them.
 
-    Backend: ``cpu:gloo,cuda:nccl`` when CUDA is available (each rank uses ``cuda:LOCAL_RANK``),
-    else ``gloo``.
+    Backend: ``cpu:gloo,cuda:nccl`` when this rank has a GPU (``cuda:LOCAL_RANK``), else ``gloo``
+    (a rank without a GPU of its own can still train on the CPU).
     """
     global _CONTEXT
     world = _env_int("WORLD_SIZE", 1)
@@ -125,13 +125,8 @@ def init_from_env() -> DistContext:
     if not dist.is_available():
         raise RuntimeError(f"WORLD_SIZE={world} asks for distributed training but this torch build has no torch.distributed")
     if not dist.is_initialized():
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() and local < torch.cuda.device_count()
         if cuda:
-            if local >= torch.cuda.device_count():
-                raise ValueError(
-                    f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} CUDA device(s); "
-                    "start at most that many processes per node (torchrun --nproc_per_node)"
-                )
             torch.cuda.set_device(local)
         timeout = datetime.timedelta(seconds=_env_int("WSI_DDP_TIMEOUT_S", DEFAULT_TIMEOUT_S))
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
@@ -162,6 +157,11 @@ def is_main() -> bool:
 def device_for(device: torch.device) -> torch.device:
     """This rank's device: ``cuda:LOCAL_RANK`` for a CUDA ``device`` when distributed, else ``device``."""
     if _CONTEXT.enabled and device.type == "cuda":
+        if _CONTEXT.local_rank >= torch.cuda.device_count():
+            raise ValueError(
+                f"LOCAL_RANK={_CONTEXT.local_rank} but this node has {torch.cuda.device_count()} CUDA device(s); start at "
+                "most that many processes per node (torchrun --nproc_per_node), or train on the CPU (--device cpu)"
+            )
         return torch.device("cuda", _CONTEXT.local_rank)
     return device
 
@@ -295,12 +295,12 @@ class StepSync:
         counts = self._counts()
         yield
         u = [a - b for a, b in zip(self._counts(), counts)]
+        after = self._stats()
         parts = []
         for i, m in enumerate(self.ema):
-            factor = (1.0 - float(m.momentum)) ** u[i]
-            for k in (0, 1):
-                after = self._stats()[2 * i + k]
-                parts.append((after.detach().double() - factor * before[2 * i + k].double()).reshape(-1))
+            factor = (1.0 - float(m.momentum)) ** u[i]  # r_after = factor * r_before + c
+            for k in (2 * i, 2 * i + 1):
+                parts.append((after[k].detach().double() - factor * before[k].double()).reshape(-1))
         parts.append(torch.tensor(u, dtype=torch.float64, device=parts[0].device if parts else "cpu"))
         self._records[int(number)] = torch.cat(parts)
 

@@ -413,6 +413,7 @@ def train_run(
         return run_dir
     tc = method.train
     n_classes = config.data.n_classes
+    distributed.init_from_env()  # under torchrun (no-op when train_pipeline joined already)
     dev = distributed.device_for(resolve_device(device or tc.device))  # cuda:LOCAL_RANK under torchrun
     main = distributed.is_main()  # only rank 0 writes the run folder
     run_config = _run_config(config, method, seed)
