@@ -256,3 +256,54 @@ def test_shard_plan_gives_every_bag_to_exactly_one_rank(world):
                 seen[b] = item
         assert shard(5, ctx) == list(range(rank, 5, world))
     assert sorted(seen) == list(range(len(flat)))
+
+
+class _TinyEncoder(torch.nn.Module):
+    """Conv -> frozen-mode BatchNorm -> ReLU -> mean pool: [k, 3, T, T] -> [k, 6]."""
+
+    num_features = 6
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 3, stride=4)
+        self.bn = torch.nn.BatchNorm2d(6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x.double()))).mean((2, 3))
+
+
+def test_patchgd_batch_parts_add_up_to_the_whole_batch(store_cohort):
+    """PatchGD's ``part``: the parts' gradients (each slide's loss over the whole batch's size, Z
+    padded to the whole batch's shape) sum to the whole batch's gradient, float64. The slides' grids
+    differ in shape, so a part padded only to its own slides' shape would differ (the CNN head's
+    stride-2 mask is not invariant to bottom/right padding)."""
+    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.training.patchgd import PatchGDStrategy
+
+    tiles = store_cohort.parent / "tiles"
+    stores = [open_store(tiles / f"synthetic_{i:03d}.zarr") for i in (3, 4, 6, 9)]
+    assert len({s.grid.max(0).tobytes() for s in stores}) > 1  # Z shapes differ: padding matters
+    labels = [1, 0, 0, 1]
+    torch.manual_seed(0)
+    enc = _TinyEncoder().double()
+    strat = PatchGDStrategy({"fraction": 0.5, "slides_per_batch": 4, "head_options": {"width": 8, "norm": "layer", "dropout": 0.0}},
+                            enc, None, 2)
+    strat.head.double()
+    params = list(enc.parameters()) + list(strat.head.parameters())
+
+    def grads(split):
+        for p in params:
+            p.grad = None
+        steps, total = [0], 0.0
+        for part in split:
+            total += strat.batch_step(stores, labels, lambda: steps.__setitem__(0, steps[0] + 1),
+                                      torch.Generator().manual_seed(5), part=part)
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params]), total, steps[0]
+
+    whole, loss, steps = grads([None])
+    for parts in ([[0, 2], [1, 3]], [[0], [1], [2], [3]], [[2], [3, 1, 0], []]):
+        split, split_loss, split_steps = grads(parts)
+        # float64: the parts differ from the whole batch only in summation order (~1e-16 relative)
+        assert float((split - whole).norm() / whole.norm()) <= REL_TOL, parts
+        assert split_loss == pytest.approx(loss, rel=REL_TOL)
+        assert split_steps == steps * len(parts)  # every part calls optimizer_step after every window
