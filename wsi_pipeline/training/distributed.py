@@ -24,6 +24,11 @@ What G ranks do, so that they compute the update one process computes over the s
   same way; the tile plans of the whole batch are drawn on every rank and each slide's loss is
   divided by the whole batch's size (see :meth:`~wsi_pipeline.training.patchgd.PatchGDStrategy.batch_step`).
 
+Rank 0 alone writes the run folder (checkpoints, history, ``done``) and logs; it also validates
+(the other ranks wait and receive the metrics, so early stopping agrees) and extracts missing
+frozen features. Every rank starts each run from rank 0's models (:func:`broadcast_states`), so a
+run resumes from ``last.pt`` under any number of ranks.
+
 Exact (to rounding) for every strategy whose bags do not share batch statistics: frozen
 features, ``full``, ``accumulate``, ``bigl`` with ``encoder.bn`` ``frozen``/``chunk``/``train``
 (BatchNorm statistics are per bag) and PatchGD with frozen encoder BatchNorm and a head without
