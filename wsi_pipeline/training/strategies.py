@@ -451,9 +451,11 @@ class PatchGDAdapter(Strategy):
         """One slide of PatchGD; ``optimizer_step`` steps and zeroes the gradients."""
         return self.impl.bag_step(store, label, optimizer_step, generator)
 
-    def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
-        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDStrategy.batch_step`)."""
-        return self.impl.batch_step(stores, labels, optimizer_step, generator)
+    def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator,
+                  *, part: list[int] | None = None) -> float:
+        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDStrategy.batch_step`);
+        ``part``: this rank's positions of the batch under torchrun."""
+        return self.impl.batch_step(stores, labels, optimizer_step, generator, part=part)
 
 
 def check_strategy(method: Any) -> type[Strategy]:
