@@ -518,6 +518,36 @@ def _tiler_config(tiling: Any, mpp: float | None) -> Any:
     return TilerConfig(**kw)
 
 
+def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
+    """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
+
+    ``tiling`` is what the checkpoint saved: the training stores' own settings (a dict), or an
+    older checkpoint's config section, of which only the fields it sets are compared.
+    """
+    from wsi_pipeline.data.bags import store_settings
+
+    keys = ("method", "tile_size", "min_foreground", "mpp_target")
+    want = {k: (tiling.get(k) if isinstance(tiling, dict) else getattr(tiling, k, None)) for k in keys}
+    want = {k: v for k, v in want.items() if v is not None}
+    odd = []
+    for path in stores:
+        got = store_settings(path)
+        if got is None:
+            continue
+        diff = [f"{k} {got.get(k)} (model: {v})" for k, v in want.items()
+                if not (got.get(k) == v or (isinstance(v, float) and isinstance(got.get(k), float) and abs(got[k] - v) < 1e-9))]
+        if diff:
+            odd.append(f"{path.name}: {', '.join(diff)}")
+    if not odd:
+        return
+    msg = (f"{len(odd)} store(s) were tiled unlike the model's training data ({'; '.join(odd[:4])}"
+           f"{' ...' if len(odd) > 4 else ''}); the model would see another tile size or resolution")
+    if not allow:
+        raise ValueError(msg + ". Pass the slide files instead (they are tiled with the model's settings), "
+                         "or --allow-other-tiling to score these stores anyway")
+    log.warning(msg)
+
+
 def _store_folder(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.zarr") if p.is_dir())
 
@@ -536,6 +566,7 @@ def predict_slides(
     heatmap_mode: str = "rank",
     seed: int = 0,
     progress: bool = True,
+    allow_other_tiling: bool = False,
 ) -> PredictSummary:
     """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
 
@@ -553,6 +584,9 @@ def predict_slides(
     mpp : um/px to assume for slides whose files lack it.
     heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
     seed : seed of the subsample protocols.
+    allow_other_tiling : score a folder of stores tiled with other settings than the model's
+        training stores (tile size, resolution, method, thresholds) with a warning instead of
+        refusing it.
     """
     import json
 
@@ -572,6 +606,7 @@ def predict_slides(
     if stores:
         tiles_dir = src
         ids = [p.name[: -len(".zarr")] for p in stores]
+        _check_store_settings(stores, model.tiling, allow=allow_other_tiling)
     else:
         from wsi_pipeline.tiling.runner import tile_cohort
 
