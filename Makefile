@@ -15,7 +15,7 @@ PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study bench bench-tile bench-bigl bench-accumulate bench-eval clean
 
 install: $(STAMP)
 
@@ -48,6 +48,11 @@ predict: install
 
 demo: install
 	$(BIN)/wsi-pipeline demo $(ARGS)
+
+# the demo for several training seeds (same cohort and tiles): mean +- sd and min per method
+SEEDS ?= 0,1,2,3,4
+demo-study: install
+	$(BIN)/wsi-pipeline demo --seeds $(SEEDS) $(ARGS)
 
 bench: bench-tile bench-bigl bench-accumulate bench-eval
 

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -48,7 +49,15 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
+from wsi_pipeline.training.config import (
+    BagStatisticsWarning,
+    MethodConfig,
+    PipelineConfig,
+    bag_statistics_warning,
+    config_to_dict,
+    method_by_name,
+    save_config,
+)
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
 from wsi_pipeline.training.strategies import Strategy, build_models, build_strategy, check_strategy, frozen_encoder, frozen_features_dir
 
@@ -111,6 +120,10 @@ def preflight(
     for method in methods:
         check_strategy(method)
         resolve_device(method.train.device)
+        risk = bag_statistics_warning(method)
+        if risk:
+            log.warning(risk)
+            warnings.warn(risk, BagStatisticsWarning, stacklevel=2)
     check_stores(train + val, config.data.tiles_dir)
     for method in methods:
         if method.strategy == "frozen":

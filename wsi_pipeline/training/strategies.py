@@ -289,7 +289,7 @@ class FrozenStrategy(Strategy):
 
         Returns
         -------
-        float32 tensor (k, D) on the strategy's device, without gradient: the encoder (eval
+        tensor (k, D) of torch's default dtype (float32) on the strategy's device, without gradient: the encoder (eval
         mode) applied to the augmented, normalised tiles, ``chunk_size`` tiles at a time.
         Without augmentation it is the embedding the h5 features hold.
         """
@@ -300,14 +300,14 @@ class FrozenStrategy(Strategy):
         with torch.no_grad():
             for a in range(0, len(tiles), chunk):
                 x = tiles_to_input(tiles[a : a + chunk], self.augment, params, device=self.device)
-                parts.append(self.encoder(x).float())
+                parts.append(self.encoder(x).to(torch.get_default_dtype()))
         return torch.cat(parts)
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
         if self.augment is None:
-            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.float32, device=self.device)
+            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.get_default_dtype(), device=self.device)
         else:
             feats = self.embed(bag.data)
         # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
