@@ -32,6 +32,11 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
+# the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess
+# (part of `make test` too; a set this CPU lacks is skipped and says so)
+test-isa: install
+	$(BIN)/python -m pytest -q -rs tests/test_instruction_sets.py $(ARGS)
+
 tile: install
 	@test -n "$(SLIDES)" || { echo "usage: make tile SLIDES=<folder of slides> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
 	$(BIN)/wsi-pipeline tile --slides $(SLIDES) --out $(OUT) $(ARGS)
