@@ -17,7 +17,10 @@ loop zeroes gradients, clips and steps the optimiser. A strategy with ``steps_op
 BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exact in every
 strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``), which for
 ``full`` and ``bigl`` is the whole bag; ``train`` is batch statistics of the whole bag
-(``full``, ``bigl``; rejected by ``accumulate``, where it could not be exact).
+(``full``, ``bigl``; rejected by ``accumulate``, where it could not be exact). Validation,
+evaluation and prediction use running statistics, so training with ``chunk`` or ``train``
+warns (:func:`wsi_pipeline.training.config.bag_statistics_warning`): a model can learn the
+label from its bags' statistics and fail at evaluation.
 
 Building blocks are imported when a strategy is built, so a strategy whose block is missing
 fails with a message naming it (:func:`check_strategy`), never by silently falling back.
