@@ -497,6 +497,7 @@ def test_best_checkpoint_ties_are_broken_by_validation_loss():
     assert not improves(float("nan"), 0.01, best, higher=True)
 
 
+@pytest.mark.slow
 def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoch(tmp_path, store_cohort):
     """Two epochs with ``recalibrate_bn``: the statistics at the end equal a calibration of the
     weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
