@@ -36,3 +36,26 @@ def test_calibration_makes_frozen_bn_normalise_the_data():
     after = enc(x)
     assert after.mean().abs() < 0.1 and (after.std() - 1).abs() < 0.1
 
+
+
+def test_a_big_layers_encoder_calibrates_to_the_plain_encoders_statistics(float64):
+    """The demo's Big-Layers method calibrates frozen BatchNorm: the bigified encoder gets the same
+    statistics, and then computes the same embeddings, as the plain one (float64: sums of
+    <= 8 x 16 x 16 terms, rounding < 1e-13 relative; 1e-10 bounds it)."""
+    import copy
+
+    from wsi_pipeline.bigl import bigify
+
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18")
+    big = bigify(copy.deepcopy(plain), 1, 2**22, device=torch.device("cpu"))
+    batches = [torch.randn(8, 3, 32, 32) for _ in range(3)]
+    assert calibrate_batchnorm(plain, batches) == calibrate_batchnorm(big, batches) == 3
+    sp, sb = plain.state_dict(), big.state_dict()
+    assert list(sp) == list(sb)
+    for k, v in sp.items():
+        torch.testing.assert_close(sb[k], v, rtol=1e-10, atol=1e-12, msg=k)
+    assert float((sp["bn1.running_mean"]).abs().max()) > 1e-3  # calibration moved them off 0
+    x = torch.randn(5, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(big.eval()(x), plain.eval()(x), rtol=1e-10, atol=1e-12)
