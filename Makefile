@@ -18,7 +18,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-tissue clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-tissue clean
 
 install: $(STAMP)
 
@@ -34,6 +34,11 @@ test: install
 
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+# the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess
+# (part of `make test` too; a set this CPU lacks is skipped and says so)
+test-isa: install
+	$(BIN)/python -m pytest -q -rs tests/test_instruction_sets.py $(ARGS)
 
 tile: install
 	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
@@ -57,6 +62,11 @@ predict: install
 
 demo: install
 	$(BIN)/wsi-pipeline demo $(ARGS)
+
+# the demo for several training seeds (same cohort and tiles): mean +- sd and min per method
+SEEDS ?= 0,1,2,3,4
+demo-study: install
+	$(BIN)/wsi-pipeline demo --seeds $(SEEDS) $(ARGS)
 
 bench: bench-tile bench-bigl bench-accumulate bench-eval
 

@@ -360,7 +360,7 @@ def predict_slide(
     subsets = subset_indices(n, protocol, generator)
     grid_np = None if grid is None else np.asarray(grid.cpu() if isinstance(grid, Tensor) else grid)
     with _eval_mode(aggregator):
-        zd = z.to(_module_device(aggregator))
+        zd = z.to(_module_device(aggregator), next(aggregator.parameters(), z).dtype)  # the aggregator's dtype
         probs = []
         attention = instance_scores = None
         for idx in subsets:

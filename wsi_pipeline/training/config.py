@@ -52,6 +52,7 @@ from wsi_pipeline.training.patchgd_presets import apply_patchgd_preset
 __all__ = [
     "AggregatorConfig",
     "AugmentConfig",
+    "BagStatisticsWarning",
     "BiglConfig",
     "DataConfig",
     "DemonConfig",
@@ -62,6 +63,7 @@ __all__ = [
     "Protocol",
     "TilingConfig",
     "TrainConfig",
+    "bag_statistics_warning",
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",
@@ -372,6 +374,11 @@ class EncoderConfig:
     follow the weights as they train (an encoder trained from scratch otherwise drifts away from
     the statistics it started with, and training can diverge). Exact gradients within each epoch
     are kept: the statistics are constant while the epoch's steps are taken.
+
+    ``chunk`` and ``train`` normalise with the statistics of the bag (or chunk) being trained on,
+    while validation, evaluation and prediction normalise with running statistics: the model can
+    learn to read the label from the bag's own statistics and then fails at evaluation. Training
+    with them emits a :class:`BagStatisticsWarning` (see :func:`bag_statistics_warning`).
     """
 
     name: str = "resnet18"
@@ -385,6 +392,32 @@ class EncoderConfig:
             raise ValueError(f"encoder.calibrate_bn={self.calibrate_bn}; expected a number of tiles >= 0 (0 = off)")
         if self.recalibrate_bn and self.calibrate_bn <= 0:
             raise ValueError("encoder.recalibrate_bn needs encoder.calibrate_bn > 0 (the number of tiles to calibrate on)")
+
+
+class BagStatisticsWarning(UserWarning):
+    """Training normalises BatchNorm with bag statistics, evaluation with running statistics."""
+
+
+def bag_statistics_warning(method: "MethodConfig") -> str | None:
+    """Why training ``method`` with bag-statistics BatchNorm is risky; None when it does not use them.
+
+    A method uses bag statistics when its encoder trains (any strategy but ``frozen``) with
+    ``encoder.bn`` ``train`` (the whole bag is one BatchNorm batch: ``full``, ``bigl``, and
+    ``patchgd``'s tiles of a step) or ``chunk`` (each accumulation chunk is one: the ABMIL-ACC
+    paper's setting). Validation, evaluation and prediction run BatchNorm on running statistics,
+    so what the model learned from the statistics of its bags is not what it sees there.
+    """
+    if method.strategy == "frozen" or method.encoder.bn == "frozen":
+        return None
+    batch = "each chunk of the bag" if method.encoder.bn == "chunk" else "the whole bag"
+    return (
+        f"method {method.name!r}: encoder.bn={method.encoder.bn!r} normalises BatchNorm with the statistics of "
+        f"{batch} in training, but validation, evaluation and prediction use running statistics. A few lesion "
+        "tiles shift the statistics of all the others, so the model can learn to read the label from the bag's "
+        "statistics instead of from its tiles, and then fail at evaluation (README: 'Bag-statistics BatchNorm'). Prefer "
+        "`encoder: {bn: frozen, calibrate_bn: N, recalibrate_bn: true}`; keep bn=" + repr(method.encoder.bn)
+        + " only to reproduce a paper, and check the validation metric, not the training loss"
+    )
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -49,7 +50,15 @@ from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, check_tiling, drop_empty, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
+from wsi_pipeline.training.config import (
+    BagStatisticsWarning,
+    MethodConfig,
+    PipelineConfig,
+    bag_statistics_warning,
+    config_to_dict,
+    method_by_name,
+    save_config,
+)
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
 from wsi_pipeline.training.strategies import Strategy, build_models, build_strategy, check_strategy, frozen_encoder, frozen_features_dir
 from wsi_pipeline.progress import progress_bar
@@ -120,6 +129,10 @@ def preflight(
     for method in methods:
         check_strategy(method)
         resolve_device(method.train.device)
+        risk = bag_statistics_warning(method)
+        if risk:
+            log.warning(risk)
+            warnings.warn(risk, BagStatisticsWarning, stacklevel=2)
     for method in methods:
         if method.strategy == "frozen":
             try:

@@ -18,7 +18,10 @@ BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exa
 strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``: the ABMIL-ACC
 paper's setting, "the paper's, not exact"), which for ``full`` and ``bigl`` is the whole bag;
 ``train`` is batch statistics of the whole bag (``full``, ``bigl``; rejected by ``accumulate``,
-where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's).
+where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's). Validation,
+evaluation and prediction use running statistics, so training with ``chunk`` or ``train``
+warns (:func:`wsi_pipeline.training.config.bag_statistics_warning`): a model can learn the
+label from its bags' statistics and fail at evaluation.
 
 Building blocks are imported when a strategy is built, so a strategy whose block is missing
 fails with a message naming it (:func:`check_strategy`), never by silently falling back.
@@ -309,7 +312,7 @@ class FrozenStrategy(Strategy):
 
         Returns
         -------
-        float32 tensor (k, D) on the strategy's device, without gradient: the encoder (eval
+        tensor (k, D) of torch's default dtype (float32) on the strategy's device, without gradient: the encoder (eval
         mode) applied to the augmented, normalised tiles, ``chunk_size`` tiles at a time.
         Without augmentation it is the embedding the h5 features hold.
         """
@@ -320,14 +323,14 @@ class FrozenStrategy(Strategy):
         with torch.no_grad():
             for a in range(0, len(tiles), chunk):
                 x = tiles_to_input(tiles[a : a + chunk], self.augment, params, device=self.device)
-                parts.append(self.encoder(x).float())
+                parts.append(self.encoder(x).to(torch.get_default_dtype()))
         return torch.cat(parts)
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
         if self.augment is None:
-            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.float32, device=self.device)
+            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.get_default_dtype(), device=self.device)
         else:
             feats = self.embed(bag.data)
         # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
