@@ -16,7 +16,7 @@ PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode clean
+.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale clean
 
 install: $(STAMP)
 
@@ -66,6 +66,9 @@ bench-eval: install
 
 bench-decode: install
 	$(BIN)/python -m wsi_pipeline.bench.decode $(ARGS)
+
+bench-scale: install
+	$(BIN)/python -m wsi_pipeline.bench.scale $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache

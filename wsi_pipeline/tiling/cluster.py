@@ -238,22 +238,31 @@ def run_on_dask(
     from distributed import Client
 
     if isinstance(cluster, Client):
-        _submit_all(cluster, jobs, claim, claims_done, out, config, overwrite, finish, add_tiles, retries, background_write=False)
+        _submit_all(cluster, jobs, claim, claims_done, out, config, overwrite, finish, add_tiles, retries)
         return
     with dask_client(cluster, workers=workers, retries=retries) as client:
-        n_local = cluster.workers or workers or _default_workers()
-        background = cluster.kind == "local" and n_local < _default_workers()
-        _submit_all(client, jobs, claim, claims_done, out, config, overwrite, finish, add_tiles, retries, background_write=background)
+        _submit_all(client, jobs, claim, claims_done, out, config, overwrite, finish, add_tiles, retries)
+
+
+def _background_write(client: Any) -> bool:
+    """Whether workers should compress in a second thread: only on a :class:`distributed.LocalCluster`
+    with fewer worker threads than this machine has cores (the local pool's rule)."""
+    from distributed import LocalCluster
+
+    if not isinstance(getattr(client, "cluster", None), LocalCluster):
+        return False
+    return sum(client.nthreads().values()) < _default_workers()
 
 
 def _submit_all(
     client: Any, jobs: Sequence[SlideJob], claim: Callable[[], int | None], claims_done: Callable[[], bool], out: Path,
     config: TilingConfig, overwrite: bool, finish: Callable[[int, SlideResult], None], add_tiles: Callable[..., None],
-    retries: int, *, background_write: bool,
+    retries: int,
 ) -> None:
     from distributed import wait
     from distributed.client import FutureCancelledError
 
+    background_write = _background_write(client)
     out_abs = str(out.resolve())
     running: dict[Any, int] = {}
     threads = 1
