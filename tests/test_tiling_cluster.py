@@ -107,6 +107,7 @@ def test_shards_are_disjoint_cover_balanced_and_independent_of_order() -> None:
             assert {keys[i] for i in parts[k - 1]} == {shuffled[i] for i in shard_indices(shuffled, k, n)}
 
 
+@pytest.mark.slow
 def test_shard_1_of_2_plus_2_of_2_equals_one_full_run(cohort: Path, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "tiles"
     base = ["tile", "--slides", str(cohort), "--out", str(out), "--workers", "1", "--no-progress", "--tile-size", "128"]
@@ -214,3 +215,31 @@ def test_slurm_job_script_has_the_requested_resources() -> None:
     worker = next(ln for ln in lines if "dask_worker" in ln)
     # one single-threaded worker process per core, as the local pool runs them
     assert "--nworkers 8" in worker and "--nthreads 1" in worker and "--local-directory /scratch/dask" in worker
+
+
+# ------------------------------------------------------------------------------ examples/slurm
+
+
+@pytest.mark.slow
+def test_tile_array_sbatch_tasks_together_equal_one_run(cohort: Path, reference: Path, tmp_path: Path) -> None:
+    """examples/slurm/tile_array.sbatch run by bash with the variables SLURM sets for array tasks 1 and 2 of 2."""
+    import shutil
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    exe = shutil.which("wsi-pipeline", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the wsi-pipeline console script is not installed beside this python")
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text(f'export PATH="{Path(exe).parent}:$PATH"\n')
+    out = tmp_path / "tiles"
+    for k in (1, 2):
+        env = {**os.environ, "PYTHONPATH": str(repo), "VENV": str(venv), "SLURM_ARRAY_TASK_ID": str(k),
+               "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_CPUS_PER_TASK": "1"}
+        proc = subprocess.run(["bash", str(repo / "examples/slurm/tile_array.sbatch"), str(cohort), str(out), "--tile-size", "128"],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        assert "3 slides" in proc.stdout  # 6 slides, 2 shards
+    assert_same_outputs(out, reference)
