@@ -8,8 +8,8 @@ from typing import Any
 __all__ = ["add_cluster_arguments", "cluster_from_args", "shard_from_args"]
 
 
-def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--cluster``, ``--retries``, the ``--slurm-*`` options, ``--cluster-option`` and ``--shard`` to ``p``."""
+def add_cluster_arguments(p: argparse.ArgumentParser, *, shard: bool = True) -> None:
+    """Add ``--cluster``, ``--retries``, the ``--slurm-*`` options, ``--cluster-option`` and (``shard``) ``--shard`` to ``p``."""
     g = p.add_argument_group("scaling out (Dask cluster, SLURM job arrays; see the README's 'Scaling out')")
     g.add_argument("--cluster", metavar="SPEC", default=None,
                    help="run each slide as a Dask task: local[:N] (N worker processes on this machine), tcp://HOST:PORT "
@@ -29,6 +29,8 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --cluster slurm: any other dask_jobqueue.SLURMCluster argument, VALUE read as YAML "
                         "(repeatable), e.g. --cluster-option 'job_script_prologue=[\"source .venv/bin/activate\"]'. "
                         "Unset options come from the Dask config (~/.config/dask/jobqueue.yaml)")
+    if not shard:
+        return
     g.add_argument("--shard", metavar="K/N", default=None,
                    help="process only the K-th of N disjoint, deterministic slide subsets (1 <= K <= N), for job arrays: "
                         "sbatch --array=1-N ... --shard $SLURM_ARRAY_TASK_ID/N; all shards share one report")
@@ -58,7 +60,7 @@ def cluster_from_args(args: argparse.Namespace) -> Any:
 
 def shard_from_args(args: argparse.Namespace) -> tuple[int, int] | None:
     """``--shard K/N`` as ``(K, N)``, None without it; ValueError when malformed."""
-    if args.shard is None:
+    if getattr(args, "shard", None) is None:
         return None
     from wsi_pipeline.tiling.partition import parse_shard
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig, tile_slide
 
-__all__ = ["ClusterSpec", "SlurmOptions", "dask_client", "parse_cluster", "run_on_dask", "slurm_cluster_kwargs", "tile_task"]
+__all__ = ["ClusterSpec", "SlurmOptions", "dask_client", "map_slides", "parse_cluster", "run_on_dask", "slurm_cluster_kwargs", "tile_task"]
 
 logger = logging.getLogger(__name__)
 
@@ -175,7 +175,7 @@ def dask_client(spec: ClusterSpec, *, workers: int | None = None, retries: int =
             return
         if spec.kind == "local":
             n = spec.workers or workers or _default_workers()
-            with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=None) as cluster, Client(cluster) as client:
+            with LocalCluster(n_workers=n, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
                 yield client
             return
         if spec.kind == "slurm":
@@ -317,3 +317,58 @@ def _submit_all(
     finally:
         if running:
             client.cancel(list(running))
+
+
+@contextlib.contextmanager
+def _client_for(cluster: ClusterSpec | str | Any, *, workers: int | None, retries: int) -> Iterator[Any]:
+    """A client for a ``--cluster`` string, a :class:`ClusterSpec` (started and closed here) or a connected client."""
+    from distributed import Client
+
+    if isinstance(cluster, Client):
+        yield cluster
+        return
+    spec = parse_cluster(cluster) if isinstance(cluster, str) else cluster
+    with dask_client(spec, workers=workers, retries=retries) as client:
+        yield client
+
+
+def map_slides(
+    cluster: ClusterSpec | str | Any,
+    fn: Callable[..., Any],
+    items: Sequence[Any],
+    args: tuple[Any, ...] = (),
+    *,
+    broadcast: Any = None,
+    progress: bool = True,
+    desc: str = "slides",
+    retries: int = DEFAULT_RETRIES,
+    workers: int | None = None,
+) -> list[Any]:
+    """Run ``fn(item, *args)`` (``fn(item, broadcast, *args)`` with ``broadcast``) as one Dask task per item.
+
+    For per-slide stages without slide locks (feature extraction): every item is submitted at
+    once, ``broadcast`` (e.g. an encoder module) is sent to each worker once, a task whose worker
+    died runs again elsewhere up to ``retries`` times. Returns the results in the order of
+    ``items``; an item whose task raised (or whose workers kept dying) gets the exception instead.
+    """
+    from distributed import as_completed
+    from tqdm.auto import tqdm
+
+    with _client_for(cluster, workers=workers, retries=retries) as client:
+        extra: tuple[Any, ...] = ()
+        if broadcast is not None:
+            extra = (client.scatter(broadcast, broadcast=True, hash=False),)
+        stamp = f"{os.getpid()}-{time.time_ns()}"
+        futures = [client.submit(fn, item, *extra, *args, key=f"{desc}-{i}-{stamp}", pure=False, retries=retries)
+                   for i, item in enumerate(items)]
+        where = {f.key: i for i, f in enumerate(futures)}
+        results: list[Any] = [None] * len(items)
+        with tqdm(total=len(items), unit="slide", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+            try:
+                for fut in as_completed(futures):
+                    i = where[fut.key]
+                    results[i] = fut.result() if fut.status == "finished" else fut.exception()
+                    bar.update(1)
+            finally:
+                client.cancel([f for f in futures if not f.done()])
+        return results
