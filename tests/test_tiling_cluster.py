@@ -132,6 +132,10 @@ def test_bad_shard_and_cluster_flags_exit_2(cohort: Path, tmp_path: Path, capsys
     assert main(base + ["--cluster", "local:2", "--slurm-cores", "4"]) == 2
     assert main(base + ["--cluster", "slurm", "--cluster-option", "no equals sign"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+    # predict tiles on the cluster too; its flags are checked before the model is loaded
+    assert main(["predict", "--model", str(tmp_path / "none.pt"), "--slides", str(cohort), "--out", str(tmp_path / "p"),
+                 "--cluster", "local:0"]) == 2
+    assert "count must be >= 1" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------- Dask clusters

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+
 __all__ = ["register", "run"]
 
 
@@ -37,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
                    help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 
 
@@ -49,11 +52,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
         return 2
     try:
+        cluster = cluster_from_args(args)
         s = predict_slides(
             args.model, args.slides, args.out,
             protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
-            progress=not args.quiet,
+            progress=not args.quiet, cluster=cluster, retries=args.retries,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -539,6 +539,8 @@ def predict_slides(
     heatmap_mode: str = "rank",
     seed: int = 0,
     progress: bool = True,
+    cluster: Any = None,
+    retries: int = 2,
 ) -> PredictSummary:
     """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
 
@@ -556,6 +558,8 @@ def predict_slides(
     mpp : um/px to assume for slides whose files lack it.
     heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
     seed : seed of the subsample protocols.
+    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
+        embedding and scoring stay in this process.
     """
     import json
 
@@ -579,7 +583,8 @@ def predict_slides(
         from wsi_pipeline.tiling.runner import tile_cohort
 
         tiles_dir = out / "tiles"
-        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress)
+        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+                             cluster=cluster, retries=retries)
         ids = []
         for r in report.results:
             slide_paths[r.slide_id] = r.path
