@@ -208,6 +208,34 @@ def _for_workers(job: SlideJob) -> SlideJob:
     return job
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (a zombie, killed but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _remove_dead_temps(out: Path, slide_id: str) -> None:
+    """Remove the temporary stores of ``slide_id`` whose writer (a worker on this host) is gone."""
+    import shutil
+
+    for p in out.glob(f".{slide_id}.zarr.tmp-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if not _running(pid):
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _killed_message(err: BaseException, retries: int) -> str:
     return (f"the Dask worker tiling this slide died {retries + 1} time(s) ({type(err).__name__}: {err}); "
             "usually the out-of-memory killer or a lost node: give workers more memory or use fewer per node. "
@@ -244,6 +272,12 @@ def run_on_dask(
         _submit_all(client, jobs, claim, claims_done, out, config, overwrite, finish, add_tiles, retries)
 
 
+def _is_local(client: Any) -> bool:
+    from distributed import LocalCluster
+
+    return isinstance(getattr(client, "cluster", None), LocalCluster)
+
+
 def _background_write(client: Any) -> bool:
     """Whether workers should compress in a second thread: only on a :class:`distributed.LocalCluster`
     with fewer worker threads than this machine has cores (the local pool's rule)."""
@@ -263,6 +297,8 @@ def _submit_all(
     from distributed.client import FutureCancelledError
 
     background_write = _background_write(client)
+    # workers on this host: temporary stores of killed attempts are removed here (elsewhere by the next run)
+    local_workers = background_write or _is_local(client)
     out_abs = str(out.resolve())
     running: dict[Any, int] = {}
     threads = 1
@@ -312,6 +348,8 @@ def _submit_all(
                     else:
                         msg = f"the Dask task failed after {retries + 1} attempt(s): {type(err).__name__}: {err}"
                     r = SlideResult(job.slide_id, "failed", error=msg, path=job.path)
+                if local_workers:
+                    _remove_dead_temps(out, job.slide_id)
                 finish(i, r)
             fill()
     finally:
