@@ -15,8 +15,10 @@ OUT      ?= tiles
 PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
+NPROC    ?= 1
+TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale clean
+.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue clean
 
 install: $(STAMP)
 
@@ -37,8 +39,14 @@ tile: install
 	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
 	$(BIN)/wsi-pipeline tile $(if $(MANIFEST),--manifest $(MANIFEST),--slides $(SLIDES)) --out $(OUT) $(ARGS)
 
+# NPROC=G > 1 trains with G processes under torchrun (one per GPU; see README "Several GPUs");
+# TORCHRUN_ARGS for several nodes, e.g. "--nnodes=2 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500"
 train: install
+ifeq ($(NPROC),1)
 	$(BIN)/wsi-pipeline train --config $(PIPELINE) $(ARGS)
+else
+	$(BIN)/torchrun $(TORCHRUN_ARGS) --nproc_per_node=$(NPROC) --no-python $(BIN)/wsi-pipeline train --config $(PIPELINE) $(ARGS)
+endif
 
 eval: install
 	$(BIN)/wsi-pipeline eval --config $(PIPELINE) $(ARGS)
@@ -69,6 +77,9 @@ bench-decode: install
 
 bench-scale: install
 	$(BIN)/python -m wsi_pipeline.bench.scale $(ARGS)
+
+bench-tissue: install
+	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache

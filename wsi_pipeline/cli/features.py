@@ -32,6 +32,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="tiles per forward pass (default: 64)")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
         cluster=cluster,
         retries=args.retries,
     )

@@ -36,9 +36,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mpp", type=float, default=None, help="um/px to assume for slides whose files do not record it")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tile subsets of subsample protocols (default: 0)")
     p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
+    p.add_argument("--allow-other-tiling", action="store_true",
+                   help="score a folder of .zarr stores tiled with other settings than the model's training stores "
+                   "(another tile size, resolution, method or threshold) with a warning instead of refusing it")
     p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
                    help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                   help="no progress bars or progress lines (--quiet is the old name)")
     add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             args.model, args.slides, args.out,
             protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
-            progress=not args.quiet, cluster=cluster, retries=args.retries,
+            progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling, cluster=cluster, retries=args.retries,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.progress import progress_bar
 import pandas as pd
 
 __all__ = [
@@ -266,7 +267,6 @@ def extract_features(
     slide is recorded and the others go on.
     """
     import torch
-    from tqdm.auto import tqdm
 
     if int(batch_size) < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -306,7 +306,7 @@ def extract_features(
                 reasons[reason] = reasons.get(reason, 0) + 1
     else:
         rows = []
-        for slide_id in tqdm(slide_ids, desc="features", unit="slide", disable=not progress):
+        for slide_id in progress_bar(slide_ids, desc="features", unit="slide", enabled=progress):
             row, reason = _slide_features(slide_id, encoder, dev, *args)
             rows.append(row)
             if reason:

@@ -63,6 +63,7 @@ from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_p
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
 from wsi_pipeline.tiling.store import TileStore, open_store, store_path
+from wsi_pipeline.progress import progress_bar
 
 __all__ = [
     "EvalSet",
@@ -275,9 +276,7 @@ def evaluate_pipeline(
             labels, preds, loc = [], {p.name: [] for p in protocols}, []
             it: Any = es.slides.iterrows()
             if progress:
-                from tqdm.auto import tqdm
-
-                it = tqdm(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
+                it = progress_bar(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
             for _, row in it:
                 sid = str(row["slide_id"])
                 try:
@@ -386,9 +385,7 @@ def _bootstrap_records(
     out = []
     items: Any = probs_by.items()
     if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
+        items = progress_bar(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
     for (method, cohort, split, pname), by_seed in items:
         ys = [y for y, _ in by_seed.values()]
         if not ys or len(ys[0]) == 0 or any(not np.array_equal(ys[0], y) for y in ys[1:]):
@@ -521,6 +518,36 @@ def _tiler_config(tiling: Any, mpp: float | None) -> Any:
     return TilerConfig(**kw)
 
 
+def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
+    """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
+
+    ``tiling`` is what the checkpoint saved: the training stores' own settings (a dict), or an
+    older checkpoint's config section, of which only the fields it sets are compared.
+    """
+    from wsi_pipeline.data.bags import store_settings
+
+    keys = ("method", "tile_size", "min_foreground", "mpp_target")
+    want = {k: (tiling.get(k) if isinstance(tiling, dict) else getattr(tiling, k, None)) for k in keys}
+    want = {k: v for k, v in want.items() if v is not None}
+    odd = []
+    for path in stores:
+        got = store_settings(path)
+        if got is None:
+            continue
+        diff = [f"{k} {got.get(k)} (model: {v})" for k, v in want.items()
+                if not (got.get(k) == v or (isinstance(v, float) and isinstance(got.get(k), float) and abs(got[k] - v) < 1e-9))]
+        if diff:
+            odd.append(f"{path.name}: {', '.join(diff)}")
+    if not odd:
+        return
+    msg = (f"{len(odd)} store(s) were tiled unlike the model's training data ({'; '.join(odd[:4])}"
+           f"{' ...' if len(odd) > 4 else ''}); the model would see another tile size or resolution")
+    if not allow:
+        raise ValueError(msg + ". Pass the slide files instead (they are tiled with the model's settings), "
+                         "or --allow-other-tiling to score these stores anyway")
+    log.warning(msg)
+
+
 def _store_folder(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.zarr") if p.is_dir())
 
@@ -539,6 +566,7 @@ def predict_slides(
     heatmap_mode: str = "rank",
     seed: int = 0,
     progress: bool = True,
+    allow_other_tiling: bool = False,
     cluster: Any = None,
     retries: int = 2,
 ) -> PredictSummary:
@@ -558,6 +586,9 @@ def predict_slides(
     mpp : um/px to assume for slides whose files lack it.
     heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
     seed : seed of the subsample protocols.
+    allow_other_tiling : score a folder of stores tiled with other settings than the model's
+        training stores (tile size, resolution, method, thresholds) with a warning instead of
+        refusing it.
     cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
         embedding and scoring stay in this process.
     """
@@ -579,6 +610,7 @@ def predict_slides(
     if stores:
         tiles_dir = src
         ids = [p.name[: -len(".zarr")] for p in stores]
+        _check_store_settings(stores, model.tiling, allow=allow_other_tiling)
     else:
         from wsi_pipeline.tiling.runner import tile_cohort
 
@@ -603,9 +635,7 @@ def predict_slides(
     bs = int(batch_size or getattr(model.method, "chunk_size", 64) or 64)
     it: Any = ids
     if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(ids, desc="predicting", unit="slide")
+        it = progress_bar(ids, desc="predicting", unit="slide")
     for sid in it:
         try:
             store = open_store(store_path(tiles_dir, sid))

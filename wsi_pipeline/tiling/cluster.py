@@ -390,7 +390,8 @@ def map_slides(
     ``items``; an item whose task raised (or whose workers kept dying) gets the exception instead.
     """
     from distributed import as_completed
-    from tqdm.auto import tqdm
+
+    from wsi_pipeline.progress import progress_bar
 
     with _client_for(cluster, workers=workers, retries=retries) as client:
         extra: tuple[Any, ...] = ()
@@ -401,7 +402,7 @@ def map_slides(
                    for i, item in enumerate(items)]
         where = {f.key: i for i, f in enumerate(futures)}
         results: list[Any] = [None] * len(items)
-        with tqdm(total=len(items), unit="slide", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+        with progress_bar(total=len(items), unit="slide", desc=desc, enabled=progress) as bar:
             try:
                 for fut in as_completed(futures):
                     i = where[fut.key]

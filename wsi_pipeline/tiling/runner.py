@@ -52,6 +52,7 @@ from wsi_pipeline.tiling.outdir import OutputDirError, check_output_dir, output_
 from wsi_pipeline.tiling.store import store_path
 from wsi_pipeline.tiling.tiler import DARK_NOTE, SlideJob, SlideResult, TilingConfig, precheck, store_matches, tile_slide
 from wsi_pipeline.tiling.worker import worker_main
+from wsi_pipeline.progress import progress_bar
 
 __all__ = [
     "REPORT_COLUMNS",
@@ -434,11 +435,9 @@ def tile_cohort(
     report_path = out / REPORT_NAME
     results: list[SlideResult | None] = [None] * len(jobs)
 
-    from tqdm.auto import tqdm
-
     locks = LockDir(out / LOCK_DIR, stale_after_s=lock_stale_s, heartbeat_s=min(heartbeat_s, lock_stale_s / 4))
     report_locks = LockDir(out / LOCK_DIR, stale_after_s=60.0, heartbeat_s=30.0)
-    bar = tqdm(total=len(jobs), unit="slide", desc="tiling", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(jobs), unit="slide", desc="tiling", enabled=progress)
     tiles_done = 0
     n_failed = 0
     last_write = 0.0

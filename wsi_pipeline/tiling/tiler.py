@@ -40,7 +40,7 @@ __all__ = ["METHODS", "SlideJob", "SlideResult", "TilingConfig", "precheck", "st
 logger = logging.getLogger(__name__)
 
 #: Foreground methods and their default keep thresholds (fraction of the tile).
-METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5}
+METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5, "unet": 0.5}
 #: Overview pixels per tile side (the overview is the slide at tile extent / 16).
 _OVERVIEW_PER_TILE = 16
 #: The paper's brightest foreground grey, used by ``grey_max="auto"`` when a slide shows no glass.
@@ -55,7 +55,7 @@ class TilingConfig:
 
     Attributes
     ----------
-    method : ``"greyscale"`` or ``"otsu"``.
+    method : ``"greyscale"``, ``"otsu"`` or ``"unet"`` (mask of the tissue U-Net, :mod:`wsi_pipeline.tissue_seg`).
     tile_size : T.
     min_foreground : keep a tile when its foreground fraction is at least this; None = the
         method's default (greyscale 0.6, otsu 0.5).
@@ -82,6 +82,7 @@ class TilingConfig:
     prescreen_margin : grey levels of slack in that bound.
     otsu : :class:`OtsuParams`.
     qc : write ``qc/<slide_id>.png``.
+    tissue_model : ``unet`` method: the model file (``best.pt`` of ``wsi-pipeline tissue train``); None = the shipped one.
     read_run : most tiles decoded by one ``read_region`` call.
     """
 
@@ -104,6 +105,7 @@ class TilingConfig:
     otsu: OtsuParams = field(default_factory=OtsuParams)
     qc: bool = True
     read_run: int = 32
+    tissue_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -157,6 +159,11 @@ class TilingConfig:
             p.update(grey_min=int(self.grey_min), grey_max=self.grey_max if self.grey_max == "auto" else int(self.grey_max))
             if self.grey_max == "auto":
                 p.update(grey_auto_margin=int(self.grey_auto_margin))
+        elif self.method == "unet":
+            from wsi_pipeline.slides.fingerprint import slide_fingerprint
+            from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
+
+            p.update(tissue_model_fingerprint=slide_fingerprint(resolve_tissue_model(self.tissue_model)))
         else:
             p.update(otsu=asdict(self.otsu))
         return p
@@ -469,6 +476,8 @@ def _tile_open_slide(
         needed = f"--mpp-target {config.mpp_target:g}"
     elif config.method == "otsu":
         needed = "the otsu method (its sizes are in um^2)"
+    elif config.method == "unet":
+        needed = "the unet method (its model works at a fixed um/px)"
     mpp, mpp_source = resolve_mpp(
         slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, force_mpp=config.mpp_force,
         slide_id=job.slide_id, path=str(slide.path), needed_for=needed,
@@ -507,6 +516,13 @@ def _tile_open_slide(
         coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
         otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
         candidates = otsu_fg >= thr - 1e-9
+    elif config.method == "unet":
+        from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
+
+        mask, ds_mask, attrs_extra["unet_info"] = unet_tissue_mask(slide, float(mpp), config.tissue_model)
+        coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
+        otsu_fg = box_mean(mask.astype(np.float32), ds_mask, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        candidates = otsu_fg >= thr - 1e-9
     elif config.prescreen and thr > 0:
         candidates = prescreen_candidates(
             overview, ds_over, grid, grey_max=grey_max, min_foreground=thr, margin=config.prescreen_margin
@@ -541,7 +557,7 @@ def _tile_open_slide(
     if config.method == "greyscale":
         attrs.update(grey_min=int(config.grey_min), grey_max=int(grey_max), grey_max_rule=str(config.grey_max),
                      prescreen=bool(config.prescreen and thr > 0))
-    else:
+    elif config.method == "otsu":
         attrs.update(otsu=asdict(config.otsu))
     writer = StoreWriter(
         store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,

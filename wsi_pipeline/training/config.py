@@ -397,15 +397,24 @@ class AggregatorConfig:
 
 @dataclass(frozen=True)
 class BiglConfig:
-    """Big-Layers: residual stages run as Big-Layers after the stem, and the device chunk size in elements."""
+    """Big-Layers: residual stages run as Big-Layers after the stem, and the device chunk size in elements.
+
+    ``embed_budget_mib``: validation and evaluation embed with the plain encoder on the device when
+    one call's estimated activations fit this many MiB, through Big-Layers otherwise
+    (:class:`wsi_pipeline.bigl.EmbeddingEncoder`); None: half the CUDA device's memory, no limit
+    on the CPU.
+    """
 
     stages: int = 1
     max_elements: int = 2**27
+    embed_budget_mib: float | None = None
 
     def __post_init__(self) -> None:
         if self.stages < 0:
             raise ValueError(f"bigl.stages={self.stages}; expected >= 0")
         _positive("bigl.max_elements", self.max_elements)
+        if self.embed_budget_mib is not None and not self.embed_budget_mib >= 0:
+            raise ValueError(f"bigl.embed_budget_mib={self.embed_budget_mib}; expected MiB >= 0 or null (device default)")
 
 
 @dataclass(frozen=True)
