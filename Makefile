@@ -18,7 +18,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-tissue clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue clean
 
 install: $(STAMP)
 
@@ -84,6 +84,9 @@ bench-eval: install
 
 bench-decode: install
 	$(BIN)/python -m wsi_pipeline.bench.decode $(ARGS)
+
+bench-scale: install
+	$(BIN)/python -m wsi_pipeline.bench.scale $(ARGS)
 
 bench-tissue: install
 	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)

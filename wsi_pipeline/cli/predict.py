@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+
 __all__ = ["register", "run"]
 
 
@@ -41,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
     p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                    help="no progress bars or progress lines (--quiet is the old name)")
+    add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 
 
@@ -53,11 +56,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
         return 2
     try:
+        cluster = cluster_from_args(args)
         s = predict_slides(
             args.model, args.slides, args.out,
             protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
-            progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling,
+            progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling, cluster=cluster, retries=args.retries,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

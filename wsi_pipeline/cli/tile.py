@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
+
 __all__ = ["register", "run"]
 
 
@@ -103,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="several runs may share one --out: each slide is tiled under a lock (<out>/.locks) that its run "
                         "refreshes every 30 s; a lock whose run is gone (same host) or not refreshed for S seconds "
                         "(another host) is taken over")
+    add_cluster_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -125,9 +128,11 @@ def run(args: argparse.Namespace) -> int:
         )
         if args.workers is not None and args.workers < 0:
             raise ValueError(f"--workers {args.workers} must be >= 0")
+        cluster, shard = cluster_from_args(args), shard_from_args(args)
         source = args.slides if args.slides is not None else args.manifest
         report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite,
-                             progress=not args.no_progress, lock_stale_s=args.lock_stale_after)
+                             progress=not args.no_progress, lock_stale_s=args.lock_stale_after,
+                             cluster=cluster, retries=args.retries, shard=shard)
     except (ValueError, FileNotFoundError, ManifestError, TimeoutError) as err:
         print(f"wsi-pipeline tile: error: {err}", file=sys.stderr)
         return 2

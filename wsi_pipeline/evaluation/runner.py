@@ -567,6 +567,8 @@ def predict_slides(
     seed: int = 0,
     progress: bool = True,
     allow_other_tiling: bool = False,
+    cluster: Any = None,
+    retries: int = 2,
 ) -> PredictSummary:
     """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
 
@@ -587,6 +589,8 @@ def predict_slides(
     allow_other_tiling : score a folder of stores tiled with other settings than the model's
         training stores (tile size, resolution, method, thresholds) with a warning instead of
         refusing it.
+    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
+        embedding and scoring stay in this process.
     """
     import json
 
@@ -611,7 +615,8 @@ def predict_slides(
         from wsi_pipeline.tiling.runner import tile_cohort
 
         tiles_dir = out / "tiles"
-        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress)
+        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+                             cluster=cluster, retries=retries)
         ids = []
         for r in report.results:
             slide_paths[r.slide_id] = r.path
