@@ -488,6 +488,8 @@ class PredictSummary:
     heatmaps_dir: Path | None = None
     tiles_dir: Path | None = None
     seconds: float = 0.0
+    stain_checks: dict[str, Any] = field(default_factory=dict)  # slide_id -> StainCheck against the training tiles
+    stain_reference_source: str | None = None
 
 
 def _tiler_config(tiling: Any, mpp: float | None) -> Any:
@@ -519,6 +521,35 @@ def _tiler_config(tiling: Any, mpp: float | None) -> Any:
     if mpp is not None:
         kw["mpp"] = float(mpp)
     return TilerConfig(**kw)
+
+
+#: Columns ``predict`` adds after the evaluation's predictions columns.
+PREDICT_EXTRA_COLUMNS = ("stain_distance", "off_distribution")
+
+
+def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
+    """The model's stain reference and where it came from.
+
+    Saved in the checkpoint since training records it; for an older checkpoint, computed now from
+    the training stores its config names when they are still on disk; else ``(None, None)``.
+    """
+    if model.stain_reference:
+        return model.stain_reference, f"checkpoint {model.checkpoint}"
+    try:
+        from wsi_pipeline.data.bags import slides_for_split
+        from wsi_pipeline.data.stain_stats import stain_reference
+        from wsi_pipeline.manifests.schema import read_manifest
+
+        cfg = model.config
+        manifest = read_manifest(cfg.data.manifest, n_classes=int(model.n_classes))
+        from wsi_pipeline.tiling.store import is_complete
+
+        train = [s for s in slides_for_split(manifest, "train", cfg.data.tiles_dir) if is_complete(s.store)]
+        ref = stain_reference(train) if train else None
+    except (FileNotFoundError, ValueError, OSError, KeyError) as e:
+        log.info("no stain reference: the checkpoint has none and the training stores cannot be read (%s)", e)
+        return None, None
+    return (ref, f"training stores under {cfg.data.tiles_dir}") if ref else (None, None)
 
 
 def _store_folder(path: Path) -> list[Path]:
@@ -556,8 +587,16 @@ def predict_slides(
     mpp : um/px to assume for slides whose files lack it.
     heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
     seed : seed of the subsample protocols.
+
+    Every slide's tiles are also compared with the training tiles' stain summary
+    (:mod:`wsi_pipeline.data.stain_stats`; saved in the checkpoint, or for older checkpoints
+    computed from the training stores when they exist): ``predictions.csv`` gets the columns
+    ``stain_distance`` and ``off_distribution`` (empty when no summary is available), and a slide
+    beyond the threshold is logged as a warning. It is still predicted.
     """
     import json
+
+    from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features
 
     from wsi_pipeline.training.checkpoint import load_trained_model
 
@@ -596,6 +635,10 @@ def predict_slides(
     hm_dir = out / "heatmaps" if heatmaps else None
     summary.heatmaps_dir = hm_dir
     bs = int(batch_size or getattr(model.method, "chunk_size", 64) or 64)
+    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
+    if stain_ref is None:
+        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
+                    "slides are not checked for being off-distribution")
     it: Any = ids
     if progress:
         from tqdm.auto import tqdm
@@ -611,19 +654,31 @@ def predict_slides(
             summary.failed.append((sid, "the tile store has no tiles"))
             continue
         row = pd.Series({"slide_id": sid, "path": slide_paths.get(sid) or store.attrs.get("slide_path", "")})
+        stain: dict[str, Any] = {"stain_distance": None, "off_distribution": None}
+        if stain_ref is not None:
+            chk = compare_to_reference(store_tile_features(store, int(stain_ref.get("max_tiles_per_slide", 64))), stain_ref)
+            summary.stain_checks[sid] = chk
+            stain = {"stain_distance": round(chk.distance, 3), "off_distribution": chk.off_distribution}
+            if chk.off_distribution:
+                log.warning("slide %s looks unlike the training tiles (%s); predicted anyway, treat its result with "
+                            "caution (fluorescence or another stain on a brightfield model?)", sid, chk.describe())
         res = _score_slide(model, model.config, store, row, prots, seed=seed, batch_size=bs, device=dev,
                            heatmap_dir=hm_dir, heatmap_mode=heatmap_mode, title=f"attention, {model.method.name}")
         for pname, pred in res.preds.items():
-            summary.rows.append(prediction_row(
+            summary.rows.append({**prediction_row(
                 slide_id=sid, cohort=cohort, label=None, probs=pred.probs, prob_std=pred.prob_std, n_tiles=pred.n_tiles,
-                protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed))
+                protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain})
     out.mkdir(parents=True, exist_ok=True)
-    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes))
+    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes),
+                                            extra_columns=PREDICT_EXTRA_COLUMNS)
     info = {
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
         "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
         "tiles_dir": str(tiles_dir), "tiling": _tiler_config(model.tiling, None).output_params(),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
+        "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
+        "stain_checks": {s: {"distance": c.distance, "off_distribution": c.off_distribution, "feature": c.feature,
+                             "medians": c.medians} for s, c in summary.stain_checks.items()},
     }
     tmp = out / f".predict_info.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(info, indent=1) + "\n")
