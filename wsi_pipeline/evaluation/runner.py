@@ -28,7 +28,10 @@ the probabilities over repeats), ``metrics.json`` (metrics of each model, their 
 seeds, bootstrap 95 % intervals of the seed mean as metrics ``<metric>_ci_low``/``<metric>_ci_high``
 under seed ``"mean"``, and ``localisation_auc``; see :mod:`wsi_pipeline.export.metrics_json`),
 ``heatmaps/<slide_id>.{png,geojson}`` and ``heatmaps/<slide_id>_scores.csv`` for one model
-(the first evaluated method's first seed, or ``heatmap_method``), ``report.html``, and the
+(the method and seed with the best validation value recorded by training, i.e. the model chosen
+on validation; the first evaluated run when no run recorded one; or ``heatmap_method``'s
+seed best on validation), drawn with the ground-truth lesion outlines when the manifest has
+them, ``report.html`` (led by the model chosen on validation), and the
 resolved ``config.yaml``.
 
 Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
@@ -73,6 +76,8 @@ __all__ = [
     "localisation_auc",
     "evaluate_pipeline",
     "predict_slides",
+    "validation_scores",
+    "best_on_validation",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,6 +166,58 @@ def _lesion_fraction(row: pd.Series, store: TileStore, extent: float) -> np.ndar
     return None
 
 
+def _lesion_outline(row: pd.Series, store: TileStore, extent: float, level0: tuple[int, int], shape: tuple[int, int]) -> np.ndarray | None:
+    """The slide's ground-truth lesions on the thumbnail's grid (bool (h, w)), or None without truth.
+
+    From the manifest's ``lesion_mask`` + ``mask_downsample``, else from a store's ``lesion``
+    array (tiles at least half lesion).
+    """
+    from wsi_pipeline.export.heatmap import mask_to_thumbnail, tile_rects
+
+    mask_path = row.get("lesion_mask")
+    if isinstance(mask_path, str) and mask_path and os.path.isfile(mask_path):
+        from wsi_pipeline.synthetic.truth import read_mask
+
+        ds = float(row.get("mask_downsample", 1.0) or 1.0)
+        return mask_to_thumbnail(read_mask(mask_path), ds, level0, shape)
+    if "lesion" in store.group:
+        pos = store.array("lesion").astype(np.float64).reshape(-1) >= 0.5
+        h, w = shape
+        x0, y0, x1, y1 = tile_rects(store.coords[pos], extent, (w / level0[0], h / level0[1]), shape)
+        out = np.zeros(shape, bool)
+        for a, b, c, d in zip(x0, y0, x1, y1):
+            out[b:d, a:c] = True
+        return out
+    return None
+
+
+def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, int], tuple[str, float]]:
+    """``{(method, seed): (select metric, best validation value)}`` from each finished run's ``done`` record.
+
+    Runs without a finite recorded value (no validation split) are left out.
+    """
+    import json
+
+    out = {}
+    for method, seed, run_dir in runs:
+        try:
+            rec = json.loads((Path(run_dir) / "done").read_text() or "{}")
+        except (OSError, ValueError):
+            continue
+        v = rec.get("best_value") if isinstance(rec, dict) else None
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            out[(method.name, int(seed))] = (str(rec.get("select_metric", "")), float(v))
+    return out
+
+
+def best_on_validation(scores: dict[tuple[str, int], tuple[str, float]]) -> tuple[str, int] | None:
+    """The (method, seed) with the best validation value (lowest for a ``loss`` metric); ties: the first."""
+    if not scores:
+        return None
+    sign = lambda k: -scores[k][1] if scores[k][0] == "loss" else scores[k][1]  # noqa: E731
+    return max(scores, key=sign)
+
+
 def _label(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
@@ -216,7 +273,8 @@ def evaluate_pipeline(
     device : ``auto``, ``cpu``, ``cuda``...
     batch_size : tiles per encoder call (default: each method's ``chunk_size``).
     heatmaps : write per-slide heatmaps, scores CSV and GeoJSON for one model.
-    heatmap_method : method whose first finished seed makes the heatmaps (default: the first).
+    heatmap_method : method whose seed best on validation makes the heatmaps (default: the
+        method and seed best on validation across all runs; see the module docstring).
     heatmap_mode : ``rank`` (default), ``minmax`` or ``raw``.
     n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
     results_dir : default ``<config.results_dir>/<config.name>``.
@@ -252,8 +310,14 @@ def evaluate_pipeline(
         )
     protocols = parse_protocols(config.eval.protocols)
     dev = _resolve_device(device)
-    hm_method = heatmap_method or runs[0][0].name
-    hm_run = next(((m.name, s) for m, s, _ in runs if m.name == hm_method), None)
+    # heatmaps of the model chosen on validation (never on the test slides), unless one is asked for
+    val_scores = validation_scores(runs)
+    best_val = best_on_validation(val_scores)
+    if heatmap_method:  # that method's seed best on validation, else its first finished seed
+        hm_run = best_on_validation({k: v for k, v in val_scores.items() if k[0] == heatmap_method})
+        hm_run = hm_run or next(((m.name, s) for m, s, _ in runs if m.name == heatmap_method), None)
+    else:
+        hm_run = best_val or (runs[0][0].name, runs[0][1])
     if heatmap_method and hm_run is None:
         raise ValueError(f"heatmap_method {heatmap_method!r} has no finished run; finished: {sorted({m.name for m, _, _ in runs})}")
 
@@ -308,7 +372,8 @@ def evaluate_pipeline(
                     loc.append(res.localisation)
                 if res.heatmap is not None:
                     gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab, "png": res.heatmap,
-                                    "probs": res.preds[protocols[0].name].probs})
+                                    "probs": res.preds[protocols[0].name].probs, "localisation": res.localisation,
+                                    "outline": res.outlined})
             y = np.asarray(labels, dtype=np.int64)
             for p in protocols:
                 recs, P = _protocol_records(method.name, seed, es, p, y, preds[p.name], n_classes)
@@ -343,7 +408,8 @@ def evaluate_pipeline(
     summary.files.append(write_report(
         out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
         n_classes=n_classes, gallery=gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
-        protocols=[p.name for p in protocols],
+        protocols=[p.name for p in protocols], validation=val_scores,
+        heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(best_val and not heatmap_method),
     ))
     summary.seconds = time.perf_counter() - t0
     return summary
@@ -406,6 +472,7 @@ class _SlideResult:
     preds: dict[str, SlidePrediction]
     localisation: float | None
     heatmap: Path | None
+    outlined: bool = False  # ground-truth lesions drawn on the heatmap
 
 
 def _score_slide(
@@ -459,17 +526,21 @@ def _score_slide(
         if frac is not None:
             loc = localisation_auc(att, frac)
     png = None
+    outlined = False
     if heatmap_dir is not None and att is not None:
         from wsi_pipeline.export.slide_outputs import write_slide_outputs
 
         if builder is not None:
             thumb, level0 = builder.image, builder.level0_size
+        outline = _lesion_outline(row, store, extent, level0, thumb.shape[:2])
         outs = write_slide_outputs(
             heatmap_dir, str(row["slide_id"]), thumbnail=thumb, level0_size=level0, coords=store.coords, grid=store.grid,
             tile_extent=extent, attention=att, instance_scores=any_pred.instance_scores, mode=heatmap_mode, title=title,
+            outline=outline,
         )
         png = outs.png
-    return _SlideResult(preds=preds, localisation=loc, heatmap=png)
+        outlined = outline is not None and bool(outline.any())
+    return _SlideResult(preds=preds, localisation=loc, heatmap=png, outlined=png is not None and outlined)
 
 
 # ----------------------------------------------------------------------------------------------
