@@ -116,6 +116,12 @@ def test_report_leads_with_the_model_chosen_on_validation(tmp_path):
     assert re.search(r'<tr class="best"><td class="m">e2e</td><td>0\.975 ± 0\.007', loc)
     assert "localisation AUC 0.932" in text and "lesions outlined" in text
     assert "(chosen on validation)" in text
+    # heatmaps of another method asked for: the page still names the model chosen on validation
+    out = write_report(tmp_path / "r2.html", pipeline="p", predictions=pred, metrics_path=mpath, n_classes=2,
+                       gallery=gallery, protocols=["all"], validation=val, heatmap_run=("bigl", 0))
+    text = re.sub(r"<[^>]+>", " ", out.read_text())
+    assert "Model chosen on validation:  e2e seed 1" in text and "heatmaps below: bigl seed 0, as requested" in text
+    assert "bigl seed 0  (as requested)" in text
 
 
 def test_rank_methods_orders_by_validation_and_keeps_the_rest():

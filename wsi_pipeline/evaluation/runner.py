@@ -65,6 +65,7 @@ from wsi_pipeline.evaluation.metrics import METRICS, bootstrap_interval, compute
 from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
+from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.tiling.store import TileStore, open_store, store_path
 
 __all__ = [
@@ -208,14 +209,6 @@ def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, 
         if isinstance(v, (int, float)) and math.isfinite(v):
             out[(method.name, int(seed))] = (str(rec.get("select_metric", "")), float(v))
     return out
-
-
-def best_on_validation(scores: dict[tuple[str, int], tuple[str, float]]) -> tuple[str, int] | None:
-    """The (method, seed) with the best validation value (lowest for a ``loss`` metric); ties: the first."""
-    if not scores:
-        return None
-    sign = lambda k: -scores[k][1] if scores[k][0] == "loss" else scores[k][1]  # noqa: E731
-    return max(scores, key=sign)
 
 
 def _label(v: Any) -> int | None:

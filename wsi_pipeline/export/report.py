@@ -34,7 +34,7 @@ from PIL import Image
 from wsi_pipeline.evaluation.metrics import BOOTSTRAP_MAX_REPEATS
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
 
-__all__ = ["write_report", "rank_methods", "roc_svg", "confusion_svg"]
+__all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
 _TABLE_METRICS = ("qwk", "accuracy", "balanced_accuracy", "auc")  # graded tasks: QWK first (PANDA)
@@ -70,6 +70,13 @@ def _validation_by_method(validation: Mapping[tuple[str, int], tuple[str, float]
         v = np.asarray([x for _, x in vals], np.float64)
         out[meth] = (vals[0][0], float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else math.nan, len(v))
     return out
+
+
+def best_on_validation(scores: Mapping[tuple[str, int], tuple[str, float]]) -> tuple[str, int] | None:
+    """The (method, seed) with the best validation value (lowest for a ``loss`` metric); ties: the first."""
+    if not scores:
+        return None
+    return max(scores, key=lambda k: -scores[k][1] if scores[k][0] == "loss" else scores[k][1])
 
 
 def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tuple[str, float]]) -> list[str]:
@@ -145,21 +152,24 @@ def _localisation_table(records: Sequence[MetricRecord], methods: Sequence[str],
 
 
 def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str, n_classes: int,
-             validation: Mapping[tuple[str, int], tuple[str, float]], chosen: tuple[str, int] | None) -> str:
-    """The page's lead: the model chosen on validation and one row per method, best on validation first."""
+             validation: Mapping[tuple[str, int], tuple[str, float]], chosen: tuple[str, int] | None,
+             shown: tuple[str, int] | None) -> str:
+    """The page's lead: the model chosen on validation (``chosen``), whose heatmaps are ``shown``,
+    and one row per method, best on validation first."""
     look = _lookup(records)
     sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
     headline = "qwk" if n_classes > 2 else "auc"
     val = _validation_by_method(validation)
     has_loc = any(r.metric == "localisation_auc" for r in records)
     parts = []
-    if chosen is not None and chosen in validation:
+    if chosen is not None:
         metric, value = validation[chosen]
         parts.append(f"<p>Model chosen on validation: <b>{html.escape(chosen[0])} seed {chosen[1]}</b> "
                      f"(validation {html.escape(metric)} {_fmt(value)}, the best of {len(validation)} run(s)); "
-                     "its attention heatmaps are shown below.</p>")
-    elif chosen is not None:
-        parts.append(f"<p>No run recorded a validation value; heatmaps of <b>{html.escape(chosen[0])} seed {chosen[1]}</b>.</p>")
+                     + ("its attention heatmaps are shown below.</p>" if shown == chosen else
+                        f"heatmaps below: {html.escape(shown[0])} seed {shown[1]}, as requested.</p>" if shown else "no heatmaps drawn.</p>"))
+    elif shown is not None:
+        parts.append(f"<p>No run recorded a validation value; heatmaps of <b>{html.escape(shown[0])} seed {shown[1]}</b>.</p>")
     metric_name = next(iter(val.values()))[0] if val else "metric"
     head = (f"<th rowspan=2>method</th><th rowspan=2>validation {html.escape(metric_name)}</th>"
             + "".join(f'<th colspan="{1 + has_loc}">{html.escape(c)} ({html.escape(s)})</th>' for c, s in sets))
@@ -365,7 +375,7 @@ def write_report(
     methods = rank_methods(list(dict.fromkeys(r.method for r in records)), validation)
     if heatmap_model is None and heatmap_run is not None:
         heatmap_model = f"{heatmap_run[0]} seed {heatmap_run[1]}"
-    chosen = heatmap_run if heatmap_chosen_on_validation else None
+    best = best_on_validation(validation)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     from wsi_pipeline import __version__
 
@@ -383,12 +393,13 @@ def write_report(
         "repeats (mean over seeds). ROC curves and confusion matrices of a subsample protocol use the probabilities "
         "averaged over repeats.</p>",
         "<h2>Summary</h2>",
-        _summary(records, methods, prots[0] if prots else "all", n_classes, validation, chosen or heatmap_run),
+        _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
     ]
     loc_table = _localisation_table(records, methods, heatmap_run[0] if heatmap_run else None)
     body.append("<h2>Heatmaps and localisation</h2>")
     if heatmap_model:
-        how = "chosen on validation" if heatmap_chosen_on_validation else "as requested"
+        how = ("chosen on validation" if heatmap_chosen_on_validation else
+               "as requested" if validation else "no run recorded a validation value")
         body.append(f'<p class="note">Attention of <b>{html.escape(heatmap_model)}</b> ({how}) over each slide (all tiles), '
                     "colour = per-slide rank unless stated in the image; ground-truth lesions, when known, are outlined "
                     "in black. Click an image for the full-size PNG; <code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
