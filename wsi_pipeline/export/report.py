@@ -48,6 +48,7 @@ td.m{text-align:left;font-weight:600}.ci{color:#777;font-size:11px}.note{color:#
 .grid{display:flex;flex-wrap:wrap;gap:12px}.card{border:1px solid #ddd;padding:6px;font-size:12px;max-width:490px}
 .card img{max-width:480px;display:block}
 tr.best td{background:#fff8d6}.side{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
+.side>.loc{flex:0 0 auto;max-width:440px}.side>.gal{flex:1 1 500px}
 """
 
 
@@ -144,7 +145,7 @@ def _localisation_table(records: Sequence[MetricRecord], methods: Sequence[str],
         rows.append(f'<tr{cls}><td class="m">{html.escape(meth)}</td>{cells}</tr>')
     head = "".join(f"<th>{html.escape(c)} ({html.escape(s)})</th>" for c, s in sets)
     return (
-        "<div><h3>Localisation AUC per method</h3><p class=note>Tile attention vs. ground-truth lesion: per-slide ROC AUC, "
+        "<div class=loc><h3>Localisation AUC per method</h3><p class=note>Tile attention vs. ground-truth lesion: per-slide ROC AUC, "
         "mean over slides with both kinds of tile; mean ± std over seeds. Best on validation first"
         f"{'; highlighted: the method whose heatmaps are shown' if highlight else ''}.</p>"
         f"<table><tr><th>method</th>{head}</tr>{''.join(rows)}</table></div>"
@@ -403,7 +404,7 @@ def write_report(
         body.append(f'<p class="note">Attention of <b>{html.escape(heatmap_model)}</b> ({how}) over each slide (all tiles), '
                     "colour = per-slide rank unless stated in the image; ground-truth lesions, when known, are outlined "
                     "in black. Click an image for the full-size PNG; <code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
-    body.append(f'<div class=side><div>{_gallery(gallery, path.parent, gallery_size)}</div>{loc_table}</div>')
+    body.append(f'<div class=side>{loc_table}<div class=gal>{_gallery(gallery, path.parent, gallery_size)}</div></div>')
     body += ["<h2>Metrics</h2>", _metric_tables(records, prots, n_classes, methods)]
     if len(pred):
         first = prots[0]
