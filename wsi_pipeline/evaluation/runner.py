@@ -688,8 +688,8 @@ def predict_slides(
             slide_paths[r.slide_id] = r.path
             if r.status in ("ok", "skipped") and r.n_tiles > 0:
                 ids.append(r.slide_id)
-            elif r.status in ("ok", "skipped"):
-                summary.failed.append((r.slide_id, "no tissue tiles found (check the slide, or lower min_foreground)"))
+            elif r.status in ("ok", "skipped"):  # the tiler's note says why (e.g. a dark background) when it knows
+                summary.failed.append((r.slide_id, r.note or "no tissue tiles found (check the slide, or lower min_foreground)"))
             else:
                 summary.failed.append((r.slide_id, f"tiling failed: {r.error}"))
     summary.tiles_dir = tiles_dir
