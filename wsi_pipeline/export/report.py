@@ -48,7 +48,7 @@ td.m{text-align:left;font-weight:600}.ci{color:#777;font-size:11px}.note{color:#
 .grid{display:flex;flex-wrap:wrap;gap:12px}.card{border:1px solid #ddd;padding:6px;font-size:12px;max-width:490px}
 .card img{max-width:480px;display:block}
 tr.best td{background:#fff8d6}.side{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
-.side>.loc{flex:0 0 auto;max-width:440px}.side>.gal{flex:1 1 500px}
+.side>.loc{flex:0 0 auto;max-width:400px}.side>.gal{flex:1 1 500px}.gal .card{max-width:410px}.gal .card img{max-width:400px}
 """
 
 
