@@ -104,6 +104,9 @@ def test_report_leads_with_the_model_chosen_on_validation(tmp_path):
     for table in re.findall(r"<table>.*?</table>", page)[:3]:
         names = re.findall(r'<td class="m">([a-z0-9_]+)', table)
         assert names == ["e2e", "bigl", "frozen"], names
+    # ROC legend and confusion matrices in the same order
+    assert [page.index(f">{m} s0<") for m in ("e2e", "bigl", "frozen")] == sorted(page.index(f">{m} s0<") for m in ("e2e", "bigl", "frozen"))
+    assert [page.index(f">{m}, internal<") for m in ("e2e", "bigl", "frozen")] == sorted(page.index(f">{m}, internal<") for m in ("e2e", "bigl", "frozen"))
     # the summary's validation cell is the seed mean +- sample std of the recorded values
     assert f"{np.mean([0.90, 0.98]):.3f} ± {np.std([0.90, 0.98], ddof=1):.3f}" in page
     # every metric the terminal prints is in the metrics table, QWK included, with its value

@@ -250,14 +250,20 @@ def confusion_svg(cm: np.ndarray, *, title: str = "", cell: int = 34) -> str:
     return "".join(els)
 
 
-def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
+def _ordered(present: Sequence[str], order: Sequence[str] | None) -> list[str]:
+    """``present`` methods in ``order`` (best on validation first), any others after them."""
+    order = [m for m in (order or []) if m in set(present)]
+    return order + [m for m in present if m not in order]
+
+
+def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Sequence[str] | None = None) -> str:
     from sklearn.metrics import roc_curve
 
     df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
     if df.empty:
         return '<p class="note">No labelled slides: no ROC curves.</p>'
     out = []
-    methods = list(dict.fromkeys(df["method"]))
+    methods = _ordered(list(dict.fromkeys(df["method"])), order)
     for cohort in dict.fromkeys(df["cohort"]):
         d = df[df["cohort"] == cohort]
         curves = []
@@ -287,13 +293,13 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
     return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else '<p class="note">ROC undefined (one class per cohort).</p>'
 
 
-def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
+def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Sequence[str] | None = None) -> str:
     from wsi_pipeline.evaluation.metrics import confusion
 
     df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
     out = []
     for cohort in dict.fromkeys(df["cohort"]):
-        for meth in dict.fromkeys(df["method"]):
+        for meth in _ordered(list(dict.fromkeys(df["method"])), order):
             g = df[(df["cohort"] == cohort) & (df["method"] == meth)]
             if g.empty:
                 continue
@@ -408,9 +414,9 @@ def write_report(
     body += ["<h2>Metrics</h2>", _metric_tables(records, prots, n_classes, methods)]
     if len(pred):
         first = prots[0]
-        body += [f"<h2>ROC curves (protocol <code>{html.escape(first)}</code>)</h2>", _roc_section(pred, n_classes, first)]
+        body += [f"<h2>ROC curves (protocol <code>{html.escape(first)}</code>)</h2>", _roc_section(pred, n_classes, first, methods)]
         body += [f"<h2>Confusion matrices (protocol <code>{html.escape(first)}</code>, counts over seeds)</h2>",
-                 _confusion_section(pred, n_classes, first)]
+                 _confusion_section(pred, n_classes, first, methods)]
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
     path.parent.mkdir(parents=True, exist_ok=True)
