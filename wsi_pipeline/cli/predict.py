@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "foreground threshold), embed each slide once, aggregate, and write <out>/predictions.csv plus "
             "<out>/heatmaps/<slide_id>.png (attention over the thumbnail), .geojson (opens in QuPath) and "
             "_scores.csv. A folder of <slide_id>.zarr tile stores is used as it is, without tiling. "
-            "No labels are needed."
+            "No labels are needed. Each slide's stain colour and intensity are compared with the training tiles': "
+            "slides far outside them are flagged (columns stain_distance and off_distribution, and a warning) "
+            "but still predicted."
         ),
     )
     p.add_argument("--model", required=True, metavar="RUN_OR_CHECKPOINT",
@@ -73,7 +75,15 @@ def run(args: argparse.Namespace) -> int:
         show = df[["slide_id", "protocol", "n_tiles", "pred"]].copy()
         show["p(pred)"] = ["{:.3f}".format(r["prob_" + str(int(r["pred"]))]) for r in s.rows]
         show["probs"] = [" ".join(f"{v:.3f}" for v in r) for r in df[probs].to_numpy()]
+        if s.stain_checks:  # distance of the slide's stain from the training tiles'
+            show["stain"] = [("OFF {:.1f}" if r["off_distribution"] else "ok {:.1f}").format(r["stain_distance"])
+                             if r["stain_distance"] is not None else "-" for r in s.rows]
         print(show.to_string(index=False))
+    off = sorted(sid for sid, c in s.stain_checks.items() if c.off_distribution)
+    if off:
+        print(f"\n{len(off)} slide(s) look unlike the model's training tiles (stain distance > "
+              f"{s.stain_checks[off[0]].threshold:g}; off_distribution in predictions.csv): {', '.join(off)}. "
+              "They were predicted anyway; do not trust those predictions without checking the slides.")
     for sid, why in s.failed:
         print(f"  not predicted: {sid}: {why}")
     print(f"\nOutputs in {s.out_dir}/")

@@ -81,6 +81,7 @@ class RunPlan:
     runs: list[tuple[MethodConfig, int, Path]]
     finished: list[Path]
     tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
+    stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -344,6 +345,10 @@ def train_pipeline(
                     config, method, plan, distributed.device_for(resolve_device(device or method.train.device)), progress)
             distributed.barrier()
             features[method.name] = Path(frozen_features_dir(method, config.data.features_dir))
+    if plan.runs and plan.stain is None:  # for `predict`'s off-distribution check
+        from wsi_pipeline.data.stain_stats import stain_reference
+
+        plan.stain = stain_reference(plan.train)
     for method, seed, run_dir in plan.runs:
         train_run(config, method, seed, plan, features_dir=features.get(method.name), device=device, progress=progress)
     return [config.run_dir(m.name, s) for m in chosen for s in seeds]
@@ -519,7 +524,8 @@ def train_run(
         _write_csv(history, run_dir / "history.csv")
         models = {name: m.state_dict() for name, m in strategy.state_modules().items()}
         common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1,
-                  **({"tiling": plan.tiling} if plan.tiling is not None else {})}
+                  **({"tiling": plan.tiling} if plan.tiling is not None else {}),
+                  **({"stain_reference": plan.stain} if plan.stain is not None else {})}
         if improved:
             save_checkpoint(run_dir / "best.pt", {**common, "models": models, "best": best})
         save_checkpoint(last, {
