@@ -18,7 +18,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue clean
 
 install: $(STAMP)
 
@@ -65,6 +65,9 @@ demo: install
 
 # the demo for several training seeds (same cohort and tiles): mean +- sd and min per method
 SEEDS ?= 0,1,2,3,4
+readme-table: install
+	$(BIN)/python -m wsi_pipeline.readme_table $(ARGS)
+
 demo-study: install
 	$(BIN)/wsi-pipeline demo --seeds $(SEEDS) $(ARGS)
 

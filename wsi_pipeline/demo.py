@@ -203,11 +203,18 @@ def format_seed_study(table: pd.DataFrame, seeds: Sequence[int]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_text(path: Path, text: str) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+
+
+def _summary_and_readme_check(results: Path, methods: list[str], seed: int) -> None:
+    """Write ``summary.md`` (the README's table for this run) and say whether README.md agrees."""
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+    from wsi_pipeline.io_atomic import write_text_atomic
+    from wsi_pipeline.readme_table import compare_with_readme, demo_summary
+
+    summary = demo_summary(read_metrics_json(results / "metrics.json"), methods, seed)
+    path = write_text_atomic(results / "summary.md", summary)
+    print(f"\n{summary}(written to {path})")
+    print(compare_with_readme(summary, Path("README.md")))
 
 
 def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: DemoCohort = DemoCohort(),
@@ -259,12 +266,15 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
 
     with pd.option_context("display.width", 200, "display.max_columns", 50):
         print("\n" + results_table(results / "metrics.json").to_string())
+    if seeds is None:
+        _summary_and_readme_check(results, [m.name for m in config.methods], config.seeds[0])
     if seeds is not None:
         from wsi_pipeline.export.metrics_json import read_metrics_json
+        from wsi_pipeline.io_atomic import write_text_atomic
 
         study = format_seed_study(seed_study_table(read_metrics_json(results / "metrics.json"),
                                                    [m.name for m in config.methods]), config.seeds)
-        print("\n" + study + f"(written to {_write_text(results / 'seed_study.md', study)})")
+        print("\n" + study + f"(written to {write_text_atomic(results / 'seed_study.md', study)})")
     total = sum(timer.times.values())
     print("\ntime per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in timer.times.items()) + f" (total {total:.0f} s)")
     print(f"runs:        {Path(config.runs_dir) / config.name}")
