@@ -117,9 +117,9 @@ def preflight(
     train = slides_for_split(manifest, "train", config.data.tiles_dir)
     val = slides_for_split(manifest, "val", config.data.tiles_dir)
     check_stores(train + val, config.data.tiles_dir)
-    tiling = check_tiling(train + val, config.data.tiling)
     train = drop_empty(train, split="train", strict=strict)
     val = drop_empty(val, split="val", strict=strict)
+    tiling = check_tiling(train + val, config.data.tiling)
     if not train:
         raise ValueError(
             f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
