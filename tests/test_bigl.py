@@ -33,14 +33,7 @@ from wsi_pipeline.models import build_encoder
 CPU = ChunkRunner("cpu")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Chunked layers issue many small ops; on a shared 2-core machine a second intra-op
-    thread only adds synchronisation stalls (6x slower measured), so these tests use one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, what: str = "") -> None:

@@ -37,12 +37,7 @@ RESNET18_ROUNDINGS = 2 + 8 * (2 + 2 + 1)
 CONV_OPS = {torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _ConvDtypes(TorchDispatchMode):

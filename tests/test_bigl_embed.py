@@ -23,12 +23,7 @@ from wsi_pipeline.models import build_aggregator, build_encoder
 from wsi_pipeline.training.accumulate import full_step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class _HostOnlyEncoder(nn.Module):

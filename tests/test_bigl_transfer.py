@@ -23,12 +23,7 @@ from wsi_pipeline.bigl.traffic import DeviceModel, PassCost, StepTraffic, count_
 from wsi_pipeline.models import build_encoder
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _independent_bytes(plain: nn.Module, x: torch.Tensor, stages: int) -> tuple[int, int]:

@@ -27,13 +27,8 @@ from wsi_pipeline.training.patchgd import (
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These tests run many small ops; on a shared 2-core machine two intra-op threads made
-    them about 10x slower (threads waiting for each other), so they run on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _one_thread(one_thread):
+    """These tests run many small ops, one after the other: see ``one_thread`` in conftest."""
 
 
 class TinyEncoder(nn.Module):
