@@ -137,3 +137,25 @@ def test_thread_count_does_not_change_the_store_with_openslide_reads(tmp_path: P
     np.testing.assert_array_equal(stores[1].foreground, stores[4].foreground)
     np.testing.assert_array_equal(stores[1].read(), stores[4].read())
     assert len(stores[1]) == len(_reference(path, None, 0.3))
+
+
+def test_tiffslide_reads_stay_on_one_thread(tmp_path: Path) -> None:
+    """tiffslide handles are not shared between threads: one decoding thread, the writer thread beside it."""
+    path = tmp_path / "jpeg.tif"
+    _write_jpeg_tiff(path, 128)
+    cfg = TilingConfig(tile_size=T, min_foreground=0.5, qc=False, backend="tiffslide")
+    assert tile_slide(SlideJob("s", str(path), mpp=MPP), tmp_path, cfg, threads=4).status == "ok"
+    st = open_store(tmp_path / "s.zarr")
+    assert st.attrs["tile_decoder"] == "read_level" and st.attrs["level_reader"] == "tiffslide"
+    assert st.attrs["timing"]["threads"] == 1 and st.attrs["timing"]["background_write"] is True
+    lib = tifffile.imread(path, level=0)  # the stored level-0 pixels as tifffile decodes them
+    H, W = lib.shape[:2]
+    tiles = st.read()
+    assert len(tiles) > 0
+    for k, (c, r) in enumerate(st.grid.tolist()):
+        np.testing.assert_array_equal(tiles[k], lib[r * T : (r + 1) * T, c * T : (c + 1) * T])
+    kept = {tuple(v) for v in st.grid.tolist()}
+    for r in range(H // T):
+        for c in range(W // T):
+            g = cv2.cvtColor(np.ascontiguousarray(lib[r * T : (r + 1) * T, c * T : (c + 1) * T]), cv2.COLOR_RGB2GRAY)
+            assert (((g >= 3) & (g <= 230)).mean() >= 0.5) == ((c, r) in kept)

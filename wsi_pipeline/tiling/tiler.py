@@ -24,6 +24,7 @@ import shutil
 import threading
 import time
 from collections import deque
+from contextlib import closing
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -94,7 +95,7 @@ class TilingConfig:
     prescreen_margin : grey levels of slack in that bound.
     otsu : :class:`OtsuParams`.
     qc : write ``qc/<slide_id>.png``.
-    read_run : most tiles decoded by one ``read_region`` call.
+    read_run : most tiles read by one level read (one task of the decoding threads).
     """
 
     method: str = "greyscale"
@@ -416,7 +417,8 @@ def _level_source(slide: Slide, grid: TileGrid, rows_in_flight: int = 1) -> tupl
     def read_level(x: int, y: int, w: int, h: int) -> np.ndarray:
         return slide.read_level(level, (x, y), (w, h))
 
-    return read_level, None, slide.backend == "openslide"
+    # OpenSlide handles are thread-safe; a level read through tiffslide (or wsidicom) is not shared
+    return read_level, None, slide.backend == "openslide" and slide.level_reader(level) == "openslide"
 
 
 def available_cores() -> int:
@@ -734,19 +736,20 @@ def _tile_open_slide(
         return _test_run(read, grid, row, run, config, grey_max, plan.otsu_fg)
 
     try:
-        for row, run, (tiles, keep, fg, cpu) in _tested_runs(tasks, test, n_threads):
-            test_cpu += cpu
-            if not keep.any():
-                continue
-            kc = run[keep]
-            coords = grid.coords(kc, np.full(len(kc), row))
-            gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
-            sink.put(tiles, keep, coords, gridxy, fg[keep])
-            kept_coords.append(coords)
-            n_kept += len(kc)
-            if progress is not None and time.monotonic() - last_report > 0.5:
-                progress(n_kept - reported)
-                reported, last_report = n_kept, time.monotonic()
+        with closing(_tested_runs(tasks, test, n_threads)) as tested:  # closing it stops the pool on an error
+            for row, run, (tiles, keep, fg, cpu) in tested:
+                test_cpu += cpu
+                if not keep.any():
+                    continue
+                kc = run[keep]
+                coords = grid.coords(kc, np.full(len(kc), row))
+                gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
+                sink.put(tiles, keep, coords, gridxy, fg[keep])
+                kept_coords.append(coords)
+                n_kept += len(kc)
+                if progress is not None and time.monotonic() - last_report > 0.5:
+                    progress(n_kept - reported)
+                    reported, last_report = n_kept, time.monotonic()
         sink.close()
         # each tile's source origin in px of the read level (the tile formula; also derivable from grid)
         n = writer.n
