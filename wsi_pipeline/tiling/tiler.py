@@ -606,14 +606,15 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
 
 #: Runs queued per decoding thread.
 _IN_FLIGHT_PER_THREAD = 4
-#: A run's result: (tiles (k, T, T, 3), keep bool (k,), foreground float32 (k,), thread CPU s).
-_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, float]
+#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), thread CPU s); the kept
+#: tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all True).
+_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
 
 
 def _test_run(
     read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None
 ) -> _RunResult:
-    """Decode and test one run of candidate tiles: (tiles (k, T, T, 3), keep bool (k,), foreground (k,), thread CPU s)."""
+    """Decode and test one run of candidate tiles (:data:`_RunResult`)."""
     c0 = time.thread_time()
     tiles, strip = _read_run(read, grid, row, run)
     if otsu_fg is not None:
@@ -625,7 +626,39 @@ def _test_run(
         else:
             fg = tiles_foreground(tiles, config.grey_min, grey_max)
         keep = fg >= config.threshold
-    return tiles, keep, fg, time.thread_time() - c0
+    return tiles, keep, keep, fg, time.thread_time() - c0
+
+
+def _test_stored_run(
+    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None
+) -> _RunResult:
+    """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
+    the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
+    The foreground fraction is the same count of grey values in [grey_min, grey_max] over T * T."""
+    import cv2
+
+    c0 = time.thread_time()
+    T, level = grid.tile_size, grid.level
+    srcs = []
+    blank = None
+    for c in run.tolist():
+        tile = direct.stored_tile(level, int(c), int(row))
+        if tile is None:  # no stored data: the background, as DirectTiles.read fills it
+            if blank is None:
+                blank = np.empty((T, T, 3), np.uint8)
+                blank[:] = direct.background
+            tile = blank
+        srcs.append(tile[:T, :T])
+    if otsu_fg is not None:
+        fg = otsu_fg[row, run].astype(np.float32)
+        keep = np.ones(len(run), bool)
+    else:
+        lo, hi, area = int(config.grey_min), int(grey_max), float(T * T)
+        fg = np.array([cv2.countNonZero(cv2.inRange(cv2.cvtColor(src, cv2.COLOR_RGB2GRAY), lo, hi)) / area for src in srcs], np.float32)
+        keep = fg >= config.threshold
+    kept = [src for src, k in zip(srcs, keep.tolist()) if k]
+    tiles = np.stack(kept) if kept else np.zeros((0, T, T, 3), np.uint8)
+    return tiles, np.ones(len(tiles), bool), keep, fg, time.thread_time() - c0
 
 
 def _tested_runs(
@@ -732,19 +765,26 @@ def _tile_open_slide(
     test_cpu = 0.0
     tasks = [(row, run) for row in range(grid.rows) for run in _runs(np.flatnonzero(candidates[row]), config.read_run)]
 
+    # stored tiles of exactly the grid's tiles: test them as decoded (no strip copy)
+    stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
+                   and grid.level_step == (float(T), float(T)))
+
     def test(row: int, run: np.ndarray) -> _RunResult:
+        if stored_grid:
+            assert direct is not None
+            return _test_stored_run(direct, grid, row, run, config, grey_max, plan.otsu_fg)
         return _test_run(read, grid, row, run, config, grey_max, plan.otsu_fg)
 
     try:
         with closing(_tested_runs(tasks, test, n_threads)) as tested:  # closing it stops the pool on an error
-            for row, run, (tiles, keep, fg, cpu) in tested:
+            for row, run, (tiles, sel, keep, fg, cpu) in tested:
                 test_cpu += cpu
                 if not keep.any():
                     continue
                 kc = run[keep]
                 coords = grid.coords(kc, np.full(len(kc), row))
                 gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
-                sink.put(tiles, keep, coords, gridxy, fg[keep])
+                sink.put(tiles, sel, coords, gridxy, fg[keep])
                 kept_coords.append(coords)
                 n_kept += len(kc)
                 if progress is not None and time.monotonic() - last_report > 0.5:
