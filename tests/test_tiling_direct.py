@@ -121,13 +121,15 @@ def test_direct_path_is_taken_and_writes_the_read_level_store(tmp_path: Path, mo
     assert a.attrs["n_candidates"] == len(rows)
 
 
-def test_thread_count_does_not_change_the_store_with_openslide_reads(tmp_path: Path, monkeypatch) -> None:
-    """Levels read through OpenSlide are decoded by a pool of threads too; the store is the one-thread store."""
+@pytest.mark.parametrize("compression", ["zstd", "jpeg", "none"])
+def test_thread_count_does_not_change_the_store_with_openslide_reads(tmp_path: Path, monkeypatch, compression: str) -> None:
+    """Levels read through OpenSlide are decoded by a pool of threads too (which then also compress the
+    kept tiles); the store is the one-thread store, byte for byte."""
     path = tmp_path / "jpeg.tif"
     _write_jpeg_tiff(path, 96)
     monkeypatch.setattr(DirectTiles, "supports", lambda self, level: False)
     job = SlideJob("s", str(path), mpp=MPP)
-    cfg = TilingConfig(tile_size=T, min_foreground=0.3, qc=False, read_run=3)  # short runs: many tasks
+    cfg = TilingConfig(tile_size=T, min_foreground=0.3, qc=False, read_run=3, compression=compression)  # short runs: many tasks
     stores = {}
     for n in (1, 4):
         assert tile_slide(job, tmp_path / f"t{n}", cfg, threads=n).status == "ok"
@@ -136,7 +138,12 @@ def test_thread_count_does_not_change_the_store_with_openslide_reads(tmp_path: P
     np.testing.assert_array_equal(stores[1].coords, stores[4].coords)
     np.testing.assert_array_equal(stores[1].foreground, stores[4].foreground)
     np.testing.assert_array_equal(stores[1].read(), stores[4].read())
-    assert len(stores[1]) == len(_reference(path, None, 0.3))
+    files = {n: sorted(p.relative_to(tmp_path / f"t{n}") for p in (tmp_path / f"t{n}" / "s.zarr" / "tiles").rglob("*") if p.is_file())
+             for n in (1, 4)}
+    assert files[1] == files[4] and files[1]
+    for rel in files[1]:
+        assert (tmp_path / "t1" / rel).read_bytes() == (tmp_path / "t4" / rel).read_bytes(), rel
+    assert len(stores[1]) == len(_reference(path, None, 0.3))  # the kept set is decided before compression
 
 
 def test_tiffslide_reads_stay_on_one_thread(tmp_path: Path) -> None:

@@ -289,10 +289,12 @@ class _InlineWriter:
         self.writer = writer
         self.cpu_seconds = 0.0  # CPU time spent in append
 
-    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
-        """Write ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray,
+            encoded: list[Any] | None = None) -> None:
+        """Write ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already
+        selected); ``encoded``: those tiles already encoded (:attr:`StoreWriter.tile_encoder`)."""
         c0 = time.thread_time()
-        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg)
+        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg, encoded)
         self.cpu_seconds += time.thread_time() - c0
 
     def close(self) -> None:
@@ -309,7 +311,7 @@ class _BackgroundWriter:
 
     def __init__(self, writer: StoreWriter, depth: int = 8) -> None:
         self._inline = _InlineWriter(writer)
-        self._q: queue.Queue[tuple[np.ndarray, ...] | None] = queue.Queue(maxsize=depth)
+        self._q: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self.cpu_seconds = 0.0  # the writer thread's CPU time, set when it ends
         self._thread = threading.Thread(target=self._run, name="tile-writer", daemon=True)
@@ -327,11 +329,13 @@ class _BackgroundWriter:
                 except BaseException as err:  # re-raised in the main thread
                     self._error = err
 
-    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
-        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray,
+            encoded: list[Any] | None = None) -> None:
+        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already
+        selected); ``encoded``: those tiles already encoded."""
         if self._error is not None:
             raise self._error
-        self._q.put((tiles, keep, coords, grid, fg))
+        self._q.put((tiles, keep, coords, grid, fg, encoded))
 
     def close(self) -> None:
         self._q.put(None)
@@ -606,13 +610,25 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
 
 #: Runs queued per decoding thread.
 _IN_FLIGHT_PER_THREAD = 4
-#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), thread CPU s); the kept
-#: tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all True).
-_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, float]
+#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), encoded, thread CPU s); the
+#: kept tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all
+#: True); ``encoded``: the kept tiles compressed for the store (when the decoding threads compress), else None.
+_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float]
+#: One tile (C-contiguous uint8 (T, T, 3)) to the bytes the store writes (StoreWriter.tile_encoder).
+Encoder = Callable[[np.ndarray], Any]
+
+
+def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+    """The run's result; with ``encode``, the kept tiles are selected and compressed here (in the decoding thread)."""
+    if encode is None or not keep.any():
+        return tiles, keep, keep, fg, None, time.thread_time() - c0
+    kept = tiles if keep.all() and tiles.flags.c_contiguous else np.ascontiguousarray(tiles[keep])
+    return kept, np.ones(len(kept), bool), keep, fg, [encode(t) for t in kept], time.thread_time() - c0
 
 
 def _test_run(
-    read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None
+    read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    encode: Encoder | None = None,
 ) -> _RunResult:
     """Decode and test one run of candidate tiles (:data:`_RunResult`)."""
     c0 = time.thread_time()
@@ -626,11 +642,12 @@ def _test_run(
         else:
             fg = tiles_foreground(tiles, config.grey_min, grey_max)
         keep = fg >= config.threshold
-    return tiles, keep, keep, fg, time.thread_time() - c0
+    return _finish_run(tiles, keep, fg, encode, c0)
 
 
 def _test_stored_run(
-    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None
+    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    encode: Encoder | None = None,
 ) -> _RunResult:
     """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
     the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
@@ -658,7 +675,13 @@ def _test_stored_run(
         keep = fg >= config.threshold
     kept = [src for src, k in zip(srcs, keep.tolist()) if k]
     tiles = np.stack(kept) if kept else np.zeros((0, T, T, 3), np.uint8)
-    return tiles, np.ones(len(tiles), bool), keep, fg, time.thread_time() - c0
+    return _stored_result(tiles, keep, fg, encode, c0)
+
+
+def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+    """:func:`_finish_run` for ``tiles`` that are the kept tiles already (contiguous)."""
+    encoded = None if encode is None or not len(tiles) else [encode(t) for t in tiles]
+    return tiles, np.ones(len(tiles), bool), keep, fg, encoded, time.thread_time() - c0
 
 
 def _tested_runs(
@@ -769,22 +792,25 @@ def _tile_open_slide(
     stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
                    and grid.level_step == (float(T), float(T)))
 
+    # with several decoding threads they compress the kept tiles too; the writer thread only writes
+    encode = writer.tile_encoder if n_threads > 1 else None
+
     def test(row: int, run: np.ndarray) -> _RunResult:
         if stored_grid:
             assert direct is not None
-            return _test_stored_run(direct, grid, row, run, config, grey_max, plan.otsu_fg)
-        return _test_run(read, grid, row, run, config, grey_max, plan.otsu_fg)
+            return _test_stored_run(direct, grid, row, run, config, grey_max, plan.otsu_fg, encode)
+        return _test_run(read, grid, row, run, config, grey_max, plan.otsu_fg, encode)
 
     try:
         with closing(_tested_runs(tasks, test, n_threads)) as tested:  # closing it stops the pool on an error
-            for row, run, (tiles, sel, keep, fg, cpu) in tested:
+            for row, run, (tiles, sel, keep, fg, encoded, cpu) in tested:
                 test_cpu += cpu
                 if not keep.any():
                     continue
                 kc = run[keep]
                 coords = grid.coords(kc, np.full(len(kc), row))
                 gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
-                sink.put(tiles, sel, coords, gridxy, fg[keep])
+                sink.put(tiles, sel, coords, gridxy, fg[keep], encoded)
                 kept_coords.append(coords)
                 n_kept += len(kc)
                 if progress is not None and time.monotonic() - last_report > 0.5:
