@@ -9,9 +9,9 @@ overview is decoded twice (the overview, then the candidates). Slides whose back
 Candidate tiles are read from the slide's stored tiles directly
 (:class:`~wsi_pipeline.slides.direct.DirectTiles`, bit-equal to OpenSlide, each stored tile decoded
 once) wherever that reader serves the read level, otherwise with :meth:`Slide.read_level`. With
-``threads`` > 1 the runs are decoded and tested in a pool of threads (libjpeg-turbo, OpenSlide and
-OpenCV release the GIL) while a writer thread compresses and writes the kept tiles in grid order,
-so one slide uses every core it is given; the store does not depend on the thread count.
+``threads`` > 1 the runs are decoded, tested and their kept tiles compressed in a pool of threads
+(libjpeg-turbo, OpenSlide, OpenCV and zstd release the GIL) while a writer thread writes them in
+grid order, so one slide uses every core it is given; the store does not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -459,7 +459,7 @@ def tile_slide(
     progress : called with the number of tiles kept since the previous call.
     background_write : compress and write tiles in a second thread, overlapping decoding (worth
         it when a core is free for it); False also means one thread in all.
-    threads : threads decoding and testing tiles (plus one compressing and writing when > 1);
+    threads : threads decoding, testing and (when > 1) compressing tiles, plus one writing them;
         None = the cores this process may use (:func:`available_cores`). The runner gives each of
         its worker processes its share of the cores. The store does not depend on it.
 
