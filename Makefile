@@ -15,8 +15,10 @@ OUT      ?= tiles
 PRED_OUT ?= predictions
 MODEL    ?=
 ARGS     ?=
+NPROC    ?= 1
+TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast tile train eval predict demo bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue clean
 
 install: $(STAMP)
 
@@ -33,12 +35,23 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
+# the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess
+# (part of `make test` too; a set this CPU lacks is skipped and says so)
+test-isa: install
+	$(BIN)/python -m pytest -q -rs tests/test_instruction_sets.py $(ARGS)
+
 tile: install
 	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
 	$(BIN)/wsi-pipeline tile $(if $(MANIFEST),--manifest $(MANIFEST),--slides $(SLIDES)) --out $(OUT) $(ARGS)
 
+# NPROC=G > 1 trains with G processes under torchrun (one per GPU; see README "Several GPUs");
+# TORCHRUN_ARGS for several nodes, e.g. "--nnodes=2 --node_rank=0 --rdzv_backend=c10d --rdzv_endpoint=HOST:29500"
 train: install
+ifeq ($(NPROC),1)
 	$(BIN)/wsi-pipeline train --config $(PIPELINE) $(ARGS)
+else
+	$(BIN)/torchrun $(TORCHRUN_ARGS) --nproc_per_node=$(NPROC) --no-python $(BIN)/wsi-pipeline train --config $(PIPELINE) $(ARGS)
+endif
 
 eval: install
 	$(BIN)/wsi-pipeline eval --config $(PIPELINE) $(ARGS)
@@ -49,6 +62,14 @@ predict: install
 
 demo: install
 	$(BIN)/wsi-pipeline demo $(ARGS)
+
+# the demo for several training seeds (same cohort and tiles): mean +- sd and min per method
+SEEDS ?= 0,1,2,3,4
+readme-table: install
+	$(BIN)/python -m wsi_pipeline.readme_table $(ARGS)
+
+demo-study: install
+	$(BIN)/wsi-pipeline demo --seeds $(SEEDS) $(ARGS)
 
 bench: bench-tile bench-bigl bench-accumulate bench-eval
 
@@ -66,6 +87,12 @@ bench-eval: install
 
 bench-decode: install
 	$(BIN)/python -m wsi_pipeline.bench.decode $(ARGS)
+
+bench-scale: install
+	$(BIN)/python -m wsi_pipeline.bench.scale $(ARGS)
+
+bench-tissue: install
+	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache

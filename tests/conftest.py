@@ -41,6 +41,17 @@ def store_cohort(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def float64():
+    """Run the test with torch's default dtype float64: models built, tiles converted
+    (``tiles_to_tensor``) and features read by the pipeline follow it. Exact claims are checked
+    in float64, where rounding stays far below the bounds whatever kernels the CPU runs."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@pytest.fixture
 def opener():
     """``open_slide`` that closes every slide it opened when the test ends."""
     from wsi_pipeline.slides import open_slide

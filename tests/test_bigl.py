@@ -2,7 +2,9 @@
 
 References are the ordinary torch layers / the same encoder without Big-Layers, computed in the
 test. float64: max abs difference <= 1e-9 (times the largest reference value when that exceeds 1);
-float32: max abs difference relative to the largest reference value <= 1e-4.
+float32: a float32 ResNet's error against its float64 twin is bounded by plain PyTorch's (see
+test_bigified_resnet18_float32_is_as_accurate_as_plain_float32); :func:`assert_close` keeps a
+relative 1e-4 for float32 tensors, which no test here passes any more.
 """
 
 from __future__ import annotations
@@ -331,11 +333,42 @@ def test_bigified_resnet_equals_plain_float64(name, stages, shape, budget):
     check_bigified(name, stages, shape, budget, torch.float64)
 
 
-def test_bigified_resnet18_float32_odd_size():
-    # float32 agreement to 1e-4 holds while no ReLU input is within rounding of 0; on large
-    # inputs single sign flips move a BN bias gradient by ~1 %, the same as plain PyTorch
-    # NCHW vs channels-last (measured 5 %), so the larger cases below run in float64
-    check_bigified("resnet18", 4, (3, 3, 97, 131), 23_200, torch.float32)
+def test_bigified_resnet18_float32_is_as_accurate_as_plain_float32():
+    """float32 on an odd size: Big-Layers against the float64 truth is as accurate as plain PyTorch.
+
+    Exactness is checked in float64 above. In float32 no fixed bound holds on every CPU: the
+    rounding of each conv (sums of up to 4608 products) depends on the kernels the CPU runs, and
+    where a ReLU input lies within rounding of 0 its sign, and with it a BatchNorm bias gradient,
+    can flip (~1 %; plain PyTorch NCHW vs channels-last differ by 5 %, measured). So both float32
+    computations are compared with the same model in float64: Big-Layers' relative error may be
+    at most 4 x plain PyTorch's plus 16 units of float32 rounding (2**-24 each), since it runs the
+    same operations in another order and chunking; a wrong halo, stitch or statistic is an
+    O(1) relative error.
+    """
+    torch.manual_seed(0)
+    truth = build_encoder("resnet18").double()
+    plain = copy.deepcopy(truth).float()
+    big = bigify(copy.deepcopy(truth).float(), stages=4, max_elements=23_200, device="cpu")
+    x = torch.randn(3, 3, 97, 131, dtype=torch.float64)
+    torch.manual_seed(5)
+    r = torch.randn(3, truth.num_features, dtype=torch.float64) / (3 * truth.num_features)
+    ref = train_step(truth, x, r)
+    got_p = train_step(plain, x.float(), r.float())
+    got_b = train_step(big, x.float(), r.float())
+    floor = 16 * 2.0**-24
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        return (a.detach().double() - b.detach()).abs().max().item() / max(b.detach().abs().max().item(), 1e-30)
+
+    pairs = [("output", got_b[0], got_p[0], ref[0]), ("input gradient", got_b[1], got_p[1], ref[1])]
+    assert got_b[2].keys() == ref[2].keys()
+    pairs += [(f"grad {n}", got_b[2][n], got_p[2][n], ref[2][n]) for n in ref[2]]
+    sd_t, sd_p, sd_b = truth.state_dict(), plain.state_dict(), big.state_dict()
+    pairs += [(n, sd_b[n], sd_p[n], sd_t[n]) for n in sd_t if sd_t[n].is_floating_point()]
+    for what, b, p_, t in pairs:
+        assert b.dtype == torch.float32, what
+        e_big, e_plain = rel(b, t), rel(p_, t)
+        assert e_big <= 4 * e_plain + floor, f"{what}: Big-Layers error {e_big:.3g}, plain PyTorch {e_plain:.3g}"
 
 
 def test_bigified_pointwise_on_device_two_steps():

@@ -22,7 +22,9 @@ def test_demo_runs_every_stage_and_reuses_them(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the demo config's paths are relative to the working directory
     args = ["demo", "--config", str(REPO / "pipelines" / "demo.yaml"), "--internal", "8", "--external", "4",
             "--size", "512", "--workers", "0", "--no-progress",
-            "--set", "train.epochs=1", "--set", "train.bag_size=16", "--set", "eval.protocols=[all, {subsample: {k: 8, repeats: 3}}]"]
+            "--set", "train.epochs=1", "--set", "train.bag_size=16", "--set", "eval.protocols=[all, {subsample: {k: 8, repeats: 3}}]",
+            # methods with their own epochs in demo.yaml
+            "--set", "methods.abmil_e2e.train.epochs=1", "--set", "methods.abmil_bigl.train.epochs=1"]
     assert main(args) == 0
     out = capsys.readouterr().out
     results = tmp_path / "results" / "demo"
@@ -70,3 +72,67 @@ def test_demo_refuses_a_cohort_made_with_other_settings(tmp_path):
     assert make_cohort(folder, DemoCohort(n_internal=8)) == folder / "manifest.csv"  # same settings: reused
     with pytest.raises(ValueError, match=r"other settings.*delete"):
         make_cohort(folder, DemoCohort(n_internal=8, lesion_contrast=0.9))
+
+
+# ----------------------------------------------------------------------------------------------
+# Seed study (`wsi-pipeline demo --seeds`)
+# ----------------------------------------------------------------------------------------------
+
+
+def test_seeds_argument_parses_lists_and_ranges_and_rejects_the_rest(capsys):
+    from wsi_pipeline.cli.main import build_parser
+    from wsi_pipeline.demo import parse_seeds
+
+    assert parse_seeds("0,1,2,3,4") == (0, 1, 2, 3, 4) == parse_seeds("0-4") == parse_seeds(" 0-2, 3,4 ")
+    assert parse_seeds("7") == (7,)
+    for bad, why in (("a,1", "not an integer"), ("1,1", "distinct"), ("-1", ">= 0"), ("3-1", "not an integer"),
+                     ("", "not an integer"), ("0-2,2", "distinct")):
+        with pytest.raises(ValueError, match=why):
+            parse_seeds(bad)
+    assert build_parser().parse_args(["demo", "--seeds", "0,2"]).seeds == (0, 2)
+    assert build_parser().parse_args(["demo"]).seeds is None
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["demo", "--seeds", "0,x"])
+    assert e.value.code == 2 and "--seeds '0,x'" in capsys.readouterr().err
+
+
+def test_seed_study_table_is_mean_sd_and_min_over_the_seeds(tmp_path):
+    import math
+    import statistics
+
+    from wsi_pipeline.demo import format_seed_study, seed_study_table
+    from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json, write_metrics_json
+
+    rng = __import__("numpy").random.default_rng(0)
+    seeds = [0, 1, 2, 3, 4]
+    values = {}  # (method, heading) -> per-seed values, the reference
+    recs = []
+    for method in ("frozen", "e2e"):
+        for s in seeds:
+            for heading, cohort, split, metric in (("internal AUC", "internal", "test", "auc"),
+                                                   ("localisation", "internal", "test", "localisation_auc"),
+                                                   ("external AUC", "external", "external", "auc")):
+                v = float(rng.uniform(0.3, 1.0))
+                values.setdefault((method, heading), []).append(v)
+                recs.append(MetricRecord(method, s, cohort, split, "all", metric, v))
+                # other protocols and metrics are not part of the study
+                recs.append(MetricRecord(method, s, cohort, split, "sub64x10", metric, 0.0))
+                recs.append(MetricRecord(method, s, cohort, split, "all", "accuracy", 0.0))
+    path = write_metrics_json(tmp_path / "metrics.json", recs)  # adds the runner's mean/std rows: ignored
+    table = seed_study_table(read_metrics_json(path), ["e2e", "frozen"])
+    assert list(table.index) == ["e2e", "frozen"]
+    for (method, heading), v in values.items():
+        assert table.loc[method, (heading, "mean")] == pytest.approx(statistics.fmean(v), abs=1e-12)
+        assert table.loc[method, (heading, "sd")] == pytest.approx(statistics.stdev(v), abs=1e-12)
+        assert table.loc[method, (heading, "min")] == min(v)
+        assert table.loc[method, (heading, "n")] == 5
+    text = format_seed_study(table, seeds)
+    row = next(line for line in text.splitlines() if line.startswith("| `frozen`"))
+    v = values[("frozen", "external AUC")]
+    assert f"{statistics.fmean(v):.2f} +- {statistics.stdev(v):.2f} (min {min(v):.2f})" in row
+    assert "seeds 0, 1, 2, 3, 4" in text
+    # one seed: no sd; a method without values: a dash
+    one = seed_study_table([r for r in recs if r.seed == 0], ["frozen", "absent"])
+    assert math.isnan(one.loc["frozen", ("internal AUC", "sd")]) and one.loc["frozen", ("internal AUC", "n")] == 1
+    lines = format_seed_study(one, [0]).splitlines()
+    assert "+-" not in lines[-2] and lines[-1] == "| `absent` | - | - | - |"

@@ -44,3 +44,23 @@ def test_strict_refuses_a_slide_with_no_tiles(tmp_path, store_cohort):
     cfg = load_config(make_config(tmp_path, manifest, [{"name": "m", "strategy": "accumulate"}]))
     with pytest.raises(ValueError, match=r"1 train slide\(s\) have 0 tiles .*blank.*--strict"):
         preflight(cfg, cfg.methods, [0], strict=True)
+
+
+def test_a_slide_the_tiler_skipped_is_left_out_like_an_empty_one(tmp_path, store_cohort, caplog):
+    """A fluorescence slide skipped by the brightfield rules has no store, but the report says why."""
+    manifest = _cohort_with_an_empty_slide(tmp_path, store_cohort)
+    df = pd.read_csv(manifest)
+    row = {**df[df["split"] == "train"].iloc[0].to_dict(), "slide_id": "dapi"}
+    pd.concat([df, pd.DataFrame([row])]).to_csv(manifest, index=False)
+    tiles = manifest.parent / "tiles"
+    pd.DataFrame([{"slide_id": "dapi", "status": "skipped", "n_tiles": 0,
+                   "note": "skipped: dark background (fluorescence?); background grey 1"}]).to_csv(tiles / "tiling_report.csv", index=False)
+    cfg = load_config(make_config(tmp_path, manifest, [{"name": "m", "strategy": "accumulate"}]))
+    with caplog.at_level(logging.WARNING):
+        plan = preflight(cfg, cfg.methods, [0])
+    assert not {"dapi", "blank"} & {s.slide_id for s in plan.train}
+    warned = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(warned) == 1 and "blank" in warned[0] and "dapi" in warned[0]
+    (tiles / "tiling_report.csv").unlink()  # without the report's word, a missing store is an error
+    with pytest.raises(FileNotFoundError, match=r"no store for 1: dapi"):
+        preflight(cfg, cfg.methods, [0])

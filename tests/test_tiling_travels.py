@@ -91,3 +91,22 @@ def _jobs(manifest):
     from wsi_pipeline.tiling.tiler import SlideJob
 
     return [SlideJob(str(r.slide_id), str(r.path)) for r in read_manifest(manifest).itertuples()]
+
+
+def test_predict_refuses_stores_tiled_unlike_the_training_data(tiled, tmp_path):
+    from wsi_pipeline.evaluation.runner import _check_store_settings
+    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.tiler import TilingConfig
+
+    root, manifest, tiles = tiled
+    trained = {"method": "greyscale", "tile_size": 128, "min_foreground": 0.3, "mpp_target": 0.5}
+    same = [tiles / "internal_000.zarr"]
+    _check_store_settings(same, trained, allow=False)  # tiled as in training: accepted
+    other = tmp_path / "other"
+    tile_cohort([j for j in _jobs(manifest) if j.slide_id == "internal_000"], other,
+                TilingConfig(tile_size=64, min_foreground=0.3), workers=0, progress=False)
+    stores = [other / "internal_000.zarr"]
+    with pytest.raises(ValueError, match=r"tiled unlike the model's training data .*tile_size 64 \(model: 128\).*"
+                       r"mpp_target None \(model: 0.5\).*--allow-other-tiling"):
+        _check_store_settings(stores, trained, allow=False)
+    _check_store_settings(stores, trained, allow=True)  # warned, not refused

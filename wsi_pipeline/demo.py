@@ -9,20 +9,31 @@ Stages (each reused when already finished, so a second run is quick):
 3. **train**: every method and seed of the pipeline (finished runs are skipped);
 4. **eval**: metrics, predictions, heatmaps and ``report.html`` (skipped when ``metrics.json``
    is newer than every run's ``done`` marker).
+
+Seed study (``wsi-pipeline demo --seeds 0,1,2,3,4``, ``make demo-study``): the same cohort and
+tiles, every method trained once per seed (runs of seeds already trained, e.g. the demo's seed 0,
+are reused), evaluated into ``<results_dir>/seed-study/<name>/``; the table of mean +- sd
+(sample standard deviation over seeds) and minimum per method of internal AUC, internal
+localisation and external AUC (all tiles) is printed and written to ``seed_study.md`` there
+(:func:`seed_study_table`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
-__all__ = ["DemoCohort", "run_demo", "results_table"]
+__all__ = ["DemoCohort", "format_seed_study", "parse_seeds", "results_table", "run_demo", "seed_study_table"]
 
 log = logging.getLogger(__name__)
 
@@ -107,12 +118,114 @@ def results_table(metrics_json: Path) -> pd.DataFrame:
     return summary_table(read_metrics_json(metrics_json), ("auc", "accuracy", "auc_repeat_std", "localisation_auc"))
 
 
+#: The seed study's columns: (heading, evaluation split, metric), all tiles. The internal test
+#: split is ``test``; the external cohort's is ``external`` (see :mod:`wsi_pipeline.evaluation.runner`).
+STUDY_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("internal AUC", "test", "auc"),
+    ("localisation", "test", "localisation_auc"),
+    ("external AUC", "external", "auc"),
+)
+
+
+def parse_seeds(text: str) -> tuple[int, ...]:
+    """``"0,1,2,3,4"`` -> ``(0, 1, 2, 3, 4)``; ``a-b`` ranges are accepted (``"0-4"``).
+
+    Raises ``ValueError`` naming ``--seeds`` for anything but distinct integers >= 0.
+    """
+    seeds: list[int] = []
+    for part in str(text).split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                lo, hi = (int(v) for v in part.split("-", 1))
+                if hi < lo:
+                    raise ValueError(part)
+                seeds.extend(range(lo, hi + 1))
+            else:
+                seeds.append(int(part))
+        except ValueError:
+            raise ValueError(f"--seeds {text!r}: {part!r} is not an integer or a range a-b; expected e.g. 0,1,2,3,4") from None
+    if any(v < 0 for v in seeds) or len(set(seeds)) != len(seeds):
+        raise ValueError(f"--seeds {text!r}: expected distinct integers >= 0, got {seeds}")
+    return tuple(seeds)
+
+
+def seed_study_table(records: Iterable[Any], methods: Sequence[str] | None = None) -> pd.DataFrame:
+    """Per method, mean, sample sd (ddof 1; NaN for one seed), min and seed count of each study column.
+
+    Parameters
+    ----------
+    records : ``metrics.json`` records (:class:`~wsi_pipeline.export.metrics_json.MetricRecord` or
+        dicts with method, seed, cohort, split, protocol, metric, value); only per-seed (integer
+        seed) records of protocol ``all`` are used, so the runner's own mean/std rows are ignored.
+    methods : row order (default: order of first appearance).
+
+    Returns
+    -------
+    DataFrame indexed by method, columns ``(heading, stat)`` with stat in mean, sd, min, n.
+    """
+    rows = [r if isinstance(r, dict) else asdict(r) for r in records]
+    df = pd.DataFrame(rows, columns=["method", "seed", "cohort", "split", "protocol", "metric", "value"])
+    df = df[df["seed"].map(lambda v: isinstance(v, int) and not isinstance(v, bool)) & (df["protocol"] == "all")]
+    order = list(methods) if methods is not None else list(dict.fromkeys(df["method"]))
+    out: dict[tuple[str, str], list[float]] = {}
+    for heading, split, metric in STUDY_COLUMNS:
+        sel = df[(df["split"] == split) & (df["metric"] == metric)]
+        for stat in ("mean", "sd", "min", "n"):
+            out[(heading, stat)] = []
+        for m in order:
+            # one value per seed (one cohort holds the split); NaN values (undefined metrics) are dropped
+            v = pd.to_numeric(sel.loc[sel["method"] == m, "value"], errors="coerce").dropna().to_numpy(float)
+            out[(heading, "mean")].append(float(v.mean()) if len(v) else math.nan)
+            out[(heading, "sd")].append(float(v.std(ddof=1)) if len(v) > 1 else math.nan)
+            out[(heading, "min")].append(float(v.min()) if len(v) else math.nan)
+            out[(heading, "n")].append(float(len(v)))
+    table = pd.DataFrame(out, index=pd.Index(order, name="method"))
+    table.columns = pd.MultiIndex.from_tuples(table.columns)
+    return table
+
+
+def format_seed_study(table: pd.DataFrame, seeds: Sequence[int]) -> str:
+    """Markdown table of :func:`seed_study_table`: ``mean +- sd (min m)`` per cell, 2 decimals."""
+
+    def cell(row: pd.Series, heading: str) -> str:
+        mean, sd, lo = row[(heading, "mean")], row[(heading, "sd")], row[(heading, "min")]
+        if math.isnan(mean):
+            return "-"
+        spread = f" +- {sd:.2f}" if not math.isnan(sd) else ""
+        return f"{mean:.2f}{spread} (min {lo:.2f})"
+
+    headings = [h for h, _, _ in STUDY_COLUMNS]
+    lines = [f"Seed study: seeds {', '.join(str(s) for s in seeds)}; mean +- sd (min) over seeds, all tiles.", "",
+             "| method | " + " | ".join(headings) + " |", "|---" * (len(headings) + 1) + "|"]
+    for method, row in table.iterrows():
+        lines.append(f"| `{method}` | " + " | ".join(cell(row, h) for h in headings) + " |")
+    return "\n".join(lines) + "\n"
+
+
+
+
+def _summary_and_readme_check(results: Path, methods: list[str], seed: int) -> None:
+    """Write ``summary.md`` (the README's table for this run) and say whether README.md agrees."""
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+    from wsi_pipeline.io_atomic import write_text_atomic
+    from wsi_pipeline.readme_table import compare_with_readme, demo_summary
+
+    summary = demo_summary(read_metrics_json(results / "metrics.json"), methods, seed)
+    path = write_text_atomic(results / "summary.md", summary)
+    print(f"\n{summary}(written to {path})")
+    print(compare_with_readme(summary, Path("README.md")))
+
+
 def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: DemoCohort = DemoCohort(),
              workers: int | None = None, device: str | None = None, overrides: tuple[str, ...] = (),
-             progress: bool = True) -> int:
+             progress: bool = True, seeds: Sequence[int] | None = None) -> int:
     """Run the four stages of the demo; print the results table, the time per stage and the outputs.
 
-    Returns the exit status (0 when every stage succeeded).
+    ``seeds`` (the seed study): train every method for each of these seeds instead of the
+    config's, evaluate into ``<results_dir>/seed-study/<name>/`` and print and write the
+    :func:`format_seed_study` table (``seed_study.md``). Returns the exit status (0 when every
+    stage succeeded).
     """
     from wsi_pipeline.evaluation.runner import evaluate_pipeline
     from wsi_pipeline.tiling.runner import tile_cohort
@@ -121,6 +234,8 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     from wsi_pipeline.training.loop import train_pipeline
 
     config = load_config(config_path, list(overrides))
+    if seeds is not None:
+        config = dataclasses.replace(config, seeds=tuple(seeds), results_dir=str(Path(config.results_dir) / "seed-study"))
     timer = _Timer()
     manifest = Path(config.data.manifest)
     t0 = time.perf_counter()
@@ -151,6 +266,15 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
 
     with pd.option_context("display.width", 200, "display.max_columns", 50):
         print("\n" + results_table(results / "metrics.json").to_string())
+    if seeds is None:
+        _summary_and_readme_check(results, [m.name for m in config.methods], config.seeds[0])
+    if seeds is not None:
+        from wsi_pipeline.export.metrics_json import read_metrics_json
+        from wsi_pipeline.io_atomic import write_text_atomic
+
+        study = format_seed_study(seed_study_table(read_metrics_json(results / "metrics.json"),
+                                                   [m.name for m in config.methods]), config.seeds)
+        print("\n" + study + f"(written to {write_text_atomic(results / 'seed_study.md', study)})")
     total = sum(timer.times.values())
     print("\ntime per stage: " + ", ".join(f"{k} {v:.0f} s" for k, v in timer.times.items()) + f" (total {total:.0f} s)")
     print(f"runs:        {Path(config.runs_dir) / config.name}")

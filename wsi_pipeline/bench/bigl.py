@@ -1,6 +1,29 @@
-"""``make bench-bigl``: runtime scaling of Big-Layers, in the format of the paper's Table 4.
+"""``make bench-bigl``: what Big-Layers cost, predicted from counts and measured, as the paper's Table 4.
 
-For the plain encoder and for 0..k Big-Layer stages, the per-iteration time (forward +
+Part 1, predicted (``--predict-models``, default ResNet-18 and -50; ``--predict-sides``, default
+4096..32768 px; plain and 0..4 Big-Layer stages): one training step (forward + backward, batch 1,
+float32) is run on meta tensors (:mod:`wsi_pipeline.bigl.traffic`: shapes only, seconds per
+step) under the transfer instrumentation and ``torch.utils.flop_counter``. Printed per
+configuration and side: bytes host -> device and device -> host (chunks with their halo rows,
+BatchNorm's second sweeps, the hand-off to the device stages and its gradient), that volume over
+the plan's minimum (each Big-Layer's input and output moved once per pass: forward ``x + y``,
+backward ``x + dy`` in and ``dx`` out), the step's FLOPs, and predicted step times of the plain
+and the Big-Layers model on stated devices: PCIe 4.0 x16 at 25 GB/s and PCIe 5.0 x16 at 50 GB/s
+per direction, compute at ``--efficiency`` (default 0.3) of an H100 SXM's dense TF32 peak,
+494.7 TFLOP/s (PyTorch runs float32 convolutions as TF32 on it by default), serial and with the
+runner's copy-compute overlap. These are counts, not timings: they do not depend on the load of
+the machine that runs the bench. The plain step's input upload is part of its time; its
+activations are not checked against device memory, so at large sides the plain time (and the
+``/ plain`` ratio) is that of a device big enough to hold them.
+
+Row labels count Big-Layers as the paper does: its Table 4 labels ResNet-18 with 0..3 stages
+2/6/10/14 and ResNet-50 with 0..4 stages 2/11/23/41/50, which is 2 for the stem (conv1 and bn1)
+plus one per main-path convolution of each converted block, the 1x1 downsample shortcut not
+counted (:func:`wsi_pipeline.bigl.traffic.paper_big_layers`). This project's modules (every
+BigConv2d and BigBatchNorm2d, shortcuts included: 2/10/20/30/40 and 2/22/48/86/106) are given
+beside it. The paper's exponents b and doubling factors are printed beside ours.
+
+Part 2, measured (``--model``; skipped with ``--no-timing``): for the plain encoder and for 0..k Big-Layer stages, the per-iteration time (forward +
 backward + Adam step) of one image ``[batch, 3, S, S]`` is measured against the side S
 (``--warmup`` untimed + ``--repeats`` timed iterations per point, 5 + 10 by default as in the
 paper). For each configuration the fit ``t(A) = a A^b + c`` (A = S^2 px, a, b, c >= 0) gives
@@ -15,6 +38,7 @@ input lives in host memory for every configuration (the plain model copies it to
 inside the timed iteration). Examples::
 
     python -m wsi_pipeline.bench.bigl                                   # device defaults
+    python -m wsi_pipeline.bench.bigl --quick                           # predictions at 4096, 8192 px; short timing
     python -m wsi_pipeline.bench.bigl --warmup 1 --repeats 2 --sides 96 128 160   # quick
     python -m wsi_pipeline.bench.bigl --device cuda --memory-fraction 0.25 --sides 8192 16384
 """
@@ -42,6 +66,19 @@ CPU_SIDES = (256, 320, 384, 448, 512)
 CUDA_SIDES = (2048, 4096, 6144, 8192, 10240, 12288, 14336, 16384)
 CPU_MAX_ELEMENTS = 1 << 18  # 1 MiB of float32: chunking happens at every CPU side
 CUDA_MAX_ELEMENTS = 1 << 27  # 512 MiB of float32 per chunk step
+PREDICT_SIDES = (4096, 8192, 16384, 32768)
+QUICK_PREDICT_SIDES = (4096, 8192)
+QUICK_CPU_SIDES = (96, 128, 160)
+#: H100 SXM5 dense TF32 tensor-core peak (FLOP/s); float32 convolutions run as TF32 by default
+H100_TF32_PEAK = 494.7e12
+#: effective host <-> device bandwidth per direction (bytes/s) of x16 links
+LINKS = (("PCIe4 x16", 25e9), ("PCIe5 x16", 50e9))
+#: The paper's Table 4: stages (None = baseline) -> (its Big-Layer count, b, F_dbl)
+PAPER_TABLE4: dict[str, dict[int | None, tuple[int, float, float]]] = {
+    "resnet18": {None: (0, 1.03, 2.00), 0: (2, 0.83, 1.78), 1: (6, 1.48, 2.48), 2: (10, 1.24, 2.36), 3: (14, 1.41, 2.57)},
+    "resnet50": {None: (0, 1.00, 1.98), 0: (2, 0.83, 1.77), 1: (11, 2.57, 5.04), 2: (23, 1.90, 3.74), 3: (41, 2.01, 3.77),
+                 4: (50, 1.68, 3.20)},
+}
 
 
 @dataclass(frozen=True)
@@ -164,10 +201,11 @@ def _build(name: str, stages: int | None, device: torch.device, max_elements: in
     return bigify(model, stages=stages, max_elements=max_elements, device=device).train()
 
 
-def _count_big_layers(model: torch.nn.Module) -> int:
-    from wsi_pipeline.bigl import BigBatchNorm2d, BigConv2d
+def _count_big_layers(model: torch.nn.Module) -> tuple[int, int]:
+    """(the paper's count, this project's module count) of Big-Layers in ``model``."""
+    from wsi_pipeline.bigl.traffic import module_big_layers, paper_big_layers
 
-    return sum(isinstance(m, (BigConv2d, BigBatchNorm2d)) for m in model.modules())
+    return paper_big_layers(model), module_big_layers(model)
 
 
 def measure(model: torch.nn.Module, big: bool, side: int, batch: int, device: torch.device, warmup: int, repeats: int,
@@ -212,8 +250,7 @@ def measure(model: torch.nn.Module, big: bool, side: int, batch: int, device: to
             with monitor_transfers() as mon:
                 step()
                 _sync(device)
-            moved = sum(e.numel for e in mon.events if e.kind in ("h2d", "d2h"))
-            point.moved_mib = moved * x.element_size() / 2**20
+            point.moved_mib = (mon.to_device_bytes() + mon.to_host_bytes()) / 2**20  # chunks and the hand-off
     except (torch.cuda.OutOfMemoryError, RuntimeError) as e:
         if not _is_oom(e):
             raise
@@ -241,10 +278,84 @@ def pinned_bandwidth(device: torch.device, mib: int = 256) -> tuple[float, float
     return rates[0], rates[1]
 
 
-def _label(stages: int | None, n_big: int) -> str:
+def _label(stages: int | None, n_big: tuple[int, int]) -> str:
+    """The paper's row label (its Big-Layer count), with this project's module count beside it."""
     if stages is None:
         return "Baseline (whole model on device)"
-    return f"No. of Big-Layer stages = {stages} ({n_big} Big-Layers)"
+    return f"No. of Big-Layer stages = {stages} ({n_big[0]} Big-Layers; {n_big[1]} modules)"
+
+
+def _paper(model: str, stages: int | None) -> tuple[int, float, float] | None:
+    return PAPER_TABLE4.get(model, {}).get(stages)
+
+
+def predict_table(models: list[str], stages: list[int], sides: list[int], efficiency: float, max_elements: int) -> list[dict]:
+    """Part 1: count every configuration on meta tensors, print the predicted-overhead table, return its rows."""
+    from wsi_pipeline.bigl.traffic import DeviceModel, dry_step, predict
+
+    rate = efficiency * H100_TF32_PEAK
+    devices = [DeviceModel(f"{link}, H100 at {efficiency:.0%} of TF32 peak", bw, rate) for link, bw in LINKS]
+    print(f"Predicted training step (forward + backward, [1, 3, S, S] float32, max_elements {max_elements}), from counts on meta "
+          f"tensors; compute at {efficiency:.0%} of an H100 SXM's {H100_TF32_PEAK / 1e12:.1f} TFLOP/s dense TF32 peak = "
+          f"{rate / 1e12:.0f} TFLOP/s; copies at " + ", ".join(f"{d.bandwidth / 1e9:.0f} GB/s ({link})" for (link, _), d in zip(LINKS, devices))
+          + " per direction. x min: bytes moved over the plan's minimum (each Big-Layer's input and output once per pass). "
+          "serial / overlap: predicted seconds without / with copy-compute overlap; / plain: overlap over the plain step.")
+    rows: list[dict] = []
+    for name in models:
+        print(f"\n{name}")
+        head = f"{'configuration':<56} {'side':>6} {'H2D GB':>8} {'D2H GB':>8} {'x min':>6} {'TFLOP':>7}"
+        for link, _ in LINKS:
+            head += f" | {link + ' serial':>17} {'overlap':>8} {'/ plain':>7}"
+        print(head)
+        plain_time: dict[tuple[int, str], float] = {}
+        for cfg in [None, *stages]:
+            for side in sides:
+                t0 = time.perf_counter()
+                tr = dry_step(name, cfg, side, max_elements=max_elements)
+                n_big = (0, 0)
+                if cfg is not None:
+                    n_big = _count_big_layers(_dry_model(name, cfg, max_elements))
+                line = f"{_label(cfg, n_big):<56} {side:>6} {tr.h2d / 1e9:>8.2f} {tr.d2h / 1e9:>8.2f} {tr.over_minimum:>6.2f} {tr.flops / 1e12:>7.2f}"
+                row = {"model": name, "stages": cfg, "label": _label(cfg, n_big), "side": side, "h2d_bytes": tr.h2d,
+                       "d2h_bytes": tr.d2h, "minimum_bytes": tr.minimum, "flops": tr.flops, "predicted": {}}
+                for dev, (link, _) in zip(devices, LINKS):
+                    serial, overlap = predict(tr, dev, plain=cfg is None)
+                    if cfg is None:
+                        plain_time[(side, link)] = overlap
+                    ratio = overlap / plain_time[(side, link)] if (side, link) in plain_time else math.nan
+                    line += f" | {serial:>17.3f} {overlap:>8.3f} {ratio:>7.1f}"
+                    row["predicted"][link] = {"serial_s": serial, "overlap_s": overlap, "over_plain": ratio}
+                print(line + f"   ({time.perf_counter() - t0:.0f} s to count)", flush=True)
+                rows.append(row)
+    _predicted_exponents(rows, models, stages, sides)
+    return rows
+
+
+def _dry_model(name: str, stages: int, max_elements: int) -> torch.nn.Module:
+    from wsi_pipeline.bigl import bigify
+    from wsi_pipeline.models import build_encoder
+
+    with torch.device("meta"):
+        model = build_encoder(name)
+    return bigify(model, stages=stages, max_elements=max_elements, device="meta")
+
+
+def _predicted_exponents(rows: list[dict], models: list[str], stages: list[int], sides: list[int]) -> None:
+    """Fit t(A) = a A^b + c to the predicted (overlapped, PCIe 4) times; print b beside the paper's."""
+    if len(sides) < 3:
+        print("\n(predicted exponents need >= 3 --predict-sides; the paper's b per row: "
+              + "; ".join(f"{m} " + ", ".join(f"{'plain' if c is None else c}: {v[1]:.2f}" for c, v in PAPER_TABLE4.get(m, {}).items())
+                          for m in models) + ")")
+        return
+    link = LINKS[0][0]
+    print(f"\nExponent b of t(A) = a A^b + c fitted to the predicted times ({link}, overlapped) beside the paper's Table 4 b and F_dbl")
+    for name in models:
+        for cfg in [None, *stages]:
+            pts = [r for r in rows if r["model"] == name and r["stages"] == cfg]
+            fit = fit_power_law([r["side"] ** 2 for r in pts], [r["predicted"][link]["overlap_s"] for r in pts])
+            paper = _paper(name, cfg)
+            ref = f"paper b {paper[1]:.2f}, F_dbl {paper[2]:.2f}" if paper else "paper: no row"
+            print(f"  {name:<9} {pts[0]['label']:<56} predicted b {fit.b:.2f}, F_dbl {fit.f_dbl:.2f}   {ref}")
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -278,12 +389,54 @@ def _parser() -> argparse.ArgumentParser:
                    help="what is timed: wall-clock seconds (default, as the paper) or process CPU seconds "
                         "(robust on a busy shared CPU machine; CPU device only)")
     p.add_argument("--out", type=Path, default=None, help="also write all measurements and fits to this JSON file (atomically)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"predictions at sides {list(QUICK_PREDICT_SIDES)} only; timing (CPU) at {list(QUICK_CPU_SIDES)} px with "
+                        "1 warm-up + 2 timed iterations and stages 0 1 2 (explicit flags still win)")
+    p.add_argument("--predict-models", nargs="+", default=["resnet18", "resnet50"],
+                   help="encoders of the predicted table (part 1); default resnet18 resnet50")
+    p.add_argument("--predict-sides", type=int, nargs="+", default=None,
+                   help=f"input sides of the predicted table in px; default {list(PREDICT_SIDES)} ({list(QUICK_PREDICT_SIDES)} with --quick)")
+    p.add_argument("--predict-stages", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="Big-Layer stages of the predicted table; default 0..4")
+    p.add_argument("--predict-max-elements", type=int, default=CUDA_MAX_ELEMENTS,
+                   help=f"chunk budget (elements) of the predicted table; default {CUDA_MAX_ELEMENTS} (the CUDA default)")
+    p.add_argument("--efficiency", type=float, default=0.3,
+                   help="share of the H100's dense TF32 peak the predicted compute reaches; default 0.3")
+    p.add_argument("--no-predict", action="store_true", help="skip part 1 (the predicted table)")
+    p.add_argument("--no-timing", action="store_true", help="skip part 2 (the measured timings)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the tables; returns the exit status."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        given = set(argv if argv is not None else sys.argv[1:])
+        if "--warmup" not in given:
+            args.warmup = 1
+        if "--repeats" not in given:
+            args.repeats = 2
+        if "--stages" not in given:
+            args.stages = [0, 1, 2]
+    if not 0 < args.efficiency <= 1:
+        print(f"--efficiency {args.efficiency} must be in (0, 1]", file=sys.stderr)
+        return 2
+    bad = [s for s in args.predict_stages if not 0 <= s <= 4]
+    if bad:
+        print(f"--predict-stages {bad} out of range; use 0..4", file=sys.stderr)
+        return 2
+    predicted: list[dict] = []
+    if not args.no_predict:
+        sides_p = sorted(args.predict_sides or (QUICK_PREDICT_SIDES if args.quick else PREDICT_SIDES))
+        predicted = predict_table(args.predict_models, sorted(set(args.predict_stages)), sides_p, args.efficiency,
+                                  args.predict_max_elements)
+    if args.no_timing:
+        if args.out:
+            _write_json(args.out, {"predicted": predicted, "efficiency": args.efficiency, "links": dict(LINKS),
+                                   "h100_tf32_peak": H100_TF32_PEAK})
+            print(f"\nwrote {args.out}")
+        return 0
+    print()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("--device cuda given but CUDA is not available; use --device cpu", file=sys.stderr)
@@ -303,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and args.clock == "cpu":
         print("--clock cpu measures host CPU time only; on CUDA use --clock wall", file=sys.stderr)
         return 2
-    sides = sorted(args.sides or (CUDA_SIDES if cuda else CPU_SIDES))
+    sides = sorted(args.sides or (CUDA_SIDES if cuda else (QUICK_CPU_SIDES if args.quick else CPU_SIDES)))
     max_elements = args.max_elements or (CUDA_MAX_ELEMENTS if cuda else CPU_MAX_ELEMENTS)
     configs: list[int | None] = ([] if args.no_plain else [None]) + sorted(set(args.stages))
 
@@ -325,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             pt = measure(model, cfg is not None, side, args.batch, device, args.warmup, args.repeats, args.clock)
             results[cfg].append(pt)
             status = "out of memory" if pt.oom else f"{pt.mean:.4f} s +- {pt.std:.4f}"
-            print(f"  {labels[cfg]:<45s} S={side:<6d} {status}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"  {labels[cfg]:<56s} S={side:<6d} {status}   ({time.perf_counter() - t0:.0f} s)", flush=True)
             if pt.oom:
                 break  # larger sides will not fit either
         del model
@@ -350,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # Table 4
     print("\nPower-law-plus-offset fit t(A) = a A^b + c (A = image area in px, t in s)")
-    print(f"{'Model':<48} {'n':>3} {'a':>10} {'b':>6} {'c':>10} {'R^2':>6} {'F_dbl':>6}")
+    print(f"{'Model':<56} {'n':>3} {'a':>10} {'b':>6} {'c':>10} {'R^2':>6} {'F_dbl':>6} {'b paper':>8} {'F paper':>8}")
     print(args.model)
     fits: dict[int | None, PowerLawFit | None] = {}
     for c in configs:
@@ -358,9 +511,11 @@ def main(argv: list[str] | None = None) -> int:
         fit = None
         if len(ok) >= 3:
             fit = fit_power_law([p.side**2 for p in ok], [p.mean for p in ok])
-            print(f"{labels[c]:<48} {fit.n:>3} {fit.a:>10.3e} {fit.b:>6.2f} {fit.c:>10.3e} {fit.r2:>6.2f} {fit.f_dbl:>6.2f}")
+            paper = _paper(args.model, c)
+            ref = f" {paper[1]:>8.2f} {paper[2]:>8.2f}" if paper else f" {'-':>8} {'-':>8}"
+            print(f"{labels[c]:<56} {fit.n:>3} {fit.a:>10.3e} {fit.b:>6.2f} {fit.c:>10.3e} {fit.r2:>6.2f} {fit.f_dbl:>6.2f}{ref}")
         else:
-            print(f"{labels[c]:<48} {len(ok):>3}   (fewer than 3 sizes ran: no fit)")
+            print(f"{labels[c]:<56} {len(ok):>3}   (fewer than 3 sizes ran: no fit)")
         fits[c] = fit
     if len(sides) < 4:
         print("note: with 3 sizes a 3-parameter fit is exact (R^2 = 1); use more --sides for a meaningful R^2")
@@ -372,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
         s = common[-1]
         print(f"\nAt side {s} px (the largest every configuration ran):")
         plain_pt = next((p for p in results.get(None, []) if p.side == s), None)
-        cols = f"{'configuration':<48} {'time (s)':>9} {'/ plain':>8}"
+        cols = f"{'configuration':<56} {'time (s)':>9} {'/ plain':>8}"
         if cuda:
             cols += f" {'peak device MiB':>16}"
         cols += f" {'moved MiB/iter':>15}"
@@ -382,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         for c in configs:
             p = next(p for p in results[c] if p.side == s)
             ratio = f"{p.mean / plain_pt.mean:>8.2f}" if plain_pt else f"{'-':>8}"
-            line = f"{labels[c]:<48} {p.mean:>9.4f} {ratio}"
+            line = f"{labels[c]:<56} {p.mean:>9.4f} {ratio}"
             if cuda:
                 line += f" {p.peak_mib:>16.0f}"
             line += f" {p.moved_mib:>15.1f}" if p.moved_mib is not None else f" {'-':>15}"
@@ -402,6 +557,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_elements": max_elements, "warmup": args.warmup, "repeats": args.repeats,
             "memory_fraction": args.memory_fraction,
             "bandwidth_gbps": bandwidth,
+            "predicted": predicted, "efficiency": args.efficiency, "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK,
             "configs": [
                 {"stages": c, "label": labels[c], "points": [asdict(p) for p in results[c]],
                  "fit": asdict(fits[c]) if fits[c] else None}

@@ -5,12 +5,15 @@ moves sub-tensors (batch and row chunks with halo rows) to the compute device, c
 moves results back, within a budget of ``max_elements`` elements per chunk step. BatchNorm
 statistics are exact over the whole input (two passes, Welford merge). :func:`bigify` converts
 the stem and the first residual stages of our ResNets; after them the tensor moves to the
-device for the rest of the network.
+device for the rest of the network. Under autocast the layers follow plain autocast's precision
+policy (:mod:`wsi_pipeline.bigl.precision`). For inference, :class:`EmbeddingEncoder` runs the
+plain encoder on the device when a call's activations fit a budget, Big-Layers otherwise.
 """
 
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.convert import BigResNet, bigify
+from wsi_pipeline.bigl.embed import EmbeddingEncoder, inference_activation_bytes
 from wsi_pipeline.bigl.instrument import TransferEvent, TransferMonitor, monitor_transfers, register_transfer_hook
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
 from wsi_pipeline.bigl.runner import ChunkRunner
@@ -18,6 +21,8 @@ from wsi_pipeline.bigl.runner import ChunkRunner
 __all__ = [
     "bigify",
     "BigResNet",
+    "EmbeddingEncoder",
+    "inference_activation_bytes",
     "BigConv2d",
     "BigBatchNorm2d",
     "BigReLU",

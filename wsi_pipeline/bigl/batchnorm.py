@@ -8,6 +8,10 @@ Training backward, two passes: (1) ``sum_dy`` and ``sum_dy_xmu`` per channel;
 (2) ``dx = gamma * invstd * (dy - sum_dy / N - (x - mean) * invstd^2 * sum_dy_xmu / N)``;
 ``dgamma = sum_dy_xmu * invstd``, ``dbeta = sum_dy``. Eval mode uses the running statistics
 and needs one pass each way.
+
+Precision as ``nn.BatchNorm2d`` (also under autocast, where BatchNorm is on no cast list): the
+output and the input gradient are in the input's dtype; statistics and arithmetic run in
+float32 for bfloat16/float16 inputs (:func:`~wsi_pipeline.bigl.precision.math_dtype`).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from wsi_pipeline.bigl.plan import RowChunk, Window, plan_rows
+from wsi_pipeline.bigl.precision import math_dtype
 from wsi_pipeline.bigl.runner import ChunkRunner
 
 __all__ = ["BigBatchNorm2d"]
@@ -44,6 +49,11 @@ def _load_x_dy(x: torch.Tensor, dy: torch.Tensor):
     return lambda i, ch: (x[ch.n0 : ch.n1, :, ch.a : ch.b], dy[ch.n0 : ch.n1, :, ch.a : ch.b])
 
 
+def _up(t: torch.Tensor) -> torch.Tensor:
+    """A chunk in BatchNorm's arithmetic dtype (no copy for float32/float64)."""
+    return t.to(math_dtype(t.dtype))
+
+
 def _rows(t: torch.Tensor):
     return lambda i, ch: (t[ch.n0 : ch.n1, :, ch.a : ch.b],)
 
@@ -53,7 +63,7 @@ def batch_stats(layer: BigBatchNorm2d, x: torch.Tensor) -> tuple[torch.Tensor, t
     state: dict[str, Any] = {"n": 0, "mean": None, "m2": None}
 
     def compute(i: int, ch: RowChunk, ins):
-        xc = ins[0]
+        xc = _up(ins[0])
         m = xc.numel() // xc.shape[1]
         var_b, mean_b = torch.var_mean(xc, dim=_DIMS, correction=0)
         m2_b = var_b * m
@@ -92,8 +102,9 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
                     unbiased = (m2 / (count - 1)).to(layer.running_var.dtype)
                     layer.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
             else:
-                mean = layer.running_mean.to(x.dtype)
-                invstd = torch.rsqrt(layer.running_var.to(x.dtype) + eps)
+                acc = math_dtype(x.dtype)
+                mean = layer.running_mean.to(acc)
+                invstd = torch.rsqrt(layer.running_var.to(acc) + eps)
             scale = invstd if weight is None else invstd * weight
             shift = None if bias is None else bias
             scale4, mean4 = _per_channel(scale), _per_channel(mean)
@@ -101,13 +112,14 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
             y = layer.runner.host_empty(x.shape, x.dtype)
 
             def compute(i: int, ch: RowChunk, ins):
-                out = (ins[0] - mean4) * scale4
+                out = (_up(ins[0]) - mean4) * scale4
                 if shift4 is not None:
                     out += shift4
-                return (out,)
+                return (out.to(x.dtype),)
 
             layer.runner.run(f"{layer.qualname}/normalize", _plan(layer, x, 1, 1), _load_x(x), compute, _rows(y))
         ctx.layer, ctx.use_batch_stats = layer, use_batch_stats
+        ctx.bias_dtype = None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight, mean, invstd)
         return y
 
@@ -124,6 +136,7 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
         count = x.numel() // x.shape[1]
 
         def add_sums(xc: torch.Tensor, gc: torch.Tensor) -> None:
+            xc, gc = _up(xc), _up(gc)
             s_dy = gc.sum(dim=_DIMS)
             s_dy_xmu = (gc * (xc - mean4)).sum(dim=_DIMS)
             if sums["dy"] is None:
@@ -146,8 +159,8 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
                 k_xmu = _per_channel(invstd * invstd * sums["dy_xmu"] / count)
 
                 def dx(i: int, ch: RowChunk, ins):
-                    xc, gc = ins
-                    return (((gc - mean_dy) - (xc - mean4) * k_xmu) * k_dy,)
+                    xc, gc = _up(ins[0]), _up(ins[1])
+                    return ((((gc - mean_dy) - (xc - mean4) * k_xmu) * k_dy).to(x.dtype),)
 
                 runner.run(f"{layer.qualname}/backward-dx", _plan(layer, x, 2, 1), _load_x_dy(x, dy), dx, _rows(gx))
         else:
@@ -159,12 +172,12 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
                 xc, gc = ins
                 if want_sums:
                     add_sums(xc, gc)
-                return (gc * k_dy,) if need_x else ()
+                return ((_up(gc) * k_dy).to(x.dtype),) if need_x else ()
 
             runner.run(f"{layer.qualname}/backward", _plan(layer, x, 2, 1 if need_x else 0), _load_x_dy(x, dy), dx_eval,
                        _rows(gx) if need_x else None)
-        g_w = sums["dy_xmu"] * invstd if (need_w and weight is not None) else None
-        g_b = sums["dy"] if need_b else None
+        g_w = (sums["dy_xmu"] * invstd).to(weight.dtype) if (need_w and weight is not None) else None
+        g_b = sums["dy"].to(ctx.bias_dtype) if (need_b and ctx.bias_dtype is not None) else None
         return gx, g_w, g_b, None, None, None
 
 
@@ -205,7 +218,7 @@ class BigBatchNorm2d(nn.BatchNorm2d):
         """``[N, C, H, W]`` host tensor -> same shape, normalised per channel (host, channels-last)."""
         if x.dim() != 4:
             raise ValueError(f"{self.qualname}: expected a 4-D input [N, C, H, W], got shape {tuple(x.shape)}")
-        if x.device.type != "cpu":
+        if not self.runner.is_host(x):
             x = self.runner.to_host(x)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:

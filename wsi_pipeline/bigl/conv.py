@@ -1,4 +1,10 @@
-"""Partitioned Conv2d: host input and output, device work in batch/row chunks with halo rows."""
+"""Partitioned Conv2d: host input and output, device work in batch/row chunks with halo rows.
+
+Under autocast (for the compute device) the chunks compute in the autocast dtype, forward and
+backward, and the output lives in the host in that dtype, as plain autocast would produce it
+(:mod:`wsi_pipeline.bigl.precision`); weight and bias gradients are accumulated and returned in
+the parameters' dtype.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from wsi_pipeline.bigl.plan import RowChunk, Window, grad_write_plan, plan_rows
+from wsi_pipeline.bigl.precision import autocast_dtype
 from wsi_pipeline.bigl.runner import ChunkRunner
 
 __all__ = ["BigConv2d", "pad_rows", "GradStitcher"]
@@ -20,6 +27,10 @@ def pad_rows(x: torch.Tensor, top: int, bottom: int, value: float = 0.0) -> torc
     if top == 0 and bottom == 0:
         return x
     return F.pad(x, (0, 0, top, bottom), value=value)
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
 
 class GradStitcher:
@@ -54,21 +65,24 @@ class GradStitcher:
 
 class _BigConv2dFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: BigConv2d) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: BigConv2d,
+                cast: torch.dtype | None) -> torch.Tensor:
         n, c, h, w = x.shape
         co = weight.shape[0]
         ho, wo = layer.window_h.out_size(h), layer.window_w.out_size(w)
         if ho < 1 or wo < 1:
             raise ValueError(f"{layer.qualname}: input {h}x{w} px is smaller than the kernel {layer.kernel_size}")
         chunks = plan_rows(n, h, layer.window_h, in_row=c * w, out_row=co * wo, max_elements=layer.max_elements, what=layer.qualname)
-        y = layer.runner.host_empty((n, co, ho, wo), x.dtype)
+        y = layer.runner.host_empty((n, co, ho, wo), cast or x.dtype)
         pw = layer.padding[1]
+        weight_c, bias_c = _cast(weight, cast), _cast(bias, cast)
 
         def load(i: int, ch: RowChunk) -> tuple[torch.Tensor]:
             return (x[ch.n0 : ch.n1, :, ch.a : ch.b],)
 
         def compute(i: int, ch: RowChunk, ins) -> tuple[torch.Tensor]:
-            xc = ins[0]
+            xc = _cast(ins[0], cast)
+            weight, bias = weight_c, bias_c
             if ch.full:
                 return (F.conv2d(xc, weight, bias, layer.stride, layer.padding, layer.dilation, layer.groups),)
             xc = pad_rows(xc, ch.pad_top, ch.pad_bottom)
@@ -78,7 +92,7 @@ class _BigConv2dFn(torch.autograd.Function):
             return (y[ch.n0 : ch.n1, :, ch.o0 : ch.o1],)
 
         layer.runner.run(f"{layer.qualname}/forward", chunks, load, compute, store)
-        ctx.layer = layer
+        ctx.layer, ctx.cast = layer, cast
         ctx.save_for_backward(x, weight, bias)
         return y
 
@@ -87,6 +101,7 @@ class _BigConv2dFn(torch.autograd.Function):
     def backward(ctx: Any, gy: torch.Tensor):
         x, weight, bias = ctx.saved_tensors
         layer: BigConv2d = ctx.layer
+        cast: torch.dtype | None = ctx.cast
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         n, c, h, w = x.shape
         _, co, _, wo = gy.shape
@@ -103,36 +118,45 @@ class _BigConv2dFn(torch.autograd.Function):
         acc: dict[str, torch.Tensor | None] = {"w": None, "b": None}
         pw = layer.padding[1]
         bias_sizes = [co] if bias is not None else None
+        weight_c = _cast(weight, cast)
 
         def load(i: int, ch: RowChunk):
             return (x[ch.n0 : ch.n1, :, ch.a : ch.b], gy[ch.n0 : ch.n1, :, ch.o0 : ch.o1])
 
         def compute(i: int, ch: RowChunk, ins):
-            xc, gc = ins
+            xc, gc = _cast(ins[0], cast), _cast(ins[1], cast)
             if ch.full:
                 padding = list(layer.padding)
             else:
                 xc = pad_rows(xc, ch.pad_top, ch.pad_bottom)
                 padding = [0, pw]
             g_in, g_w, g_b = torch.ops.aten.convolution_backward(
-                gc, xc, weight, bias_sizes, list(layer.stride), padding, list(layer.dilation),
+                gc, xc, weight_c, bias_sizes, list(layer.stride), padding, list(layer.dilation),
                 False, [0, 0], layer.groups, [need_x, need_w, need_b and bias is not None],
             )
+            # parameter gradients in the parameters' dtype (float32 under autocast), as the
+            # backward of autocast's cast gives them
             if need_w:
+                g_w = g_w.to(weight.dtype)
                 acc["w"] = g_w if acc["w"] is None else acc["w"].add_(g_w)
             if need_b and bias is not None:
+                g_b = g_b.to(bias.dtype)
                 acc["b"] = g_b if acc["b"] is None else acc["b"].add_(g_b)
             if not need_x:
                 return ()
             if not ch.full:
                 g_in = g_in[:, :, ch.pad_top : g_in.shape[2] - ch.pad_bottom]
-            return (stitch.take(i, g_in),)
+            if cast is not None:
+                # halo rows are summed in the input's dtype (float32 for the image), then the
+                # gradient is stored in the input's dtype, as the cast's backward returns it
+                g_in = g_in.to(torch.promote_types(cast, x.dtype))
+            return (stitch.take(i, g_in).to(x.dtype),)
 
         def store(i: int, ch: RowChunk):
             return (stitch.dest(i, ch, gx),) if need_x else ()
 
         runner.run(f"{layer.qualname}/backward", chunks, load, compute, store)
-        return gx, acc["w"], acc["b"], None
+        return gx, acc["w"], acc["b"], None, None
 
 
 class BigConv2d(nn.Conv2d):
@@ -191,9 +215,10 @@ class BigConv2d(nn.Conv2d):
         """``[N, C_in, H, W]`` host tensor -> ``[N, C_out, H', W']`` host tensor (channels-last)."""
         if x.dim() != 4:
             raise ValueError(f"{self.qualname}: expected a 4-D input [N, C, H, W], got shape {tuple(x.shape)}")
-        if x.device.type != "cpu":
+        if not self.runner.is_host(x):
             x = self.runner.to_host(x)
-        return _BigConv2dFn.apply(x, self.weight, self.bias, self)
+        cast = autocast_dtype(self.runner.device, x, self.weight, self.bias)
+        return _BigConv2dFn.apply(x, self.weight, self.bias, self, cast)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, max_elements={self.max_elements}, device={self.runner.device}"

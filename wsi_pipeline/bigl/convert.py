@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
@@ -14,6 +15,25 @@ from wsi_pipeline.models.encoders import ResNet
 __all__ = ["bigify", "BigResNet", "BigBlock"]
 
 POINTWISE = ("host", "device")
+
+
+class _Handoff(torch.autograd.Function):
+    """``x.to(device)`` where the big stages end, reported to the transfer instrumentation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        ctx.host = x.device
+        y = x.to(device, non_blocking=True)
+        if instrument.active():
+            instrument.handoff("handoff/forward", y)
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        g = g.to(ctx.host)
+        if instrument.active():
+            instrument.handoff("handoff/backward", g)
+        return g, None
 
 
 class _Converter:
@@ -92,7 +112,16 @@ class BigResNet(nn.Module):
         Number of residual stages converted (0 = stem only).
     runner : ChunkRunner
         The compute device and transfer machinery.
+    host_input : bool
+        True: the first layer takes its input from host memory, chunk by chunk. Callers keep the
+        images on the host (``full_step`` does): sending them to the device first would only
+        make a whole-bag round trip (device -> host again before the first chunk).
+    plain : ResNet
+        The wrapped encoder (same Parameters and buffers), e.g. for inference on the device
+        when its activations fit (:class:`~wsi_pipeline.bigl.embed.EmbeddingEncoder`).
     """
+
+    host_input = True
 
     def __init__(self, model: ResNet, stages: int, runner: ChunkRunner, max_elements: int, pointwise: str) -> None:
         super().__init__()
@@ -111,7 +140,14 @@ class BigResNet(nn.Module):
         self.big_stages = stages
         self.max_elements = max_elements
         self.runner = runner
+        # not a submodule: its state is this module's state under the same names
+        object.__setattr__(self, "_plain", model)
         self.train(model.training)
+
+    @property
+    def plain(self) -> ResNet:
+        """The wrapped plain encoder (shares every Parameter and buffer with this module)."""
+        return self._plain
 
     def stages(self) -> list[nn.Module]:
         """The four residual stages ``[layer1, layer2, layer3, layer4]``."""
@@ -125,13 +161,16 @@ class BigResNet(nn.Module):
         for stage in stages[: self.big_stages]:
             x = stage(x)
         # the tensor is small enough now: the rest of the network runs on the device
-        x = x.to(self.runner.device, non_blocking=True)
+        x = _Handoff.apply(x, self.runner.device)
         for stage in stages[self.big_stages :]:
             x = stage(x)
         return x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Images ``[B, 3, H, W]`` (host or device) -> features ``[B, num_features]`` on the device."""
+        """Images ``[B, 3, H, W]`` -> features ``[B, num_features]`` on the device.
+
+        Pass host tensors (:attr:`host_input`): a device tensor is first copied back to the host.
+        """
         return torch.flatten(self.avgpool(self.forward_features(x)), 1)
 
 

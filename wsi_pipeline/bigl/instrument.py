@@ -3,9 +3,11 @@
 Every chunk step of a Big-Layer reports its transfers to the registered hooks:
 ``h2d`` (a tensor sent to the compute device), ``d2h`` (a result sent back to host memory),
 ``chunk`` (one chunk step finished: ``numel`` is everything it moved, inputs plus outputs) and
-``free`` (a chunk tensor on the device was released). ``resident`` is the number of elements of
-chunk tensors alive on the device right after the event. Hooks cost nothing when none is
-registered.
+``free`` (a chunk tensor on the device was released), and ``handoff`` (the whole tensor where
+the Big-Layer stages end: ``handoff/forward`` moves it to the device, ``handoff/backward`` moves
+its gradient back to the host; not a chunk, so outside the chunk budget). ``resident`` is the
+number of elements of chunk tensors alive on the device right after the event. Every event
+carries its bytes (``nbytes``). Hooks cost nothing when none is registered.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class TransferEvent:
     Attributes
     ----------
     kind
-        ``"h2d"``, ``"d2h"``, ``"chunk"`` or ``"free"``.
+        ``"h2d"``, ``"d2h"``, ``"chunk"``, ``"free"`` or ``"handoff"``.
     layer
         Qualified name of the Big-Layer and its pass, e.g. ``"layer1.0.conv1/forward"``.
     chunk
@@ -40,6 +42,9 @@ class TransferEvent:
     samples, rows, full
         ``chunk`` events only: samples and output rows of the step, and whether it held whole
         samples (0, 0, False otherwise).
+    nbytes
+        Bytes of ``numel`` (``h2d``/``d2h``/``free``: the tensor's; ``chunk``: everything the step
+        moved, each tensor at its own element size).
     """
 
     kind: str
@@ -50,6 +55,7 @@ class TransferEvent:
     samples: int = 0
     rows: int = 0
     full: bool = False
+    nbytes: int = 0
 
 
 _hooks: dict[int, Callable[[TransferEvent], None]] = {}
@@ -82,34 +88,42 @@ def active() -> bool:
     return bool(_hooks)
 
 
-def _emit(kind: str, layer: str, chunk: int, numel: int, samples: int = 0, rows: int = 0, full: bool = False) -> None:
-    event = TransferEvent(kind, layer, chunk, numel, _resident, samples, rows, full)
+def _emit(kind: str, layer: str, chunk: int, numel: int, samples: int = 0, rows: int = 0, full: bool = False,
+          nbytes: int = 0) -> None:
+    event = TransferEvent(kind, layer, chunk, numel, _resident, samples, rows, full, nbytes)
     for fn in list(_hooks.values()):
         fn(event)
 
 
-def _released(layer: str, numel: int) -> None:
+def _released(layer: str, numel: int, nbytes: int) -> None:
     global _resident
     with _lock:
         _resident -= numel
     if _hooks:
-        _emit("free", layer, -1, numel)
+        _emit("free", layer, -1, numel, nbytes=nbytes)
 
 
 def track(kind: str, layer: str, chunk: int, t: torch.Tensor) -> None:
     """Report tensor ``t`` (a chunk on the device) and count it resident until it is freed."""
     global _resident
     n = t.numel()
+    nbytes = n * t.element_size()
     with _lock:
         _resident += n
     # the finaliser fires when the last Python reference to this chunk tensor goes away
-    weakref.finalize(t, _released, layer, n)
-    _emit(kind, layer, chunk, n)
+    weakref.finalize(t, _released, layer, n, nbytes)
+    _emit(kind, layer, chunk, n, nbytes=nbytes)
 
 
-def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool) -> None:
-    """Report the end of one chunk step that moved ``numel`` elements in and out."""
-    _emit("chunk", layer, chunk, numel, samples, rows, full)
+def handoff(layer: str, t: torch.Tensor) -> None:
+    """Report the whole-tensor move where the Big-Layer stages end (``layer``: ``handoff/forward``
+    host -> device, ``handoff/backward`` device -> host)."""
+    _emit("handoff", layer, 0, t.numel(), nbytes=t.numel() * t.element_size())
+
+
+def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool, nbytes: int = 0) -> None:
+    """Report the end of one chunk step that moved ``numel`` elements (``nbytes`` bytes) in and out."""
+    _emit("chunk", layer, chunk, numel, samples, rows, full, nbytes)
 
 
 @dataclass
@@ -144,6 +158,18 @@ class TransferMonitor:
     def count(self, kind: str) -> int:
         """Number of events of one kind."""
         return sum(e.kind == kind for e in self.events)
+
+    def bytes(self, kind: str) -> int:
+        """Bytes moved by the events of one kind (``"h2d"``: host to device, ``"d2h"``: back)."""
+        return sum(e.nbytes for e in self.events if e.kind == kind)
+
+    def to_device_bytes(self) -> int:
+        """Every byte sent host -> device: chunk inputs plus the forward hand-off."""
+        return self.bytes("h2d") + sum(e.nbytes for e in self.events if e.kind == "handoff" and e.layer.endswith("/forward"))
+
+    def to_host_bytes(self) -> int:
+        """Every byte sent device -> host: chunk results plus the hand-off's gradient."""
+        return self.bytes("d2h") + sum(e.nbytes for e in self.events if e.kind == "handoff" and e.layer.endswith("/backward"))
 
 
 @contextmanager

@@ -41,7 +41,7 @@ class _AddReLUFn(torch.autograd.Function):
 
         def compute(i, ch, chunk):
             out = chunk[0] if b is None else chunk[0] + chunk[1]
-            return (torch.relu(out),)
+            return (torch.relu(out).to(y.dtype),)  # in a's dtype, as plain ``out += identity``
 
         runner.run(f"{name}/forward", _elementwise_plan(a, max_elements, len(ins), 1, name), _rows(*ins), compute, _rows(y))
         ctx.runner, ctx.max_elements, ctx.name, ctx.two = runner, max_elements, name, b is not None

@@ -11,10 +11,20 @@ tensors are allocated by PyTorch's caching allocator and tagged with ``record_st
 every stream that uses them, so their memory is reused only after those streams are done;
 at most two chunks are in flight. Managed (unified) memory is never used. On the CPU the same
 loop runs, with the streams and copies reduced to no-ops.
+
+Precision: every ``compute`` runs with autocast switched off for the compute device; the layers
+decide their precision themselves (:mod:`wsi_pipeline.bigl.precision`), once per call, so the
+forward and the backward pass follow the same policy as plain autocast.
+
+Dry runs: with ``device="meta"`` host and device tensors are both meta tensors (shapes only, no
+memory, no arithmetic), so a training step of any size runs in seconds and the transfer
+instrumentation reports exactly the chunks, elements and bytes a real run would move
+(``make bench-bigl`` counts transfers this way).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,13 +39,17 @@ Compute = Callable[[int, RowChunk, Sequence[torch.Tensor]], Sequence[torch.Tenso
 Store = Callable[[int, RowChunk], Sequence[torch.Tensor]]
 
 
-def _empty_host(shape: Sequence[int], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+def _empty_host(shape: Sequence[int], dtype: torch.dtype, pinned: bool, device: torch.device | str = "cpu") -> torch.Tensor:
     if len(shape) == 4:
         n, c, h, w = shape
         # a base tensor with channels-last strides (not a permuted view: autograd forbids
         # in-place ops on views returned by custom Functions)
-        return torch.empty_strided((n, c, h, w), (h * w * c, 1, w * c, c), dtype=dtype, pin_memory=pinned)
-    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pinned)
+        return torch.empty_strided((n, c, h, w), (h * w * c, 1, w * c, c), dtype=dtype, pin_memory=pinned, device=device)
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pinned, device=device)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -50,7 +64,8 @@ class ChunkRunner:
     Parameters
     ----------
     device
-        The compute device (``cpu`` or ``cuda[:k]``). Host tensors always live in CPU memory.
+        The compute device (``cpu`` or ``cuda[:k]``). Host tensors live in CPU memory
+        (:attr:`host_device`); ``meta`` makes a dry run (host tensors are meta tensors too).
     pin_memory
         CUDA only: allocate host activations in pinned memory, so every chunk copy is an async
         DMA straight from/to them. PyTorch's pinned allocator rounds each block up to a power of
@@ -64,6 +79,8 @@ class ChunkRunner:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.is_cuda = self.device.type == "cuda"
         self.pin_memory = bool(pin_memory) and self.is_cuda
+        #: where Big-Layer activations live: CPU memory, or nowhere (meta) in a dry run
+        self.host_device = torch.device("meta") if self.device.type == "meta" else torch.device("cpu")
         if self.is_cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
@@ -73,14 +90,24 @@ class ChunkRunner:
 
     def host_empty(self, shape: Sequence[int], dtype: torch.dtype, *, zero: bool = False) -> torch.Tensor:
         """Host tensor for Big-Layer activations: channels-last for 4-D, pinned when ``pin_memory``."""
-        t = _empty_host(shape, dtype, self.pin_memory)
+        t = _empty_host(shape, dtype, self.pin_memory, self.host_device)
         if zero:
             t.zero_()
         return t
 
     def to_host(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` as a channels-last host tensor (differentiable; no copy if it already is one)."""
-        return x.to("cpu").contiguous(memory_format=torch.channels_last)
+        return x.to(self.host_device).contiguous(memory_format=torch.channels_last)
+
+    def is_host(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` already lives where Big-Layer activations live."""
+        return x.device == self.host_device
+
+    def _no_autocast(self):
+        """Autocast off for the compute device while a chunk computes (the layers cast explicitly)."""
+        if self.device.type in ("cpu", "cuda"):
+            return torch.autocast(self.device.type, enabled=False)
+        return contextlib.nullcontext()
 
     def run(self, layer: str, chunks: Sequence[RowChunk], load: Load, compute: Compute, store: Store | None = None) -> None:
         """Run every chunk step of one pass of one layer.
@@ -109,9 +136,11 @@ class ChunkRunner:
             pending = self._send_cpu(layer, 0, chunks[0], load, watch)
             for i, ch in enumerate(chunks):
                 ins = pending
-                outs = compute(i, ch, ins)
+                with self._no_autocast():
+                    outs = compute(i, ch, ins)
                 pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
                 moved = sum(t.numel() for t in ins)
+                moved_bytes = sum(_nbytes(t) for t in ins)
                 dests = store(i, ch) if store is not None else ()
                 self._check(layer, dests, outs)
                 for d, o in zip(dests, outs):
@@ -120,8 +149,9 @@ class ChunkRunner:
                     if o.numel():
                         d.copy_(o)
                     moved += o.numel()
+                    moved_bytes += _nbytes(o)
                 if watch:
-                    instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full)
+                    instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
                 del ins, outs
 
     def _send_cpu(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool) -> tuple[torch.Tensor, ...]:
@@ -133,10 +163,10 @@ class ChunkRunner:
 
     @staticmethod
     def _check(layer: str, dests: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
-        if len(dests) != len(outs) or any(d.shape != o.shape for d, o in zip(dests, outs)):
+        if len(dests) != len(outs) or any(d.shape != o.shape or d.dtype != o.dtype for d, o in zip(dests, outs)):
             raise RuntimeError(
-                f"internal error in Big-Layer {layer}: results {[tuple(o.shape) for o in outs]} "
-                f"do not match destinations {[tuple(d.shape) for d in dests]}"
+                f"internal error in Big-Layer {layer}: results {[(tuple(o.shape), o.dtype) for o in outs]} "
+                f"do not match destinations {[(tuple(d.shape), d.dtype) for d in dests]}"
             )
 
     # ---- CUDA: pinned buffers, copy streams, events -------------------------------------
@@ -174,10 +204,12 @@ class ChunkRunner:
             cur.wait_event(ready)
             for t in ins:
                 t.record_stream(cur)
-            outs = tuple(compute(i, ch, ins))
+            with self._no_autocast():
+                outs = tuple(compute(i, ch, ins))
             # queue the next chunk's transfer while the device computes this one
             pending = self._send_cuda(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else None
             moved = sum(t.numel() for t in ins)
+            moved_bytes = sum(_nbytes(t) for t in ins)
             dests = store(i, ch) if store is not None else ()
             self._check(layer, dests, outs)
             if outs:
@@ -203,6 +235,7 @@ class ChunkRunner:
                             arrived.record(self._d2h)
                             landing.append((i, arrived, staged, d))
                         moved += o.numel()
+                        moved_bytes += _nbytes(o)
                         if watch:
                             instrument.track("d2h", layer, i, o)
             # land the previous chunks' results (their DMA ran while this chunk was computed)
@@ -211,7 +244,7 @@ class ChunkRunner:
                 arrived.synchronize()
                 d.copy_(staged)
             if watch:
-                instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full)
+                instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
             del ins, outs
         # host code (autograd, the next layer's staging) reads the results right after; device
         # state of the pass (accumulated dW, statistics) stays ordered on `cur`

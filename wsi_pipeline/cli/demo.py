@@ -23,10 +23,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--external", type=int, default=16, help="external-cohort slides (default: %(default)s)")
     p.add_argument("--size", type=int, default=896, help="slide side in level-0 px (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="cohort seed (default: %(default)s)")
+    p.add_argument("--seeds", type=_seeds, default=None, metavar="S,S,...",
+                   help="seed study: train every method once per training seed (e.g. 0,1,2,3,4 or 0-4; same cohort "
+                        "and tiles, finished runs reused), evaluate into <results>/seed-study/ and print mean +- sd "
+                        "and min per method of internal AUC, localisation and external AUC (default: the config's seeds)")
     p.add_argument("--workers", type=int, default=None, help="tiling worker processes (default: number of cores)")
     p.add_argument("--device", default=None, help="training/eval device: auto, cpu, cuda (default: the config's)")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
     p.set_defaults(func=run)
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    """``--seeds`` value: distinct integers >= 0 (``0,1,2`` or ``0-4``); a usage error otherwise."""
+    from wsi_pipeline.demo import parse_seeds
+
+    try:
+        return parse_seeds(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,4 +48,4 @@ def run(args: argparse.Namespace) -> int:
 
     cohort = DemoCohort(n_internal=args.internal, n_external=args.external, size=args.size, seed=args.seed)
     return run_demo(args.config, cohort=cohort, workers=args.workers, device=args.device,
-                    overrides=tuple(args.overrides), progress=not args.no_progress)
+                    overrides=tuple(args.overrides), progress=not args.no_progress, seeds=args.seeds)

@@ -34,11 +34,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: the config's eval.bootstrap, 1000)")
     p.add_argument("--no-heatmaps", action="store_true", help="skip heatmaps, per-tile scores and GeoJSON")
     p.add_argument("--heatmap-method", default=None, metavar="NAME",
-                   help="method whose first finished seed draws the heatmaps (default: the first method)")
+                   help="method whose seed best on validation draws the heatmaps (default: the run best on validation)")
     p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
                    help="colour normalisation of heatmaps: per-slide rank (default), per-slide min-max, or raw values")
     p.add_argument("--results", default=None, metavar="DIR", help="output folder (default: <results_dir>/<pipeline name>)")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                   help="no progress bars or progress lines (--quiet is the old name)")
     p.set_defaults(func=run)
 
 
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
             heatmap_mode=args.heatmap_mode,
             n_boot=args.bootstrap,
             results_dir=args.results,
-            progress=not args.quiet,
+            progress=not args.no_progress,
         )
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+
 __all__ = ["register", "run"]
 
 
@@ -30,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=64, help="tiles per forward pass (default: 64)")
     p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
 
@@ -41,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
     if args.encoder not in ENCODERS:
         print(f"error: --encoder {args.encoder!r} is unknown; choose one of {ENCODERS.names()}")
         return 2
+    try:
+        cluster = cluster_from_args(args)
+    except ValueError as err:
+        print(f"wsi-pipeline features: error: {err}")
+        return 2
     df = read_manifest(args.manifest)
     report = extract_features(
         df,
@@ -51,6 +60,9 @@ def run(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         device=args.device,
         overwrite=args.overwrite,
+        progress=not args.no_progress,
+        cluster=cluster,
+        retries=args.retries,
     )
     counts = report["status"].value_counts().to_dict()
     print(f"features: {counts.get('ok', 0)} written, {counts.get('skipped', 0)} up to date, "

@@ -51,6 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # progress that must reach a log file even at the default level: per-epoch training lines and
+    # the plain progress lines written instead of bars when output is not a terminal
+    for name in ("wsi_pipeline.progress", "wsi_pipeline.training.loop"):
+        if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
+            logging.getLogger(name).setLevel(logging.INFO)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+
 __all__ = ["register", "run"]
 
 
@@ -17,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "foreground threshold), embed each slide once, aggregate, and write <out>/predictions.csv plus "
             "<out>/heatmaps/<slide_id>.png (attention over the thumbnail), .geojson (opens in QuPath) and "
             "_scores.csv. A folder of <slide_id>.zarr tile stores is used as it is, without tiling. "
-            "No labels are needed."
+            "No labels are needed. Each slide's stain colour and intensity are compared with the training tiles': "
+            "slides far outside them are flagged (columns stain_distance and off_distribution, and a warning) "
+            "but still predicted."
         ),
     )
     p.add_argument("--model", required=True, metavar="RUN_OR_CHECKPOINT",
@@ -34,9 +38,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--mpp", type=float, default=None, help="um/px to assume for slides whose files do not record it")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tile subsets of subsample protocols (default: 0)")
     p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
+    p.add_argument("--allow-other-tiling", action="store_true",
+                   help="score a folder of .zarr stores tiled with other settings than the model's training stores "
+                   "(another tile size, resolution, method or threshold) with a warning instead of refusing it")
     p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
                    help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
-    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                   help="no progress bars or progress lines (--quiet is the old name)")
+    add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 
 
@@ -49,11 +58,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
         return 2
     try:
+        cluster = cluster_from_args(args)
         s = predict_slides(
             args.model, args.slides, args.out,
             protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
-            progress=not args.quiet,
+            progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling, cluster=cluster, retries=args.retries,
         )
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -65,7 +75,15 @@ def run(args: argparse.Namespace) -> int:
         show = df[["slide_id", "protocol", "n_tiles", "pred"]].copy()
         show["p(pred)"] = ["{:.3f}".format(r["prob_" + str(int(r["pred"]))]) for r in s.rows]
         show["probs"] = [" ".join(f"{v:.3f}" for v in r) for r in df[probs].to_numpy()]
+        if s.stain_checks:  # distance of the slide's stain from the training tiles'
+            show["stain"] = [("OFF {:.1f}" if r["off_distribution"] else "ok {:.1f}").format(r["stain_distance"])
+                             if r["stain_distance"] is not None else "-" for r in s.rows]
         print(show.to_string(index=False))
+    off = sorted(sid for sid, c in s.stain_checks.items() if c.off_distribution)
+    if off:
+        print(f"\n{len(off)} slide(s) look unlike the model's training tiles (stain distance > "
+              f"{s.stain_checks[off[0]].threshold:g}; off_distribution in predictions.csv): {', '.join(off)}. "
+              "They were predicted anyway; do not trust those predictions without checking the slides.")
     for sid, why in s.failed:
         print(f"  not predicted: {sid}: {why}")
     print(f"\nOutputs in {s.out_dir}/")

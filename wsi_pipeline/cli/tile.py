@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
+
 __all__ = ["register", "run"]
 
 
@@ -56,13 +58,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
-    p.add_argument("--method", choices=("greyscale", "otsu"), default="greyscale",
+    p.add_argument("--method", choices=("greyscale", "otsu", "unet"), default="greyscale",
                    help="foreground test: greyscale = per-tile fraction of pixels with grey in [grey-min, grey-max] "
-                        "(PANDA protocol); otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol)")
+                        "(PANDA protocol); otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol); "
+                        "unet = tissue mask of the whole-image tissue U-Net (wsi-pipeline tissue; see --tissue-model)")
+    p.add_argument("--tissue-model", default=None, metavar="PATH",
+                   help="unet method: best.pt of `wsi-pipeline tissue train` [default: the model shipped with the package]")
     p.add_argument("--tile-size", type=int, default=256, metavar="PX", help="tile side in px at the tile resolution")
     p.add_argument("--min-foreground", type=_fraction, default=None, metavar="F",
                    help="keep a tile when its foreground (greyscale) or tissue (otsu) fraction is >= F "
-                        "[default: 0.6 for greyscale, 0.5 for otsu]")
+                        "[default: 0.6 for greyscale, 0.5 for otsu and unet]")
     p.add_argument("--grey-min", type=int, default=3, metavar="G", help="darkest grey value counted as foreground (greyscale method)")
     p.add_argument("--grey-max", type=_grey_max, default=230, metavar="G",
                    help="brightest grey value counted as foreground (greyscale method); 'auto': each slide's glass grey "
@@ -100,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="several runs may share one --out: each slide is tiled under a lock (<out>/.locks) that its run "
                         "refreshes every 30 s; a lock whose run is gone (same host) or not refreshed for S seconds "
                         "(another host) is taken over")
+    add_cluster_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -117,14 +123,16 @@ def run(args: argparse.Namespace) -> int:
             method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
             grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
             compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
-            allow_dark_background=args.allow_dark_background,
+            allow_dark_background=args.allow_dark_background, tissue_model=args.tissue_model,
             **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
         )
         if args.workers is not None and args.workers < 0:
             raise ValueError(f"--workers {args.workers} must be >= 0")
+        cluster, shard = cluster_from_args(args), shard_from_args(args)
         source = args.slides if args.slides is not None else args.manifest
         report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite,
-                             progress=not args.no_progress, lock_stale_s=args.lock_stale_after)
+                             progress=not args.no_progress, lock_stale_s=args.lock_stale_after,
+                             cluster=cluster, retries=args.retries, shard=shard)
     except (ValueError, FileNotFoundError, ManifestError, TimeoutError) as err:
         print(f"wsi-pipeline tile: error: {err}", file=sys.stderr)
         return 2

@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "strategies and models are checked before any training. Finished runs (with a `done` file) are "
             "skipped; an interrupted run (Ctrl-C, kill, crash) continues exactly from its last finished epoch when the "
             "same command is run again. Frozen methods extract missing "
-            "feature files first. Relative paths in the config are relative to the current directory."
+            "feature files first. Relative paths in the config are relative to the current directory. "
+            "Under `torchrun --nproc_per_node=G` (e.g. `make train NPROC=G`) G processes share each optimiser "
+            "step's bags and sum the gradients (NCCL on GPUs, gloo on CPUs); only rank 0 writes and logs."
         ),
     )
     p.add_argument("--config", required=True, help="pipeline YAML file, e.g. pipelines/demo.yaml")
@@ -50,12 +52,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from wsi_pipeline.training import distributed
     from wsi_pipeline.training.config import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     # a training run is long: report each epoch unless the user asked for less (-v gives debug)
     pkg = logging.getLogger("wsi_pipeline")
-    if pkg.getEffectiveLevel() > logging.INFO:
+    main_rank = distributed.env_rank() == 0  # under torchrun only rank 0 logs and shows progress
+    if not main_rank:
+        pkg.setLevel(logging.ERROR)
+        args.no_progress = True
+    elif pkg.getEffectiveLevel() > logging.INFO:
         pkg.setLevel(logging.INFO)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -71,6 +78,10 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        distributed.shutdown()
+    if not main_rank:
+        return 0
     print(f"trained {len(runs)} run(s) of pipeline {config.name!r}:")
     for r in runs:
         print(f"  {r}")

@@ -149,7 +149,7 @@ def tiles_to_input(
         if augment is None:
             x = tiles_to_tensor(part, device=device)
         else:
-            x = part.to(device=device).permute(0, 3, 1, 2).float().div_(255.0)
+            x = part.to(device=device).permute(0, 3, 1, 2).to(torch.get_default_dtype()).div_(255.0)
             x = augment.apply(x, params)
             mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
             std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)

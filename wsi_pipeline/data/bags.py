@@ -32,6 +32,7 @@ __all__ = [
     "check_stores",
     "check_tiling",
     "drop_empty",
+    "skipped_by_tiler",
     "epoch_plan",
     "iter_bags",
     "sample_indices",
@@ -74,8 +75,31 @@ def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.Pat
     return [Slide(str(r.slide_id), int(r.label), store_path(tiles_dir, str(r.slide_id))) for r in rows.itertuples()]
 
 
+def skipped_by_tiler(tiles_dir: str | os.PathLike) -> dict[str, str]:
+    """Slides the tiler skipped on purpose (``skipped`` with a ``skipped: ...`` note, no store), with the note.
+
+    Read from ``<tiles_dir>/tiling_report.csv``; empty when there is no report. Such a slide (a
+    fluorescence slide under the brightfield rules, say) has nothing to train on, like a slide
+    with 0 tiles.
+    """
+    report = Path(tiles_dir) / "tiling_report.csv"
+    if not report.is_file():
+        return {}
+    df = pd.read_csv(report, dtype=str, keep_default_na=False)
+    if not {"slide_id", "status", "note"} <= set(df.columns):
+        return {}
+    rows = df[(df["status"] == "skipped") & df["note"].str.startswith("skipped:")]
+    return {str(r.slide_id): str(r.note) for r in rows.itertuples() if not store_path(tiles_dir, str(r.slide_id)).exists()}
+
+
 def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
-    """Raise ``FileNotFoundError`` naming every slide without a complete tile store, and the fix."""
+    """Raise ``FileNotFoundError`` naming every slide without a complete tile store, and the fix.
+
+    Slides the tiler skipped on purpose (:func:`skipped_by_tiler`) are not missing: they are
+    left out later with the slides that have 0 tiles (:func:`drop_empty`).
+    """
+    skipped = skipped_by_tiler(tiles_dir)
+    slides = [s for s in slides if s.slide_id not in skipped]
     missing = [s.slide_id for s in slides if not s.store.exists()]
     partial = [s.slide_id for s in slides if s.store.exists() and not is_complete(s.store)]
     if not missing and not partial:
@@ -171,13 +195,15 @@ def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> 
         ``strict`` and some slide has no tiles.
     """
     kept, empty = [], []
+    skipped = skipped_by_tiler(slides[0].store.parent) if slides else {}
     for s in slides:
-        (kept if len(open_store(s.store)) > 0 else empty).append(s)
+        (kept if s.slide_id not in skipped and len(open_store(s.store)) > 0 else empty).append(s)
     if empty:
         ids = [s.slide_id for s in empty]
-        msg = (f"{len(ids)} {split} slide(s) have 0 tiles in their store and are left out: {_first(ids)} "
-               "(all tiles failed the foreground rule; check the tiling report and QC images, or retile with "
-               "other thresholds, e.g. `wsi-pipeline tile --min-foreground 0.3`)")
+        msg = (f"{len(ids)} {split} slide(s) have 0 tiles in their store, or were skipped by the tiler, and are left "
+               f"out: {_first(ids)} (all tiles failed the foreground rule, or e.g. a dark fluorescence background; see "
+               "tiling_report.csv and the QC images, and retile with other settings, e.g. `wsi-pipeline tile "
+               "--min-foreground 0.3` or `--allow-dark-background`)")
         if strict:
             raise ValueError(msg + "; --strict makes this an error")
         log.warning(msg)

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.progress import progress_bar
 import pandas as pd
 
 __all__ = [
@@ -173,6 +174,55 @@ def _embed_store(store: Any, encoder: Any, device: str, batch_size: int) -> np.n
     return np.concatenate(out, 0)
 
 
+def _slide_features(
+    slide_id: str, encoder: Any, dev: str, tiles_dir: str, out: str, encoder_name: str, digest: str, batch_size: int,
+    overwrite: bool,
+) -> tuple[dict[str, Any], str | None]:
+    """Embed one slide's store into ``<out>/<slide_id>.h5`` unless up to date: its report row and why it was
+    re-extracted (None when it was new, skipped or failed)."""
+    import wsi_pipeline
+    from wsi_pipeline.tiling.store import open_store, store_path
+
+    t0 = time.perf_counter()
+    dest = features_path(out, slide_id)
+    row: dict[str, Any] = {"slide_id": slide_id, "status": "ok", "n_tiles": 0, "seconds": 0.0, "error": ""}
+    why = None
+    try:
+        store = open_store(store_path(tiles_dir, slide_id))
+        expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store)}
+        row["n_tiles"] = len(store)
+        reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
+        if reason is None:
+            row["status"] = "skipped"
+        else:
+            if reason != "no feature file":
+                why = reason
+            feats = _embed_store(store, encoder, dev, int(batch_size))
+            attrs = {
+                **expected,
+                "slide_id": slide_id,
+                "n_tiles": len(store),
+                "feature_dim": int(feats.shape[1]),
+                "tile_size": int(store.tile_size),
+                "package_version": wsi_pipeline.__version__,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            _write_h5(dest, feats, store.coords, store.grid, attrs)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        log.error("features failed for %s: %s", slide_id, e)
+        row.update(status="failed", error=f"{type(e).__name__}: {e}")
+    row["seconds"] = round(time.perf_counter() - t0, 3)
+    return row, why
+
+
+def _slide_features_task(slide_id: str, encoder: Any, device: str, *args: Any) -> tuple[dict[str, Any], str | None]:
+    """:func:`_slide_features` as a Dask task: the broadcast encoder goes to this worker's device once."""
+    dev = resolve_device(device)
+    if next(encoder.parameters()).device != __import__("torch").device(dev):
+        encoder.to(dev).eval()
+    return _slide_features(slide_id, encoder, dev, *args)
+
+
 def extract_features(
     manifest_df: pd.DataFrame,
     tiles_dir: str | os.PathLike,
@@ -186,6 +236,8 @@ def extract_features(
     overwrite: bool = False,
     seed: int = 0,
     progress: bool = True,
+    cluster: Any = None,
+    retries: int = 2,
 ) -> pd.DataFrame:
     """Embed every slide's tile store with a frozen encoder and write ``<out_dir>/<slide_id>.h5``.
 
@@ -202,6 +254,11 @@ def extract_features(
     device : ``"auto"``, ``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"mps"``.
     overwrite : re-extract files that are up to date.
     progress : show a per-slide progress bar.
+    cluster : None = in this process; else each slide is a Dask task (a ``--cluster`` string,
+        a :class:`~wsi_pipeline.tiling.cluster.ClusterSpec` or a ``distributed.Client``; see
+        :mod:`wsi_pipeline.tiling.cluster`): the encoder is built here and sent to every worker,
+        which runs it on its own ``device``.
+    retries : with ``cluster``: extra runs of a slide whose worker died.
 
     Returns
     -------
@@ -210,10 +267,6 @@ def extract_features(
     slide is recorded and the others go on.
     """
     import torch
-    from tqdm.auto import tqdm
-
-    import wsi_pipeline
-    from wsi_pipeline.tiling.store import open_store, store_path
 
     if int(batch_size) < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
@@ -231,40 +284,33 @@ def extract_features(
     encoder = encoder.to(dev).eval()
     digest = weights_sha256(encoder)
 
-    rows = []
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
     _report_orphans(out, slide_ids)
     reasons: dict[str, int] = {}
-    for slide_id in tqdm(slide_ids, desc="features", unit="slide", disable=not progress):
-        t0 = time.perf_counter()
-        dest = features_path(out, slide_id)
-        row: dict[str, Any] = {"slide_id": slide_id, "status": "ok", "n_tiles": 0, "seconds": 0.0, "error": ""}
-        try:
-            store = open_store(store_path(tiles_dir, slide_id))
-            expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store)}
-            row["n_tiles"] = len(store)
-            reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
-            if reason is None:
-                row["status"] = "skipped"
+    args = (str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite)
+    if cluster is not None:
+        from wsi_pipeline.tiling.cluster import map_slides
+
+        outcomes = map_slides(cluster, _slide_features_task, slide_ids, (device, *args), broadcast=encoder.cpu(),
+                              progress=progress, desc="features", retries=retries)
+        rows = []
+        for slide_id, outcome in zip(slide_ids, outcomes):
+            if isinstance(outcome, BaseException):
+                row = {"slide_id": slide_id, "status": "failed", "n_tiles": 0, "seconds": 0.0,
+                       "error": f"the Dask task failed: {type(outcome).__name__}: {outcome}"}
+                reason = None
             else:
-                if reason != "no feature file":
-                    reasons[reason] = reasons.get(reason, 0) + 1
-                feats = _embed_store(store, encoder, dev, int(batch_size))
-                attrs = {
-                    **expected,
-                    "slide_id": slide_id,
-                    "n_tiles": len(store),
-                    "feature_dim": int(feats.shape[1]),
-                    "tile_size": int(store.tile_size),
-                    "package_version": wsi_pipeline.__version__,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                }
-                _write_h5(dest, feats, store.coords, store.grid, attrs)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
-            log.error("features failed for %s: %s", slide_id, e)
-            row.update(status="failed", error=f"{type(e).__name__}: {e}")
-        row["seconds"] = round(time.perf_counter() - t0, 3)
-        rows.append(row)
+                row, reason = outcome
+            rows.append(row)
+            if reason:
+                reasons[reason] = reasons.get(reason, 0) + 1
+    else:
+        rows = []
+        for slide_id in progress_bar(slide_ids, desc="features", unit="slide", enabled=progress):
+            row, reason = _slide_features(slide_id, encoder, dev, *args)
+            rows.append(row)
+            if reason:
+                reasons[reason] = reasons.get(reason, 0) + 1
     if reasons:
         log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
     report = pd.DataFrame(rows, columns=["slide_id", "status", "n_tiles", "seconds", "error"])

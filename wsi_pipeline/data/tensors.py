@@ -14,14 +14,16 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 def tiles_to_tensor(
     tiles: np.ndarray | torch.Tensor,
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Convert uint8 tiles (k, T, T, 3) RGB to a float tensor (k, 3, T, T) normalised with ImageNet statistics.
 
     Values are scaled to [0, 1] and then standardised per channel, the convention of the
-    torchvision ResNet weights our encoders can load.
+    torchvision ResNet weights our encoders can load. ``dtype`` defaults to torch's default dtype
+    (float32 unless a caller sets ``torch.set_default_dtype``; the numerics tests run in float64).
     """
+    dtype = dtype or torch.get_default_dtype()
     t = torch.as_tensor(tiles)
     if t.dtype != torch.uint8 or t.ndim != 4 or t.shape[-1] != 3:
         raise ValueError(f"tiles must be uint8 (k, T, T, 3); got {t.dtype} {tuple(t.shape)}")

@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.evaluation.metrics import compute_metrics, compute_repeat_metrics
 from wsi_pipeline.tiling.store import TileStore, open_store
+from wsi_pipeline.progress import progress_bar
 
 __all__ = [
     "Protocol",
@@ -306,9 +307,7 @@ def embed_slide(
         pending = pool.submit(read, starts[0]) if starts else None
         it = starts
         if progress:
-            from tqdm.auto import tqdm
-
-            it = tqdm(starts, desc=f"embed {st.slide_id}", unit="batch", leave=False)
+            it = progress_bar(starts, desc=f"embed {st.slide_id}", unit="batch", leave=False)
         for i, s in enumerate(it):
             tiles = pending.result()  # type: ignore[union-attr]
             pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
@@ -361,7 +360,7 @@ def predict_slide(
     subsets = subset_indices(n, protocol, generator)
     grid_np = None if grid is None else np.asarray(grid.cpu() if isinstance(grid, Tensor) else grid)
     with _eval_mode(aggregator):
-        zd = z.to(_module_device(aggregator))
+        zd = z.to(_module_device(aggregator), next(aggregator.parameters(), z).dtype)  # the aggregator's dtype
         probs = []
         attention = instance_scores = None
         for idx in subsets:
@@ -520,9 +519,7 @@ def validate_model(
     preds: list[SlidePrediction] = []
     items: Any = enumerate(slides)
     if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, total=len(slides), desc="validate", unit="slide", leave=False)
+        items = progress_bar(items, total=len(slides), desc="validate", unit="slide", leave=False)
     for i, slide in items:
         if isinstance(slide, (str, os.PathLike)):
             slide = open_store(slide)

@@ -28,7 +28,10 @@ the probabilities over repeats), ``metrics.json`` (metrics of each model, their 
 seeds, bootstrap 95 % intervals of the seed mean as metrics ``<metric>_ci_low``/``<metric>_ci_high``
 under seed ``"mean"``, and ``localisation_auc``; see :mod:`wsi_pipeline.export.metrics_json`),
 ``heatmaps/<slide_id>.{png,geojson}`` and ``heatmaps/<slide_id>_scores.csv`` for one model
-(the first evaluated method's first seed, or ``heatmap_method``), ``report.html``, and the
+(the method and seed with the best validation value recorded by training, i.e. the model chosen
+on validation; the first evaluated run when no run recorded one; or ``heatmap_method``'s
+seed best on validation), drawn with the ground-truth lesion outlines when the manifest has
+them, ``report.html`` (led by the model chosen on validation), and the
 resolved ``config.yaml``.
 
 Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
@@ -62,7 +65,9 @@ from wsi_pipeline.evaluation.metrics import METRICS, bootstrap_interval, compute
 from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
+from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.tiling.store import TileStore, open_store, store_path
+from wsi_pipeline.progress import progress_bar
 
 __all__ = [
     "EvalSet",
@@ -73,6 +78,8 @@ __all__ = [
     "localisation_auc",
     "evaluate_pipeline",
     "predict_slides",
+    "validation_scores",
+    "best_on_validation",
 ]
 
 log = logging.getLogger(__name__)
@@ -161,6 +168,50 @@ def _lesion_fraction(row: pd.Series, store: TileStore, extent: float) -> np.ndar
     return None
 
 
+def _lesion_outline(row: pd.Series, store: TileStore, extent: float, level0: tuple[int, int], shape: tuple[int, int]) -> np.ndarray | None:
+    """The slide's ground-truth lesions on the thumbnail's grid (bool (h, w)), or None without truth.
+
+    From the manifest's ``lesion_mask`` + ``mask_downsample``, else from a store's ``lesion``
+    array (tiles at least half lesion).
+    """
+    from wsi_pipeline.export.heatmap import mask_to_thumbnail, tile_rects
+
+    mask_path = row.get("lesion_mask")
+    if isinstance(mask_path, str) and mask_path and os.path.isfile(mask_path):
+        from wsi_pipeline.synthetic.truth import read_mask
+
+        ds = float(row.get("mask_downsample", 1.0) or 1.0)
+        return mask_to_thumbnail(read_mask(mask_path), ds, level0, shape)
+    if "lesion" in store.group:
+        pos = store.array("lesion").astype(np.float64).reshape(-1) >= 0.5
+        h, w = shape
+        x0, y0, x1, y1 = tile_rects(store.coords[pos], extent, (w / level0[0], h / level0[1]), shape)
+        out = np.zeros(shape, bool)
+        for a, b, c, d in zip(x0, y0, x1, y1):
+            out[b:d, a:c] = True
+        return out
+    return None
+
+
+def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, int], tuple[str, float]]:
+    """``{(method, seed): (select metric, best validation value)}`` from each finished run's ``done`` record.
+
+    Runs without a finite recorded value (no validation split) are left out.
+    """
+    import json
+
+    out = {}
+    for method, seed, run_dir in runs:
+        try:
+            rec = json.loads((Path(run_dir) / "done").read_text() or "{}")
+        except (OSError, ValueError):
+            continue
+        v = rec.get("best_value") if isinstance(rec, dict) else None
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            out[(method.name, int(seed))] = (str(rec.get("select_metric", "")), float(v))
+    return out
+
+
 def _label(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
@@ -216,7 +267,8 @@ def evaluate_pipeline(
     device : ``auto``, ``cpu``, ``cuda``...
     batch_size : tiles per encoder call (default: each method's ``chunk_size``).
     heatmaps : write per-slide heatmaps, scores CSV and GeoJSON for one model.
-    heatmap_method : method whose first finished seed makes the heatmaps (default: the first).
+    heatmap_method : method whose seed best on validation makes the heatmaps (default: the
+        method and seed best on validation across all runs; see the module docstring).
     heatmap_mode : ``rank`` (default), ``minmax`` or ``raw``.
     n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
     results_dir : default ``<config.results_dir>/<config.name>``.
@@ -252,8 +304,14 @@ def evaluate_pipeline(
         )
     protocols = parse_protocols(config.eval.protocols)
     dev = _resolve_device(device)
-    hm_method = heatmap_method or runs[0][0].name
-    hm_run = next(((m.name, s) for m, s, _ in runs if m.name == hm_method), None)
+    # heatmaps of the model chosen on validation (never on the test slides), unless one is asked for
+    val_scores = validation_scores(runs)
+    best_val = best_on_validation(val_scores)
+    if heatmap_method:  # that method's seed best on validation, else its first finished seed
+        hm_run = best_on_validation({k: v for k, v in val_scores.items() if k[0] == heatmap_method})
+        hm_run = hm_run or next(((m.name, s) for m, s, _ in runs if m.name == heatmap_method), None)
+    else:
+        hm_run = best_val or (runs[0][0].name, runs[0][1])
     if heatmap_method and hm_run is None:
         raise ValueError(f"heatmap_method {heatmap_method!r} has no finished run; finished: {sorted({m.name for m, _, _ in runs})}")
 
@@ -275,9 +333,7 @@ def evaluate_pipeline(
             labels, preds, loc = [], {p.name: [] for p in protocols}, []
             it: Any = es.slides.iterrows()
             if progress:
-                from tqdm.auto import tqdm
-
-                it = tqdm(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
+                it = progress_bar(it, total=len(es.slides), desc=f"{method.name} s{seed} {es.cohort}", unit="slide", leave=False)
             for _, row in it:
                 sid = str(row["slide_id"])
                 try:
@@ -308,7 +364,8 @@ def evaluate_pipeline(
                     loc.append(res.localisation)
                 if res.heatmap is not None:
                     gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab, "png": res.heatmap,
-                                    "probs": res.preds[protocols[0].name].probs})
+                                    "probs": res.preds[protocols[0].name].probs, "localisation": res.localisation,
+                                    "outline": res.outlined})
             y = np.asarray(labels, dtype=np.int64)
             for p in protocols:
                 recs, P = _protocol_records(method.name, seed, es, p, y, preds[p.name], n_classes)
@@ -343,7 +400,8 @@ def evaluate_pipeline(
     summary.files.append(write_report(
         out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
         n_classes=n_classes, gallery=gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
-        protocols=[p.name for p in protocols],
+        protocols=[p.name for p in protocols], validation=val_scores,
+        heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(best_val and not heatmap_method),
     ))
     summary.seconds = time.perf_counter() - t0
     return summary
@@ -386,9 +444,7 @@ def _bootstrap_records(
     out = []
     items: Any = probs_by.items()
     if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
+        items = progress_bar(items, total=len(probs_by), desc=f"bootstrap ({n_boot} resamples)", unit="group", leave=False)
     for (method, cohort, split, pname), by_seed in items:
         ys = [y for y, _ in by_seed.values()]
         if not ys or len(ys[0]) == 0 or any(not np.array_equal(ys[0], y) for y in ys[1:]):
@@ -406,6 +462,7 @@ class _SlideResult:
     preds: dict[str, SlidePrediction]
     localisation: float | None
     heatmap: Path | None
+    outlined: bool = False  # ground-truth lesions drawn on the heatmap
 
 
 def _score_slide(
@@ -459,17 +516,21 @@ def _score_slide(
         if frac is not None:
             loc = localisation_auc(att, frac)
     png = None
+    outlined = False
     if heatmap_dir is not None and att is not None:
         from wsi_pipeline.export.slide_outputs import write_slide_outputs
 
         if builder is not None:
             thumb, level0 = builder.image, builder.level0_size
+        outline = _lesion_outline(row, store, extent, level0, thumb.shape[:2])
         outs = write_slide_outputs(
             heatmap_dir, str(row["slide_id"]), thumbnail=thumb, level0_size=level0, coords=store.coords, grid=store.grid,
             tile_extent=extent, attention=att, instance_scores=any_pred.instance_scores, mode=heatmap_mode, title=title,
+            outline=outline,
         )
         png = outs.png
-    return _SlideResult(preds=preds, localisation=loc, heatmap=png)
+        outlined = outline is not None and bool(outline.any())
+    return _SlideResult(preds=preds, localisation=loc, heatmap=png, outlined=png is not None and outlined)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,6 +549,8 @@ class PredictSummary:
     heatmaps_dir: Path | None = None
     tiles_dir: Path | None = None
     seconds: float = 0.0
+    stain_checks: dict[str, Any] = field(default_factory=dict)  # slide_id -> StainCheck against the training tiles
+    stain_reference_source: str | None = None
 
 
 def _tiler_config(tiling: Any, mpp: float | None) -> Any:
@@ -521,6 +584,65 @@ def _tiler_config(tiling: Any, mpp: float | None) -> Any:
     return TilerConfig(**kw)
 
 
+def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
+    """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
+
+    ``tiling`` is what the checkpoint saved: the training stores' own settings (a dict), or an
+    older checkpoint's config section, of which only the fields it sets are compared.
+    """
+    from wsi_pipeline.data.bags import store_settings
+
+    keys = ("method", "tile_size", "min_foreground", "mpp_target")
+    want = {k: (tiling.get(k) if isinstance(tiling, dict) else getattr(tiling, k, None)) for k in keys}
+    want = {k: v for k, v in want.items() if v is not None}
+    odd = []
+    for path in stores:
+        got = store_settings(path)
+        if got is None:
+            continue
+        diff = [f"{k} {got.get(k)} (model: {v})" for k, v in want.items()
+                if not (got.get(k) == v or (isinstance(v, float) and isinstance(got.get(k), float) and abs(got[k] - v) < 1e-9))]
+        if diff:
+            odd.append(f"{path.name}: {', '.join(diff)}")
+    if not odd:
+        return
+    msg = (f"{len(odd)} store(s) were tiled unlike the model's training data ({'; '.join(odd[:4])}"
+           f"{' ...' if len(odd) > 4 else ''}); the model would see another tile size or resolution")
+    if not allow:
+        raise ValueError(msg + ". Pass the slide files instead (they are tiled with the model's settings), "
+                         "or --allow-other-tiling to score these stores anyway")
+    log.warning(msg)
+
+
+#: Columns ``predict`` adds after the evaluation's predictions columns.
+PREDICT_EXTRA_COLUMNS = ("stain_distance", "off_distribution")
+
+
+def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
+    """The model's stain reference and where it came from.
+
+    Saved in the checkpoint since training records it; for an older checkpoint, computed now from
+    the training stores its config names when they are still on disk; else ``(None, None)``.
+    """
+    if model.stain_reference:
+        return model.stain_reference, f"checkpoint {model.checkpoint}"
+    try:
+        from wsi_pipeline.data.bags import slides_for_split
+        from wsi_pipeline.data.stain_stats import stain_reference
+        from wsi_pipeline.manifests.schema import read_manifest
+
+        cfg = model.config
+        manifest = read_manifest(cfg.data.manifest, n_classes=int(model.n_classes))
+        from wsi_pipeline.tiling.store import is_complete
+
+        train = [s for s in slides_for_split(manifest, "train", cfg.data.tiles_dir) if is_complete(s.store)]
+        ref = stain_reference(train) if train else None
+    except (FileNotFoundError, ValueError, OSError, KeyError) as e:
+        log.info("no stain reference: the checkpoint has none and the training stores cannot be read (%s)", e)
+        return None, None
+    return (ref, f"training stores under {cfg.data.tiles_dir}") if ref else (None, None)
+
+
 def _store_folder(path: Path) -> list[Path]:
     return sorted(p for p in path.glob("*.zarr") if p.is_dir())
 
@@ -539,6 +661,9 @@ def predict_slides(
     heatmap_mode: str = "rank",
     seed: int = 0,
     progress: bool = True,
+    allow_other_tiling: bool = False,
+    cluster: Any = None,
+    retries: int = 2,
 ) -> PredictSummary:
     """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
 
@@ -556,8 +681,21 @@ def predict_slides(
     mpp : um/px to assume for slides whose files lack it.
     heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
     seed : seed of the subsample protocols.
+    allow_other_tiling : score a folder of stores tiled with other settings than the model's
+        training stores (tile size, resolution, method, thresholds) with a warning instead of
+        refusing it.
+    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
+        embedding and scoring stay in this process.
+
+    Every slide's tiles are also compared with the training tiles' stain summary
+    (:mod:`wsi_pipeline.data.stain_stats`; saved in the checkpoint, or for older checkpoints
+    computed from the training stores when they exist): ``predictions.csv`` gets the columns
+    ``stain_distance`` and ``off_distribution`` (empty when no summary is available), and a slide
+    beyond the threshold is logged as a warning. It is still predicted.
     """
     import json
+
+    from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features
 
     from wsi_pipeline.training.checkpoint import load_trained_model
 
@@ -575,18 +713,20 @@ def predict_slides(
     if stores:
         tiles_dir = src
         ids = [p.name[: -len(".zarr")] for p in stores]
+        _check_store_settings(stores, model.tiling, allow=allow_other_tiling)
     else:
         from wsi_pipeline.tiling.runner import tile_cohort
 
         tiles_dir = out / "tiles"
-        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress)
+        report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+                             cluster=cluster, retries=retries)
         ids = []
         for r in report.results:
             slide_paths[r.slide_id] = r.path
             if r.status in ("ok", "skipped") and r.n_tiles > 0:
                 ids.append(r.slide_id)
-            elif r.status in ("ok", "skipped"):
-                summary.failed.append((r.slide_id, "no tissue tiles found (check the slide, or lower min_foreground)"))
+            elif r.status in ("ok", "skipped"):  # the tiler's note says why (e.g. a dark background) when it knows
+                summary.failed.append((r.slide_id, r.note or "no tissue tiles found (check the slide, or lower min_foreground)"))
             else:
                 summary.failed.append((r.slide_id, f"tiling failed: {r.error}"))
     summary.tiles_dir = tiles_dir
@@ -596,11 +736,13 @@ def predict_slides(
     hm_dir = out / "heatmaps" if heatmaps else None
     summary.heatmaps_dir = hm_dir
     bs = int(batch_size or getattr(model.method, "chunk_size", 64) or 64)
+    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
+    if stain_ref is None:
+        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
+                    "slides are not checked for being off-distribution")
     it: Any = ids
     if progress:
-        from tqdm.auto import tqdm
-
-        it = tqdm(ids, desc="predicting", unit="slide")
+        it = progress_bar(ids, desc="predicting", unit="slide")
     for sid in it:
         try:
             store = open_store(store_path(tiles_dir, sid))
@@ -611,19 +753,31 @@ def predict_slides(
             summary.failed.append((sid, "the tile store has no tiles"))
             continue
         row = pd.Series({"slide_id": sid, "path": slide_paths.get(sid) or store.attrs.get("slide_path", "")})
+        stain: dict[str, Any] = {"stain_distance": None, "off_distribution": None}
+        if stain_ref is not None:
+            chk = compare_to_reference(store_tile_features(store, int(stain_ref.get("max_tiles_per_slide", 64))), stain_ref)
+            summary.stain_checks[sid] = chk
+            stain = {"stain_distance": round(chk.distance, 3), "off_distribution": chk.off_distribution}
+            if chk.off_distribution:
+                log.warning("slide %s looks unlike the training tiles (%s); predicted anyway, treat its result with "
+                            "caution (fluorescence or another stain on a brightfield model?)", sid, chk.describe())
         res = _score_slide(model, model.config, store, row, prots, seed=seed, batch_size=bs, device=dev,
                            heatmap_dir=hm_dir, heatmap_mode=heatmap_mode, title=f"attention, {model.method.name}")
         for pname, pred in res.preds.items():
-            summary.rows.append(prediction_row(
+            summary.rows.append({**prediction_row(
                 slide_id=sid, cohort=cohort, label=None, probs=pred.probs, prob_std=pred.prob_std, n_tiles=pred.n_tiles,
-                protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed))
+                protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain})
     out.mkdir(parents=True, exist_ok=True)
-    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes))
+    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes),
+                                            extra_columns=PREDICT_EXTRA_COLUMNS)
     info = {
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
         "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
         "tiles_dir": str(tiles_dir), "tiling": _tiler_config(model.tiling, None).output_params(),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
+        "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
+        "stain_checks": {s: {"distance": c.distance, "off_distribution": c.off_distribution, "feature": c.feature,
+                             "medians": c.medians} for s, c in summary.stain_checks.items()},
     }
     tmp = out / f".predict_info.json.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(info, indent=1) + "\n")

@@ -10,6 +10,10 @@ of the thumbnail is left as it is.
 The legend (colour bar and the normalisation in words) is drawn inside the image, in the
 corner with the least tissue, so the PNG has exactly the thumbnail's size.
 
+Ground truth, when known (the synthetic cohorts' planted lesions), is drawn as a black outline
+over the colours (:func:`mask_to_thumbnail` brings a lesion mask to the thumbnail's grid), so a
+reader sees at once whether attention falls on the lesions.
+
 Normalisations (``mode``):
 - ``"rank"`` (default): per-slide rank of the score, 0 = lowest tile, 1 = highest; robust to
   the softmax scale differing between slides of different size.
@@ -26,7 +30,7 @@ import cv2
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-__all__ = ["MODES", "colormap", "normalise_scores", "tile_rects", "render_heatmap", "save_png"]
+__all__ = ["MODES", "OUTLINE_COLOUR", "colormap", "mask_to_thumbnail", "normalise_scores", "outline_width", "tile_rects", "render_heatmap", "save_png"]
 
 MODES: tuple[str, ...] = ("rank", "minmax", "raw")
 
@@ -55,6 +59,39 @@ def colormap(values: np.ndarray) -> np.ndarray:
 
 
 _LUT = _lut()
+
+#: Colour (RGB) of ground-truth outlines: black, distinct from every colour of the ramp.
+OUTLINE_COLOUR = (0, 0, 0)
+
+
+def mask_to_thumbnail(
+    mask: np.ndarray, downsample: float, level0_size: tuple[int, int], shape: tuple[int, int]
+) -> np.ndarray:
+    """A mask of ``downsample`` level-0 px per px, sampled onto a thumbnail's grid: bool (h, w).
+
+    Each thumbnail px takes the mask px under its centre (nearest neighbour; a centre exactly on
+    a mask px edge takes the px after it); thumbnail px
+    beyond the mask's extent are False. ``level0_size`` is (W, H) level-0 px, ``shape`` (h, w).
+    """
+    m = np.asarray(mask, dtype=bool)
+    if m.ndim != 2:
+        raise ValueError(f"mask must be 2-D (H, W); got shape {m.shape}")
+    if not downsample > 0:
+        raise ValueError(f"mask downsample must be > 0 level-0 px per mask px; got {downsample}")
+    h, w = shape
+    W, H = level0_size
+    # one correctly rounded division of exact values: a centre on a mask px edge lands on the later px
+    xs = np.floor((2 * np.arange(w) + 1) * float(W) / (2.0 * w * float(downsample))).astype(np.int64)
+    ys = np.floor((2 * np.arange(h) + 1) * float(H) / (2.0 * h * float(downsample))).astype(np.int64)
+    okx, oky = xs < m.shape[1], ys < m.shape[0]
+    out = np.zeros((h, w), bool)
+    out[np.ix_(oky, okx)] = m[np.ix_(ys[oky], xs[okx])]
+    return out
+
+
+def outline_width(shape: tuple[int, int]) -> int:
+    """Outline thickness in px for a thumbnail of ``shape`` (h, w): 1 px per 400 px of the longest side, at least 1."""
+    return max(1, int(round(max(shape) / 400)))
 
 
 def _average_rank(x: np.ndarray) -> np.ndarray:
@@ -193,6 +230,7 @@ def render_heatmap(
     alpha: float = 0.5,
     title: str | None = None,
     legend: bool = True,
+    outline: np.ndarray | None = None,
 ) -> np.ndarray:
     """Paint per-tile scores over a thumbnail.
 
@@ -207,6 +245,9 @@ def render_heatmap(
     alpha : opacity of the colour over tissue, 0..1.
     title : first legend line (e.g. ``"attention, abmil seed 0"``).
     legend : draw the colour bar and normalisation text.
+    outline : optional bool (h, w) ground-truth mask on the thumbnail's grid (see
+        :func:`mask_to_thumbnail`); its region borders are drawn in :data:`OUTLINE_COLOUR`,
+        :func:`outline_width` px wide, and the legend says so.
 
     Returns
     -------
@@ -230,9 +271,19 @@ def render_heatmap(
     blended = cv2.addWeighted(np.ascontiguousarray(thumb), 1.0 - alpha, colour, alpha, 0.0)
     out = np.where(covered[..., None], blended, thumb)
     del colour, blended
+    drawn = False
+    if outline is not None:
+        o = np.asarray(outline, dtype=bool)
+        if o.shape != (h, w):
+            raise ValueError(f"outline mask has shape {o.shape}; expected the thumbnail's (h, w) = {(h, w)}")
+        if o.any():
+            contours, _ = cv2.findContours(o.astype(np.uint8), cv2.RETR_LIST, cv2.CHAIN_APPROX_NONE)
+            out = np.ascontiguousarray(out)
+            cv2.drawContours(out, contours, -1, OUTLINE_COLOUR, outline_width((h, w)))
+            drawn = True
     if legend:
         img = Image.fromarray(out)
-        lines = ([title] if title else []) + [sentence]
+        lines = ([title] if title else []) + [sentence] + (["black outline: planted lesion (truth)"] if drawn else [])
         ticks = ("low", "high") if mode != "raw" else (f"{vmin:.3g}", f"{vmax:.3g}")
         _legend(img, covered, lines, ticks)
         out = np.asarray(img)

@@ -77,10 +77,12 @@ def predictions_path(results_dir: str | os.PathLike, cohort: str, protocol: str)
     return Path(results_dir) / f"predictions_{_safe(cohort)}_{_safe(protocol)}.csv"
 
 
-def write_predictions(path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], n_classes: int) -> Path:
-    """Write rows (from :func:`prediction_row`) atomically with exactly :func:`prediction_columns`."""
+def write_predictions(
+    path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], n_classes: int, *, extra_columns: Sequence[str] = (),
+) -> Path:
+    """Write rows (from :func:`prediction_row`) atomically with :func:`prediction_columns`, then ``extra_columns``."""
     path = Path(path)
-    cols = prediction_columns(n_classes)
+    cols = prediction_columns(n_classes) + list(extra_columns)
     df = pd.DataFrame(list(rows), columns=cols)
     missing = [c for c in cols if c not in df.columns]
     if missing:

@@ -1,13 +1,19 @@
 """``report.html``: one self-contained page (no external files; images inline) summarising an evaluation.
 
-Sections: tables like the papers' (method x cohort x protocol, mean +- std over seeds, with the
-bootstrap 95 % interval of the seed mean; for ``sub<k>x<R>`` the per-seed value is the mean over
-repeats of the per-repeat metric, and the std over repeats is shown beside it), localisation AUC
-when measured, ROC curves (inline
-SVG; binary tasks: one curve per model; multi-class: one-vs-rest per class of each method's
-seed-mean probabilities), confusion matrices (inline SVG, counts summed over seeds), and a
-gallery of the heatmaps of the most and least confident slides (PNG, base64-embedded, shrunk
-to at most 480 px; each links to the full-size file beside the report).
+The page leads with the best: methods are listed best on validation first everywhere (mean over
+seeds of each run's best validation value, as recorded by training; never the test slides).
+
+Sections: a summary (the model chosen on validation, and per method its validation value, the
+headline test metric and the localisation AUC per cohort); the heatmaps of the model chosen on
+validation (PNG, base64-embedded, shrunk to at most 480 px, each linking to the full-size file
+beside the report; ground-truth lesions outlined in black when known, the slide's localisation
+AUC in its caption), the most and least confident slides, beside the per-method localisation
+table; tables like the papers' (method x cohort x protocol, every metric the terminal prints:
+AUC, QWK, accuracy, balanced accuracy; mean +- std over seeds, with the bootstrap 95 % interval
+of the seed mean; for ``sub<k>x<R>`` the per-seed value is the mean over repeats of the
+per-repeat metric, and the std over repeats is shown beside it); ROC curves (inline SVG;
+binary tasks: one curve per model; multi-class: one-vs-rest per class of each method's
+seed-mean probabilities); confusion matrices (inline SVG, counts summed over seeds).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import html
 import io
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,10 +34,11 @@ from PIL import Image
 from wsi_pipeline.evaluation.metrics import BOOTSTRAP_MAX_REPEATS
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
 
-__all__ = ["write_report", "roc_svg", "confusion_svg"]
+__all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
-_TABLE_METRICS = ("qwk", "accuracy", "balanced_accuracy", "auc")
+_TABLE_METRICS = ("qwk", "accuracy", "balanced_accuracy", "auc")  # graded tasks: QWK first (PANDA)
+_BINARY_METRICS = ("auc", "qwk", "accuracy", "balanced_accuracy")  # binary: AUC first (CAMELYON)
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
@@ -40,6 +47,8 @@ th,td{border:1px solid #ccc;padding:4px 8px;text-align:center}th{background:#f3f
 td.m{text-align:left;font-weight:600}.ci{color:#777;font-size:11px}.note{color:#555;font-size:13px}
 .grid{display:flex;flex-wrap:wrap;gap:12px}.card{border:1px solid #ddd;padding:6px;font-size:12px;max-width:490px}
 .card img{max-width:480px;display:block}
+tr.best td{background:#fff8d6}.side{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
+.side>.loc{flex:0 0 auto;max-width:400px}.side>.gal{flex:1 1 500px}.gal .card{max-width:410px}.gal .card img{max-width:400px}
 """
 
 
@@ -52,14 +61,43 @@ def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
     return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records if r.repeat is None}
 
 
-def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_classes: int) -> str:
+def _validation_by_method(validation: Mapping[tuple[str, int], tuple[str, float]]) -> dict[str, tuple[str, float, float, int]]:
+    """``{method: (metric, mean, sample std (nan for one seed), n seeds)}`` of the runs' best validation values."""
+    by: dict[str, list[tuple[str, float]]] = {}
+    for (meth, _), (metric, value) in validation.items():
+        by.setdefault(meth, []).append((metric, float(value)))
+    out = {}
+    for meth, vals in by.items():
+        v = np.asarray([x for _, x in vals], np.float64)
+        out[meth] = (vals[0][0], float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else math.nan, len(v))
+    return out
+
+
+def best_on_validation(scores: Mapping[tuple[str, int], tuple[str, float]]) -> tuple[str, int] | None:
+    """The (method, seed) with the best validation value (lowest for a ``loss`` metric); ties: the first."""
+    if not scores:
+        return None
+    return max(scores, key=lambda k: -scores[k][1] if scores[k][0] == "loss" else scores[k][1])
+
+
+def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tuple[str, float]]) -> list[str]:
+    """``methods`` best on validation first (seed-mean best validation value; lowest first for ``loss``);
+    methods without a validation value keep their order, after the others."""
+    val = _validation_by_method(validation)
+    scored = [m for m in methods if m in val and math.isfinite(val[m][1])]
+    scored.sort(key=lambda m: val[m][1] if val[m][0] == "loss" else -val[m][1])  # stable: ties keep their order
+    return scored + [m for m in methods if m not in scored]
+
+
+def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_classes: int,
+                   methods: Sequence[str] | None = None) -> str:
     look = _lookup(records)
-    methods = list(dict.fromkeys(r.method for r in records))
+    methods = list(methods) if methods is not None else list(dict.fromkeys(r.method for r in records))
     sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
     present = {r.metric for r in records}
-    # binary tasks are reported with accuracy and AUC (CAMELYON), graded ones with QWK first (PANDA);
-    # every metric stays in metrics.json
-    shown = _TABLE_METRICS if n_classes > 2 else ("accuracy", "balanced_accuracy", "auc")
+    # every metric the terminal prints (AUC, QWK, accuracy) and balanced accuracy; AUC first for
+    # binary tasks (CAMELYON), QWK first for graded ones (PANDA); every metric stays in metrics.json
+    shown = _TABLE_METRICS if n_classes > 2 else _BINARY_METRICS
     metrics = [m for m in shown if m in present]
     n_seeds = {m: len({r.seed for r in records if r.method == m and isinstance(r.seed, int)}) for m in methods}
     parts = []
@@ -85,21 +123,70 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
             f"<h3>Protocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
             f"<tr>{head2}</tr>{''.join(body)}</table>"
         )
-    if "localisation_auc" in present:
-        rows = []
-        for meth in methods:
-            cells = []
-            for c, s in sets:
-                mean = look.get((meth, "mean", c, s, "all", "localisation_auc"))
-                std = look.get((meth, "std", c, s, "all", "localisation_auc"))
-                cells.append(f"<td>{_fmt(mean)}{'' if std is None or math.isnan(std) else f' ± {_fmt(std)}'}</td>")
-            rows.append(f'<tr><td class="m">{html.escape(meth)}</td>{"".join(cells)}</tr>')
-        head = "".join(f"<th>{html.escape(c)} ({html.escape(s)})</th>" for c, s in sets)
-        parts.append(
-            "<h3>Localisation (tile attention vs. ground-truth lesion, per-slide ROC AUC, mean over slides)</h3>"
-            f"<table><tr><th>method</th>{head}</tr>{''.join(rows)}</table>"
-        )
     return "\n".join(parts)
+
+
+def _mean_std(look: dict[tuple, float], meth: str, c: str, s: str, prot: str, metric: str) -> str:
+    mean = look.get((meth, "mean", c, s, prot, metric))
+    std = look.get((meth, "std", c, s, prot, metric))
+    return _fmt(mean) + ("" if std is None or math.isnan(std) else f" ± {_fmt(std)}")
+
+
+def _localisation_table(records: Sequence[MetricRecord], methods: Sequence[str], highlight: str | None) -> str:
+    """Per-method localisation AUC per evaluated set (mean ± std over seeds), or '' when none was measured."""
+    if not any(r.metric == "localisation_auc" for r in records):
+        return ""
+    look = _lookup(records)
+    sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
+    rows = []
+    for meth in methods:
+        cells = "".join(f"<td>{_mean_std(look, meth, c, s, 'all', 'localisation_auc')}</td>" for c, s in sets)
+        cls = ' class="best"' if meth == highlight else ""
+        rows.append(f'<tr{cls}><td class="m">{html.escape(meth)}</td>{cells}</tr>')
+    head = "".join(f"<th>{html.escape(c)} ({html.escape(s)})</th>" for c, s in sets)
+    return (
+        "<div class=loc><h3>Localisation AUC per method</h3><p class=note>Tile attention vs. ground-truth lesion: per-slide ROC AUC, "
+        "mean over slides with both kinds of tile; mean ± std over seeds. Best on validation first"
+        f"{'; highlighted: the method whose heatmaps are shown' if highlight else ''}.</p>"
+        f"<table><tr><th>method</th>{head}</tr>{''.join(rows)}</table></div>"
+    )
+
+
+def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str, n_classes: int,
+             validation: Mapping[tuple[str, int], tuple[str, float]], chosen: tuple[str, int] | None,
+             shown: tuple[str, int] | None) -> str:
+    """The page's lead: the model chosen on validation (``chosen``), whose heatmaps are ``shown``,
+    and one row per method, best on validation first."""
+    look = _lookup(records)
+    sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
+    headline = "qwk" if n_classes > 2 else "auc"
+    val = _validation_by_method(validation)
+    has_loc = any(r.metric == "localisation_auc" for r in records)
+    parts = []
+    if chosen is not None:
+        metric, value = validation[chosen]
+        parts.append(f"<p>Model chosen on validation: <b>{html.escape(chosen[0])} seed {chosen[1]}</b> "
+                     f"(validation {html.escape(metric)} {_fmt(value)}, the best of {len(validation)} run(s)); "
+                     + ("its attention heatmaps are shown below.</p>" if shown == chosen else
+                        f"heatmaps below: {html.escape(shown[0])} seed {shown[1]}, as requested.</p>" if shown else "no heatmaps drawn.</p>"))
+    elif shown is not None:
+        parts.append(f"<p>No run recorded a validation value; heatmaps of <b>{html.escape(shown[0])} seed {shown[1]}</b>.</p>")
+    metric_name = next(iter(val.values()))[0] if val else "metric"
+    head = (f"<th rowspan=2>method</th><th rowspan=2>validation {html.escape(metric_name)}</th>"
+            + "".join(f'<th colspan="{1 + has_loc}">{html.escape(c)} ({html.escape(s)})</th>' for c, s in sets))
+    head2 = "".join(f"<th>{headline.upper()} ({html.escape(prot)})</th>" + ("<th>localisation</th>" if has_loc else "") for _ in sets)
+    rows = []
+    for meth in methods:
+        v = val.get(meth)
+        vtxt = "–" if v is None else _fmt(v[1]) + ("" if math.isnan(v[2]) else f" ± {_fmt(v[2])}") + f' <span class="ci">({v[3]} seed{"s" * (v[3] != 1)})</span>'
+        cells = "".join(f"<td>{_mean_std(look, meth, c, s, prot, headline)}</td>"
+                        + (f"<td>{_mean_std(look, meth, c, s, 'all', 'localisation_auc')}</td>" if has_loc else "") for c, s in sets)
+        cls = ' class="best"' if chosen is not None and meth == chosen[0] else ""
+        rows.append(f'<tr{cls}><td class="m">{html.escape(meth)}</td><td>{vtxt}</td>{cells}</tr>')
+    parts.append(f"<table><tr>{head}</tr><tr>{head2}</tr>{''.join(rows)}</table>")
+    parts.append('<p class="note">Methods ordered best on validation first (mean over seeds of each run\'s best validation '
+                 "value, the epoch its <code>best.pt</code> was saved at); test values: mean ± std over seeds.</p>")
+    return "".join(parts)
 
 
 def roc_svg(curves: Sequence[tuple[str, str, np.ndarray, np.ndarray]], *, size: int = 300, title: str = "") -> str:
@@ -163,14 +250,20 @@ def confusion_svg(cm: np.ndarray, *, title: str = "", cell: int = 34) -> str:
     return "".join(els)
 
 
-def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
+def _ordered(present: Sequence[str], order: Sequence[str] | None) -> list[str]:
+    """``present`` methods in ``order`` (best on validation first), any others after them."""
+    order = [m for m in (order or []) if m in set(present)]
+    return order + [m for m in present if m not in order]
+
+
+def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Sequence[str] | None = None) -> str:
     from sklearn.metrics import roc_curve
 
     df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
     if df.empty:
         return '<p class="note">No labelled slides: no ROC curves.</p>'
     out = []
-    methods = list(dict.fromkeys(df["method"]))
+    methods = _ordered(list(dict.fromkeys(df["method"])), order)
     for cohort in dict.fromkeys(df["cohort"]):
         d = df[df["cohort"] == cohort]
         curves = []
@@ -200,13 +293,13 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
     return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else '<p class="note">ROC undefined (one class per cohort).</p>'
 
 
-def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str) -> str:
+def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Sequence[str] | None = None) -> str:
     from wsi_pipeline.evaluation.metrics import confusion
 
     df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
     out = []
     for cohort in dict.fromkeys(df["cohort"]):
-        for meth in dict.fromkeys(df["method"]):
+        for meth in _ordered(list(dict.fromkeys(df["method"])), order):
             g = df[(df["cohort"] == cohort) & (df["method"] == meth)]
             if g.empty:
                 continue
@@ -235,8 +328,11 @@ def _gallery(gallery: Sequence[dict], report_dir: Path, k: int) -> str:
     def card(g: dict) -> str:
         p = np.asarray(g["probs"])
         rel = os.path.relpath(g["png"], report_dir)
+        loc = g.get("localisation")
         cap = (f"<b>{html.escape(g['slide_id'])}</b> ({html.escape(g['cohort'])}) label {g['label'] if g['label'] is not None else '–'}, "
-               f"pred {int(p.argmax())}, p = {p.max():.3f}")
+               f"pred {int(p.argmax())}, p = {p.max():.3f}"
+               + ("" if loc is None or (isinstance(loc, float) and math.isnan(loc)) else f", localisation AUC {loc:.3f}")
+               + (", lesions outlined" if g.get("outline") else ""))
         return f'<div class=card><a href="{html.escape(rel)}"><img src="{_png_data_uri(Path(g["png"]))}" alt="{html.escape(g["slide_id"])}"></a>{cap}</div>'
 
     return (
@@ -256,6 +352,9 @@ def write_report(
     heatmap_model: str | None = None,
     protocols: Sequence[str] | None = None,
     gallery_size: int = 4,
+    validation: Mapping[tuple[str, int], tuple[str, float]] | None = None,
+    heatmap_run: tuple[str, int] | None = None,
+    heatmap_chosen_on_validation: bool = False,
 ) -> Path:
     """Write ``report.html`` atomically.
 
@@ -263,9 +362,14 @@ def write_report(
     ----------
     predictions : all prediction rows (the columns of the predictions CSVs).
     metrics_path : the ``metrics.json`` to tabulate.
-    gallery : per slide ``{"slide_id", "cohort", "label", "png" (path), "probs" (C,)}``.
-    heatmap_model : which model made the heatmaps (stated in the page).
+    gallery : per slide ``{"slide_id", "cohort", "label", "png" (path), "probs" (C,)}``, optionally
+        ``"localisation"`` (the slide's localisation AUC) and ``"outline"`` (truth drawn on it).
+    heatmap_model : which model made the heatmaps (stated in the page; default from ``heatmap_run``).
     protocols : protocol names in display order (default: those in the records).
+    validation : ``{(method, seed): (select metric, best validation value)}``; orders the methods
+        best first and names the model chosen on validation.
+    heatmap_run : (method, seed) of the heatmaps.
+    heatmap_chosen_on_validation : whether ``heatmap_run`` was chosen on validation (stated in the page).
     """
     path = Path(path)
     records = read_metrics_json(metrics_path)
@@ -274,6 +378,11 @@ def write_report(
     if len(pred):
         pred["label"] = pred["label"].astype("Int64")
     models = sorted({(r.method, r.seed) for r in records if isinstance(r.seed, int)}, key=str)
+    validation = dict(validation or {})
+    methods = rank_methods(list(dict.fromkeys(r.method for r in records)), validation)
+    if heatmap_model is None and heatmap_run is not None:
+        heatmap_model = f"{heatmap_run[0]} seed {heatmap_run[1]}"
+    best = best_on_validation(validation)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     from wsi_pipeline import __version__
 
@@ -290,20 +399,24 @@ def write_report(
         "the all-repeats score) and, for per-repeat protocols, the std over "
         "repeats (mean over seeds). ROC curves and confusion matrices of a subsample protocol use the probabilities "
         "averaged over repeats.</p>",
-        "<h2>Metrics</h2>",
-        _metric_tables(records, prots, n_classes),
+        "<h2>Summary</h2>",
+        _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
     ]
+    loc_table = _localisation_table(records, methods, heatmap_run[0] if heatmap_run else None)
+    body.append("<h2>Heatmaps and localisation</h2>")
+    if heatmap_model:
+        how = ("chosen on validation" if heatmap_chosen_on_validation else
+               "as requested" if validation else "no run recorded a validation value")
+        body.append(f'<p class="note">Attention of <b>{html.escape(heatmap_model)}</b> ({how}) over each slide (all tiles), '
+                    "colour = per-slide rank unless stated in the image; ground-truth lesions, when known, are outlined "
+                    "in black. Click an image for the full-size PNG; <code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
+    body.append(f'<div class=side>{loc_table}<div class=gal>{_gallery(gallery, path.parent, gallery_size)}</div></div>')
+    body += ["<h2>Metrics</h2>", _metric_tables(records, prots, n_classes, methods)]
     if len(pred):
         first = prots[0]
-        body += [f"<h2>ROC curves (protocol <code>{html.escape(first)}</code>)</h2>", _roc_section(pred, n_classes, first)]
+        body += [f"<h2>ROC curves (protocol <code>{html.escape(first)}</code>)</h2>", _roc_section(pred, n_classes, first, methods)]
         body += [f"<h2>Confusion matrices (protocol <code>{html.escape(first)}</code>, counts over seeds)</h2>",
-                 _confusion_section(pred, n_classes, first)]
-    body.append("<h2>Heatmaps</h2>")
-    if heatmap_model:
-        body.append(f'<p class="note">Attention of {html.escape(heatmap_model)} over each slide (all tiles), '
-                    "colour = per-slide rank unless stated in the image. Click an image for the full-size PNG; "
-                    "<code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
-    body.append(_gallery(gallery, path.parent, gallery_size))
+                 _confusion_section(pred, n_classes, first, methods)]
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
     path.parent.mkdir(parents=True, exist_ok=True)

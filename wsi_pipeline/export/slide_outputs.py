@@ -40,18 +40,21 @@ def write_slide_outputs(
     instance_scores: np.ndarray | None = None,
     mode: str = "rank",
     title: str | None = None,
+    outline: np.ndarray | None = None,
 ) -> SlideOutputs:
     """Write the three per-slide files (see the module docstring) and return their paths.
 
     ``coords`` (N, 2) level-0 px, ``grid`` (N, 2) (col, row), ``tile_extent`` level-0 px,
     ``attention`` (N,), ``instance_scores`` (N, C) or None, ``thumbnail`` uint8 (h, w, 3) of a
-    level 0 of ``level0_size`` (W, H) px.
+    level 0 of ``level0_size`` (W, H) px; ``outline`` an optional bool (h, w) ground-truth mask
+    on the thumbnail's grid, drawn as an outline on the PNG.
     """
     out = Path(out_dir)
     df = tile_scores_frame(coords, grid, tile_extent, attention, instance_scores)
     scores = write_tile_scores(out / f"{slide_id}_scores.csv", df)
     meas = {c: df[c].to_numpy() for c in df.columns if c in ("attention", "attention_rank") or c.startswith("score_")}
     geo = write_geojson(out / f"{slide_id}.geojson", coords, tile_extent, meas)
-    img = render_heatmap(thumbnail, coords, tile_extent, attention, level0_size=level0_size, mode=mode, title=title)
+    img = render_heatmap(thumbnail, coords, tile_extent, attention, level0_size=level0_size, mode=mode, title=title,
+                         outline=outline)
     png = save_png(out / f"{slide_id}.png", img)
     return SlideOutputs(png=png, scores=scores, geojson=geo)

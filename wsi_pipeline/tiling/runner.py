@@ -52,6 +52,7 @@ from wsi_pipeline.tiling.outdir import OutputDirError, check_output_dir, output_
 from wsi_pipeline.tiling.store import store_path
 from wsi_pipeline.tiling.tiler import DARK_NOTE, SlideJob, SlideResult, TilingConfig, precheck, store_matches, tile_slide
 from wsi_pipeline.tiling.worker import worker_main
+from wsi_pipeline.progress import progress_bar
 
 __all__ = [
     "REPORT_COLUMNS",
@@ -371,6 +372,9 @@ def tile_cohort(
     on_result: Callable[[SlideResult], None] | None = None,
     lock_stale_s: float = STALE_AFTER_S,
     heartbeat_s: float = HEARTBEAT_S,
+    cluster: Any = None,
+    retries: int = 2,
+    shard: tuple[int, int] | None = None,
 ) -> CohortReport:
     """Tile every slide of a folder, a manifest or a job list into ``out_dir``.
 
@@ -387,6 +391,13 @@ def tile_cohort(
     on_result : called in this process with each finished slide's result.
     lock_stale_s : seconds without a heartbeat after which another run's slide lock is taken over.
     heartbeat_s : seconds between refreshes of this run's locks.
+    cluster : None = this machine's process pool; else run each slide as a Dask task (see
+        :mod:`wsi_pipeline.tiling.cluster`): a ``--cluster`` string (``local[:N]``,
+        ``tcp://HOST:PORT``, ``slurm[:JOBS]``), a :class:`~wsi_pipeline.tiling.cluster.ClusterSpec`
+        or a connected ``distributed.Client``.
+    retries : with ``cluster``: extra runs of a slide whose worker died.
+    shard : ``(K, N)``: tile only the K-th of N disjoint slide subsets
+        (:mod:`wsi_pipeline.tiling.partition`); the report keeps the other shards' rows.
 
     Returns
     -------
@@ -412,15 +423,21 @@ def tile_cohort(
     if n_workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0 = in this process)")
     jobs = _jobs_from_source(source, out)
+    if shard is not None:
+        from wsi_pipeline.tiling.partition import shard_items
+
+        jobs = shard_items(jobs, *shard)
+    if isinstance(cluster, str):
+        from wsi_pipeline.tiling.cluster import parse_cluster
+
+        cluster = parse_cluster(cluster)
     check_output_dir(out, subfolders=("qc", LOCK_DIR))
     report_path = out / REPORT_NAME
     results: list[SlideResult | None] = [None] * len(jobs)
 
-    from tqdm.auto import tqdm
-
     locks = LockDir(out / LOCK_DIR, stale_after_s=lock_stale_s, heartbeat_s=min(heartbeat_s, lock_stale_s / 4))
     report_locks = LockDir(out / LOCK_DIR, stale_after_s=60.0, heartbeat_s=30.0)
-    bar = tqdm(total=len(jobs), unit="slide", desc="tiling", disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(total=len(jobs), unit="slide", desc="tiling", enabled=progress)
     tiles_done = 0
     n_failed = 0
     last_write = 0.0
@@ -465,7 +482,12 @@ def tile_cohort(
                 else:
                     settle(i, early)
             claims = _Claims(jobs, todo, out, config, overwrite, locks, settle, since=started)
-            if n_workers == 0:
+            if todo and cluster is not None:
+                from wsi_pipeline.tiling.cluster import run_on_dask
+
+                run_on_dask(cluster, jobs, claims.next, lambda: claims.done, out, config, overwrite, finish, add_tiles,
+                            workers=workers or None, retries=retries)
+            elif n_workers == 0:
                 while not claims.done:
                     i = claims.next()
                     if i is None:

@@ -53,7 +53,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Foreground methods and their default keep thresholds (fraction of the tile).
-METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5}
+METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5, "unet": 0.5}
 #: Overview pixels per tile side (the overview is the slide at tile extent / 16).
 _OVERVIEW_PER_TILE = 16
 #: The paper's brightest foreground grey, used by ``grey_max="auto"`` when a slide shows no glass.
@@ -68,7 +68,7 @@ class TilingConfig:
 
     Attributes
     ----------
-    method : ``"greyscale"`` or ``"otsu"``.
+    method : ``"greyscale"``, ``"otsu"`` or ``"unet"`` (mask of the tissue U-Net, :mod:`wsi_pipeline.tissue_seg`).
     tile_size : T.
     min_foreground : keep a tile when its foreground fraction is at least this; None = the
         method's default (greyscale 0.6, otsu 0.5).
@@ -95,6 +95,7 @@ class TilingConfig:
     prescreen_margin : grey levels of slack in that bound.
     otsu : :class:`OtsuParams`.
     qc : write ``qc/<slide_id>.png``.
+    tissue_model : ``unet`` method: the model file (``best.pt`` of ``wsi-pipeline tissue train``); None = the shipped one.
     read_run : most tiles read by one level read (one task of the decoding threads).
     """
 
@@ -117,6 +118,7 @@ class TilingConfig:
     otsu: OtsuParams = field(default_factory=OtsuParams)
     qc: bool = True
     read_run: int = 32
+    tissue_model: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -170,6 +172,11 @@ class TilingConfig:
             p.update(grey_min=int(self.grey_min), grey_max=self.grey_max if self.grey_max == "auto" else int(self.grey_max))
             if self.grey_max == "auto":
                 p.update(grey_auto_margin=int(self.grey_auto_margin))
+        elif self.method == "unet":
+            from wsi_pipeline.slides.fingerprint import slide_fingerprint
+            from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
+
+            p.update(tissue_model_fingerprint=slide_fingerprint(resolve_tissue_model(self.tissue_model)))
         else:
             p.update(otsu=asdict(self.otsu))
         return p
@@ -542,8 +549,9 @@ class TilePlan:
     background : the glass (or dark background) estimate from the overview.
     grey_max : the greyscale rule's upper grey level in effect; ``grey_note`` a report note or "".
     candidates : bool (rows, cols), the tiles to decode and test (None: a dark-background slide to skip).
-    otsu_fg : float32 (rows, cols) Otsu-mask foreground fractions (otsu method), else None.
+    otsu_fg : float32 (rows, cols) tissue-mask foreground fractions (otsu and unet methods), else None.
     otsu_info : the Otsu mask's description (otsu method), else None.
+    unet_info : the U-Net mask's description (unet method), else None.
     """
 
     grid: TileGrid
@@ -558,6 +566,7 @@ class TilePlan:
     candidates: np.ndarray | None
     otsu_fg: np.ndarray | None = None
     otsu_info: dict[str, Any] | None = None
+    unet_info: dict[str, Any] | None = None
 
 
 def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
@@ -570,6 +579,8 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         needed = f"--mpp-target {config.mpp_target:g}"
     elif config.method == "otsu":
         needed = "the otsu method (its sizes are in um^2)"
+    elif config.method == "unet":
+        needed = "the unet method (its model works at a fixed um/px)"
     mpp, mpp_source = resolve_mpp(
         slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, force_mpp=config.mpp_force,
         slide_id=job.slide_id, path=str(slide.path), needed_for=needed,
@@ -598,6 +609,14 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
         coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
         plan.otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        plan.candidates = plan.otsu_fg >= thr - 1e-9
+    elif config.method == "unet":
+        from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
+
+        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model)  # type: ignore[arg-type]
+        rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
+        coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
+        plan.otsu_fg = box_mean(mask.astype(np.float32), ds_mask, coords_all, grid.extent).reshape(grid.rows, grid.cols)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
     elif config.prescreen and thr > 0:
         plan.candidates = prescreen_candidates(
@@ -739,7 +758,7 @@ def _tile_open_slide(
     budget = 1 if not background_write else max(1, int(threads) if threads is not None else available_cores())
     read, direct, thread_safe = _level_source(slide, grid, _IN_FLIGHT_PER_THREAD * budget)
     n_threads = budget if thread_safe else 1  # threads decoding and testing
-    attrs_extra: dict[str, Any] = {} if plan.otsu_info is None else {"otsu_info": plan.otsu_info}
+    attrs_extra: dict[str, Any] = {k: v for k, v in (("otsu_info", plan.otsu_info), ("unet_info", plan.unet_info)) if v is not None}
     attrs = {
         "slide_id": job.slide_id,
         "slide_path": str(Path(slide.path).resolve()),
@@ -767,7 +786,7 @@ def _tile_open_slide(
     if config.method == "greyscale":
         attrs.update(grey_min=int(config.grey_min), grey_max=int(grey_max), grey_max_rule=str(config.grey_max),
                      prescreen=bool(config.prescreen and thr > 0))
-    else:
+    elif config.method == "otsu":
         attrs.update(otsu=asdict(config.otsu))
     try:
         writer = StoreWriter(

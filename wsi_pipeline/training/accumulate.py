@@ -296,7 +296,8 @@ def full_step(
     loss_fn = loss_fn or default_loss
     device = _device_of(encoder, tiles.device)
     with _bn_training(encoder, bn == "chunk"):
-        z = encoder(tiles.to(device, non_blocking=True))
+        # a Big-Layers encoder takes host tiles chunk by chunk: sending the bag first would be a round trip
+        z = encoder(tiles if getattr(encoder, "host_input", False) else tiles.to(device, non_blocking=True))
         output = _call_aggregator(aggregator, z, label, aggregator_kwargs)
         loss = loss_fn(output, label)
         loss.backward()

@@ -10,6 +10,7 @@ A checkpoint is a dict::
     models      {"encoder": state dict or None, "aggregator": state dict}
     optimizer, scheduler, rng   (last.pt only) optimiser / schedule state, RNG states
     best        {"metric": name, "value": float, "epoch": int}
+    stain_reference   the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), optional
     history     list of per-epoch dicts (the rows of history.csv)
 
 Nothing is pickled as a Python object, so ``torch.load(path, weights_only=True)`` reads it and a
@@ -171,6 +172,8 @@ class TrainedModel:
         size, method, thresholds, mpp target, ...), or for checkpoints written before stores
         recorded them, the config's :class:`~wsi_pipeline.training.config.TilingConfig`.
     checkpoint : the file loaded; ``epoch`` and ``seed`` of the run.
+    stain_reference : the training tiles' stain summary (:func:`wsi_pipeline.data.stain_stats.stain_reference`),
+        or None for checkpoints written without one.
     """
 
     encoder: torch.nn.Module
@@ -182,6 +185,7 @@ class TrainedModel:
     checkpoint: Path
     epoch: int
     seed: int
+    stain_reference: dict | None = None
 
     @property
     def strategy(self) -> str:
@@ -232,4 +236,5 @@ def load_trained_model(
     return TrainedModel(
         encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=n_classes,
         tiling=state.get("tiling") or config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
+        stain_reference=state.get("stain_reference"),
     )

@@ -34,6 +34,7 @@ import math
 import os
 import random
 import time
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -47,10 +48,20 @@ import torch
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, check_tiling, drop_empty, epoch_plan, iter_bags, slides_for_split
+from wsi_pipeline.training import distributed
 from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from wsi_pipeline.training.config import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
+from wsi_pipeline.training.config import (
+    BagStatisticsWarning,
+    MethodConfig,
+    PipelineConfig,
+    bag_statistics_warning,
+    config_to_dict,
+    method_by_name,
+    save_config,
+)
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
 from wsi_pipeline.training.strategies import Strategy, build_models, build_strategy, check_strategy, frozen_encoder, frozen_features_dir
+from wsi_pipeline.progress import progress_bar
 
 __all__ = ["RunPlan", "preflight", "resolve_device", "train_pipeline", "train_run"]
 
@@ -70,6 +81,7 @@ class RunPlan:
     runs: list[tuple[MethodConfig, int, Path]]
     finished: list[Path]
     tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
+    stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
 
 
 # ----------------------------------------------------------------------------------------------
@@ -105,9 +117,9 @@ def preflight(
     train = slides_for_split(manifest, "train", config.data.tiles_dir)
     val = slides_for_split(manifest, "val", config.data.tiles_dir)
     check_stores(train + val, config.data.tiles_dir)
-    tiling = check_tiling(train + val, config.data.tiling)
     train = drop_empty(train, split="train", strict=strict)
     val = drop_empty(val, split="val", strict=strict)
+    tiling = check_tiling(train + val, config.data.tiling)
     if not train:
         raise ValueError(
             f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
@@ -118,6 +130,10 @@ def preflight(
     for method in methods:
         check_strategy(method)
         resolve_device(method.train.device)
+        risk = bag_statistics_warning(method)
+        if risk:
+            log.warning(risk)
+            warnings.warn(risk, BagStatisticsWarning, stacklevel=2)
     for method in methods:
         if method.strategy == "frozen":
             try:
@@ -317,13 +333,22 @@ def train_pipeline(
     """
     chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
+    ddp = distributed.init_from_env()  # under torchrun: join the process group (no-op otherwise)
     plan = preflight(config, chosen, seeds, resume=resume, strict=strict)
     for run_dir in plan.finished:
         log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
     features: dict[str, Path] = {}
     for method in {m.name: m for m, _, _ in plan.runs}.values():
         if method.strategy == "frozen":
-            features[method.name] = _ensure_features(config, method, plan, resolve_device(device or method.train.device), progress)
+            if ddp.is_main:  # rank 0 extracts, the others wait, then read the files
+                _ensure_features(
+                    config, method, plan, distributed.device_for(resolve_device(device or method.train.device)), progress)
+            distributed.barrier()
+            features[method.name] = Path(frozen_features_dir(method, config.data.features_dir))
+    if plan.runs and plan.stain is None:  # for `predict`'s off-distribution check
+        from wsi_pipeline.data.stain_stats import stain_reference
+
+        plan.stain = stain_reference(plan.train)
     for method, seed, run_dir in plan.runs:
         train_run(config, method, seed, plan, features_dir=features.get(method.name), device=device, progress=progress)
     return [config.run_dir(m.name, s) for m in chosen for s in seeds]
@@ -383,9 +408,7 @@ def _write_json(obj: Any, path: Path) -> None:
 
 
 def _bars(progress: bool) -> Any:
-    from tqdm.auto import tqdm
-
-    return lambda *a, **k: tqdm(*a, disable=None if progress else True, dynamic_ncols=True, **k)
+    return lambda *a, **k: progress_bar(*a, enabled=progress, **k)
 
 
 def train_run(
@@ -407,7 +430,9 @@ def train_run(
         return run_dir
     tc = method.train
     n_classes = config.data.n_classes
-    dev = resolve_device(device or tc.device)
+    distributed.init_from_env()  # under torchrun (no-op when train_pipeline joined already)
+    dev = distributed.device_for(resolve_device(device or tc.device))  # cuda:LOCAL_RANK under torchrun
+    main = distributed.is_main()  # only rank 0 writes the run folder
     run_config = _run_config(config, method, seed)
     metric, higher = _selection(tc, n_classes)
     bar = _bars(progress)
@@ -438,6 +463,7 @@ def train_run(
     else:
         steps_per_epoch = math.ceil(len(n_tiles) / tc.bags_per_step)
     params = strategy.parameters()
+    sync = distributed.StepSync(params, strategy.state_modules().values())
     optimizer = build_optimizer(params, tc, total_steps=tc.epochs * steps_per_epoch)
     schedule = EpochSchedule(optimizer, tc)
 
@@ -454,10 +480,13 @@ def train_run(
         restore_rng(state["rng"])
         history, best, start = list(state["history"]), dict(state["best"]), int(state["epoch"])
         log.info("resuming %s after epoch %d", run_dir, start)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(run_config, run_dir / "config.yaml")
+    distributed.broadcast_states(strategy.state_modules().values())  # every rank starts from rank 0's models
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(run_config, run_dir / "config.yaml")
 
     def optimizer_step() -> None:
+        sync.reduce()  # under torchrun: the step's gradients summed over ranks
         clip_gradients(params, tc.clip_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -475,10 +504,12 @@ def train_run(
         lr = schedule.set_epoch(epoch)
         if method.encoder.recalibrate_bn and epoch > 0 and strategy.encoder is not None:
             calibrate_encoder(strategy.encoder, method, plan.train, dev)
+            distributed.broadcast_states([strategy.encoder])
         strategy.train()
         with autocast:
-            train_loss = _train_epoch(strategy, reader, n_tiles, tc, seed, epoch, optimizer, optimizer_step, bar)
-            val = _validate(strategy, val_inputs, val_labels, config, method, dev)
+            train_loss = _train_epoch(strategy, reader, n_tiles, tc, seed, epoch, optimizer, optimizer_step, bar, sync=sync)
+            # under torchrun: validated on rank 0, the result sent to all (they decide early stopping alike)
+            val = distributed.broadcast_object(_validate(strategy, val_inputs, val_labels, config, method, dev) if main else None)
         row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": val.get(k, math.nan) for k in VAL_METRICS}}
         row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3))
         history.append(row)
@@ -488,22 +519,30 @@ def train_run(
         if improved:
             best = {"metric": metric, "value": None if value is None else float(value), "epoch": epoch + 1,
                     "loss": None if loss is None or not math.isfinite(loss) else float(loss)}
+        if not main:
+            continue
         _write_csv(history, run_dir / "history.csv")
         models = {name: m.state_dict() for name, m in strategy.state_modules().items()}
         common = {"config": config_to_dict(run_config), "method": config_to_dict(method), "seed": int(seed), "epoch": epoch + 1,
-                  **({"tiling": plan.tiling} if plan.tiling is not None else {})}
+                  **({"tiling": plan.tiling} if plan.tiling is not None else {}),
+                  **({"stain_reference": plan.stain} if plan.stain is not None else {})}
         if improved:
             save_checkpoint(run_dir / "best.pt", {**common, "models": models, "best": best})
         save_checkpoint(last, {
             **common, "models": models, "optimizer": optimizer.state_dict(), "scheduler": schedule.state_dict(),
             "rng": capture_rng(), "best": best, "history": history,
         })
+        done_here = [r["seconds"] for r in history[-(epoch + 1 - start):]]  # epochs run by this process
+        left = (tc.epochs - epoch - 1) * float(np.mean(done_here))
         log.info(
-            "%s seed %d epoch %d/%d: train_loss %.4f, val_%s %s, lr %.3g (%.1f s)",
+            "%s seed %d epoch %d/%d: train_loss %.4f, val_%s %s, lr %.3g (%.1f s/epoch, ~%s left)",
             method.name, seed, epoch + 1, tc.epochs, train_loss, metric,
-            "n/a" if value is None else f"{value:.4f}", lr, row["seconds"],
+            "n/a" if value is None else f"{value:.4f}", lr, row["seconds"], _duration(left),
         )
         epochs.set_postfix(loss=f"{train_loss:.4f}", **({f"val_{metric}": f"{value:.3f}"} if value is not None else {}))
+    distributed.barrier()
+    if not main:
+        return run_dir
     _write_json(
         {
             "epochs": len(history), "select_metric": metric, "best_epoch": best["epoch"],
@@ -513,6 +552,13 @@ def train_run(
         run_dir / DONE,
     )
     return run_dir
+
+
+def _duration(seconds: float) -> str:
+    """``"45 s"``, ``"3.2 min"``, ``"1.5 h"``."""
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
 
 
 def _train_epoch(
@@ -525,10 +571,17 @@ def _train_epoch(
     optimizer: torch.optim.Optimizer,
     optimizer_step: Any,
     bar: Any,
+    *,
+    sync: distributed.StepSync | None = None,
 ) -> float:
-    """One pass over the training slides; returns the mean bag loss."""
+    """One pass over the training slides; returns the mean bag loss (over all ranks under torchrun).
+
+    Under torchrun each rank trains its share of every step's bags (of every PatchGD batch),
+    :func:`wsi_pipeline.training.distributed.shard_plan`; ``optimizer_step`` sums the gradients.
+    """
     losses: list[float] = []
     optimizer.zero_grad(set_to_none=True)
+    ddp = distributed.current()
     if strategy.steps_optimizer:
         # slides_per_batch slides at a time (PatchGD's batch), the strategy steps the optimiser;
         # the whole store is its input
@@ -539,29 +592,39 @@ def _train_epoch(
         per = int(getattr(strategy, "slides_per_batch", 1))
         for a in range(0, len(order), per):
             group = order[a : a + per]
+            part = {"part": distributed.shard(len(group))} if ddp.enabled else {}  # this rank's slides of the batch
             losses.append(strategy.run_batch(  # type: ignore[attr-defined]
-                [reader.store(i) for i in group], [reader.slides[i].label for i in group], optimizer_step, gen))  # type: ignore[union-attr]
+                [reader.store(i) for i in group], [reader.slides[i].label for i in group], optimizer_step, gen, **part))  # type: ignore[union-attr]
             bags.update(len(group))
             bags.set_postfix(loss=f"{np.mean(losses):.4f}")
         bags.close()
-        return float(np.mean(losses))
+        return float(np.mean(distributed.all_sum(losses)))  # a rank's batch loss is its share of the batch's
     plan = epoch_plan(n_tiles, bag_size=tc.bag_size, bags_per_step=tc.bags_per_step, seed=seed, epoch=epoch)
-    bags = bar(total=len(n_tiles), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
-    done_in_group = 0
-    for b, (g, bag) in enumerate(iter_bags(plan, reader)):
-        # every bag starts from its own seed: its augmentation and dropout draws depend on
-        # (seed, epoch, bag) only, not on how many numbers earlier bags consumed, so strategies
-        # that draw differently per bag still give a bag the same augmentation
-        _seed_torch(seed, epoch, b)
-        losses.append(strategy.bag_step(bag, 1.0 / len(plan[g])))
-        done_in_group += 1
-        if done_in_group == len(plan[g]):
-            optimizer_step()
-            done_in_group = 0
-        bags.update()
-        bags.set_postfix(loss=f"{np.mean(losses):.4f}")
+    local, numbers = distributed.shard_plan(plan)  # this rank's bags (all of them in a single process)
+    bags = bar(total=sum(map(len, local)), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
+    loaded = iter_bags(local, reader)
+    first = 0
+    for g, group in enumerate(plan):
+        if sync is not None:
+            sync.begin_group(first, len(group))
+        for b in numbers[g]:
+            _, bag = next(loaded)
+            # every bag starts from its own seed: its augmentation and dropout draws depend on
+            # (seed, epoch, bag) only, not on how many numbers earlier bags consumed, so strategies
+            # that draw differently per bag still give a bag the same augmentation (and so does
+            # the rank that trains it under torchrun)
+            _seed_torch(seed, epoch, b)
+            with sync.bag(b) if sync is not None else nullcontext():
+                losses.append(strategy.bag_step(bag, 1.0 / len(group)))
+            bags.update()
+            bags.set_postfix(loss=f"{np.mean(losses):.4f}")
+        optimizer_step()
+        first += len(group)
     bags.close()
-    return float(np.mean(losses))
+    if not ddp.enabled:
+        return float(np.mean(losses))
+    total, count = distributed.all_sum([sum(losses), len(losses)])
+    return total / count
 
 
 def _validate(
@@ -577,7 +640,7 @@ def _validate(
         return {}
     from wsi_pipeline.evaluation.protocols import validate_model
 
-    encoder = None if strategy.val_input == "features" else strategy.encoder
+    encoder = None if strategy.val_input == "features" else strategy.embedder()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
         return validate_model(

@@ -415,16 +415,19 @@ class PatchGDStrategy:
             self.head.train(was)
         return out
 
-    def _fill(self, stores: list[Any], ks: list[int], generator: torch.Generator | None) -> list[Tensor]:
+    def _fill(self, stores: list[Any], ks: list[int], generator: torch.Generator | None, part: list[int] | None = None) -> list[Tensor]:
         """Each slide's tile embeddings [n, D] without gradient (Z-filling).
 
         Frozen BatchNorm: :func:`embed_store` (eval mode). Train-mode BatchNorm (the paper's):
         the encoder in train mode, each slide's tiles split at random into G nearly equal groups
         (G = the most of ``ceil(n / k)`` over the batch, so at most k tiles a group), the batch's
         g-th groups embedded together, as the reference fills Z from its patch sampler.
+
+        ``part``: embed only these slides of the batch (the groups are drawn for all of them).
         """
+        keep = list(range(len(stores))) if part is None else list(part)
         if self.cfg.freeze_bn or not self.encoder.training:
-            return [self._embed_all(store) for store in stores]
+            return [self._embed_all(stores[b]) for b in keep]
         device, dtype = self.device, next(self.head.parameters()).dtype
         n_groups = max(math.ceil(len(store) / k) for store, k in zip(stores, ks))
         # every slide in n_groups nearly equal groups (at most k tiles each), so no call of the
@@ -433,14 +436,16 @@ class PatchGDStrategy:
         out: list[Tensor | None] = [None] * len(stores)
         with _modes(self.encoder, train=True, freeze_bn=False), torch.no_grad():
             for g in range(n_groups):
-                parts = [(b, groups[b][g]) for b in range(len(stores)) if len(groups[b][g])]
+                parts = [(b, groups[b][g]) for b in keep if len(groups[b][g])]
+                if not parts:
+                    continue
                 x = torch.cat([tiles_to_tensor(stores[b].read(idx.numpy()), device=device) for b, idx in parts])
                 emb = self.encoder(x).to(dtype)
                 for (b, idx), e in zip(parts, emb.split([len(idx) for _, idx in parts])):
                     if out[b] is None:
                         out[b] = emb.new_zeros(len(stores[b]), emb.shape[1])
                     out[b][idx.to(device)] = e  # type: ignore[index]
-        return [o for o in out if o is not None]
+        return [out[b] for b in keep]  # type: ignore[misc]
 
     def bag_step(
         self,
@@ -458,6 +463,8 @@ class PatchGDStrategy:
         labels: list[int | Tensor],
         optimizer_step: Callable[[], None],
         generator: torch.Generator | None = None,
+        *,
+        part: list[int] | None = None,
     ) -> float:
         """Run the inner iterations on a batch of slides, stepping the optimiser every epsilon of them.
 
@@ -469,11 +476,17 @@ class PatchGDStrategy:
         optimizer_step : called after every window of epsilon inner iterations; it must step
             the optimiser and zero the gradients (the caller's schedule, clipping, scaler...).
         generator : the source of the tile sampling (CPU generator).
+        part : data-parallel training (:mod:`wsi_pipeline.training.distributed`): run only these
+            positions of the batch; the other ranks run the rest. zeta, the windows and every
+            slide's tile plan are those of the whole batch (same draws on every rank), a slide's
+            loss is divided by the whole batch's size, and ``optimizer_step`` (which sums the
+            gradients over ranks) is called after every window even with no slide here.
 
         Returns
         -------
         The mean loss over the inner iterations (each loss is the full task loss of one
-        iteration, the mean over the batch's slides, not divided by epsilon).
+        iteration, the mean over the batch's slides, not divided by epsilon); with ``part``,
+        this rank's share of it (the sum over ranks is the batch's).
         """
         cfg = self.cfg
         if not stores or len(stores) != len(labels):
@@ -493,11 +506,16 @@ class PatchGDStrategy:
         self.last_plan = plans[0]
         self.last_plans = plans
         device = self.device
+        batched, n_batch = len(stores) > 1, len(stores)
+        caches = self._fill(stores, ks, generator, part)
+        z_shape = None
+        if part is not None:  # this rank's slides of the batch, padded to the whole batch's Z shape
+            z_shape = self.head.z_shape([self.head.layout(store.grid).shape for store in stores]) if batched else None
+            stores, ns, ks, ys, plans = ([x[b] for b in part] for x in (stores, ns, ks, ys, plans))
         target = torch.tensor(ys, device=device)
-        caches = self._fill(stores, ks, generator)
         scales = [n / k if cfg.backbone_scale == "full" else 1.0 for n, k in zip(ns, ks)]
-        if len(set(scales)) == 1:
-            scale: float | Tensor = scales[0]
+        if len(set(scales)) <= 1:
+            scale: float | Tensor = scales[0] if scales else 1.0
         else:  # one n/k per live row
             per_row = torch.repeat_interleave(torch.tensor(scales, dtype=torch.float64), torch.tensor(ks))
             scale = per_row.to(device=device, dtype=caches[0].dtype)[:, None]
@@ -511,25 +529,37 @@ class PatchGDStrategy:
         with _modes(self.encoder, train=self.encoder.training, freeze_bn=cfg.freeze_bn):
             for length in windows:
                 for _ in range(length):
+                    if not stores:  # data-parallel: no slide of this batch on this rank
+                        losses.append(0.0)
+                        j += 1
+                        continue
                     idx = [plan[j].to(device) for plan in plans]
                     x = torch.cat([tiles_to_tensor(st.read(plan[j].numpy()), device=device) for st, plan in zip(stores, plans)])
                     live = self.encoder(x).to(caches[0].dtype)
                     if not isinstance(scale, float) or scale != 1.0:
                         live.register_hook(lambda g, s=scale: g * s)
                     parts = live.split(ks) if len(stores) > 1 else [live]
-                    zs = [cache.index_copy(0, i, part) for cache, i, part in zip(caches, idx, parts)]
-                    if len(stores) == 1:
+                    zs = [cache.index_copy(0, i, p) for cache, i, p in zip(caches, idx, parts)]
+                    if not batched:
                         out = self.head(zs[0], layout=layouts[0])
                         logits, aux = out.logits[None], out.aux_loss
                     else:
-                        logits, aux = self.head.forward_z(*self.head.batch_z(zs, layouts)), None
-                    loss = F.cross_entropy(logits, target)
+                        z_grid, mask = self.head.batch_z(zs, layouts)
+                        if z_shape is not None:  # the shape the single process pads to (heads need not be pad-invariant)
+                            pad = (0, z_shape[1] - z_grid.shape[3], 0, z_shape[0] - z_grid.shape[2])
+                            z_grid, mask = F.pad(z_grid, pad), F.pad(mask, pad)
+                        logits, aux = self.head.forward_z(z_grid, mask), None
+                    # the mean over the batch's slides (with part: this rank's share of it)
+                    if part is None:
+                        loss = F.cross_entropy(logits, target)
+                    else:
+                        loss = F.cross_entropy(logits, target, reduction="sum") / n_batch
                     if aux is not None:
                         loss = loss + aux
                     (loss / length).backward()
                     with torch.no_grad():
-                        for cache, i, part in zip(caches, idx, parts):
-                            cache.index_copy_(0, i, part.detach())
+                        for cache, i, p in zip(caches, idx, parts):
+                            cache.index_copy_(0, i, p.detach())
                     losses.append(float(loss.detach()))
                     j += 1
                 optimizer_step()

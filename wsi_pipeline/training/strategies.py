@@ -18,7 +18,10 @@ BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exa
 strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``: the ABMIL-ACC
 paper's setting, "the paper's, not exact"), which for ``full`` and ``bigl`` is the whole bag;
 ``train`` is batch statistics of the whole bag (``full``, ``bigl``; rejected by ``accumulate``,
-where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's).
+where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's). Validation,
+evaluation and prediction use running statistics, so training with ``chunk`` or ``train``
+warns (:func:`wsi_pipeline.training.config.bag_statistics_warning`): a model can learn the
+label from its bags' statistics and fail at evaluation.
 
 Building blocks are imported when a strategy is built, so a strategy whose block is missing
 fails with a message naming it (:func:`check_strategy`), never by silently falling back.
@@ -103,7 +106,9 @@ def build_models(method: Any, n_classes: int, *, device: str | torch.device = "c
     """Build a method's ``(encoder, aggregator)``; the aggregator is the PatchGD head for ``patchgd``.
 
     Random initialisation follows torch's global generator (seed it first). ``for_training``
-    converts a ``bigl`` encoder to Big-Layers; for inference the plain encoder is returned.
+    converts a ``bigl`` encoder to Big-Layers; for inference a ``bigl`` encoder is an
+    :class:`~wsi_pipeline.bigl.EmbeddingEncoder` (plain on the device when a call fits
+    ``bigl.embed_budget_mib``, Big-Layers otherwise; plain encoder's state dict).
     """
     from wsi_pipeline.models import build_aggregator, build_encoder
 
@@ -122,9 +127,22 @@ def build_models(method: Any, n_classes: int, *, device: str | torch.device = "c
         aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
     encoder.to(device)
     aggregator.to(device)
-    if method.strategy == "bigl" and for_training:
-        encoder = _bigify(method, encoder, device)
+    if method.strategy == "bigl":
+        encoder = _bigify(method, encoder, device) if for_training else _embedding_encoder(method, encoder)
     return encoder, aggregator
+
+
+def _embed_budget(method: Any) -> int | None:
+    mib = getattr(method.bigl, "embed_budget_mib", None)
+    return None if mib is None else int(mib * 2**20)
+
+
+def _embedding_encoder(method: Any, encoder: nn.Module) -> nn.Module:
+    """A ``bigl`` method's inference encoder (plain when a call fits the budget, else Big-Layers)."""
+    from wsi_pipeline.bigl import EmbeddingEncoder
+
+    return EmbeddingEncoder(encoder, stages=method.bigl.stages, max_elements=method.bigl.max_elements,
+                            budget_bytes=_embed_budget(method))
 
 
 def patchgd_method(method: Any) -> Any:
@@ -240,6 +258,10 @@ class Strategy:
         self.encoder.eval()
         self.aggregator.eval()
 
+    def embedder(self) -> nn.Module:
+        """The encoder validation embeds tiles with (eval mode, no gradient)."""
+        return self.encoder
+
     def _bn(self) -> str:
         """``encoder.bn`` as the accumulate module's policy names it."""
         return "frozen" if self.method.encoder.bn == "frozen" else "chunk"
@@ -290,7 +312,7 @@ class FrozenStrategy(Strategy):
 
         Returns
         -------
-        float32 tensor (k, D) on the strategy's device, without gradient: the encoder (eval
+        tensor (k, D) of torch's default dtype (float32) on the strategy's device, without gradient: the encoder (eval
         mode) applied to the augmented, normalised tiles, ``chunk_size`` tiles at a time.
         Without augmentation it is the embedding the h5 features hold.
         """
@@ -301,14 +323,14 @@ class FrozenStrategy(Strategy):
         with torch.no_grad():
             for a in range(0, len(tiles), chunk):
                 x = tiles_to_input(tiles[a : a + chunk], self.augment, params, device=self.device)
-                parts.append(self.encoder(x).float())
+                parts.append(self.encoder(x).to(torch.get_default_dtype()))
         return torch.cat(parts)
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
         if self.augment is None:
-            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.float32, device=self.device)
+            feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.get_default_dtype(), device=self.device)
         else:
             feats = self.embed(bag.data)
         # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
@@ -361,6 +383,18 @@ class BiglStrategy(Strategy):
             from wsi_pipeline.bigl import bigify  # noqa: F401
         except ImportError as e:
             raise _missing_block("bigl", "wsi_pipeline.bigl.bigify", e) from e
+
+    def _prep_device(self) -> torch.device:
+        """Always the host: the tiles stay there until the first Big-Layer takes its chunks."""
+        return torch.device("cpu")
+
+    def embedder(self) -> nn.Module:
+        """Validation's encoder: plain on the device when a call fits ``bigl.embed_budget_mib``, else Big-Layers."""
+        from wsi_pipeline.bigl import EmbeddingEncoder
+
+        if getattr(self, "_embedder", None) is None:
+            self._embedder = EmbeddingEncoder.from_big(self.encoder, budget_bytes=_embed_budget(self.method))
+        return self._embedder
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
@@ -420,9 +454,11 @@ class PatchGDAdapter(Strategy):
         """One slide of PatchGD; ``optimizer_step`` steps and zeroes the gradients."""
         return self.impl.bag_step(store, label, optimizer_step, generator)
 
-    def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
-        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDStrategy.batch_step`)."""
-        return self.impl.batch_step(stores, labels, optimizer_step, generator)
+    def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator,
+                  *, part: list[int] | None = None) -> float:
+        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDStrategy.batch_step`);
+        ``part``: this rank's positions of the batch under torchrun."""
+        return self.impl.batch_step(stores, labels, optimizer_step, generator, part=part)
 
 
 def check_strategy(method: Any) -> type[Strategy]:

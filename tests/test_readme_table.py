@@ -1,0 +1,59 @@
+"""The README's demo table is generated from the demo's metrics and checked against them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from wsi_pipeline.export.metrics_json import MetricRecord
+from wsi_pipeline.readme_table import END, START, compare_with_readme, demo_summary, parse_tables, update_readme
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _records() -> list[MetricRecord]:
+    out = []
+    for m, (a, loc, ea, acc) in {"frozen": (0.8, 0.734, 0.48, 0.5), "e2e": (0.955, 0.99, 0.875, 0.8125)}.items():
+        for split, cohort, metric, v in (("test", "internal", "auc", a), ("test", "internal", "localisation_auc", loc),
+                                         ("external", "ext", "auc", ea), ("external", "ext", "accuracy", acc)):
+            out.append(MetricRecord(m, 0, cohort, split, "all", metric, v))
+            out.append(MetricRecord(m, "mean", cohort, split, "all", metric, v))
+        out.append(MetricRecord(m, 0, "internal", "test", "sub64x10", "auc", a - 0.1))
+        out.append(MetricRecord(m, 0, "internal", "test", "sub64x10", "auc_repeat_std", 0.123))
+        out.append(MetricRecord(m, 0, "internal", "test", "sub64x10", "auc", 0.1, repeat=0))  # a repeat's value: ignored
+        out.append(MetricRecord(m, 0, "ext", "external", "ens64x10", "auc", ea + 0.05))
+        out.append(MetricRecord(m, 1, "internal", "test", "all", "auc", 0.0))  # another seed: ignored
+    return out
+
+
+def test_summary_holds_the_seed_0_values_rounded_to_2_decimals():
+    cells = parse_tables(demo_summary(_records(), ["frozen", "e2e"]))
+    assert cells[("frozen", "internal AUC")] == "0.80" and cells[("frozen", "internal localisation")] == "0.73"
+    assert cells[("e2e", "external accuracy")] == "0.81" and cells[("e2e", "internal AUC")] == "0.95"
+    assert cells[("e2e", "internal AUC sub64x10")] == "0.85 (sd 0.12)"
+    assert cells[("frozen", "external AUC ens64x10")] == "0.53"
+    assert cells[("frozen", "external AUC sub64x10")] == "-"
+
+
+def test_readme_is_updated_between_its_markers_and_compared(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n\n{START}\nold\n{END}\n\nafter\n")
+    summary = demo_summary(_records(), ["frozen", "e2e"])
+    assert "differs" in compare_with_readme(summary, readme)
+    assert update_readme(readme, summary, "Seed study\n") is True
+    text = readme.read_text()
+    assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
+    assert compare_with_readme(summary, readme) == "README demo table: agrees with this run"
+    assert update_readme(readme, summary, "Seed study\n") is False
+    changed = summary.replace("| 0.80 |", "| 0.79 |", 1)
+    line = compare_with_readme(changed, readme)
+    assert line.startswith("README demo table differs (1 values") and "frozen internal AUC: README 0.80, now 0.79" in line
+    (tmp_path / "plain.md").write_text("no markers\n")
+    with pytest.raises(ValueError, match="no demo table markers"):
+        update_readme(tmp_path / "plain.md", summary)
+
+
+def test_the_repository_readme_has_the_generated_block():
+    text = (REPO / "README.md").read_text()
+    assert text.count(START) == 1 and text.count(END) == 1 and text.index(START) < text.index(END)

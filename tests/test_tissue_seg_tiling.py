@@ -1,0 +1,94 @@
+"""`wsi-pipeline tile --method unet`: tiles kept by the tissue U-Net's predicted mask."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from wsi_pipeline.slides.reader import open_slide
+from wsi_pipeline.synthetic.slides import make_slide
+from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+from wsi_pipeline.tissue_seg import stage
+from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
+from wsi_pipeline.tissue_seg.labels import paper_labels
+from wsi_pipeline.tissue_seg.model import TissueUNet
+from wsi_pipeline.training.checkpoint import save_checkpoint
+
+
+@pytest.fixture(scope="module")
+def slide(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_slide(tmp_path_factory.mktemp("unet_tile") / "held_out.svs", size=(2048, 1536), seed=2024,
+                      tissue_fraction=0.35, mpp=0.5).path
+
+
+def _constant_model(path: Path, logit: float) -> Path:
+    """A model whose output is ``logit`` everywhere (all weights 0): every px tissue (> 0) or glass (< 0)."""
+    m = TissueUNet()
+    for p in m.parameters():
+        torch.nn.init.zeros_(p)
+    m.conv7.bias.data.fill_(logit)
+    save_checkpoint(path, {"kind": stage.MODEL_KIND, "channels": 8, "mpp": 2.0, "model": m.state_dict()})
+    return path
+
+
+@pytest.mark.parametrize("logit", [20.0, -20.0])
+def test_unet_method_keeps_tiles_by_the_predicted_mask(slide: Path, tmp_path: Path, logit: float) -> None:
+    model = _constant_model(tmp_path / "m.pt", logit)
+    cfg = TilingConfig(method="unet", tissue_model=str(model), qc=False)
+    rep = tile_cohort([SlideJob("s", str(slide))], tmp_path / "tiles", cfg, workers=0, progress=False)
+    res = rep.results[0]
+    assert res.status == "ok", res.error
+    n_grid = (2048 // 256) * (1536 // 256)
+    assert res.n_tiles == (n_grid if logit > 0 else 0)
+    if logit > 0:
+        store = open_store(tmp_path / "tiles" / "s.zarr")
+        assert store.attrs["method"] == "unet" and store.attrs["unet_info"]["model_mpp"] == 2.0
+
+
+def test_unet_method_refuses_a_missing_model(slide: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="tissue model not found"):
+        TilingConfig(method="unet", tissue_model=str(tmp_path / "none.pt")).output_params()
+
+
+@pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="shipped tissue model not built")
+def test_shipped_model_is_small_and_matches_paper_labels_on_a_held_out_slide(slide: Path) -> None:
+    assert BUILTIN_MODEL.stat().st_size < 64 * 1024
+    model, mpp = stage.load_tissue_model(BUILTIN_MODEL)
+    im = stage.load_image(slide, mpp=mpp)
+    mask, _ = stage.predict_mask(model, im.grey, im.valid)
+    truth = im.label[::8, ::8][: mask.shape[0], : mask.shape[1]]  # paper labels are constant on 8 x 8 blocks
+    assert stage.dice(mask, truth) >= 0.95
+
+
+@pytest.mark.real_slides
+@pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="shipped tissue model not built")
+def test_real_cmu1_unet_covers_greyscale_tissue_tiles_and_no_glass(real_slides_dir: Path, tmp_path: Path) -> None:
+    src = real_slides_dir / "CMU-1-Small-Region.svs"
+    jobs = [SlideJob("cmu", str(src))]
+    rep_u = tile_cohort(jobs, tmp_path / "u", TilingConfig(method="unet", qc=False), workers=0, progress=False)
+    rep_g = tile_cohort(jobs, tmp_path / "g", TilingConfig(method="greyscale", qc=False), workers=0, progress=False)
+    assert rep_u.ok and rep_g.ok
+    kept_u = {(int(x), int(y)) for x, y in open_store(tmp_path / "u" / "cmu.zarr").coords}
+    kept_g = {(int(x), int(y)) for x, y in open_store(tmp_path / "g" / "cmu.zarr").coords}
+    # independent references from level 0: the paper's label and the glass level
+    with open_slide(src) as s:
+        w, h = s.dimensions
+        rgb = s.read_region((0, 0), 0, (w, h))
+    lab = paper_labels(rgb)
+    grey = rgb.astype(np.float64) @ np.array([0.299, 0.587, 0.114])
+    glass_level = np.median(grey[grey > np.percentile(grey, 50)])
+    tissue_tiles, glass_tiles = set(), set()
+    for y in range(0, h - 255, 256):
+        for x in range(0, w - 255, 256):
+            if lab[y : y + 256, x : x + 256].mean() >= 0.5:
+                tissue_tiles.add((x, y))
+            if (grey[y : y + 256, x : x + 256] > glass_level - 10).mean() > 0.95:
+                glass_tiles.add((x, y))
+    assert kept_g & tissue_tiles <= kept_u  # every greyscale tile that is tissue is kept
+    assert not kept_u & glass_tiles  # no glass tile is kept
+    assert len(kept_u) > 0

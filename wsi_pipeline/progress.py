@@ -1,0 +1,49 @@
+"""Progress for long work: a live bar on a terminal, a plain log line now and then elsewhere.
+
+Cluster job logs and CI logs are files: a bar redrawn with carriage returns would fill them with
+hundreds of frames. There the same bar is written as one ordinary log line (logger
+``wsi_pipeline.progress``, level INFO) at most every ``log_every`` seconds, and once at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["progress_bar"]
+
+log = logging.getLogger(__name__)
+
+
+class _LogLines:
+    """A file-like sink for tqdm that turns each redraw into one log line."""
+
+    def write(self, text: str) -> None:
+        line = text.replace("\r", "").strip()
+        if line:
+            log.info(line)
+
+    def flush(self) -> None:
+        pass
+
+
+def progress_bar(
+    iterable: Iterable[Any] | None = None, *, enabled: bool = True, log_every: float = 30.0, **kwargs: Any
+) -> Any:
+    """A tqdm bar over ``iterable`` (or a manual one with ``total=``).
+
+    Parameters
+    ----------
+    enabled : False shows nothing (``--no-progress``).
+    log_every : seconds between log lines when standard error is not a terminal.
+    kwargs : tqdm's (``desc``, ``total``, ``unit``, ``leave``, ...).
+    """
+    from tqdm.auto import tqdm
+
+    if not enabled:
+        return tqdm(iterable, disable=True, **kwargs)
+    if sys.stderr.isatty():
+        return tqdm(iterable, dynamic_ncols=True, **kwargs)
+    return tqdm(iterable, file=_LogLines(), mininterval=log_every, maxinterval=log_every, ncols=100, ascii=True, **kwargs)

@@ -1,0 +1,149 @@
+"""The README's demo results, generated from what the demo printed so that they cannot go stale.
+
+``make demo`` writes ``results/demo/summary.md`` (:func:`demo_summary`): the README's four
+columns for seed 0 and all tiles, then the subsample protocols. ``make demo-study`` writes
+``results/seed-study/demo/seed_study.md``. ``make readme-table`` (``python -m
+wsi_pipeline.readme_table``) copies both into README.md between the markers
+``<!-- demo-table:start -->`` and ``<!-- demo-table:end -->``; at its end ``make demo`` compares
+its own table with the README's and prints one line saying whether they agree
+(:func:`compare_with_readme`).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["START", "END", "demo_summary", "parse_tables", "compare_with_readme", "update_readme", "main"]
+
+START = "<!-- demo-table:start -->"
+END = "<!-- demo-table:end -->"
+
+#: The README's headline columns: (heading, evaluation split, protocol, metric).
+HEADLINE: tuple[tuple[str, str, str, str], ...] = (
+    ("internal AUC", "test", "all", "auc"),
+    ("internal localisation", "test", "all", "localisation_auc"),
+    ("external AUC", "external", "all", "auc"),
+    ("external accuracy", "external", "all", "accuracy"),
+)
+
+
+def _value(records: Sequence[Any], method: str, seed: Any, split: str, protocol: str, metric: str) -> float | None:
+    for r in records:
+        if (r.method, r.seed, r.split, r.protocol, r.metric) == (method, seed, split, protocol, metric) and r.repeat is None:
+            return None if r.value is None or (isinstance(r.value, float) and math.isnan(r.value)) else float(r.value)
+    return None
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def demo_summary(records: Iterable[Any], methods: Sequence[str], seed: int = 0) -> str:
+    """Markdown: the headline table (all tiles) and the subsample table, one seed, 2 decimals.
+
+    ``records`` are :class:`~wsi_pipeline.export.metrics_json.MetricRecord` of the demo's
+    ``metrics.json``. Subsample cells of the paper's protocol read ``mean (sd r)``: the mean of
+    the per-repeat AUCs and their standard deviation over repeats; the ensemble protocol's cell is
+    the AUC of per-slide probabilities averaged over the same repeats.
+    """
+    recs = list(records)
+    lines = [f"| method | {' | '.join(h for h, *_ in HEADLINE)} |", "|---" * (len(HEADLINE) + 1) + "|"]
+    for m in methods:
+        cells = [_fmt(_value(recs, m, seed, split, prot, metric)) for _, split, prot, metric in HEADLINE]
+        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    subs = sorted({r.protocol for r in recs if r.protocol.startswith(("sub", "ens"))}, key=lambda p: (p[3:], p[:3] != "sub"))
+    if subs:
+        heads = [f"{where} AUC {p}" for p in subs for where in ("internal", "external")]
+        lines += ["", f"| method | {' | '.join(heads)} |", "|---" * (len(heads) + 1) + "|"]
+        for m in methods:
+            cells = []
+            for p in subs:
+                for split in ("test", "external"):
+                    v = _value(recs, m, seed, split, p, "auc")
+                    sd = _value(recs, m, seed, split, p, "auc_repeat_std")
+                    cells.append(_fmt(v) + (f" (sd {sd:.2f})" if v is not None and sd is not None else ""))
+            lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_tables(text: str) -> dict[tuple[str, str], str]:
+    """``(method, column heading) -> cell`` of every markdown table in ``text``."""
+    cells: dict[tuple[str, str], str] = {}
+    heads: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("|"):
+            heads = []
+            continue
+        parts = [p.strip() for p in line.strip("|").split("|")]
+        if not heads:
+            heads = parts
+        elif not set("".join(parts)) <= set("-: "):
+            for h, c in zip(heads[1:], parts[1:]):
+                cells[(parts[0].strip("`"), h)] = c
+    return cells
+
+
+def _block(readme: str) -> str | None:
+    m = re.search(re.escape(START) + r"\n(.*?)" + re.escape(END), readme, re.S)
+    return m.group(1) if m else None
+
+
+def compare_with_readme(summary: str, readme_path: str | Path) -> str:
+    """One line: whether the README's demo table agrees with ``summary``, and which values differ."""
+    path = Path(readme_path)
+    block = _block(path.read_text()) if path.is_file() else None
+    if block is None:
+        return f"README demo table: none found in {path} (markers {START} ... {END})"
+    now, readme = parse_tables(summary), parse_tables(block)
+    diff = [f"{m} {h}: README {readme.get((m, h), 'missing')}, now {v}" for (m, h), v in now.items() if readme.get((m, h)) != v]
+    if not diff:
+        return "README demo table: agrees with this run"
+    more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
+    return f"README demo table differs ({len(diff)} values; `make readme-table` updates it): " + "; ".join(diff[:6]) + more
+
+
+def update_readme(readme_path: str | Path, summary: str, study: str | None = None) -> bool:
+    """Replace the README's demo block with ``summary`` (and ``study`` after it); True when it changed."""
+    from wsi_pipeline.io_atomic import write_text_atomic
+
+    path = Path(readme_path)
+    text = path.read_text()
+    if _block(text) is None:
+        raise ValueError(f"{path}: no demo table markers; put {START} and {END} on their own lines where the table goes")
+    body = summary + ("\n" + study if study else "")
+    new = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{body}{END}", text, count=1, flags=re.S)
+    if new == text:
+        return False
+    write_text_atomic(path, new)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``make readme-table``: copy the demo's (and the seed study's) tables into README.md."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.readme_table", description=main.__doc__)
+    p.add_argument("--summary", default="results/demo/summary.md", help="the demo's table (default: %(default)s)")
+    p.add_argument("--study", default="results/seed-study/demo/seed_study.md",
+                   help="the seed study's table, added after it when present (default: %(default)s)")
+    p.add_argument("--readme", default="README.md", help="the README to update (default: %(default)s)")
+    args = p.parse_args(argv)
+    summary = Path(args.summary)
+    if not summary.is_file():
+        print(f"error: {summary} not found; run `make demo` first", file=sys.stderr)
+        return 2
+    study = Path(args.study)
+    changed = update_readme(args.readme, summary.read_text(), study.read_text() if study.is_file() else None)
+    print(f"{args.readme}: demo table {'updated' if changed else 'already current'}"
+          f"{'' if study.is_file() else f' (no seed study at {study})'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

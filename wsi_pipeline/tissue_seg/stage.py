@@ -1,0 +1,364 @@
+"""Whole-image tissue segmentation as a stage: train on folders of slides, predict a mask per slide.
+
+Training (:func:`train`): every slide is read whole at ``mpp`` um/px (or cropped/padded to
+``size``), its label is built by the paper's pipeline (:func:`~wsi_pipeline.tissue_seg.labels.paper_labels`)
+and both are cached under ``OUT/cache``. One optimiser step per slide (batch 1, Adam, BCE) runs
+through :class:`~wsi_pipeline.tissue_seg.chunked.ChunkedTissueUNet`, so the whole image is one
+input. After each epoch the validation loss and Dice are computed, ``history.json`` and
+``last.pt`` are written (resume: run the same command again) and ``best.pt`` is replaced when the
+validation loss is the lowest so far (the paper's model selection).
+
+Prediction (:func:`predict`): ``OUT/<slide_id>_mask.png`` (uint8, 255 = tissue) at 8 image px per
+mask px, i.e. ``8 * mpp`` um per mask px, ``OUT/<slide_id>_overlay.png`` (QC: the image at the same
+scale, tissue tinted green) and ``OUT/<slide_id>_mask.json`` (scales, tissue fraction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from wsi_pipeline.tissue_seg.chunked import DEFAULT_MAX_ELEMENTS, ChunkedTissueUNet
+from wsi_pipeline.tissue_seg.labels import paper_labels
+from wsi_pipeline.tissue_seg.model import MULTIPLE, TissueUNet
+
+__all__ = [
+    "SlideEntry",
+    "TissueImage",
+    "slides_from_folder",
+    "slides_from_manifest",
+    "split_slides",
+    "load_image",
+    "cached_image",
+    "dice",
+    "train",
+    "load_tissue_model",
+    "predict_mask",
+    "predict",
+]
+
+MODEL_KIND = "wsi-pipeline/tissue-unet-v1"
+#: Image px per mask px of the model's output (the total stride of ``up7``).
+MASK_DOWNSAMPLE = 8
+
+
+@dataclass(frozen=True)
+class SlideEntry:
+    """One slide: id, path and split (``train``, ``val``, ``test`` or ``""`` for unassigned)."""
+
+    slide_id: str
+    path: Path
+    split: str = ""
+
+
+@dataclass
+class TissueImage:
+    """A slide read at the working resolution.
+
+    Attributes
+    ----------
+    grey : uint8 (H, W) greyscale, H and W multiples of 32 px (padding is white glass).
+    label : uint8 (H, W) {0, 1} paper label, or None when not computed.
+    valid : (height, width) px of the part that is slide, not padding.
+    level0_per_px : level-0 px per image px.
+    """
+
+    grey: np.ndarray
+    label: np.ndarray | None
+    valid: tuple[int, int]
+    level0_per_px: float
+    rgb: np.ndarray | None = None
+
+
+def slides_from_folder(folder: str | os.PathLike) -> list[SlideEntry]:
+    """Every slide file under ``folder`` (see :func:`wsi_pipeline.manifests.files.find_slides`)."""
+    from wsi_pipeline.manifests.files import find_slides
+
+    found = find_slides(folder)
+    if not found:
+        raise ValueError(f"no slide files found under {folder}")
+    return [SlideEntry(sid, Path(p)) for sid, p in found.items()]
+
+
+def slides_from_manifest(path: str | os.PathLike) -> list[SlideEntry]:
+    """Slides of a manifest CSV (columns ``slide_id``, ``path``, optional ``split``)."""
+    from wsi_pipeline.manifests.schema import read_manifest
+
+    df = read_manifest(path)
+    return [SlideEntry(str(r.slide_id), Path(str(r.path)), str(r.split or "")) for r in df.itertuples()]
+
+
+def split_slides(slides: Sequence[SlideEntry], val_fraction: float, seed: int) -> tuple[list[SlideEntry], list[SlideEntry]]:
+    """Training and validation slides: the ``split`` column when any slide has ``train``/``val``,
+    else a seeded random ``val_fraction`` (at least one validation slide when there are two or more).
+    ``test`` slides are left out. With a single slide it serves as both (said in the history)."""
+    if any(s.split in ("train", "val") for s in slides):
+        return [s for s in slides if s.split == "train"], [s for s in slides if s.split == "val"]
+    pool = [s for s in slides if s.split != "test"]
+    if len(pool) < 2:
+        return list(pool), list(pool)
+    order = np.random.default_rng(seed).permutation(len(pool))
+    n_val = min(len(pool) - 1, max(1, int(round(val_fraction * len(pool)))))
+    val = sorted((pool[i] for i in order[:n_val]), key=lambda s: s.slide_id)
+    train = sorted((pool[i] for i in order[n_val:]), key=lambda s: s.slide_id)
+    return train, val
+
+
+def _pad_to(img: np.ndarray, h: int, w: int) -> np.ndarray:
+    out = np.full((h, w) + img.shape[2:], 255, np.uint8)
+    hh, ww = min(h, img.shape[0]), min(w, img.shape[1])
+    out[:hh, :ww] = img[:hh, :ww]
+    return out
+
+
+def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | None = None, slide_mpp: float | None = None,
+               with_label: bool = True, keep_rgb: bool = False) -> TissueImage:
+    """Read a slide whole at ``mpp`` um/px, crop/pad it and compute the paper's label.
+
+    Parameters
+    ----------
+    mpp : working resolution (um per image px).
+    size : (height, width) px: crop from the top-left or pad with glass to exactly this (multiples
+        of 32); None: the whole slide, padded with glass to the next multiples of 32.
+    slide_mpp : level-0 um/px for slides whose metadata lacks it (the slide's own value wins).
+    """
+    import cv2
+
+    from wsi_pipeline.slides.mpp import resolve_mpp
+    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.scaled import read_scaled
+
+    if not mpp > 0:
+        raise ValueError(f"mpp must be > 0 um/px, got {mpp}")
+    if size is not None and (size[0] % MULTIPLE or size[1] % MULTIPLE or min(size) < MULTIPLE):
+        raise ValueError(f"--size must be positive multiples of {MULTIPLE} px (height width), got {size}")
+    with open_slide(path) as slide:
+        level0_mpp, _ = resolve_mpp(slide.mpp, run_mpp=None if slide.mpp else slide_mpp, path=str(path),
+                                    needed_for=f"reading at --mpp {mpp}")
+        down = mpp / level0_mpp
+        if down < 1:
+            raise ValueError(f"{path}: --mpp {mpp} is finer than the slide's level 0 ({level0_mpp:.4g} um/px)")
+        rgb = read_scaled(slide, down)
+    vh, vw = rgb.shape[:2]
+    if size is None:
+        h, w = -(-vh // MULTIPLE) * MULTIPLE, -(-vw // MULTIPLE) * MULTIPLE
+    else:
+        h, w = size
+    rgb = _pad_to(rgb, h, w)
+    grey = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+    label = paper_labels(rgb) if with_label else None
+    return TissueImage(grey, label, (min(vh, h), min(vw, w)), float(down), rgb if keep_rgb else None)
+
+
+def _save_npz(path: Path, **arrays: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    try:
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
+
+
+def cached_image(entry: SlideEntry, cache: Path, *, mpp: float, size: tuple[int, int] | None,
+                 slide_mpp: float | None = None) -> TissueImage:
+    """:func:`load_image` with its result cached in ``cache/<slide_id>.npz``, keyed by the slide's
+    fingerprint and the reading parameters (a changed slide or setting recomputes it)."""
+    from wsi_pipeline.slides.fingerprint import slide_fingerprint
+
+    key = json.dumps({"fp": slide_fingerprint(entry.path), "mpp": mpp, "size": list(size) if size else None,
+                      "slide_mpp": slide_mpp, "labels": "paper-v1"}, sort_keys=True)
+    f = cache / f"{entry.slide_id}.npz"
+    if f.is_file():
+        with np.load(f) as z:
+            if str(z["key"]) == key:
+                return TissueImage(z["grey"], z["label"], (int(z["valid"][0]), int(z["valid"][1])), float(z["level0_per_px"]))
+    img = load_image(entry.path, mpp=mpp, size=size, slide_mpp=slide_mpp)
+    cache.mkdir(parents=True, exist_ok=True)
+    _save_npz(f, grey=img.grey, label=img.label, valid=np.array(img.valid), level0_per_px=np.array(img.level0_per_px),
+              key=np.array(key))
+    return img
+
+
+def dice(pred: np.ndarray, truth: np.ndarray) -> float:
+    """Dice coefficient of two binary masks (1.0 when both are empty)."""
+    p, t = pred.astype(bool), truth.astype(bool)
+    denom = p.sum() + t.sum()
+    return 1.0 if denom == 0 else float(2.0 * np.logical_and(p, t).sum() / denom)
+
+
+def _low_label(label: np.ndarray) -> np.ndarray:
+    """The paper's labels are constant on 8 x 8 px blocks (built at 1/8 scale): one px per block."""
+    return label[::MASK_DOWNSAMPLE, ::MASK_DOWNSAMPLE]
+
+
+def _evaluate(big: ChunkedTissueUNet, images: Sequence[TissueImage]) -> tuple[float, float]:
+    losses, dices = [], []
+    with torch.no_grad():
+        for im in images:
+            losses.append(float(big.loss(im.grey, im.label)))
+            vh, vw = (-(-v // MASK_DOWNSAMPLE) for v in im.valid)
+            pred = big.predict_low(im.grey)[:vh, :vw] > 0.5
+            dices.append(dice(pred, _low_label(im.label)[:vh, :vw]))
+    return float(np.mean(losses)), float(np.mean(dices))
+
+
+def train(
+    slides: Sequence[SlideEntry],
+    out: str | os.PathLike,
+    *,
+    mpp: float = 2.0,
+    size: tuple[int, int] | None = None,
+    slide_mpp: float | None = None,
+    epochs: int = 20,
+    lr: float = 1e-3,
+    seed: int = 0,
+    val_fraction: float = 0.2,
+    channels: int = 8,
+    device: str = "cpu",
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Train the tissue U-Net on whole images (one slide per step); resumes from ``out/last.pt``.
+
+    Returns the best record ``{"epoch", "val_loss", "val_dice"}``. Files in ``out``: ``cache/``,
+    ``history.json`` (one dict per epoch), ``last.pt`` (model, optimiser, epoch, history),
+    ``best.pt`` (model of the lowest validation loss; read by :func:`load_tissue_model`).
+    """
+    from wsi_pipeline.bigl.runner import ChunkRunner
+    from wsi_pipeline.training.checkpoint import load_checkpoint, save_checkpoint
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_s, val_s = split_slides(slides, val_fraction, seed)
+    if not train_s:
+        raise ValueError("no training slides (the manifest's split column has no 'train' rows)")
+    if not val_s:
+        raise ValueError("no validation slides (the manifest's split column has no 'val' rows)")
+    settings = {"mpp": float(mpp), "size": list(size) if size else None, "slide_mpp": slide_mpp, "lr": float(lr),
+                "seed": int(seed), "channels": int(channels), "train": [s.slide_id for s in train_s],
+                "val": [s.slide_id for s in val_s]}
+    torch.manual_seed(seed)
+    model = TissueUNet(channels).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    history: list[dict[str, Any]] = []
+    best: dict[str, Any] = {"epoch": -1, "val_loss": float("inf"), "val_dice": float("nan")}
+    start = 0
+    last = out / "last.pt"
+    if last.is_file():
+        state = load_checkpoint(last)
+        if json.loads(state["settings"]) != settings:
+            raise ValueError(f"{last} was written with other settings ({state['settings']}); now {json.dumps(settings)}: "
+                             "use another --out or delete it to start over")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        history, best, start = list(state["history"]), dict(state["best"]), int(state["epoch"])
+        log(f"resuming from {last} after epoch {start}")
+    big = ChunkedTissueUNet(model, ChunkRunner(device), max_elements)
+    cache = out / "cache"
+    kw = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
+    train_im = [cached_image(s, cache, **kw) for s in train_s]
+    val_im = [cached_image(s, cache, **kw) for s in val_s]
+    for epoch in range(start, epochs):
+        t0 = time.perf_counter()
+        order = np.random.default_rng([seed, epoch]).permutation(len(train_im))
+        losses = []
+        for i in order:
+            opt.zero_grad(set_to_none=True)
+            loss = big.loss(train_im[i].grey, train_im[i].label)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        val_loss, val_dice = _evaluate(big, val_im)
+        row = {"epoch": epoch + 1, "train_loss": float(np.mean(losses)), "val_loss": val_loss, "val_dice": val_dice,
+               "seconds": round(time.perf_counter() - t0, 3)}
+        history.append(row)
+        if val_loss < best["val_loss"]:
+            best = {"epoch": epoch + 1, "val_loss": val_loss, "val_dice": val_dice}
+            save_checkpoint(out / "best.pt", {"kind": MODEL_KIND, "channels": int(channels), "mpp": float(mpp),
+                                              "model": model.state_dict(), "best": best})
+        save_checkpoint(last, {"kind": MODEL_KIND, "settings": json.dumps(settings), "model": model.state_dict(),
+                               "optimizer": opt.state_dict(), "epoch": epoch + 1, "history": history, "best": best})
+        _write_json(out / "history.json", history)
+        log(f"epoch {epoch + 1}/{epochs}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}, "
+            f"val Dice {val_dice:.4f}, best epoch {best['epoch']} ({row['seconds']:.1f} s)")
+    return best
+
+
+def load_tissue_model(path: str | os.PathLike, device: str = "cpu") -> tuple[TissueUNet, float]:
+    """The model of a ``best.pt`` (or a run folder holding one) and its working mpp (um/px).
+
+    Read with ``torch.load(weights_only=True)``; a file that is not a tissue model is refused.
+    """
+    from wsi_pipeline.training.checkpoint import load_checkpoint
+
+    p = Path(path)
+    if p.is_dir():
+        p = p / "best.pt"
+    state = load_checkpoint(p)
+    if state.get("kind") != MODEL_KIND:
+        raise ValueError(f"{p} is not a tissue model (kind {state.get('kind')!r}, expected {MODEL_KIND!r})")
+    model = TissueUNet(int(state["channels"]))
+    model.load_state_dict(state["model"])
+    return model.to(device).eval(), float(state["mpp"])
+
+
+def predict_mask(model: TissueUNet, grey: np.ndarray, valid: tuple[int, int] | None = None, *,
+                 max_elements: int = DEFAULT_MAX_ELEMENTS, threshold: float = 0.5) -> tuple[np.ndarray, np.ndarray]:
+    """(uint8 {0, 1} mask, float32 probability) at 8 image px per px for a uint8 greyscale image
+    (any size: padded with glass to multiples of 32 px, the result cropped to ``valid`` or the image)."""
+    h, w = grey.shape
+    ph, pw = -(-h // MULTIPLE) * MULTIPLE, -(-w // MULTIPLE) * MULTIPLE
+    g = _pad_to(grey, ph, pw)
+    prob = ChunkedTissueUNet(model, max_elements=max_elements).predict_low(g)
+    vh, vw = valid or (h, w)
+    prob = prob[: -(-vh // MASK_DOWNSAMPLE), : -(-vw // MASK_DOWNSAMPLE)]
+    return (prob > threshold).astype(np.uint8), prob
+
+
+def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: str | os.PathLike, *,
+            mpp: float | None = None, slide_mpp: float | None = None, device: str = "cpu",
+            max_elements: int = DEFAULT_MAX_ELEMENTS, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
+    """Write a mask PNG, a QC overlay PNG and a JSON record per slide (see the module docstring)."""
+    import cv2
+
+    model, model_mpp = load_tissue_model(model_path, device)
+    mpp = float(mpp or model_mpp)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+    for s in slides:
+        im = load_image(s.path, mpp=mpp, slide_mpp=slide_mpp, with_label=False, keep_rgb=True)
+        mask, _ = predict_mask(model, im.grey, im.valid, max_elements=max_elements)
+        small = cv2.resize(im.rgb[: im.valid[0], : im.valid[1]], (mask.shape[1], mask.shape[0]), interpolation=cv2.INTER_AREA)
+        overlay = small.copy()
+        tint = np.array([0, 200, 0], np.float32)
+        overlay[mask == 1] = (0.55 * small[mask == 1] + 0.45 * tint).astype(np.uint8)
+        for name, arr in ((f"{s.slide_id}_mask.png", mask * 255), (f"{s.slide_id}_overlay.png", overlay[..., ::-1])):
+            tmp = out / f".tmp-{os.getpid()}-{name}"
+            if not cv2.imwrite(str(tmp), arr):
+                raise OSError(f"could not write {tmp}")
+            os.replace(tmp, out / name)
+        rec = {"slide_id": s.slide_id, "path": str(s.path), "mask": f"{s.slide_id}_mask.png",
+               "mpp_image": mpp, "mask_downsample_image": MASK_DOWNSAMPLE,
+               "mask_downsample_level0": im.level0_per_px * MASK_DOWNSAMPLE, "mpp_mask": mpp * MASK_DOWNSAMPLE,
+               "shape": list(mask.shape), "tissue_fraction": float(mask.mean())}
+        _write_json(out / f"{s.slide_id}_mask.json", rec)
+        records.append(rec)
+        log(f"{s.slide_id}: tissue {rec['tissue_fraction']:.1%} of {mask.shape[0]}x{mask.shape[1]} mask px "
+            f"({rec['mpp_mask']:.3g} um/px)")
+    return records
