@@ -176,7 +176,8 @@ class DirectTiles:
 
     Use :meth:`from_slide` with an OpenSlide-backed :class:`~wsi_pipeline.slides.reader.Slide`.
     :meth:`read` and :meth:`stored_tile` are thread-safe (file reads are positional; the tile cache is
-    locked; imagecodecs releases the GIL while decoding); run one :meth:`read_tiles` at a time.
+    locked; imagecodecs releases the GIL while decoding; a stored tile another thread is decoding is
+    waited for, not decoded twice); run one :meth:`read_tiles` at a time.
     """
 
     def __init__(
@@ -196,6 +197,7 @@ class DirectTiles:
         self.decoded = 0
         self._cache: OrderedDict[tuple[int, int, int], np.ndarray | None] = OrderedDict()
         self._lock = threading.Lock()
+        self._pending: dict[tuple[int, int, int], threading.Event] = {}  # stored tiles being decoded
         self._levels: dict[int, _Level] = {}
         self._reasons: dict[int, str] = {}
         self._fd: int | None = None
@@ -321,6 +323,31 @@ class DirectTiles:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 return self._cache[key]
+            # another thread decoding this tile: wait for it rather than decode it twice
+            pending = self._pending.get(key)
+            if pending is None:
+                self._pending[key] = threading.Event()
+        if pending is not None:
+            pending.wait()
+            with self._lock:
+                if key in self._cache:
+                    self._cache.move_to_end(key)
+                    return self._cache[key]
+            return self._decode_tile(level, lv, col, row, key, claimed=False)  # evicted already, or it failed
+        return self._decode_tile(level, lv, col, row, key, claimed=True)
+
+    def _decode_tile(self, level: int, lv: _Level, col: int, row: int, key: tuple[int, int, int], claimed: bool) -> np.ndarray | None:
+        """Decode stored tile (col, row) and cache it; ``claimed``: this thread registered it as pending."""
+        try:
+            return self._decode_uncached(level, lv, col, row, key)
+        finally:
+            if claimed:
+                with self._lock:
+                    event = self._pending.pop(key, None)
+                if event is not None:
+                    event.set()
+
+    def _decode_uncached(self, level: int, lv: _Level, col: int, row: int, key: tuple[int, int, int]) -> np.ndarray | None:
         idx = row * lv.across + col
         count = lv.counts[idx]
         tile = None

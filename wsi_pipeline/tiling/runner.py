@@ -524,14 +524,14 @@ def _run_pool(
 ) -> None:
     # spawn: workers must not inherit a parent's threads or CUDA state (predict may have torch loaded)
     ctx = mp.get_context("spawn")
-    # a writer thread per worker pays off only when cores are left over for it; otherwise the
-    # workers' compression threads compete with the other workers' decoding
-    background_write = n_workers < _default_workers()
+    # each worker decodes, tests and writes a slide with its share of the cores (threads); a worker
+    # whose share is one core does all in one thread, not competing with the other workers
+    threads = max(1, _default_workers() // n_workers)
     pool: list[_Worker] = []
 
     def start() -> _Worker:
         parent, child = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=worker_main, args=(child, str(out), config, overwrite, background_write), daemon=True, name="wsi-tile-worker")
+        proc = ctx.Process(target=worker_main, args=(child, str(out), config, overwrite, threads), daemon=True, name="wsi-tile-worker")
         proc.start()
         child.close()
         w = _Worker(proc, parent)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +94,23 @@ class StoreWriter:
         self.foreground = np.zeros((cap,), np.float32)
         self.extra: dict[str, list[np.ndarray]] = {}
 
+    @property
+    def tile_encoder(self) -> Callable[[np.ndarray], Any] | None:
+        """The function turning one C-contiguous uint8 (T, T, 3) tile into the bytes this store writes for
+        it (for :meth:`append`'s ``encoded``, so callers can compress in their own threads); None when
+        zarr writes the tiles."""
+        return None if self._direct is None else self._direct.codec.encode
+
     def append(
         self,
         tiles: np.ndarray,
         coords: np.ndarray,
         grid: np.ndarray,
         foreground: np.ndarray,
+        encoded: Sequence[Any] | None = None,
     ) -> None:
-        """Append a batch: ``tiles`` uint8 (k, T, T, 3), ``coords`` (k, 2) level-0 px, ``grid`` (k, 2), ``foreground`` (k,)."""
+        """Append a batch: ``tiles`` uint8 (k, T, T, 3), ``coords`` (k, 2) level-0 px, ``grid`` (k, 2), ``foreground`` (k,);
+        ``encoded``: the tiles already encoded with :attr:`tile_encoder` (written as given)."""
         k = len(tiles)
         if k == 0:
             return
@@ -114,9 +123,11 @@ class StoreWriter:
             self.coords = np.resize(self.coords, (grow, 2))
             self.grid = np.resize(self.grid, (grow, 2))
             self.foreground = np.resize(self.foreground, (grow,))
+        if encoded is not None and (self._direct is None or len(encoded) != k):
+            raise ValueError(f"encoded: {len(encoded)} pre-encoded tiles for {k} tiles, on a store with tile_encoder {self.tile_encoder}")
         if self._direct is not None:
             for i, tile in enumerate(tiles):
-                self._direct.write(self.n + i, tile)
+                self._direct.write(self.n + i, tile, None if encoded is None else encoded[i])
         elif self.shard_tiles:
             self._buffer_for_zarr(tiles)
         else:
@@ -248,9 +259,10 @@ class _DirectChunks:
     def path(self, index: int) -> Path:
         return self.root / self.meta.chunk_key_encoding.encode_chunk_key((int(index),) + (0,) * len(self.chunk_shape))
 
-    def write(self, index: int, tile: np.ndarray) -> None:
-        """Write ``tile`` (uint8, the chunk's shape) as chunk ``index``."""
-        data = self.codec.encode(np.ascontiguousarray(tile))
+    def write(self, index: int, tile: np.ndarray, data: Any = None) -> None:
+        """Write ``tile`` (uint8, the chunk's shape) as chunk ``index`` (``data``: it already encoded)."""
+        if data is None:
+            data = self.codec.encode(np.ascontiguousarray(tile))
         dest = self.path(index)
         try:
             f = open(dest, "wb")
@@ -316,8 +328,9 @@ class _DirectShards:
 
     # writing
 
-    def write(self, index: int, tile: np.ndarray) -> None:
-        """Append ``tile`` (uint8, the chunk's shape) as chunk ``index``; tiles must come in index order."""
+    def write(self, index: int, tile: np.ndarray, data: Any = None) -> None:
+        """Append ``tile`` (uint8, the chunk's shape) as chunk ``index``; tiles must come in index order
+        (``data``: it already encoded)."""
         if not self.index_at_end:
             raise ValueError(f"{self.root}: direct shard writes need the shard index at the end")
         if int(index) != self._next:
@@ -327,7 +340,8 @@ class _DirectShards:
             self.flush()
             self._open(shard)
         assert self._index is not None
-        data = self.codec.encode(np.ascontiguousarray(tile))
+        if data is None:
+            data = self.codec.encode(np.ascontiguousarray(tile))
         n = self._file.write(data)
         self._index[j] = (self._offset, n)
         self._offset += n

@@ -4,8 +4,14 @@ The slide is decoded once: a low-resolution overview (the background estimate, t
 pre-screen, the Otsu mask and the QC thumbnail all come from it) and then only the candidate
 tiles, read in runs along each row. A slide with no pyramid level coarse enough for the
 overview is decoded twice (the overview, then the candidates). Slides whose background is dark
-(fluorescence) are skipped unless ``allow_dark_background``. Kept tiles go to a writer
-thread, so compression and disk writes overlap decoding, unless every core already has a worker.
+(fluorescence) are skipped unless ``allow_dark_background``.
+
+Candidate tiles are read from the slide's stored tiles directly
+(:class:`~wsi_pipeline.slides.direct.DirectTiles`, bit-equal to OpenSlide, each stored tile decoded
+once) wherever that reader serves the read level, otherwise with :meth:`Slide.read_level`. With
+``threads`` > 1 the runs are decoded, tested and their kept tiles compressed in a pool of threads
+(libjpeg-turbo, OpenSlide, OpenCV and zstd release the GIL) while a writer thread writes them in
+grid order, so one slide uses every core it is given; the store does not depend on the thread count.
 """
 
 from __future__ import annotations
@@ -17,7 +23,10 @@ import queue
 import shutil
 import threading
 import time
+from collections import deque
+from contextlib import closing
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -27,6 +36,7 @@ import numpy as np
 
 import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, read_scaled, resolve_mpp, slide_fingerprint
+from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.reader import BACKENDS, Slide
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
@@ -35,7 +45,10 @@ from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
 from wsi_pipeline.tiling.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, store_path
 from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
 
-__all__ = ["METHODS", "SlideJob", "SlideResult", "TilingConfig", "precheck", "store_matches", "tile_slide"]
+__all__ = [
+    "METHODS", "SlideJob", "SlideResult", "TilePlan", "TilingConfig", "available_cores", "plan_tiles", "precheck",
+    "store_matches", "tile_slide",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +96,7 @@ class TilingConfig:
     otsu : :class:`OtsuParams`.
     qc : write ``qc/<slide_id>.png``.
     tissue_model : ``unet`` method: the model file (``best.pt`` of ``wsi-pipeline tissue train``); None = the shipped one.
-    read_run : most tiles decoded by one ``read_region`` call.
+    read_run : most tiles read by one level read (one task of the decoding threads).
     """
 
     method: str = "greyscale"
@@ -283,10 +296,12 @@ class _InlineWriter:
         self.writer = writer
         self.cpu_seconds = 0.0  # CPU time spent in append
 
-    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
-        """Write ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray,
+            encoded: list[Any] | None = None) -> None:
+        """Write ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already
+        selected); ``encoded``: those tiles already encoded (:attr:`StoreWriter.tile_encoder`)."""
         c0 = time.thread_time()
-        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg)
+        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg, encoded)
         self.cpu_seconds += time.thread_time() - c0
 
     def close(self) -> None:
@@ -303,7 +318,7 @@ class _BackgroundWriter:
 
     def __init__(self, writer: StoreWriter, depth: int = 8) -> None:
         self._inline = _InlineWriter(writer)
-        self._q: queue.Queue[tuple[np.ndarray, ...] | None] = queue.Queue(maxsize=depth)
+        self._q: queue.Queue[tuple[Any, ...] | None] = queue.Queue(maxsize=depth)
         self._error: BaseException | None = None
         self.cpu_seconds = 0.0  # the writer thread's CPU time, set when it ends
         self._thread = threading.Thread(target=self._run, name="tile-writer", daemon=True)
@@ -321,11 +336,13 @@ class _BackgroundWriter:
                 except BaseException as err:  # re-raised in the main thread
                     self._error = err
 
-    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray) -> None:
-        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already selected)."""
+    def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray,
+            encoded: list[Any] | None = None) -> None:
+        """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already
+        selected); ``encoded``: those tiles already encoded."""
         if self._error is not None:
             raise self._error
-        self._q.put((tiles, keep, coords, grid, fg))
+        self._q.put((tiles, keep, coords, grid, fg, encoded))
 
     def close(self) -> None:
         self._q.put(None)
@@ -344,12 +361,17 @@ def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
             yield run[i : i + max_len]
 
 
-def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+#: ``read(x, y, width, height)``: level px of the read level, uint8 (height, width, 3) RGB.
+LevelRead = Callable[[int, int, int, int], np.ndarray]
+
+
+def _read_run(read: LevelRead, grid: TileGrid, row: int, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Decode tiles (row, cols) with one exact level read; returns (tiles uint8 (k, T, T, 3), strip or None).
 
-    The strip spans the run's sources in px of the read level (:meth:`Slide.read_level`, no
-    resampling), so each tile's source, cut from it, is the same as if it were read alone.
-    ``strip`` is the raw (T, k*T, 3) strip when tiles are not resized (for a fast foreground test).
+    ``read`` returns the read level's own pixels (:meth:`Slide.read_level` or
+    :meth:`DirectTiles.read`, no resampling); the strip spans the run's sources, so each tile's
+    source, cut from it, is the same as if it were read alone. ``strip`` is the raw (T, k*T, 3)
+    strip when tiles are not resized (for a fast foreground test).
     """
     import cv2
 
@@ -359,7 +381,7 @@ def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple
     ly = int(grid.level_origin(row, 1))
     x0 = int(lx[0])
     width = int(lx[-1]) - x0 + Sx
-    strip = slide.read_level(grid.level, (x0, ly), (width, Sy))
+    strip = read(x0, ly, width, Sy)
     k = len(cols)
     if not grid.resized and width == k * T:
         tiles = strip.reshape(T, k, T, 3).transpose(1, 0, 2, 3)
@@ -369,6 +391,53 @@ def _read_run(slide: Slide, grid: TileGrid, row: int, cols: np.ndarray) -> tuple
         src = strip[:, x : x + Sx]
         out[i] = src if not grid.resized else cv2.resize(np.ascontiguousarray(src), (T, T), interpolation=cv2.INTER_AREA)
     return out, None
+
+
+#: Most bytes of decoded stored tiles the direct reader keeps for a slide (beyond it, a stored tile
+#: shared by two grid rows may be decoded twice; the pixels are the same).
+_DIRECT_CACHE_MAX = 512 * 2**20
+
+
+def _level_source(slide: Slide, grid: TileGrid, rows_in_flight: int = 1) -> tuple[LevelRead, DirectTiles | None, bool]:
+    """How the tiles' sources are read: (read function, the direct reader or None, thread-safe).
+
+    :class:`DirectTiles` when it serves the read level (its pixels equal OpenSlide's, which
+    :meth:`Slide.read_level` returns for such a level), else :meth:`Slide.read_level`. Reads are
+    thread-safe through the direct reader and OpenSlide; tiffslide and wsidicom are read by one thread.
+    ``rows_in_flight``: grid rows that may be read at once (the direct reader keeps their stored tiles).
+    """
+    level = grid.level
+    if slide.backend == "openslide" and slide.level_reader(level) == "openslide":
+        direct = DirectTiles.from_slide(slide, cache_bytes=0)
+        if direct.supports(level):
+            tw, th = direct.stored_tile_size(level)
+            Sx, Sy = grid.source_shape
+            aligned = Sx == tw and Sy == th and grid.level_step == (float(tw), float(th))
+            if not aligned:  # neighbouring tiles share stored tiles: keep the stored rows of the grid rows in flight
+                across = -(-grid.level_size[0] // tw)
+                rows = (-(-Sy // th) + 1) * (max(1, rows_in_flight) + 1)
+                direct.cache_bytes = min(_DIRECT_CACHE_MAX, rows * across * tw * th * 3)
+
+            def read(x: int, y: int, w: int, h: int) -> np.ndarray:
+                return direct.read(level, x, y, w, h)
+
+            return read, direct, True
+        logger.debug("slide %s: level %d read through OpenSlide: %s", slide.path, level, direct.reason(level))
+        direct.close()
+
+    def read_level(x: int, y: int, w: int, h: int) -> np.ndarray:
+        return slide.read_level(level, (x, y), (w, h))
+
+    # OpenSlide handles are thread-safe; a level read through tiffslide (or wsidicom) is not shared
+    return read_level, None, slide.backend == "openslide" and slide.level_reader(level) == "openslide"
+
+
+def available_cores() -> int:
+    """Cores this process may use (CPU affinity, e.g. under SLURM), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not available on macOS / Windows
+        return os.cpu_count() or 1
 
 
 def _overview_downsample(grid: TileGrid) -> float:
@@ -384,6 +453,7 @@ def tile_slide(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     background_write: bool = True,
+    threads: int | None = None,
 ) -> SlideResult:
     """Tile one slide into ``<out_dir>/<slide_id>.zarr``; never raises for a bad slide.
 
@@ -395,7 +465,10 @@ def tile_slide(
     overwrite : rebuild even when a matching complete store exists.
     progress : called with the number of tiles kept since the previous call.
     background_write : compress and write tiles in a second thread, overlapping decoding (worth
-        it when a core is free for it; the runner turns it off when every core has a worker).
+        it when a core is free for it); False also means one thread in all.
+    threads : threads decoding, testing and (when > 1) compressing tiles, plus one writing them;
+        None = the cores this process may use (:func:`available_cores`). The runner gives each of
+        its worker processes its share of the cores. The store does not depend on it.
 
     Returns
     -------
@@ -416,7 +489,9 @@ def tile_slide(
         out.mkdir(parents=True, exist_ok=True)
         _clean_stale(out, job.slide_id)
         with open_slide(path, config.backend) as slide:
-            res.n_tiles, res.mpp, res.note = _tile_open_slide(slide, job, out, config, identity, progress, background_write, res)
+            res.n_tiles, res.mpp, res.note = _tile_open_slide(
+                slide, job, out, config, identity, progress, background_write, res, threads=threads
+            )
         res.status = "skipped" if res.note.startswith(DARK_NOTE) else "ok"
     except MissingMppError as err:
         res.error, res.mpp_source = str(err), "none"
@@ -460,17 +535,45 @@ def precheck(job: SlideJob, out_dir: str | os.PathLike, config: TilingConfig, *,
     return res
 
 
-def _tile_open_slide(
-    slide: Slide,
-    job: SlideJob,
-    out: Path,
-    config: TilingConfig,
-    identity: dict[str, Any],
-    progress: Callable[[int], None] | None,
-    background_write: bool = True,
-    res: SlideResult | None = None,
-) -> tuple[int, float | None, str]:
-    """Tile an open slide; returns (tiles kept, um per tile px, note); fills ``res``'s mpp columns."""
+@dataclass
+class TilePlan:
+    """What is known about a slide's tiles before any tile is decoded (:func:`plan_tiles`).
+
+    Attributes
+    ----------
+    grid : the tile grid.
+    mpp, mpp_source : um per level-0 px used and where it came from.
+    mpp_note : a report note when that mpp replaces the slide's own ("" otherwise).
+    overview : uint8 (H, W, 3), the slide at ``overview_downsample`` level-0 px per px.
+    overview_downsample : level-0 px per overview px.
+    background : the glass (or dark background) estimate from the overview.
+    grey_max : the greyscale rule's upper grey level in effect; ``grey_note`` a report note or "".
+    candidates : bool (rows, cols), the tiles to decode and test (None: a dark-background slide to skip).
+    otsu_fg : float32 (rows, cols) tissue-mask foreground fractions (otsu and unet methods), else None.
+    otsu_info : the Otsu mask's description (otsu method), else None.
+    unet_info : the U-Net mask's description (unet method), else None.
+    """
+
+    grid: TileGrid
+    mpp: float | None
+    mpp_source: str
+    mpp_note: str
+    overview: np.ndarray
+    overview_downsample: float
+    background: Background
+    grey_max: int
+    grey_note: str
+    candidates: np.ndarray | None
+    otsu_fg: np.ndarray | None = None
+    otsu_info: dict[str, Any] | None = None
+    unet_info: dict[str, Any] | None = None
+
+
+def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
+    """Plan a slide's tiles: mpp, grid, overview, background, and the candidate tiles (pre-screen).
+
+    Raises :class:`~wsi_pipeline.slides.MissingMppError` when the settings need an mpp the slide lacks.
+    """
     needed = None
     if config.mpp_target is not None:
         needed = f"--mpp-target {config.mpp_target:g}"
@@ -482,8 +585,6 @@ def _tile_open_slide(
         slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, force_mpp=config.mpp_force,
         slide_id=job.slide_id, path=str(slide.path), needed_for=needed,
     )
-    if res is not None:
-        res.slide_mpp, res.mpp_source = mpp, mpp_source
     mpp_note = ""
     if mpp is not None and slide.mpp is not None and mpp_source != "slide" and abs(mpp / slide.mpp - 1) > 0.01:
         mpp_note = f"mpp {mpp:g} um/px ({mpp_source}) replaces the slide's own {slide.mpp:g}"
@@ -493,44 +594,171 @@ def _tile_open_slide(
         slide_mpp=mpp, mpp_target=config.mpp_target, tolerance=config.mpp_tolerance,
         exact_levels=slide.exact_levels() if config.mpp_target is not None else None,  # native: level 0 only
     )
-    T = grid.tile_size
     thr = config.threshold
     ds_over = _overview_downsample(grid)
-    rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
-    attrs_extra: dict[str, Any] = {}
     # the overview is always read: it gives the background estimate (and serves the pre-screen,
     # the Otsu mask and the QC image); with no cheap level this decodes the tile level twice
     overview = read_scaled(slide, ds_over)
     background = estimate_background(overview)
-    if res is not None:
-        res.background_grey = background.grey
+    plan = TilePlan(grid, mpp, mpp_source, mpp_note, overview, ds_over, background, 0, "", None)
     if background.is_dark and not config.allow_dark_background:
-        logger.warning("slide %s: dark background (grey %.0f), fluorescence? skipped; --allow-dark-background tiles it",
-                       job.slide_id, background.grey)
-        return 0, grid.mpp, f"{DARK_NOTE}; background grey {background.grey:.0f}; --allow-dark-background tiles it anyway"
-    grey_max, note_bg = _grey_max_for(config, background, job.slide_id)
-    otsu_fg: np.ndarray | None = None
+        return plan
+    plan.grey_max, plan.grey_note = _grey_max_for(config, background, job.slide_id)
     if config.method == "otsu":
-        mask, info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu, background=background)
-        attrs_extra["otsu_info"] = info
+        mask, plan.otsu_info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu, background=background)
+        rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
         coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
-        otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
-        candidates = otsu_fg >= thr - 1e-9
+        plan.otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        plan.candidates = plan.otsu_fg >= thr - 1e-9
     elif config.method == "unet":
         from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
 
-        mask, ds_mask, attrs_extra["unet_info"] = unet_tissue_mask(slide, float(mpp), config.tissue_model)
+        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model)  # type: ignore[arg-type]
+        rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
         coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
-        otsu_fg = box_mean(mask.astype(np.float32), ds_mask, coords_all, grid.extent).reshape(grid.rows, grid.cols)
-        candidates = otsu_fg >= thr - 1e-9
+        plan.otsu_fg = box_mean(mask.astype(np.float32), ds_mask, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        plan.candidates = plan.otsu_fg >= thr - 1e-9
     elif config.prescreen and thr > 0:
-        candidates = prescreen_candidates(
-            overview, ds_over, grid, grey_max=grey_max, min_foreground=thr, margin=config.prescreen_margin
+        plan.candidates = prescreen_candidates(
+            overview, ds_over, grid, grey_max=plan.grey_max, min_foreground=thr, margin=config.prescreen_margin
         )
     else:
-        candidates = np.ones((grid.rows, grid.cols), bool)
-    n_candidates = int(candidates.sum())
+        plan.candidates = np.ones((grid.rows, grid.cols), bool)
+    return plan
 
+
+#: Runs queued per decoding thread.
+_IN_FLIGHT_PER_THREAD = 4
+#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), encoded, thread CPU s); the
+#: kept tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all
+#: True); ``encoded``: the kept tiles compressed for the store (when the decoding threads compress), else None.
+_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float]
+#: One tile (C-contiguous uint8 (T, T, 3)) to the bytes the store writes (StoreWriter.tile_encoder).
+Encoder = Callable[[np.ndarray], Any]
+
+
+def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+    """The run's result; with ``encode``, the kept tiles are selected and compressed here (in the decoding thread)."""
+    if encode is None or not keep.any():
+        return tiles, keep, keep, fg, None, time.thread_time() - c0
+    kept = tiles if keep.all() and tiles.flags.c_contiguous else np.ascontiguousarray(tiles[keep])
+    return kept, np.ones(len(kept), bool), keep, fg, [encode(t) for t in kept], time.thread_time() - c0
+
+
+def _test_run(
+    read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    encode: Encoder | None = None,
+) -> _RunResult:
+    """Decode and test one run of candidate tiles (:data:`_RunResult`)."""
+    c0 = time.thread_time()
+    tiles, strip = _read_run(read, grid, row, run)
+    if otsu_fg is not None:
+        fg = otsu_fg[row, run].astype(np.float32)
+        keep = np.ones(len(run), bool)
+    else:
+        if strip is not None:
+            fg = strip_foreground(strip, grid.tile_size, config.grey_min, grey_max)
+        else:
+            fg = tiles_foreground(tiles, config.grey_min, grey_max)
+        keep = fg >= config.threshold
+    return _finish_run(tiles, keep, fg, encode, c0)
+
+
+def _test_stored_run(
+    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    encode: Encoder | None = None,
+) -> _RunResult:
+    """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
+    the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
+    The foreground fraction is the same count of grey values in [grey_min, grey_max] over T * T."""
+    import cv2
+
+    c0 = time.thread_time()
+    T, level = grid.tile_size, grid.level
+    srcs = []
+    blank = None
+    for c in run.tolist():
+        tile = direct.stored_tile(level, int(c), int(row))
+        if tile is None:  # no stored data: the background, as DirectTiles.read fills it
+            if blank is None:
+                blank = np.empty((T, T, 3), np.uint8)
+                blank[:] = direct.background
+            tile = blank
+        srcs.append(tile[:T, :T])
+    if otsu_fg is not None:
+        fg = otsu_fg[row, run].astype(np.float32)
+        keep = np.ones(len(run), bool)
+    else:
+        lo, hi, area = int(config.grey_min), int(grey_max), float(T * T)
+        fg = np.array([cv2.countNonZero(cv2.inRange(cv2.cvtColor(src, cv2.COLOR_RGB2GRAY), lo, hi)) / area for src in srcs], np.float32)
+        keep = fg >= config.threshold
+    kept = [src for src, k in zip(srcs, keep.tolist()) if k]
+    tiles = np.stack(kept) if kept else np.zeros((0, T, T, 3), np.uint8)
+    return _stored_result(tiles, keep, fg, encode, c0)
+
+
+def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+    """:func:`_finish_run` for ``tiles`` that are the kept tiles already (contiguous)."""
+    encoded = None if encode is None or not len(tiles) else [encode(t) for t in tiles]
+    return tiles, np.ones(len(tiles), bool), keep, fg, encoded, time.thread_time() - c0
+
+
+def _tested_runs(
+    tasks: list[tuple[int, np.ndarray]], test: Callable[[int, np.ndarray], _RunResult], threads: int
+) -> Iterator[tuple[int, np.ndarray, _RunResult]]:
+    """Yield (row, run, result) for every task in order; ``threads`` > 1 tests them in a thread pool
+    with at most ``_IN_FLIGHT_PER_THREAD`` runs per thread in flight (memory stays bounded)."""
+    if threads <= 1:
+        for row, run in tasks:
+            yield row, run, test(row, run)
+        return
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tile-decode")
+    inflight: deque[tuple[int, np.ndarray, Future[_RunResult]]] = deque()
+    it = iter(tasks)
+    try:
+        for row, run in it:
+            inflight.append((row, run, pool.submit(test, row, run)))
+            if len(inflight) >= _IN_FLIGHT_PER_THREAD * threads:
+                r, c, fut = inflight.popleft()
+                yield r, c, fut.result()
+        while inflight:
+            r, c, fut = inflight.popleft()
+            yield r, c, fut.result()
+    finally:
+        for _, _, fut in inflight:
+            fut.cancel()
+        pool.shutdown(wait=True)
+
+
+def _tile_open_slide(
+    slide: Slide,
+    job: SlideJob,
+    out: Path,
+    config: TilingConfig,
+    identity: dict[str, Any],
+    progress: Callable[[int], None] | None,
+    background_write: bool = True,
+    res: SlideResult | None = None,
+    *,
+    threads: int | None = None,
+) -> tuple[int, float | None, str]:
+    """Tile an open slide; returns (tiles kept, um per tile px, note); fills ``res``'s mpp columns."""
+    plan = plan_tiles(slide, job, config)
+    grid, mpp, background = plan.grid, plan.mpp, plan.background
+    if res is not None:
+        res.slide_mpp, res.mpp_source, res.background_grey = mpp, plan.mpp_source, background.grey
+    if plan.candidates is None:
+        logger.warning("slide %s: dark background (grey %.0f), fluorescence? skipped; --allow-dark-background tiles it",
+                       job.slide_id, background.grey)
+        return 0, grid.mpp, f"{DARK_NOTE}; background grey {background.grey:.0f}; --allow-dark-background tiles it anyway"
+    T = grid.tile_size
+    thr = config.threshold
+    grey_max, candidates = plan.grey_max, plan.candidates
+    n_candidates = int(candidates.sum())
+    budget = 1 if not background_write else max(1, int(threads) if threads is not None else available_cores())
+    read, direct, thread_safe = _level_source(slide, grid, _IN_FLIGHT_PER_THREAD * budget)
+    n_threads = budget if thread_safe else 1  # threads decoding and testing
+    attrs_extra: dict[str, Any] = {k: v for k, v in (("otsu_info", plan.otsu_info), ("unet_info", plan.unet_info)) if v is not None}
     attrs = {
         "slide_id": job.slide_id,
         "slide_path": str(Path(slide.path).resolve()),
@@ -538,11 +766,12 @@ def _tile_open_slide(
         "slide_stat": _stat_key(Path(slide.path)),
         "slide_dimensions": list(slide.dimensions),
         "slide_mpp": mpp,
-        "mpp_source": mpp_source,
+        "mpp_source": plan.mpp_source,
         "metadata_mpp": slide.mpp,
         "manifest_mpp": _valid_mpp(job.mpp),
         "backend": slide.backend,
         "level_reader": slide.level_reader(grid.level),
+        "tile_decoder": "direct" if direct is not None else "read_level",
         **grid.describe(),
         "method": config.method,
         "min_foreground": thr,
@@ -559,36 +788,48 @@ def _tile_open_slide(
                      prescreen=bool(config.prescreen and thr > 0))
     elif config.method == "otsu":
         attrs.update(otsu=asdict(config.otsu))
-    writer = StoreWriter(
-        store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
-        compression=config.compression, shard_tiles=config.shard_tiles,
-    )
+    try:
+        writer = StoreWriter(
+            store_path(out, job.slide_id), tile_size=T, capacity=max(1, n_candidates), attrs=attrs,
+            compression=config.compression, shard_tiles=config.shard_tiles,
+        )
+    except BaseException:
+        if direct is not None:
+            direct.close()
+        raise
     main_cpu0 = time.thread_time()
-    sink: _BackgroundWriter | _InlineWriter = _BackgroundWriter(writer) if background_write else _InlineWriter(writer)
+    # a writer thread when there is a second core for it
+    sink: _BackgroundWriter | _InlineWriter = _BackgroundWriter(writer) if budget > 1 else _InlineWriter(writer)
     kept_coords: list[np.ndarray] = []
     n_kept = 0
     last_report = time.monotonic()
     reported = 0
+    test_cpu = 0.0
+    tasks = [(row, run) for row in range(grid.rows) for run in _runs(np.flatnonzero(candidates[row]), config.read_run)]
+
+    # stored tiles of exactly the grid's tiles: test them as decoded (no strip copy)
+    stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
+                   and grid.level_step == (float(T), float(T)))
+
+    # with several decoding threads they compress the kept tiles too; the writer thread only writes
+    encode = writer.tile_encoder if n_threads > 1 else None
+
+    def test(row: int, run: np.ndarray) -> _RunResult:
+        if stored_grid:
+            assert direct is not None
+            return _test_stored_run(direct, grid, row, run, config, grey_max, plan.otsu_fg, encode)
+        return _test_run(read, grid, row, run, config, grey_max, plan.otsu_fg, encode)
+
     try:
-        for row in range(grid.rows):
-            cols = np.flatnonzero(candidates[row])
-            for run in _runs(cols, config.read_run):
-                tiles, strip = _read_run(slide, grid, row, run)
-                if otsu_fg is not None:
-                    fg = otsu_fg[row, run].astype(np.float32)
-                    keep = np.ones(len(run), bool)
-                else:
-                    if strip is not None:
-                        fg = strip_foreground(strip, T, config.grey_min, grey_max)
-                    else:
-                        fg = tiles_foreground(tiles, config.grey_min, grey_max)
-                    keep = fg >= thr
+        with closing(_tested_runs(tasks, test, n_threads)) as tested:  # closing it stops the pool on an error
+            for row, run, (tiles, sel, keep, fg, encoded, cpu) in tested:
+                test_cpu += cpu
                 if not keep.any():
                     continue
                 kc = run[keep]
                 coords = grid.coords(kc, np.full(len(kc), row))
                 gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
-                sink.put(tiles, keep, coords, gridxy, fg[keep])
+                sink.put(tiles, sel, coords, gridxy, fg[keep], encoded)
                 kept_coords.append(coords)
                 n_kept += len(kc)
                 if progress is not None and time.monotonic() - last_report > 0.5:
@@ -598,12 +839,16 @@ def _tile_open_slide(
         # each tile's source origin in px of the read level (the tile formula; also derivable from grid)
         n = writer.n
         writer.add_array("level_coords", grid.level_coords(writer.grid[:n, 0], writer.grid[:n, 1]))
-        # CPU split of the tile pass: decoding + filtering (this thread) vs compression + writes
+        # CPU split of the tile pass: decoding + testing (all decoding threads) vs compression + writes
+        main_cpu = time.thread_time() - main_cpu0 - (0.0 if isinstance(sink, _BackgroundWriter) else sink.cpu_seconds)
         writer.group.attrs.update({"timing": {
-            "main_thread_cpu": round(time.thread_time() - main_cpu0 - (0.0 if background_write else sink.cpu_seconds), 3),
-            "background_write": bool(background_write),
+            "main_thread_cpu": round(main_cpu + (test_cpu if n_threads > 1 else 0.0), 3),
+            "decode_test_cpu": round(test_cpu, 3),
+            "threads": n_threads,
+            "background_write": isinstance(sink, _BackgroundWriter),
             "writer_thread_cpu": round(sink.cpu_seconds, 3),
             "n_decoded": n_candidates,
+            "stored_tiles_decoded": None if direct is None else int(direct.decoded),
         }})
     except BaseException:
         try:
@@ -612,18 +857,21 @@ def _tile_open_slide(
             pass
         writer.abort()
         raise
+    finally:
+        if direct is not None:
+            direct.close()
     writer.commit()
     if progress is not None and n_kept > reported:
         progress(n_kept - reported)
     note = "" if n_kept else "no foreground tiles (blank slide, or thresholds too strict for it)"
-    if note_bg:
-        note = f"{note}; {note_bg}" if note else note_bg
-    if mpp_note:
-        note = (note + "; " if note else "") + mpp_note
+    if plan.grey_note:
+        note = f"{note}; {plan.grey_note}" if note else plan.grey_note
+    if plan.mpp_note:
+        note = (note + "; " if note else "") + plan.mpp_note
     if config.qc:
         try:
             coords_kept = np.concatenate(kept_coords) if kept_coords else np.zeros((0, 2), np.int64)
-            write_png(qc_path(out, job.slide_id), render_qc(overview, ds_over, coords_kept, grid.extent))
+            write_png(qc_path(out, job.slide_id), render_qc(plan.overview, plan.overview_downsample, coords_kept, grid.extent))
         except Exception as err:  # the store is complete; a QC failure is only noted
             logger.warning("QC image for %s failed: %s", job.slide_id, err)
             note = (note + "; " if note else "") + f"QC image failed: {err}"

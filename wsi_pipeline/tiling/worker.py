@@ -16,11 +16,12 @@ from wsi_pipeline.tiling.tiler import TilingConfig, tile_slide
 __all__ = ["worker_main"]
 
 
-def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite: bool, background_write: bool) -> None:
+def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite: bool, threads: int) -> None:
     """Receive :class:`~wsi_pipeline.tiling.tiler.SlideJob` objects until ``None``.
 
     Sends ``("progress", n_tiles)`` while a slide is tiled and ``("done", SlideResult)`` at its
-    end. ``background_write`` is passed to :func:`~wsi_pipeline.tiling.tiler.tile_slide`.
+    end. ``threads`` (this worker's share of the cores: decoding threads, plus a writer thread
+    when > 1) is passed to :func:`~wsi_pipeline.tiling.tiler.tile_slide`.
     """
     import cv2
 
@@ -36,7 +37,7 @@ def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite:
         if job is None:
             return
         result = tile_slide(
-            job, out_dir, config, overwrite=overwrite, background_write=background_write,
+            job, out_dir, config, overwrite=overwrite, threads=threads,
             progress=lambda n: conn.send(("progress", n)),
         )
         conn.send(("done", result))

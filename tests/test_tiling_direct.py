@@ -1,0 +1,168 @@
+"""The tiler reads JPEG TIFF levels through the direct stored-tile decoder, with several threads, and
+writes exactly the store the OpenSlide read path writes.
+
+References computed here, independently of the package: OpenSlide (the library itself) reads the
+read level whole; the tile formula of README "Tiling" cuts (and, off a level's resolution, resizes
+with cv2.INTER_AREA) each tile; cv2's grey test decides which tiles are kept. The stored tiles the
+direct path decodes are counted against the stored tiles under the candidate tiles' sources.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import cv2
+import numpy as np
+import openslide
+import pytest
+import tifffile
+
+from wsi_pipeline.slides.direct import DirectTiles
+from wsi_pipeline.slides.reader import open_slide
+from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, plan_tiles, tile_slide
+
+T = 128
+MPP = 0.25  # um per level-0 px, given to the tiler as the manifest's (a generic TIFF has none)
+
+
+def _r(v: float) -> int:
+    return int(math.floor(v + 0.5))
+
+
+def _write_jpeg_tiff(path: Path, stored: int, size: tuple[int, int] = (1280, 1024)) -> None:
+    """A generic pyramidal YCbCr JPEG TIFF: tissue blobs on glass, levels halved exactly (downsample 2, 4)."""
+    rng = np.random.default_rng(7)
+    W, H = size
+    blobs = cv2.resize(rng.random((H // 64 + 2, W // 64 + 2)).astype(np.float32), (W, H), interpolation=cv2.INTER_CUBIC)
+    tissue = blobs > np.quantile(blobs, 0.5)
+    texture = cv2.GaussianBlur(rng.integers(0, 256, (H, W, 3), dtype=np.uint8), (0, 0), 1.5).astype(np.float32)
+    he = np.array([200.0, 120.0, 180.0], np.float32) + (texture - 128.0) * 0.9
+    glass = 242.0 + (texture - 128.0) * 0.05
+    img = np.clip(np.where(tissue[..., None], he, glass), 0, 255).astype(np.uint8)
+    with tifffile.TiffWriter(path) as tw:
+        for i in range(3):
+            tw.write(img, tile=(stored, stored), photometric="rgb", compression="jpeg", compressionargs={"level": 85},
+                     subfiletype=0 if i == 0 else 1, metadata=None)
+            img = cv2.resize(img, (img.shape[1] // 2, img.shape[0] // 2), interpolation=cv2.INTER_AREA)
+
+
+def _reference(path: Path, target: float | None, keep: float) -> dict[tuple[int, int], np.ndarray]:
+    """(col, row) -> pixels of every tile the formula keeps at ``keep`` (greyscale 3..230), from OpenSlide."""
+    osr = openslide.OpenSlide(str(path))
+    D = 1.0 if target is None else target / MPP
+    L = 0 if target is None else max(i for i, d in enumerate(osr.level_downsamples) if d <= D * 1.05)
+    W0, H0 = osr.level_dimensions[0]
+    WL, HL = osr.level_dimensions[L]
+    sx, sy = W0 / WL, H0 / HL
+    level = np.asarray(osr.read_region((0, 0), L, (WL, HL)))[..., :3]
+    osr.close()
+    if abs((sx + sy) / 2 / D - 1) <= 0.05:
+        stx = sty = float(T)
+        Sx = Sy = T
+    else:
+        stx, sty = T * D / sx, T * D / sy
+        Sx, Sy = _r(stx), _r(sty)
+    out = {}
+    j = 0
+    while _r(j * sty) + Sy <= HL:
+        i = 0
+        while _r(i * stx) + Sx <= WL:
+            lx, ly = _r(i * stx), _r(j * sty)
+            src = np.ascontiguousarray(level[ly : ly + Sy, lx : lx + Sx])
+            px = src if (Sx, Sy) == (T, T) else cv2.resize(src, (T, T), interpolation=cv2.INTER_AREA)
+            g = cv2.cvtColor(px, cv2.COLOR_RGB2GRAY)
+            if ((g >= 3) & (g <= 230)).mean() >= keep:
+                out[(i, j)] = px
+            i += 1
+        j += 1
+    return out
+
+
+@pytest.mark.parametrize("stored", [128, 96], ids=["stored-128-aligned", "stored-96-shared"])
+@pytest.mark.parametrize("target", [None, 0.5, 0.6], ids=["native", "level1-as-is", "level1-resized"])
+def test_direct_path_is_taken_and_writes_the_read_level_store(tmp_path: Path, monkeypatch, stored: int, target: float | None) -> None:
+    path = tmp_path / "jpeg.tif"
+    _write_jpeg_tiff(path, stored)
+    job = SlideJob("s", str(path), mpp=MPP)
+    cfg = TilingConfig(tile_size=T, mpp_target=target, min_foreground=0.5, qc=False)
+    fast = tile_slide(job, tmp_path / "direct", cfg, threads=3)
+    assert fast.status == "ok", fast.error
+    with monkeypatch.context() as m:  # the OpenSlide path: the direct reader declines every level
+        m.setattr(DirectTiles, "supports", lambda self, level: False)
+        slow = tile_slide(job, tmp_path / "openslide", cfg, threads=1)
+    assert slow.status == "ok", slow.error
+    a, b = open_store(tmp_path / "direct" / "s.zarr"), open_store(tmp_path / "openslide" / "s.zarr")
+    assert a.attrs["tile_decoder"] == "direct" and b.attrs["tile_decoder"] == "read_level"
+    assert a.attrs["timing"]["threads"] == 3 and b.attrs["timing"]["threads"] == 1
+    assert a.attrs["read_level"] == (0 if target is None else 1)
+    # the same store, tile for tile
+    np.testing.assert_array_equal(a.coords, b.coords)
+    np.testing.assert_array_equal(a.grid, b.grid)
+    np.testing.assert_array_equal(a.foreground, b.foreground)
+    tiles = a.read()
+    np.testing.assert_array_equal(tiles, b.read())
+    # and both are OpenSlide's pixels cut by the formula, the kept set the brute-force one
+    ref = _reference(path, target, 0.5)
+    assert {tuple(v) for v in a.grid.tolist()} == set(ref) and 0 < len(ref)
+    for k, (c, r) in enumerate(a.grid.tolist()):
+        np.testing.assert_array_equal(tiles[k], ref[(c, r)], err_msg=f"tile (col {c}, row {r})")
+    # each stored tile under a candidate tile's source was decoded exactly once, threads and all
+    with open_slide(path, "openslide") as slide:
+        plan = plan_tiles(slide, job, cfg)
+    grid = plan.grid
+    rows, cols = np.nonzero(plan.candidates)
+    lxy = grid.level_coords(cols, rows)
+    Sx, Sy = grid.source_shape
+    under = {(c, r) for x, y in lxy.tolist()
+             for r in range(y // stored, (y + Sy - 1) // stored + 1) for c in range(x // stored, (x + Sx - 1) // stored + 1)}
+    assert a.attrs["timing"]["stored_tiles_decoded"] == len(under)
+    assert a.attrs["n_candidates"] == len(rows)
+
+
+@pytest.mark.parametrize("compression", ["zstd", "jpeg", "none"])
+def test_thread_count_does_not_change_the_store_with_openslide_reads(tmp_path: Path, monkeypatch, compression: str) -> None:
+    """Levels read through OpenSlide are decoded by a pool of threads too (which then also compress the
+    kept tiles); the store is the one-thread store, byte for byte."""
+    path = tmp_path / "jpeg.tif"
+    _write_jpeg_tiff(path, 96)
+    monkeypatch.setattr(DirectTiles, "supports", lambda self, level: False)
+    job = SlideJob("s", str(path), mpp=MPP)
+    cfg = TilingConfig(tile_size=T, min_foreground=0.3, qc=False, read_run=3, compression=compression)  # short runs: many tasks
+    stores = {}
+    for n in (1, 4):
+        assert tile_slide(job, tmp_path / f"t{n}", cfg, threads=n).status == "ok"
+        stores[n] = open_store(tmp_path / f"t{n}" / "s.zarr")
+        assert stores[n].attrs["timing"]["threads"] == n and stores[n].attrs["tile_decoder"] == "read_level"
+    np.testing.assert_array_equal(stores[1].coords, stores[4].coords)
+    np.testing.assert_array_equal(stores[1].foreground, stores[4].foreground)
+    np.testing.assert_array_equal(stores[1].read(), stores[4].read())
+    files = {n: sorted(p.relative_to(tmp_path / f"t{n}") for p in (tmp_path / f"t{n}" / "s.zarr" / "tiles").rglob("*") if p.is_file())
+             for n in (1, 4)}
+    assert files[1] == files[4] and files[1]
+    for rel in files[1]:
+        assert (tmp_path / "t1" / rel).read_bytes() == (tmp_path / "t4" / rel).read_bytes(), rel
+    assert len(stores[1]) == len(_reference(path, None, 0.3))  # the kept set is decided before compression
+
+
+def test_tiffslide_reads_stay_on_one_thread(tmp_path: Path) -> None:
+    """tiffslide handles are not shared between threads: one decoding thread, the writer thread beside it."""
+    path = tmp_path / "jpeg.tif"
+    _write_jpeg_tiff(path, 128)
+    cfg = TilingConfig(tile_size=T, min_foreground=0.5, qc=False, backend="tiffslide")
+    assert tile_slide(SlideJob("s", str(path), mpp=MPP), tmp_path, cfg, threads=4).status == "ok"
+    st = open_store(tmp_path / "s.zarr")
+    assert st.attrs["tile_decoder"] == "read_level" and st.attrs["level_reader"] == "tiffslide"
+    assert st.attrs["timing"]["threads"] == 1 and st.attrs["timing"]["background_write"] is True
+    lib = tifffile.imread(path, level=0)  # the stored level-0 pixels as tifffile decodes them
+    H, W = lib.shape[:2]
+    tiles = st.read()
+    assert len(tiles) > 0
+    for k, (c, r) in enumerate(st.grid.tolist()):
+        np.testing.assert_array_equal(tiles[k], lib[r * T : (r + 1) * T, c * T : (c + 1) * T])
+    kept = {tuple(v) for v in st.grid.tolist()}
+    for r in range(H // T):
+        for c in range(W // T):
+            g = cv2.cvtColor(np.ascontiguousarray(lib[r * T : (r + 1) * T, c * T : (c + 1) * T]), cv2.COLOR_RGB2GRAY)
+            assert (((g >= 3) & (g <= 230)).mean() >= 0.5) == ((c, r) in kept)
