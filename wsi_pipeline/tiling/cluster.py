@@ -193,12 +193,13 @@ def dask_client(spec: ClusterSpec, *, workers: int | None = None, retries: int =
     raise ValueError(f"unknown cluster kind {spec.kind!r}")
 
 
-def tile_task(job: SlideJob, out_dir: str, config: TilingConfig, overwrite: bool, background_write: bool) -> SlideResult:
-    """The Dask task of one slide: :func:`~wsi_pipeline.tiling.tiler.tile_slide` in a worker process."""
+def tile_task(job: SlideJob, out_dir: str, config: TilingConfig, overwrite: bool, threads: int) -> SlideResult:
+    """The Dask task of one slide: :func:`~wsi_pipeline.tiling.tiler.tile_slide` in a worker process,
+    with ``threads`` decoding threads (see :func:`_tile_threads`)."""
     import cv2
 
-    cv2.setNumThreads(1)  # one slide per core, as in the local pool
-    return tile_slide(job, out_dir, config, overwrite=overwrite, background_write=background_write)
+    cv2.setNumThreads(1)  # the tiler's own threads share the cores, as in the local pool
+    return tile_slide(job, out_dir, config, overwrite=overwrite, background_write=threads > 1, threads=threads)
 
 
 def _for_workers(job: SlideJob) -> SlideJob:
@@ -278,14 +279,15 @@ def _is_local(client: Any) -> bool:
     return isinstance(getattr(client, "cluster", None), LocalCluster)
 
 
-def _background_write(client: Any) -> bool:
-    """Whether workers should compress in a second thread: only on a :class:`distributed.LocalCluster`
-    with fewer worker threads than this machine has cores (the local pool's rule)."""
+def _tile_threads(client: Any) -> int:
+    """Decoding threads per slide task: on a :class:`distributed.LocalCluster`, this machine's cores
+    shared among its worker threads (the local pool's rule); elsewhere 1, since other jobs may share
+    a worker's node and a worker's cores are already its threads."""
     from distributed import LocalCluster
 
     if not isinstance(getattr(client, "cluster", None), LocalCluster):
-        return False
-    return sum(client.nthreads().values()) < _default_workers()
+        return 1
+    return max(1, _default_workers() // max(1, sum(client.nthreads().values())))
 
 
 def _submit_all(
@@ -296,9 +298,9 @@ def _submit_all(
     from distributed import wait
     from distributed.client import FutureCancelledError
 
-    background_write = _background_write(client)
+    tile_threads = _tile_threads(client)
     # workers on this host: temporary stores of killed attempts are removed here (elsewhere by the next run)
-    local_workers = background_write or _is_local(client)
+    local_workers = _is_local(client)
     out_abs = str(out.resolve())
     running: dict[Any, int] = {}
     threads = 1
@@ -314,7 +316,7 @@ def _submit_all(
             if i is None:
                 return
             job = jobs[i]
-            fut = client.submit(tile_task, _for_workers(job), out_abs, config, overwrite, background_write,
+            fut = client.submit(tile_task, _for_workers(job), out_abs, config, overwrite, tile_threads,
                                 key=f"tile-{job.slide_id}-{os.getpid()}-{time.time_ns()}", pure=False, retries=retries)
             running[fut] = i
 
