@@ -28,7 +28,9 @@ def _records() -> list[MetricRecord]:
 
 
 def test_summary_holds_the_seed_0_values_rounded_to_2_decimals():
-    cells = parse_tables(demo_summary(_records(), ["frozen", "e2e"]))
+    tables = parse_tables(demo_summary(_records(), ["frozen", "e2e"]))
+    assert len(tables) == 2
+    cells = {**tables[0], **tables[1]}
     assert cells[("frozen", "internal AUC")] == "0.80" and cells[("frozen", "internal localisation")] == "0.73"
     assert cells[("e2e", "external accuracy")] == "0.81" and cells[("e2e", "internal AUC")] == "0.95"
     assert cells[("e2e", "internal AUC sub64x10")] == "0.85 (sd 0.12)"
@@ -41,11 +43,12 @@ def test_readme_is_updated_between_its_markers_and_compared(tmp_path):
     readme.write_text(f"# x\n\nbefore\n\n{START}\nold\n{END}\n\nafter\n")
     summary = demo_summary(_records(), ["frozen", "e2e"])
     assert "differs" in compare_with_readme(summary, readme)
-    assert update_readme(readme, summary, "Seed study\n") is True
+    study = "| method | internal AUC |\n|---|---|\n| `frozen` | 0.77 +- 0.05 (min 0.72) |\n"  # same heading, not compared
+    assert update_readme(readme, summary, study) is True
     text = readme.read_text()
     assert text.startswith("# x\n\nbefore\n\n") and text.endswith("\n\nafter\n") and "old" not in text
     assert compare_with_readme(summary, readme) == "README demo table: agrees with this run"
-    assert update_readme(readme, summary, "Seed study\n") is False
+    assert update_readme(readme, summary, study) is False
     changed = summary.replace("| 0.80 |", "| 0.79 |", 1)
     line = compare_with_readme(changed, readme)
     assert line.startswith("README demo table differs (1 values") and "frozen internal AUC: README 0.80, now 0.79" in line

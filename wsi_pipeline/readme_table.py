@@ -71,9 +71,9 @@ def demo_summary(records: Iterable[Any], methods: Sequence[str], seed: int = 0) 
     return "\n".join(lines) + "\n"
 
 
-def parse_tables(text: str) -> dict[tuple[str, str], str]:
-    """``(method, column heading) -> cell`` of every markdown table in ``text``."""
-    cells: dict[tuple[str, str], str] = {}
+def parse_tables(text: str) -> list[dict[tuple[str, str], str]]:
+    """Every markdown table in ``text``, in order, as ``(method, column heading) -> cell``."""
+    tables: list[dict[tuple[str, str], str]] = []
     heads: list[str] = []
     for line in text.splitlines():
         line = line.strip()
@@ -83,10 +83,11 @@ def parse_tables(text: str) -> dict[tuple[str, str], str]:
         parts = [p.strip() for p in line.strip("|").split("|")]
         if not heads:
             heads = parts
+            tables.append({})
         elif not set("".join(parts)) <= set("-: "):
             for h, c in zip(heads[1:], parts[1:]):
-                cells[(parts[0].strip("`"), h)] = c
-    return cells
+                tables[-1][(parts[0].strip("`"), h)] = c
+    return tables
 
 
 def _block(readme: str) -> str | None:
@@ -100,8 +101,12 @@ def compare_with_readme(summary: str, readme_path: str | Path) -> str:
     block = _block(path.read_text()) if path.is_file() else None
     if block is None:
         return f"README demo table: none found in {path} (markers {START} ... {END})"
-    now, readme = parse_tables(summary), parse_tables(block)
-    diff = [f"{m} {h}: README {readme.get((m, h), 'missing')}, now {v}" for (m, h), v in now.items() if readme.get((m, h)) != v]
+    # the summary's tables come first in the block (the seed study's follow and are not compared)
+    now = parse_tables(summary)
+    readme = parse_tables(block)[: len(now)]
+    readme += [{}] * (len(now) - len(readme))
+    diff = [f"{m} {h}: README {old.get((m, h), 'missing')}, now {v}"
+            for new_t, old in zip(now, readme) for (m, h), v in new_t.items() if old.get((m, h)) != v]
     if not diff:
         return "README demo table: agrees with this run"
     more = f" (and {len(diff) - 6} more)" if len(diff) > 6 else ""
