@@ -9,7 +9,6 @@ direct path decodes are counted against the stored tiles under the candidate til
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import cv2
@@ -23,12 +22,7 @@ from wsi_pipeline.slides.reader import open_slide
 from wsi_pipeline.tiling.store import open_store
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, plan_tiles, tile_slide
 
-T = 128
-MPP = 0.25  # um per level-0 px, given to the tiler as the manifest's (a generic TIFF has none)
-
-
-def _r(v: float) -> int:
-    return int(math.floor(v + 0.5))
+from test_tiling_pixels import MPP, T, _formula, _grey_fraction  # MPP: given to the tiler as the manifest's (a generic TIFF has none)
 
 
 def _write_jpeg_tiff(path: Path, stored: int, size: tuple[int, int] = (1280, 1024)) -> None:
@@ -49,35 +43,12 @@ def _write_jpeg_tiff(path: Path, stored: int, size: tuple[int, int] = (1280, 102
 
 
 def _reference(path: Path, target: float | None, keep: float) -> dict[tuple[int, int], np.ndarray]:
-    """(col, row) -> pixels of every tile the formula keeps at ``keep`` (greyscale 3..230), from OpenSlide."""
+    """(col, row) -> pixels of every tile the formula keeps at ``keep`` (greyscale 3..230), computed by
+    the pixel tests' independent formula on OpenSlide's whole-level decodes."""
     osr = openslide.OpenSlide(str(path))
-    D = 1.0 if target is None else target / MPP
-    L = 0 if target is None else max(i for i, d in enumerate(osr.level_downsamples) if d <= D * 1.05)
-    W0, H0 = osr.level_dimensions[0]
-    WL, HL = osr.level_dimensions[L]
-    sx, sy = W0 / WL, H0 / HL
-    level = np.asarray(osr.read_region((0, 0), L, (WL, HL)))[..., :3]
+    levels = [np.asarray(osr.read_region((0, 0), L, osr.level_dimensions[L]))[..., :3] for L in range(osr.level_count)]
     osr.close()
-    if abs((sx + sy) / 2 / D - 1) <= 0.05:
-        stx = sty = float(T)
-        Sx = Sy = T
-    else:
-        stx, sty = T * D / sx, T * D / sy
-        Sx, Sy = _r(stx), _r(sty)
-    out = {}
-    j = 0
-    while _r(j * sty) + Sy <= HL:
-        i = 0
-        while _r(i * stx) + Sx <= WL:
-            lx, ly = _r(i * stx), _r(j * sty)
-            src = np.ascontiguousarray(level[ly : ly + Sy, lx : lx + Sx])
-            px = src if (Sx, Sy) == (T, T) else cv2.resize(src, (T, T), interpolation=cv2.INTER_AREA)
-            g = cv2.cvtColor(px, cv2.COLOR_RGB2GRAY)
-            if ((g >= 3) & (g <= 230)).mean() >= keep:
-                out[(i, j)] = px
-            i += 1
-        j += 1
-    return out
+    return {k: px for k, (px, _, _) in _formula(levels, target, T).items() if _grey_fraction(px) >= keep}
 
 
 @pytest.mark.parametrize("stored", [128, 96], ids=["stored-128-aligned", "stored-96-shared"])
