@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from wsi_pipeline.io_atomic import write_text_atomic
+
 GRID = 256  # px, the tile grid measured
 _SPEC_VERSION = 1
 
@@ -158,9 +160,7 @@ def build_mosaic(path: Path, source: Path, size: int = 24576, pitch: int = 2304,
             factor *= 2
     os.replace(tmp, path)
     done = dict(spec, tissue_fraction=round(fractions[0], 4), levels=len(fractions), build_s=round(time.perf_counter() - t0, 1))
-    tmp_meta = meta.with_name(meta.name + ".tmp")
-    tmp_meta.write_text(json.dumps(done))
-    os.replace(tmp_meta, meta)
+    write_text_atomic(meta, json.dumps(done))
     print(f"  done in {done['build_s']} s, {path.stat().st_size / 2**20:.0f} MiB, tissue {100 * done['tissue_fraction']:.1f} %", flush=True)
     return done
 

@@ -28,6 +28,7 @@ exceed ``--max-rss-gb`` (default 16, the issue's target) or the memory available
 """
 
 from __future__ import annotations
+from wsi_pipeline.io_atomic import write_text_atomic
 
 import argparse
 import json
@@ -244,10 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         print("scaling exponents b in y = a A^b: " + ", ".join(f"{k} {v['b']:.3f} (R^2 {v['r2']:.3f})" for k, v in fits.items()))
     print(f"paper (1.024 gigapixels, {PAPER['hardware']}): {PAPER['peak_memory_gb']} GB, {PAPER['seconds_per_step']:.0f} s/step")
     payload = {"rows": rows, "fits": fits, "paper": PAPER, "cpu_count": os.cpu_count()}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_name(f".{args.out.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1))
-    os.replace(tmp, args.out)
+    write_text_atomic(args.out, json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
     return 0
 

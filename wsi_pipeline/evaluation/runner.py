@@ -68,6 +68,7 @@ from wsi_pipeline.export.predictions import prediction_row, predictions_path, wr
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.tiling.store import TileStore, open_store, store_path
 from wsi_pipeline.progress import progress_bar
+from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = [
     "EvalSet",
@@ -779,8 +780,6 @@ def predict_slides(
         "stain_checks": {s: {"distance": c.distance, "off_distribution": c.off_distribution, "feature": c.feature,
                              "medians": c.medians} for s, c in summary.stain_checks.items()},
     }
-    tmp = out / f".predict_info.json.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(info, indent=1) + "\n")
-    os.replace(tmp, out / "predict_info.json")
+    write_text_atomic(out / "predict_info.json", json.dumps(info, indent=1) + "\n")
     summary.seconds = time.perf_counter() - t0
     return summary

@@ -29,6 +29,7 @@ import torch
 from wsi_pipeline.tissue_seg.chunked import DEFAULT_MAX_ELEMENTS, ChunkedTissueUNet
 from wsi_pipeline.tissue_seg.labels import paper_labels
 from wsi_pipeline.tissue_seg.model import MULTIPLE, TissueUNet
+from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = [
     "SlideEntry",
@@ -169,9 +170,7 @@ def _save_npz(path: Path, **arrays: np.ndarray) -> None:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(obj, indent=1))
 
 
 def cached_image(entry: SlideEntry, cache: Path, *, mpp: float, size: tuple[int, int] | None,
