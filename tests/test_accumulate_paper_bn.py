@@ -14,7 +14,7 @@ import torch
 from wsi_pipeline.data.bags import Bag, Slide
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.training.accumulate import full_step
-from wsi_pipeline.training.config import config_from_dict
+from wsi_pipeline.config.pipeline import config_from_dict
 from wsi_pipeline.training.strategies import AccumulateStrategy, build_strategy
 
 

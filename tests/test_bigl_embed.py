@@ -133,8 +133,9 @@ def test_embedding_encoder_rejects_bad_arguments():
 
 
 def test_bigl_strategy_validates_and_evaluates_through_the_embedding_encoder():
-    from wsi_pipeline.training.config import BiglConfig, EncoderConfig, MethodConfig
-    from wsi_pipeline.training.strategies import build_models, build_strategy
+    from wsi_pipeline.config.pipeline import BiglConfig, EncoderConfig, MethodConfig
+    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.training.strategies import build_strategy
 
     method = MethodConfig(name="m", strategy="bigl", encoder=EncoderConfig(name="resnet18"),
                           bigl=BiglConfig(stages=1, max_elements=50_000, embed_budget_mib=0.5))

@@ -23,7 +23,7 @@ from torch import nn
 
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.training.accumulate import full_step
-from wsi_pipeline.training.config import BagStatisticsWarning, bag_statistics_warning, config_from_dict, load_config
+from wsi_pipeline.config.pipeline import BagStatisticsWarning, bag_statistics_warning, config_from_dict, load_config
 
 from test_train_loop import make_config
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from wsi_pipeline.training.config import (
+from wsi_pipeline.config.pipeline import (
     DemonConfig,
     PipelineConfig,
     Protocol,

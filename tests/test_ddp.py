@@ -277,7 +277,7 @@ def test_patchgd_batch_parts_add_up_to_the_whole_batch(store_cohort):
     padded to the whole batch's shape) sum to the whole batch's gradient, float64. The slides' grids
     differ in shape, so a part padded only to its own slides' shape would differ (the CNN head's
     stride-2 mask is not invariant to bottom/right padding)."""
-    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.data.store import open_store
     from wsi_pipeline.training.patchgd import PatchGDStrategy
 
     tiles = store_cohort.parent / "tiles"

@@ -1,7 +1,7 @@
 """The evaluation stage end to end, on hand-built run folders (checkpoints saved here) over tiny store cohorts.
 
 The models are randomly initialised ResNet-18 + ABMIL saved in the checkpoint format of
-:mod:`wsi_pipeline.training.checkpoint`; what is checked is that evaluation reproduces what the
+:mod:`wsi_pipeline.inference.checkpoint`; what is checked is that evaluation reproduces what the
 saved model computes, follows the schemas, and orders its work correctly.
 """
 
@@ -22,7 +22,7 @@ from wsi_pipeline.evaluation.runner import evaluate_pipeline, evaluation_sets, l
 from wsi_pipeline.export.predictions import prediction_columns
 from wsi_pipeline.export.thumbnail import store_level0_size, thumbnail_shape
 from wsi_pipeline.manifests.schema import read_manifest, write_manifest
-from wsi_pipeline.tiling.store import open_store, store_path
+from wsi_pipeline.data.store import open_store, store_path
 
 pytestmark = pytest.mark.slow
 
@@ -42,9 +42,9 @@ def _raw_config(tmp, manifest, seeds):
 
 
 def _save_run(cfg, seed, done=True):
-    from wsi_pipeline.training.checkpoint import save_checkpoint
-    from wsi_pipeline.training.config import config_to_dict
-    from wsi_pipeline.training.strategies import build_models
+    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.config.pipeline import config_to_dict
+    from wsi_pipeline.inference.models import build_models
 
     torch.manual_seed(seed)
     enc, agg = build_models(cfg.methods[0], 2, for_training=False)
@@ -60,7 +60,7 @@ def _save_run(cfg, seed, done=True):
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.training.config import config_from_dict
+    from wsi_pipeline.config.pipeline import config_from_dict
 
     tmp = tmp_path_factory.mktemp("eval")
     internal = read_manifest(make_store_cohort(tmp / "data", n_slides=8, tiles_per_slide=(12, 20), seed=0))
@@ -76,7 +76,7 @@ def evaluated(tmp_path_factory):
 
     # record the order of model loads and test-store reads
     import wsi_pipeline.evaluation.runner as runner_mod
-    import wsi_pipeline.training.checkpoint as ckpt_mod
+    import wsi_pipeline.inference.checkpoint as ckpt_mod
 
     events = []
     orig_load, orig_open = ckpt_mod.load_trained_model, runner_mod.open_store
@@ -120,7 +120,7 @@ def test_model_fixed_before_test_slides_and_unfinished_runs_skipped(evaluated):
 
 
 def test_predictions_schema_and_values_match_the_saved_model(evaluated):
-    from wsi_pipeline.training.checkpoint import load_trained_model
+    from wsi_pipeline.inference.checkpoint import load_trained_model
 
     cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
     man = evaluated["manifest"]
@@ -146,8 +146,8 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
 
 
 def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
-    from wsi_pipeline.evaluation.protocols import Protocol, protocol_rng, subset_indices
-    from wsi_pipeline.training.checkpoint import load_trained_model
+    from wsi_pipeline.inference.protocols import Protocol, protocol_rng, subset_indices
+    from wsi_pipeline.inference.checkpoint import load_trained_model
 
     cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
     recs = json.loads((out / "metrics.json").read_text())["records"]
@@ -287,7 +287,7 @@ def test_trained_end_to_end_abmil_localises_planted_lesions(tmp_path):
     """Train ResNet-18 + ABMIL end to end (the training loop) on the synthetic store cohort, then
     evaluate: tile attention must separate planted-lesion tiles from normal ones (AUC >= 0.8)."""
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.training.config import config_from_dict
+    from wsi_pipeline.config.pipeline import config_from_dict
     from wsi_pipeline.training.loop import train_pipeline
 
     manifest = make_store_cohort(tmp_path / "data", n_slides=12, tiles_per_slide=(12, 20), seed=0)

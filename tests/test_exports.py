@@ -14,7 +14,7 @@ from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json, su
 from wsi_pipeline.export.predictions import prediction_columns, prediction_row, predictions_path, read_predictions, write_predictions
 from wsi_pipeline.export.slide_outputs import write_slide_outputs
 from wsi_pipeline.export.thumbnail import StoreThumbnail, slide_thumbnail, thumbnail_shape
-from wsi_pipeline.tiling.store import StoreWriter, open_store
+from wsi_pipeline.data.store import StoreWriter, open_store
 
 
 def _grid(cols, rows):

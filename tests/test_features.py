@@ -10,10 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-from wsi_pipeline.data.features import extract_features, features_path, read_features, weights_sha256
+from wsi_pipeline.inference.features import extract_features, features_path, read_features, weights_sha256
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.manifests.schema import read_manifest
-from wsi_pipeline.tiling.store import open_store, store_path
+from wsi_pipeline.data.store import open_store, store_path
 
 
 class StandIn(nn.Module):
@@ -132,7 +132,7 @@ def test_re_extraction_says_why_and_orphan_files_are_reported(store_cohort, tmp_
     extract_features(df, tiles, tmp_path, "standin", encoder=enc, progress=False)
     with torch.no_grad():
         enc.conv.weight[0, 0, 0, 0] += 0.1
-    with caplog.at_level(logging.INFO, logger="wsi_pipeline.data.features"):
+    with caplog.at_level(logging.INFO, logger="wsi_pipeline.inference.features"):
         report = extract_features(df.head(2), tiles, tmp_path, "standin", encoder=enc, progress=False)
     assert list(report["status"]) == ["ok", "ok"]
     text = [r.getMessage() for r in caplog.records]

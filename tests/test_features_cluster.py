@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from wsi_pipeline.cli.main import main
-from wsi_pipeline.data.features import extract_features, features_path
+from wsi_pipeline.inference.features import extract_features, features_path
 from wsi_pipeline.manifests.schema import read_manifest
 
 

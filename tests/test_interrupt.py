@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from test_train_loop import make_config
-from wsi_pipeline.training.checkpoint import load_checkpoint
+from wsi_pipeline.inference.checkpoint import load_checkpoint
 
 # train, and touch a flag file once the first epoch's checkpoint exists
 TRAIN_AND_FLAG = r"""

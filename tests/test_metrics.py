@@ -10,7 +10,7 @@ from sklearn.metrics import (
     roc_auc_score,
 )
 
-from wsi_pipeline.evaluation.metrics import (
+from wsi_pipeline.inference.metrics import (
     bootstrap_interval,
     compute_metrics,
     compute_repeat_metrics,

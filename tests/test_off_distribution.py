@@ -19,7 +19,7 @@ import yaml
 
 from wsi_pipeline.data.stain_stats import FEATURES, MIN_SPREAD, compare_to_reference, even_indices, stain_reference, tile_features
 from wsi_pipeline.manifests.schema import read_manifest
-from wsi_pipeline.tiling.store import StoreWriter, open_store, store_path
+from wsi_pipeline.data.store import StoreWriter, open_store, store_path
 
 
 def _numpy_features(tiles: np.ndarray) -> np.ndarray:
@@ -86,7 +86,7 @@ def test_tile_features_and_reference_match_numpy(tmp_path):
 def trained(tmp_path_factory):
     """One epoch of ResNet-18 + ABMIL on an 8-slide H&E-like store cohort."""
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     tmp = tmp_path_factory.mktemp("offdist")
@@ -105,7 +105,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_training_saves_the_training_tiles_stain_summary(trained):
-    from wsi_pipeline.training.checkpoint import load_trained_model
+    from wsi_pipeline.inference.checkpoint import load_trained_model
 
     cfg, man = trained["cfg"], trained["manifest"]
     tm = load_trained_model(cfg.run_dir("m", 0))
@@ -119,7 +119,7 @@ def test_predict_flags_a_fluorescence_slide_and_still_predicts_it(trained, tmp_p
     from wsi_pipeline.cli.main import main
     from wsi_pipeline.synthetic.cohort import EXTERNAL_TINT
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.training.checkpoint import load_trained_model
+    from wsi_pipeline.inference.checkpoint import load_trained_model
 
     cfg, man = trained["cfg"], trained["manifest"]
     stores = tmp_path / "stores"
@@ -163,7 +163,7 @@ def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cann
     import torch
 
     from wsi_pipeline.evaluation.runner import predict_slides
-    from wsi_pipeline.training.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
     cfg, man = trained["cfg"], trained["manifest"]
     state = load_checkpoint(cfg.run_dir("m", 0) / "best.pt")

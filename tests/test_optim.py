@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from wsi_pipeline.training.config import DemonConfig, TrainConfig
+from wsi_pipeline.config.pipeline import DemonConfig, TrainConfig
 from wsi_pipeline.training.optim import (
     DemonAdam,
     EpochSchedule,

@@ -17,7 +17,7 @@ from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.heads import HEADS, CNNHead, PaperCNNHead, build_head, grid_layout, tiles_to_z
-from wsi_pipeline.tiling.store import StoreWriter, open_store
+from wsi_pipeline.data.store import StoreWriter, open_store
 from wsi_pipeline.training.patchgd import (
     PatchGDConfig,
     PatchGDStrategy,
@@ -499,7 +499,7 @@ def test_patchgd_learns_planted_lesions(tmp_path):
 
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.tiling.store import store_path
+    from wsi_pipeline.data.store import store_path
 
     try:
         from wsi_pipeline.models import build_encoder
@@ -707,8 +707,8 @@ def _raw_pipeline(methods):
 
 
 def test_paper_preset_fills_in_the_papers_settings_and_explicit_keys_win():
-    from wsi_pipeline.training.config import config_from_dict, config_to_dict
-    from wsi_pipeline.training.strategies import patchgd_method
+    from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
+    from wsi_pipeline.inference.models import patchgd_method
 
     cfg = config_from_dict(_raw_pipeline([
         {"name": "paper", "strategy": "patchgd", "patchgd": {"preset": "paper"}},
@@ -747,7 +747,7 @@ def test_paper_preset_trains_through_the_loop(tmp_path, store_cohort):
     """preset: paper end to end (small head and grid for speed): batches of slides, linear schedule after warm-up."""
     import pandas as pd
 
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     root = store_cohort.parent

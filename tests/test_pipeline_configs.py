@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from wsi_pipeline.training.config import Protocol, load_config
+from wsi_pipeline.config.pipeline import Protocol, load_config
 
 PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 ALL_YAML = sorted(PIPELINES.glob("*.yaml"))

@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 
 from test_train_loop import make_config
-from wsi_pipeline.tiling.store import StoreWriter, open_store
-from wsi_pipeline.training.config import load_config
+from wsi_pipeline.data.store import StoreWriter, open_store
+from wsi_pipeline.config.pipeline import load_config
 from wsi_pipeline.training.loop import preflight
 
 

@@ -4,8 +4,8 @@ import torch
 from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.evaluation.metrics import compute_metrics
-from wsi_pipeline.evaluation.protocols import (
+from wsi_pipeline.inference.metrics import compute_metrics
+from wsi_pipeline.inference.protocols import (
     ALL,
     Protocol,
     embed_slide,
@@ -19,7 +19,7 @@ from wsi_pipeline.evaluation.protocols import (
     validate_model,
 )
 from wsi_pipeline.models.aggregators.base import MILOutput
-from wsi_pipeline.tiling.store import StoreWriter, open_store
+from wsi_pipeline.data.store import StoreWriter, open_store
 
 D = 8
 
@@ -92,7 +92,7 @@ def test_parse_protocols():
     assert parse_protocol("256x100").per_repeat and not parse_protocol("256x100").ensemble
     assert parse_protocols(["sub4x3", "ens4x3"]) == [Protocol(4, 3), Protocol(4, 3, ensemble=True)]
     # config protocols (training.config) map onto the same names
-    from wsi_pipeline.training.config import Protocol as CfgProtocol
+    from wsi_pipeline.config.pipeline import Protocol as CfgProtocol
 
     assert parse_protocol(CfgProtocol("subsample", 8, 5)).name == "sub8x5"
     assert parse_protocol(CfgProtocol("subsample_ensemble", 8, 5)).name == "ens8x5"

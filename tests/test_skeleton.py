@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from wsi_pipeline.manifests import ManifestError, read_manifest, validate_manifest
-from wsi_pipeline.tiling.store import StoreWriter, is_complete, open_store
+from wsi_pipeline.data.store import StoreWriter, is_complete, open_store
 
 
 def test_cli_help_lists_commands():

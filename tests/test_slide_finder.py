@@ -13,7 +13,7 @@ from wsi_pipeline.manifests.sources import clean_slide_ids
 from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, find_slide_files, slide_id
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import jobs_from_folder, tile_cohort
-from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.tiler import TilingConfig
 
 # extensions a generated Aperio-layout TIFF is a valid slide under (both readers detect TIFFs by content)

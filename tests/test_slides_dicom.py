@@ -17,7 +17,7 @@ from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate
 
 from wsi_pipeline.slides import SlideOpenError, open_slide
 from wsi_pipeline.tiling.runner import tile_cohort
-from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.tiler import TilingConfig
 
 WSI_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.6"

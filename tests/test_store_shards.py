@@ -15,8 +15,8 @@ from numcodecs import Zstd
 
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.codecs import DEFAULT_SHARD_TILES, tile_codecs_for
-from wsi_pipeline.tiling.store import StoreWriter, TileStore, _DirectChunks, _DirectShards, open_store
+from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES, tile_codecs_for
+from wsi_pipeline.data.store import StoreWriter, TileStore, _DirectChunks, _DirectShards, open_store
 
 T = 16
 

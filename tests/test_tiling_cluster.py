@@ -155,7 +155,7 @@ def test_dask_local_cluster_of_2_workers_equals_local_runner(cohort: Path, refer
 def test_worker_killed_mid_slide_is_retried_and_correct(tmp_path: Path) -> None:
     from distributed import Client
 
-    from wsi_pipeline.tiling.cluster import ClusterSpec, dask_client
+    from wsi_pipeline.jobs.cluster import ClusterSpec, dask_client
 
     folder = tmp_path / "slides"
     make_slide(folder / "a_small.svs", size=512, seed=31, tissue_fraction=0.5)
@@ -199,7 +199,7 @@ def test_slurm_job_script_has_the_requested_resources() -> None:
     from dask_jobqueue import SLURMCluster
 
     from wsi_pipeline.cli._cluster import cluster_from_args
-    from wsi_pipeline.tiling.cluster import slurm_cluster_kwargs
+    from wsi_pipeline.jobs.cluster import slurm_cluster_kwargs
 
     args = build_parser().parse_args([
         "tile", "--slides", "x", "--out", "y", "--cluster", "slurm:3", "--slurm-queue", "gpu", "--slurm-account", "lab",

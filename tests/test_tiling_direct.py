@@ -19,7 +19,7 @@ import tifffile
 
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.reader import open_slide
-from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, plan_tiles, tile_slide
 
 from test_tiling_pixels import MPP, T, _formula, _grey_fraction  # MPP: given to the tiler as the manifest's (a generic TIFF has none)

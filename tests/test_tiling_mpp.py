@@ -10,7 +10,7 @@ import pytest
 
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.data.store import open_store
 
 OWN = 0.346  # the mpp one slide's metadata records
 

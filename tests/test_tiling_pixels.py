@@ -25,7 +25,7 @@ import tiffslide
 
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import tile_cohort
-from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
 
 T = 128

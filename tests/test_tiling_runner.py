@@ -21,7 +21,7 @@ import zarr
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import jobs_from_folder, tile_cohort
-from wsi_pipeline.tiling.store import is_complete, open_store
+from wsi_pipeline.data.store import is_complete, open_store
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
 
 REPO = Path(__file__).resolve().parents[1]
@@ -401,8 +401,8 @@ def test_cli_help_documents_every_option(capsys) -> None:
 @pytest.mark.parametrize("separator", [".", "/"])
 def test_store_writes_chunk_files_identical_to_zarr(tmp_path: Path, compression: str, separator: str) -> None:
     """StoreWriter's direct chunk writes (plain zstd / raw tiles) produce the bytes zarr itself writes."""
-    from wsi_pipeline.tiling.codecs import tile_codecs_for
-    from wsi_pipeline.tiling.store import StoreWriter
+    from wsi_pipeline.data.codecs import tile_codecs_for
+    from wsi_pipeline.data.store import StoreWriter
 
     tiles = (np.random.default_rng(7).integers(0, 60, (5, 16, 16, 3)) + 90).astype(np.uint8)
     codecs = {**tile_codecs_for(compression), "chunk_key_encoding": {"name": "default", "configuration": {"separator": separator}}}

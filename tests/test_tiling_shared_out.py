@@ -23,7 +23,7 @@ from wsi_pipeline.tiling import outdir, runner
 from wsi_pipeline.tiling.locks import LockDir
 from wsi_pipeline.tiling.outdir import OutputDirError
 from wsi_pipeline.tiling.runner import _merge_rows, tile_cohort
-from wsi_pipeline.tiling.store import is_complete
+from wsi_pipeline.data.store import is_complete
 from wsi_pipeline.tiling.tiler import SlideJob, SlideResult
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import yaml
 
-from wsi_pipeline.tiling.store import open_store, store_path
+from wsi_pipeline.data.store import open_store, store_path
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def _config(root, manifest, tiles, name, tiling=None):
 @pytest.mark.slow
 def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_path):
     from wsi_pipeline.evaluation.runner import predict_slides
-    from wsi_pipeline.training.checkpoint import load_checkpoint
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.inference.checkpoint import load_checkpoint
+    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     root, manifest, tiles = tiled
@@ -68,7 +68,7 @@ def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_p
 def test_training_refuses_stores_the_config_or_each_other_disagree_with(tiled, tmp_path):
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.tiling.tiler import TilingConfig
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import preflight
 
     root, manifest, tiles = tiled

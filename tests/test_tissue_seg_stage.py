@@ -76,7 +76,7 @@ def test_training_learns_the_paper_labels(slide_dir: Path, tmp_path: Path) -> No
 def test_predict_writes_mask_overlay_and_record(slide_dir: Path, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TissueUNet()
-    from wsi_pipeline.training.checkpoint import save_checkpoint
+    from wsi_pipeline.inference.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "best.pt", {"kind": stage.MODEL_KIND, "channels": 8, "mpp": 2.0, "model": model.state_dict()})
     out = tmp_path / "pred"
@@ -100,7 +100,7 @@ def test_predict_writes_mask_overlay_and_record(slide_dir: Path, tmp_path: Path)
 
 
 def test_bad_model_file_is_refused(tmp_path: Path) -> None:
-    from wsi_pipeline.training.checkpoint import save_checkpoint
+    from wsi_pipeline.inference.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "x.pt", {"kind": "other"})
     with pytest.raises(ValueError, match="not a tissue model"):

@@ -11,13 +11,13 @@ import torch
 from wsi_pipeline.slides.reader import open_slide
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import tile_cohort
-from wsi_pipeline.tiling.store import open_store
+from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
 from wsi_pipeline.tissue_seg import stage
 from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
 from wsi_pipeline.tissue_seg.labels import paper_labels
 from wsi_pipeline.tissue_seg.model import TissueUNet
-from wsi_pipeline.training.checkpoint import save_checkpoint
+from wsi_pipeline.inference.checkpoint import save_checkpoint
 
 
 @pytest.fixture(scope="module")

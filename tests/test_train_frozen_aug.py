@@ -24,11 +24,11 @@ import yaml
 import wsi_pipeline.training.loop as loop
 from wsi_pipeline.data.augment import AugmentParams, SlideAugment
 from wsi_pipeline.data.bags import Bag, Slide
-from wsi_pipeline.data.features import features_path, read_features
+from wsi_pipeline.inference.features import features_path, read_features
 from wsi_pipeline.models import build_encoder
-from wsi_pipeline.tiling.store import open_store
-from wsi_pipeline.training.checkpoint import load_checkpoint
-from wsi_pipeline.training.config import AugmentConfig, load_config
+from wsi_pipeline.data.store import open_store
+from wsi_pipeline.inference.checkpoint import load_checkpoint
+from wsi_pipeline.config.pipeline import AugmentConfig, load_config
 from wsi_pipeline.training.strategies import build_strategy
 
 # every draw blurs and jitters (flips and rotations at random): the augmentation is never a no-op

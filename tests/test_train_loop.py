@@ -27,8 +27,8 @@ from wsi_pipeline.data.augment import AugmentParams, SlideAugment, tiles_to_inpu
 from wsi_pipeline.data.bags import epoch_plan
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.manifests import ManifestError
-from wsi_pipeline.training.checkpoint import load_checkpoint, load_trained_model
-from wsi_pipeline.training.config import AugmentConfig, load_config
+from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model
+from wsi_pipeline.config.pipeline import AugmentConfig, load_config
 from wsi_pipeline.training.loop import train_pipeline
 
 TINY_TRAIN = {"epochs": 2, "bag_size": 8, "batch_bags": 2, "lr": 1e-4}
@@ -105,8 +105,8 @@ def test_each_strategy_trains_two_epochs_through_the_cli(tmp_path, store_cohort,
         df = pd.read_csv(store_cohort)
         assert h5 == sorted(f"{s}.h5" for s in df.loc[df["split"].isin(["train", "val"]), "slide_id"])
         # the rebuilt frozen encoder embeds tiles exactly as the features were extracted
-        from wsi_pipeline.data.features import read_features
-        from wsi_pipeline.tiling.store import open_store
+        from wsi_pipeline.inference.features import read_features
+        from wsi_pipeline.data.store import open_store
 
         store = open_store(store_cohort.parent / "tiles" / h5[0].replace(".h5", ".zarr"))
         feats = read_features(tmp_path / "features" / "resnet18" / h5[0])[0]
@@ -158,7 +158,7 @@ def test_full_and_accumulate_with_frozen_bn_give_the_same_weights(tmp_path, stor
     assert max_diff(full, acc) <= EXACT_F64
     # and training did move the weights (the comparison is not between two untouched models)
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.training.strategies import build_models
+    from wsi_pipeline.inference.models import build_models
 
     _seed_everything(0)
     enc0, agg0 = build_models(cfg.methods[0], 2, for_training=False)
@@ -177,7 +177,7 @@ def test_loop_matches_a_plain_autograd_reference(tmp_path, store_cohort, float64
     float64 (features read as float32 and widened exactly): the two loops add the same terms in
     different orders, so they agree to float64 rounding amplified by Adam, <= ``EXACT_F64``.
     """
-    from wsi_pipeline.data.features import features_path, read_features
+    from wsi_pipeline.inference.features import features_path, read_features
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.models import build_aggregator
     from wsi_pipeline.training.loop import _seed_everything
@@ -451,9 +451,9 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
 
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.data.store import open_store
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.training.strategies import build_models
+    from wsi_pipeline.inference.models import build_models
 
     manifest = make_store_cohort(tmp_path / "cohort", n_slides=24, tile_size=32, seed=1)
     method = {"name": "e2e", "strategy": "accumulate", "chunk_size": 8, "encoder": {"name": "resnet18", "bn": "frozen"},
@@ -504,7 +504,7 @@ def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoc
     """Two epochs with ``recalibrate_bn``: the statistics at the end equal a calibration of the
     weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
     from wsi_pipeline.training.loop import calibrate_encoder, preflight
-    from wsi_pipeline.training.strategies import build_models
+    from wsi_pipeline.inference.models import build_models
 
     def method(recal: bool) -> dict:
         return {"name": "acc", "strategy": "accumulate", "chunk_size": 4,

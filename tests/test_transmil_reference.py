@@ -30,7 +30,7 @@ PackageNystrom = nystrom_attention.NystromAttention
 from wsi_pipeline.models import build_aggregator  # noqa: E402
 from wsi_pipeline.models.aggregators.nystrom import NYSTROM_MODES, NystromAttention  # noqa: E402
 from wsi_pipeline.models.aggregators.transmil import TransMIL  # noqa: E402
-from wsi_pipeline.training.config import load_config  # noqa: E402
+from wsi_pipeline.config.pipeline import load_config  # noqa: E402
 
 REL = 1e-10  # see the module docstring
 DIM, HEADS, LANDMARKS, ITERS = 512, 8, 256, 6  # TransMIL's settings

@@ -230,7 +230,7 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     from wsi_pipeline.evaluation.runner import evaluate_pipeline
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.tiling.tiler import TilingConfig
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     config = load_config(config_path, list(overrides))

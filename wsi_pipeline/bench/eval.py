@@ -5,7 +5,7 @@ temporary folder; tiles of 32 px on CPU, which keeps the run to minutes, and 256
 under the subsample protocol R x k (default 100 x 256) by a ResNet-18 + ABMIL model in eval mode:
 
 - embed-once: read and embed every tile once, then R aggregator passes on index subsets
-  (:func:`wsi_pipeline.evaluation.protocols.embed_slide` + ``predict_slide``);
+  (:func:`wsi_pipeline.inference.protocols.embed_slide` + ``predict_slide``);
 - naive: for each repeat, read the k subset tiles from the store and embed them again;
 - one pass: read and embed every tile once, one aggregator pass over all tiles (protocol ``all``).
 
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.evaluation.protocols import ALL, Protocol, embed_slide, predict_slide, protocol_rng, subset_indices
-from wsi_pipeline.tiling.store import StoreWriter, open_store
+from wsi_pipeline.inference.protocols import ALL, Protocol, embed_slide, predict_slide, protocol_rng, subset_indices
+from wsi_pipeline.data.store import StoreWriter, open_store
 
 
 def _make_store(path: Path, n: int, tile: int, seed: int) -> None:

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
-    from wsi_pipeline.tiling.cluster import ClusterSpec, dask_client
+    from wsi_pipeline.jobs.cluster import ClusterSpec, dask_client
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.tiling.tiler import TilingConfig
 

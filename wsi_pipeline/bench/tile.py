@@ -85,7 +85,7 @@ def _count_files(path: Path) -> int:
 
 def _store_layouts(src_path: Path, work: Path, compression: str, shard_tiles: int, n_reads: int, repeats: int) -> None:
     """Part 6: the same tiles in both layouts; files per slide and random-read time per tile."""
-    from wsi_pipeline.tiling.store import StoreWriter, open_store
+    from wsi_pipeline.data.store import StoreWriter, open_store
 
     src = open_store(src_path)
     n, T = len(src), src.tile_size
@@ -171,7 +171,7 @@ def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     from wsi_pipeline.bench.decode import build_mosaic
     from wsi_pipeline.slides import open_slide
     from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.data.store import open_store
     from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
 
     if not args.mosaic_source.is_file():
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from wsi_pipeline.slides import open_slide
     from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.data.store import open_store
     from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
 
     a, b = _slides(args.cache, args.size, args.regenerate)

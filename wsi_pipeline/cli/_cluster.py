@@ -37,7 +37,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shard: bool = True) -> 
 
 
 def cluster_from_args(args: argparse.Namespace) -> Any:
-    """The :class:`~wsi_pipeline.tiling.cluster.ClusterSpec` of ``args`` (None without ``--cluster``); ValueError when unusable."""
+    """The :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` of ``args`` (None without ``--cluster``); ValueError when unusable."""
     if args.retries < 0:
         raise ValueError(f"--retries {args.retries} must be >= 0")
     slurm_flags = {k: getattr(args, f"slurm_{k}") for k in ("queue", "account", "cores", "memory", "walltime", "gpus", "processes")}
@@ -46,7 +46,7 @@ def cluster_from_args(args: argparse.Namespace) -> Any:
         if used:
             raise ValueError(f"{', '.join(used)} need --cluster slurm")
         return None
-    from wsi_pipeline.tiling.cluster import SlurmOptions, parse_cluster, parse_cluster_option
+    from wsi_pipeline.jobs.cluster import SlurmOptions, parse_cluster, parse_cluster_option
 
     for k in ("cores", "gpus", "processes"):
         if slurm_flags[k] is not None and slurm_flags[k] < 1:

@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.evaluation.runner import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.config.pipeline import load_config
 
     if args.bootstrap is not None and args.bootstrap < 0:
         print(f"error: --bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples", file=sys.stderr)

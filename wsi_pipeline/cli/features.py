@@ -38,7 +38,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.data.features import extract_features
+    from wsi_pipeline.inference.features import extract_features
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.models import ENCODERS
 

@@ -53,7 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
-    from wsi_pipeline.training.config import load_config
+    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     # a training run is long: report each epoch unless the user asked for less (-v gives debug)

@@ -50,7 +50,7 @@ class SlideAugment:
 
     Parameters
     ----------
-    cfg : a :class:`wsi_pipeline.training.config.AugmentConfig`.
+    cfg : a :class:`wsi_pipeline.config.pipeline.AugmentConfig`.
     """
 
     def __init__(self, cfg: Any) -> None:

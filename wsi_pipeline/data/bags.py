@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from wsi_pipeline.tiling.store import TileStore, is_complete, open_store, store_path
+from wsi_pipeline.data.store import TileStore, is_complete, open_store, store_path
 
 log = logging.getLogger(__name__)
 

@@ -104,7 +104,7 @@ def stain_reference(stores: Iterable[str | Path | Any], max_tiles: int = 64) -> 
     Returns a plain dict (``format``, ``features``, ``median``, ``spread``, ``n_slides``,
     ``n_tiles``, ``max_tiles_per_slide``, ``threshold``), or None when no store has a tile.
     """
-    from wsi_pipeline.tiling.store import open_store
+    from wsi_pipeline.data.store import open_store
 
     feats, n_slides = [], 0
     for s in stores:

@@ -15,11 +15,11 @@ Order of work (the model is fixed before any test slide is read)
 For each method and each seed whose run has finished (``runs/<pipeline>/<method>/seed<k>/done``),
 ``best.pt`` (chosen on validation during training) is loaded first; only then are the test
 stores opened. Each slide is embedded once and scored under every protocol of ``eval.protocols``
-(:func:`~wsi_pipeline.evaluation.protocols.predict_protocols`), subsets seeded by ``eval.seed``
+(:func:`~wsi_pipeline.inference.protocols.predict_protocols`), subsets seeded by ``eval.seed``
 and the slide id, so every model sees the same subsets. A model's score under ``sub<k>x<R>`` is
 the papers': the metric of each repeat over the cohort's slides, averaged over repeats (each
 repeat's value kept in ``metrics.json``); ``ens<k>x<R>`` scores the slide probabilities averaged
-over repeats instead (see :mod:`wsi_pipeline.evaluation.protocols`).
+over repeats instead (see :mod:`wsi_pipeline.inference.protocols`).
 
 Outputs in ``results/<pipeline>/``
 ----------------------------------
@@ -61,12 +61,12 @@ import numpy as np
 import pandas as pd
 import torch
 
-from wsi_pipeline.evaluation.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
-from wsi_pipeline.evaluation.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
+from wsi_pipeline.inference.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
+from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
-from wsi_pipeline.tiling.store import TileStore, open_store, store_path
+from wsi_pipeline.data.store import TileStore, open_store, store_path
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.io_atomic import write_text_atomic
 
@@ -227,11 +227,9 @@ def _frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor 
     """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
     if getattr(model.method, "strategy", None) != "frozen":
         return None
-    try:
-        from wsi_pipeline.data.features import features_path, read_features, store_fingerprint
-        from wsi_pipeline.training.strategies import frozen_features_dir
-    except ImportError:
-        return None
+    from wsi_pipeline.inference.features import features_path, read_features, store_fingerprint
+    from wsi_pipeline.inference.models import frozen_features_dir
+
     path = features_path(frozen_features_dir(model.method, config.data.features_dir), store.slide_id)
     if not path.is_file():
         return None
@@ -263,7 +261,7 @@ def evaluate_pipeline(
 
     Parameters
     ----------
-    config : a :class:`~wsi_pipeline.training.config.PipelineConfig`.
+    config : a :class:`~wsi_pipeline.config.pipeline.PipelineConfig`.
     methods : evaluate only these methods (default: all of the config's).
     device : ``auto``, ``cpu``, ``cuda``...
     batch_size : tiles per encoder call (default: each method's ``chunk_size``).
@@ -281,7 +279,7 @@ def evaluate_pipeline(
     ValueError : the manifest has no test slides and no external cohort.
     """
     from wsi_pipeline.manifests.schema import read_manifest
-    from wsi_pipeline.training.checkpoint import load_trained_model
+    from wsi_pipeline.inference.checkpoint import load_trained_model
 
     t0 = time.perf_counter()
     n_classes = int(config.data.n_classes)
@@ -389,12 +387,9 @@ def evaluate_pipeline(
     for (cohort, pname), rr in sorted(rows.items()):
         summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, n_classes))
     summary.files.append(write_metrics_json(out / "metrics.json", records))
-    try:
-        from wsi_pipeline.training.config import save_config
+    from wsi_pipeline.config.pipeline import save_config
 
-        summary.files.append(save_config(config, out / "config.yaml"))
-    except ImportError:  # config module absent: the results are still complete without it
-        pass
+    summary.files.append(save_config(config, out / "config.yaml"))
     from wsi_pipeline.export.report import write_report
 
     all_rows = pd.DataFrame([r for rr in rows.values() for r in rr])
@@ -439,8 +434,8 @@ def _bootstrap_records(
     """95 % bootstrap intervals of each method's seed-mean metric (same resampled slides for every seed).
 
     Per-repeat protocols (probabilities (R, N, C)): each resample scores the first
-    :data:`~wsi_pipeline.evaluation.metrics.BOOTSTRAP_MAX_REPEATS` repeats and averages them (see
-    :func:`~wsi_pipeline.evaluation.metrics.bootstrap_interval`).
+    :data:`~wsi_pipeline.inference.metrics.BOOTSTRAP_MAX_REPEATS` repeats and averages them (see
+    :func:`~wsi_pipeline.inference.metrics.bootstrap_interval`).
     """
     out = []
     items: Any = probs_by.items()
@@ -634,7 +629,7 @@ def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
 
         cfg = model.config
         manifest = read_manifest(cfg.data.manifest, n_classes=int(model.n_classes))
-        from wsi_pipeline.tiling.store import is_complete
+        from wsi_pipeline.data.store import is_complete
 
         train = [s for s in slides_for_split(manifest, "train", cfg.data.tiles_dir) if is_complete(s.store)]
         ref = stain_reference(train) if train else None
@@ -698,7 +693,7 @@ def predict_slides(
 
     from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features
 
-    from wsi_pipeline.training.checkpoint import load_trained_model
+    from wsi_pipeline.inference.checkpoint import load_trained_model
 
     t0 = time.perf_counter()
     out = Path(out_dir)

@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from wsi_pipeline.evaluation.metrics import BOOTSTRAP_MAX_REPEATS
+from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
 
 __all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
@@ -294,7 +294,7 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Seque
 
 
 def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Sequence[str] | None = None) -> str:
-    from wsi_pipeline.evaluation.metrics import confusion
+    from wsi_pipeline.inference.metrics import confusion
 
     df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
     out = []

@@ -19,7 +19,7 @@ from wsi_pipeline.manifests.schema import write_manifest
 from wsi_pipeline.manifests.splits import normalise_fractions, stratified_split
 from wsi_pipeline.synthetic.texture import paint_tissue
 from wsi_pipeline.synthetic.truth import write_mask
-from wsi_pipeline.tiling.store import StoreWriter, store_path
+from wsi_pipeline.data.store import StoreWriter, store_path
 
 __all__ = ["make_store_cohort"]
 

@@ -47,9 +47,10 @@ from wsi_pipeline.slides.finder import (
     no_slides_message,
     slide_id,
 )
+from wsi_pipeline.jobs.cluster import default_workers
 from wsi_pipeline.tiling.locks import HEARTBEAT_S, STALE_AFTER_S, LockDir
 from wsi_pipeline.tiling.outdir import OutputDirError, check_output_dir, output_problem
-from wsi_pipeline.tiling.store import store_path
+from wsi_pipeline.data.store import store_path
 from wsi_pipeline.tiling.tiler import DARK_NOTE, SlideJob, SlideResult, TilingConfig, precheck, store_matches, tile_slide
 from wsi_pipeline.tiling.worker import worker_main
 from wsi_pipeline.progress import progress_bar
@@ -223,14 +224,6 @@ def _write_report(
         locks.release(_REPORT_LOCK)
 
 
-def _default_workers() -> int:
-    """Cores this process may use (CPU affinity, e.g. under SLURM), else the machine's count."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not available on macOS / Windows
-        return os.cpu_count() or 1
-
-
 @dataclass
 class _Worker:
     proc: Any
@@ -393,7 +386,7 @@ def tile_cohort(
     heartbeat_s : seconds between refreshes of this run's locks.
     cluster : None = this machine's process pool; else run each slide as a Dask task (see
         :mod:`wsi_pipeline.tiling.cluster`): a ``--cluster`` string (``local[:N]``,
-        ``tcp://HOST:PORT``, ``slurm[:JOBS]``), a :class:`~wsi_pipeline.tiling.cluster.ClusterSpec`
+        ``tcp://HOST:PORT``, ``slurm[:JOBS]``), a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec`
         or a connected ``distributed.Client``.
     retries : with ``cluster``: extra runs of a slide whose worker died.
     shard : ``(K, N)``: tile only the K-th of N disjoint slide subsets
@@ -419,7 +412,7 @@ def tile_cohort(
     t0, started = time.perf_counter(), time.time()
     config = config or TilingConfig()
     out = Path(out_dir)
-    n_workers = _default_workers() if workers is None else int(workers)
+    n_workers = default_workers() if workers is None else int(workers)
     if n_workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0 = in this process)")
     jobs = _jobs_from_source(source, out)
@@ -428,7 +421,7 @@ def tile_cohort(
 
         jobs = shard_items(jobs, *shard)
     if isinstance(cluster, str):
-        from wsi_pipeline.tiling.cluster import parse_cluster
+        from wsi_pipeline.jobs.cluster import parse_cluster
 
         cluster = parse_cluster(cluster)
     check_output_dir(out, subfolders=("qc", LOCK_DIR))
@@ -526,7 +519,7 @@ def _run_pool(
     ctx = mp.get_context("spawn")
     # each worker decodes, tests and writes a slide with its share of the cores (threads); a worker
     # whose share is one core does all in one thread, not competing with the other workers
-    threads = max(1, _default_workers() // n_workers)
+    threads = max(1, default_workers() // n_workers)
     pool: list[_Worker] = []
 
     def start() -> _Worker:

@@ -42,7 +42,7 @@ from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_b
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
-from wsi_pipeline.tiling.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, store_path
+from wsi_pipeline.data.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, store_path
 from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
 
 __all__ = [

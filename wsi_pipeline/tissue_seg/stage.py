@@ -239,7 +239,7 @@ def train(
     ``best.pt`` (model of the lowest validation loss; read by :func:`load_tissue_model`).
     """
     from wsi_pipeline.bigl.runner import ChunkRunner
-    from wsi_pipeline.training.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -303,7 +303,7 @@ def load_tissue_model(path: str | os.PathLike, device: str = "cpu") -> tuple[Tis
 
     Read with ``torch.load(weights_only=True)``; a file that is not a tissue model is refused.
     """
-    from wsi_pipeline.training.checkpoint import load_checkpoint
+    from wsi_pipeline.inference.checkpoint import load_checkpoint
 
     p = Path(path)
     if p.is_dir():

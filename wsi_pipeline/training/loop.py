@@ -8,7 +8,7 @@ missing frozen features, then trains each (method, seed) into
 - ``config.yaml``  the resolved config of the run (this method, this seed);
 - ``history.csv``  per epoch: ``epoch, train_loss, val_<metric>..., lr, seconds``;
 - ``last.pt``      written atomically after every epoch: models, optimiser, schedule, RNG states,
-                   best metric, history (see :mod:`wsi_pipeline.training.checkpoint`);
+                   best metric, history (see :mod:`wsi_pipeline.inference.checkpoint`);
 - ``best.pt``      models of the best validation epoch (state dicts only);
 - ``done``         JSON summary, written last; a run with it is skipped.
 
@@ -21,7 +21,7 @@ Optimisation per epoch: bags come in groups of ``B x S`` (``batch_bags x accumul
 each bag's gradient of ``loss / group size`` is added by the strategy, then the gradients are
 clipped (optional) and the optimiser steps, so a step follows the mean loss of its group.
 Validation runs after every epoch with ``eval.val_protocol`` (each slide embedded once in eval
-mode, subsets re-run the aggregator only: :func:`wsi_pipeline.evaluation.protocols.validate_model`);
+mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.protocols.validate_model`);
 ``best.pt`` follows ``train.select_metric`` (AUC for binary, QWK for multi-class tasks).
 """
 
@@ -49,8 +49,8 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.data.bags import FeatureReader, Slide, TileReader, check_stores, check_tiling, drop_empty, epoch_plan, iter_bags, slides_for_split
 from wsi_pipeline.training import distributed
-from wsi_pipeline.training.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
-from wsi_pipeline.training.config import (
+from wsi_pipeline.inference.checkpoint import capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from wsi_pipeline.config.pipeline import (
     BagStatisticsWarning,
     MethodConfig,
     PipelineConfig,
@@ -60,7 +60,8 @@ from wsi_pipeline.training.config import (
     save_config,
 )
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
-from wsi_pipeline.training.strategies import Strategy, build_models, build_strategy, check_strategy, frozen_encoder, frozen_features_dir
+from wsi_pipeline.inference.models import build_models, frozen_encoder, frozen_features_dir
+from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
 from wsi_pipeline.progress import progress_bar
 
 __all__ = ["RunPlan", "preflight", "resolve_device", "train_pipeline", "train_run"]
@@ -135,11 +136,6 @@ def preflight(
             log.warning(risk)
             warnings.warn(risk, BagStatisticsWarning, stacklevel=2)
     for method in methods:
-        if method.strategy == "frozen":
-            try:
-                import wsi_pipeline.data.features  # noqa: F401
-            except ImportError as e:
-                raise ImportError(f"method {method.name!r}: strategy 'frozen' needs wsi_pipeline.data.features ({e})") from e
         if method.strategy == "patchgd" and method.train.augment.enabled:
             log.warning("method %s: augmentation is not applied by the %s strategy", method.name, method.strategy)
         with torch.random.fork_rng(devices=[]):
@@ -221,7 +217,7 @@ def _ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan
     Those are the training and validation slides, or only the validation slides when the method
     augments (its training bags are then embedded on the fly from augmented tiles).
     """
-    from wsi_pipeline.data.features import extract_features, features_path
+    from wsi_pipeline.inference.features import extract_features, features_path
 
     out = Path(frozen_features_dir(method, config.data.features_dir))
     slides = plan.val if method.train.augment.enabled else plan.train + plan.val
@@ -298,7 +294,7 @@ class _LazyFeatures(Sequence):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
-        from wsi_pipeline.data.features import read_features
+        from wsi_pipeline.inference.features import read_features
 
         return torch.from_numpy(read_features(self.paths[i])[0])
 
@@ -441,7 +437,7 @@ def train_run(
     strategy = build_strategy(method, n_classes, dev, build_augment(tc.augment))
     calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO)  # overwritten by last.pt when resuming
     if "features" in (strategy.input, strategy.val_input):
-        from wsi_pipeline.data.features import features_path, read_features
+        from wsi_pipeline.inference.features import features_path, read_features
 
         if features_dir is None:
             raise ValueError(f"method {method.name!r} is frozen: pass the folder of its feature files (features_dir)")
@@ -638,7 +634,7 @@ def _validate(
     """Validation metrics (``loss, auc, qwk, accuracy, balanced_accuracy``); empty without validation slides."""
     if not labels:
         return {}
-    from wsi_pipeline.evaluation.protocols import validate_model
+    from wsi_pipeline.inference.protocols import validate_model
 
     encoder = None if strategy.val_input == "features" else strategy.embedder()
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -117,7 +117,7 @@ class DemonAdam(torch.optim.Optimizer):
 def build_optimizer(params: Iterable[torch.nn.Parameter], train: Any, total_steps: int) -> torch.optim.Optimizer:
     """Adam (``train.lr``, L2 ``train.weight_decay``), or :class:`DemonAdam` when ``train.demon.enabled``.
 
-    ``train`` is a :class:`wsi_pipeline.training.config.TrainConfig`; ``total_steps`` is T for DEMON.
+    ``train`` is a :class:`wsi_pipeline.config.pipeline.TrainConfig`; ``total_steps`` is T for DEMON.
     """
     params = [p for p in params if p.requires_grad]
     if not params:

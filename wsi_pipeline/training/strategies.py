@@ -20,16 +20,14 @@ paper's setting, "the paper's, not exact"), which for ``full`` and ``bigl`` is t
 ``train`` is batch statistics of the whole bag (``full``, ``bigl``; rejected by ``accumulate``,
 where it could not be exact; ``patchgd``: train mode throughout, the PatchGD paper's). Validation,
 evaluation and prediction use running statistics, so training with ``chunk`` or ``train``
-warns (:func:`wsi_pipeline.training.config.bag_statistics_warning`): a model can learn the
+warns (:func:`wsi_pipeline.config.pipeline.bag_statistics_warning`): a model can learn the
 label from its bags' statistics and fail at evaluation.
 
-Building blocks are imported when a strategy is built, so a strategy whose block is missing
-fails with a message naming it (:func:`check_strategy`), never by silently falling back.
+The models a strategy trains come from :func:`wsi_pipeline.inference.models.build_models`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -40,162 +38,20 @@ from torch import nn
 
 from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
 from wsi_pipeline.data.bags import Bag
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.inference.models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
 
 __all__ = [
     "STRATEGIES",
     "Strategy",
-    "build_models",
     "build_strategy",
     "check_strategy",
-    "frozen_encoder",
-    "frozen_features_dir",
-    "load_encoder_state",
-    "patchgd_method",
 ]
 
 log = logging.getLogger(__name__)
 
 STRATEGIES: Registry = Registry("strategy")
-
-#: Seed of the random initialisation of a frozen encoder without weights (as ``extract_features``).
-FROZEN_INIT_SEED = 0
-
-
-def _missing_block(strategy: str, what: str, err: Exception) -> ImportError:
-    return ImportError(
-        f"strategy {strategy!r} needs {what}, which is not available in this installation ({err}); "
-        f"choose another strategy or update wsi-pipeline"
-    )
-
-
-# ----------------------------------------------------------------------------------------------
-# Models
-# ----------------------------------------------------------------------------------------------
-
-
-def frozen_encoder(method: Any) -> nn.Module:
-    """The frozen encoder of a method: ``encoder.name`` with ``encoder.weights``, eval mode, no gradient.
-
-    Without weights the encoder is initialised from a fixed seed, the one
-    :func:`wsi_pipeline.data.features.extract_features` uses, so features and model agree.
-    """
-    from wsi_pipeline.models import build_encoder
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(FROZEN_INIT_SEED)
-        enc = build_encoder(method.encoder.name, weights=method.encoder.weights)
-    enc.eval()
-    enc.requires_grad_(False)
-    return enc
-
-
-def frozen_features_dir(method: Any, features_root: str) -> str:
-    """Feature folder of a frozen method: its ``features_dir``, else ``<features_root>/<encoder>[-<weights stem>]``."""
-    if method.features_dir:
-        return method.features_dir
-    from pathlib import Path
-
-    tag = method.encoder.name
-    if method.encoder.weights:
-        tag += "-" + Path(method.encoder.weights).stem
-    return str(Path(features_root) / tag)
-
-
-def build_models(method: Any, n_classes: int, *, device: str | torch.device = "cpu", for_training: bool = True) -> tuple[nn.Module, nn.Module]:
-    """Build a method's ``(encoder, aggregator)``; the aggregator is the PatchGD head for ``patchgd``.
-
-    Random initialisation follows torch's global generator (seed it first). ``for_training``
-    converts a ``bigl`` encoder to Big-Layers; for inference a ``bigl`` encoder is an
-    :class:`~wsi_pipeline.bigl.EmbeddingEncoder` (plain on the device when a call fits
-    ``bigl.embed_budget_mib``, Big-Layers otherwise; plain encoder's state dict).
-    """
-    from wsi_pipeline.models import build_aggregator, build_encoder
-
-    if method.strategy == "frozen":
-        encoder = frozen_encoder(method)
-    else:
-        encoder = build_encoder(method.encoder.name, weights=method.encoder.weights)
-    dim = int(encoder.num_features)
-    if method.strategy == "patchgd":
-        try:
-            from wsi_pipeline.training.patchgd import build_patchgd_head
-        except ImportError as e:
-            raise _missing_block("patchgd", "wsi_pipeline.training.patchgd", e) from e
-        aggregator = build_patchgd_head(patchgd_method(method), dim, n_classes)
-    else:
-        aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
-    encoder.to(device)
-    aggregator.to(device)
-    if method.strategy == "bigl":
-        encoder = _bigify(method, encoder, device) if for_training else _embedding_encoder(method, encoder)
-    return encoder, aggregator
-
-
-def _embed_budget(method: Any) -> int | None:
-    mib = getattr(method.bigl, "embed_budget_mib", None)
-    return None if mib is None else int(mib * 2**20)
-
-
-def _embedding_encoder(method: Any, encoder: nn.Module) -> nn.Module:
-    """A ``bigl`` method's inference encoder (plain when a call fits the budget, else Big-Layers)."""
-    from wsi_pipeline.bigl import EmbeddingEncoder
-
-    return EmbeddingEncoder(encoder, stages=method.bigl.stages, max_elements=method.bigl.max_elements,
-                            budget_bytes=_embed_budget(method))
-
-
-def patchgd_method(method: Any) -> Any:
-    """``method`` with its PatchGD head named in ``patchgd``: the head is ``patchgd.head`` when given,
-    else ``aggregator.name`` when that names a PatchGD head (its ``options`` become ``head_options``).
-
-    Raises ``ValueError`` when ``aggregator.name`` is neither a head nor the default ``abmil``.
-    """
-    from wsi_pipeline.models.heads import HEADS
-
-    options = dict(method.patchgd)
-    if "head" in options:
-        return method
-    agg = method.aggregator
-    if agg.name in HEADS:
-        options["head"] = agg.name
-        options["head_options"] = {**dict(agg.options), **dict(options.get("head_options", {}))}
-    elif agg.name != "abmil" or agg.options:
-        raise ValueError(
-            f"method {method.name!r}: patchgd trains a grid head, not the aggregator {agg.name!r}; name the head in "
-            f"aggregator.name or patchgd.head (one of {HEADS.names()})"
-        )
-    return dataclasses.replace(method, patchgd=options)
-
-
-def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.Module:
-    try:
-        from wsi_pipeline.bigl import bigify
-    except ImportError as e:
-        raise _missing_block("bigl", "wsi_pipeline.bigl.bigify", e) from e
-    dim = encoder.num_features
-    big = bigify(encoder, method.bigl.stages, method.bigl.max_elements, device=torch.device(device))
-    if not hasattr(big, "num_features"):
-        big.num_features = dim
-    return big
-
-
-def load_encoder_state(method: Any, encoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """Load a checkpoint's encoder state into a plain encoder (a Big-Layers state is converted when needed).
-
-    Returns the module holding the weights (the plain encoder, or its Big-Layers version when
-    the Big-Layers parameter names differ from the plain ones).
-    """
-    try:
-        encoder.load_state_dict(state)
-        return encoder
-    except RuntimeError:
-        if method.strategy != "bigl":
-            raise
-    big = _bigify(method, encoder, "cpu")
-    big.load_state_dict(state)
-    return big
-
 
 # ----------------------------------------------------------------------------------------------
 # Strategies
@@ -285,7 +141,7 @@ class FrozenStrategy(Strategy):
     """The aggregator on frozen-encoder embeddings; only the aggregator trains.
 
     Without augmentation a training bag carries the slide's precomputed features (h5 files,
-    :mod:`wsi_pipeline.data.features`). With augmentation (the Baseline-Aug rows of the
+    :mod:`wsi_pipeline.inference.features`). With augmentation (the Baseline-Aug rows of the
     Big-Layers paper) a training bag carries its uint8 tiles instead: they are augmented with
     one draw of parameters per bag and embedded on the fly by the frozen encoder (eval mode,
     no gradient, ``chunk_size`` tiles at a time), see :meth:`embed`. Validation reads the
@@ -376,14 +232,6 @@ class BiglStrategy(Strategy):
 
     name = "bigl"
 
-    @classmethod
-    def check(cls, method: Any) -> None:
-        super().check(method)
-        try:
-            from wsi_pipeline.bigl import bigify  # noqa: F401
-        except ImportError as e:
-            raise _missing_block("bigl", "wsi_pipeline.bigl.bigify", e) from e
-
     def _prep_device(self) -> torch.device:
         """Always the host: the tiles stay there until the first Big-Layer takes its chunks."""
         return torch.device("cpu")
@@ -393,7 +241,7 @@ class BiglStrategy(Strategy):
         from wsi_pipeline.bigl import EmbeddingEncoder
 
         if getattr(self, "_embedder", None) is None:
-            self._embedder = EmbeddingEncoder.from_big(self.encoder, budget_bytes=_embed_budget(self.method))
+            self._embedder = EmbeddingEncoder.from_big(self.encoder, budget_bytes=embed_budget(self.method))
         return self._embedder
 
     def bag_step(self, bag: Bag, scale: float) -> float:
@@ -422,10 +270,6 @@ class PatchGDAdapter(Strategy):
     @classmethod
     def check(cls, method: Any) -> None:
         super().check(method)
-        try:
-            from wsi_pipeline.training.patchgd import PatchGDConfig, PatchGDStrategy  # noqa: F401
-        except ImportError as e:
-            raise _missing_block("patchgd", "wsi_pipeline.training.patchgd (PatchGDStrategy)", e) from e
         PatchGDConfig.from_mapping(dict(patchgd_method(method).patchgd))
 
     @property
@@ -463,7 +307,7 @@ class PatchGDAdapter(Strategy):
 
 def check_strategy(method: Any) -> type[Strategy]:
     """The strategy class of ``method``; raises ``ValueError`` listing the valid strategies when unknown,
-    ``ImportError`` naming a missing building block, ``ValueError`` for an unsupported option."""
+    ``ValueError`` for an unsupported option."""
     try:
         cls = STRATEGIES.get(method.strategy)
     except ValueError:

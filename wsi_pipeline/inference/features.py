@@ -181,7 +181,7 @@ def _slide_features(
     """Embed one slide's store into ``<out>/<slide_id>.h5`` unless up to date: its report row and why it was
     re-extracted (None when it was new, skipped or failed)."""
     import wsi_pipeline
-    from wsi_pipeline.tiling.store import open_store, store_path
+    from wsi_pipeline.data.store import open_store, store_path
 
     t0 = time.perf_counter()
     dest = features_path(out, slide_id)
@@ -255,7 +255,7 @@ def extract_features(
     overwrite : re-extract files that are up to date.
     progress : show a per-slide progress bar.
     cluster : None = in this process; else each slide is a Dask task (a ``--cluster`` string,
-        a :class:`~wsi_pipeline.tiling.cluster.ClusterSpec` or a ``distributed.Client``; see
+        a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``; see
         :mod:`wsi_pipeline.tiling.cluster`): the encoder is built here and sent to every worker,
         which runs it on its own ``device``.
     retries : with ``cluster``: extra runs of a slide whose worker died.
@@ -289,7 +289,7 @@ def extract_features(
     reasons: dict[str, int] = {}
     args = (str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite)
     if cluster is not None:
-        from wsi_pipeline.tiling.cluster import map_slides
+        from wsi_pipeline.jobs.cluster import map_slides
 
         outcomes = map_slides(cluster, _slide_features_task, slide_ids, (device, *args), broadcast=encoder.cpu(),
                               progress=progress, desc="features", retries=retries)

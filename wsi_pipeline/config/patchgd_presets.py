@@ -4,7 +4,7 @@
 (Gupta et al., ``../shared/papers/000_*.txt``, and its reference code) wherever the method does
 not set them itself: the values sit above the pipeline's ``train`` section and below the
 method's own keys, so ``train: {lr: 5.0e-4}`` in the method still wins. The expansion happens in
-:func:`wsi_pipeline.training.config.config_from_dict`, so the saved ``config.yaml`` of a run holds
+:func:`wsi_pipeline.config.pipeline.config_from_dict`, so the saved ``config.yaml`` of a run holds
 every resolved value. ``preset: default`` (or no preset) changes nothing.
 
 What ``paper`` sets, and where each comes from:

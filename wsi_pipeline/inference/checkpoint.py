@@ -165,12 +165,12 @@ class TrainedModel:
     encoder : the tile encoder in eval mode, ``[B, 3, H, W] -> [B, D]`` (for ``frozen`` methods,
         the frozen encoder that produced the features, so new slides can be embedded).
     aggregator : the MIL aggregator in eval mode, ``[n, D] -> MILOutput`` (for ``patchgd``, the head).
-    config : the run's :class:`~wsi_pipeline.training.config.PipelineConfig`.
-    method : its :class:`~wsi_pipeline.training.config.MethodConfig`.
+    config : the run's :class:`~wsi_pipeline.config.pipeline.PipelineConfig`.
+    method : its :class:`~wsi_pipeline.config.pipeline.MethodConfig`.
     n_classes : C.
     tiling : the settings that tiled the training stores (a dict saved at training time: tile
         size, method, thresholds, mpp target, ...), or for checkpoints written before stores
-        recorded them, the config's :class:`~wsi_pipeline.training.config.TilingConfig`.
+        recorded them, the config's :class:`~wsi_pipeline.config.pipeline.TilingConfig`.
     checkpoint : the file loaded; ``epoch`` and ``seed`` of the run.
     stain_reference : the training tiles' stain summary (:func:`wsi_pipeline.data.stain_stats.stain_reference`),
         or None for checkpoints written without one.
@@ -206,8 +206,8 @@ def load_trained_model(
     device : where the models go.
     which : ``best`` or ``last`` (run folders only).
     """
-    from wsi_pipeline.training.config import config_from_dict
-    from wsi_pipeline.training.strategies import build_models, load_encoder_state
+    from wsi_pipeline.config.pipeline import config_from_dict
+    from wsi_pipeline.inference.models import build_models, load_encoder_state
 
     path = Path(run_or_checkpoint)
     if path.is_dir():

@@ -27,10 +27,10 @@ Validation API for the training loop
 ``validate_model(encoder, aggregator, slides, labels, protocol="all", *, n_classes,
 device=None, batch_size=64, seed=0, progress=False, slide_ids=None) -> dict[str, float]``
 
-``slides`` holds, per slide, a :class:`~wsi_pipeline.tiling.store.TileStore`, a store path, or
+``slides`` holds, per slide, a :class:`~wsi_pipeline.data.store.TileStore`, a store path, or
 precomputed embeddings (a Tensor [N, D], or a tuple ``(z, grid)``) when the encoder is frozen
 (then ``encoder`` may be None). The result has the keys of
-:func:`~wsi_pipeline.evaluation.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
+:func:`~wsi_pipeline.inference.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
 the slide probabilities, natural log); for a per-repeat protocol every value is the mean over
 repeats (the checkpoint criterion the paper uses) and ``<metric>_repeat_std`` is added. Both
 modules are put in eval mode for the call and their previous train/eval mode is restored
@@ -54,8 +54,8 @@ import torch
 from torch import Tensor, nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.evaluation.metrics import compute_metrics, compute_repeat_metrics
-from wsi_pipeline.tiling.store import TileStore, open_store
+from wsi_pipeline.inference.metrics import compute_metrics, compute_repeat_metrics
+from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.progress import progress_bar
 
 __all__ = [
@@ -505,7 +505,7 @@ def validate_model(
     Returns
     -------
     dict: ``qwk``, ``accuracy``, ``balanced_accuracy``, ``auc``, ``n_slides`` (see
-    :func:`~wsi_pipeline.evaluation.metrics.compute_metrics`) and ``loss`` (mean cross-entropy
+    :func:`~wsi_pipeline.inference.metrics.compute_metrics`) and ``loss`` (mean cross-entropy
     of the slide probabilities, natural log, probabilities clipped at 1e-7). For ``all`` and an
     ensemble protocol they are computed on the (mean) slide probabilities; for a per-repeat
     protocol (``sub<k>x<R>``, the papers' validation with the test sampling) each is the mean over

@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import yaml
 
-from wsi_pipeline.training.patchgd_presets import apply_patchgd_preset
+from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 
 __all__ = [
     "AggregatorConfig",
@@ -280,7 +280,7 @@ class Protocol:
     In YAML: ``all``, ``{subsample: {k: 256, repeats: 100}}`` (the papers' score: the metric of
     each repeat's predictions, averaged over repeats) or ``{subsample_ensemble: {k: 256, repeats:
     100}}`` (the metric of each slide's probabilities averaged over repeats); see
-    :mod:`wsi_pipeline.evaluation.protocols`.
+    :mod:`wsi_pipeline.inference.protocols`.
     """
 
     kind: Literal["all", "subsample", "subsample_ensemble"] = "all"
@@ -294,7 +294,7 @@ class Protocol:
 
     @property
     def name(self) -> str:
-        """Short name used in file and column names: ``all``, ``sub256x100`` or ``ens256x100`` (as :mod:`wsi_pipeline.evaluation.protocols`)."""
+        """Short name used in file and column names: ``all``, ``sub256x100`` or ``ens256x100`` (as :mod:`wsi_pipeline.inference.protocols`)."""
         if self.kind == "all":
             return "all"
         return f"{'ens' if self.kind == 'subsample_ensemble' else 'sub'}{self.k}x{self.repeats}"
@@ -464,7 +464,7 @@ class MethodConfig:
     bigl : Big-Layers settings (``bigl`` strategy).
     patchgd : options of the PatchGD strategy (:class:`wsi_pipeline.training.patchgd.PatchGDConfig`);
         ``preset: paper`` fills in the PatchGD paper's settings here and in ``encoder``,
-        ``aggregator`` and ``train`` (:mod:`wsi_pipeline.training.patchgd_presets`).
+        ``aggregator`` and ``train`` (:mod:`wsi_pipeline.config.patchgd_presets`).
     features_dir : feature files of a ``frozen`` method (default ``<data.features_dir>/<encoder>``).
     train : the pipeline's ``train`` section with this method's overrides applied.
     """

@@ -1,7 +1,7 @@
 """The zarr v3 tile store ``<tiles_dir>/<slide_id>.zarr`` (schema in ``data_manifests/README.md``).
 
 Arrays: ``tiles`` uint8 (N, T, T, 3) RGB, one tile per chunk, in new stores grouped into zarr v3
-shards of :data:`~wsi_pipeline.tiling.codecs.DEFAULT_SHARD_TILES` tiles (one file per shard;
+shards of :data:`~wsi_pipeline.data.codecs.DEFAULT_SHARD_TILES` tiles (one file per shard;
 ``shard_tiles=0`` writes the older layout, one file per tile, which stays readable); ``coords`` int64 (N, 2), (x, y) of
 each tile's top-left corner in level-0 px; ``grid`` int32 (N, 2), (col, row) on the slide's tile
 grid at the read resolution; ``foreground`` float32 (N,); stores from the tiler also hold
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wsi_pipeline.tiling.codecs import DEFAULT_SHARD_TILES, DirectCodec, direct_codec, tile_codecs_for, tile_layout_for
+from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES, DirectCodec, direct_codec, register_codecs, tile_codecs_for, tile_layout_for
 
 __all__ = ["StoreWriter", "TileStore", "open_store", "is_complete", "store_path", "COMPRESSIONS", "DEFAULT_SHARD_TILES"]
 
@@ -55,7 +55,7 @@ class StoreWriter:
     capacity : upper bound on the number of tiles; the arrays are trimmed at commit.
     attrs : store attributes (``complete`` is set by :meth:`commit` only).
     compression : one of :data:`COMPRESSIONS` (its codecs from
-        :func:`~wsi_pipeline.tiling.codecs.tile_codecs_for`, as the tiling runner writes them).
+        :func:`~wsi_pipeline.data.codecs.tile_codecs_for`, as the tiling runner writes them).
     tile_codecs : explicit ``create_array`` codec arguments, overriding ``compression``.
     shard_tiles : tiles per shard file (default :data:`DEFAULT_SHARD_TILES`); 0 or None writes one
         file per tile (the layout of older stores).
@@ -469,6 +469,7 @@ class TileStore:
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        register_codecs()  # a JPEG-compressed store needs its codec known to zarr before opening
         self.group = zarr.open_group(str(self.path), mode="r")
         self.attrs: dict[str, Any] = dict(self.group.attrs)
         self._tiles = self.group["tiles"]

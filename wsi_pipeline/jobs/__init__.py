@@ -1,0 +1,1 @@
+"""Per-slide jobs: where they run (a local pool or a Dask cluster)."""
