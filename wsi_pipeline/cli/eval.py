@@ -6,6 +6,7 @@ import argparse
 import math
 import sys
 from collections import defaultdict
+from typing import Any
 
 __all__ = ["register", "run"]
 
@@ -37,7 +38,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="method whose seed best on validation draws the heatmaps (default: the run best on validation)")
     p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
                    help="colour normalisation of heatmaps: per-slide rank (default), per-slide min-max, or raw values")
-    p.add_argument("--results", default=None, metavar="DIR", help="output folder (default: <results_dir>/<pipeline name>)")
+    p.add_argument("--results", default=None, metavar="DIR",
+                   help="output folder (default: <results_dir>/<pipeline name>; with --folds the folder that holds "
+                   "<name>_fold<k>/ and <name>_cv/)")
+    p.add_argument("--folds", action="store_true",
+                   help="cross-validation: evaluate every fold trained with `train --folds`, then pool them into "
+                   "<results_dir>/<name>_cv/ (report.html, cv_table.csv: mean ± std across folds)")
     p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
                    help="no progress bars or progress lines (--quiet is the old name)")
     p.set_defaults(func=run)
@@ -53,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = load_config(args.config, args.overrides)
+        if getattr(args, "folds", False):
+            return _run_folds(config, args)
         summary = evaluate_pipeline(
             config,
             methods=args.methods,
@@ -82,6 +90,32 @@ def run(args: argparse.Namespace) -> int:
     print(f"  predictions  {out}/predictions_<cohort>_<protocol>.csv ({sum(1 for f in summary.files if f.name.startswith('predictions_'))} files)")
     if not args.no_heatmaps:
         print(f"  heatmaps     {out / 'heatmaps'}/<slide_id>.png, .geojson (QuPath), _scores.csv")
+    return 0
+
+
+def _run_folds(config: Any, args: argparse.Namespace) -> int:
+    """Evaluate each fold as its own pipeline, then pool the folds (mean ± std across folds)."""
+    from pathlib import Path
+
+    from wsi_pipeline.evaluation.folds import pool_folds
+    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+    from wsi_pipeline.manifests.folds import fold_config, fold_numbers
+
+    folds = fold_numbers(config.data.manifest)
+    root = Path(args.results) if args.results else Path(config.results_dir)
+    for k in folds:
+        cfg = fold_config(config, k)
+        print(f"fold {k} ({len(folds)} folds): evaluating {cfg.name}")
+        evaluate_pipeline(
+            cfg, methods=args.methods, device=args.device, batch_size=args.batch_size,
+            heatmaps=not args.no_heatmaps, heatmap_method=args.heatmap_method, heatmap_mode=args.heatmap_mode,
+            n_boot=args.bootstrap, results_dir=root / cfg.name, progress=not args.no_progress,
+        )
+    out = pool_folds(config, folds, results_dir=root)
+    print(f"\nMean ± std across {len(folds)} folds:")
+    _print_table(read_metrics_json(out / "metrics_folds.json"))
+    print(f"\nCross-validation results in {out}/ (report.html, cv_table.csv, metrics_folds.json)")
     return 0
 
 

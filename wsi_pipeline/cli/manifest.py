@@ -243,8 +243,8 @@ def run(args: argparse.Namespace) -> int:
             fold_path = write_manifest(fold_df, out.with_name(f"{out.stem}_fold{k}{out.suffix}"))
             n_val = int((fold_df["split"] == "val").sum())
             print(f"wrote {fold_path} (fold {k}: {n_val} val slides)")
-        print("train each fold with `wsi-pipeline train --config X.yaml --set data.manifest=<fold manifest>` "
-              "and a runs folder per fold")
+        print(f"cross-validate with `wsi-pipeline train --config X.yaml --set data.manifest={out} --folds`, then "
+              "the same with `eval`: one report with mean ± std across folds")
     return 0
 
 

@@ -48,6 +48,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     p.add_argument("--strict", action="store_true",
                    help="stop when a train/val slide's store holds 0 tiles (default: leave it out with a warning)")
+    p.add_argument("--folds", action="store_true",
+                   help="cross-validation: train every fold of the manifest (its 'fold' column and M_fold<k>.csv files, "
+                   "written by `wsi-pipeline manifest ... --folds K`), fold k as pipeline <name>_fold<k>")
     p.set_defaults(func=run)
 
 
@@ -68,11 +71,18 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = load_config(args.config, args.overrides)
+        configs = [config]
+        if getattr(args, "folds", False):
+            from wsi_pipeline.manifests.folds import fold_config, fold_numbers
+
+            configs = [fold_config(config, k) for k in fold_numbers(config.data.manifest)]
+        runs = []
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
-            runs = train_pipeline(
-                config, methods=args.methods, seeds=args.seeds, resume=args.resume,
-                device=args.device, progress=not args.no_progress, strict=args.strict,
-            )
+            for cfg in configs:
+                runs += train_pipeline(
+                    cfg, methods=args.methods, seeds=args.seeds, resume=args.resume,
+                    device=args.device, progress=not args.no_progress, strict=args.strict,
+                )
     except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
         if getattr(args, "verbose", 0) >= 2:
             raise
