@@ -81,3 +81,22 @@ def test_finder_skips_stores_hidden_and_excluded_folders(tmp_path: Path) -> None
     (tmp_path / "loop").symlink_to(tmp_path, target_is_directory=True)  # a cycle is entered once
     got = find_slide_files(tmp_path, exclude=[tmp_path / "out"])
     assert [(f.slide_id, f.path.relative_to(tmp_path.resolve()).as_posix()) for f in got] == [("a", "a.svs"), ("b", "deep/er/b.ome.tif")]
+
+
+def test_two_links_to_one_dicom_folder_are_two_slides_and_the_builder_warns(tmp_path: Path, capsys) -> None:
+    """Linked copies are listed under their own names (the manifest warns), while a cycle still ends."""
+    from wsi_pipeline.cli.main import main
+
+    real = tmp_path / "store" / "bone"
+    real.mkdir(parents=True)
+    for i in range(3):
+        (real / f"{i}.dcm").write_bytes(b"x")
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    (slides / "bone_a").symlink_to(real, target_is_directory=True)
+    (slides / "bone_b").symlink_to(real, target_is_directory=True)
+    (real / "back").symlink_to(slides, target_is_directory=True)  # slides -> bone_a -> back -> slides: a cycle
+    got = find_slide_files(slides)
+    assert [f.slide_id for f in got] == ["bone_a", "bone_b"]
+    assert main(["manifest", "folder", "--slides", str(slides), "--out", str(tmp_path / "m.csv")]) == 0
+    assert "bone_a, bone_b point to the same file" in capsys.readouterr().err

@@ -95,6 +95,22 @@ def describe_extensions() -> str:
     return " ".join(_LISTED) + " (a folder of .dcm files is one DICOM slide)"
 
 
+def _is_link_loop(folder: Path, base: Path) -> bool:
+    """Whether ``folder`` is the same folder as one of its ancestors up to ``base`` (a link cycle).
+
+    Two links to the same folder that are not each other's ancestors are both followed: each is
+    listed under its own name (a linked DICOM folder too), and the manifest builders warn that the
+    two ids point to the same files.
+    """
+    real = os.path.realpath(folder)
+    for parent in folder.parents:
+        if os.path.realpath(parent) == real:
+            return True
+        if parent == base:
+            break
+    return False
+
+
 def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.PathLike] = ()) -> list[SlideFile]:
     """Every slide file under ``root`` (recursively), in sorted order of the paths.
 
@@ -115,15 +131,12 @@ def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.Path
         raise FileNotFoundError(f"slides folder not found: {base}; pass the folder that holds the slide files")
     base = base.resolve()
     skip = {os.path.realpath(p) for p in exclude}
-    seen: set[str] = set()
     found: list[SlideFile] = []
     for dirpath, dirnames, filenames in os.walk(base, followlinks=True):
-        real = os.path.realpath(dirpath)
-        if real in seen:
+        here = Path(dirpath)
+        if _is_link_loop(here, base):
             dirnames[:] = []
             continue
-        seen.add(real)
-        here = Path(dirpath)
         dirnames[:] = sorted(
             d for d in dirnames
             if not d.startswith(".") and not d.lower().endswith(".zarr") and os.path.realpath(here / d) not in skip
