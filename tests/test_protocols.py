@@ -221,7 +221,7 @@ def test_validate_model_per_repeat_and_ensemble_protocols_vs_sklearn():
     per_acc = [accuracy_score(y, ref[r] > 0.5) for r in range(R)]
     per_qwk = [cohen_kappa_score(y, (ref[r] > 0.5).astype(int), weights="quadratic") for r in range(R)]
     agg.train()
-    sub = validate_model(None, agg, zs, labels, f"{k}x{R}", n_classes=2, slide_ids=ids)
+    sub = validate_model(None, agg, zs, labels, f"sub{k}x{R}", n_classes=2, slide_ids=ids)
     assert sub["auc"] == pytest.approx(np.mean(per_auc), abs=1e-6)
     assert sub["accuracy"] == pytest.approx(np.mean(per_acc))
     assert sub["qwk"] == pytest.approx(np.mean(per_qwk), abs=1e-6)

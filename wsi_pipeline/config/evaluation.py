@@ -10,13 +10,13 @@ each slide's probabilities averaged over them, scored once). The name is also wh
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.schema import spec
 
-__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "Protocol", "parse_protocol", "parse_protocols"]
+__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "Protocol", "parse_protocol", "parse_protocols", "saved_protocol"]
 
 #: How a protocol is written, for messages and ``--help``.
 PROTOCOL_SPELLING = "all, sub<k>x<R> (R draws of k tiles, metric per draw, e.g. sub256x100) or ens<k>x<R> (mean probability over the draws)"
@@ -101,6 +101,21 @@ def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> l
         if p not in out:
             out.append(p)
     return out
+
+
+_SAVED_KINDS = {"subsample": "sub", "subsample_ensemble": "ens"}
+
+
+def saved_protocol(value: Any) -> Any:
+    """A protocol as configs saved before the one spelling wrote it (``{subsample: {k: 256,
+    repeats: 100}}``, ``{subsample_ensemble: ...}``) turned into its name (``sub256x100``); any
+    other value unchanged. Only for reading saved run configs (checkpoints), never user input.
+    """
+    if isinstance(value, Mapping) and len(value) == 1:
+        kind, body = next(iter(value.items()))
+        if kind in _SAVED_KINDS and isinstance(body, Mapping) and set(body) <= {"k", "repeats"} and "k" in body:
+            return f"{_SAVED_KINDS[kind]}{body['k']}x{body.get('repeats', 1)}"
+    return value
 
 
 def _config_protocols(value: Any, where: str) -> tuple[Protocol, ...]:

@@ -8,7 +8,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from wsi_pipeline.config.choices import (
     BACKBONE_SCALES,
@@ -21,6 +21,9 @@ from wsi_pipeline.config.choices import (
 )
 from wsi_pipeline.config.patchgd_presets import preset_patchgd_options
 from wsi_pipeline.config.schema import build, spec
+
+if TYPE_CHECKING:
+    from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = ["BACKBONE_SCALES", "PARTIAL_WINDOWS", "PatchGDConfig", "patchgd_mapping", "with_patchgd_head"]
 
@@ -93,7 +96,7 @@ def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
 
 
-def patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
+def patchgd_mapping(method_cfg: MethodConfig | Mapping[str, Any] | None) -> dict[str, Any]:
     """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
     attribute) with what the rest of the method implies filled in, or a bare ``patchgd`` mapping as it is.
 
@@ -132,6 +135,6 @@ def patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
     return options
 
 
-def with_patchgd_head(method: Any) -> Any:
+def with_patchgd_head(method: MethodConfig) -> MethodConfig:
     """``method`` (a config dataclass) with its ``patchgd`` options resolved by :func:`patchgd_mapping`."""
     return dataclasses.replace(method, patchgd=patchgd_mapping(method))

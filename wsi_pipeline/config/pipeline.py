@@ -45,7 +45,7 @@ from typing import Any
 
 from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName
 from wsi_pipeline.config.data import DataConfig
-from wsi_pipeline.config.evaluation import EvalConfig, Protocol
+from wsi_pipeline.config.evaluation import EvalConfig, Protocol, saved_protocol
 from wsi_pipeline.config.io import config_to_dict, read_yaml, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BagStatisticsWarning, BiglConfig, EncoderConfig, bag_statistics_warning
 from wsi_pipeline.config.overrides import apply_overrides, deep_merge
@@ -80,6 +80,7 @@ __all__ = [
     "load_config",
     "method_by_name",
     "save_config",
+    "upgrade_saved_config",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -215,6 +216,24 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
         return config_from_dict(raw, default_name=path.stem)
     except (ValueError, TypeError) as e:
         raise type(e)(f"{path}: {e}") from e
+
+
+def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """A run config as saved in a checkpoint or ``config.yaml`` by an earlier version, in today's form
+    (protocols written as mappings become their names); today's form is returned unchanged (a copy).
+
+    For reading saved runs only: a pipeline YAML is held to today's spelling.
+    """
+    out = dict(raw)
+    ev = out.get("eval")
+    if isinstance(ev, Mapping):
+        ev = dict(ev)
+        if "val_protocol" in ev:
+            ev["val_protocol"] = saved_protocol(ev["val_protocol"])
+        if isinstance(ev.get("protocols"), list):
+            ev["protocols"] = [saved_protocol(p) for p in ev["protocols"]]
+        out["eval"] = ev
+    return out
 
 
 def save_config(config: PipelineConfig, path: str | os.PathLike) -> Path:

@@ -22,11 +22,12 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 __all__ = ["build", "coerce", "positive", "spec", "type_name"]
 
 Choices = Sequence[Any] | Callable[[], Sequence[Any]]
+T = TypeVar("T")
 
 
 def spec(
@@ -72,13 +73,14 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
             if type(None) in args:
                 return None
             raise wrong
-        for arg in args:
-            if arg is type(None):
-                continue
+        others = [a for a in args if a is not type(None)]
+        for arg in others:
             try:
                 return coerce(value, arg, where)
-            except (TypeError, ValueError):
-                continue
+            except (TypeError, ValueError) as e:
+                last = e
+        if len(others) == 1 and isinstance(last, ValueError):
+            raise last  # the type fits, the value does not (e.g. outside a Literal's choices)
         raise wrong
     if origin is Literal:
         if value not in typing.get_args(tp):
@@ -145,7 +147,7 @@ def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}={value!r}; expected a value <= {meta['le']}")
 
 
-def build(cls: type, raw: Any, where: str = "") -> Any:
+def build(cls: type[T], raw: Any, where: str = "") -> T:
     """Build dataclass ``cls`` from mapping ``raw``; ``where`` is the section's path (``""``: top level).
 
     Raises ``ValueError`` for an unknown key (naming it, its section and the valid keys), a missing

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import Schedule, SelectMetric
-from wsi_pipeline.config.schema import build, positive, spec
+from wsi_pipeline.config.schema import build, coerce, positive, spec
 from wsi_pipeline.devices import check_device
 
 __all__ = ["AugmentConfig", "DemonConfig", "TrainConfig"]
@@ -114,7 +114,7 @@ class TrainConfig:
     clip_grad_norm: float | None = None
     select_metric: SelectMetric = "auto"
     early_stopping_patience: int | None = None
-    device: str = "auto"
+    device: str = field(default="auto", metadata=spec(parse=lambda value, where: check_device(coerce(value, str, where), where)))
     bf16: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)
 

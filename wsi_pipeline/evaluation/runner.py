@@ -52,7 +52,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.inference.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
 from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
@@ -549,14 +550,12 @@ class PredictSummary:
     stain_reference_source: str | None = None
 
 
-def _tiler_config(tiling: Any, mpp: float | None) -> Any:
+def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
     """The tiler's settings from the tiling parameters saved with a model.
 
     ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
     them), or an older checkpoint's config section (tile size, method, threshold, mpp target).
     """
-    from wsi_pipeline.config.tiling import tiler_config
-
     return tiler_config(tiling, mpp)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping, with_patchgd_head
 from wsi_pipeline.models.heads import GridHead, build_head
 
@@ -97,7 +98,7 @@ def _embedding_encoder(method: Any, encoder: nn.Module) -> nn.Module:
                             budget_bytes=embed_budget(method))
 
 
-def patchgd_method(method: Any) -> Any:
+def patchgd_method(method: MethodConfig) -> MethodConfig:
     """``method`` with its PatchGD head named in ``patchgd`` (the one rule:
     :func:`wsi_pipeline.config.patchgd.patchgd_mapping`)."""
     return with_patchgd_head(method)
