@@ -58,7 +58,7 @@ def test_defaults_follow_the_papers(tmp_path):
     assert (t.bag_size, t.batch_bags, t.accumulate_batches) == (256, 2, 1)
     assert t.weight_decay == pytest.approx(1e-4) and t.gamma == pytest.approx(0.955)
     assert cfg.seeds == (0, 1, 2) and cfg.name == "pipe"  # name defaults to the file's stem
-    assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 256, 100))
+    assert cfg.eval.protocols == (Protocol(), Protocol(256, 100))
     assert cfg.methods[0].encoder.bn == "frozen" and not t.augment.enabled and not t.demon.enabled
 
 
@@ -87,13 +87,13 @@ def test_unknown_keys_are_named_with_section_and_valid_keys(tmp_path, raw, match
 @pytest.mark.parametrize(
     "train, exc, match",
     [
-        ({"epochs": "ten"}, TypeError, r"train.epochs: expected int, got str 'ten'"),
-        ({"epochs": 2.5}, TypeError, r"train.epochs: expected int, got float"),
-        ({"lr": "fast"}, TypeError, r"train.lr: expected float, got str 'fast'"),
-        ({"bf16": "yes"}, TypeError, r"train.bf16: expected bool"),
-        ({"clip_grad_norm": [1]}, TypeError, r"train.clip_grad_norm: expected float or null"),
+        ({"epochs": "ten"}, TypeError, r"train.epochs: expected an integer, got str 'ten'"),
+        ({"epochs": 2.5}, TypeError, r"train.epochs: expected an integer, got float"),
+        ({"lr": "fast"}, TypeError, r"train.lr: expected a number, got str 'fast'"),
+        ({"bf16": "yes"}, TypeError, r"train.bf16: expected true or false"),
+        ({"clip_grad_norm": [1]}, TypeError, r"train.clip_grad_norm: expected a number or null"),
         ({"schedule": "step"}, ValueError, r"train.schedule='step'; expected one of 'cosine', 'exponential', 'linear', 'none'"),
-        ({"augment": {"blur_sigma": [1.0]}}, TypeError, r"train.augment.blur_sigma: expected list of 2 values"),
+        ({"augment": {"blur_sigma": [1.0]}}, TypeError, r"train.augment.blur_sigma: expected a list of 2 values"),
         ({"demon": 3}, TypeError, r"train.demon must be true, false or a mapping"),
         ({"bag_size": 0}, ValueError, r"train.bag_size=0; expected a value > 0"),
     ],
@@ -132,13 +132,13 @@ def test_overrides_parse_yaml_scalars_and_address_methods(tmp_path):
         "methods.0.encoder.bn=train",    # by index
         "train.demon.beta_init=0.8",     # a section that was `false` (the default) becomes a mapping
         "train.clip_grad_norm=null",
-        "eval.val_protocol={subsample: {k: 16, repeats: 3}}",
+        "eval.val_protocol=sub16x3",
     ])
     assert cfg.train.lr == pytest.approx(5e-5) and cfg.train.epochs == 3 and cfg.seeds == (4, 5)
     assert method_by_name(cfg, "b").chunk_size == 32 and method_by_name(cfg, "a").encoder.bn == "train"
     assert cfg.train.demon == DemonConfig(enabled=True, beta_init=0.8)
     assert all(m.train.lr == pytest.approx(5e-5) for m in cfg.methods)  # shared section reaches every method
-    assert cfg.eval.val_protocol == Protocol("subsample", 16, 3) and cfg.eval.val_protocol.name == "sub16x3"
+    assert cfg.eval.val_protocol == Protocol(16, 3) and cfg.eval.val_protocol.name == "sub16x3"
     with pytest.raises(ValueError, match=r"override 'train.lr': expected section.key=value"):
         load_config(path, ["train.lr"])
     with pytest.raises(ValueError, match=r"no entry named 'c'; entries: \['a', 'b'\]"):
@@ -153,11 +153,18 @@ def test_apply_overrides_does_not_touch_other_keys():
     assert raw["train"] == {"lr": 1.0, "augment": {"enabled": True, "hue": 0.1}}
 
 
-def test_protocol_forms(tmp_path):
-    raw = minimal(eval={"val_protocol": "all", "protocols": ["all", {"subsample": {"k": 2048, "repeats": 10}}]})
+def test_protocol_spelling(tmp_path):
+    raw = minimal(eval={"val_protocol": "ens8x3", "protocols": ["all", "sub2048x10", "ens2048x10"]})
     cfg = load_config(write(tmp_path, raw))
-    assert cfg.eval.protocols[1] == Protocol("subsample", 2048, 10)
-    with pytest.raises(ValueError, match=r"eval.protocols\[0\]='most'; expected `all`"):
-        load_config(write(tmp_path, minimal(eval={"protocols": ["most"]})))
-    with pytest.raises(ValueError, match=r"unknown key 'n' in eval.val_protocol.subsample"):
-        load_config(write(tmp_path, minimal(eval={"val_protocol": {"subsample": {"n": 3}}})))
+    assert cfg.eval.protocols == (Protocol(), Protocol(2048, 10), Protocol(2048, 10, ensemble=True))
+    assert cfg.eval.val_protocol == Protocol(8, 3, ensemble=True)
+    assert config_to_dict(cfg.eval)["protocols"] == ["all", "sub2048x10", "ens2048x10"]  # saved as written
+    # the old spellings are errors naming the field, the value and the one spelling
+    for bad, where in (("256x100", r"eval.protocols\[0\]='256x100'"), ({"subsample": {"k": 256, "repeats": 100}}, r"eval.protocols\[0\]=\{'subsample'"),
+                       ("subsample256x100", r"eval.protocols\[0\]='subsample256x100'"), ("most", r"eval.protocols\[0\]='most'")):
+        with pytest.raises(ValueError, match=where + r".*; expected all, sub<k>x<R> .* or ens<k>x<R>"):
+            load_config(write(tmp_path, minimal(eval={"protocols": [bad]})))
+    with pytest.raises(ValueError, match=r"eval.val_protocol='sub0x3'; k and R must be >= 1"):
+        load_config(write(tmp_path, minimal(eval={"val_protocol": "sub0x3"})))
+    with pytest.raises(TypeError, match=r"eval.protocols must be a non-empty list"):
+        load_config(write(tmp_path, minimal(eval={"protocols": "all"})))

@@ -22,7 +22,7 @@ def test_demo_runs_every_stage_and_reuses_them(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # the demo config's paths are relative to the working directory
     args = ["demo", "--config", str(REPO / "pipelines" / "demo.yaml"), "--internal", "8", "--external", "4",
             "--size", "512", "--workers", "0", "--no-progress",
-            "--set", "train.epochs=1", "--set", "train.bag_size=16", "--set", "eval.protocols=[all, {subsample: {k: 8, repeats: 3}}]",
+            "--set", "train.epochs=1", "--set", "train.bag_size=16", "--set", "eval.protocols=[all, sub8x3]",
             # methods with their own epochs in demo.yaml
             "--set", "methods.abmil_e2e.train.epochs=1", "--set", "methods.abmil_bigl.train.epochs=1"]
     assert main(args) == 0

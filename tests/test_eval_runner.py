@@ -33,7 +33,7 @@ def _raw_config(tmp, manifest, seeds):
     return {
         "name": "t",
         "data": {"manifest": str(manifest), "tiles_dir": str(tmp / "data" / "tiles"), "n_classes": 2, "tiling": {"tile_size": 32}},
-        "eval": {"val_protocol": "all", "protocols": ["all", {"subsample": {"k": 8, "repeats": 5}}, {"subsample_ensemble": {"k": 8, "repeats": 5}}], "seed": 0},
+        "eval": {"val_protocol": "all", "protocols": ["all", "sub8x5", "ens8x5"], "seed": 0},
         "seeds": seeds,
         "methods": [{"name": METHOD, "strategy": "full", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}, "chunk_size": 16}],
         "runs_dir": str(tmp / "runs"),
@@ -263,7 +263,7 @@ def test_predict_on_a_folder_of_stores(evaluated, tmp_path, capsys):
     from wsi_pipeline.cli.main import main
 
     rc = main(["predict", "--model", str(cfg.run_dir(METHOD, 0)), "--slides", str(stores), "--out", str(tmp_path / "pred"),
-               "--device", "cpu", "--protocol", "all", "--protocol", "8x5", "--quiet"])
+               "--device", "cpu", "--protocol", "all", "--protocol", "sub8x5", "--quiet"])
     assert rc == 0
     df = pd.read_csv(tmp_path / "pred" / "predictions.csv")
     assert list(df.columns) == prediction_columns(2) + ["stain_distance", "off_distribution"] and df.label.isna().all()

@@ -18,12 +18,12 @@ PACKAGE = Path(__file__).resolve().parents[1] / "wsi_pipeline"
 #: Lowest first. Blocks, then stages in the order of the flow, then entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("",),  # wsi_pipeline/__init__.py: the version only
-    ("io_atomic", "progress", "devices"),  # helpers without our own imports
+    ("types", "io_atomic", "progress", "devices"),  # helpers without our own imports; shared Protocols
     ("slides",),  # readers, mpp, slide finder
     ("models",),  # encoders, aggregators, heads, registries
     ("bigl",),  # Big-Layers (converts models)
-    ("config",),  # the pipeline schema and its builder (choices come from the registries)
     ("data",),  # tile stores, bags, augmentation, stain statistics
+    ("config",),  # the pipeline schema and its builder (choices come from the registries, the store, the readers)
     ("jobs",),  # where per-slide work runs (local pool, Dask)
     ("inference",),  # shared by training and evaluation: models from a config, embedding, scoring, metrics
     ("manifests",),  # stage: cohort manifests and splits
@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "io_atomic", "progress", "devices", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 

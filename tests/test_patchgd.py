@@ -149,7 +149,7 @@ def test_every_tile_sampled_exactly_once_per_pass(n, k, zeta):
 def test_windows_and_config_errors():
     assert accumulation_windows(6, 6) == [6]
     assert accumulation_windows(5, 2) == [2, 2, 1]
-    with pytest.raises(ValueError, match=r"unknown patchgd option\(s\) \['zetta'\]"):
+    with pytest.raises(ValueError, match=r"unknown key 'zetta' in section 'patchgd'"):
         PatchGDConfig.from_mapping({"zetta": 3})
     with pytest.raises(ValueError, match="patchgd.fraction"):
         PatchGDConfig.from_mapping({"fraction": 1.5})

@@ -67,12 +67,12 @@ def test_paper_configs_follow_the_paper(path):
     if cohort == "panda":
         assert t.lr in (1e-4, 5e-5, 1e-5)
         assert cfg.data.n_classes == 6 and cfg.data.tiling.min_foreground == pytest.approx(0.6)
-        assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 256, 100)) and cfg.eval.val_protocol == Protocol()
+        assert cfg.eval.protocols == (Protocol(), Protocol(256, 100)) and cfg.eval.val_protocol == Protocol()
     else:
         assert cfg.data.n_classes == 2
-        assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 2048, 10))
+        assert cfg.eval.protocols == (Protocol(), Protocol(2048, 10))
         sampled = kind == "bigl" and agg in ("dtfd", "transmil")
-        assert cfg.eval.val_protocol == (Protocol("subsample", 2048, 3) if sampled else Protocol())
+        assert cfg.eval.val_protocol == (Protocol(2048, 3) if sampled else Protocol())
     assert cfg.data.tiling.tile_size == 256
 
 

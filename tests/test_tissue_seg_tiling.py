@@ -12,6 +12,7 @@ from wsi_pipeline.slides.reader import open_slide
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import tile_cohort
 from wsi_pipeline.data.store import open_store
+from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
 from wsi_pipeline.tissue_seg import stage
 from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
@@ -52,7 +53,7 @@ def test_unet_method_keeps_tiles_by_the_predicted_mask(slide: Path, tmp_path: Pa
 
 def test_unet_method_refuses_a_missing_model(slide: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tissue model not found"):
-        TilingConfig(method="unet", tissue_model=str(tmp_path / "none.pt")).output_params()
+        output_params(TilingConfig(method="unet", tissue_model=str(tmp_path / "none.pt")))
 
 
 @pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="shipped tissue model not built")

@@ -229,8 +229,8 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     """
     from wsi_pipeline.evaluation.runner import evaluate_pipeline
     from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
     from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.config.tiling import tiler_config
     from wsi_pipeline.training.loop import train_pipeline
 
     config = load_config(config_path, list(overrides))
@@ -243,10 +243,7 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     timer.stage("cohort", time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    tiling = config.data.tiling
-    tconf = TilingConfig(method=tiling.method or "greyscale", tile_size=tiling.tile_size or 256,
-                         min_foreground=tiling.min_foreground, mpp_target=tiling.mpp_target)
-    report = tile_cohort(manifest, config.data.tiles_dir, tconf, workers=workers, progress=progress)
+    report = tile_cohort(manifest, config.data.tiles_dir, tiler_config(config.data.tiling), workers=workers, progress=progress)
     timer.stage("tile", time.perf_counter() - t0)
     if not report.ok:
         print(f"[demo] tiling failed for some slides: {report.summary()}")

@@ -1,10 +1,27 @@
-"""Choosing the compute device, the one rule every stage uses."""
+"""Choosing the compute device, the one rule every stage uses, and the device names every command accepts."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
-__all__ = ["resolve_device"]
+__all__ = ["DEVICES", "DEVICE_HELP", "check_device", "resolve_device"]
+
+#: Device names accepted in ``train.device`` and by every command's ``--device`` (plus ``cuda:<i>``).
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
+DEVICE_HELP = "auto (CUDA, then Apple MPS, then CPU), cpu, cuda, cuda:<i> or mps"
+_DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def check_device(name: str, where: str = "device") -> str:
+    """``name`` when it is one of :data:`DEVICES` or ``cuda:<i>``; ``ValueError`` naming ``where`` otherwise.
+
+    Usable as an argparse ``type=`` (argparse turns the ValueError into a usage error).
+    """
+    if not isinstance(name, str) or not _DEVICE_RE.fullmatch(name):
+        raise ValueError(f"{where}={name!r}; expected {', '.join(DEVICES)} or cuda:<index>")
+    return name
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=None, metavar="N", help="tiling processes (default: one per core; 0 = in-process)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
     p.add_argument("--protocol", dest="protocols", action="append", default=None, metavar="P",
-                   help="scoring protocol: 'all' (default) or '<k>x<repeats>' such as 256x100 (repeatable)")
+                   help="scoring protocol: all (default), sub<k>x<R> such as sub256x100 (R draws of k tiles) or ens<k>x<R> (repeatable)")
     p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: the method's chunk_size)")
     p.add_argument("--mpp", type=float, default=None, help="um/px to assume for slides whose files do not record it")
     p.add_argument("--seed", type=int, default=0, help="seed of the random tile subsets of subsample protocols (default: 0)")

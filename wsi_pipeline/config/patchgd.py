@@ -1,20 +1,33 @@
-"""The ``patchgd:`` section of a method config: :class:`PatchGDConfig` and how a method's other
-sections fill it in (:func:`patchgd_mapping`)."""
+"""The ``patchgd:`` section of a method config: :class:`PatchGDConfig` (built and checked by the
+generic builder, errors by field path) and the one rule by which a method's other sections fill it
+in (:func:`patchgd_mapping`: the BatchNorm mode from ``encoder.bn``, the head from ``aggregator``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from wsi_pipeline.config.patchgd_presets import PRESETS, preset_patchgd_options
-from wsi_pipeline.models.heads import HEADS
+from wsi_pipeline.config.choices import (
+    BACKBONE_SCALES,
+    PARTIAL_WINDOWS,
+    PATCHGD_BN_MODES,
+    BackboneScale,
+    PartialWindow,
+    PatchGDPreset,
+    head_names,
+)
+from wsi_pipeline.config.patchgd_presets import preset_patchgd_options
+from wsi_pipeline.config.schema import build, spec
 
-__all__ = ["BACKBONE_SCALES", "PARTIAL_WINDOWS", "PatchGDConfig", "patchgd_mapping"]
+if TYPE_CHECKING:
+    from wsi_pipeline.config.pipeline import MethodConfig
 
-BACKBONE_SCALES = ("full", "paper")
-PARTIAL_WINDOWS = ("step", "drop")
+__all__ = ["BACKBONE_SCALES", "PARTIAL_WINDOWS", "PatchGDConfig", "patchgd_mapping", "with_patchgd_head"]
+
+_COUNT = spec(ge=1)  # a positive integer (or null where the type allows it)
 
 
 @dataclass(frozen=True)
@@ -30,8 +43,8 @@ class PatchGDConfig:
     epsilon : inner iterations per optimiser step (None = zeta, one step per batch).
     partial_window : ``"step"`` (default; a trailing window shorter than epsilon is stepped,
         its losses divided by its length) or ``"drop"`` (the paper's: never applied, not run).
-    backbone_scale : ``"full"`` (default; encoder gradient scaled by n/k, see module docstring)
-        or ``"paper"`` (the reference's 1/epsilon scale).
+    backbone_scale : ``"full"`` (default; encoder gradient scaled by n/k, see
+        :mod:`wsi_pipeline.training.patchgd`) or ``"paper"`` (the reference's 1/epsilon scale).
     freeze_bn : encoder BatchNorm on running statistics (exact; default) or train mode (the paper's).
     slides_per_batch : slides per inner loop (default 1; the paper trains a batch of images).
     preset : ``"default"`` or ``"paper"``: defaults for the options not given
@@ -46,55 +59,28 @@ class PatchGDConfig:
     proj_dim : optional linear projection of embeddings to s channels; passed to the head.
     """
 
-    k: int | None = None
-    fraction: float = 0.25
-    zeta: int | None = None
-    epsilon: int | None = None
-    backbone_scale: str = "full"
+    k: int | None = field(default=None, metadata=_COUNT)
+    fraction: float = field(default=0.25, metadata=spec(gt=0.0, le=1.0))
+    zeta: int | None = field(default=None, metadata=_COUNT)
+    epsilon: int | None = field(default=None, metadata=_COUNT)
+    backbone_scale: BackboneScale = "full"
     freeze_bn: bool = True
-    fill_batch: int = 64
-    head: str = "cnn"
-    head_options: Mapping[str, Any] = field(default_factory=dict)
-    max_grid: int | None = 128
-    proj_dim: int | None = None
-    partial_window: str = "step"
-    slides_per_batch: int = 1
-    preset: str = "default"
-
-    def __post_init__(self) -> None:
-        for name in ("k", "zeta", "epsilon", "max_grid", "proj_dim", "slides_per_batch"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
-                raise ValueError(f"patchgd.{name}={v!r}; expected a positive integer or null")
-        if isinstance(self.fraction, bool) or not isinstance(self.fraction, (int, float)) or not 0 < self.fraction <= 1:
-            raise ValueError(f"patchgd.fraction={self.fraction!r}; expected a number in (0, 1]")
-        if self.backbone_scale not in BACKBONE_SCALES:
-            raise ValueError(f"patchgd.backbone_scale={self.backbone_scale!r}; expected one of {BACKBONE_SCALES}")
-        if self.partial_window not in PARTIAL_WINDOWS:
-            raise ValueError(f"patchgd.partial_window={self.partial_window!r}; expected one of {PARTIAL_WINDOWS}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"patchgd.preset={self.preset!r}; expected one of {list(PRESETS)}")
-        if self.slides_per_batch is None:
-            raise ValueError("patchgd.slides_per_batch=None; expected a positive integer")
-        if not isinstance(self.freeze_bn, bool):
-            raise TypeError(f"patchgd.freeze_bn={self.freeze_bn!r}; expected true or false")
-        if isinstance(self.fill_batch, bool) or not isinstance(self.fill_batch, int) or self.fill_batch < 1:
-            raise ValueError(f"patchgd.fill_batch={self.fill_batch!r}; expected a positive integer")
-        if not isinstance(self.head_options, Mapping):
-            raise TypeError(f"patchgd.head_options must be a mapping of head keyword options; got {type(self.head_options).__name__}")
+    fill_batch: int = field(default=64, metadata=_COUNT)
+    head: str = field(default="cnn", metadata=spec(choices=head_names))
+    head_options: dict[str, Any] = field(default_factory=dict)
+    max_grid: int | None = field(default=128, metadata=_COUNT)
+    proj_dim: int | None = field(default=None, metadata=_COUNT)
+    partial_window: PartialWindow = "step"
+    slides_per_batch: int = field(default=1, metadata=_COUNT)
+    preset: PatchGDPreset = "default"
 
     @classmethod
-    def from_mapping(cls, options: Mapping[str, Any] | None) -> PatchGDConfig:
-        """Validate a ``patchgd:`` mapping; unknown keys raise ``ValueError`` naming them and the valid keys.
+    def from_mapping(cls, options: Mapping[str, Any] | None, where: str = "patchgd") -> PatchGDConfig:
+        """Build from a ``patchgd:`` mapping; errors name the field's path under ``where``.
 
         A ``preset`` fills in its defaults for the options the mapping does not give.
         """
-        options = preset_patchgd_options(dict(options or {}))
-        valid = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown patchgd option(s) {unknown}; valid options are {valid}")
-        return cls(**options)
+        return build(cls, preset_patchgd_options(dict(options or {}), f"{where}.preset"), where)
 
     def tiles_per_iteration(self, n_tiles: int) -> int:
         """k for a slide of ``n_tiles`` tiles (at least 1, at most n)."""
@@ -110,13 +96,15 @@ def _get(obj: Any, key: str) -> Any:
     return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
 
 
-def patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
+def patchgd_mapping(method_cfg: MethodConfig | Mapping[str, Any] | None) -> dict[str, Any]:
     """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
-    attribute), or a bare ``patchgd`` mapping.
+    attribute) with what the rest of the method implies filled in, or a bare ``patchgd`` mapping as it is.
 
-    Defaults taken from the rest of the method config: ``freeze_bn`` from the encoder's
-    BatchNorm mode (``encoder.bn``: ``frozen`` or ``train``), and ``head`` / ``head_options``
-    from the ``aggregator`` entry when it names a registered PatchGD head (``cnn``, ``transformer``).
+    - ``freeze_bn`` (unless given): from ``encoder.bn``, ``frozen`` -> true, ``train`` -> false;
+      ``chunk`` raises ``ValueError`` (patchgd has no chunks).
+    - ``head`` (unless given): ``aggregator.name`` when it names a PatchGD head, its ``options``
+      under ``head_options`` (keys given in ``patchgd.head_options`` win). An aggregator that is
+      neither a head nor the default ``abmil`` raises ``ValueError``: patchgd trains a grid head.
     """
     if method_cfg is None:
         return {}
@@ -127,14 +115,26 @@ def patchgd_mapping(method_cfg: Any) -> dict[str, Any]:
     if inner is not None and not isinstance(inner, Mapping):
         raise TypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
     options = dict(inner or {})
-    bn = _get(_get(method_cfg, "encoder"), "bn") if _get(method_cfg, "encoder") is not None else None
+    encoder = _get(method_cfg, "encoder")
+    bn = _get(encoder, "bn") if encoder is not None else None
     if "freeze_bn" not in options and bn is not None:
-        if bn not in ("frozen", "train"):
+        if bn not in PATCHGD_BN_MODES:
             raise ValueError(f"encoder.bn={bn!r} is not supported by patchgd; use 'frozen' (exact) or 'train'")
         options["freeze_bn"] = bn == "frozen"
     agg = _get(method_cfg, "aggregator")
-    if agg is not None and "head" not in options and _get(agg, "name") in HEADS:
-        options["head"] = _get(agg, "name")
-        if "head_options" not in options:
-            options["head_options"] = dict(_get(agg, "options") or {})
+    if agg is not None and "head" not in options:
+        name, agg_options = _get(agg, "name"), dict(_get(agg, "options") or {})
+        if name in head_names():
+            options["head"] = name
+            options["head_options"] = {**agg_options, **dict(options.get("head_options", {}))}
+        elif name != "abmil" or agg_options:
+            raise ValueError(
+                f"method {_get(method_cfg, 'name')!r}: patchgd trains a grid head, not the aggregator {name!r}; name "
+                f"the head in aggregator.name or patchgd.head (one of {head_names()})"
+            )
     return options
+
+
+def with_patchgd_head(method: MethodConfig) -> MethodConfig:
+    """``method`` (a config dataclass) with its ``patchgd`` options resolved by :func:`patchgd_mapping`."""
+    return dataclasses.replace(method, patchgd=patchgd_mapping(method))

@@ -52,7 +52,7 @@ import math
 import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +61,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.inference.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
 from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols, predict_protocols, repeat_probs
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
@@ -549,35 +550,13 @@ class PredictSummary:
     stain_reference_source: str | None = None
 
 
-def _tiler_config(tiling: Any, mpp: float | None) -> Any:
+def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
     """The tiler's settings from the tiling parameters saved with a model.
 
     ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
     them), or an older checkpoint's config section (tile size, method, threshold, mpp target).
     """
-    import dataclasses
-
-    from wsi_pipeline.tiling.tissue import OtsuParams
-    from wsi_pipeline.tiling.tiler import TilingConfig as TilerConfig
-
-    if isinstance(tiling, dict):
-        names = {f.name for f in dataclasses.fields(TilerConfig)} - {"mpp", "backend", "compression"}
-        kw = {k: v for k, v in tiling.items() if k in names and v is not None}
-        if isinstance(kw.get("otsu"), dict):
-            kw["otsu"] = OtsuParams(**kw["otsu"])
-        if mpp is not None:
-            kw["mpp"] = float(mpp)
-        return TilerConfig(**kw)
-    kw: dict[str, Any] = {"tile_size": int(getattr(tiling, "tile_size", None) or 256)}
-    if getattr(tiling, "method", None):
-        kw["method"] = tiling.method
-    if getattr(tiling, "min_foreground", None) is not None:
-        kw["min_foreground"] = float(tiling.min_foreground)
-    if getattr(tiling, "mpp_target", None) is not None:
-        kw["mpp_target"] = float(tiling.mpp_target)
-    if mpp is not None:
-        kw["mpp"] = float(mpp)
-    return TilerConfig(**kw)
+    return tiler_config(tiling, mpp)
 
 
 def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
@@ -672,7 +651,7 @@ def predict_slides(
     out_dir : receives ``predictions.csv`` (the columns of the evaluation's predictions files;
         ``label`` empty, ``cohort`` = the slides folder's name, all protocols in one file),
         ``heatmaps/`` and ``predict_info.json``.
-    protocols : scoring protocols (``"all"``, ``"256x100"``, ...).
+    protocols : scoring protocols (``"all"``, ``"sub256x100"``, ``"ens256x100"``).
     device, workers, batch_size : compute settings (``workers``: tiling processes).
     mpp : um/px to assume for slides whose files lack it.
     heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
@@ -766,10 +745,12 @@ def predict_slides(
     out.mkdir(parents=True, exist_ok=True)
     summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes),
                                             extra_columns=PREDICT_EXTRA_COLUMNS)
+    from wsi_pipeline.tiling.params import output_params
+
     info = {
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
         "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
-        "tiles_dir": str(tiles_dir), "tiling": _tiler_config(model.tiling, None).output_params(),
+        "tiles_dir": str(tiles_dir), "tiling": output_params(_tiler_config(model.tiling, None)),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
         "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
         "stain_checks": {s: {"distance": c.distance, "off_distribution": c.off_distribution, "feature": c.feature,

@@ -206,7 +206,7 @@ def load_trained_model(
     device : where the models go.
     which : ``best`` or ``last`` (run folders only).
     """
-    from wsi_pipeline.config.pipeline import config_from_dict
+    from wsi_pipeline.config.pipeline import config_from_dict, upgrade_saved_config
     from wsi_pipeline.inference.models import build_models, load_encoder_state
 
     path = Path(run_or_checkpoint)
@@ -217,7 +217,7 @@ def load_trained_model(
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the run has not finished an epoch yet (train it with `wsi-pipeline train`)")
     state = load_checkpoint(path)
-    config = config_from_dict(state["config"])
+    config = config_from_dict(upgrade_saved_config(state["config"]))
     method = next((m for m in config.methods if m.name == state["method"]["name"]), None)
     if method is None:
         raise ValueError(f"{path}: method {state['method']['name']!r} is missing from the saved config")

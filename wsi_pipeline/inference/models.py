@@ -7,14 +7,14 @@ trained run through :mod:`wsi_pipeline.inference.checkpoint`).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
+from wsi_pipeline.config.pipeline import MethodConfig
+from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping, with_patchgd_head
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
@@ -98,27 +98,10 @@ def _embedding_encoder(method: Any, encoder: nn.Module) -> nn.Module:
                             budget_bytes=embed_budget(method))
 
 
-def patchgd_method(method: Any) -> Any:
-    """``method`` with its PatchGD head named in ``patchgd``: the head is ``patchgd.head`` when given,
-    else ``aggregator.name`` when that names a PatchGD head (its ``options`` become ``head_options``).
-
-    Raises ``ValueError`` when ``aggregator.name`` is neither a head nor the default ``abmil``.
-    """
-    from wsi_pipeline.models.heads import HEADS
-
-    options = dict(method.patchgd)
-    if "head" in options:
-        return method
-    agg = method.aggregator
-    if agg.name in HEADS:
-        options["head"] = agg.name
-        options["head_options"] = {**dict(agg.options), **dict(options.get("head_options", {}))}
-    elif agg.name != "abmil" or agg.options:
-        raise ValueError(
-            f"method {method.name!r}: patchgd trains a grid head, not the aggregator {agg.name!r}; name the head in "
-            f"aggregator.name or patchgd.head (one of {HEADS.names()})"
-        )
-    return dataclasses.replace(method, patchgd=options)
+def patchgd_method(method: MethodConfig) -> MethodConfig:
+    """``method`` with its PatchGD head named in ``patchgd`` (the one rule:
+    :func:`wsi_pipeline.config.patchgd.patchgd_mapping`)."""
+    return with_patchgd_head(method)
 
 
 def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.Module:

@@ -9,11 +9,11 @@ cheap aggregator passes.
 
 Two ways to score R x k subsets (same subsets, different statistics)
 --------------------------------------------------------------------
-- ``sub<k>x<R>`` (YAML ``{subsample: {k, repeats}}``), the papers' protocol: repeat r predicts
+- ``sub<k>x<R>``, the papers' protocol: repeat r predicts
   every slide from that repeat's tiles; the metric is computed over slides for each repeat; the
   model's score is the mean of the R per-repeat metrics (std over repeats beside it). Big-Layers
   Table 3: "we test each model 10 times and use the mean AUC of the 10 runs".
-- ``ens<k>x<R>`` (YAML ``{subsample_ensemble: {k, repeats}}``): each slide's probabilities are
+- ``ens<k>x<R>``: each slide's probabilities are
   averaged over its R repeats and the metric is computed once on those means (an ensemble over
   subsets; not the papers' number, usually higher).
 
@@ -42,8 +42,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -53,6 +52,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from wsi_pipeline.config.evaluation import ALL, Protocol, parse_protocol, parse_protocols
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.inference.metrics import compute_metrics, compute_repeat_metrics
 from wsi_pipeline.data.store import TileStore, open_store
@@ -73,112 +73,6 @@ __all__ = [
     "run_aggregator",
     "validate_model",
 ]
-
-
-@dataclass(frozen=True)
-class Protocol:
-    """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
-
-    ``ensemble`` False (the papers' protocol): metrics per repeat, mean over repeats.
-    ``ensemble`` True: metrics of the slide probabilities averaged over repeats (module docstring).
-    ``name`` is ``"all"``, ``"sub<k>x<repeats>"`` (e.g. ``sub256x100``) or ``"ens<k>x<repeats>"``;
-    it appears in file names (``predictions_<cohort>_<name>.csv``) and in ``metrics.json``.
-    """
-
-    k: int | None = None
-    repeats: int = 1
-    ensemble: bool = False
-
-    def __post_init__(self) -> None:
-        if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
-            raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
-
-    @property
-    def is_all(self) -> bool:
-        return self.k is None
-
-    @property
-    def per_repeat(self) -> bool:
-        """True for the papers' subsample protocol (metric per repeat, then the mean over repeats)."""
-        return self.k is not None and not self.ensemble
-
-    @property
-    def draw_name(self) -> str:
-        """``all`` or ``sub<k>x<repeats>``: keys the subsets, shared by ``sub`` and ``ens`` of the same k, R."""
-        return "all" if self.k is None else f"sub{self.k}x{self.repeats}"
-
-    @property
-    def name(self) -> str:
-        if self.k is None:
-            return "all"
-        return f"{'ens' if self.ensemble else 'sub'}{self.k}x{self.repeats}"
-
-    def __str__(self) -> str:
-        return self.name
-
-
-ALL = Protocol()
-
-_NAME_RE = re.compile(r"^(?:(sub(?:sample)?|ens(?:emble)?|subsample_ensemble)[_:=-]?)?(\d+)\s*[xX*]\s*(\d+)$")
-_ENSEMBLE_KEY = "subsample_ensemble"
-
-
-def parse_protocol(entry: Any) -> Protocol:
-    """Parse one protocol from a config entry or a command-line string.
-
-    Accepted forms: ``"all"``; ``{"subsample": {"k": 256, "repeats": 100}}`` (the papers'
-    per-repeat score); ``{"subsample_ensemble": {"k": 256, "repeats": 100}}`` (mean-probability
-    ensemble); ``{"k": 256, "repeats": 100}``; the strings ``"256x100"`` / ``"sub256x100"``
-    (per-repeat) and ``"ens256x100"`` (ensemble); a :class:`Protocol`; any object with ``k`` and
-    ``repeats`` attributes (``k`` None = all; ``kind == "subsample_ensemble"`` or a true
-    ``ensemble`` attribute = ensemble).
-    """
-    if isinstance(entry, Protocol):
-        return entry
-    if entry is None:
-        return ALL
-    if isinstance(entry, str):
-        s = entry.strip().lower()
-        if s == "all":
-            return ALL
-        m = _NAME_RE.match(s)
-        if m:
-            return Protocol(int(m.group(2)), int(m.group(3)), ensemble=(m.group(1) or "sub").startswith(("ens", _ENSEMBLE_KEY)))
-        raise ValueError(
-            f"protocol {entry!r} not understood; use 'all', '<k>x<repeats>' such as '256x100' (per-repeat, "
-            "the papers' score) or 'ens<k>x<repeats>' (mean-probability ensemble)"
-        )
-    if isinstance(entry, Mapping):
-        if set(entry) == {"all"}:
-            return ALL
-        ensemble = _ENSEMBLE_KEY in entry
-        body = entry.get(_ENSEMBLE_KEY, entry.get("subsample", entry))
-        if isinstance(body, Mapping):
-            unknown = set(body) - {"k", "repeats"}
-            if unknown or "k" not in body:
-                raise ValueError(
-                    f"subsample protocol {dict(entry)!r}: expected keys k and repeats, found {sorted(body)}; "
-                    "write e.g. {subsample: {k: 256, repeats: 100}}"
-                )
-            return Protocol(int(body["k"]), int(body.get("repeats", 1)), ensemble=ensemble)
-        if isinstance(body, Sequence) and len(body) == 2:
-            return Protocol(int(body[0]), int(body[1]), ensemble=ensemble)
-        raise ValueError(f"protocol {dict(entry)!r} not understood; write 'all' or {{subsample: {{k: 256, repeats: 100}}}}")
-    if hasattr(entry, "k"):
-        k = getattr(entry, "k")
-        ens = getattr(entry, "kind", None) == _ENSEMBLE_KEY or bool(getattr(entry, "ensemble", False))
-        return ALL if k is None else Protocol(int(k), int(getattr(entry, "repeats", 1)), ensemble=ens)
-    raise TypeError(f"protocol must be a string, a mapping or a Protocol; got {type(entry).__name__}: {entry!r}")
-
-
-def parse_protocols(entries: Sequence[Any] | None) -> list[Protocol]:
-    """Parse a list of protocol entries; duplicates are dropped, order kept; empty means ``[all]``."""
-    out: list[Protocol] = []
-    for e in entries or ["all"]:
-        p = parse_protocol(e)
-        if p not in out:
-            out.append(p)
-    return out
 
 
 def protocol_rng(seed: int, slide_id: str, protocol: Protocol | str) -> np.random.Generator:
@@ -475,7 +369,7 @@ def validate_model(
     aggregator: nn.Module,
     slides: Sequence[TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any]],
     labels: Sequence[int],
-    protocol: Protocol | str | Mapping[str, Any] = "all",
+    protocol: Protocol | str = "all",
     *,
     n_classes: int,
     device: torch.device | str | None = None,
@@ -492,7 +386,7 @@ def validate_model(
     aggregator : MIL aggregator (or grid head with ``needs_grid``).
     slides : per slide a TileStore, a store path, a Tensor [N, D] or ``(z, grid)``.
     labels : int class per slide, same order.
-    protocol : test-time protocol (``"all"``, ``"256x100"``, a config mapping, a Protocol);
+    protocol : test-time protocol (``"all"``, ``"sub256x100"``, ``"ens256x100"`` or a Protocol);
         subsets are seeded per slide by ``seed`` (see :func:`protocol_rng`), so every epoch
         sees the same subsets.
     n_classes : C.

@@ -27,7 +27,7 @@ from collections import deque
 from contextlib import closing
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -37,13 +37,15 @@ import numpy as np
 import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, read_scaled, resolve_mpp, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
-from wsi_pipeline.slides.reader import BACKENDS, Slide
+from wsi_pipeline.slides.reader import Slide
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
-from wsi_pipeline.data.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, store_path
-from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
+from wsi_pipeline.data.store import StoreWriter, store_path
+from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, OtsuParams, TilingConfig  # noqa: F401 (re-exported)
+from wsi_pipeline.tiling.params import output_params
+from wsi_pipeline.tiling.tissue import box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
 
 __all__ = [
     "METHODS", "SlideJob", "SlideResult", "TilePlan", "TilingConfig", "available_cores", "plan_tiles", "precheck",
@@ -53,133 +55,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 #: Foreground methods and their default keep thresholds (fraction of the tile).
-METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5, "unet": 0.5}
+METHODS: dict[str, float] = DEFAULT_MIN_FOREGROUND
 #: Overview pixels per tile side (the overview is the slide at tile extent / 16).
 _OVERVIEW_PER_TILE = 16
 #: The paper's brightest foreground grey, used by ``grey_max="auto"`` when a slide shows no glass.
 PAPER_GREY_MAX = 230
 #: Report note of a slide skipped for its dark background.
 DARK_NOTE = "skipped: dark background (fluorescence?)"
-
-
-@dataclass(frozen=True)
-class TilingConfig:
-    """Tiling settings (all lengths in px at the tile resolution unless stated).
-
-    Attributes
-    ----------
-    method : ``"greyscale"``, ``"otsu"`` or ``"unet"`` (mask of the tissue U-Net, :mod:`wsi_pipeline.tissue_seg`).
-    tile_size : T.
-    min_foreground : keep a tile when its foreground fraction is at least this; None = the
-        method's default (greyscale 0.6, otsu 0.5).
-    grey_min, grey_max : inclusive grey range of a foreground pixel (greyscale method);
-        ``grey_max="auto"``: each slide's glass grey level (estimated from its thumbnail,
-        :mod:`wsi_pipeline.tiling.background`) minus ``grey_auto_margin``, or 230 when the
-        slide shows no glass.
-    grey_auto_margin : grey levels between the glass level and ``grey_max="auto"`` (10: on
-        CMU-1, 0.06 % of level-0 glass pixels lie 10 or more levels below the glass level).
-    allow_dark_background : tile slides whose background is dark (fluorescence) with these
-        brightfield rules; by default they are ``skipped`` with the note ``DARK_NOTE``.
-    mpp_target : um per tile px, or None for native level 0.
-    mpp_tolerance : relative mpp difference within which a pyramid level is used without resizing.
-    mpp : run-wide fallback mpp (um per level-0 px, ``--mpp``) for slides with no mpp of their own
-        (neither in their metadata nor in the manifest).
-    mpp_force : run-wide mpp (``--mpp-force``) used for every slide, over the slides' metadata
-        and the manifest; at most one of ``mpp`` and ``mpp_force``.
-    compression : tile compression, one of ``zstd`` (lossless), ``jpeg`` (lossy), ``none``.
-    shard_tiles : tiles per shard file of the store (zarr v3 sharding); 0 = one file per tile.
-        The layout does not change a store's content, so it is not compared on resume.
-    backend : slide reader, ``auto``, ``openslide`` or ``tiffslide``.
-    prescreen : skip tiles the low-resolution bound proves to be background (greyscale only;
-        the kept set is unchanged).
-    prescreen_margin : grey levels of slack in that bound.
-    otsu : :class:`OtsuParams`.
-    qc : write ``qc/<slide_id>.png``.
-    tissue_model : ``unet`` method: the model file (``best.pt`` of ``wsi-pipeline tissue train``); None = the shipped one.
-    read_run : most tiles read by one level read (one task of the decoding threads).
-    """
-
-    method: str = "greyscale"
-    tile_size: int = 256
-    min_foreground: float | None = None
-    grey_min: int = 3
-    grey_max: int | str = 230
-    grey_auto_margin: int = 10
-    allow_dark_background: bool = False
-    mpp_target: float | None = None
-    mpp_tolerance: float = 0.05
-    mpp: float | None = None
-    mpp_force: float | None = None
-    compression: str = "zstd"
-    shard_tiles: int = DEFAULT_SHARD_TILES
-    backend: str = "auto"
-    prescreen: bool = True
-    prescreen_margin: float = 8.0
-    otsu: OtsuParams = field(default_factory=OtsuParams)
-    qc: bool = True
-    read_run: int = 32
-    tissue_model: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method={self.method!r}; expected one of {sorted(METHODS)}")
-        if self.compression not in COMPRESSIONS:
-            raise ValueError(f"compression={self.compression!r}; expected one of {COMPRESSIONS}")
-        if int(self.shard_tiles) < 0:
-            raise ValueError(f"shard_tiles={self.shard_tiles}; expected tiles per shard >= 1, or 0 for one file per tile")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
-        if int(self.tile_size) < 8:
-            raise ValueError(f"tile_size={self.tile_size} px is too small; use >= 8 (256 is the default)")
-        if isinstance(self.grey_max, str):
-            if self.grey_max != "auto":
-                raise ValueError(f"grey_max={self.grey_max!r}; expected a grey level 0..255 or 'auto'")
-            if not 0 <= self.grey_min <= 255 or not 0 <= self.grey_auto_margin <= 255:
-                raise ValueError(f"grey_min={self.grey_min} and grey_auto_margin={self.grey_auto_margin} must be in [0, 255]")
-        elif not 0 <= self.grey_min <= self.grey_max <= 255:
-            raise ValueError(f"grey range [{self.grey_min}, {self.grey_max}] must satisfy 0 <= grey_min <= grey_max <= 255")
-        if self.min_foreground is not None and not 0 <= self.min_foreground <= 1:
-            raise ValueError(f"min_foreground={self.min_foreground} must be a fraction in [0, 1]")
-        for name in ("mpp_target", "mpp", "mpp_force"):
-            v = getattr(self, name)
-            if v is not None and not (v > 0 and math.isfinite(v)):
-                raise ValueError(f"{name}={v} must be a positive number of um/px")
-        if self.mpp is not None and self.mpp_force is not None:
-            raise ValueError(
-                f"mpp={self.mpp} and mpp_force={self.mpp_force}: give --mpp (fills in slides without an mpp) "
-                "or --mpp-force (overrides every slide's), not both"
-            )
-        if self.read_run < 1:
-            raise ValueError(f"read_run={self.read_run} must be >= 1")
-
-    @property
-    def threshold(self) -> float:
-        """The keep threshold in effect."""
-        return METHODS[self.method] if self.min_foreground is None else float(self.min_foreground)
-
-    def output_params(self) -> dict[str, Any]:
-        """The settings that determine a store's content (compared on resume)."""
-        p: dict[str, Any] = {
-            "method": self.method,
-            "tile_size": int(self.tile_size),
-            "min_foreground": self.threshold,
-            "mpp_target": self.mpp_target,
-            "mpp_tolerance": self.mpp_tolerance if self.mpp_target is not None else None,
-            "compression": self.compression,
-            "backend": self.backend,
-        }
-        if self.method == "greyscale":
-            p.update(grey_min=int(self.grey_min), grey_max=self.grey_max if self.grey_max == "auto" else int(self.grey_max))
-            if self.grey_max == "auto":
-                p.update(grey_auto_margin=int(self.grey_auto_margin))
-        elif self.method == "unet":
-            from wsi_pipeline.slides.fingerprint import slide_fingerprint
-            from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
-
-            p.update(tissue_model_fingerprint=slide_fingerprint(resolve_tissue_model(self.tissue_model)))
-        else:
-            p.update(otsu=asdict(self.otsu))
-        return p
 
 
 @dataclass(frozen=True)
@@ -226,7 +108,7 @@ def _identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str
     """
     return {
         "fingerprint": fingerprint, "tile_formula": TILE_FORMULA_VERSION,
-        "mpp_manifest": _valid_mpp(job.mpp), "mpp_force": _valid_mpp(config.mpp_force), **config.output_params(),
+        "mpp_manifest": _valid_mpp(job.mpp), "mpp_force": _valid_mpp(config.mpp_force), **output_params(config),
     }
 
 

@@ -20,11 +20,11 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from wsi_pipeline.config.tiling import OtsuParams
 from wsi_pipeline.tiling.background import Background, estimate_background, glass_pixels
 
 __all__ = ["OtsuParams", "box_mean", "grey", "otsu_tissue_mask", "strip_foreground", "tiles_foreground"]
@@ -140,39 +140,6 @@ def _drop_small_components(mask: np.ndarray, min_area: int, *, touching_border: 
     if not small.any():
         return mask
     return mask & ~small[labels]
-
-
-@dataclass(frozen=True)
-class OtsuParams:
-    """Otsu tissue-mask settings; sizes in um / um^2 (independent of the mask resolution).
-
-    Attributes
-    ----------
-    median_um : median-blur kernel width.
-    closing_um : radius of the disk used for morphological closing.
-    min_object_um2 : tissue components smaller than this are removed.
-    min_hole_um2 : holes smaller than this are filled.
-    min_contrast : levels (0..255) below which the image is taken as uniform (a blank slide),
-        no tissue: on a bright background with glass, between the upper Otsu class's mean and
-        the glass's median; otherwise between the two Otsu class means.
-    glass_margin : levels (0..255) of the thresholded channel above the glass's 99th
-        percentile at which a pixel is tissue even when Otsu's threshold is higher.
-    background : ``"auto"`` (dark when :func:`~wsi_pipeline.tiling.background.estimate_background`
-        says so), ``"bright"`` (brightfield) or ``"dark"`` (fluorescence).
-    channel : what Otsu thresholds. ``"auto"``: on a bright background the HSV saturation
-        (stained tissue, pale stroma included, against grey-white glass, as CLAM does); on a
-        dark background the brightest channel (a DAPI-blue nucleus has faint luma).
-        ``"grey"``: luma, tissue darker than the threshold (bright) or brighter (dark).
-    """
-
-    median_um: float = 30.0
-    closing_um: float = 30.0
-    min_object_um2: float = 10_000.0
-    min_hole_um2: float = 10_000.0
-    min_contrast: float = 15.0
-    glass_margin: float = 20.0
-    background: str = "auto"
-    channel: str = "auto"
 
 
 def otsu_tissue_mask(

@@ -1,0 +1,96 @@
+"""Every choice list of the configs and the command line, defined once.
+
+Each fixed list is a ``Literal`` type (used as the dataclass annotation, so the builder checks it
+and a type checker sees it) with its tuple of values beside it (for ``argparse`` ``choices=`` and
+messages). Lists that grow when code registers a model come from the registries, as functions.
+
+=====================  ===========================================  =================================
+name                   values                                       used by
+=====================  ===========================================  =================================
+``SCHEDULES``          cosine, exponential, linear, none            ``train.schedule``
+``BN_MODES``           frozen, chunk, train                         ``encoder.bn`` (strategy subsets:
+                                                                    ``ACCUMULATE_BN_MODES``,
+                                                                    ``PATCHGD_BN_MODES``)
+``SELECT_METRICS``     auto, auc, qwk, accuracy, balanced_accuracy,  ``train.select_metric``
+                       loss
+``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      ``methods[].strategy``
+``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
+``TILING_METHODS``     greyscale, otsu, unet                        ``tile --method``, ``data.tiling``
+``COMPRESSIONS``       zstd, none, jpeg                             ``tile --compression``
+``BACKENDS``           auto, openslide, tiffslide, wsidicom         ``tile --backend``
+``BACKBONE_SCALES``    full, paper                                  ``patchgd.backbone_scale``
+``PARTIAL_WINDOWS``    step, drop                                   ``patchgd.partial_window``
+``PATCHGD_PRESETS``    default, paper                               ``patchgd.preset``
+``encoder_names()``    the encoder registry                         ``encoder.name``, ``--encoder``
+``aggregator_names()`` the aggregator registry                      ``aggregator.name`` (MIL)
+``head_names()``       the PatchGD head registry                    ``patchgd.head``
+=====================  ===========================================  =================================
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Literal
+
+from wsi_pipeline.data.store import COMPRESSIONS
+from wsi_pipeline.devices import DEVICES
+from wsi_pipeline.models.aggregators import AGGREGATORS
+from wsi_pipeline.models.encoders import ENCODERS
+from wsi_pipeline.models.heads import HEADS
+from wsi_pipeline.slides.reader import BACKENDS
+
+__all__ = [
+    "ACCUMULATE_BN_MODES", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "PARTIAL_WINDOWS",
+    "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "SCHEDULES", "SELECT_METRICS", "STRATEGY_NAMES", "TILING_METHODS",
+    "BackboneScale", "BNMode", "PartialWindow", "PatchGDPreset", "Schedule", "SelectMetric", "StrategyName",
+    "TilingMethod", "aggregator_names", "encoder_names", "head_names", "model_names",
+]
+
+Schedule = Literal["cosine", "exponential", "linear", "none"]
+SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+
+#: Encoder BatchNorm modes in training: running statistics, each chunk's, or the whole bag's.
+BNMode = Literal["frozen", "chunk", "train"]
+BN_MODES: tuple[str, ...] = typing.get_args(BNMode)
+#: The modes the ``accumulate`` strategy supports (exact, or the ABMIL-ACC paper's chunk statistics).
+ACCUMULATE_BN_MODES: tuple[str, ...] = ("frozen", "chunk")
+#: The modes ``patchgd`` supports (``patchgd.freeze_bn`` true / false).
+PATCHGD_BN_MODES: tuple[str, ...] = ("frozen", "train")
+
+SelectMetric = Literal["auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss"]
+SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)
+
+#: The training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers exactly these).
+StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]
+STRATEGY_NAMES: tuple[str, ...] = typing.get_args(StrategyName)
+
+#: Foreground methods of the tiler.
+TilingMethod = Literal["greyscale", "otsu", "unet"]
+TILING_METHODS: tuple[str, ...] = typing.get_args(TilingMethod)
+
+BackboneScale = Literal["full", "paper"]
+BACKBONE_SCALES: tuple[str, ...] = typing.get_args(BackboneScale)
+PartialWindow = Literal["step", "drop"]
+PARTIAL_WINDOWS: tuple[str, ...] = typing.get_args(PartialWindow)
+PatchGDPreset = Literal["default", "paper"]
+PATCHGD_PRESETS: tuple[str, ...] = typing.get_args(PatchGDPreset)
+
+
+def encoder_names() -> list[str]:
+    """Registered tile encoders (``encoder.name``, ``features --encoder``)."""
+    return ENCODERS.names()
+
+
+def aggregator_names() -> list[str]:
+    """Registered MIL aggregators."""
+    return AGGREGATORS.names()
+
+
+def head_names() -> list[str]:
+    """Registered PatchGD heads (``patchgd.head``, or ``aggregator.name`` of a ``patchgd`` method)."""
+    return HEADS.names()
+
+
+def model_names() -> list[str]:
+    """What ``aggregator.name`` may be: an aggregator, or for ``patchgd`` a head."""
+    return sorted({*aggregator_names(), *head_names()})

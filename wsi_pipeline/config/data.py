@@ -1,0 +1,34 @@
+"""The ``data`` section: manifest, tile stores, feature files, classes, expected tiling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from wsi_pipeline.config.tiling import StoreTiling
+
+__all__ = ["DataConfig"]
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the cohort lives.
+
+    Attributes
+    ----------
+    manifest : manifest CSV (train/val splits are read from its ``split`` column).
+    tiles_dir : folder of ``<slide_id>.zarr`` tile stores.
+    n_classes : number of classes C; labels must lie in ``[0, C)``.
+    features_dir : root of frozen-encoder feature files; a frozen method reads
+        ``<features_dir>/<encoder name>`` unless the method sets its own ``features_dir``.
+    tiling : tiling parameters (saved for ``predict``).
+    """
+
+    manifest: str
+    tiles_dir: str
+    n_classes: int
+    features_dir: str = "features"
+    tiling: StoreTiling = field(default_factory=StoreTiling)
+
+    def __post_init__(self) -> None:
+        if self.n_classes < 2:
+            raise ValueError(f"data.n_classes={self.n_classes}; expected >= 2 (binary tasks use 2)")

@@ -1,0 +1,143 @@
+"""The ``eval`` section and the evaluation protocol, with its one spelling.
+
+A protocol is written ``all`` (every tile of a slide), ``sub<k>x<R>`` (R random draws of k tiles,
+scored per draw and averaged over draws: the papers' score) or ``ens<k>x<R>`` (the same draws,
+each slide's probabilities averaged over them, scored once). The name is also what file names,
+``metrics.json`` and reports use, so a protocol reads the same everywhere (see
+:mod:`wsi_pipeline.inference.protocols` for how each is scored).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsi_pipeline.config.schema import spec
+
+__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "Protocol", "parse_protocol", "parse_protocols", "saved_protocol"]
+
+#: How a protocol is written, for messages and ``--help``.
+PROTOCOL_SPELLING = "all, sub<k>x<R> (R draws of k tiles, metric per draw, e.g. sub256x100) or ens<k>x<R> (mean probability over the draws)"
+_NAME_RE = re.compile(r"(sub|ens)([0-9]+)x([0-9]+)")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
+
+    ``ensemble`` False (the papers' protocol, ``sub<k>x<R>``): metrics per repeat, mean over repeats.
+    ``ensemble`` True (``ens<k>x<R>``): metrics of the slide probabilities averaged over repeats.
+    ``name`` is the protocol's one spelling; it appears in file names
+    (``predictions_<cohort>_<name>.csv``), in ``metrics.json`` and in saved configs.
+    """
+
+    k: int | None = None
+    repeats: int = 1
+    ensemble: bool = False
+
+    def __post_init__(self) -> None:
+        if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
+            raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
+
+    @property
+    def is_all(self) -> bool:
+        return self.k is None
+
+    @property
+    def per_repeat(self) -> bool:
+        """True for the papers' subsample protocol (metric per repeat, then the mean over repeats)."""
+        return self.k is not None and not self.ensemble
+
+    @property
+    def draw_name(self) -> str:
+        """``all`` or ``sub<k>x<repeats>``: keys the subsets, shared by ``sub`` and ``ens`` of the same k, R."""
+        return "all" if self.k is None else f"sub{self.k}x{self.repeats}"
+
+    @property
+    def name(self) -> str:
+        """``all``, ``sub<k>x<R>`` or ``ens<k>x<R>``."""
+        if self.k is None:
+            return "all"
+        return f"{'ens' if self.ensemble else 'sub'}{self.k}x{self.repeats}"
+
+    def to_raw(self) -> str:
+        """The YAML form: the name."""
+        return self.name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+ALL = Protocol()
+
+
+def parse_protocol(value: Any, where: str = "protocol") -> Protocol:
+    """A :class:`Protocol` from its name (``all``, ``sub256x100``, ``ens256x100``); a Protocol passes through.
+
+    Raises ``ValueError`` naming ``where`` (the field or option), the value and the accepted spelling.
+    """
+    if isinstance(value, Protocol):
+        return value
+    if value == "all":
+        return ALL
+    m = _NAME_RE.fullmatch(value) if isinstance(value, str) else None
+    if m is None:
+        raise ValueError(f"{where}={value!r}; expected {PROTOCOL_SPELLING}")
+    k, repeats = int(m.group(2)), int(m.group(3))
+    if k < 1 or repeats < 1:
+        raise ValueError(f"{where}={value!r}; k and R must be >= 1 ({PROTOCOL_SPELLING})")
+    return Protocol(k, repeats, ensemble=m.group(1) == "ens")
+
+
+def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> list[Protocol]:
+    """Parse a list of protocols; duplicates are dropped, order kept; None or empty means ``[all]``."""
+    if isinstance(values, (str, bytes)) or (values is not None and not isinstance(values, Sequence)):
+        raise ValueError(f"{where}={values!r}; expected a list of protocols ({PROTOCOL_SPELLING})")
+    out: list[Protocol] = []
+    for i, v in enumerate(values or ["all"]):
+        p = parse_protocol(v, f"{where}[{i}]")
+        if p not in out:
+            out.append(p)
+    return out
+
+
+_SAVED_KINDS = {"subsample": "sub", "subsample_ensemble": "ens"}
+
+
+def saved_protocol(value: Any) -> Any:
+    """A protocol as configs saved before the one spelling wrote it (``{subsample: {k: 256,
+    repeats: 100}}``, ``{subsample_ensemble: ...}``) turned into its name (``sub256x100``); any
+    other value unchanged. Only for reading saved run configs (checkpoints), never user input.
+    """
+    if isinstance(value, Mapping) and len(value) == 1:
+        kind, body = next(iter(value.items()))
+        if kind in _SAVED_KINDS and isinstance(body, Mapping) and set(body) <= {"k", "repeats"} and "k" in body:
+            return f"{_SAVED_KINDS[kind]}{body['k']}x{body.get('repeats', 1)}"
+    return value
+
+
+def _config_protocols(value: Any, where: str) -> tuple[Protocol, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise TypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {value!r}")
+    return tuple(parse_protocol(v, f"{where}[{i}]") for i, v in enumerate(value))
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Validation during training and the evaluation stage's protocols.
+
+    Attributes
+    ----------
+    val_protocol : protocol of the per-epoch validation (the paper validates with the test protocol).
+    protocols : protocols of the evaluation stage.
+    seed : seed of the random tile draws of subsampling protocols (and random pseudo-bags).
+    bootstrap : resamples of the slides for the 95 % intervals (0: no intervals; each costs one
+        scikit-learn call per metric and seed, ~1 ms).
+    """
+
+    val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
+    protocols: tuple[Protocol, ...] = field(default=(ALL, Protocol(256, 100)), metadata=spec(parse=_config_protocols))
+    seed: int = 0
+    bootstrap: int = field(default=1000, metadata=spec(ge=0))

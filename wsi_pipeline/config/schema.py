@@ -1,0 +1,182 @@
+"""The generic builder: a YAML mapping -> a frozen dataclass, every error naming the field's path.
+
+:func:`build` checks a mapping against a dataclass's annotations: unknown keys, missing required
+keys, values of the wrong type and values outside a field's choices or range raise
+``ValueError``/``TypeError`` naming the path (``methods[2].train.lr: expected a number, got str
+'x'``). Dataclass fields may carry metadata made by :func:`spec`:
+
+- ``parse``: a function ``(value, where) -> typed value`` for a field whose YAML form differs from
+  its dataclass form (e.g. a protocol written ``sub256x100``);
+- ``choices``: the allowed values, or a function returning them (a registry's names), checked
+  after the type;
+- ``gt`` / ``ge`` / ``le``: numeric bounds (None values pass).
+
+Annotations understood: ``bool``, ``int``, ``float`` (ints and YAML-1.1 strings such as ``1e-4``
+accepted), ``str``, ``Literal[...]``, ``X | None``, ``tuple[X, ...]``, ``tuple[X, Y]``,
+``dict[str, Any]``, ``Any`` and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar
+
+__all__ = ["build", "coerce", "positive", "spec", "type_name"]
+
+Choices = Sequence[Any] | Callable[[], Sequence[Any]]
+T = TypeVar("T")
+
+
+def spec(
+    *,
+    parse: Callable[[Any, str], Any] | None = None,
+    choices: Choices | None = None,
+    gt: float | None = None,
+    ge: float | None = None,
+    le: float | None = None,
+) -> dict[str, Any]:
+    """Field metadata for :func:`build`: ``field(default=..., metadata=spec(gt=0))``."""
+    out: dict[str, Any] = {}
+    for key, value in (("parse", parse), ("choices", choices), ("gt", gt), ("ge", ge), ("le", le)):
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def type_name(tp: Any) -> str:
+    """How an annotation reads in an error message (``a number``, ``one of 'a', 'b'``, ...)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {type_name(args[0])}"
+        return f"a list of {len(args)} values ({', '.join(type_name(a) for a in args)})"
+    if origin in (dict, Mapping) or dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` (from YAML) against the annotation ``tp``; return the typed value."""
+    origin = typing.get_origin(tp)
+    wrong = TypeError(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise wrong
+        others = [a for a in args if a is not type(None)]
+        for arg in others:
+            try:
+                return coerce(value, arg, where)
+            except (TypeError, ValueError) as e:
+                last = e
+        if len(others) == 1 and isinstance(last, ValueError):
+            raise last  # the type fits, the value does not (e.g. outside a Literal's choices)
+        raise wrong
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"{where}={value!r}; expected {type_name(tp)}")
+        return value
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise wrong
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise wrong
+        return tuple(coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin in (dict, Mapping):
+        if not isinstance(value, Mapping):
+            raise wrong
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return value if isinstance(value, tp) else build(tp, value, where)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise wrong
+        return value
+    if tp is float:
+        if isinstance(value, bool):
+            raise wrong
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            # YAML 1.1 reads `1e-4` (no dot) as a string; accept it as the number it spells.
+            try:
+                return float(value)
+            except ValueError:
+                raise wrong from None
+        raise wrong
+    if tp is str:
+        if not isinstance(value, str):
+            raise wrong
+        return value
+    raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a bug in a section, not in the YAML
+
+
+def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
+    """The ``choices`` and bounds of a field's :func:`spec` (None passes)."""
+    if value is None:
+        return
+    choices = meta.get("choices")
+    if choices is not None:
+        allowed = list(choices() if callable(choices) else choices)
+        if value not in allowed:
+            raise ValueError(f"{where}={value!r}; expected one of {allowed}")
+    if "gt" in meta and not value > meta["gt"]:
+        raise ValueError(f"{where}={value!r}; expected a value > {meta['gt']}")
+    if "ge" in meta and not value >= meta["ge"]:
+        raise ValueError(f"{where}={value!r}; expected a value >= {meta['ge']}")
+    if "le" in meta and not value <= meta["le"]:
+        raise ValueError(f"{where}={value!r}; expected a value <= {meta['le']}")
+
+
+def build(cls: type[T], raw: Any, where: str = "") -> T:
+    """Build dataclass ``cls`` from mapping ``raw``; ``where`` is the section's path (``""``: top level).
+
+    Raises ``ValueError`` for an unknown key (naming it, its section and the valid keys), a missing
+    required key or a value outside its choices or bounds; ``TypeError`` for a value of the wrong
+    type (naming the field's path and the expected type).
+    """
+    if not isinstance(raw, Mapping):
+        raise TypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    section = where or "top level"
+    for key in raw:
+        if key not in fields:
+            raise ValueError(f"unknown key {key!r} in section {section!r}; valid keys: {sorted(fields)}")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        sub = f"{where}.{name}" if where else name
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ValueError(f"missing required key {name!r} in section {section!r}")
+            continue
+        parse = f.metadata.get("parse")
+        value = parse(raw[name], sub) if parse else coerce(raw[name], hints[name], sub)
+        _check(value, f.metadata, sub)
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def positive(where: str, value: float) -> None:
+    """``ValueError`` naming ``where`` unless ``value > 0`` (checks in a section's ``__post_init__``)."""
+    if not value > 0:
+        raise ValueError(f"{where}={value}; expected a value > 0")

@@ -1,0 +1,198 @@
+"""Tiling settings: the tiler's :class:`TilingConfig` (with :class:`OtsuParams`), the pipeline's
+``data.tiling`` section (:class:`StoreTiling`, the same field names, all optional) and the one
+bridge from either, or from a store's recorded settings, to a tiler config (:func:`tiler_config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, TILING_METHODS, TilingMethod
+from wsi_pipeline.config.schema import spec
+from wsi_pipeline.data.store import DEFAULT_SHARD_TILES
+
+__all__ = ["DEFAULT_MIN_FOREGROUND", "OtsuParams", "StoreTiling", "TilingConfig", "tiler_config"]
+
+#: Foreground methods and their default keep thresholds (fraction of the tile).
+DEFAULT_MIN_FOREGROUND: dict[str, float] = dict(zip(TILING_METHODS, (0.6, 0.5, 0.5), strict=True))
+
+
+@dataclass(frozen=True)
+class OtsuParams:
+    """Otsu tissue-mask settings; sizes in um / um^2 (independent of the mask resolution).
+
+    Attributes
+    ----------
+    median_um : median-blur kernel width.
+    closing_um : radius of the disk used for morphological closing.
+    min_object_um2 : tissue components smaller than this are removed.
+    min_hole_um2 : holes smaller than this are filled.
+    min_contrast : levels (0..255) below which the image is taken as uniform (a blank slide),
+        no tissue: on a bright background with glass, between the upper Otsu class's mean and
+        the glass's median; otherwise between the two Otsu class means.
+    glass_margin : levels (0..255) of the thresholded channel above the glass's 99th
+        percentile at which a pixel is tissue even when Otsu's threshold is higher.
+    background : ``"auto"`` (dark when :func:`~wsi_pipeline.tiling.background.estimate_background`
+        says so), ``"bright"`` (brightfield) or ``"dark"`` (fluorescence).
+    channel : what Otsu thresholds. ``"auto"``: on a bright background the HSV saturation
+        (stained tissue, pale stroma included, against grey-white glass, as CLAM does); on a
+        dark background the brightest channel (a DAPI-blue nucleus has faint luma).
+        ``"grey"``: luma, tissue darker than the threshold (bright) or brighter (dark).
+    """
+
+    median_um: float = 30.0
+    closing_um: float = 30.0
+    min_object_um2: float = 10_000.0
+    min_hole_um2: float = 10_000.0
+    min_contrast: float = 15.0
+    glass_margin: float = 20.0
+    background: str = "auto"
+    channel: str = "auto"
+
+
+@dataclass(frozen=True)
+class TilingConfig:
+    """Tiling settings (all lengths in px at the tile resolution unless stated).
+
+    Attributes
+    ----------
+    method : ``"greyscale"``, ``"otsu"`` or ``"unet"`` (mask of the tissue U-Net, :mod:`wsi_pipeline.tissue_seg`).
+    tile_size : T.
+    min_foreground : keep a tile when its foreground fraction is at least this; None = the
+        method's default (greyscale 0.6, otsu 0.5).
+    grey_min, grey_max : inclusive grey range of a foreground pixel (greyscale method);
+        ``grey_max="auto"``: each slide's glass grey level (estimated from its thumbnail,
+        :mod:`wsi_pipeline.tiling.background`) minus ``grey_auto_margin``, or 230 when the
+        slide shows no glass.
+    grey_auto_margin : grey levels between the glass level and ``grey_max="auto"`` (10: on
+        CMU-1, 0.06 % of level-0 glass pixels lie 10 or more levels below the glass level).
+    allow_dark_background : tile slides whose background is dark (fluorescence) with these
+        brightfield rules; by default they are ``skipped`` with the note ``DARK_NOTE``.
+    mpp_target : um per tile px, or None for native level 0.
+    mpp_tolerance : relative mpp difference within which a pyramid level is used without resizing.
+    mpp : run-wide fallback mpp (um per level-0 px, ``--mpp``) for slides with no mpp of their own
+        (neither in their metadata nor in the manifest).
+    mpp_force : run-wide mpp (``--mpp-force``) used for every slide, over the slides' metadata
+        and the manifest; at most one of ``mpp`` and ``mpp_force``.
+    compression : tile compression, one of ``zstd`` (lossless), ``jpeg`` (lossy), ``none``.
+    shard_tiles : tiles per shard file of the store (zarr v3 sharding); 0 = one file per tile.
+        The layout does not change a store's content, so it is not compared on resume.
+    backend : slide reader, ``auto``, ``openslide`` or ``tiffslide``.
+    prescreen : skip tiles the low-resolution bound proves to be background (greyscale only;
+        the kept set is unchanged).
+    prescreen_margin : grey levels of slack in that bound.
+    otsu : :class:`OtsuParams`.
+    qc : write ``qc/<slide_id>.png``.
+    tissue_model : ``unet`` method: the model file (``best.pt`` of ``wsi-pipeline tissue train``); None = the shipped one.
+    read_run : most tiles read by one level read (one task of the decoding threads).
+    """
+
+    method: str = "greyscale"
+    tile_size: int = 256
+    min_foreground: float | None = None
+    grey_min: int = 3
+    grey_max: int | str = 230
+    grey_auto_margin: int = 10
+    allow_dark_background: bool = False
+    mpp_target: float | None = None
+    mpp_tolerance: float = 0.05
+    mpp: float | None = None
+    mpp_force: float | None = None
+    compression: str = "zstd"
+    shard_tiles: int = DEFAULT_SHARD_TILES
+    backend: str = "auto"
+    prescreen: bool = True
+    prescreen_margin: float = 8.0
+    otsu: OtsuParams = field(default_factory=OtsuParams)
+    qc: bool = True
+    read_run: int = 32
+    tissue_model: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in TILING_METHODS:
+            raise ValueError(f"method={self.method!r}; expected one of {sorted(TILING_METHODS)}")
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"compression={self.compression!r}; expected one of {COMPRESSIONS}")
+        if int(self.shard_tiles) < 0:
+            raise ValueError(f"shard_tiles={self.shard_tiles}; expected tiles per shard >= 1, or 0 for one file per tile")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r}; expected one of {BACKENDS}")
+        if int(self.tile_size) < 8:
+            raise ValueError(f"tile_size={self.tile_size} px is too small; use >= 8 (256 is the default)")
+        if isinstance(self.grey_max, str):
+            if self.grey_max != "auto":
+                raise ValueError(f"grey_max={self.grey_max!r}; expected a grey level 0..255 or 'auto'")
+            if not 0 <= self.grey_min <= 255 or not 0 <= self.grey_auto_margin <= 255:
+                raise ValueError(f"grey_min={self.grey_min} and grey_auto_margin={self.grey_auto_margin} must be in [0, 255]")
+        elif not 0 <= self.grey_min <= self.grey_max <= 255:
+            raise ValueError(f"grey range [{self.grey_min}, {self.grey_max}] must satisfy 0 <= grey_min <= grey_max <= 255")
+        if self.min_foreground is not None and not 0 <= self.min_foreground <= 1:
+            raise ValueError(f"min_foreground={self.min_foreground} must be a fraction in [0, 1]")
+        for name in ("mpp_target", "mpp", "mpp_force"):
+            v = getattr(self, name)
+            if v is not None and not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}={v} must be a positive number of um/px")
+        if self.mpp is not None and self.mpp_force is not None:
+            raise ValueError(
+                f"mpp={self.mpp} and mpp_force={self.mpp_force}: give --mpp (fills in slides without an mpp) "
+                "or --mpp-force (overrides every slide's), not both"
+            )
+        if self.read_run < 1:
+            raise ValueError(f"read_run={self.read_run} must be >= 1")
+
+    @property
+    def threshold(self) -> float:
+        """The keep threshold in effect."""
+        return DEFAULT_MIN_FOREGROUND[self.method] if self.min_foreground is None else float(self.min_foreground)
+
+
+@dataclass(frozen=True)
+class StoreTiling:
+    """The ``data.tiling`` section: what the pipeline expects of its tile stores; every field is optional.
+
+    The fields are :class:`TilingConfig`'s of the same names. The stores record the settings that
+    made them; training checks that all its stores agree, and with each field given here, and
+    saves the stores' settings in the checkpoint, so ``predict`` tiles new slides exactly as the
+    training data was tiled. A field left empty (None) is taken from the stores.
+
+    Attributes
+    ----------
+    method : tissue-detection method of the tiler.
+    tile_size : tile side in px at the read resolution.
+    min_foreground : keep a tile at >= this foreground fraction (0..1).
+    mpp_target : read resolution in um/px.
+    """
+
+    method: TilingMethod | None = None
+    tile_size: int | None = field(default=None, metadata=spec(gt=0))
+    min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
+    mpp_target: float | None = field(default=None, metadata=spec(gt=0))
+
+
+def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | None = None) -> TilingConfig:
+    """The tiler config that reproduces ``settings``: a store's recorded settings (a mapping, as a
+    checkpoint saves them) or a :class:`StoreTiling` section; fields it leaves empty take the
+    tiler's defaults. ``mpp`` (um per level-0 px) becomes the run-wide fallback ``mpp``.
+
+    A store records how its tiles were made, not where they were written or how they were
+    compressed, so ``backend``, ``compression`` and ``mpp`` are never taken from ``settings``.
+    """
+    if settings is None:
+        raw: dict[str, Any] = {}
+    elif isinstance(settings, Mapping):
+        raw = dict(settings)
+    else:
+        raw = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
+    names = {f.name for f in dataclasses.fields(TilingConfig)} - {"mpp", "backend", "compression"}
+    kw = {k: v for k, v in raw.items() if k in names and v is not None}
+    if not kw.get("method"):
+        kw.pop("method", None)
+    if isinstance(kw.get("otsu"), Mapping):
+        kw["otsu"] = OtsuParams(**kw["otsu"])
+    if mpp is not None:
+        kw["mpp"] = float(mpp)
+    return TilingConfig(**kw)

@@ -1,0 +1,140 @@
+"""The ``train`` section: epochs, optimiser, schedule, DEMON, augmentation, device (a method's
+``train`` mapping overrides any of it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from wsi_pipeline.config.choices import Schedule, SelectMetric
+from wsi_pipeline.config.schema import build, coerce, positive, spec
+from wsi_pipeline.devices import check_device
+
+__all__ = ["AugmentConfig", "DemonConfig", "TrainConfig"]
+
+
+@dataclass(frozen=True)
+class DemonConfig:
+    """DEMON momentum decay (see :class:`wsi_pipeline.training.optim.DemonAdam`).
+
+    In YAML, ``demon: false`` / ``demon: true`` / ``demon: {beta_init: 0.9}``.
+    """
+
+    enabled: bool = False
+    beta_init: float = 0.9
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta_init < 1.0:
+            raise ValueError(f"train.demon.beta_init={self.beta_init}; expected a value in [0, 1)")
+
+
+def _parse_demon(value: Any, where: str) -> DemonConfig:
+    if isinstance(value, bool):
+        return DemonConfig(enabled=value)
+    if isinstance(value, Mapping):
+        raw = dict(value)
+        raw.setdefault("enabled", True)
+        return build(DemonConfig, raw, where)
+    raise TypeError(f"{where} must be true, false or a mapping like {{beta_init: 0.9}}; got {value!r}")
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Per-slide augmentation: one random draw of parameters per bag, applied to all its tiles.
+
+    Attributes
+    ----------
+    enabled : off by default.
+    blur_p, blur_sigma, blur_kernel : probability, sigma range (px) and kernel side (px, odd) of a Gaussian blur.
+    jitter_p, brightness, contrast, saturation, hue : colour-jitter probability and strengths
+        (kornia ``ColorJitter`` conventions; hue in [0, 0.5]).
+    flips : random horizontal and vertical flips (p = 0.5 each).
+    rotation : random rotation by a multiple of 90 degrees (lossless on square tiles).
+    """
+
+    enabled: bool = False
+    blur_p: float = 0.5
+    blur_sigma: tuple[float, float] = (0.1, 1.5)
+    blur_kernel: int = 5
+    jitter_p: float = 0.8
+    brightness: float = 0.1
+    contrast: float = 0.1
+    saturation: float = 0.1
+    hue: float = 0.02
+    flips: bool = True
+    rotation: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("blur_p", "jitter_p"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"train.augment.{name}={getattr(self, name)}; expected a probability in [0, 1]")
+        if self.blur_kernel < 1 or self.blur_kernel % 2 == 0:
+            raise ValueError(f"train.augment.blur_kernel={self.blur_kernel}; expected an odd number of px >= 1")
+        if not 0 < self.blur_sigma[0] <= self.blur_sigma[1]:
+            raise ValueError(f"train.augment.blur_sigma={list(self.blur_sigma)}; expected [low, high] with 0 < low <= high")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training hyper-parameters (the ``train`` section; a method's ``train`` overrides any of them).
+
+    Attributes
+    ----------
+    epochs : passes over the training slides.
+    lr, weight_decay : Adam learning rate and L2 weight decay.
+    bag_size : k, tiles sampled at random per slide per epoch (all tiles when a slide has fewer).
+    batch_bags, accumulate_batches : B bags per batch, S batches per optimiser step; the
+        optimiser steps on the mean loss of B x S bags (bags are processed one at a time).
+    schedule : ``cosine`` (annealed to ``min_lr`` over the run), ``exponential`` (lr x gamma per
+        epoch), ``linear`` (linear decay to ``min_lr`` over the run, the PatchGD paper's) or
+        ``none``; ``warmup_epochs`` of linear warm-up come first.
+    demon : DEMON momentum decay on Adam's first moment.
+    clip_grad_norm : clip the global gradient norm before each step (None: off).
+    select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
+        binary and QWK for multi-class tasks.
+    early_stopping_patience : stop after this many epochs without improvement (None: off).
+    device : ``auto`` (CUDA, then Apple MPS, then CPU), ``cpu``, ``cuda``, ``cuda:<i>`` or ``mps``
+        (:data:`wsi_pipeline.devices.DEVICES`, as every command's ``--device``).
+    bf16 : bfloat16 autocast on CUDA (ignored on CPU).
+    augment : per-slide augmentation.
+    """
+
+    epochs: int = 20
+    lr: float = 1e-4
+    weight_decay: float = 1e-4
+    bag_size: int = 256
+    batch_bags: int = 2
+    accumulate_batches: int = 1
+    schedule: Schedule = "cosine"
+    gamma: float = 0.955
+    min_lr: float = 0.0
+    warmup_epochs: int = 0
+    demon: DemonConfig = field(default_factory=DemonConfig, metadata=spec(parse=_parse_demon))
+    clip_grad_norm: float | None = None
+    select_metric: SelectMetric = "auto"
+    early_stopping_patience: int | None = None
+    device: str = field(default="auto", metadata=spec(parse=lambda value, where: check_device(coerce(value, str, where), where)))
+    bf16: bool = False
+    augment: AugmentConfig = field(default_factory=AugmentConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "bag_size", "batch_bags", "accumulate_batches"):
+            positive(f"train.{name}", getattr(self, name))
+        positive("train.lr", self.lr)
+        if self.weight_decay < 0 or self.min_lr < 0 or self.warmup_epochs < 0:
+            raise ValueError("train.weight_decay, train.min_lr and train.warmup_epochs must be >= 0")
+        if not 0.0 < self.gamma <= 1.0:
+            raise ValueError(f"train.gamma={self.gamma}; expected a per-epoch decay factor in (0, 1]")
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(f"train.warmup_epochs={self.warmup_epochs} must be smaller than train.epochs={self.epochs}")
+        if self.clip_grad_norm is not None:
+            positive("train.clip_grad_norm", self.clip_grad_norm)
+        if self.early_stopping_patience is not None:
+            positive("train.early_stopping_patience", self.early_stopping_patience)
+        check_device(self.device, "train.device")
+
+    @property
+    def bags_per_step(self) -> int:
+        """Bags whose mean loss one optimiser step follows (B x S)."""
+        return self.batch_bags * self.accumulate_batches
