@@ -33,6 +33,7 @@ from PIL import Image
 
 from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
+from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
@@ -419,8 +420,4 @@ def write_report(
                  _confusion_section(pred, n_classes, first, methods)]
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(doc, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, doc)
