@@ -42,7 +42,7 @@ from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_b
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
-from wsi_pipeline.data.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, store_path
+from wsi_pipeline.data.store import COMPRESSIONS, DEFAULT_SHARD_TILES, StoreWriter, complete_attrs, store_path
 from wsi_pipeline.tiling.tissue import OtsuParams, box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
 
 __all__ = [
@@ -230,17 +230,6 @@ def _identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str
     }
 
 
-def _complete_attrs(path: Path) -> dict[str, Any] | None:
-    """Attributes of a complete store at ``path``; None when missing, unreadable or partial."""
-    try:
-        import zarr
-
-        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    except Exception:  # missing or unreadable: no usable store
-        return None
-    return attrs if attrs.get("complete") else None
-
-
 def _stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [int(st.st_size), int(st.st_mtime_ns)]
@@ -253,7 +242,7 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     those recorded in the store, the recorded fingerprint is reused instead of re-hashing
     (a resume check of thousands of slides on a network file system stays cheap).
     """
-    attrs = _complete_attrs(path)
+    attrs = complete_attrs(path)
     if attrs is None:
         return None
     slide = Path(job.path)
