@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         _report(r)
         results.append(r)
     if args.json:
-        args.json.write_text(json.dumps({"mosaic": spec, "results": results}, indent=1))
+        write_text_atomic(args.json, json.dumps({"mosaic": spec, "results": results}, indent=1))
     return 0 if all(r["verified_differing"] == 0 for r in results) else 1
 
 
