@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from wsi_pipeline.bench.memory import SavedTensorMeter
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.models.aggregators.dtfd import DISTILL_MODES
 from wsi_pipeline.training.accumulate import accumulate_step, default_loss, full_step
@@ -203,34 +204,6 @@ def test_resnet18_small_tiles() -> None:
 
 
 # ---------------------------------------------------------------- memory
-class _SavedBytes:
-    """Peak bytes of tensors saved for backward and still alive (saved_tensors_hooks)."""
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-
-    def __enter__(self) -> "_SavedBytes":
-        meter = self
-
-        class Packed:
-            def __init__(self, t: torch.Tensor) -> None:
-                self.t = t
-                self.nbytes = t.numel() * t.element_size()
-                meter.live += self.nbytes
-                meter.peak = max(meter.peak, meter.live)
-
-            def __del__(self) -> None:
-                meter.live -= self.nbytes
-
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(Packed, lambda p: p.t)
-        self._ctx.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._ctx.__exit__(*exc)
-
-
 def test_saved_activation_memory_does_not_grow_with_the_bag() -> None:
     torch.manual_seed(6)
     enc = TinyCNN(width=16).train()
@@ -239,7 +212,7 @@ def test_saved_activation_memory_does_not_grow_with_the_bag() -> None:
     for n in (64, 512):
         tiles = torch.randn(n, 3, 32, 32)
         for kind in ("acc", "full"):
-            with _SavedBytes() as meter:
+            with SavedTensorMeter() as meter:
                 if kind == "acc":
                     accumulate_step(enc, agg, tiles, 1, 16)
                 else:

@@ -6,6 +6,7 @@ import cv2
 import numpy as np
 import pandas as pd
 import pytest
+import tifffile
 from PIL import Image
 
 from wsi_pipeline.export.geojson import write_geojson
@@ -15,6 +16,7 @@ from wsi_pipeline.export.predictions import prediction_columns, prediction_row, 
 from wsi_pipeline.export.slide_outputs import write_slide_outputs
 from wsi_pipeline.export.thumbnail import StoreThumbnail, slide_thumbnail, thumbnail_shape
 from wsi_pipeline.data.store import StoreWriter, open_store
+from wsi_pipeline.synthetic.slides import make_slide
 
 
 def _grid(cols, rows):
@@ -158,35 +160,28 @@ def test_heatmap_of_100k_tiles_has_bounded_memory():
     assert peak < 100e6 and peak < level0_rgb / 100, f"peak {peak / 1e6:.1f} MB"
 
 
-class FakeSlide:
-    """Two-level pyramid from an in-memory level 0 (the open_slide interface)."""
-
-    def __init__(self, level0):
-        self.l0 = level0
-        self.l1 = cv2.resize(level0, (level0.shape[1] // 4, level0.shape[0] // 4), interpolation=cv2.INTER_AREA)
-        self.dimensions = (level0.shape[1], level0.shape[0])
-        self.level_dimensions = [self.dimensions, (self.l1.shape[1], self.l1.shape[0])]
-        self.level_downsamples = [1.0, 4.0]
-        self.reads = []
-
-    def read_region(self, loc, level, size):
-        self.reads.append((level, size))
-        img = [self.l0, self.l1][level]
-        d = self.level_downsamples[level]
-        x, y = int(loc[0] / d), int(loc[1] / d)
-        return img[y : y + size[1], x : x + size[0]]
+def _tifffile_level(path, level):
+    """Level ``level`` decoded by tifffile alone (SVS layout: page 0, then pages 2, 3, ...)."""
+    with tifffile.TiffFile(path) as tf:
+        return tf.pages[0 if level == 0 else level + 1].asarray()
 
 
-def test_slide_thumbnail_aligned_and_from_coarse_level():
-    l0 = np.full((800, 1200, 3), 240, np.uint8)
-    l0[400:600, 200:400] = (200, 0, 0)  # a red square at level-0 x 200..400, y 400..600
-    slide = FakeSlide(l0)
-    thumb, size = slide_thumbnail(slide, max_side=150)
-    assert size == (1200, 800) and thumb.shape == (100, 150, 3)
-    assert all(level == 1 for level, _ in slide.reads)  # read from the level nearest the thumbnail
-    s = 150 / 1200
-    assert tuple(thumb[int(500 * s), int(300 * s)]) == (200, 0, 0)
-    assert tuple(thumb[int(200 * s), int(900 * s)]) == (240, 240, 240)
+def test_slide_thumbnail_aligned_and_from_coarse_level(tmp_path, opener):
+    path = make_slide(tmp_path / "s.svs", size=(1280, 1024), seed=3, n_lesions=1, mpp=0.5).path  # levels 1, 4, 16
+    slide = opener(path)
+    reads = []
+    read_level = slide.read_level
+    slide.read_level = lambda level, *a: reads.append(level) or read_level(level, *a)
+    thumb, size = slide_thumbnail(slide, max_side=160)  # 8 level-0 px per thumbnail px
+    assert size == (1280, 1024) and thumb.shape == (128, 160, 3)
+    assert reads and set(reads) == {1}  # read from the coarsest level at least as fine (downsample 4)
+    # independent reference: 2 x 2 block means of level 1 as tifffile decodes it (INTER_AREA rounds: 1 grey level)
+    ref = _tifffile_level(path, 1).astype(np.float64).reshape(128, 2, 160, 2, 3).mean(axis=(1, 3))
+    assert np.abs(thumb.astype(np.float64) - ref).max() <= 1.0
+    # a slide smaller than the thumbnail is enlarged from level 0 (bilinear, as cv2 does it)
+    big, _ = slide_thumbnail(slide, max_side=2560)
+    l0 = _tifffile_level(path, 0)
+    np.testing.assert_array_equal(big, cv2.resize(l0, (2560, 2048), interpolation=cv2.INTER_LINEAR))
 
 
 def test_store_thumbnail_rebuilt_from_tiles(tmp_path):

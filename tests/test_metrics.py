@@ -10,13 +10,18 @@ from sklearn.metrics import (
     roc_auc_score,
 )
 
+from wsi_pipeline.config.pipeline import SELECT_METRICS
 from wsi_pipeline.inference.metrics import (
+    METRICS,
+    VALIDATION_METRICS,
     bootstrap_interval,
     compute_metrics,
     compute_repeat_metrics,
     confusion,
     mean_std,
+    metric_order,
     selection_metric,
+    selection_rule,
 )
 
 
@@ -77,6 +82,28 @@ def test_selection_metric_follows_the_papers():
     assert selection_metric(6) == "qwk"
     assert selection_metric(2) == "auc"
     assert selection_metric(2, "accuracy") == "accuracy"
+
+
+def test_one_selection_rule_for_every_config_choice():
+    """Every ``train.select_metric`` choice goes through the one rule: loss is lower-is-better,
+    the computed metrics higher-is-better, auto the task's headline (QWK graded, AUC binary)."""
+    assert set(SELECT_METRICS) == {"auto", "loss", *METRICS}
+    for n_classes in (2, 3, 6):
+        for name in SELECT_METRICS:
+            metric, higher = selection_rule(n_classes, name)
+            assert (metric, higher) == (("loss", False) if name == "loss" else
+                                        ("qwk" if n_classes > 2 else "auc", True) if name == "auto" else (name, True))
+    # every metric the rule may pick is recorded per epoch by training
+    assert set(VALIDATION_METRICS) == {"loss", *METRICS}
+
+
+def test_metric_order_puts_the_headline_first_and_keeps_every_metric():
+    rng = np.random.default_rng(0)
+    for n_classes, head in ((2, "auc"), (5, "qwk")):
+        order = metric_order(n_classes)
+        assert order[0] == head and sorted(order) == sorted(METRICS)
+        y = rng.integers(0, n_classes, 30)
+        assert set(compute_metrics(y, _probs(rng, y, n_classes), n_classes)) == {*METRICS, "n_slides"}
 
 
 def test_bootstrap_interval():

@@ -2,29 +2,48 @@
 
 Write to a temporary name in the same folder (same file system, so the rename is atomic), then
 ``os.replace`` it over the destination; on any failure the temporary file is removed and the
-destination is left as it was.
+destination is left as it was. Every writer of the package goes through :func:`atomic_path`
+(whole tile stores, which are folders, are swapped by :mod:`wsi_pipeline.data.store`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_text_atomic"]
+__all__ = ["atomic_path", "temp_path", "write_text_atomic", "write_bytes_atomic"]
+
+
+def temp_path(path: str | os.PathLike, *, suffix: str | None = None) -> Path:
+    """The temporary name :func:`atomic_path` writes ``path`` under, in the same folder.
+
+    ``.<name>.tmp-<pid>[-<thread>]<suffix>``: hidden, tells which process left it, and ends with
+    ``suffix`` (default: the destination's own suffix, e.g. ``.png``), so writers that pick the
+    format from the file name (``np.savez``, ``PIL.Image.save``, ``cv2.imwrite``) write the right one.
+    The thread id is added outside the main thread, so two threads never share a temporary file.
+    """
+    dest = Path(path)
+    if suffix is None:
+        suffix = dest.suffix
+    tag = str(os.getpid())
+    if threading.current_thread() is not threading.main_thread():
+        tag += f"-{threading.get_ident()}"
+    return dest.with_name(f".{dest.name}.tmp-{tag}{suffix}")
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed.
 
-    The parent folder is created. The temporary name starts with a dot and ends with
-    ``.tmp-<pid>``, so it is hidden and tells which process left it.
+    The parent folder is created. The temporary name is :func:`temp_path`'s (``suffix`` as there).
+    A body that leaves no file at the temporary path raises ``FileNotFoundError`` naming it.
     """
     dest = Path(path)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    tmp = temp_path(dest, suffix=suffix)
     try:
         yield tmp
         os.replace(tmp, dest)
@@ -37,4 +56,11 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically; return ``path``."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
+    return Path(path)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; return ``path``."""
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
     return Path(path)

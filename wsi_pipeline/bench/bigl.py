@@ -48,10 +48,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -59,6 +57,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["PowerLawFit", "fit_power_law", "main"]
 
@@ -359,11 +359,7 @@ def _predicted_exponents(rows: list[dict], models: list[str], stages: list[int],
 
 
 def _write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(payload, f, indent=2)
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(payload, indent=2))
 
 
 def _parser() -> argparse.ArgumentParser:

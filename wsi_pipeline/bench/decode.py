@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
 GRID = 256  # px, the tile grid measured
 _SPEC_VERSION = 1
@@ -138,9 +138,8 @@ def build_mosaic(path: Path, source: Path, size: int = 24576, pitch: int = 2304,
     print(f"building {path} ({size} x {size} px) from {source} ...", flush=True)
     src = _source(source)
     layout = _layout(size, pitch, seed)
-    tmp = path.with_name(path.name + ".tmp")
     fractions = []
-    with tifffile.TiffWriter(tmp, bigtiff=True) as tw:
+    with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=True) as tw:
         factor = 1
         while size // factor >= 1024:
             side = size // factor
@@ -158,7 +157,6 @@ def build_mosaic(path: Path, source: Path, size: int = 24576, pitch: int = 2304,
             )
             fractions.append(tissue[0] / side**2)
             factor *= 2
-    os.replace(tmp, path)
     done = dict(spec, tissue_fraction=round(fractions[0], 4), levels=len(fractions), build_s=round(time.perf_counter() - t0, 1))
     write_text_atomic(meta, json.dumps(done))
     print(f"  done in {done['build_s']} s, {path.stat().st_size / 2**20:.0f} MiB, tissue {100 * done['tissue_fraction']:.1f} %", flush=True)
@@ -309,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         _report(r)
         results.append(r)
     if args.json:
-        args.json.write_text(json.dumps({"mosaic": spec, "results": results}, indent=1))
+        write_text_atomic(args.json, json.dumps({"mosaic": spec, "results": results}, indent=1))
     return 0 if all(r["verified_differing"] == 0 for r in results) else 1
 
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from wsi_pipeline.io_atomic import write_text_atomic
+
 
 def _slides(cache: Path, n: int, size: int, regenerate: bool) -> Path:
     from wsi_pipeline.synthetic.slides import make_slide
@@ -39,7 +41,7 @@ def _slides(cache: Path, n: int, size: int, regenerate: bool) -> Path:
             t0 = time.perf_counter()
             make_slide(folder / f"slide_{i:02d}.svs", size=size, seed=500 + i, tissue_fraction=0.35)
             print(f"generated slide_{i:02d}.svs ({size} px) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        stamp.write_text(json.dumps({"n": n, "size": size}))
+        write_text_atomic(stamp, json.dumps({"n": n, "size": size}))
     for p in folder.glob("*.svs"):
         with open(p, "rb") as f:
             while f.read(1 << 24):
@@ -122,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     ok = all(f["dask_over_pool"] >= 0.9 for f in figures)
     print(f"target: Dask throughput (cluster up) >= 0.90 x the local pool's at the same worker count: {'met' if ok else 'NOT met'}")
     if args.json:
-        args.json.write_text(json.dumps({"slides": args.slides, "size": args.size, "tiles": total, "cores": cores,
+        write_text_atomic(args.json, json.dumps({"slides": args.slides, "size": args.size, "tiles": total, "cores": cores,
                                          "load_average": load, "results": figures}, indent=2))
     return 0
 

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from wsi_pipeline.io_atomic import write_text_atomic
 
 
 def _child_cpu() -> float:
@@ -73,7 +74,7 @@ def _slides(cache: Path, size: int, regenerate: bool) -> list[Path]:
             t = time.perf_counter()
             print(f"generating {path} ({size} x {size} px) ...", flush=True)
             make_slide(path, size=size, seed=seed, tile_size=256, quality=90, n_lesions=3, pen_marks=1, tissue_fraction=0.4)
-            meta.write_text(json.dumps(spec))
+            write_text_atomic(meta, json.dumps(spec))
             print(f"  done in {time.perf_counter() - t:.1f} s, {path.stat().st_size / 2**20:.0f} MiB", flush=True)
         paths.append(path)
     return paths

@@ -34,7 +34,7 @@ import zarr
 
 from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES, DirectCodec, direct_codec, register_codecs, tile_codecs_for, tile_layout_for
 
-__all__ = ["StoreWriter", "TileStore", "open_store", "is_complete", "store_path", "COMPRESSIONS", "DEFAULT_SHARD_TILES"]
+__all__ = ["StoreWriter", "TileStore", "open_store", "complete_attrs", "is_complete", "store_path", "COMPRESSIONS", "DEFAULT_SHARD_TILES"]
 
 #: Tile compressions: lossless ``zstd`` (default), ``none``, or lossy ``jpeg`` (quality 90).
 COMPRESSIONS: tuple[str, ...] = ("zstd", "none", "jpeg")
@@ -446,12 +446,19 @@ class _DirectShards:
                 os.close(fd)
 
 
+def complete_attrs(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The attributes of a complete store at ``path``; None when it is missing, unreadable or
+    partial (its attributes do not say ``complete: true``, which a writer sets last)."""
+    try:
+        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
+    except Exception:  # any unreadable or missing store is simply not complete
+        return None
+    return attrs if attrs.get("complete") else None
+
+
 def is_complete(path: str | os.PathLike) -> bool:
     """True when ``path`` is a readable store whose attributes say ``complete: true``."""
-    try:
-        return bool(zarr.open_group(str(path), mode="r").attrs.get("complete", False))
-    except Exception:  # any unreadable or missing store is simply not complete
-        return False
+    return complete_attrs(path) is not None
 
 
 class TileStore:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from wsi_pipeline.io_atomic import atomic_path
+
 __all__ = ["tile_feature", "write_geojson"]
 
 OBJECT_TYPES = ("detection", "annotation", "tile")
@@ -65,15 +67,11 @@ def write_geojson(
     for k, v in cols.items():
         if len(v) != len(c):
             raise ValueError(f"measurement {k!r} has {len(v)} values for {len(c)} tiles; give one per tile")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     names = list(cols)
-    with open(tmp, "w") as f:
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         f.write('{"type": "FeatureCollection", "features": [\n')
         for i in range(len(c)):
             feat = tile_feature(c[i, 0], c[i, 1], tile_extent, {k: cols[k][i] for k in names}, object_type=object_type, name=f"tile {i}")
             f.write(("," if i else "") + json.dumps(feat, separators=(",", ":"), allow_nan=False) + "\n")
         f.write("]}\n")
-    os.replace(tmp, path)
-    return path
+    return Path(path)

@@ -30,6 +30,8 @@ import cv2
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from wsi_pipeline.io_atomic import atomic_path
+
 __all__ = ["MODES", "OUTLINE_COLOUR", "colormap", "mask_to_thumbnail", "normalise_scores", "outline_width", "tile_rects", "render_heatmap", "save_png"]
 
 MODES: tuple[str, ...] = ("rank", "minmax", "raw")
@@ -292,10 +294,7 @@ def render_heatmap(
 
 def save_png(path: str | os.PathLike, image: np.ndarray) -> Path:
     """Write a uint8 RGB image as PNG atomically (temp name, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    # fast zlib level: a 1024 px heatmap encodes in tens of ms instead of hundreds
-    Image.fromarray(np.asarray(image)).save(tmp, compress_level=1)
-    os.replace(tmp, path)
-    return path
+    with atomic_path(path, suffix=".png") as tmp:
+        # fast zlib level: a 1024 px heatmap encodes in tens of ms instead of hundreds
+        Image.fromarray(np.asarray(image)).save(tmp, compress_level=1)
+    return Path(path)

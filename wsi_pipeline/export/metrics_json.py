@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from wsi_pipeline.io_atomic import write_text_atomic
+
 __all__ = [
     "RECORD_KEYS",
     "MetricRecord",
@@ -130,12 +132,7 @@ def write_metrics_json(path: str | os.PathLike, records: Iterable[MetricRecord],
         recs += aggregate_seeds(recs)
     obj = {"records": [r.to_json() for r in recs]}
     validate_records(obj, source=str(path))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, allow_nan=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
 def read_metrics_json(path: str | os.PathLike) -> list[MetricRecord]:

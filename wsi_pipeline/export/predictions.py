@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from wsi_pipeline.io_atomic import atomic_path
+
 __all__ = ["prediction_columns", "prediction_row", "predictions_path", "write_predictions", "read_predictions"]
 
 
@@ -88,10 +90,8 @@ def write_predictions(
     if missing:
         raise ValueError(f"prediction rows for {path} lack column(s) {missing}")
     df["label"] = df["label"].astype("Int64")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    df.to_csv(tmp, index=False, float_format="%.6g")
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False, float_format="%.6g")
     return path
 
 

@@ -31,14 +31,13 @@ import numpy as np
 import pandas as pd
 from PIL import Image
 
-from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS
+from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS, headline_metric, metric_order
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
+from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
-_TABLE_METRICS = ("qwk", "accuracy", "balanced_accuracy", "auc")  # graded tasks: QWK first (PANDA)
-_BINARY_METRICS = ("auc", "qwk", "accuracy", "balanced_accuracy")  # binary: AUC first (CAMELYON)
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
@@ -97,7 +96,7 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
     present = {r.metric for r in records}
     # every metric the terminal prints (AUC, QWK, accuracy) and balanced accuracy; AUC first for
     # binary tasks (CAMELYON), QWK first for graded ones (PANDA); every metric stays in metrics.json
-    shown = _TABLE_METRICS if n_classes > 2 else _BINARY_METRICS
+    shown = metric_order(n_classes)
     metrics = [m for m in shown if m in present]
     n_seeds = {m: len({r.seed for r in records if r.method == m and isinstance(r.seed, int)}) for m in methods}
     parts = []
@@ -159,7 +158,7 @@ def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str,
     and one row per method, best on validation first."""
     look = _lookup(records)
     sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
-    headline = "qwk" if n_classes > 2 else "auc"
+    headline = headline_metric(n_classes)
     val = _validation_by_method(validation)
     has_loc = any(r.metric == "localisation_auc" for r in records)
     parts = []
@@ -419,8 +418,4 @@ def write_report(
                  _confusion_section(pred, n_classes, first, methods)]
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(doc, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, doc)

@@ -15,6 +15,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.export.heatmap import normalise_scores
+from wsi_pipeline.io_atomic import atomic_path
 
 __all__ = ["tile_scores_frame", "write_tile_scores"]
 
@@ -55,9 +56,6 @@ def tile_scores_frame(
 
 def write_tile_scores(path: str | os.PathLike, df: pd.DataFrame) -> Path:
     """Write a :func:`tile_scores_frame` table atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    df.to_csv(tmp, index=False, float_format="%.6g")
-    os.replace(tmp, path)
-    return path
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False, float_format="%.6g")
+    return Path(path)

@@ -1,9 +1,9 @@
 """Slide thumbnails for heatmaps, read from the slide or rebuilt from a tile store.
 
-Both ways keep memory at the thumbnail's size: the slide is read block by block at the pyramid
-level nearest the thumbnail resolution (each block at most 4096 x 4096 px of that level) and each
-block is shrunk into place; a store-only slide (no readable slide file) is rebuilt by shrinking
-its tiles into their footprints, batch by batch, on a white background.
+Both ways keep memory at the thumbnail's size: the slide is read by the package's one whole-slide
+downscale (:func:`wsi_pipeline.slides.scaled.read_resized`: strips of the pyramid level nearest
+the thumbnail resolution, each shrunk into place); a store-only slide (no readable slide file) is
+rebuilt by shrinking its tiles into their footprints, batch by batch, on a white background.
 
 The thumbnail's longest side is ``max_side`` px (default 1024, up- or down-scaled from level 0),
 so the overlay and legend have room even for a small slide.
@@ -15,18 +15,20 @@ import logging
 import math
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
 
 from wsi_pipeline.export.heatmap import tile_rects
+from wsi_pipeline.slides.scaled import read_resized
+
+if TYPE_CHECKING:
+    from wsi_pipeline.slides.reader import Slide
 
 __all__ = ["thumbnail_shape", "slide_thumbnail", "StoreThumbnail", "store_level0_size", "store_tile_extent"]
 
 log = logging.getLogger(__name__)
-
-_MAX_BLOCK = 4096  # level px per side of one read_region call
 
 
 def thumbnail_shape(level0_size: tuple[int, int], max_side: int = 1024) -> tuple[int, int]:
@@ -38,36 +40,15 @@ def thumbnail_shape(level0_size: tuple[int, int], max_side: int = 1024) -> tuple
     return max(1, int(round(H * s))), max(1, int(round(W * s)))
 
 
-def slide_thumbnail(slide: Any, max_side: int = 1024) -> tuple[np.ndarray, tuple[int, int]]:
-    """Thumbnail of an open slide (the :func:`wsi_pipeline.slides.open_slide` interface).
+def slide_thumbnail(slide: Slide, max_side: int = 1024) -> tuple[np.ndarray, tuple[int, int]]:
+    """Thumbnail of an open slide (:func:`wsi_pipeline.slides.open_slide`) whose longest side is ``max_side`` px.
 
-    Returns ``(uint8 (h, w, 3), (W, H) level-0 size)``. Reads the level with the largest
-    downsample that is still at least as fine as the thumbnail, in blocks.
+    Returns ``(uint8 (h, w, 3), (W, H) level-0 size)`` with (h, w) = :func:`thumbnail_shape`; read by
+    :func:`wsi_pipeline.slides.scaled.read_resized` (the coarsest exact level at least as fine as
+    the thumbnail, in memory-bounded strips).
     """
     W, H = (int(v) for v in slide.dimensions)
-    h, w = thumbnail_shape((W, H), max_side)
-    s = w / W  # thumbnail px per level-0 px
-    downs = [float(d) for d in slide.level_downsamples]
-    fine_enough = [i for i, d in enumerate(downs) if d * s <= 1.0 + 1e-6]
-    level = max(fine_enough, key=lambda i: downs[i]) if fine_enough else int(np.argmin(downs))
-    d = downs[level]
-    lw, lh = (int(v) for v in slide.level_dimensions[level])
-    per_thumb = 1.0 / (s * d)  # level px per thumbnail px
-    step = max(1, int(_MAX_BLOCK / max(per_thumb, 1.0)))  # thumbnail px per block side
-    out = np.full((h, w, 3), 255, np.uint8)
-    for ty0 in range(0, h, step):
-        ty1 = min(h, ty0 + step)
-        for tx0 in range(0, w, step):
-            tx1 = min(w, tx0 + step)
-            lx0, ly0 = int(math.floor(tx0 * per_thumb)), int(math.floor(ty0 * per_thumb))
-            lx1, ly1 = min(lw, int(math.ceil(tx1 * per_thumb))), min(lh, int(math.ceil(ty1 * per_thumb)))
-            if lx1 <= lx0 or ly1 <= ly0:
-                continue
-            block = np.asarray(slide.read_region((int(round(lx0 * d)), int(round(ly0 * d))), level, (lx1 - lx0, ly1 - ly0)))
-            block = np.ascontiguousarray(block[..., :3])
-            interp = cv2.INTER_AREA if per_thumb >= 1 else cv2.INTER_LINEAR
-            out[ty0:ty1, tx0:tx1] = cv2.resize(block, (tx1 - tx0, ty1 - ty0), interpolation=interp)
-    return out, (W, H)
+    return read_resized(slide, thumbnail_shape((W, H), max_side)), (W, H)
 
 
 def store_tile_extent(attrs: Mapping[str, Any], tile_size: int) -> float:

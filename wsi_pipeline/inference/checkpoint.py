@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from wsi_pipeline.io_atomic import atomic_path
+
 __all__ = [
     "FORMAT",
     "TrainedModel",
@@ -67,7 +69,7 @@ def _check_plain(obj: Any, where: str) -> None:
 
 
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
-    """Write ``state`` to ``path`` atomically (temp file in the same folder, then ``os.replace``).
+    """Write ``state`` to ``path`` atomically (:func:`wsi_pipeline.io_atomic.atomic_path`).
 
     Raises ``TypeError`` naming the entry if ``state`` holds anything but tensors and plain containers.
     """
@@ -75,14 +77,8 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     state = dict(state)
     state.setdefault("format", FORMAT)
     _check_plain(state, "checkpoint")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         torch.save(state, tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return path
 
 

@@ -37,13 +37,14 @@ __all__ = [
     "compute_metrics",
     "compute_repeat_metrics",
     "confusion",
+    "VALIDATION_METRICS",
+    "headline_metric",
+    "metric_order",
     "selection_metric",
+    "selection_rule",
     "bootstrap_interval",
     "mean_std",
 ]
-
-#: Metrics :func:`compute_metrics` returns (besides ``n_slides``); all are "higher is better".
-METRICS: tuple[str, ...] = ("qwk", "accuracy", "balanced_accuracy", "auc")
 
 #: Repeats a bootstrap resample scores under a per-repeat protocol (see :func:`bootstrap_interval`).
 BOOTSTRAP_MAX_REPEATS = 5
@@ -104,6 +105,27 @@ _METRIC_FNS: dict[str, Callable[[np.ndarray, np.ndarray, int], float]] = {
     "balanced_accuracy": _balanced_accuracy,
     "auc": _auc,
 }
+
+
+#: The metric registry: what :func:`compute_metrics` returns (besides ``n_slides``), in this order;
+#: all are "higher is better".
+METRICS: tuple[str, ...] = tuple(_METRIC_FNS)
+
+
+def headline_metric(n_classes: int) -> str:
+    """The metric a task is judged by, as the papers do: quadratic kappa (``"qwk"``) for graded
+    multi-class tasks (PANDA ISUP, C > 2), ``"auc"`` for binary tasks (CAMELYON)."""
+    return "qwk" if n_classes > 2 else "auc"
+
+
+def metric_order(n_classes: int) -> tuple[str, ...]:
+    """:data:`METRICS` with the task's :func:`headline_metric` first (tables and report columns)."""
+    head = headline_metric(n_classes)
+    return (head, *(m for m in METRICS if m != head))
+
+
+#: Validation values training records per epoch (``val_<name>`` columns, in this order).
+VALIDATION_METRICS: tuple[str, ...] = ("loss", *metric_order(2))
 
 
 def compute_metrics(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> dict[str, float]:
@@ -179,18 +201,25 @@ def confusion(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: 
     return confusion_matrix(y, p.argmax(axis=1), labels=np.arange(n_classes)).astype(np.int64)
 
 
-def selection_metric(n_classes: int, name: str = "auto") -> str:
-    """The validation metric that picks the best checkpoint.
+def selection_rule(n_classes: int, name: str = "auto") -> tuple[str, bool]:
+    """The validation metric that picks the best checkpoint (and stops early), and whether higher is better.
 
-    ``"auto"`` follows the papers: quadratic kappa (``"qwk"``) for graded multi-class tasks
-    (PANDA ISUP, C > 2) and ``"auc"`` for binary tasks (CAMELYON). Any name in :data:`METRICS`
-    is accepted as is; all of them are "higher is better".
+    ``"auto"`` is the task's :func:`headline_metric`; ``"loss"`` (validation loss) is lower-is-better;
+    any name in :data:`METRICS` is accepted as is (higher is better). The config's choice list
+    (``train.select_metric``) is exactly ``auto``, ``loss`` and :data:`METRICS`.
     """
+    if name == "loss":
+        return "loss", False
     if name == "auto":
-        return "qwk" if n_classes > 2 else "auc"
+        return headline_metric(n_classes), True
     if name not in METRICS:
-        raise ValueError(f"selection metric {name!r} unknown; choose 'auto' or one of {list(METRICS)}")
-    return name
+        raise ValueError(f"selection metric {name!r} unknown; choose 'auto', 'loss' or one of {list(METRICS)}")
+    return name, True
+
+
+def selection_metric(n_classes: int, name: str = "auto") -> str:
+    """The name :func:`selection_rule` picks."""
+    return selection_rule(n_classes, name)[0]
 
 
 def bootstrap_interval(

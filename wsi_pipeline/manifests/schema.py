@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from wsi_pipeline.io_atomic import atomic_path
+
 __all__ = ["MANIFEST_COLUMNS", "SPLITS", "ManifestError", "read_manifest", "validate_manifest", "write_manifest"]
 
 MANIFEST_COLUMNS: tuple[str, ...] = ("slide_id", "path", "label", "split", "cohort")
@@ -121,8 +123,6 @@ def write_manifest(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     path = Path(path)
     df = validate_manifest(df, source=str(path))
     cols = list(MANIFEST_COLUMNS) + [c for c in df.columns if c not in MANIFEST_COLUMNS]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    df[cols].to_csv(tmp, index=False)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        df[cols].to_csv(tmp, index=False)
     return path

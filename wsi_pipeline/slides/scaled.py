@@ -1,4 +1,9 @@
-"""Read a whole slide (or a level-0 box of it) at a reduced scale, in memory-bounded strips."""
+"""Read a whole slide at a reduced scale, in memory-bounded strips: the one whole-slide downscale.
+
+:func:`read_scaled` (a given downsample: tiling's overview, the tissue U-Net's input,
+``Slide.thumbnail``) and :func:`read_resized` (a given output size: heatmap thumbnails) both go
+through the same strip reader.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import numpy as np
 if TYPE_CHECKING:
     from wsi_pipeline.slides.reader import Slide
 
-__all__ = ["best_exact_level", "read_scaled", "scaled_shape"]
+__all__ = ["best_exact_level", "read_resized", "read_scaled", "scaled_shape"]
 
 #: Upper bound on the level pixels decoded per strip (keeps memory flat on single-level slides).
 _STRIP_PIXELS = 16 * 1024 * 1024
@@ -47,15 +52,40 @@ def read_scaled(slide: Slide, downsample: float) -> np.ndarray:
     -------
     uint8 (H, W, 3) RGB with (H, W) = :func:`scaled_shape`.
     """
-    import cv2
-
     if not downsample >= 1:
         raise ValueError(f"downsample={downsample} must be >= 1 (level-0 px per output px)")
-    level = best_exact_level(slide, downsample)
+    return _read_strips(slide, (downsample, downsample), scaled_shape(slide.dimensions, downsample))
+
+
+def read_resized(slide: Slide, shape: tuple[int, int]) -> np.ndarray:
+    """The whole slide resized to ``shape`` = (h, w) px (smaller or larger than level 0).
+
+    Output pixel (i, j) covers level-0 px [j * W / w, (j + 1) * W / w) x [i * H / h, (i + 1) * H / h)
+    for a level 0 of (W, H) px; read as :func:`read_scaled` reads (area average of the best exact
+    level at or finer than the coarser axis' downsample; bilinear where the output is finer than level 0).
+
+    Returns
+    -------
+    uint8 (h, w, 3) RGB.
+    """
+    h, w = (int(v) for v in shape)
+    if h < 1 or w < 1:
+        raise ValueError(f"output shape must be positive (h, w) px; got {shape}")
+    W, H = slide.dimensions
+    return _read_strips(slide, (W / w, H / h), (h, w))
+
+
+def _read_strips(slide: Slide, downsample: tuple[float, float], shape: tuple[int, int]) -> np.ndarray:
+    """Output (h, w) = ``shape`` whose px (i, j) covers level-0 [j * dx, (j + 1) * dx) x [i * dy, (i + 1) * dy),
+    (dx, dy) = ``downsample``, read in strips of the best exact level at or finer than min(dx, dy)."""
+    import cv2
+
+    dx, dy = downsample
+    level = best_exact_level(slide, min(dx, dy))
     sx, sy = slide.level_scale(level)
     lw, lh = slide.level_dimensions[level]
-    oh, ow = scaled_shape(slide.dimensions, downsample)
-    scale_x, scale_y = downsample / sx, downsample / sy  # level px per output px
+    oh, ow = shape
+    scale_x, scale_y = dx / sx, dy / sy  # level px per output px
     src_w = min(lw, max(1, int(round(ow * scale_x))))
     rows_per_strip = max(1, min(oh, int(_STRIP_PIXELS / max(1.0, src_w * scale_y))))
     out = np.empty((oh, ow, 3), np.uint8)

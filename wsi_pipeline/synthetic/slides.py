@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from wsi_pipeline.synthetic.texture import HE_STAIN, Stain, paint_tissue
+from wsi_pipeline.io_atomic import atomic_path
 
 __all__ = ["SyntheticSlide", "make_slide", "BACKGROUND_GREY"]
 
@@ -323,8 +324,7 @@ def make_slide(
         resolution = {}
     # photometric "rgb" + JPEG: tifffile stores YCbCr 4:2:0 JPEG tiles (as scanners do) from RGB input
     jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
+    with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
         tw.write(level0_tiles(), shape=(h, w, 3), dtype=np.uint8, tile=(T, T), description=desc0,
                  metadata=None, **resolution, **jpeg)
         levels = [level1] if level1 is not None else []
@@ -341,7 +341,6 @@ def make_slide(
             lh_, lw_ = img.shape[:2]
             tw.write(_tiles_of(img, T, glass_grey), shape=img.shape, dtype=np.uint8, tile=(T, T),
                      description=f"{head} -> {lw_}x{lh_} JPEG/RGB Q={quality}", metadata=None, **jpeg)
-    os.replace(tmp, path)
     t_area = float(tissue.sum())
     return SyntheticSlide(
         path=path, size=(w, h), mpp=None if mpp is None else float(mpp), mask_downsample=md, tissue=tissue, lesion=lesion,

@@ -11,15 +11,16 @@ import os
 import numpy as np
 from PIL import Image
 
+from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.slides.coverage import box_mean
+
 __all__ = ["write_mask", "read_mask", "tile_lesion_fraction"]
 
 
 def write_mask(path: str | os.PathLike, mask: np.ndarray) -> None:
     """Write a bool/uint8 mask as a PNG (255 = lesion), atomically."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp-{os.getpid()}.png"
-    Image.fromarray((np.asarray(mask) > 0).astype(np.uint8) * 255).save(tmp)
-    os.replace(tmp, path)
+    with atomic_path(path, suffix=".png") as tmp:
+        Image.fromarray((np.asarray(mask) > 0).astype(np.uint8) * 255).save(tmp)
 
 
 def read_mask(path: str | os.PathLike) -> np.ndarray:
@@ -28,7 +29,9 @@ def read_mask(path: str | os.PathLike) -> np.ndarray:
 
 
 def tile_lesion_fraction(mask: np.ndarray, downsample: float, coords: np.ndarray, tile_extent: float) -> np.ndarray:
-    """Fraction of each tile's footprint covered by the lesion mask.
+    """Fraction of each tile's footprint covered by the lesion mask (:func:`wsi_pipeline.slides.coverage.box_mean`).
+
+    Exact: mask pixels the footprint covers in part count by the part covered.
 
     Parameters
     ----------
@@ -41,15 +44,4 @@ def tile_lesion_fraction(mask: np.ndarray, downsample: float, coords: np.ndarray
     -------
     float (N,) in [0, 1]; footprint parts outside the mask count as non-lesion.
     """
-    m = np.asarray(mask, np.float64)
-    integral = np.zeros((m.shape[0] + 1, m.shape[1] + 1))
-    integral[1:, 1:] = m.cumsum(0).cumsum(1)
-    c = np.asarray(coords, np.float64)
-    x0 = np.clip(np.floor(c[:, 0] / downsample), 0, m.shape[1]).astype(int)
-    y0 = np.clip(np.floor(c[:, 1] / downsample), 0, m.shape[0]).astype(int)
-    x1 = np.clip(np.ceil((c[:, 0] + tile_extent) / downsample), 0, m.shape[1]).astype(int)
-    y1 = np.clip(np.ceil((c[:, 1] + tile_extent) / downsample), 0, m.shape[0]).astype(int)
-    area = np.maximum((np.ceil((c[:, 0] + tile_extent) / downsample) - np.floor(c[:, 0] / downsample))
-                      * (np.ceil((c[:, 1] + tile_extent) / downsample) - np.floor(c[:, 1] / downsample)), 1)
-    s = integral[y1, x1] - integral[y0, x1] - integral[y1, x0] + integral[y0, x0]
-    return s / area
+    return box_mean(np.asarray(mask, np.float64), downsample, coords, tile_extent)

@@ -42,7 +42,7 @@ from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_b
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import prescreen_candidates
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
-from wsi_pipeline.data.store import StoreWriter, store_path
+from wsi_pipeline.data.store import StoreWriter, complete_attrs, store_path
 from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, OtsuParams, TilingConfig  # noqa: F401 (re-exported)
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.tiling.tissue import box_mean, otsu_tissue_mask, strip_foreground, tiles_foreground
@@ -112,17 +112,6 @@ def _identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str
     }
 
 
-def _complete_attrs(path: Path) -> dict[str, Any] | None:
-    """Attributes of a complete store at ``path``; None when missing, unreadable or partial."""
-    try:
-        import zarr
-
-        attrs = dict(zarr.open_group(str(path), mode="r").attrs)
-    except Exception:  # missing or unreadable: no usable store
-        return None
-    return attrs if attrs.get("complete") else None
-
-
 def _stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [int(st.st_size), int(st.st_mtime_ns)]
@@ -135,7 +124,7 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     those recorded in the store, the recorded fingerprint is reused instead of re-hashing
     (a resume check of thousands of slides on a network file system stays cheap).
     """
-    attrs = _complete_attrs(path)
+    attrs = complete_attrs(path)
     if attrs is None:
         return None
     slide = Path(job.path)

@@ -29,7 +29,7 @@ import torch
 from wsi_pipeline.tissue_seg.chunked import DEFAULT_MAX_ELEMENTS, ChunkedTissueUNet
 from wsi_pipeline.tissue_seg.labels import paper_labels
 from wsi_pipeline.tissue_seg.model import MULTIPLE, TissueUNet
-from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
 __all__ = [
     "SlideEntry",
@@ -160,13 +160,8 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
 
 
 def _save_npz(path: Path, **arrays: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-    try:
+    with atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -348,10 +343,9 @@ def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: st
         tint = np.array([0, 200, 0], np.float32)
         overlay[mask == 1] = (0.55 * small[mask == 1] + 0.45 * tint).astype(np.uint8)
         for name, arr in ((f"{s.slide_id}_mask.png", mask * 255), (f"{s.slide_id}_overlay.png", overlay[..., ::-1])):
-            tmp = out / f".tmp-{os.getpid()}-{name}"
-            if not cv2.imwrite(str(tmp), arr):
-                raise OSError(f"could not write {tmp}")
-            os.replace(tmp, out / name)
+            with atomic_path(out / name) as tmp:
+                if not cv2.imwrite(str(tmp), arr):
+                    raise OSError(f"could not write {tmp}")
         rec = {"slide_id": s.slide_id, "path": str(s.path), "mask": f"{s.slide_id}_mask.png",
                "mpp_image": mpp, "mask_downsample_image": MASK_DOWNSAMPLE,
                "mask_downsample_level0": im.level0_per_px * MASK_DOWNSAMPLE, "mpp_mask": mpp * MASK_DOWNSAMPLE,

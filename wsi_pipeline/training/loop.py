@@ -60,6 +60,7 @@ from wsi_pipeline.config.pipeline import (
     save_config,
 )
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
+from wsi_pipeline.inference.metrics import VALIDATION_METRICS, selection_rule
 from wsi_pipeline.inference.models import build_models, frozen_encoder, frozen_features_dir
 from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
 from wsi_pipeline.progress import progress_bar
@@ -68,7 +69,7 @@ __all__ = ["RunPlan", "preflight", "resolve_device", "train_pipeline", "train_ru
 
 log = logging.getLogger(__name__)
 
-VAL_METRICS = ("loss", "auc", "qwk", "accuracy", "balanced_accuracy")
+VAL_METRICS = VALIDATION_METRICS
 DONE = "done"
 
 
@@ -363,11 +364,7 @@ def _seed_torch(*keys: int) -> None:
 
 def _selection(train_cfg: Any, n_classes: int) -> tuple[str, bool]:
     """(metric name, higher is better)."""
-    if train_cfg.select_metric == "loss":
-        return "loss", False
-    if train_cfg.select_metric == "auto":
-        return ("auc" if n_classes == 2 else "qwk"), True
-    return train_cfg.select_metric, True
+    return selection_rule(n_classes, train_cfg.select_metric)
 
 
 def _better(value: float | None, best: float | None, higher: bool) -> bool:
