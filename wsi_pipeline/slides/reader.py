@@ -138,6 +138,22 @@ class Slide(ABC):
     properties: dict[str, str]
     background: tuple[int, int, int]
 
+    def _describe_handle(self, handle: Any, vendor: str) -> None:
+        """Take geometry, properties, mpp (um/px) and background colour from an OpenSlide-like
+        ``handle`` (OpenSlide or tiffslide, whose property names start with ``vendor``); the
+        handle is closed when that fails, so a half-opened slide holds no file."""
+        try:
+            self.dimensions = tuple(int(v) for v in handle.dimensions)  # type: ignore[assignment]
+            self.level_count = int(handle.level_count)
+            self.level_dimensions = tuple((int(w), int(h)) for w, h in handle.level_dimensions)
+            self.level_downsamples = tuple(float(d) for d in handle.level_downsamples)
+            self.properties = {str(k): str(v) for k, v in handle.properties.items() if v is not None}
+            self.mpp = _parse_mpp(self.properties, (f"{vendor}.mpp-x", f"{vendor}.mpp-y"))
+            self.background = _parse_colour(self.properties.get(f"{vendor}.background-color", "FFFFFF"))
+        except BaseException:
+            handle.close()
+            raise
+
     def _check(self, level: int, size: tuple[int, int]) -> tuple[int, int]:
         if not 0 <= int(level) < self.level_count:
             raise ValueError(f"level={level} out of range [0, {self.level_count}) for slide {self.path}")
@@ -268,25 +284,12 @@ class OpenSlideSlide(Slide):
 
         self.path = path
         self._osr = openslide.OpenSlide(str(path))
-        try:
-            self._describe()
-        except BaseException:
-            self._osr.close()
-            raise
+        self._describe_handle(self._osr, "openslide")
         # The C call writes premultiplied ARGB straight into a numpy buffer; the public Python
         # API would build a PIL image and un-premultiply first (about a third slower per tile).
         from openslide import lowlevel
 
         self._raw_read = getattr(lowlevel, "_read_region", None) if sys.byteorder == "little" else None
-
-    def _describe(self) -> None:
-        self.dimensions = tuple(int(v) for v in self._osr.dimensions)  # type: ignore[assignment]
-        self.level_count = int(self._osr.level_count)
-        self.level_dimensions = tuple((int(w), int(h)) for w, h in self._osr.level_dimensions)
-        self.level_downsamples = tuple(float(d) for d in self._osr.level_downsamples)
-        self.properties = {str(k): str(v) for k, v in self._osr.properties.items()}
-        self.mpp = _parse_mpp(self.properties, ("openslide.mpp-x", "openslide.mpp-y"))
-        self.background = _parse_colour(self.properties.get("openslide.background-color", "FFFFFF"))
 
     def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:
         import cv2
@@ -372,22 +375,9 @@ class TiffSlideSlide(Slide):
 
         self.path = path
         self._ts = tiffslide.TiffSlide(str(path))
-        try:
-            self._describe()
-        except BaseException:
-            self._ts.close()
-            raise
-
-    def _describe(self) -> None:
-        self.dimensions = tuple(int(v) for v in self._ts.dimensions)  # type: ignore[assignment]
-        self.level_count = int(self._ts.level_count)
-        self.level_dimensions = tuple((int(w), int(h)) for w, h in self._ts.level_dimensions)
-        self.level_downsamples = tuple(float(d) for d in self._ts.level_downsamples)
-        self.properties = {str(k): str(v) for k, v in self._ts.properties.items() if v is not None}
-        self.mpp = _parse_mpp(self.properties, ("tiffslide.mpp-x", "tiffslide.mpp-y"))
+        self._describe_handle(self._ts, "tiffslide")
         if self.mpp is None:  # tiffslide does not read OME-XML's pixel size
             self.mpp = _ome_mpp(getattr(self._ts, "ts_tifffile", None))
-        self.background = _parse_colour(self.properties.get("tiffslide.background-color", "FFFFFF"))
 
     def level_is_exact(self, level: int) -> bool:
         """Every level: tiffslide addresses level pixels directly."""
