@@ -204,7 +204,7 @@ def run_one(
     ``row`` starts as ``{slide_id, status: "ok", error: "", seconds: 0, **defaults}``; the work sets
     ``status`` ``skipped`` / ``failed`` (and ``error``) itself when it knows. An exception of a
     type in ``catch`` makes the row ``failed`` with ``error`` ``"<Type>: <message>"`` (the columns
-    the work filled before it are kept); any other exception propagates. ``seconds`` is the wall
+    the work filled before it are kept); any other exception, and always ``KeyboardInterrupt``, propagates. ``seconds`` is the wall
     time of the work (s, 3 decimals).
     """
     t0 = time.perf_counter()
@@ -214,6 +214,8 @@ def run_one(
         if extra:
             row.update(extra)
     except catch as err:
+        if isinstance(err, (KeyboardInterrupt, SystemExit)):  # an interrupt is never a slide's failure
+            raise
         row.update(status="failed", error=f"{type(err).__name__}: {err}")
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return row
