@@ -20,6 +20,12 @@
 - The output folder is checked before any work (:mod:`wsi_pipeline.tiling.outdir`), and again
   when a slide fails: a folder that cannot be written stops the run with one
   :class:`~wsi_pipeline.tiling.outdir.OutputDirError` instead of failing every slide.
+
+The bookkeeping (rows, progress bar, report while running and on an interrupt) is the per-slide
+job runner's (:class:`wsi_pipeline.jobs.runner.SlideRun`), with the tiler's steps plugged in. The
+parts: :mod:`~wsi_pipeline.tiling.sources` (which slides), :mod:`~wsi_pipeline.tiling.claims`
+(slide locks), :mod:`~wsi_pipeline.tiling.pool` (worker processes), :mod:`~wsi_pipeline.tiling.cluster`
+(Dask), :mod:`~wsi_pipeline.tiling.report` (the merged report).
 """
 
 from __future__ import annotations
@@ -125,12 +131,7 @@ def tile_cohort(
     check_output_dir(out, subfolders=("qc", LOCK_DIR))
     report_path = out / REPORT_NAME
     locks = LockDir(out / LOCK_DIR, stale_after_s=lock_stale_s, heartbeat_s=min(heartbeat_s, lock_stale_s / 4))
-    report_locks = LockDir(out / LOCK_DIR, stale_after_s=60.0, heartbeat_s=30.0)
-    run = SlideRun(
-        len(jobs), desc="tiling", progress=progress, totals=("tiles",), on_result=on_result, report_every_s=2.0,
-        before_record=functools.partial(_release_and_check, jobs, locks, out),
-        report=lambda results, final: write_report(results, jobs, report_path, final=final, locks=report_locks),
-    )
+    run = _slide_run(jobs, out, locks, progress, on_result)
     with run, locks:
         claims = _first_look(jobs, out, config, overwrite, locks, run, since=started)
         _execute(run, claims, jobs, out, config, overwrite, n_workers, cluster, workers=workers, retries=retries)
@@ -140,6 +141,19 @@ def tile_cohort(
         raise OutputDirError(out, f"cannot write {report_path}: {err}") from err
     final = [r if r is not None else _unfinished(j, True) for j, r in zip(jobs, run.results)]
     return CohortReport(final, report_path, round(time.perf_counter() - t0, 3))
+
+
+def _slide_run(jobs: Sequence[SlideJob], out: Path, locks: LockDir, progress: bool,
+               on_result: Callable[[SlideResult], None] | None) -> SlideRun:
+    """The job runner's bookkeeping with the tiler's steps plugged in: each slide's lock released (and the
+    output folder checked when it failed) before its row is recorded; the report merged under its own lock
+    every 2 s and at the end."""
+    report_locks = LockDir(out / LOCK_DIR, stale_after_s=60.0, heartbeat_s=30.0)
+    return SlideRun(
+        len(jobs), desc="tiling", progress=progress, totals=("tiles",), on_result=on_result, report_every_s=2.0,
+        before_record=functools.partial(_release_and_check, jobs, locks, out),
+        report=lambda results, final: write_report(results, jobs, out / REPORT_NAME, final=final, locks=report_locks),
+    )
 
 
 def _select_jobs(source: str | os.PathLike | Sequence[SlideJob], out: Path, shard: tuple[int, int] | None) -> list[SlideJob]:
