@@ -12,6 +12,11 @@ once) wherever that reader serves the read level, otherwise with :meth:`Slide.re
 ``threads`` > 1 the runs are decoded, tested and their kept tiles compressed in a pool of threads
 (libjpeg-turbo, OpenSlide, OpenCV and zstd release the GIL) while a writer thread writes them in
 grid order, so one slide uses every core it is given; the store does not depend on the thread count.
+
+The steps live in their own modules: :mod:`~wsi_pipeline.tiling.identity` (is a store current),
+:mod:`~wsi_pipeline.tiling.plan` (mpp, grid, overview, candidates), :mod:`~wsi_pipeline.tiling.decode`
+(runs of tiles, threads), :mod:`~wsi_pipeline.tiling.writers` (the store writer thread); this module
+holds the settings, the job and result types and :func:`tile_slide`.
 """
 
 from __future__ import annotations
@@ -63,6 +68,7 @@ logger = logging.getLogger(__name__)
 METHODS: dict[str, float] = {"greyscale": 0.6, "otsu": 0.5, "unet": 0.5}
 #: Report note of a slide skipped for its dark background.
 DARK_NOTE = "skipped: dark background (fluorescence?)"
+
 
 @dataclass(frozen=True)
 class TilingConfig:
