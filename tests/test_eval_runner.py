@@ -75,7 +75,7 @@ def evaluated(tmp_path_factory):
     (tmp / "t.yaml").write_text(yaml.safe_dump(raw))
 
     # record the order of model loads and test-store reads
-    import wsi_pipeline.evaluation.runner as runner_mod
+    import wsi_pipeline.evaluation.evaluate as runner_mod
     import wsi_pipeline.inference.checkpoint as ckpt_mod
 
     events = []

@@ -19,10 +19,11 @@ import zarr
 
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling import outdir, runner
+from wsi_pipeline.tiling import outdir, pool, runner
 from wsi_pipeline.tiling.locks import LockDir
 from wsi_pipeline.tiling.outdir import OutputDirError
-from wsi_pipeline.tiling.runner import _merge_rows, tile_cohort
+from wsi_pipeline.tiling.report import _merge_rows
+from wsi_pipeline.tiling.runner import tile_cohort
 from wsi_pipeline.data.store import is_complete
 from wsi_pipeline.tiling.tiler import SlideJob, SlideResult
 
@@ -295,9 +296,9 @@ def test_output_failing_mid_run_stops_the_run_instead_of_failing_slides(tmp_path
 
 
 def test_worker_death_messages_name_the_cause() -> None:
-    assert "out-of-memory" in runner._death_message(-signal.SIGKILL)
-    assert "crashed (SIGSEGV) inside the slide reader" in runner._death_message(-signal.SIGSEGV)
-    assert "exited with code 3" in runner._death_message(3)
+    assert "out-of-memory" in pool._death_message(-signal.SIGKILL)
+    assert "crashed (SIGSEGV) inside the slide reader" in pool._death_message(-signal.SIGSEGV)
+    assert "exited with code 3" in pool._death_message(3)
 
 
 # -------------------------------------------------------------------------------- no slides

@@ -30,9 +30,11 @@ from typing import Any
 
 import numpy as np
 
-from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.progress import progress_bar
 import pandas as pd
+
+from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.jobs.runner import run_slides
 
 __all__ = [
     "extract_features",
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 
 #: Per-slide status table written beside the feature files.
 REPORT_NAME = "features_report.csv"
+#: Its columns.
+REPORT_COLUMNS: tuple[str, ...] = ("slide_id", "status", "n_tiles", "seconds", "error")
 
 
 def features_path(out_dir: str | os.PathLike, slide_id: str) -> Path:
@@ -139,10 +143,10 @@ def _report_orphans(out: Path, slide_ids: list[str]) -> list[str]:
 
 
 def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarray, attrs: Mapping[str, Any]) -> None:
+    """Write a feature file atomically (:func:`~wsi_pipeline.io_atomic.atomic_path`), ``complete`` set last."""
     import h5py
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             f.create_dataset("features", data=feats.astype(np.float32, copy=False))
             f.create_dataset("coords", data=coords.astype(np.int64, copy=False))
@@ -150,10 +154,6 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
             for k, v in attrs.items():
                 f.attrs[k] = v
             f.attrs["complete"] = True
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _embed_store(store: Any, encoder: Any, device: str, batch_size: int) -> np.ndarray:
@@ -174,53 +174,49 @@ def _embed_store(store: Any, encoder: Any, device: str, batch_size: int) -> np.n
     return np.concatenate(out, 0)
 
 
+#: What :func:`_slide_features` records of a slide it could not embed (report columns beyond the runner's).
+_REPORT_DEFAULTS = {"n_tiles": 0}
+#: Errors that fail one slide (a missing or damaged store, a file that cannot be written); others stop the run.
+_SLIDE_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
+
+
 def _slide_features(
-    slide_id: str, encoder: Any, dev: str, tiles_dir: str, out: str, encoder_name: str, digest: str, batch_size: int,
-    overwrite: bool,
-) -> tuple[dict[str, Any], str | None]:
-    """Embed one slide's store into ``<out>/<slide_id>.h5`` unless up to date: its report row and why it was
-    re-extracted (None when it was new, skipped or failed)."""
+    slide_id: str, row: dict[str, Any], encoder: Any, device: str, tiles_dir: str, out: str, encoder_name: str,
+    digest: str, batch_size: int, overwrite: bool,
+) -> None:
+    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): embed its store into
+    ``<out>/<slide_id>.h5`` unless up to date, filling ``row`` (``n_tiles``; ``status`` skipped when up to
+    date; ``reason``, not a report column: why an existing file was re-extracted)."""
+    import torch
+
     import wsi_pipeline
     from wsi_pipeline.data.store import open_store, store_path
 
-    t0 = time.perf_counter()
-    dest = features_path(out, slide_id)
-    row: dict[str, Any] = {"slide_id": slide_id, "status": "ok", "n_tiles": 0, "seconds": 0.0, "error": ""}
-    why = None
-    try:
-        store = open_store(store_path(tiles_dir, slide_id))
-        expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store)}
-        row["n_tiles"] = len(store)
-        reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
-        if reason is None:
-            row["status"] = "skipped"
-        else:
-            if reason != "no feature file":
-                why = reason
-            feats = _embed_store(store, encoder, dev, int(batch_size))
-            attrs = {
-                **expected,
-                "slide_id": slide_id,
-                "n_tiles": len(store),
-                "feature_dim": int(feats.shape[1]),
-                "tile_size": int(store.tile_size),
-                "package_version": wsi_pipeline.__version__,
-                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            }
-            _write_h5(dest, feats, store.coords, store.grid, attrs)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
-        log.error("features failed for %s: %s", slide_id, e)
-        row.update(status="failed", error=f"{type(e).__name__}: {e}")
-    row["seconds"] = round(time.perf_counter() - t0, 3)
-    return row, why
-
-
-def _slide_features_task(slide_id: str, encoder: Any, device: str, *args: Any) -> tuple[dict[str, Any], str | None]:
-    """:func:`_slide_features` as a Dask task: the broadcast encoder goes to this worker's device once."""
     dev = resolve_device(device)
-    if next(encoder.parameters()).device != __import__("torch").device(dev):
+    first = next(encoder.parameters(), None)
+    if first is not None and first.device != torch.device(dev):  # a Dask worker got the broadcast copy on the CPU
         encoder.to(dev).eval()
-    return _slide_features(slide_id, encoder, dev, *args)
+    dest = features_path(out, slide_id)
+    store = open_store(store_path(tiles_dir, slide_id))
+    expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store)}
+    row["n_tiles"] = len(store)
+    reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
+    if reason is None:
+        row["status"] = "skipped"
+        return
+    if reason != "no feature file":
+        row["reason"] = reason
+    feats = _embed_store(store, encoder, dev, int(batch_size))
+    attrs = {
+        **expected,
+        "slide_id": slide_id,
+        "n_tiles": len(store),
+        "feature_dim": int(feats.shape[1]),
+        "tile_size": int(store.tile_size),
+        "package_version": wsi_pipeline.__version__,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    _write_h5(dest, feats, store.coords, store.grid, attrs)
 
 
 def extract_features(
@@ -256,7 +252,7 @@ def extract_features(
     progress : show a per-slide progress bar.
     cluster : None = in this process; else each slide is a Dask task (a ``--cluster`` string,
         a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``; see
-        :mod:`wsi_pipeline.tiling.cluster`): the encoder is built here and sent to every worker,
+        :mod:`wsi_pipeline.jobs.runner`): the encoder is built here and sent to every worker,
         which runs it on its own ``device``.
     retries : with ``cluster``: extra runs of a slide whose worker died.
 
@@ -286,35 +282,16 @@ def extract_features(
 
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
     _report_orphans(out, slide_ids)
+    rows = run_slides(
+        slide_ids, _slide_features, (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite),
+        catch=_SLIDE_ERRORS, defaults=_REPORT_DEFAULTS, broadcast=encoder.cpu() if cluster is not None else encoder,
+        cluster=cluster, retries=retries, desc="features", progress=progress,
+        report_path=out / REPORT_NAME, columns=REPORT_COLUMNS,
+    )
     reasons: dict[str, int] = {}
-    args = (str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite)
-    if cluster is not None:
-        from wsi_pipeline.jobs.cluster import map_slides
-
-        outcomes = map_slides(cluster, _slide_features_task, slide_ids, (device, *args), broadcast=encoder.cpu(),
-                              progress=progress, desc="features", retries=retries)
-        rows = []
-        for slide_id, outcome in zip(slide_ids, outcomes):
-            if isinstance(outcome, BaseException):
-                row = {"slide_id": slide_id, "status": "failed", "n_tiles": 0, "seconds": 0.0,
-                       "error": f"the Dask task failed: {type(outcome).__name__}: {outcome}"}
-                reason = None
-            else:
-                row, reason = outcome
-            rows.append(row)
-            if reason:
-                reasons[reason] = reasons.get(reason, 0) + 1
-    else:
-        rows = []
-        for slide_id in progress_bar(slide_ids, desc="features", unit="slide", enabled=progress):
-            row, reason = _slide_features(slide_id, encoder, dev, *args)
-            rows.append(row)
-            if reason:
-                reasons[reason] = reasons.get(reason, 0) + 1
+    for row in rows:
+        if row.get("reason"):
+            reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
     if reasons:
         log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
-    report = pd.DataFrame(rows, columns=["slide_id", "status", "n_tiles", "seconds", "error"])
-    tmp = out / f".{REPORT_NAME}.tmp-{os.getpid()}"
-    report.to_csv(tmp, index=False)
-    os.replace(tmp, out / REPORT_NAME)
-    return report
+    return pd.DataFrame(rows, columns=list(REPORT_COLUMNS))

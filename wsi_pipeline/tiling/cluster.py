@@ -8,7 +8,7 @@ A worker that dies (``kill -9``, the OOM killer, a node lost) costs only the sli
 tiling: the scheduler runs it again on another worker, up to ``retries`` more times
 (``distributed.scheduler.allowed-failures``; for a ``tcp://`` scheduler its own setting
 applies); after that the slide gets a ``failed`` row. The half-written temporary store of a
-killed worker is removed by the next attempt on the same host (see ``tiler._clean_stale``).
+killed worker is removed by the next attempt on the same host (see :func:`wsi_pipeline.tiling.identity.clean_stale`).
 
 """
 

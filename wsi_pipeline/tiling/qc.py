@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from wsi_pipeline.io_atomic import atomic_path
+
 __all__ = ["render_qc", "write_png", "qc_path"]
 
 
@@ -68,13 +70,16 @@ def render_qc(
 
 
 def write_png(path: str | os.PathLike, rgb: np.ndarray) -> Path:
-    """Write an RGB image as PNG atomically (temp name, then rename)."""
+    """Write an RGB image as PNG atomically (:func:`~wsi_pipeline.io_atomic.atomic_path`).
+
+    Encoded in memory first (the bytes ``cv2.imwrite`` writes), so the temporary name needs no ``.png`` ending.
+    """
     import cv2
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}.png")
-    if not cv2.imwrite(str(tmp), cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2BGR)):
-        raise OSError(f"could not write QC image {tmp}")
-    os.replace(tmp, path)
+    ok, png = cv2.imencode(".png", cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2BGR))
+    if not ok:
+        raise OSError(f"could not encode QC image {path}")
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(png.tobytes())
     return path

@@ -116,8 +116,6 @@ def otsu_tissue_mask(
     the channel thresholded, the contrast, the rule that decided (``otsu``, ``otsu-vs-glass``
     or ``no-glass``), the background estimate and the tissue fraction.
     """
-    import cv2
-
     if params.background not in ("auto", "bright", "dark"):
         raise ValueError(f"background={params.background!r}; expected 'auto', 'bright' or 'dark'")
     if params.channel not in ("auto", "grey"):
@@ -131,29 +129,8 @@ def otsu_tissue_mask(
     if polarity == "auto":
         polarity = "dark" if bg.is_dark else "bright"
     glass_px = glass_pixels(rgb) if polarity == "bright" and bg.kind == "bright" else None
-    # signal: larger = more likely tissue
-    if params.channel == "grey":
-        signal, channel = (255 - g if polarity == "bright" else g), "grey"
-    elif polarity == "bright":
-        signal, channel = cv2.cvtColor(rgb, cv2.COLOR_RGB2HSV)[..., 1], "saturation"
-    else:
-        signal, channel = rgb.max(axis=2), "max_rgb"
-    signal = np.ascontiguousarray(signal, dtype=np.uint8)
-    k = min(255, max(3, int(round(params.median_um / um_per_px)) | 1))
-    if min(signal.shape) > k:
-        signal = cv2.medianBlur(signal, k)
-    thr, _ = cv2.threshold(signal, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-    lo, hi = signal[signal <= thr], signal[signal > thr]
-    contrast = float(hi.mean() - lo.mean()) if lo.size and hi.size else 0.0
-    passes = 1
-    if lo.size > 1 and contrast >= params.min_contrast:
-        # Three populations (glass, pale tissue, dense dark tissue) make Otsu split the two
-        # kinds of tissue. A second pass on the lower class finds the pale tissue when it is a
-        # distinct population (>= 10 % of the image, well above the glass level).
-        thr2, _ = cv2.threshold(lo.reshape(1, -1), 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
-        glass, mid = lo[lo <= thr2], lo[lo > thr2]
-        if mid.size >= 0.1 * signal.size and glass.size and mid.mean() - glass.mean() >= params.min_contrast:
-            thr, passes = thr2, 2
+    signal, channel = _tissue_signal(rgb, g, polarity, params, um_per_px)
+    thr, contrast, passes = _otsu_threshold(signal, params)
     rule = "otsu"
     if polarity == "bright" and glass_px is None:
         # no glass in view: a bimodal split would cut the tissue in two; all of it is tissue
@@ -171,7 +148,51 @@ def otsu_tissue_mask(
     if rule != "no-glass" and contrast < params.min_contrast:
         info["tissue_fraction"] = 0.0
         return np.zeros(signal.shape, bool), info
-    mask = signal > thr
+    mask = _clean_mask(signal > thr, um_per_px, params)
+    info["tissue_fraction"] = float(mask.mean())
+    return mask, info
+
+
+def _tissue_signal(rgb: np.ndarray, g: np.ndarray, polarity: str, params: OtsuParams, um_per_px: float) -> tuple[np.ndarray, str]:
+    """(uint8 (H, W) signal, larger = more likely tissue, median-filtered over ``median_um``; the channel's name)."""
+    import cv2
+
+    if params.channel == "grey":
+        signal, channel = (255 - g if polarity == "bright" else g), "grey"
+    elif polarity == "bright":
+        signal, channel = cv2.cvtColor(rgb, cv2.COLOR_RGB2HSV)[..., 1], "saturation"
+    else:
+        signal, channel = rgb.max(axis=2), "max_rgb"
+    signal = np.ascontiguousarray(signal, dtype=np.uint8)
+    k = min(255, max(3, int(round(params.median_um / um_per_px)) | 1))
+    if min(signal.shape) > k:
+        signal = cv2.medianBlur(signal, k)
+    return signal, channel
+
+
+def _otsu_threshold(signal: np.ndarray, params: OtsuParams) -> tuple[float, float, int]:
+    """(Otsu threshold of ``signal``, contrast between its classes, passes: 2 when a second pass found pale tissue)."""
+    import cv2
+
+    thr, _ = cv2.threshold(signal, 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+    lo, hi = signal[signal <= thr], signal[signal > thr]
+    contrast = float(hi.mean() - lo.mean()) if lo.size and hi.size else 0.0
+    passes = 1
+    if lo.size > 1 and contrast >= params.min_contrast:
+        # Three populations (glass, pale tissue, dense dark tissue) make Otsu split the two
+        # kinds of tissue. A second pass on the lower class finds the pale tissue when it is a
+        # distinct population (>= 10 % of the image, well above the glass level).
+        thr2, _ = cv2.threshold(lo.reshape(1, -1), 0, 255, cv2.THRESH_BINARY + cv2.THRESH_OTSU)
+        glass, mid = lo[lo <= thr2], lo[lo > thr2]
+        if mid.size >= 0.1 * signal.size and glass.size and mid.mean() - glass.mean() >= params.min_contrast:
+            thr, passes = thr2, 2
+    return thr, contrast, passes
+
+
+def _clean_mask(mask: np.ndarray, um_per_px: float, params: OtsuParams) -> np.ndarray:
+    """Close gaps up to ``closing_um``, drop objects under ``min_object_um2`` and fill holes under ``min_hole_um2``."""
+    import cv2
+
     r = int(round(params.closing_um / um_per_px))
     if r >= 1:
         disk = cv2.getStructuringElement(cv2.MORPH_ELLIPSE, (2 * r + 1, 2 * r + 1))
@@ -185,5 +206,4 @@ def otsu_tissue_mask(
         mask = _drop_small_components(mask, min_obj, touching_border=True)
     if min_hole > 1:
         mask = ~_drop_small_components(~mask, min_hole, touching_border=False)
-    info["tissue_fraction"] = float(mask.mean())
-    return mask, info
+    return mask

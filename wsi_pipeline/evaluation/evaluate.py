@@ -1,0 +1,326 @@
+"""The evaluation stage (``wsi-pipeline eval``): every trained seed of every method, on every test cohort.
+
+Which slides are evaluated (:func:`evaluation_sets`)
+----------------------------------------------------
+The *training cohorts* are the ``cohort`` values of the manifest's ``train`` and ``val`` slides.
+
+- internal test set: the ``test`` slides of a training cohort (``split`` recorded as ``"test"``);
+- external cohort: every slide of a cohort with no ``train``/``val`` slide, whatever its split
+  value (``split`` recorded as ``"external"``).
+
+Slides of the training cohorts with split ``train``, ``val`` or empty are never evaluated.
+
+Order of work (the model is fixed before any test slide is read)
+----------------------------------------------------------------
+For each method and each seed whose run has finished (``runs/<pipeline>/<method>/seed<k>/done``),
+``best.pt`` (chosen on validation during training) is loaded first; only then are the test
+stores opened. Each slide is embedded once and scored under every protocol of ``eval.protocols``
+(:func:`~wsi_pipeline.inference.protocols.predict_protocols`), subsets seeded by ``eval.seed``
+and the slide id, so every model sees the same subsets. A model's score under ``sub<k>x<R>`` is
+the papers': the metric of each repeat over the cohort's slides, averaged over repeats (each
+repeat's value kept in ``metrics.json``); ``ens<k>x<R>`` scores the slide probabilities averaged
+over repeats instead (see :mod:`wsi_pipeline.inference.protocols`).
+
+Outputs in ``results/<pipeline>/``
+----------------------------------
+``predictions_<cohort>_<protocol>.csv`` (all methods and seeds; per slide the mean and std of
+the probabilities over repeats), ``metrics.json`` (metrics of each model, their mean/std over
+seeds, bootstrap 95 % intervals of the seed mean as metrics ``<metric>_ci_low``/``<metric>_ci_high``
+under seed ``"mean"``, and ``localisation_auc``; see :mod:`wsi_pipeline.export.metrics_json`),
+``heatmaps/<slide_id>.{png,geojson}`` and ``heatmaps/<slide_id>_scores.csv`` for one model
+(the method and seed with the best validation value recorded by training, i.e. the model chosen
+on validation; the first evaluated run when no run recorded one; or ``heatmap_method``'s
+seed best on validation), drawn with the ground-truth lesion outlines when the manifest has
+them, ``report.html`` (led by the model chosen on validation), and the
+resolved ``config.yaml``.
+
+Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
+scoring: tile a folder with the model's saved tiling parameters, embed once, aggregate, write
+``predictions.csv`` and the same heatmap files.
+
+``localisation_auc``: for slides with ground truth (manifest ``lesion_mask`` +
+``mask_downsample`` columns, or a ``lesion`` array in the store), a tile is positive when at
+least half its footprint is lesion; the ROC AUC (scikit-learn) of the all-tiles attention
+against that truth is computed per slide (slides with both kinds of tile) and averaged over the
+cohort's slides (a per-slide AUC is unaffected by attention scales that differ between slides).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from wsi_pipeline.data.store import open_store, store_path
+from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
+from wsi_pipeline.evaluation.scoring import _label, _resolve_device, score_slide
+from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
+from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
+from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
+from wsi_pipeline.export.report import best_on_validation
+from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols
+from wsi_pipeline.jobs.runner import run_slides
+
+__all__ = ["EvalSummary", "evaluate_pipeline"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalSummary:
+    """What :func:`evaluate_pipeline` did: the results folder, files written, models and slides."""
+
+    results_dir: Path
+    files: list[Path] = field(default_factory=list)
+    models: list[tuple[str, int]] = field(default_factory=list)
+    n_slides: int = 0
+    missing_stores: list[str] = field(default_factory=list)
+    skipped_runs: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _HeatmapChoice:
+    """Which model draws the heatmaps: ``run`` (method, seed), and the validation values it was chosen on."""
+
+    run: tuple[str, int] | None
+    val_scores: dict[tuple[str, int], tuple[str, float]]
+    best_val: tuple[str, int] | None
+
+
+@dataclass
+class _Collected:
+    """What the scoring pass gathers across models and cohorts."""
+
+    rows: dict[tuple[str, str], list[dict]] = field(default_factory=lambda: defaultdict(list))  # (cohort, protocol) -> prediction rows
+    records: list[MetricRecord] = field(default_factory=list)
+    probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
+    gallery: list[dict] = field(default_factory=list)
+    missing: set[str] = field(default_factory=set)
+
+
+def evaluate_pipeline(
+    config: Any,
+    *,
+    methods: Sequence[str] | None = None,
+    device: str = "auto",
+    batch_size: int | None = None,
+    heatmaps: bool = True,
+    heatmap_method: str | None = None,
+    heatmap_mode: str = "rank",
+    n_boot: int | None = None,
+    results_dir: str | os.PathLike | None = None,
+    progress: bool = True,
+) -> EvalSummary:
+    """Evaluate every finished run of a pipeline and write ``results/<pipeline>/`` (module docstring).
+
+    Parameters
+    ----------
+    config : a :class:`~wsi_pipeline.config.pipeline.PipelineConfig`.
+    methods : evaluate only these methods (default: all of the config's).
+    device : ``auto``, ``cpu``, ``cuda``...
+    batch_size : tiles per encoder call (default: each method's ``chunk_size``).
+    heatmaps : write per-slide heatmaps, scores CSV and GeoJSON for one model.
+    heatmap_method : method whose seed best on validation makes the heatmaps (default: the
+        method and seed best on validation across all runs; see the module docstring).
+    heatmap_mode : ``rank`` (default), ``minmax`` or ``raw``.
+    n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
+    results_dir : default ``<config.results_dir>/<config.name>``.
+    progress : tqdm bars over slides.
+
+    Raises
+    ------
+    FileNotFoundError : no finished run (train first) or no manifest.
+    ValueError : the manifest has no test slides and no external cohort.
+    """
+    t0 = time.perf_counter()
+    out = Path(results_dir) if results_dir is not None else Path(config.results_dir) / config.name
+    summary = EvalSummary(results_dir=out)
+    runs = _finished_runs(config, methods, summary)
+    sets = _sets_to_score(config)
+    protocols = parse_protocols(config.eval.protocols)
+    dev = _resolve_device(device)
+    choice = _choose_heatmap_run(runs, heatmap_method)
+    got = _Collected()
+    for method, seed, run_dir in runs:
+        make_heatmaps = heatmaps and choice.run == (method.name, seed)
+        _evaluate_run(config, method, seed, run_dir, sets, protocols, got, summary, device=dev, batch_size=batch_size,
+                      heatmap_dir=out / "heatmaps" if make_heatmaps else None, heatmap_mode=heatmap_mode, progress=progress)
+    if n_boot is None:
+        n_boot = int(config.eval.bootstrap)
+    if n_boot > 0:
+        got.records += bootstrap_records(got.probs_by, int(config.data.n_classes), n_boot, seed=int(config.eval.seed),
+                                         progress=progress)
+    summary.missing_stores = sorted(got.missing)
+    summary.n_slides = sum(len(s.slides) for s in sets) - len(got.missing)
+    _write_results(config, out, got, protocols, choice, summary, heatmaps=heatmaps, heatmap_method=heatmap_method)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _finished_runs(config: Any, methods: Sequence[str] | None, summary: EvalSummary) -> list[tuple[Any, int, Path]]:
+    """The finished runs to evaluate (unfinished ones are logged and listed in ``summary.skipped_runs``)."""
+    runs, skipped = trained_runs(config, methods)
+    summary.skipped_runs = skipped
+    for s in skipped:
+        log.warning("skipping run %s", s)
+    if not runs:
+        raise FileNotFoundError(
+            f"no finished run of pipeline {config.name!r} under {Path(config.runs_dir) / config.name} "
+            f"({'; '.join(skipped) or 'no methods'}); train first: wsi-pipeline train --config <yaml>"
+        )
+    return runs
+
+
+def _sets_to_score(config: Any) -> list[EvalSet]:
+    """The manifest's internal test sets and external cohorts (:func:`~wsi_pipeline.evaluation.sets.evaluation_sets`)."""
+    from wsi_pipeline.manifests.schema import read_manifest
+
+    manifest = read_manifest(config.data.manifest, n_classes=int(config.data.n_classes))
+    sets = evaluation_sets(manifest)
+    if not sets:
+        raise ValueError(
+            f"{config.data.manifest}: no slide to evaluate: no `test` split in the training cohorts and no "
+            "external cohort (a cohort value without train/val slides); set split=test on held-out slides"
+        )
+    return sets
+
+
+def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: str | None) -> _HeatmapChoice:
+    """Heatmaps of the model chosen on validation (never on the test slides), unless a method is asked for:
+    then that method's seed best on validation, else its first finished seed."""
+    val_scores = validation_scores(runs)
+    best_val = best_on_validation(val_scores)
+    if heatmap_method:
+        hm_run = best_on_validation({k: v for k, v in val_scores.items() if k[0] == heatmap_method})
+        hm_run = hm_run or next(((m.name, s) for m, s, _ in runs if m.name == heatmap_method), None)
+    else:
+        hm_run = best_val or (runs[0][0].name, runs[0][1])
+    if heatmap_method and hm_run is None:
+        raise ValueError(f"heatmap_method {heatmap_method!r} has no finished run; finished: {sorted({m.name for m, _, _ in runs})}")
+    return _HeatmapChoice(hm_run, val_scores, best_val)
+
+
+def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[Protocol],
+                  got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
+                  heatmap_mode: str, progress: bool) -> None:
+    """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
+    before any test slide is opened."""
+    from wsi_pipeline.inference.checkpoint import load_trained_model
+
+    model = load_trained_model(run_dir, device=device, which="best")
+    summary.models.append((method.name, seed))
+    log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
+    bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)
+    for es in sets:
+        scorer = _SetScorer(model, config, method.name, seed, es, protocols, got, batch_size=bs, device=device,
+                            heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
+        run_slides([row for _, row in es.slides.iterrows()], scorer, slide_id=lambda r: str(r["slide_id"]),
+                   desc=f"{method.name} s{seed} {es.cohort}", progress=progress, leave=False, on_result=scorer.collect)
+        scorer.add_records(int(config.data.n_classes))
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+class _SetScorer:
+    """One model on one evaluation set: the job runner's work per slide (:func:`wsi_pipeline.jobs.runner.run_one`),
+    :meth:`collect` for its row, :meth:`add_records` for the set's metrics once all slides are scored.
+
+    A slide whose store is missing or empty is ``skipped`` (logged once per slide across models).
+    """
+
+    def __init__(self, model: Any, config: Any, method: str, seed: int, es: EvalSet, protocols: list[Protocol],
+                 got: _Collected, *, batch_size: int, device: str, heatmap_dir: Path | None, heatmap_mode: str) -> None:
+        self.model, self.config, self.method, self.seed, self.es, self.protocols = model, config, method, seed, es, protocols
+        self.got, self.batch_size, self.device = got, batch_size, device
+        self.heatmap_dir, self.heatmap_mode = heatmap_dir, heatmap_mode
+        self.labels: list[int] = []
+        self.preds: dict[str, list[SlidePrediction]] = {p.name: [] for p in protocols}
+        self.loc: list[float] = []
+
+    def _skip(self, row: dict[str, Any], why: str) -> None:
+        sid = row["slide_id"]
+        if sid not in self.got.missing:
+            log.warning("slide %s skipped: %s", sid, why)
+        self.got.missing.add(sid)
+        row.update(status="skipped", error=why)
+
+    def __call__(self, mrow: pd.Series, row: dict[str, Any]) -> None:
+        try:
+            store = open_store(store_path(Path(self.config.data.tiles_dir), row["slide_id"]))
+        except (FileNotFoundError, ValueError) as e:
+            self._skip(row, str(e))
+            return
+        if len(store) == 0:
+            self._skip(row, f"its tile store {store.path} has no tiles")
+            return
+        row["score"] = score_slide(
+            self.model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
+            device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode,
+            title=f"attention, {self.method} seed {self.seed}")
+        row["label"] = _label(mrow["label"])
+
+    def collect(self, row: dict[str, Any]) -> None:
+        """File a scored slide's predictions, label, localisation and heatmap."""
+        if row["status"] != "ok":
+            return
+        sid, res, lab, es = row["slide_id"], row["score"], row["label"], self.es
+        for pname, pred in res.preds.items():
+            self.got.rows[(es.cohort, pname)].append(prediction_row(
+                slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
+                n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed))
+            if lab is not None:
+                self.preds[pname].append(pred)
+        if lab is not None:
+            self.labels.append(lab)
+        if res.localisation is not None and not math.isnan(res.localisation):
+            self.loc.append(res.localisation)
+        if res.heatmap is not None:
+            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab, "png": res.heatmap,
+                                     "probs": res.preds[self.protocols[0].name].probs, "localisation": res.localisation,
+                                     "outline": res.outlined})
+
+    def add_records(self, n_classes: int) -> None:
+        """The set's metric records under every protocol, and its mean localisation AUC."""
+        es, got = self.es, self.got
+        y = np.asarray(self.labels, dtype=np.int64)
+        for p in self.protocols:
+            recs, P = protocol_records(self.method, self.seed, es, p, y, self.preds[p.name], n_classes)
+            got.records += recs
+            got.probs_by[(self.method, es.cohort, es.split, p.name)][self.seed] = (y, P)
+        if self.loc:
+            got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_auc", float(np.mean(self.loc))))
+            got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(self.loc))))
+
+
+def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Protocol], choice: _HeatmapChoice,
+                   summary: EvalSummary, *, heatmaps: bool, heatmap_method: str | None) -> None:
+    """Write the predictions files, ``metrics.json``, the resolved ``config.yaml`` and ``report.html``."""
+    from wsi_pipeline.config.pipeline import save_config
+    from wsi_pipeline.export.report import write_report
+
+    n_classes = int(config.data.n_classes)
+    out.mkdir(parents=True, exist_ok=True)
+    for (cohort, pname), rr in sorted(got.rows.items()):
+        summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, n_classes))
+    summary.files.append(write_metrics_json(out / "metrics.json", got.records))
+    summary.files.append(save_config(config, out / "config.yaml"))
+    hm_run = choice.run
+    all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
+    summary.files.append(write_report(
+        out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
+        n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
+        protocols=[p.name for p in protocols], validation=choice.val_scores,
+        heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(choice.best_val and not heatmap_method),
+    ))

@@ -1,0 +1,299 @@
+"""Prediction on new slides (``wsi-pipeline predict``): tile with the model's settings, score, write.
+
+A folder of slide files is tiled into ``<out>/tiles`` with the tiling parameters saved with the
+model (:func:`_tiler_config`); a folder of tile stores is scored as it is, after checking it was
+tiled like the model's training stores. Each slide is embedded once and scored under every
+protocol (:func:`~wsi_pipeline.evaluation.scoring.score_slide`), through the per-slide job runner
+(:mod:`wsi_pipeline.jobs.runner`), and compared with the training tiles' stain summary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
+from wsi_pipeline.data.store import open_store, store_path
+from wsi_pipeline.evaluation.scoring import _resolve_device, score_slide
+from wsi_pipeline.export.predictions import prediction_row, write_predictions
+from wsi_pipeline.inference.protocols import Protocol, parse_protocols
+from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.tiling.params import output_params
+
+__all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PredictSummary:
+    """What :func:`predict_slides` did: output folder, predictions file, per-slide rows, failures."""
+
+    out_dir: Path
+    predictions: Path | None
+    rows: list[dict] = field(default_factory=list)
+    failed: list[tuple[str, str]] = field(default_factory=list)
+    heatmaps_dir: Path | None = None
+    tiles_dir: Path | None = None
+    seconds: float = 0.0
+    stain_checks: dict[str, Any] = field(default_factory=dict)  # slide_id -> StainCheck against the training tiles
+    stain_reference_source: str | None = None
+
+
+def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
+    """The tiler's settings from the tiling parameters saved with a model.
+
+    ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
+    them), or an older checkpoint's config section (tile size, method, threshold, mpp target).
+    """
+    return tiler_config(tiling, mpp)
+
+
+def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
+    """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
+
+    ``tiling`` is what the checkpoint saved: the training stores' own settings (a dict), or an
+    older checkpoint's config section, of which only the fields it sets are compared.
+    """
+    from wsi_pipeline.data.bags import store_settings
+
+    keys = ("method", "tile_size", "min_foreground", "mpp_target")
+    want = {k: (tiling.get(k) if isinstance(tiling, dict) else getattr(tiling, k, None)) for k in keys}
+    want = {k: v for k, v in want.items() if v is not None}
+    odd = []
+    for path in stores:
+        got = store_settings(path)
+        if got is None:
+            continue
+        diff = [f"{k} {got.get(k)} (model: {v})" for k, v in want.items()
+                if not (got.get(k) == v or (isinstance(v, float) and isinstance(got.get(k), float) and abs(got[k] - v) < 1e-9))]
+        if diff:
+            odd.append(f"{path.name}: {', '.join(diff)}")
+    if not odd:
+        return
+    msg = (f"{len(odd)} store(s) were tiled unlike the model's training data ({'; '.join(odd[:4])}"
+           f"{' ...' if len(odd) > 4 else ''}); the model would see another tile size or resolution")
+    if not allow:
+        raise ValueError(msg + ". Pass the slide files instead (they are tiled with the model's settings), "
+                         "or --allow-other-tiling to score these stores anyway")
+    log.warning(msg)
+
+
+#: Columns ``predict`` adds after the evaluation's predictions columns.
+PREDICT_EXTRA_COLUMNS = ("stain_distance", "off_distribution")
+
+
+def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
+    """The model's stain reference and where it came from.
+
+    Saved in the checkpoint since training records it; for an older checkpoint, computed now from
+    the training stores its config names when they are still on disk; else ``(None, None)``.
+    """
+    if model.stain_reference:
+        return model.stain_reference, f"checkpoint {model.checkpoint}"
+    try:
+        from wsi_pipeline.data.bags import slides_for_split
+        from wsi_pipeline.data.stain_stats import stain_reference
+        from wsi_pipeline.manifests.schema import read_manifest
+
+        cfg = model.config
+        manifest = read_manifest(cfg.data.manifest, n_classes=int(model.n_classes))
+        from wsi_pipeline.data.store import is_complete
+
+        train = [s for s in slides_for_split(manifest, "train", cfg.data.tiles_dir) if is_complete(s.store)]
+        ref = stain_reference(train) if train else None
+    except (FileNotFoundError, ValueError, OSError, KeyError) as e:
+        log.info("no stain reference: the checkpoint has none and the training stores cannot be read (%s)", e)
+        return None, None
+    return (ref, f"training stores under {cfg.data.tiles_dir}") if ref else (None, None)
+
+
+def _store_folder(path: Path) -> list[Path]:
+    return sorted(p for p in path.glob("*.zarr") if p.is_dir())
+
+
+def predict_slides(
+    model_path: str | os.PathLike,
+    slides: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    protocols: Sequence[Any] = ("all",),
+    device: str = "auto",
+    workers: int | None = None,
+    batch_size: int | None = None,
+    mpp: float | None = None,
+    heatmaps: bool = True,
+    heatmap_mode: str = "rank",
+    seed: int = 0,
+    progress: bool = True,
+    allow_other_tiling: bool = False,
+    cluster: Any = None,
+    retries: int = 2,
+) -> PredictSummary:
+    """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
+
+    Parameters
+    ----------
+    model_path : a run folder (its ``best.pt`` is used) or a checkpoint file.
+    slides : a folder of slide files (tiled into ``<out_dir>/tiles`` with the tiling parameters
+        saved with the model; complete, current stores there are reused), or a folder of
+        ``<slide_id>.zarr`` tile stores (used as they are).
+    out_dir : receives ``predictions.csv`` (the columns of the evaluation's predictions files;
+        ``label`` empty, ``cohort`` = the slides folder's name, all protocols in one file),
+        ``heatmaps/`` and ``predict_info.json``.
+    protocols : scoring protocols (``"all"``, ``"sub256x100"``, ``"ens256x100"``).
+    device, workers, batch_size : compute settings (``workers``: tiling processes).
+    mpp : um/px to assume for slides whose files lack it.
+    heatmaps, heatmap_mode : per-slide heatmap PNG + scores CSV + GeoJSON.
+    seed : seed of the subsample protocols.
+    allow_other_tiling : score a folder of stores tiled with other settings than the model's
+        training stores (tile size, resolution, method, thresholds) with a warning instead of
+        refusing it.
+    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
+        embedding and scoring stay in this process.
+
+    Every slide's tiles are also compared with the training tiles' stain summary
+    (:mod:`wsi_pipeline.data.stain_stats`; saved in the checkpoint, or for older checkpoints
+    computed from the training stores when they exist): ``predictions.csv`` gets the columns
+    ``stain_distance`` and ``off_distribution`` (empty when no summary is available), and a slide
+    beyond the threshold is logged as a warning. It is still predicted.
+    """
+    t0 = time.perf_counter()
+    out = Path(out_dir)
+    src = Path(slides)
+    if not src.is_dir():
+        raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
+    from wsi_pipeline.inference.checkpoint import load_trained_model
+
+    dev = _resolve_device(device)
+    model = load_trained_model(model_path, device=dev)
+    prots = parse_protocols(protocols)
+    summary = PredictSummary(out_dir=out, predictions=None)
+    tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, workers=workers, progress=progress,
+                                                   cluster=cluster, retries=retries, allow_other_tiling=allow_other_tiling)
+    summary.tiles_dir = tiles_dir
+    if not ids and not summary.failed:
+        raise FileNotFoundError(f"no slides found in {src} (looked for slide files and *.zarr stores)")
+    summary.heatmaps_dir = out / "heatmaps" if heatmaps else None
+    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
+    if stain_ref is None:
+        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
+                    "slides are not checked for being off-distribution")
+    scorer = _SlidePredictor(model, prots, tiles_dir, slide_paths, stain_ref, summary, cohort=src.resolve().name or "predict",
+                             seed=seed, batch_size=int(batch_size or getattr(model.method, "chunk_size", 64) or 64),
+                             device=dev, heatmap_mode=heatmap_mode)
+    run_slides(ids, scorer, desc="predicting", progress=progress, on_result=scorer.collect)
+    out.mkdir(parents=True, exist_ok=True)
+    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes),
+                                            extra_columns=PREDICT_EXTRA_COLUMNS)
+    _write_predict_info(out / "predict_info.json", model, prots, src, tiles_dir, stain_ref, summary)
+    summary.seconds = time.perf_counter() - t0
+    return summary
+
+
+def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, *, mpp: float | None, workers: int | None,
+                     progress: bool, cluster: Any, retries: int, allow_other_tiling: bool) -> tuple[Path, list[str], dict[str, str]]:
+    """(tiles folder, slide ids to score, slide id -> slide file): ``src``'s stores as they are (checked against
+    the model's tiling), or its slide files tiled into ``<out>/tiles``; tiling failures go to ``summary.failed``."""
+    stores = _store_folder(src)
+    if stores:
+        _check_store_settings(stores, model.tiling, allow=allow_other_tiling)
+        return src, [p.name[: -len(".zarr")] for p in stores], {}
+    from wsi_pipeline.tiling.runner import tile_cohort
+
+    tiles_dir = out / "tiles"
+    report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+                         cluster=cluster, retries=retries)
+    ids, slide_paths = [], {}
+    for r in report.results:
+        slide_paths[r.slide_id] = r.path
+        if r.status in ("ok", "skipped") and r.n_tiles > 0:
+            ids.append(r.slide_id)
+        elif r.status in ("ok", "skipped"):  # the tiler's note says why (e.g. a dark background) when it knows
+            summary.failed.append((r.slide_id, r.note or "no tissue tiles found (check the slide, or lower min_foreground)"))
+        else:
+            summary.failed.append((r.slide_id, f"tiling failed: {r.error}"))
+    return tiles_dir, ids, slide_paths
+
+
+@dataclass
+class _SlidePredictor:
+    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): open its store, check
+    its stain against the training tiles, score it; :meth:`collect` files the row into the summary."""
+
+    model: Any
+    protocols: list[Protocol]
+    tiles_dir: Path
+    slide_paths: dict[str, str]
+    stain_ref: dict | None
+    summary: PredictSummary
+    cohort: str
+    seed: int
+    batch_size: int
+    device: str
+    heatmap_mode: str
+
+    def __call__(self, sid: str, row: dict[str, Any]) -> None:
+        try:
+            store = open_store(store_path(self.tiles_dir, sid))
+        except (FileNotFoundError, ValueError) as e:
+            row.update(status="failed", error=str(e))
+            return
+        if len(store) == 0:
+            row.update(status="failed", error="the tile store has no tiles")
+            return
+        manifest_row = pd.Series({"slide_id": sid, "path": self.slide_paths.get(sid) or store.attrs.get("slide_path", "")})
+        stain = self._stain(sid, store)
+        model = self.model
+        res = score_slide(model, model.config, store, manifest_row, self.protocols, seed=self.seed,
+                          batch_size=self.batch_size, device=self.device, heatmap_dir=self.summary.heatmaps_dir,
+                          heatmap_mode=self.heatmap_mode, title=f"attention, {model.method.name}")
+        row["predictions"] = [{**prediction_row(
+            slide_id=sid, cohort=self.cohort, label=None, probs=pred.probs, prob_std=pred.prob_std, n_tiles=pred.n_tiles,
+            protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain}
+            for pname, pred in res.preds.items()]
+
+    def _stain(self, sid: str, store: Any) -> dict[str, Any]:
+        """The slide's stain distance to the training tiles (warns when it is off-distribution)."""
+        from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features
+
+        stain: dict[str, Any] = {"stain_distance": None, "off_distribution": None}
+        if self.stain_ref is None:
+            return stain
+        chk = compare_to_reference(store_tile_features(store, int(self.stain_ref.get("max_tiles_per_slide", 64))), self.stain_ref)
+        self.summary.stain_checks[sid] = chk
+        stain = {"stain_distance": round(chk.distance, 3), "off_distribution": chk.off_distribution}
+        if chk.off_distribution:
+            log.warning("slide %s looks unlike the training tiles (%s); predicted anyway, treat its result with "
+                        "caution (fluorescence or another stain on a brightfield model?)", sid, chk.describe())
+        return stain
+
+    def collect(self, row: dict[str, Any]) -> None:
+        if row["status"] == "failed":
+            self.summary.failed.append((row["slide_id"], row["error"]))
+        else:
+            self.summary.rows.extend(row["predictions"])
+
+
+def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: Path, tiles_dir: Path,
+                        stain_ref: dict | None, summary: PredictSummary) -> None:
+    """``predict_info.json``: the model, protocols, slides, tiling settings, failures and stain checks."""
+    info = {
+        "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
+        "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
+        "tiles_dir": str(tiles_dir), "tiling": output_params(_tiler_config(model.tiling, None)),
+        "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
+        "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
+        "stain_checks": {s: {"distance": c.distance, "off_distribution": c.off_distribution, "feature": c.feature,
+                             "medians": c.medians} for s, c in summary.stain_checks.items()},
+    }
+    write_text_atomic(path, json.dumps(info, indent=1) + "\n")

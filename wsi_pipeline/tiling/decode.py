@@ -1,0 +1,223 @@
+"""Decoding and testing runs of candidate tiles, in a pool of threads when given several.
+
+A run is consecutive candidate tiles of one grid row, read with one level read
+(:meth:`Slide.read_level`) or from the slide's stored tiles directly
+(:class:`~wsi_pipeline.slides.direct.DirectTiles`, bit-equal to OpenSlide); each run's tiles are
+tested against the foreground rule and, with several threads, the kept ones compressed for the store.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from wsi_pipeline.slides.direct import DirectTiles
+from wsi_pipeline.slides.reader import Slide
+from wsi_pipeline.tiling.grid import TileGrid
+from wsi_pipeline.tiling.tissue import strip_foreground, tiles_foreground
+
+if TYPE_CHECKING:
+    from wsi_pipeline.tiling.tiler import TilingConfig
+
+__all__ = ["Encoder", "LevelRead", "available_cores"]
+
+logger = logging.getLogger(__name__)
+
+
+def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
+    """Split sorted column indices into runs of consecutive values, at most ``max_len`` long."""
+    if cols.size == 0:
+        return
+    breaks = np.flatnonzero(np.diff(cols) != 1) + 1
+    for run in np.split(cols, breaks):
+        for i in range(0, len(run), max_len):
+            yield run[i : i + max_len]
+
+
+#: ``read(x, y, width, height)``: level px of the read level, uint8 (height, width, 3) RGB.
+LevelRead = Callable[[int, int, int, int], np.ndarray]
+
+
+def _read_run(read: LevelRead, grid: TileGrid, row: int, cols: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+    """Decode tiles (row, cols) with one exact level read; returns (tiles uint8 (k, T, T, 3), strip or None).
+
+    ``read`` returns the read level's own pixels (:meth:`Slide.read_level` or
+    :meth:`DirectTiles.read`, no resampling); the strip spans the run's sources, so each tile's
+    source, cut from it, is the same as if it were read alone. ``strip`` is the raw (T, k*T, 3)
+    strip when tiles are not resized (for a fast foreground test).
+    """
+    import cv2
+
+    T = grid.tile_size
+    Sx, Sy = grid.source_shape
+    lx = grid.level_origin(cols, 0)
+    ly = int(grid.level_origin(row, 1))
+    x0 = int(lx[0])
+    width = int(lx[-1]) - x0 + Sx
+    strip = read(x0, ly, width, Sy)
+    k = len(cols)
+    if not grid.resized and width == k * T:
+        tiles = strip.reshape(T, k, T, 3).transpose(1, 0, 2, 3)
+        return tiles, strip
+    out = np.empty((k, T, T, 3), np.uint8)
+    for i, x in enumerate(lx - x0):
+        src = strip[:, x : x + Sx]
+        out[i] = src if not grid.resized else cv2.resize(np.ascontiguousarray(src), (T, T), interpolation=cv2.INTER_AREA)
+    return out, None
+
+
+#: Most bytes of decoded stored tiles the direct reader keeps for a slide (beyond it, a stored tile
+#: shared by two grid rows may be decoded twice; the pixels are the same).
+_DIRECT_CACHE_MAX = 512 * 2**20
+
+
+def _level_source(slide: Slide, grid: TileGrid, rows_in_flight: int = 1) -> tuple[LevelRead, DirectTiles | None, bool]:
+    """How the tiles' sources are read: (read function, the direct reader or None, thread-safe).
+
+    :class:`DirectTiles` when it serves the read level (its pixels equal OpenSlide's, which
+    :meth:`Slide.read_level` returns for such a level), else :meth:`Slide.read_level`. Reads are
+    thread-safe through the direct reader and OpenSlide; tiffslide and wsidicom are read by one thread.
+    ``rows_in_flight``: grid rows that may be read at once (the direct reader keeps their stored tiles).
+    """
+    level = grid.level
+    if slide.backend == "openslide" and slide.level_reader(level) == "openslide":
+        direct = DirectTiles.from_slide(slide, cache_bytes=0)
+        if direct.supports(level):
+            tw, th = direct.stored_tile_size(level)
+            Sx, Sy = grid.source_shape
+            aligned = Sx == tw and Sy == th and grid.level_step == (float(tw), float(th))
+            if not aligned:  # neighbouring tiles share stored tiles: keep the stored rows of the grid rows in flight
+                across = -(-grid.level_size[0] // tw)
+                rows = (-(-Sy // th) + 1) * (max(1, rows_in_flight) + 1)
+                direct.cache_bytes = min(_DIRECT_CACHE_MAX, rows * across * tw * th * 3)
+
+            def read(x: int, y: int, w: int, h: int) -> np.ndarray:
+                return direct.read(level, x, y, w, h)
+
+            return read, direct, True
+        logger.debug("slide %s: level %d read through OpenSlide: %s", slide.path, level, direct.reason(level))
+        direct.close()
+
+    def read_level(x: int, y: int, w: int, h: int) -> np.ndarray:
+        return slide.read_level(level, (x, y), (w, h))
+
+    # OpenSlide handles are thread-safe; a level read through tiffslide (or wsidicom) is not shared
+    return read_level, None, slide.backend == "openslide" and slide.level_reader(level) == "openslide"
+
+
+def available_cores() -> int:
+    """Cores this process may use (CPU affinity, e.g. under SLURM), else the machine's count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not available on macOS / Windows
+        return os.cpu_count() or 1
+
+
+#: Runs queued per decoding thread.
+_IN_FLIGHT_PER_THREAD = 4
+#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), encoded, thread CPU s); the
+#: kept tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all
+#: True); ``encoded``: the kept tiles compressed for the store (when the decoding threads compress), else None.
+_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float]
+#: One tile (C-contiguous uint8 (T, T, 3)) to the bytes the store writes (StoreWriter.tile_encoder).
+Encoder = Callable[[np.ndarray], Any]
+
+
+def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+    """The run's result; with ``encode``, the kept tiles are selected and compressed here (in the decoding thread)."""
+    if encode is None or not keep.any():
+        return tiles, keep, keep, fg, None, time.thread_time() - c0
+    kept = tiles if keep.all() and tiles.flags.c_contiguous else np.ascontiguousarray(tiles[keep])
+    return kept, np.ones(len(kept), bool), keep, fg, [encode(t) for t in kept], time.thread_time() - c0
+
+
+def _test_run(
+    read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    encode: Encoder | None = None,
+) -> _RunResult:
+    """Decode and test one run of candidate tiles (:data:`_RunResult`)."""
+    c0 = time.thread_time()
+    tiles, strip = _read_run(read, grid, row, run)
+    if otsu_fg is not None:
+        fg = otsu_fg[row, run].astype(np.float32)
+        keep = np.ones(len(run), bool)
+    else:
+        if strip is not None:
+            fg = strip_foreground(strip, grid.tile_size, config.grey_min, grey_max)
+        else:
+            fg = tiles_foreground(tiles, config.grey_min, grey_max)
+        keep = fg >= config.threshold
+    return _finish_run(tiles, keep, fg, encode, c0)
+
+
+def _test_stored_run(
+    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    encode: Encoder | None = None,
+) -> _RunResult:
+    """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
+    the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
+    The foreground fraction is the same count of grey values in [grey_min, grey_max] over T * T."""
+    import cv2
+
+    c0 = time.thread_time()
+    T, level = grid.tile_size, grid.level
+    srcs = []
+    blank = None
+    for c in run.tolist():
+        tile = direct.stored_tile(level, int(c), int(row))
+        if tile is None:  # no stored data: the background, as DirectTiles.read fills it
+            if blank is None:
+                blank = np.empty((T, T, 3), np.uint8)
+                blank[:] = direct.background
+            tile = blank
+        srcs.append(tile[:T, :T])
+    if otsu_fg is not None:
+        fg = otsu_fg[row, run].astype(np.float32)
+        keep = np.ones(len(run), bool)
+    else:
+        lo, hi, area = int(config.grey_min), int(grey_max), float(T * T)
+        fg = np.array([cv2.countNonZero(cv2.inRange(cv2.cvtColor(src, cv2.COLOR_RGB2GRAY), lo, hi)) / area for src in srcs], np.float32)
+        keep = fg >= config.threshold
+    kept = [src for src, k in zip(srcs, keep.tolist()) if k]
+    tiles = np.stack(kept) if kept else np.zeros((0, T, T, 3), np.uint8)
+    return _stored_result(tiles, keep, fg, encode, c0)
+
+
+def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+    """:func:`_finish_run` for ``tiles`` that are the kept tiles already (contiguous)."""
+    encoded = None if encode is None or not len(tiles) else [encode(t) for t in tiles]
+    return tiles, np.ones(len(tiles), bool), keep, fg, encoded, time.thread_time() - c0
+
+
+def _tested_runs(
+    tasks: list[tuple[int, np.ndarray]], test: Callable[[int, np.ndarray], _RunResult], threads: int
+) -> Iterator[tuple[int, np.ndarray, _RunResult]]:
+    """Yield (row, run, result) for every task in order; ``threads`` > 1 tests them in a thread pool
+    with at most ``_IN_FLIGHT_PER_THREAD`` runs per thread in flight (memory stays bounded)."""
+    if threads <= 1:
+        for row, run in tasks:
+            yield row, run, test(row, run)
+        return
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tile-decode")
+    inflight: deque[tuple[int, np.ndarray, Future[_RunResult]]] = deque()
+    it = iter(tasks)
+    try:
+        for row, run in it:
+            inflight.append((row, run, pool.submit(test, row, run)))
+            if len(inflight) >= _IN_FLIGHT_PER_THREAD * threads:
+                r, c, fut = inflight.popleft()
+                yield r, c, fut.result()
+        while inflight:
+            r, c, fut = inflight.popleft()
+            yield r, c, fut.result()
+    finally:
+        for _, _, fut in inflight:
+            fut.cancel()
+        pool.shutdown(wait=True)

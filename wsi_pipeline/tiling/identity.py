@@ -1,0 +1,87 @@
+"""Whether a slide's complete store is current: the store's identity (slide fingerprint, settings, formula).
+
+Resume compares the identity recorded in a store with the one the settings would give
+(:func:`store_matches`); partial stores (``.<id>.zarr.tmp-<pid>``) of processes that are gone
+are removed (:func:`clean_stale`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from wsi_pipeline.data.store import complete_attrs
+from wsi_pipeline.slides import slide_fingerprint
+from wsi_pipeline.tiling.params import output_params
+
+if TYPE_CHECKING:
+    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+
+__all__ = ["TILE_FORMULA_VERSION", "clean_stale", "store_identity", "store_matches", "valid_mpp"]
+
+
+#: Version of the tile formula (grid.TILE_FORMULA); stores built by an earlier one are rebuilt.
+TILE_FORMULA_VERSION = 2
+
+
+def valid_mpp(v: float | None) -> float | None:
+    return float(v) if v is not None and math.isfinite(v) and v > 0 else None
+
+
+def store_identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dict[str, Any]:
+    """What determines a store's content, known before the slide is opened.
+
+    The fallback ``--mpp`` is not in it: it matters only for slides without an mpp of their own,
+    which :func:`store_matches` checks against the store's recorded ``mpp_source``.
+    """
+    return {
+        "fingerprint": fingerprint, "tile_formula": TILE_FORMULA_VERSION,
+        "mpp_manifest": valid_mpp(job.mpp), "mpp_force": valid_mpp(config.mpp_force), **output_params(config),
+    }
+
+
+def _stat_key(path: Path) -> list[int]:
+    st = path.stat()
+    return [int(st.st_size), int(st.st_mtime_ns)]
+
+
+def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, Any] | None:
+    """The attributes of a complete store at ``path`` built from the same slide file and settings, else None.
+
+    The slide is identified by its fingerprint; when its size and modification time equal
+    those recorded in the store, the recorded fingerprint is reused instead of re-hashing
+    (a resume check of thousands of slides on a network file system stays cheap).
+    """
+    attrs = complete_attrs(path)
+    if attrs is None:
+        return None
+    slide = Path(job.path)
+    recorded = attrs.get("tiling_identity", {}).get("fingerprint")
+    same_stat = recorded and attrs.get("slide_stat") == _stat_key(slide)
+    fingerprint = recorded if same_stat else slide_fingerprint(slide)
+    if attrs.get("tiling_identity") != store_identity(job, config, fingerprint):
+        return None
+    # a store whose mpp came from the fallback (or that had none) depends on the fallback too
+    if attrs.get("mpp_source") in ("run-fallback", "none") and attrs.get("slide_mpp") != valid_mpp(config.mpp):
+        return None
+    return attrs
+
+
+def clean_stale(out_dir: Path, slide_id: str) -> None:
+    """Remove temporary stores of ``slide_id`` left by processes that no longer run."""
+    prefix = f".{slide_id}.zarr."
+    for p in out_dir.glob(f"{prefix}*"):
+        pid_text = p.name.rsplit("-", 1)[-1]
+        try:
+            pid = int(pid_text)
+            if pid != os.getpid():
+                os.kill(pid, 0)
+                continue  # a live process (another run) owns it
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue
+        shutil.rmtree(p, ignore_errors=True)

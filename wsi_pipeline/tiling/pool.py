@@ -1,0 +1,194 @@
+"""The local process pool of a tiling run: worker processes fed slides over pipes, replaced when they die.
+
+Each worker (:mod:`wsi_pipeline.tiling.worker`) reports progress and results over its own pipe;
+a worker that dies (a reader crash, the OOM killer, ``kill -9``) costs only its current slide,
+which gets a ``failed`` row saying why, and is replaced.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from wsi_pipeline.jobs.cluster import default_workers
+from wsi_pipeline.jobs.runner import Claims
+from wsi_pipeline.tiling.claims import RETRY_S
+from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig
+from wsi_pipeline.tiling.worker import worker_main
+
+__all__ = ["run_pool"]
+
+
+@dataclass
+class _Worker:
+    proc: Any
+    conn: Connection
+    index: int | None = None  # the job being tiled
+    retired: bool = False  # sent the end-of-work message
+
+
+def _death_message(exitcode: int | None) -> str:
+    """What a worker's exit says about its slide, by cause (the output folder is checked separately)."""
+    if exitcode is not None and exitcode < 0:
+        sig = -exitcode
+        try:
+            name = signal.Signals(sig).name
+        except ValueError:
+            name = f"signal {sig}"
+        if sig == signal.SIGKILL:
+            how = (f"was killed by {name}, usually the system's out-of-memory killer (or a `kill -9`); "
+                   "use fewer --workers if memory is short")
+        elif sig in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT, signal.SIGILL, signal.SIGFPE):
+            how = (f"crashed ({name}) inside the slide reader, typically on a damaged or unsupported file; "
+                   "check the file, or try --backend tiffslide")
+        else:
+            how = f"was stopped by {name}"
+    else:
+        how = (f"exited with code {exitcode} before finishing the slide (an error outside the tiler's own checks); "
+               "rerun with -v and --workers 0 to see it")
+    return f"the worker process tiling this slide {how}; no store was written. Rerun to retry it"
+
+
+class _Pool:
+    """Worker processes tiling the slides ``claims`` hands out; ``finish(index, result)`` gets each outcome."""
+
+    def __init__(self, jobs: Sequence[SlideJob], claims: Claims, out: Path, config: TilingConfig, overwrite: bool,
+                 n_workers: int, finish: Callable[[int, SlideResult], None], add_tiles: Callable[..., None]) -> None:
+        self.jobs, self.claims, self.out, self.config, self.overwrite = jobs, claims, out, config, overwrite
+        self.finish, self.add_tiles = finish, add_tiles
+        # spawn: workers must not inherit a parent's threads or CUDA state (predict may have torch loaded)
+        self.ctx = mp.get_context("spawn")
+        # each worker decodes, tests and writes a slide with its share of the cores (threads); a worker
+        # whose share is one core does all in one thread, not competing with the other workers
+        self.threads = max(1, default_workers() // n_workers)
+        self.n_workers = n_workers
+        self.workers: list[_Worker] = []
+
+    def start(self) -> _Worker:
+        parent, child = self.ctx.Pipe(duplex=True)
+        proc = self.ctx.Process(target=worker_main, args=(child, str(self.out), self.config, self.overwrite, self.threads),
+                                daemon=True, name="wsi-tile-worker")
+        proc.start()
+        child.close()
+        w = _Worker(proc, parent)
+        self.workers.append(w)
+        return w
+
+    def assign(self, w: _Worker) -> None:
+        """Hand ``w`` the next claimable slide; leave it idle while only slides other runs hold remain."""
+        i = self.claims.next()
+        if i is not None:
+            w.index = i
+            w.conn.send(self.jobs[i])
+            return
+        w.index = None
+        if self.claims.done and not w.retired:
+            w.retired = True
+            try:
+                w.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+
+    def bury(self, w: _Worker) -> None:
+        """Remove a dead worker; its slide gets a ``failed`` row and a new worker takes over."""
+        w.proc.join(timeout=5)
+        self.workers.remove(w)
+        w.conn.close()
+        if w.index is not None:
+            job = self.jobs[w.index]
+            i, w.index = w.index, None
+            _remove_temp(self.out, job.slide_id, w.proc.pid)
+            self.finish(i, SlideResult(job.slide_id, "failed", error=_death_message(w.proc.exitcode), path=job.path))
+            if not self.claims.done:
+                self.assign(self.start())
+
+    def _drain(self, w: _Worker) -> None:
+        """Take ``w``'s messages: progress, and a finished slide (then give it the next one)."""
+        try:
+            while w.conn.poll():
+                kind, payload = w.conn.recv()
+                if kind == "progress":
+                    self.add_tiles(int(payload))
+                elif kind == "done" and w.index is not None:
+                    r: SlideResult = payload
+                    i, w.index = w.index, None
+                    if r.status == "skipped":
+                        self.add_tiles(r.n_tiles, refresh=False)
+                    self.finish(i, r)
+                    self.assign(w)
+        except (EOFError, OSError):
+            self.bury(w)
+
+    def step(self) -> None:
+        """Wait up to ``RETRY_S`` for a message or a death, handle what came, give idle workers work."""
+        busy = [w for w in self.workers if w.index is not None]
+        handles: list[Any] = [w.conn for w in busy] + [w.proc.sentinel for w in busy]
+        ready = wait(handles, timeout=RETRY_S) if handles else (time.sleep(RETRY_S / 4) or [])
+        for w in busy:
+            if w.conn in ready:
+                self._drain(w)
+                if w not in self.workers:
+                    continue
+            if w in self.workers and w.proc.sentinel in ready and not w.conn.poll():
+                self.bury(w)
+        for w in [w for w in self.workers if w.index is None and not w.retired]:
+            if not w.proc.is_alive():
+                self.bury(w)
+                continue
+            self.assign(w)
+        if not self.workers and not self.claims.done:
+            self.assign(self.start())
+
+    def run(self) -> None:
+        for _ in range(self.n_workers):
+            self.assign(self.start())
+        try:
+            while any(w.index is not None for w in self.workers) or not self.claims.done:
+                self.step()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Ask the workers to stop, wait up to 10 s, terminate the rest; remove their unfinished stores."""
+        for w in list(self.workers):
+            if w.proc.is_alive():
+                try:
+                    w.conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        deadline = time.monotonic() + 10
+        for w in list(self.workers):
+            w.proc.join(timeout=max(0.1, deadline - time.monotonic()))
+            if w.proc.is_alive():
+                w.proc.terminate()
+                w.proc.join(timeout=5)
+            if w.index is not None:
+                _remove_temp(self.out, self.jobs[w.index].slide_id, w.proc.pid)
+
+
+def run_pool(
+    jobs: Sequence[SlideJob],
+    claims: Claims,
+    out: Path,
+    config: TilingConfig,
+    overwrite: bool,
+    n_workers: int,
+    finish: Callable[[int, SlideResult], None],
+    add_tiles: Callable[..., None],
+) -> None:
+    """Tile the slides ``claims`` hands out in ``n_workers`` spawned worker processes; ``finish(index, result)``
+    gets each outcome in this process, ``add_tiles(n)`` the tiles kept as they are written."""
+    _Pool(jobs, claims, out, config, overwrite, n_workers, finish, add_tiles).run()
+
+
+def _remove_temp(out: Path, slide_id: str, pid: int | None) -> None:
+    import shutil
+
+    if pid is not None:
+        shutil.rmtree(out / f".{slide_id}.zarr.tmp-{pid}", ignore_errors=True)

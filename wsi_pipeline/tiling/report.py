@@ -1,0 +1,128 @@
+"""``tiling_report.csv``: one row per slide, merged with other runs' rows under a lock, replaced atomically.
+
+Columns: those of :class:`~wsi_pipeline.tiling.tiler.SlideResult` (slide_id, status, n_tiles, mpp,
+seconds, error, note, path, cpu_seconds, background_grey, slide_mpp, mpp_source). This run's
+finished slides replace older rows; its unfinished ones are ``pending`` (``failed`` at the end of
+an interrupted run) unless the report already has a row for them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from wsi_pipeline.jobs.runner import write_report_csv
+from wsi_pipeline.tiling.locks import LockDir
+from wsi_pipeline.tiling.tiler import DARK_NOTE, SlideJob, SlideResult
+
+__all__ = ["LOCK_DIR", "REPORT_COLUMNS", "REPORT_NAME", "CohortReport", "write_report"]
+
+logger = logging.getLogger(__name__)
+
+REPORT_COLUMNS: tuple[str, ...] = tuple(f.name for f in fields(SlideResult))
+REPORT_NAME = "tiling_report.csv"
+#: Lock files of the slides being tiled and of the report, inside the output folder.
+LOCK_DIR = ".locks"
+_REPORT_LOCK = "_report"
+
+
+@dataclass
+class CohortReport:
+    """Outcome of :func:`tile_cohort`: one :class:`SlideResult` per job, the report path and the wall time."""
+
+    results: list[SlideResult]
+    report_path: Path
+    seconds: float
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+    @property
+    def ok(self) -> bool:
+        """True when no slide failed."""
+        return self.count("failed") == 0
+
+    @property
+    def n_tiles(self) -> int:
+        return sum(r.n_tiles for r in self.results if r.status in ("ok", "skipped"))
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame([asdict(r) for r in self.results], columns=list(REPORT_COLUMNS))
+
+    def summary(self) -> str:
+        empty = sum(r.status == "ok" and r.n_tiles == 0 for r in self.results)
+        parts = [f"{self.count('ok')} ok", f"{self.count('skipped')} skipped", f"{self.count('failed')} failed"]
+        text = f"tiling: {len(self.results)} slides: " + ", ".join(parts)
+        if empty:
+            text += f" ({empty} with 0 tiles)"
+        dark = sum(r.status == "skipped" and r.note.startswith(DARK_NOTE) for r in self.results)
+        if dark:
+            text += f" ({dark} with a dark background, fluorescence?, not tiled)"
+        text += f"; {self.n_tiles} tiles in {self.seconds:.1f} s; report: {self.report_path}"
+        if not self.ok:
+            failed = [r.slide_id for r in self.results if r.status == "failed"]
+            more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+            text += f"\nfailed: {', '.join(failed[:5])}{more} (see the error column)"
+        return text
+
+
+def _unfinished(job: SlideJob, final: bool) -> SlideResult:
+    if final:
+        return SlideResult(job.slide_id, "failed", error="not processed: the run was interrupted; rerun to resume", path=job.path)
+    return SlideResult(job.slide_id, "pending", path=job.path)
+
+
+def _read_report(path: Path) -> list[dict[str, Any]]:
+    """The rows of an existing report (strings), in file order; [] when there is none or it is unreadable."""
+    if not path.exists():
+        return []
+    try:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as err:
+        logger.warning("%s is unreadable (%s); it is replaced by this run's rows", path, err)
+        return []
+    if "slide_id" not in df.columns or "status" not in df.columns:
+        logger.warning("%s has no slide_id/status columns; it is replaced by this run's rows", path)
+        return []
+    return df.to_dict("records")
+
+
+def _merge_rows(existing: list[dict[str, Any]], results: Sequence[SlideResult | None], jobs: Sequence[SlideJob], final: bool) -> list[dict[str, Any]]:
+    """One row per slide: this run's finished results replace older rows; its unfinished slides
+    only fill in slides without a row (another run may have finished them)."""
+    rows: dict[str, dict[str, Any]] = {}
+    for row in existing:
+        rows[str(row["slide_id"])] = row
+    for job, r in zip(jobs, results):
+        old = rows.get(job.slide_id)
+        if r is None:
+            if old is None or old.get("status") == "pending":
+                rows[job.slide_id] = asdict(_unfinished(job, final))
+            continue
+        rows[job.slide_id] = asdict(r)
+    return list(rows.values())
+
+
+def write_report(
+    results: Sequence[SlideResult | None], jobs: Sequence[SlideJob], path: Path, *, final: bool = False,
+    locks: LockDir | None = None,
+) -> None:
+    """Merge this run's rows into ``tiling_report.csv`` under the report lock and replace it atomically.
+
+    Unfinished slides are ``pending`` (``failed`` when ``final``) unless the report already has
+    a row for them.
+    """
+    if locks is None:
+        locks = LockDir(path.parent / LOCK_DIR, stale_after_s=60.0, heartbeat_s=30.0)
+    locks.acquire_wait(_REPORT_LOCK, timeout_s=120.0)
+    try:
+        rows = _merge_rows(_read_report(path), results, jobs, final)
+        columns = list(REPORT_COLUMNS) + [c for c in (rows[0] if rows else {}) if c not in REPORT_COLUMNS]
+        write_report_csv(path, rows, columns)
+    finally:
+        locks.release(_REPORT_LOCK)

@@ -1,0 +1,112 @@
+"""The tile loop of one slide: decode and test the candidate runs, write the kept tiles in grid order."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import closing
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from wsi_pipeline.data.store import StoreWriter
+from wsi_pipeline.slides.direct import DirectTiles
+from wsi_pipeline.tiling.decode import LevelRead, _runs, _RunResult, _test_run, _test_stored_run, _tested_runs
+from wsi_pipeline.tiling.plan import TilePlan
+from wsi_pipeline.tiling.writers import BackgroundWriter, InlineWriter
+
+if TYPE_CHECKING:
+    from wsi_pipeline.tiling.tiler import TilingConfig
+
+__all__ = ["TileLoop"]
+
+
+class TileLoop:
+    """Decode and test the candidate runs (in ``n_threads`` threads), write the kept tiles in grid order.
+
+    ``budget`` > 1 writes through a writer thread; with several decoding threads these also
+    compress the kept tiles. On any error the store is aborted; the direct reader is closed at the end.
+    """
+
+    def __init__(self, writer: StoreWriter, plan: TilePlan, config: TilingConfig, read: LevelRead,
+                 direct: DirectTiles | None, progress: Callable[[int], None] | None, budget: int, n_threads: int) -> None:
+        self.writer, self.plan, self.config, self.read, self.direct = writer, plan, config, read, direct
+        self.progress, self.budget, self.n_threads = progress, budget, n_threads
+        self.kept_coords: list[np.ndarray] = []
+        self.n_kept = 0
+        self.reported = 0
+        self.test_cpu = 0.0
+
+    def _tester(self) -> Callable[[int, np.ndarray], _RunResult]:
+        """``test(row, run)``: stored tiles of exactly the grid's tiles are tested as decoded (no strip copy)."""
+        grid, direct, T = self.plan.grid, self.direct, self.plan.grid.tile_size
+        stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
+                       and grid.level_step == (float(T), float(T)))
+        # with several decoding threads they compress the kept tiles too; the writer thread only writes
+        encode = self.writer.tile_encoder if self.n_threads > 1 else None
+        kw = dict(config=self.config, grey_max=self.plan.grey_max, otsu_fg=self.plan.otsu_fg, encode=encode)
+        if stored_grid:
+            return partial(_test_stored_run, direct, grid, **kw)
+        return partial(_test_run, self.read, grid, **kw)
+
+    def run(self) -> None:
+        grid, writer = self.plan.grid, self.writer
+        main_cpu0 = time.thread_time()
+        # a writer thread when there is a second core for it
+        sink: BackgroundWriter | InlineWriter = BackgroundWriter(writer) if self.budget > 1 else InlineWriter(writer)
+        tasks = [(row, run) for row in range(grid.rows)
+                 for run in _runs(np.flatnonzero(self.plan.candidates[row]), self.config.read_run)]
+        try:
+            with closing(_tested_runs(tasks, self._tester(), self.n_threads)) as tested:  # closing stops the pool on an error
+                self._write(tested, sink)
+            sink.close()
+            self._finish_store(sink, main_cpu0)
+        except BaseException:
+            try:
+                sink.close()
+            except BaseException:
+                pass
+            writer.abort()
+            raise
+        finally:
+            if self.direct is not None:
+                self.direct.close()
+
+    def _write(self, tested: Any, sink: BackgroundWriter | InlineWriter) -> None:
+        grid = self.plan.grid
+        last_report = time.monotonic()
+        for row, run, (tiles, sel, keep, fg, encoded, cpu) in tested:
+            self.test_cpu += cpu
+            if not keep.any():
+                continue
+            kc = run[keep]
+            coords = grid.coords(kc, np.full(len(kc), row))
+            gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
+            sink.put(tiles, sel, coords, gridxy, fg[keep], encoded)
+            self.kept_coords.append(coords)
+            self.n_kept += len(kc)
+            if self.progress is not None and time.monotonic() - last_report > 0.5:
+                self.progress(self.n_kept - self.reported)
+                self.reported, last_report = self.n_kept, time.monotonic()
+
+    def _finish_store(self, sink: BackgroundWriter | InlineWriter, main_cpu0: float) -> None:
+        """Add each tile's source origin (px of the read level) and the CPU split of the tile pass."""
+        grid, writer, n_threads = self.plan.grid, self.writer, self.n_threads
+        n = writer.n
+        writer.add_array("level_coords", grid.level_coords(writer.grid[:n, 0], writer.grid[:n, 1]))
+        # CPU split of the tile pass: decoding + testing (all decoding threads) vs compression + writes
+        main_cpu = time.thread_time() - main_cpu0 - (0.0 if isinstance(sink, BackgroundWriter) else sink.cpu_seconds)
+        writer.group.attrs.update({"timing": {
+            "main_thread_cpu": round(main_cpu + (self.test_cpu if n_threads > 1 else 0.0), 3),
+            "decode_test_cpu": round(self.test_cpu, 3),
+            "threads": n_threads,
+            "background_write": isinstance(sink, BackgroundWriter),
+            "writer_thread_cpu": round(sink.cpu_seconds, 3),
+            "n_decoded": int(self.plan.candidates.sum()),
+            "stored_tiles_decoded": None if self.direct is None else int(self.direct.decoded),
+        }})
+
+    def flush_progress(self) -> None:
+        if self.progress is not None and self.n_kept > self.reported:
+            self.progress(self.n_kept - self.reported)
