@@ -1,4 +1,11 @@
-"""Training: exact gradient accumulation, strategies, the training loop, optimisers, checkpoints."""
+"""Training: the loop and what it is made of.
+
+``loop`` (train_pipeline, train_run) <- ``preflight`` (checks before training), ``rundir`` (run
+folder, resume, history), ``epoch`` (one epoch), ``validation`` (per-epoch metrics, best epoch),
+``calibration`` (BatchNorm statistics), ``frozen_features``; ``strategies`` (one interface for
+frozen, full, accumulate, bigl, patchgd) <- ``accumulate`` (exact gradient accumulation),
+``patchgd`` / ``patchgd_plan`` (PatchGD's engine and plan); ``optim``, ``distributed`` (torchrun).
+"""
 
 from __future__ import annotations
 

@@ -181,6 +181,24 @@ def _restore_running(layers: list[_BatchNorm], snaps: list[dict[str, Tensor]]) -
                 b.copy_(snap[k])
 
 
+def _replay_backward(
+    encoder: nn.Module, tiles: Tensor, bounds: list[tuple[int, int]], states: list[Any], grad: Tensor, device: torch.device
+) -> None:
+    """Pass 3: re-run each chunk with gradient from its pass-1 RNG state and backpropagate its rows of ``grad``.
+
+    The generators are put back where passes 1 and 2 left them, so the caller's random stream is
+    never rewound.
+    """
+    after = _rng_state(device)
+    try:
+        for (a, b), state in zip(bounds, states):
+            _set_rng_state(state, device)
+            part = encoder(tiles[a:b].to(device, non_blocking=True))
+            part.backward(grad[a:b])
+    finally:
+        _set_rng_state(after, device)
+
+
 def accumulate_step(
     encoder: nn.Module,
     aggregator: nn.Module,
@@ -255,16 +273,7 @@ def accumulate_step(
         grad = z.grad
         trainable = any(p.requires_grad for p in encoder.parameters())
         if grad is not None and trainable:
-            # where passes 1 and 2 left the generators; pass 3 replays pass 1's draws and then
-            # puts them back here, so the caller's random stream is never rewound
-            after = _rng_state(device)
-            try:
-                for (a, b), state in zip(bounds, states):
-                    _set_rng_state(state, device)
-                    part = encoder(tiles[a:b].to(device, non_blocking=True))
-                    part.backward(grad[a:b])
-            finally:
-                _set_rng_state(after, device)
+            _replay_backward(encoder, tiles, bounds, states, grad, device)
         else:
             log.debug("encoder frozen or loss independent of the embeddings: pass 3 skipped")
         if stats is not None:

@@ -7,7 +7,8 @@ One batch of ``slides_per_batch`` slides (default one) per :meth:`PatchGDStrateg
    [1, s, rows, cols] (spatial layout, row = y, col = x; background cells zero and masked;
    large grids cropped to the tissue bounding box and pooled, see :mod:`wsi_pipeline.models.heads`).
 2. **zeta inner iterations**. Iteration j takes, from every slide, the next k tiles of a stream
-   of random permutations of its tiles (:func:`plan_inner_iterations`: every tile exactly once
+   of random permutations of its tiles (:func:`~wsi_pipeline.training.patchgd_plan.plan_inner_iterations`,
+   the batch's plan in :mod:`wsi_pipeline.training.patchgd_plan`: every tile exactly once
    per pass, never twice in one iteration), re-embeds them *with* gradient (all slides' live
    tiles in one encoder call), writes them into detached copies of the Z blocks
    (``E.index_copy``: gradient reaches the encoder through those tiles only), runs the head
@@ -85,6 +86,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -95,8 +97,9 @@ from torch import Tensor, nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
-from wsi_pipeline.config.patchgd import PARTIAL_WINDOWS, PatchGDConfig, patchgd_mapping
+from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
 from wsi_pipeline.inference.models import build_patchgd_head
+from wsi_pipeline.training.patchgd_plan import BatchPlan, accumulation_windows, plan_batch, plan_inner_iterations
 
 __all__ = [
     "PatchGDConfig",
@@ -108,57 +111,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-def plan_inner_iterations(n_tiles: int, k: int, zeta: int, generator: torch.Generator | None = None) -> list[Tensor]:
-    """The tiles of each inner iteration: ``zeta`` long tensors of ``k`` distinct indices in [0, n).
-
-    The iterations read consecutive k-blocks of a stream of random permutations of the tiles,
-    so every tile appears exactly once per pass of n draws. When a pass ends inside an
-    iteration, the tiles already taken in that iteration are moved to the end of the next
-    permutation, so no iteration holds a tile twice and the pass property still holds.
-    """
-    if not 1 <= k <= n_tiles:
-        raise ValueError(f"k={k} tiles per inner iteration must be in [1, n_tiles={n_tiles}]")
-    if zeta < 1:
-        raise ValueError(f"zeta={zeta}; expected at least one inner iteration")
-    plan: list[Tensor] = []
-    pending = torch.randperm(n_tiles, generator=generator)
-    pos = 0
-    for _ in range(zeta):
-        take = pending[pos : pos + k]
-        pos += len(take)
-        if len(take) < k:
-            nxt = torch.randperm(n_tiles, generator=generator)
-            taken = torch.zeros(n_tiles, dtype=torch.bool)
-            taken[take] = True
-            nxt = torch.cat([nxt[~taken[nxt]], nxt[taken[nxt]]])
-            need = k - len(take)
-            take = torch.cat([take, nxt[:need]])
-            pending, pos = nxt, need
-        plan.append(take)
-    return plan
-
-
-def accumulation_windows(zeta: int, epsilon: int, partial: str = "step") -> list[int]:
-    """Lengths of the optimiser-step windows of ``zeta`` inner iterations: ``epsilon`` each.
-
-    ``partial="step"``: the last window is shorter when epsilon does not divide zeta.
-    ``partial="drop"`` (the paper's Algorithm 1): that partial window is left out; ``ValueError``
-    when no full window remains (epsilon > zeta: the paper would never step).
-    """
-    if zeta < 1 or epsilon < 1:
-        raise ValueError(f"zeta={zeta} and epsilon={epsilon} must be positive")
-    if partial not in PARTIAL_WINDOWS:
-        raise ValueError(f"partial={partial!r}; expected one of {PARTIAL_WINDOWS}")
-    full, rest = divmod(zeta, epsilon)
-    if partial == "drop":
-        if full == 0:
-            raise ValueError(
-                f"patchgd.epsilon={epsilon} exceeds zeta={zeta} inner iterations with partial_window 'drop' "
-                "(the paper's): no optimiser step would be taken; lower epsilon, raise zeta or use partial_window 'step'"
-            )
-        return [epsilon] * full
-    return [epsilon] * full + ([rest] if rest else [])
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -354,7 +306,23 @@ class PatchGDStrategy:
         iteration, the mean over the batch's slides, not divided by epsilon); with ``part``,
         this rank's share of it (the sum over ranks is the batch's).
         """
-        cfg = self.cfg
+        ns, ys = self._check_batch(stores, labels)
+        batch_plan = plan_batch(self.cfg, ns, generator)
+        self.last_plan = batch_plan.plans[0]
+        self.last_plans = batch_plan.plans
+        live = self._live_batch(stores, ns, ys, batch_plan, generator, part)
+        losses: list[float] = []
+        j = 0
+        with _modes(self.encoder, train=self.encoder.training, freeze_bn=self.cfg.freeze_bn):
+            for length in batch_plan.windows:
+                for _ in range(length):
+                    losses.append(self._inner_iteration(live, j, length))
+                    j += 1
+                optimizer_step()
+        return float(np.mean(losses))
+
+    def _check_batch(self, stores: list[Any], labels: list[int | Tensor]) -> tuple[list[int], list[int]]:
+        """The slides' tile counts and labels, checked: ``(ns, ys)``."""
         if not stores or len(stores) != len(labels):
             raise ValueError(f"batch_step needs one label per store and at least one store; got {len(stores)} stores, {len(labels)} labels")
         ns = [len(store) for store in stores]
@@ -365,12 +333,14 @@ class PatchGDStrategy:
         for y in ys:
             if not 0 <= y < self.n_classes:
                 raise ValueError(f"label={y} outside [0, n_classes={self.n_classes})")
-        ks = [cfg.tiles_per_iteration(n) for n in ns]
-        zeta = max(cfg.inner_iterations(n) for n in ns)
-        windows = accumulation_windows(zeta, cfg.epsilon if cfg.epsilon is not None else zeta, cfg.partial_window)
-        plans = [plan_inner_iterations(n, k, zeta, generator)[: sum(windows)] for n, k in zip(ns, ks)]
-        self.last_plan = plans[0]
-        self.last_plans = plans
+        return ns, ys
+
+    def _live_batch(
+        self, stores: list[Any], ns: list[int], ys: list[int], plan: BatchPlan, generator: torch.Generator | None,
+        part: list[int] | None,
+    ) -> _LiveBatch:
+        """Fill the batch's Z caches and gather what its inner iterations use (this rank's slides with ``part``)."""
+        ks, plans = plan.ks, plan.plans
         device = self.device
         batched, n_batch = len(stores) > 1, len(stores)
         caches = self._fill(stores, ks, generator, part)
@@ -379,54 +349,82 @@ class PatchGDStrategy:
             z_shape = self.head.z_shape([self.head.layout(store.grid).shape for store in stores]) if batched else None
             stores, ns, ks, ys, plans = ([x[b] for b in part] for x in (stores, ns, ks, ys, plans))
         target = torch.tensor(ys, device=device)
-        scales = [n / k if cfg.backbone_scale == "full" else 1.0 for n, k in zip(ns, ks)]
-        if len(set(scales)) <= 1:
-            scale: float | Tensor = scales[0] if scales else 1.0
-        else:  # one n/k per live row
-            per_row = torch.repeat_interleave(torch.tensor(scales, dtype=torch.float64), torch.tensor(ks))
-            scale = per_row.to(device=device, dtype=caches[0].dtype)[:, None]
+        scale = self._live_scale(ns, ks, caches, device)
         layouts = [self.head.layout(store.grid).to(device) for store in stores]
         log.debug(
             "patchgd batch of %d: n=%s tiles, Z %s, k=%s, zeta=%d, windows=%s",
-            len(stores), ns, [lay.shape for lay in layouts], ks, zeta, windows,
+            len(stores), ns, [lay.shape for lay in layouts], ks, plan.zeta, plan.windows,
         )
-        losses: list[float] = []
-        j = 0
-        with _modes(self.encoder, train=self.encoder.training, freeze_bn=cfg.freeze_bn):
-            for length in windows:
-                for _ in range(length):
-                    if not stores:  # data-parallel: no slide of this batch on this rank
-                        losses.append(0.0)
-                        j += 1
-                        continue
-                    idx = [plan[j].to(device) for plan in plans]
-                    x = torch.cat([tiles_to_tensor(st.read(plan[j].numpy()), device=device) for st, plan in zip(stores, plans)])
-                    live = self.encoder(x).to(caches[0].dtype)
-                    if not isinstance(scale, float) or scale != 1.0:
-                        live.register_hook(lambda g, s=scale: g * s)
-                    parts = live.split(ks) if len(stores) > 1 else [live]
-                    zs = [cache.index_copy(0, i, p) for cache, i, p in zip(caches, idx, parts)]
-                    if not batched:
-                        out = self.head(zs[0], layout=layouts[0])
-                        logits, aux = out.logits[None], out.aux_loss
-                    else:
-                        z_grid, mask = self.head.batch_z(zs, layouts)
-                        if z_shape is not None:  # the shape the single process pads to (heads need not be pad-invariant)
-                            pad = (0, z_shape[1] - z_grid.shape[3], 0, z_shape[0] - z_grid.shape[2])
-                            z_grid, mask = F.pad(z_grid, pad), F.pad(mask, pad)
-                        logits, aux = self.head.forward_z(z_grid, mask), None
-                    # the mean over the batch's slides (with part: this rank's share of it)
-                    if part is None:
-                        loss = F.cross_entropy(logits, target)
-                    else:
-                        loss = F.cross_entropy(logits, target, reduction="sum") / n_batch
-                    if aux is not None:
-                        loss = loss + aux
-                    (loss / length).backward()
-                    with torch.no_grad():
-                        for cache, i, p in zip(caches, idx, parts):
-                            cache.index_copy_(0, i, p.detach())
-                    losses.append(float(loss.detach()))
-                    j += 1
-                optimizer_step()
-        return float(np.mean(losses))
+        return _LiveBatch(stores, plans, ks, caches, layouts, target, scale, device, batched, z_shape, n_batch, part is not None)
+
+    def _live_scale(self, ns: list[int], ks: list[int], caches: list[Tensor], device: torch.device) -> float | Tensor:
+        """The factor on the gradient entering the live embeddings: n / k (``backbone_scale: full``) or 1;
+        one per live row when the slides' factors differ."""
+        scales = [n / k if self.cfg.backbone_scale == "full" else 1.0 for n, k in zip(ns, ks)]
+        if len(set(scales)) <= 1:
+            return scales[0] if scales else 1.0
+        per_row = torch.repeat_interleave(torch.tensor(scales, dtype=torch.float64), torch.tensor(ks))
+        return per_row.to(device=device, dtype=caches[0].dtype)[:, None]
+
+    def _inner_iteration(self, b: _LiveBatch, j: int, length: int) -> float:
+        """Inner iteration ``j``: re-embed its live tiles with gradient, run the head over Z, backpropagate
+        ``loss / length`` (the window's length), write the live embeddings into the caches; return the loss."""
+        if not b.stores:  # data-parallel: no slide of this batch on this rank
+            return 0.0
+        device = b.device
+        idx = [plan[j].to(device) for plan in b.plans]
+        x = torch.cat([tiles_to_tensor(st.read(plan[j].numpy()), device=device) for st, plan in zip(b.stores, b.plans)])
+        live = self.encoder(x).to(b.caches[0].dtype)
+        scale = b.scale
+        if not isinstance(scale, float) or scale != 1.0:
+            live.register_hook(lambda g, s=scale: g * s)
+        parts = live.split(b.ks) if len(b.stores) > 1 else [live]
+        zs = [cache.index_copy(0, i, p) for cache, i, p in zip(b.caches, idx, parts)]
+        logits, aux = self._logits(b, zs)
+        # the mean over the batch's slides (with part: this rank's share of it)
+        if not b.sharded:
+            loss = F.cross_entropy(logits, b.target)
+        else:
+            loss = F.cross_entropy(logits, b.target, reduction="sum") / b.n_batch
+        if aux is not None:
+            loss = loss + aux
+        (loss / length).backward()
+        with torch.no_grad():
+            for cache, i, p in zip(b.caches, idx, parts):
+                cache.index_copy_(0, i, p.detach())
+        return float(loss.detach())
+
+    def _logits(self, b: _LiveBatch, zs: list[Tensor]) -> tuple[Tensor, Tensor | None]:
+        """The head on the slides' embeddings ``zs``: ``(logits [B, C], auxiliary loss or None)``."""
+        if not b.batched:
+            out = self.head(zs[0], layout=b.layouts[0])
+            return out.logits[None], out.aux_loss
+        z_grid, mask = self.head.batch_z(zs, b.layouts)
+        if b.z_shape is not None:  # the shape the single process pads to (heads need not be pad-invariant)
+            pad = (0, b.z_shape[1] - z_grid.shape[3], 0, b.z_shape[0] - z_grid.shape[2])
+            z_grid, mask = F.pad(z_grid, pad), F.pad(mask, pad)
+        return self.head.forward_z(z_grid, mask), None
+
+
+@dataclass
+class _LiveBatch:
+    """This process's slides of a batch during its inner iterations (all of them without ``part``).
+
+    ``caches[b]``: slide b's tile embeddings [n, D], updated in place; ``scale``: the live
+    embeddings' gradient factor; ``batched``: the whole batch has several slides (the head runs on
+    padded Z blocks); ``z_shape``: the whole batch's Z shape when sharded; ``n_batch``: the whole
+    batch's size; ``sharded``: only a part of the batch is here (data-parallel).
+    """
+
+    stores: list[Any]
+    plans: list[list[Tensor]]
+    ks: list[int]
+    caches: list[Tensor]
+    layouts: list[GridLayout]
+    target: Tensor
+    scale: float | Tensor
+    device: torch.device
+    batched: bool
+    z_shape: tuple[int, int] | None
+    n_batch: int
+    sharded: bool

@@ -9,10 +9,14 @@
 ``patchgd``    PatchGD inner iterations on the slide's tile grid (steps the optimiser itself)
 =============  ==============================================================================
 
-Every strategy has the same interface (:class:`Strategy`): ``bag_step(bag, scale)`` ADDS the
-gradient of ``scale * loss(bag)`` to the parameters' ``.grad`` and returns the bag's loss; the
-loop zeroes gradients, clips and steps the optimiser. A strategy with ``steps_optimizer = True``
-(PatchGD) instead receives an ``optimizer_step`` callback and calls it itself.
+Every strategy has the same interface (:class:`Strategy`), so the loop never asks which one it
+runs: ``train_reader`` / ``val_inputs`` open what its training bags and validation read (tile
+stores or frozen features), ``epoch_steps`` counts an epoch's optimiser steps, ``train_epoch``
+runs one epoch (:mod:`wsi_pipeline.training.epoch`) and ``embedder`` is the encoder validation
+embeds with (None: validation reads features). For the bag strategies ``bag_step(bag, scale)``
+ADDS the gradient of ``scale * loss(bag)`` to the parameters' ``.grad`` and returns the bag's
+loss, and the loop's ``optimizer_step`` (reduce over ranks, clip, step, zero) follows each group
+of bags; PatchGD runs a batch of slides per call and calls ``optimizer_step`` itself.
 
 BatchNorm (``encoder.bn``): ``frozen`` runs BatchNorm on running statistics (exact in every
 strategy; the default); ``chunk`` uses batch statistics per chunk (``accumulate``: the ABMIL-ACC
@@ -29,7 +33,9 @@ The models a strategy trains come from :func:`wsi_pipeline.inference.models.buil
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -37,10 +43,13 @@ import torch
 from torch import nn
 
 from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
-from wsi_pipeline.data.bags import Bag
+from wsi_pipeline.data.bags import Bag, FeatureReader, Slide, TileReader
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.inference.models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
+from wsi_pipeline.training import distributed
+from wsi_pipeline.training.epoch import bag_epoch, slide_batch_epoch
+from wsi_pipeline.training.frozen_features import LazyFeatures
 
 __all__ = [
     "STRATEGIES",
@@ -68,7 +77,10 @@ class Strategy:
         features) or ``"store"`` (the whole tile store; PatchGD).
     val_input : what validation reads: ``"tiles"`` (tile stores, embedded by :attr:`encoder`)
         or ``"features"`` (the frozen method's h5 files, aggregator only).
-    steps_optimizer : True when :meth:`bag_step` steps the optimiser itself.
+    steps_optimizer : True when the strategy steps the optimiser itself (PatchGD).
+    uses_features : True when the method reads frozen-encoder feature files, which the loop
+        extracts before training (:mod:`wsi_pipeline.training.frozen_features`).
+    applies_augment : False when ``train.augment`` is not applied (the loop warns).
     bn_modes : accepted ``encoder.bn`` values.
     encoder, aggregator : the models (``aggregator`` is the head for PatchGD).
     """
@@ -77,6 +89,8 @@ class Strategy:
     input: ClassVar[str] = "tiles"
     val_input: ClassVar[str] = "tiles"
     steps_optimizer: ClassVar[bool] = False
+    uses_features: ClassVar[bool] = False
+    applies_augment: ClassVar[bool] = True
     bn_modes: ClassVar[tuple[str, ...]] = ("frozen", "chunk", "train")
     augment: SlideAugment | None = None
 
@@ -114,9 +128,35 @@ class Strategy:
         self.encoder.eval()
         self.aggregator.eval()
 
-    def embedder(self) -> nn.Module:
-        """The encoder validation embeds tiles with (eval mode, no gradient)."""
+    def embedder(self) -> nn.Module | None:
+        """The encoder validation embeds tiles with (eval mode, no gradient); None when it reads features."""
         return self.encoder
+
+    def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
+        """What the training bags are read from: the slides' tile stores."""
+        return TileReader(slides)
+
+    def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
+        """What validation reads, one entry per slide: the tile stores."""
+        reader = TileReader(slides)
+        return [reader.store(i) for i in range(len(slides))]
+
+    def epoch_steps(self, n_tiles: list[int]) -> int:
+        """Optimiser steps of one epoch over slides of ``n_tiles`` tiles (one per group of bags)."""
+        return math.ceil(len(n_tiles) / self.method.train.bags_per_step)
+
+    def train_epoch(
+        self,
+        reader: TileReader | FeatureReader,
+        n_tiles: list[int],
+        seed: int,
+        epoch: int,
+        optimizer_step: Callable[[], None],
+        bar: Any,
+        sync: distributed.StepSync | None = None,
+    ) -> float:
+        """One epoch of bags (:func:`~wsi_pipeline.training.epoch.bag_epoch`); returns the mean bag loss."""
+        return bag_epoch(self, reader, n_tiles, self.method.train, seed, epoch, optimizer_step, bar, sync)
 
     def _bn(self) -> str:
         """``encoder.bn`` as the accumulate module's policy names it."""
@@ -150,6 +190,7 @@ class FrozenStrategy(Strategy):
 
     name = "frozen"
     val_input = "features"
+    uses_features = True
 
     @property
     def input(self) -> str:  # type: ignore[override]
@@ -158,6 +199,29 @@ class FrozenStrategy(Strategy):
 
     def trainable(self) -> list[nn.Module]:
         return [self.aggregator]
+
+    def embedder(self) -> None:
+        """None: validation reads the h5 features (the aggregator only)."""
+        return None
+
+    def _feature_paths(self, slides: Sequence[Slide], features_dir: Path | None) -> list[Path]:
+        from wsi_pipeline.inference.features import features_path
+
+        if features_dir is None:
+            raise ValueError(f"method {self.method.name!r} is frozen: pass the folder of its feature files (features_dir)")
+        return [features_path(features_dir, s.slide_id) for s in slides]
+
+    def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
+        """The slides' feature files, or their tile stores when augmenting (embedded on the fly)."""
+        if self.augment is not None:
+            return TileReader(slides)
+        from wsi_pipeline.inference.features import read_features
+
+        return FeatureReader(slides, self._feature_paths(slides, features_dir), read_features)
+
+    def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
+        """The slides' (unaugmented) feature files, read one at a time."""
+        return LazyFeatures(self._feature_paths(slides, features_dir))
 
     def embed(self, tiles: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
@@ -259,6 +323,7 @@ class PatchGDAdapter(Strategy):
     name = "patchgd"
     input = "store"
     steps_optimizer = True
+    applies_augment = False
     bn_modes = ("frozen", "train")
 
     def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
@@ -279,7 +344,7 @@ class PatchGDAdapter(Strategy):
 
     def optimizer_steps(self, n_tiles: int) -> int:
         """Optimiser steps :meth:`run_bag` takes on a slide of ``n_tiles`` tiles."""
-        from wsi_pipeline.training.patchgd import accumulation_windows
+        from wsi_pipeline.training.patchgd_plan import accumulation_windows
 
         cfg = self.impl.cfg
         zeta = cfg.inner_iterations(n_tiles)
@@ -293,6 +358,21 @@ class PatchGDAdapter(Strategy):
         if per == 1:
             return sum(self.optimizer_steps(n) for n in n_tiles)
         return -(-len(n_tiles) // per) * max(self.optimizer_steps(n) for n in n_tiles)
+
+    def train_epoch(
+        self,
+        reader: TileReader | FeatureReader,
+        n_tiles: list[int],
+        seed: int,
+        epoch: int,
+        optimizer_step: Callable[[], None],
+        bar: Any,
+        sync: distributed.StepSync | None = None,
+    ) -> float:
+        """One epoch of slide batches (:func:`~wsi_pipeline.training.epoch.slide_batch_epoch`); returns the mean batch loss."""
+        if not isinstance(reader, TileReader):
+            raise TypeError(f"method {self.method.name!r}: PatchGD trains on tile stores (a TileReader); got {type(reader).__name__}")
+        return slide_batch_epoch(self, reader, n_tiles, seed, epoch, optimizer_step, bar)
 
     def run_bag(self, store: Any, label: int, optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
         """One slide of PatchGD; ``optimizer_step`` steps and zeroes the gradients."""

@@ -1,0 +1,123 @@
+"""Checks before any training (:func:`preflight`): everything a run needs, with errors that name the fix."""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, PipelineConfig, bag_statistics_warning
+from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, slides_for_split
+from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.inference.models import build_models
+from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
+from wsi_pipeline.training.strategies import check_strategy
+
+__all__ = ["RunPlan", "preflight"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunPlan:
+    """What :func:`preflight` found: the cohort's slides and the runs to do."""
+
+    manifest: pd.DataFrame
+    train: list[Slide]
+    val: list[Slide]
+    runs: list[tuple[MethodConfig, int, Path]]
+    finished: list[Path]
+    tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
+    stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
+
+
+def preflight(
+    config: PipelineConfig,
+    methods: Sequence[MethodConfig],
+    seeds: Sequence[int],
+    *,
+    resume: bool = True,
+    strict: bool = False,
+) -> RunPlan:
+    """Check everything before any training; raise a clear error naming the problem and the fix.
+
+    Checks: the manifest exists and validates (labels in ``[0, n_classes)``), there are training
+    slides, every training/validation slide has a complete tile store (slides whose store holds 0
+    tiles are left out with one warning, or refused with ``strict``), each method's strategy
+    exists with its building blocks and options, its models build (encoder, weights,
+    aggregator options), and run folders are consistent with ``resume``.
+    """
+    manifest, train, val, tiling = _cohort(config, strict)
+    _check_methods(config, methods)
+    runs, finished, unfinished = [], [], []
+    for method in methods:
+        for seed in seeds:
+            run_dir = config.run_dir(method.name, seed)
+            if (run_dir / DONE).exists():
+                finished.append(run_dir)
+                continue
+            if (run_dir / "last.pt").exists():
+                if not resume:
+                    unfinished.append(run_dir)
+                else:
+                    check_resumable(run_dir, run_config(config, method, seed))
+            runs.append((method, seed, run_dir))
+    if unfinished:
+        raise ValueError(
+            f"unfinished run(s) found: {', '.join(map(str, unfinished))}; run without --no-resume to continue them, "
+            "or delete those folders to start over"
+        )
+    return RunPlan(manifest, train, val, runs, finished, tiling)
+
+
+def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Slide], list[Slide], dict[str, Any] | None]:
+    """The manifest, its training and validation slides with complete stores, and the stores' tiling."""
+    from wsi_pipeline.manifests.schema import read_manifest
+
+    manifest_path = Path(config.data.manifest)
+    if not manifest_path.is_file():
+        raise FileNotFoundError(
+            f"data.manifest {manifest_path} not found (pipeline {config.name!r}; relative paths are relative to "
+            f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
+        )
+    manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
+    train = slides_for_split(manifest, "train", config.data.tiles_dir)
+    val = slides_for_split(manifest, "val", config.data.tiles_dir)
+    check_stores(train + val, config.data.tiles_dir)
+    train = drop_empty(train, split="train", strict=strict)
+    val = drop_empty(val, split="val", strict=strict)
+    tiling = check_tiling(train + val, config.data.tiling)
+    if not train:
+        raise ValueError(
+            f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
+            "or make splits with `wsi-pipeline manifest`"
+        )
+    if not val:
+        log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
+    return manifest, train, val, tiling
+
+
+def _check_methods(config: PipelineConfig, methods: Sequence[MethodConfig]) -> None:
+    """Each method's strategy, options, device and models (built on the CPU, torch's RNG left as it was)."""
+    for method in methods:
+        check_strategy(method)
+        resolve_device(method.train.device)
+        risk = bag_statistics_warning(method)
+        if risk:
+            log.warning(risk)
+            warnings.warn(risk, BagStatisticsWarning, stacklevel=3)
+    for method in methods:
+        if method.train.augment.enabled and not check_strategy(method).applies_augment:
+            log.warning("method %s: augmentation is not applied by the %s strategy", method.name, method.strategy)
+        with torch.random.fork_rng(devices=[]):
+            try:
+                build_models(method, config.data.n_classes, device="cpu", for_training=False)
+            except (ValueError, TypeError, FileNotFoundError) as e:
+                raise type(e)(f"method {method.name!r}: cannot build its models: {e}") from e

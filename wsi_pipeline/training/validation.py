@@ -1,0 +1,71 @@
+"""Validation after each epoch, and the rule that picks ``best.pt``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, TrainConfig
+from wsi_pipeline.inference.metrics import VALIDATION_METRICS, selection_rule
+from wsi_pipeline.training.strategies import Strategy
+
+__all__ = ["VAL_METRICS", "improves", "selection", "validate"]
+
+#: The validation columns of ``history.csv`` (``val_<name>``), in order.
+VAL_METRICS = VALIDATION_METRICS
+
+
+def selection(train_cfg: TrainConfig, n_classes: int) -> tuple[str, bool]:
+    """``(metric name, higher is better)`` of ``train.select_metric``
+    (:func:`wsi_pipeline.inference.metrics.selection_rule`: ``loss`` is lower-is-better)."""
+    return selection_rule(n_classes, train_cfg.select_metric)
+
+
+def _better(value: float | None, best: float | None, higher: bool) -> bool:
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None or not math.isfinite(best):
+        return True
+    return value > best if higher else value < best
+
+
+def improves(value: float | None, loss: float | None, best: dict[str, Any], higher: bool) -> bool:
+    """Whether an epoch with validation ``value`` (the selection metric) and ``loss`` beats ``best``.
+
+    A better metric wins; an equal metric wins with a lower validation loss. Without the
+    tie-break a metric that saturates early (AUC 1.0 on a small validation set after one epoch)
+    would pin ``best.pt`` to that first, barely trained, epoch.
+    """
+    if _better(value, best.get("value"), higher):
+        return True
+    tied = value is not None and best.get("value") is not None and value == best["value"]
+    return tied and _better(loss, best.get("loss"), higher=False)
+
+
+def validate(
+    strategy: Strategy,
+    inputs: Sequence[Any],
+    labels: list[int],
+    config: PipelineConfig,
+    method: MethodConfig,
+    device: torch.device,
+) -> dict[str, float]:
+    """Validation metrics (``loss, auc, qwk, accuracy, balanced_accuracy``); empty without validation slides.
+
+    ``inputs`` come from ``strategy.val_inputs``; the protocol is ``eval.val_protocol`` with
+    torch's generator seeded from ``eval.seed`` (the caller's random state is left as it was).
+    """
+    if not labels:
+        return {}
+    from wsi_pipeline.inference.protocols import validate_model
+
+    encoder = strategy.embedder()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(config.eval.seed)
+        return validate_model(
+            encoder, strategy.aggregator, inputs, labels, config.eval.val_protocol,
+            n_classes=config.data.n_classes, device=device, batch_size=method.chunk_size, seed=config.eval.seed,
+        )
