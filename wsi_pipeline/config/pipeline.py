@@ -336,7 +336,8 @@ class EvalConfig:
 
     Attributes
     ----------
-    val_protocol : protocol of the per-epoch validation (the paper validates with the test protocol).
+    val_protocol : protocol of the per-epoch validation (the paper validates with the test protocol);
+        the default of every method's ``val_protocol``, which a method may set itself.
     protocols : protocols of the evaluation stage.
     seed : seed of the random tile draws of subsampling protocols (and random pseudo-bags).
     bootstrap : resamples of the slides for the 95 % intervals (0: no intervals; each costs one
@@ -467,6 +468,9 @@ class MethodConfig:
         ``aggregator`` and ``train`` (:mod:`wsi_pipeline.config.patchgd_presets`).
     features_dir : feature files of a ``frozen`` method (default ``<data.features_dir>/<encoder>``).
     train : the pipeline's ``train`` section with this method's overrides applied.
+    val_protocol : protocol of this method's per-epoch validation: the method's own
+        ``val_protocol`` key, else ``eval.val_protocol`` (the paper validates its sampled-test
+        methods with sampled tiles, the others with all tiles).
     """
 
     name: str
@@ -478,6 +482,7 @@ class MethodConfig:
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
+    val_protocol: Protocol = field(default_factory=Protocol, metadata={"custom": _Custom(_parse_protocol, "protocol")})
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -715,6 +720,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
             raise ValueError(f"unknown key {key!r} in section 'top level'; valid keys: {sorted(fields)}")
     train_raw = raw.get("train") or {}
     _build(TrainConfig, train_raw, "train")  # report problems of the shared section under its own name
+    eval_cfg = _build(EvalConfig, raw.get("eval") or {}, "eval")  # likewise; its val_protocol is each method's default
     methods_raw = raw.get("methods")
     if not isinstance(methods_raw, list):
         raise TypeError(f"methods: expected a list of methods (name, strategy, ...), got {methods_raw!r}")
@@ -728,6 +734,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
         if not isinstance(over, Mapping):
             raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {over!r}")
         m["train"] = _deep_merge(train_raw, over)
+        m.setdefault("val_protocol", eval_cfg.val_protocol._to_raw())  # eval.val_protocol unless the method sets its own
         methods.append(_build(MethodConfig, m, where))
     kwargs: dict[str, Any] = {"methods": tuple(methods)}
     for name, f in fields.items():

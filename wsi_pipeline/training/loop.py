@@ -20,8 +20,9 @@ resumed from ``last.pt`` after epoch e computes exactly what the uninterrupted r
 Optimisation per epoch: bags come in groups of ``B x S`` (``batch_bags x accumulate_batches``);
 each bag's gradient of ``loss / group size`` is added by the strategy, then the gradients are
 clipped (optional) and the optimiser steps, so a step follows the mean loss of its group.
-Validation runs after every epoch with ``eval.val_protocol`` (each slide embedded once in eval
-mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.protocols.validate_model`);
+Validation runs after every epoch with the method's ``val_protocol`` (default ``eval.val_protocol``;
+each slide embedded once in eval mode, subsets re-run the aggregator only:
+:func:`wsi_pipeline.inference.protocols.validate_model`);
 ``best.pt`` follows ``train.select_metric`` (AUC for binary, QWK for multi-class tasks).
 """
 
@@ -640,7 +641,7 @@ def _validate(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
         return validate_model(
-            encoder, strategy.aggregator, inputs, labels, config.eval.val_protocol,
+            encoder, strategy.aggregator, inputs, labels, method.val_protocol,
             n_classes=config.data.n_classes, device=device, batch_size=method.chunk_size, seed=config.eval.seed,
         )
 
