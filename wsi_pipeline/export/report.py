@@ -4,9 +4,7 @@ The page leads with the best: methods are listed best on validation first everyw
 seeds of each run's best validation value, as recorded by training; never the test slides).
 
 Sections: a summary (the model chosen on validation, and per method its validation value, the
-headline test metric and the localisation AUC per cohort); the results in the papers' layout
-(methods in the pipeline's order x evaluated set x protocol, the headline metric x 100, mean +- std
-over seeds: one pipeline of ``pipelines/`` gives one of the Big-Layers paper's tables); the heatmaps of the model chosen on
+headline test metric and the localisation AUC per cohort); the heatmaps of the model chosen on
 validation (PNG, base64-embedded, shrunk to at most 480 px, each linking to the full-size file
 beside the report; ground-truth lesions outlined in black when known, the slide's localisation
 AUC in its caption), the most and least confident slides, beside the per-method localisation
@@ -16,6 +14,9 @@ of the seed mean; for ``sub<k>x<R>`` the per-seed value is the mean over repeats
 per-repeat metric, and the std over repeats is shown beside it); ROC curves (inline SVG;
 binary tasks: one curve per model; multi-class: one-vs-rest per class of each method's
 seed-mean probabilities); confusion matrices (inline SVG, counts summed over seeds).
+
+After the summary come the results in the papers' layout (:mod:`wsi_pipeline.export.paper_table`),
+the one table whose methods keep the pipeline's order instead.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from PIL import Image
 
 from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
+from wsi_pipeline.export.paper_table import paper_table_html, primary_metric
 
-__all__ = ["write_report", "best_on_validation", "primary_metric", "rank_methods", "roc_svg", "confusion_svg"]
+__all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
 _COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
 _TABLE_METRICS = ("qwk", "accuracy", "balanced_accuracy", "auc")  # graded tasks: QWK first (PANDA)
@@ -126,47 +128,6 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
             f"<tr>{head2}</tr>{''.join(body)}</table>"
         )
     return "\n".join(parts)
-
-
-def primary_metric(n_classes: int) -> str:
-    """The papers' headline metric: QWK for graded tasks (PANDA, ISUP 0-5), AUC for binary ones (CAMELYON)."""
-    return "qwk" if n_classes > 2 else "auc"
-
-
-def _paper_table(records: Sequence[MetricRecord], protocols: Sequence[str], n_classes: int) -> str:
-    """The papers' table: one row per method in the pipeline's order (the order of the records, which
-    evaluation writes method by method as the config lists them), one column per evaluated set x
-    protocol; each cell the primary metric x 100, mean ± sample std (ddof 1) over seeds, from the
-    seed ``mean``/``std`` records of ``metrics.json``; a cell with fewer seeds than its row says so."""
-    metric = primary_metric(n_classes)
-    look = _lookup(records)
-    methods = list(dict.fromkeys(r.method for r in records))
-    sets = list(dict.fromkeys((r.cohort, r.split) for r in records))
-    seeds: dict[tuple, set] = {}
-    for r in records:
-        if r.repeat is None and isinstance(r.seed, int) and r.metric == metric and not math.isnan(r.value):
-            seeds.setdefault((r.method, r.cohort, r.split, r.protocol), set()).add(r.seed)
-    head1 = "".join(f'<th colspan="{len(protocols)}">{html.escape(c)} ({html.escape(s)})</th>' for c, s in sets)
-    head2 = "".join(f"<th>{html.escape(p)}</th>" for _ in sets for p in protocols)
-    body = []
-    for meth in methods:
-        n_row = len({r.seed for r in records if r.method == meth and isinstance(r.seed, int)})
-        cells = []
-        for c, s in sets:
-            for prot in protocols:
-                mean = look.get((meth, "mean", c, s, prot, metric), math.nan)
-                std = look.get((meth, "std", c, s, prot, metric), math.nan)
-                n = len(seeds.get((meth, c, s, prot), ()))
-                txt = "–" if math.isnan(mean) else f"{100 * mean:.2f}" + ("" if math.isnan(std) else f" ± {100 * std:.2f}")
-                cells.append(f"<td>{txt}" + (f' <span class="ci">({n} seed{"s" * (n != 1)})</span>' if n != n_row else "") + "</td>")
-        body.append(f'<tr><td class="m">{html.escape(meth)} <span class="ci">({n_row} seed{"s" * (n_row != 1)})</span></td>'
-                    f"{''.join(cells)}</tr>")
-    return (
-        f'<p class="note">{metric.upper()} x 100 (as the papers print it), mean ± sample std (ddof 1) over seeds; '
-        "rows in the pipeline's order, columns: evaluated set x protocol. For <code>sub&lt;k&gt;x&lt;R&gt;</code> a seed's "
-        "value is the mean of its R per-repeat values (the papers' score). Every metric with its interval: Metrics, below.</p>"
-        f'<table class="paper"><tr><th rowspan=2>method</th>{head1}</tr><tr>{head2}</tr>{"".join(body)}</table>'
-    )
 
 
 def _mean_std(look: dict[tuple, float], meth: str, c: str, s: str, prot: str, metric: str) -> str:
@@ -445,7 +406,7 @@ def write_report(
         "<h2>Summary</h2>",
         _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
         "<h2>Results in the papers' layout</h2>",
-        _paper_table(records, prots, n_classes),
+        paper_table_html(records, prots, n_classes),
     ]
     loc_table = _localisation_table(records, methods, heatmap_run[0] if heatmap_run else None)
     body.append("<h2>Heatmaps and localisation</h2>")
