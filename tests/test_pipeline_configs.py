@@ -1,100 +1,159 @@
-"""Every pipelines/*.yaml validates with the training stage's loader; the paper's configs carry the
-Big-Layers paper's hyperparameters (section 4.2, written out below) and the README maps each
-row of its Tables 1 and 2 to configs."""
+"""Every pipelines/*.yaml validates with the training stage's loader and its methods build; the
+paper's three pipelines (panda_cosine, panda_exp, camelyon) hold every row of the Big-Layers
+paper's Tables 1-3 as a method with the paper's hyperparameters (section 4.2, written out below),
+and the README maps each row to its pipeline and method."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from wsi_pipeline.config.pipeline import Protocol, load_config
 
 PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 ALL_YAML = sorted(PIPELINES.glob("*.yaml"))
-PAPER_YAML = [p for p in ALL_YAML if re.match(r"^(panda|camelyon)_", p.stem)]
-ROWS = [f"{agg}{aug} / {kind}" for aug in ("", "-Aug") for agg in ("ABMIL", "DTFD", "TransMIL") for kind in ("Baseline", "+ Ours")]
+PAPER_FILES = ("panda_cosine", "panda_exp", "camelyon")
+AGGS = {"ABMIL": "abmil", "DTFD": "dtfd", "TransMIL": "transmil"}
+# the paper's row order: plain rows then -Aug rows; per aggregator Baseline, then + Ours
+ROWS = [(f"{agg}{aug} / {kind}", f"{AGGS[agg]}_{'frozen' if kind == 'Baseline' else 'bigl'}{'_aug' if aug else ''}")
+        for aug in ("", "-Aug") for agg in AGGS for kind in ("Baseline", "+ Ours")]
+FOUNDATION = [f"{fm} / {agg}" for fm in ("H-optimus-1", "Prov-GigaPath", "UNI2-h") for agg in AGGS]
 
-# The paper's section 4.2.5 / 4.2.4, transcribed: (cohort, schedule or approach) -> settings
+# The paper's section 4.2.5 / 4.2.4, transcribed: (pipeline, frozen | bigl) -> settings
+PANDA_COSINE = dict(epochs=20, schedule="cosine", accumulate_batches=16, batch_bags=2, bag_size=256, demon=False)
+PANDA_EXP = dict(epochs=45, schedule="exponential", gamma=0.955, accumulate_batches=1, batch_bags=2, bag_size=256, demon=False)
 PAPER = {
-    ("panda", "cosine"): dict(epochs=20, schedule="cosine", accumulate_batches=16, batch_bags=2, bag_size=256, demon=False),
-    ("panda", "exp"): dict(epochs=45, schedule="exponential", gamma=0.955, accumulate_batches=1, batch_bags=2, bag_size=256,
-                           demon=False),
+    ("panda_cosine", "frozen"): PANDA_COSINE, ("panda_cosine", "bigl"): PANDA_COSINE,
+    ("panda_exp", "frozen"): PANDA_EXP, ("panda_exp", "bigl"): PANDA_EXP,
     ("camelyon", "frozen"): dict(epochs=120, lr=1e-4, schedule="cosine", accumulate_batches=2, bag_size=1024, demon=False),
     ("camelyon", "bigl"): dict(epochs=90, lr=5e-5, schedule="cosine", accumulate_batches=2, batch_bags=2, bag_size=512,
                                demon=True),
 }
 
 
-def test_there_are_configs():
-    assert len(PAPER_YAML) == 36, [p.name for p in PAPER_YAML]
+def test_the_paper_pipelines_replace_the_per_row_files():
+    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "own_cohort", "patchgd_paper", "train_example"])
+
+
+def _weightless(method):
+    """``method`` with an ImageNet weights file (not on this machine) replaced by random initialisation."""
+    return dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=None))
+
+
+_BUILT: set[str] = set()  # models already built and run by an earlier method (the -Aug rows share their row's models)
 
 
 @pytest.mark.parametrize("path", ALL_YAML, ids=lambda p: p.name)
-def test_every_config_loads_and_its_parts_exist(path):
-    from wsi_pipeline.models import AGGREGATORS, ENCODERS, build_aggregator
-    from wsi_pipeline.models.heads import HEADS
+def test_every_config_loads_and_its_methods_build(path):
+    """Each method passes its strategy's checks, and its models build and map a 3-tile bag to C logits."""
+    from wsi_pipeline.config.pipeline import config_to_dict
+    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.protocols import run_aggregator
+    from wsi_pipeline.models import ENCODERS
     from wsi_pipeline.training.strategies import check_strategy
 
     cfg = load_config(path)
+    C = cfg.data.n_classes
+    tiles = torch.rand(3, 3, 32, 32)
     for m in cfg.methods:
         check_strategy(m)
         assert m.encoder.name in ENCODERS.names()
-        if m.strategy == "patchgd":  # the aggregator entry names a PatchGD head
-            assert m.aggregator.name in HEADS.names()
-        else:
-            assert m.aggregator.name in AGGREGATORS.names()
-            build_aggregator(m.aggregator.name, 16, cfg.data.n_classes, **m.aggregator.options)
+        m = _weightless(m)
+        key = repr((C, config_to_dict(dataclasses.replace(m, name="m", train=type(m.train)(), val_protocol=Protocol()))))
+        if key in _BUILT:
+            continue
+        _BUILT.add(key)
+        if m.strategy == "patchgd":  # the grid head needs a tile grid: built, not run here
+            build_models(m, C, for_training=True)
+            continue
+        torch.manual_seed(0)
+        encoder, aggregator = build_models(m, C, for_training=False)
+        encoder.eval(), aggregator.eval()
+        with torch.no_grad():
+            z = encoder(tiles)
+            out = run_aggregator(aggregator, z)
+        assert z.shape == (3, encoder.num_features) and out.logits.shape[-1] == C, (m.name, z.shape, out.logits.shape)
 
 
-@pytest.mark.parametrize("path", PAPER_YAML, ids=lambda p: p.name)
-def test_paper_configs_follow_the_paper(path):
-    cfg = load_config(path)
-    cohort, agg, kind, *rest = path.stem.split("_")
-    aug = "aug" in rest
-    assert cfg.name == path.stem and len(cfg.methods) == 1 and len(cfg.seeds) == 3
-    m = cfg.methods[0]
-    assert (m.aggregator.name, m.encoder.name) == (agg, "resnet18")
-    assert m.encoder.weights is not None  # ImageNet initialisation
-    assert m.strategy == kind and (kind == "frozen" or m.encoder.bn == "train")
-    t = m.train
-    expected = PAPER[(cohort, rest[-1] if cohort == "panda" else kind)]
-    for key, value in expected.items():
-        got = t.demon.enabled if key == "demon" else getattr(t, key)
-        assert got == pytest.approx(value), (key, got, value)
-    assert t.weight_decay == pytest.approx(1e-4) and t.select_metric == "qwk" and t.augment.enabled == aug
+@pytest.mark.parametrize("name", PAPER_FILES)
+def test_paper_pipelines_hold_every_row_with_the_papers_settings(name):
+    cfg = load_config(PIPELINES / f"{name}.yaml")
+    assert cfg.name == name and cfg.seeds == (0, 1, 2)  # three models per method
+    assert [m.name for m in cfg.methods] == [method for _, method in ROWS]  # the paper's rows, in its order
+    cohort = name.split("_")[0]
+    for m in cfg.methods:
+        agg, kind, *aug = m.name.split("_")
+        assert (m.aggregator.name, m.encoder.name, m.strategy) == (agg, "resnet18", kind), m.name
+        assert m.encoder.weights is not None  # ImageNet initialisation
+        assert kind == "frozen" or m.encoder.bn == "train", m.name  # + Ours: BatchNorm over the whole bag
+        if agg == "transmil":
+            assert m.aggregator.options.get("nystrom") == "reference"
+        if agg == "dtfd":
+            assert m.aggregator.options == {"n_groups": 4, "distill": "afs"}
+        t = m.train
+        for key, value in PAPER[(name, kind)].items():
+            got = t.demon.enabled if key == "demon" else getattr(t, key)
+            assert got == pytest.approx(value), (m.name, key, got, value)
+        assert t.weight_decay == pytest.approx(1e-4) and t.select_metric == "qwk", m.name
+        assert t.augment.enabled == (aug == ["aug"]), m.name
+        if cohort == "panda":
+            assert t.lr in (1e-4, 5e-5, 1e-5)
+            assert m.val_protocol == Protocol()
+        else:  # section 4.2.4: our DTFD and TransMIL models on 3 x 2048 tiles, the rest on all tiles
+            sampled = kind == "bigl" and agg in ("dtfd", "transmil")
+            assert m.val_protocol == (Protocol("subsample", 2048, 3) if sampled else Protocol()), m.name
     if cohort == "panda":
-        assert t.lr in (1e-4, 5e-5, 1e-5)
         assert cfg.data.n_classes == 6 and cfg.data.tiling.min_foreground == pytest.approx(0.6)
-        assert cfg.eval.protocols == (Protocol(), Protocol(256, 100)) and cfg.eval.val_protocol == Protocol()
+        assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 256, 100))  # all tiles; TCGA-PRAD-256
     else:
-        assert cfg.data.n_classes == 2
-        assert cfg.eval.protocols == (Protocol(), Protocol(2048, 10))
-        sampled = kind == "bigl" and agg in ("dtfd", "transmil")
-        assert cfg.eval.val_protocol == (Protocol(2048, 3) if sampled else Protocol())
-    assert cfg.data.tiling.tile_size == 256
+        assert cfg.data.n_classes == 2 and cfg.data.tiling.method == "otsu"
+        assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 2048, 10))  # CAM-All, CAM-2048
+    assert cfg.data.tiling.tile_size == 256 and cfg.data.tiling.mpp_target == pytest.approx(0.5)
 
 
-def _table_rows(text: str, heading: str) -> dict[str, list[str]]:
-    """Paper row -> config file names in the README table under ``heading``."""
-    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
-    rows = {}
+def test_a_method_overrides_the_pipelines_validation_protocol(tmp_path):
+    """``eval.val_protocol`` is the default of every method's ``val_protocol``; a method's own wins,
+    ``--set`` reaches both, and the resolved value survives a save/load round trip."""
+    from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
+
+    cfg = load_config(PIPELINES / "camelyon.yaml", ["eval.val_protocol={subsample: {k: 64, repeats: 2}}",
+                                                    "methods.abmil_bigl.val_protocol={subsample_ensemble: {k: 8, repeats: 4}}"])
+    by = {m.name: m.val_protocol for m in cfg.methods}
+    assert by["abmil_frozen"] == Protocol("subsample", 64, 2)  # inherits the (overridden) pipeline default
+    assert by["abmil_bigl"] == Protocol("subsample_ensemble", 8, 4)
+    assert by["dtfd_bigl"] == Protocol("subsample", 2048, 3)  # its own, from the YAML
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+    with pytest.raises(ValueError, match=r"methods\.abmil_bigl\.val_protocol"):
+        load_config(PIPELINES / "camelyon.yaml", ["methods.abmil_bigl.val_protocol=some"])
+
+
+def _map_rows(text: str) -> list[list[str]]:
+    """Rows of the README's row -> method table (cells stripped of backticks)."""
+    section = text.split("## Paper rows and methods", 1)[1].split("\n## ", 1)[0]
+    rows = []
     for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) > 1 and " / " in cells[0]:
-            rows[cells[0]] = re.findall(r"`([\w.-]+\.yaml)`", line)
+        cells = [c.strip().replace("`", "") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0] == "Big-Layers":
+            rows.append(cells)
     return rows
 
 
-def test_readme_maps_every_paper_row():
-    text = (PIPELINES / "README.md").read_text()
-    t1 = _table_rows(text, "## Table 1")
-    t2 = _table_rows(text, "## Table 2")
-    for row in ROWS:
-        assert len(t1[row]) == 2 and len(t2[row]) == 1, row
-    for fm in ("H-optimus-1", "Prov-GigaPath", "UNI2-h"):
-        for agg in ("ABMIL", "DTFD", "TransMIL"):
-            assert f"{fm} / {agg}" in t1 and f"{fm} / {agg}" in t2
-    listed = [f for files in (*t1.values(), *t2.values()) for f in files]
-    assert sorted(listed) == sorted(p.name for p in PAPER_YAML)  # each config once, each exists
+def test_readme_maps_every_paper_row_to_a_pipeline_method():
+    rows = _map_rows((PIPELINES / "README.md").read_text())
+    configs = {name: {m.name for m in load_config(PIPELINES / f"{name}.yaml").methods} for name in PAPER_FILES}
+    listed: dict[str, list[str]] = {name: [] for name in PAPER_FILES}
+    for table, cohort_files in (("1", ["panda_cosine.yaml", "panda_exp.yaml"]), ("2, 3", ["camelyon.yaml"])):
+        mine = {row: (files, method) for _, t, row, files, method in rows if t == table}
+        for row, method in ROWS:
+            files, got = mine[row]
+            assert got == method and [f.strip() for f in files.split(",")] == cohort_files, (table, row, files, got)
+            for f in cohort_files:
+                listed[f.removesuffix(".yaml")].append(got)
+        for row in FOUNDATION:
+            assert mine[row][1] == "-", row  # no config: foundation encoders are not in the registry
+    for name in PAPER_FILES:  # every method of every paper pipeline is mapped to a row, once
+        assert sorted(listed[name]) == sorted(configs[name]), name

@@ -130,7 +130,8 @@ class EvalConfig:
 
     Attributes
     ----------
-    val_protocol : protocol of the per-epoch validation (the paper validates with the test protocol).
+    val_protocol : protocol of the per-epoch validation (the paper validates with the test protocol);
+        the default of every method's ``val_protocol``, which a method may set itself.
     protocols : protocols of the evaluation stage.
     seed : seed of the random tile draws of subsampling protocols (and random pseudo-bags).
     bootstrap : resamples of the slides for the 95 % intervals (0: no intervals; each costs one

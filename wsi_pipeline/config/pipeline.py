@@ -45,13 +45,13 @@ from typing import Any
 
 from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName
 from wsi_pipeline.config.data import DataConfig
-from wsi_pipeline.config.evaluation import EvalConfig, Protocol, saved_protocol
+from wsi_pipeline.config.evaluation import ALL, EvalConfig, Protocol, parse_protocol, saved_protocol
 from wsi_pipeline.config.io import config_to_dict, read_yaml, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BagStatisticsWarning, BiglConfig, EncoderConfig, bag_statistics_warning
 from wsi_pipeline.config.overrides import apply_overrides, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
-from wsi_pipeline.config.schema import build, positive
+from wsi_pipeline.config.schema import build, positive, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
 
@@ -103,6 +103,9 @@ class MethodConfig:
         ``aggregator`` and ``train`` (:mod:`wsi_pipeline.config.patchgd_presets`).
     features_dir : feature files of a ``frozen`` method (default ``<data.features_dir>/<encoder>``).
     train : the pipeline's ``train`` section with this method's overrides applied.
+    val_protocol : protocol of this method's per-epoch validation: the method's own
+        ``val_protocol`` key, else ``eval.val_protocol`` (the paper validates its sampled-test
+        methods with sampled tiles, the others with all tiles).
     """
 
     name: str
@@ -114,6 +117,7 @@ class MethodConfig:
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
+    val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
@@ -151,9 +155,10 @@ class PipelineConfig:
         return Path(self.runs_dir) / self.name / method / f"seed{seed}"
 
 
-def _method(m: Any, i: int, train_raw: Mapping[str, Any]) -> MethodConfig:
+def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: Protocol) -> MethodConfig:
     """Method ``i`` of the list: its preset expanded, its ``train`` merged over the shared section,
-    built, and for ``patchgd`` its options checked (errors under ``methods.<name>``)."""
+    ``val_protocol`` (the pipeline's ``eval.val_protocol``) unless it sets its own, built, and for
+    ``patchgd`` its options checked (errors under ``methods.<name>``)."""
     if not isinstance(m, Mapping):
         raise TypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {m!r}")
     where = f"methods.{m['name']}" if "name" in m else f"methods[{i}]"
@@ -162,6 +167,7 @@ def _method(m: Any, i: int, train_raw: Mapping[str, Any]) -> MethodConfig:
     if not isinstance(over, Mapping):
         raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {over!r}")
     m["train"] = deep_merge(train_raw, over)
+    m.setdefault("val_protocol", val_protocol.name)
     method = build(MethodConfig, m, where)
     if method.strategy == "patchgd":
         PatchGDConfig.from_mapping(patchgd_mapping(method), f"{where}.patchgd")
@@ -186,10 +192,11 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
             raise ValueError(f"unknown key {key!r} in section 'top level'; valid keys: {valid}")
     train_raw = raw.get("train") or {}
     build(TrainConfig, train_raw, "train")  # report problems of the shared section under its own name
+    eval_cfg = build(EvalConfig, raw.get("eval") or {}, "eval")  # likewise; its val_protocol is each method's default
     methods_raw = raw.get("methods")
     if not isinstance(methods_raw, list):
         raise TypeError(f"methods: expected a list of methods (name, strategy, ...), got {methods_raw!r}")
-    methods = tuple(_method(m, i, train_raw) for i, m in enumerate(methods_raw))
+    methods = tuple(_method(m, i, train_raw, eval_cfg.val_protocol) for i, m in enumerate(methods_raw))
     return build(PipelineConfig, {**raw, "methods": methods})
 
 
@@ -220,7 +227,8 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
 
 def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A run config as saved in a checkpoint or ``config.yaml`` by an earlier version, in today's form
-    (protocols written as mappings become their names); today's form is returned unchanged (a copy).
+    (protocols written as mappings become their names; a method without ``val_protocol`` gets the
+    pipeline's ``eval.val_protocol``); today's form is returned unchanged (a copy).
 
     For reading saved runs only: a pipeline YAML is held to today's spelling.
     """
@@ -233,6 +241,9 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         if isinstance(ev.get("protocols"), list):
             ev["protocols"] = [saved_protocol(p) for p in ev["protocols"]]
         out["eval"] = ev
+    if isinstance(out.get("methods"), list):  # before methods had their own val_protocol: the pipeline's
+        default = saved_protocol(ev.get("val_protocol", "all")) if isinstance(ev, Mapping) else "all"
+        out["methods"] = [{"val_protocol": default, **m} if isinstance(m, Mapping) else m for m in out["methods"]]
     return out
 
 

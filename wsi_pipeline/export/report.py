@@ -14,6 +14,9 @@ of the seed mean; for ``sub<k>x<R>`` the per-seed value is the mean over repeats
 per-repeat metric, and the std over repeats is shown beside it); ROC curves (inline SVG;
 binary tasks: one curve per model; multi-class: one-vs-rest per class of each method's
 seed-mean probabilities); confusion matrices (inline SVG, counts summed over seeds).
+
+After the summary come the results in the papers' layout (:mod:`wsi_pipeline.export.paper_table`),
+the one table whose methods keep the pipeline's order instead.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from PIL import Image
 
 from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS, headline_metric, metric_order
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
+from wsi_pipeline.export.paper_table import paper_table_html
 from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
@@ -400,6 +404,8 @@ def write_report(
         "averaged over repeats.</p>",
         "<h2>Summary</h2>",
         _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
+        "<h2>Results in the papers' layout</h2>",
+        paper_table_html(records, prots, n_classes),
     ]
     loc_table = _localisation_table(records, methods, heatmap_run[0] if heatmap_run else None)
     body.append("<h2>Heatmaps and localisation</h2>")

@@ -51,12 +51,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES
+
 __all__ = ["accumulate_step", "full_step", "default_loss", "BN_MODES"]
 
 log = logging.getLogger(__name__)
 
 #: BatchNorm policies of :func:`accumulate_step` ("frozen" exact, "chunk" chunk statistics).
-BN_MODES: tuple[str, ...] = ("frozen", "chunk")
+BN_MODES: tuple[str, ...] = ACCUMULATE_BN_MODES
 
 LossFn = Callable[[Any, Any], Tensor]
 

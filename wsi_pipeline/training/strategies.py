@@ -44,6 +44,7 @@ from torch import nn
 
 from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
 from wsi_pipeline.data.bags import Bag, FeatureReader, Slide, TileReader
+from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.inference.models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
@@ -91,7 +92,7 @@ class Strategy:
     steps_optimizer: ClassVar[bool] = False
     uses_features: ClassVar[bool] = False
     applies_augment: ClassVar[bool] = True
-    bn_modes: ClassVar[tuple[str, ...]] = ("frozen", "chunk", "train")
+    bn_modes: ClassVar[tuple[str, ...]] = BN_MODES
     augment: SlideAugment | None = None
 
     def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
@@ -277,7 +278,7 @@ class AccumulateStrategy(Strategy):
     """Exact accumulation: the bag stays in host memory, ``chunk_size`` tiles go through the encoder at a time."""
 
     name = "accumulate"
-    bn_modes = ("frozen", "chunk")
+    bn_modes = ACCUMULATE_BN_MODES
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import accumulate_step
@@ -324,7 +325,7 @@ class PatchGDAdapter(Strategy):
     input = "store"
     steps_optimizer = True
     applies_augment = False
-    bn_modes = ("frozen", "train")
+    bn_modes = PATCHGD_BN_MODES
 
     def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
         super().__init__(method, n_classes, device)

@@ -55,7 +55,7 @@ def validate(
 ) -> dict[str, float]:
     """Validation metrics (``loss, auc, qwk, accuracy, balanced_accuracy``); empty without validation slides.
 
-    ``inputs`` come from ``strategy.val_inputs``; the protocol is ``eval.val_protocol`` with
+    ``inputs`` come from ``strategy.val_inputs``; the protocol is the method's ``val_protocol`` with
     torch's generator seeded from ``eval.seed`` (the caller's random state is left as it was).
     """
     if not labels:
@@ -66,6 +66,6 @@ def validate(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
         return validate_model(
-            encoder, strategy.aggregator, inputs, labels, config.eval.val_protocol,
+            encoder, strategy.aggregator, inputs, labels, method.val_protocol,
             n_classes=config.data.n_classes, device=device, batch_size=method.chunk_size, seed=config.eval.seed,
         )
