@@ -131,8 +131,10 @@ def test_patchgd_head_is_named_once():
 def test_saved_configs_of_earlier_versions_still_load(tmp_path):
     new = {"name": "p", "data": {"manifest": "m.csv", "tiles_dir": "t", "n_classes": 2},
            "eval": {"val_protocol": "sub16x3", "protocols": ["all", "sub8x5", "ens8x5"]},
-           "methods": [{"name": "a", "strategy": "frozen"}]}
-    old = {**new, "eval": {"val_protocol": {"subsample": {"k": 16, "repeats": 3}},
+           "methods": [{"name": "a", "strategy": "frozen", "val_protocol": "sub16x3"}]}
+    # earlier versions: protocols as mappings, and no per-method val_protocol (the pipeline's applied)
+    old = {**new, "methods": [{"name": "a", "strategy": "frozen"}],
+           "eval": {"val_protocol": {"subsample": {"k": 16, "repeats": 3}},
                            "protocols": ["all", {"subsample": {"k": 8, "repeats": 5}}, {"subsample_ensemble": {"k": 8, "repeats": 5}}]}}
     with pytest.raises(ValueError, match=r"eval.val_protocol="):
         config_from_dict(old)  # a pipeline YAML is held to the one spelling

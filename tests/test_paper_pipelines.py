@@ -41,13 +41,13 @@ def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypa
         "data": {"manifest": str(store_cohort), "tiles_dir": str(root / "tiles"), "features_dir": str(tmp_path / "features"),
                  "n_classes": 2, "tiling": {"tile_size": 32}},
         "train": {"epochs": 1, "bag_size": 8, "batch_bags": 2},
-        "eval": {"val_protocol": {"subsample": {"k": 4, "repeats": 3}}},
+        "eval": {"val_protocol": "sub4x3"},
         "methods": [{"name": "own", "strategy": "frozen", "chunk_size": 32, "val_protocol": "all"},
                     {"name": "default", "strategy": "frozen", "chunk_size": 32}],
     }
     cfg = config_from_dict(raw)
     train_pipeline(cfg, progress=False)
-    assert seen == [Protocol(), Protocol("subsample", 4, 3)]  # methods train in the config's order
+    assert seen == [Protocol(), Protocol(4, 3)]  # methods train in the config's order
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,7 +58,7 @@ def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypa
 METHODS = ["dtfd_frozen", "abmil_bigl", "abmil_frozen"]
 BEST_VAL = {"dtfd_frozen": 0.5, "abmil_bigl": 0.9, "abmil_frozen": 0.7}
 SEEDS = [0, 1, 2]
-PROTOCOLS = ["all", {"subsample": {"k": 4, "repeats": 3}}]
+PROTOCOLS = ["all", "sub4x3"]
 
 
 @pytest.fixture(scope="module")

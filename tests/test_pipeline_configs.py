@@ -105,13 +105,13 @@ def test_paper_pipelines_hold_every_row_with_the_papers_settings(name):
             assert m.val_protocol == Protocol()
         else:  # section 4.2.4: our DTFD and TransMIL models on 3 x 2048 tiles, the rest on all tiles
             sampled = kind == "bigl" and agg in ("dtfd", "transmil")
-            assert m.val_protocol == (Protocol("subsample", 2048, 3) if sampled else Protocol()), m.name
+            assert m.val_protocol == (Protocol(2048, 3) if sampled else Protocol()), m.name
     if cohort == "panda":
         assert cfg.data.n_classes == 6 and cfg.data.tiling.min_foreground == pytest.approx(0.6)
-        assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 256, 100))  # all tiles; TCGA-PRAD-256
+        assert cfg.eval.protocols == (Protocol(), Protocol(256, 100))  # all tiles; TCGA-PRAD-256
     else:
         assert cfg.data.n_classes == 2 and cfg.data.tiling.method == "otsu"
-        assert cfg.eval.protocols == (Protocol(), Protocol("subsample", 2048, 10))  # CAM-All, CAM-2048
+        assert cfg.eval.protocols == (Protocol(), Protocol(2048, 10))  # CAM-All, CAM-2048
     assert cfg.data.tiling.tile_size == 256 and cfg.data.tiling.mpp_target == pytest.approx(0.5)
 
 
@@ -120,12 +120,12 @@ def test_a_method_overrides_the_pipelines_validation_protocol(tmp_path):
     ``--set`` reaches both, and the resolved value survives a save/load round trip."""
     from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
 
-    cfg = load_config(PIPELINES / "camelyon.yaml", ["eval.val_protocol={subsample: {k: 64, repeats: 2}}",
-                                                    "methods.abmil_bigl.val_protocol={subsample_ensemble: {k: 8, repeats: 4}}"])
+    cfg = load_config(PIPELINES / "camelyon.yaml", ["eval.val_protocol=sub64x2",
+                                                    "methods.abmil_bigl.val_protocol=ens8x4"])
     by = {m.name: m.val_protocol for m in cfg.methods}
-    assert by["abmil_frozen"] == Protocol("subsample", 64, 2)  # inherits the (overridden) pipeline default
-    assert by["abmil_bigl"] == Protocol("subsample_ensemble", 8, 4)
-    assert by["dtfd_bigl"] == Protocol("subsample", 2048, 3)  # its own, from the YAML
+    assert by["abmil_frozen"] == Protocol(64, 2)  # inherits the (overridden) pipeline default
+    assert by["abmil_bigl"] == Protocol(8, 4, ensemble=True)
+    assert by["dtfd_bigl"] == Protocol(2048, 3)  # its own, from the YAML
     assert config_from_dict(config_to_dict(cfg)) == cfg
     with pytest.raises(ValueError, match=r"methods\.abmil_bigl\.val_protocol"):
         load_config(PIPELINES / "camelyon.yaml", ["methods.abmil_bigl.val_protocol=some"])
