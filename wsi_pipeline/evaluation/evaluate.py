@@ -121,6 +121,8 @@ def evaluate_pipeline(
     n_boot: int | None = None,
     results_dir: str | os.PathLike | None = None,
     progress: bool = True,
+    cluster: Any = None,
+    retries: int | None = None,
 ) -> EvalSummary:
     """Evaluate every finished run of a pipeline and write ``results/<pipeline>/`` (module docstring).
 
@@ -137,6 +139,11 @@ def evaluate_pipeline(
     n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
     results_dir : default ``<config.results_dir>/<config.name>``.
     progress : tqdm bars over slides.
+    cluster, retries : score the slides on a Dask cluster (``local[:N]``, ``tcp://HOST:PORT``, ``slurm``,
+        a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``), one task per
+        slide, each model sent once to every worker; the workers must see the stores and the results
+        folder (heatmaps are written by them). The metrics and predictions are computed here from
+        the returned scores, as without a cluster.
 
     Raises
     ------
@@ -155,7 +162,8 @@ def evaluate_pipeline(
     for method, seed, run_dir in runs:
         make_heatmaps = heatmaps and choice.run == (method.name, seed)
         _evaluate_run(config, method, seed, run_dir, sets, protocols, got, summary, device=dev, batch_size=batch_size,
-                      heatmap_dir=out / "heatmaps" if make_heatmaps else None, heatmap_mode=heatmap_mode, progress=progress)
+                      heatmap_dir=out / "heatmaps" if make_heatmaps else None, heatmap_mode=heatmap_mode, progress=progress,
+                      cluster=cluster, retries=retries)
     if n_boot is None:
         n_boot = int(config.eval.bootstrap)
     if n_boot > 0:
@@ -213,7 +221,7 @@ def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: s
 
 def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[Protocol],
                   got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
-                  heatmap_mode: str, progress: bool) -> None:
+                  heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
     before any test slide is opened."""
     from wsi_pipeline.inference.checkpoint import load_trained_model
@@ -222,59 +230,74 @@ def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequ
     summary.models.append((method.name, seed))
     log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
     bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)
+    task = _ScoreTask(config, protocols, title=f"attention, {method.name} seed {seed}", batch_size=bs, device=device,
+                      heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
     for es in sets:
-        scorer = _SetScorer(model, config, method.name, seed, es, protocols, got, batch_size=bs, device=device,
-                            heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
-        run_slides([row for _, row in es.slides.iterrows()], scorer, slide_id=lambda r: str(r["slide_id"]),
-                   desc=f"{method.name} s{seed} {es.cohort}", progress=progress, leave=False, on_result=scorer.collect)
+        scorer = _SetScorer(method.name, seed, es, protocols, got)
+        run_slides([row for _, row in es.slides.iterrows()], task, slide_id=_row_slide_id, broadcast=model,
+                   cluster=cluster, retries=retries, desc=f"{method.name} s{seed} {es.cohort}", progress=progress,
+                   leave=False, on_result=scorer.collect)
         scorer.add_records(int(config.data.n_classes))
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
 
-class _SetScorer:
-    """One model on one evaluation set: the job runner's work per slide (:func:`wsi_pipeline.jobs.runner.run_one`),
-    :meth:`collect` for its row, :meth:`add_records` for the set's metrics once all slides are scored.
+def _row_slide_id(mrow: pd.Series) -> str:
+    return str(mrow["slide_id"])
 
-    A slide whose store is missing or empty is ``skipped`` (logged once per slide across models).
+
+@dataclass(frozen=True)
+class _ScoreTask:
+    """The job runner's work per slide (:func:`wsi_pipeline.jobs.runner.run_one`): score one slide with
+    the model it is given (``broadcast``: sent once to each Dask worker). Pure, so it can run on a
+    worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``."""
+
+    config: Any
+    protocols: list[Protocol]
+    title: str
+    batch_size: int
+    device: str
+    heatmap_dir: Path | None
+    heatmap_mode: str
+
+    def __call__(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
+        try:
+            store = open_store(store_path(Path(self.config.data.tiles_dir), row["slide_id"]))
+        except (FileNotFoundError, ValueError) as e:
+            row.update(status="skipped", error=str(e))
+            return
+        if len(store) == 0:
+            row.update(status="skipped", error=f"its tile store {store.path} has no tiles")
+            return
+        row["score"] = score_slide(
+            model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
+            device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
+        row["label"] = _label(mrow["label"])
+
+
+class _SetScorer:
+    """One model on one evaluation set, in this process: :meth:`collect` files each slide's row (from
+    :class:`_ScoreTask`, here or on a worker), :meth:`add_records` the set's metrics once all are in.
+
+    A skipped slide (store missing or empty) is logged once per slide across models.
     """
 
-    def __init__(self, model: Any, config: Any, method: str, seed: int, es: EvalSet, protocols: list[Protocol],
-                 got: _Collected, *, batch_size: int, device: str, heatmap_dir: Path | None, heatmap_mode: str) -> None:
-        self.model, self.config, self.method, self.seed, self.es, self.protocols = model, config, method, seed, es, protocols
-        self.got, self.batch_size, self.device = got, batch_size, device
-        self.heatmap_dir, self.heatmap_mode = heatmap_dir, heatmap_mode
+    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[Protocol], got: _Collected) -> None:
+        self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
         self.labels: list[int] = []
         self.preds: dict[str, list[SlidePrediction]] = {p.name: [] for p in protocols}
         self.loc: list[float] = []
 
-    def _skip(self, row: dict[str, Any], why: str) -> None:
-        sid = row["slide_id"]
-        if sid not in self.got.missing:
-            log.warning("slide %s skipped: %s", sid, why)
-        self.got.missing.add(sid)
-        row.update(status="skipped", error=why)
-
-    def __call__(self, mrow: pd.Series, row: dict[str, Any]) -> None:
-        try:
-            store = open_store(store_path(Path(self.config.data.tiles_dir), row["slide_id"]))
-        except (FileNotFoundError, ValueError) as e:
-            self._skip(row, str(e))
-            return
-        if len(store) == 0:
-            self._skip(row, f"its tile store {store.path} has no tiles")
-            return
-        row["score"] = score_slide(
-            self.model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
-            device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode,
-            title=f"attention, {self.method} seed {self.seed}")
-        row["label"] = _label(mrow["label"])
-
     def collect(self, row: dict[str, Any]) -> None:
         """File a scored slide's predictions, label, localisation and heatmap."""
-        if row["status"] != "ok":
+        if row["status"] == "skipped":
+            if row["slide_id"] not in self.got.missing:
+                log.warning("slide %s skipped: %s", row["slide_id"], row["error"])
+            self.got.missing.add(row["slide_id"])
             return
+        if row["status"] != "ok":  # a task that raised on a Dask worker: stop, as a local error would
+            raise RuntimeError(f"slide {row['slide_id']}: scoring failed: {row['error']}")
         sid, res, lab, es = row["slide_id"], row["score"], row["label"], self.es
         for pname, pred in res.preds.items():
             self.got.rows[(es.cohort, pname)].append(prediction_row(

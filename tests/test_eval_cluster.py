@@ -1,0 +1,59 @@
+"""The evaluation's scoring pass as one Dask task per slide gives the same results as in process."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
+from wsi_pipeline.evaluation.runner import evaluate_pipeline
+from wsi_pipeline.inference.checkpoint import save_checkpoint
+from wsi_pipeline.inference.models import build_models
+from wsi_pipeline.manifests.schema import read_manifest, write_manifest
+
+pytestmark = pytest.mark.slow
+
+
+def _cohort_and_runs(tmp):
+    from wsi_pipeline.synthetic.stores import make_store_cohort
+
+    internal = read_manifest(make_store_cohort(tmp / "data", n_slides=8, tiles_per_slide=(10, 16), seed=0))
+    external = read_manifest(make_store_cohort(tmp / "data", n_slides=3, tiles_per_slide=(10, 16), cohort="ext",
+                                              splits={"test": 1.0}, seed=1))
+    manifest = write_manifest(pd.concat([internal, external]), tmp / "data" / "all.csv")
+    cfg = config_from_dict({
+        "name": "t", "data": {"manifest": str(manifest), "tiles_dir": str(tmp / "data" / "tiles"), "n_classes": 2},
+        "eval": {"protocols": ["all", "sub4x3", "ens4x3"], "seed": 0}, "seeds": [0, 1],
+        "methods": [{"name": "m", "strategy": "full", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"},
+                     "chunk_size": 16}],
+        "runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results"),
+    })
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        enc, agg = build_models(cfg.methods[0], 2, for_training=False)
+        d = cfg.run_dir("m", seed)
+        save_checkpoint(d / "best.pt", {"config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]),
+                                        "seed": seed, "epoch": 1,
+                                        "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()}})
+        (d / "done").touch()
+    (tmp / "data" / "tiles" / "synthetic_006.zarr" / "zarr.json").unlink()  # one store broken: skipped on both paths
+    return cfg
+
+
+def test_eval_on_a_dask_cluster_equals_the_local_pass(tmp_path, one_thread):
+    cfg = _cohort_and_runs(tmp_path)
+    local = evaluate_pipeline(cfg, device="cpu", n_boot=0, progress=False, results_dir=tmp_path / "local")
+    dask = evaluate_pipeline(cfg, device="cpu", n_boot=0, progress=False, results_dir=tmp_path / "dask", cluster="local:1")
+    assert local.missing_stores == dask.missing_stores == ["synthetic_006"]
+    assert local.models == dask.models == [("m", 0), ("m", 1)]
+    for name in ("metrics.json", "predictions_synthetic_all.csv", "predictions_synthetic_sub4x3.csv",
+                 "predictions_ext_ens4x3.csv"):
+        a, b = (tmp_path / "local" / name).read_bytes(), (tmp_path / "dask" / name).read_bytes()
+        assert a == b, name
+    assert json.loads((tmp_path / "dask" / "metrics.json").read_text())["records"]
+    heat_local = sorted(p.name for p in (tmp_path / "local" / "heatmaps").iterdir())
+    heat_dask = sorted(p.name for p in (tmp_path / "dask" / "heatmaps").iterdir())
+    assert heat_local == heat_dask and heat_local
