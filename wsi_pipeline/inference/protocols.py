@@ -59,6 +59,8 @@ from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.progress import progress_bar
 
 __all__ = [
+    "slide_predictions",
+    "validation_metrics",
     "Protocol",
     "ALL",
     "parse_protocol",
@@ -364,6 +366,77 @@ def _embedding(
     return embed_slide(encoder, st, batch_size=batch_size, device=device, on_batch=on_batch), st.grid
 
 
+def slide_predictions(
+    encoder: nn.Module | None,
+    aggregator: nn.Module,
+    slides: Sequence[TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any]],
+    protocol: Protocol | str = "all",
+    *,
+    n_classes: int,
+    device: torch.device | str | None = None,
+    batch_size: int = 64,
+    seed: int = 0,
+    progress: bool = False,
+    slide_ids: Sequence[str] | None = None,
+    positions: Sequence[int] | None = None,
+) -> list[SlidePrediction]:
+    """Each slide embedded once and scored under ``protocol`` (subsets seeded per slide, so the
+    prediction of a slide does not depend on which other slides are scored with it).
+
+    ``positions`` are the slides' places in the whole validation set (default ``0..n-1``): they
+    key the subsets of precomputed embeddings (``#<position>``) when ``slide_ids`` is not given,
+    so a rank scoring a shard of the slides draws what one process scoring them all draws.
+    Other parameters as :func:`validate_model`.
+    """
+    prot = parse_protocol(protocol)
+    where = list(range(len(slides))) if positions is None else [int(i) for i in positions]
+    if len(where) != len(slides):
+        raise ValueError(f"slide_predictions: {len(slides)} slides but {len(where)} positions")
+    preds: list[SlidePrediction] = []
+    items: Any = enumerate(slides)
+    if progress:
+        items = progress_bar(items, total=len(slides), desc="validate", unit="slide", leave=False)
+    for i, slide in items:
+        if isinstance(slide, (str, os.PathLike)):
+            slide = open_store(slide)
+        # subsets are keyed by slide id (stores) or position (embeddings), stable across epochs
+        if slide_ids is not None:
+            sid = str(slide_ids[i])
+        else:
+            sid = slide.slide_id if isinstance(slide, TileStore) else f"#{where[i]}"
+        z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device)
+        pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
+        if pred.probs.shape != (n_classes,):
+            raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")
+        preds.append(pred)
+    return preds
+
+
+def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], protocol: Protocol | str,
+                       n_classes: int) -> dict[str, float]:
+    """The metrics :func:`validate_model` returns, from every slide's prediction (in the order of ``labels``)."""
+    prot = parse_protocol(protocol)
+    y = np.asarray([int(v) for v in labels], dtype=np.int64)
+    if len(preds) != len(y):
+        raise ValueError(f"validation_metrics: {len(preds)} predictions but {len(y)} labels")
+    if prot.per_repeat:
+        stack = repeat_probs(list(preds), prot.repeats) if len(preds) else np.zeros((prot.repeats, 0, n_classes))
+    else:
+        stack = np.stack([p.probs for p in preds])[None] if len(preds) else np.zeros((1, 0, n_classes))
+    if not prot.per_repeat:
+        out = compute_metrics(y, stack[0], n_classes)
+    else:
+        rm = compute_repeat_metrics(y, stack, n_classes)
+        out = {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
+    if len(y):
+        # per repeat (one repeat for all/ensemble), then the mean over repeats
+        ce = -np.log(np.clip(stack[:, np.arange(len(y)), y], 1e-7, None))
+        out["loss"] = float(ce.mean())
+    else:
+        out["loss"] = math.nan
+    return out
+
+
 def validate_model(
     encoder: nn.Module | None,
     aggregator: nn.Module,
@@ -406,40 +479,8 @@ def validate_model(
     repeats of its value on that repeat's predictions, with ``<metric>_repeat_std`` (std over
     repeats, ddof 1) and ``n_repeats`` added.
     """
-    prot = parse_protocol(protocol)
     if len(slides) != len(labels):
         raise ValueError(f"validate_model: {len(slides)} slides but {len(labels)} labels; give one label per slide")
-    y = np.asarray([int(v) for v in labels], dtype=np.int64)
-    preds: list[SlidePrediction] = []
-    items: Any = enumerate(slides)
-    if progress:
-        items = progress_bar(items, total=len(slides), desc="validate", unit="slide", leave=False)
-    for i, slide in items:
-        if isinstance(slide, (str, os.PathLike)):
-            slide = open_store(slide)
-        # subsets are keyed by slide id (stores) or position (embeddings), stable across epochs
-        if slide_ids is not None:
-            sid = str(slide_ids[i])
-        else:
-            sid = slide.slide_id if isinstance(slide, TileStore) else f"#{i}"
-        z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device)
-        pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
-        if pred.probs.shape != (n_classes,):
-            raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")
-        preds.append(pred)
-    if prot.per_repeat:
-        stack = repeat_probs(preds, prot.repeats) if preds else np.zeros((prot.repeats, 0, n_classes))
-    else:
-        stack = np.stack([p.probs for p in preds])[None] if preds else np.zeros((1, 0, n_classes))
-    if not prot.per_repeat:
-        out = compute_metrics(y, stack[0], n_classes)
-    else:
-        rm = compute_repeat_metrics(y, stack, n_classes)
-        out = {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
-    if len(y):
-        # per repeat (one repeat for all/ensemble), then the mean over repeats
-        ce = -np.log(np.clip(stack[:, np.arange(len(y)), y], 1e-7, None))
-        out["loss"] = float(ce.mean())
-    else:
-        out["loss"] = math.nan
-    return out
+    preds = slide_predictions(encoder, aggregator, slides, protocol, n_classes=n_classes, device=device,
+                              batch_size=batch_size, seed=seed, progress=progress, slide_ids=slide_ids)
+    return validation_metrics(labels, preds, protocol, n_classes)

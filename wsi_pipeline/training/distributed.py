@@ -210,6 +210,15 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (``[obj]`` in a single process; picklable objects)."""
+    if not _CONTEXT.enabled:
+        return [obj]
+    out: list[Any] = [None] * _CONTEXT.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def all_sum(values: Sequence[float]) -> list[float]:
     """Element-wise sum over ranks of equally long lists of numbers (float64; unchanged in a single process)."""
     if not _CONTEXT.enabled:

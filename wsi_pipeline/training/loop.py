@@ -246,10 +246,10 @@ def _train_and_validate(run: _Run, epoch: int) -> tuple[float, dict[str, float]]
     with _autocast(run):
         run.optimizer.zero_grad(set_to_none=True)
         train_loss = run.strategy.train_epoch(run.reader, run.n_tiles, run.seed, epoch, run.optimizer_step, run.bar, run.sync)
-        # under torchrun: validated on rank 0, the result sent to all (they decide early stopping alike)
+        # under torchrun every rank scores its shard of the validation slides; all get the same metrics
         labels = [s.label for s in run.plan.val]
-        val = validate(run.strategy, run.val_inputs, labels, run.config, run.method, run.device) if run.main else None
-        return train_loss, distributed.broadcast_object(val)
+        val = validate(run.strategy, run.val_inputs, labels, run.config, run.method, run.device)
+        return train_loss, distributed.broadcast_object(val)  # rank 0's, so every rank decides alike
 
 
 def _record(run: _Run, row: dict[str, Any], val: dict[str, float]) -> bool:

@@ -10,6 +10,7 @@ import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, TrainConfig
 from wsi_pipeline.inference.metrics import VALIDATION_METRICS, selection_rule
+from wsi_pipeline.training import distributed
 from wsi_pipeline.training.strategies import Strategy
 
 __all__ = ["VAL_METRICS", "improves", "selection", "validate"]
@@ -57,15 +58,22 @@ def validate(
 
     ``inputs`` come from ``strategy.val_inputs``; the protocol is the method's ``val_protocol`` with
     torch's generator seeded from ``eval.seed`` (the caller's random state is left as it was).
+    Under torchrun every rank scores its shard of the slides (positions ``rank, rank + G, ...``),
+    the predictions are gathered in slide order and every rank computes the same metrics; each
+    slide's subsets are seeded by the slide, so the result is the single process's.
     """
     if not labels:
         return {}
-    from wsi_pipeline.inference.protocols import validate_model
+    from wsi_pipeline.inference.protocols import slide_predictions, validation_metrics
 
     encoder = strategy.embedder()
+    mine = distributed.shard(len(inputs))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
-        return validate_model(
-            encoder, strategy.aggregator, inputs, labels, method.val_protocol,
-            n_classes=config.data.n_classes, device=device, batch_size=method.chunk_size, seed=config.eval.seed,
+        preds = slide_predictions(
+            encoder, strategy.aggregator, [inputs[i] for i in mine], method.val_protocol, n_classes=config.data.n_classes,
+            device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine,
         )
+    gathered = sorted((pair for part in distributed.all_gather_object(list(zip(mine, preds))) for pair in part),
+                      key=lambda pair: pair[0])
+    return validation_metrics(labels, [p for _, p in gathered], method.val_protocol, config.data.n_classes)
