@@ -70,6 +70,7 @@ from wsi_pipeline.export.predictions import prediction_row, predictions_path, wr
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols
 from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.training import distributed
 
 __all__ = ["EvalSummary", "evaluate_pipeline"]
 
@@ -139,6 +140,8 @@ def evaluate_pipeline(
     n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
     results_dir : default ``<config.results_dir>/<config.name>``.
     progress : tqdm bars over slides.
+    Under torchrun (``torchrun --nproc_per_node=G -m wsi_pipeline.cli.main eval ...``) each rank
+    scores a shard of every set's slides on its own device; rank 0 writes the results.
     cluster, retries : score the slides on a Dask cluster (``local[:N]``, ``tcp://HOST:PORT``, ``slurm``,
         a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``), one task per
         slide, each model sent once to every worker; the workers must see the stores and the results
@@ -156,7 +159,7 @@ def evaluate_pipeline(
     runs = _finished_runs(config, methods, summary)
     sets = _sets_to_score(config)
     protocols = parse_protocols(config.eval.protocols)
-    dev = _resolve_device(device)
+    dev = str(distributed.device_for(torch.device(_resolve_device(device))))
     choice = _choose_heatmap_run(runs, heatmap_method)
     got = _Collected()
     for method, seed, run_dir in runs:
@@ -164,6 +167,8 @@ def evaluate_pipeline(
         _evaluate_run(config, method, seed, run_dir, sets, protocols, got, summary, device=dev, batch_size=batch_size,
                       heatmap_dir=out / "heatmaps" if make_heatmaps else None, heatmap_mode=heatmap_mode, progress=progress,
                       cluster=cluster, retries=retries)
+    if not distributed.is_main():  # rank 0 writes the results
+        return summary
     if n_boot is None:
         n_boot = int(config.eval.bootstrap)
     if n_boot > 0:
@@ -234,9 +239,13 @@ def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequ
                       heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
     for es in sets:
         scorer = _SetScorer(method.name, seed, es, protocols, got)
-        run_slides([row for _, row in es.slides.iterrows()], task, slide_id=_row_slide_id, broadcast=model,
-                   cluster=cluster, retries=retries, desc=f"{method.name} s{seed} {es.cohort}", progress=progress,
-                   leave=False, on_result=scorer.collect)
+        items = [row for _, row in es.slides.iterrows()]
+        desc = f"{method.name} s{seed} {es.cohort}"
+        if distributed.current().enabled and cluster is None:
+            _score_on_ranks(items, task, model, scorer, desc=desc, progress=progress)
+        else:
+            run_slides(items, task, slide_id=_row_slide_id, broadcast=model, cluster=cluster, retries=retries, desc=desc,
+                       progress=progress, leave=False, on_result=scorer.collect)
         scorer.add_records(int(config.data.n_classes))
     del model
     if device.startswith("cuda"):
@@ -245,6 +254,18 @@ def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequ
 
 def _row_slide_id(mrow: pd.Series) -> str:
     return str(mrow["slide_id"])
+
+
+def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, scorer: _SetScorer, *, desc: str,
+                    progress: bool) -> None:
+    """Under torchrun: every rank scores its shard of the slides (``rank, rank + G, ...``); the rows are
+    gathered and filed in slide order on every rank, so rank 0 writes what one process would."""
+    mine = distributed.shard(len(items))
+    rows = run_slides([items[i] for i in mine], task, slide_id=_row_slide_id, broadcast=model, desc=desc,
+                      progress=progress and distributed.is_main(), leave=False)
+    parts = distributed.all_gather_object(list(zip(mine, rows)))
+    for _, row in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0]):
+        scorer.collect(row)
 
 
 @dataclass(frozen=True)
