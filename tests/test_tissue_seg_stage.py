@@ -114,3 +114,11 @@ def test_training_is_reproducible_from_the_seed(slide_dir: Path, tmp_path: Path)
     a = torch.load(tmp_path / "a" / "best.pt", weights_only=True)["model"]
     b = torch.load(tmp_path / "b" / "best.pt", weights_only=True)["model"]
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # stopping after epoch 1 and resuming gives the same model as the uninterrupted run
+    # (the shipped model's recipe was run in resumed parts)
+    stage.train(entries, tmp_path / "c", mpp=8.0, epochs=1, seed=3, log=lambda s: None)
+    stage.train(entries, tmp_path / "c", mpp=8.0, epochs=2, seed=3, log=lambda s: None)
+    for name in ("last.pt", "best.pt"):
+        a = torch.load(tmp_path / "a" / name, weights_only=True)["model"]
+        c = torch.load(tmp_path / "c" / name, weights_only=True)["model"]
+        assert all(torch.equal(a[k], c[k]) for k in a)

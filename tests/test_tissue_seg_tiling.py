@@ -93,3 +93,29 @@ def test_real_cmu1_unet_covers_greyscale_tissue_tiles_and_no_glass(real_slides_d
     assert kept_g & tissue_tiles <= kept_u  # every greyscale tile that is tissue is kept
     assert not kept_u & glass_tiles  # no glass tile is kept
     assert len(kept_u) > 0
+
+
+@pytest.mark.real_slides
+@pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="shipped tissue model not built")
+def test_real_cmu1_held_out_half_meets_the_dice_target(real_slides_dir: Path) -> None:
+    """The shipped model's recipe trains on mosaics of CMU-1's top half only: on the bottom half,
+    read here with the reader directly and labelled by the paper's pipeline, Dice >= 0.98 (the
+    issue's target; the paper: 0.989 +- 0.005)."""
+    from wsi_pipeline.slides.scaled import read_scaled
+    from wsi_pipeline.tissue_seg.builtin import TEST_SOURCES
+
+    name, rows, _ = TEST_SOURCES[0]
+    model, mpp = stage.load_tissue_model(BUILTIN_MODEL)
+    with open_slide(real_slides_dir / name) as s:
+        rgb = read_scaled(s, mpp / s.mpp)
+    part = rgb[int(round(rows[0] * rgb.shape[0])) : int(round(rows[1] * rgb.shape[0]))]
+    h, w = part.shape[:2]
+    padded = np.full((-(-h // 32) * 32, -(-w // 32) * 32, 3), 255, np.uint8)  # white glass, as in training
+    padded[:h, :w] = part
+    import cv2
+
+    grey = cv2.cvtColor(padded, cv2.COLOR_RGB2GRAY)  # the model's input as the stage makes it
+    mask, _ = stage.predict_mask(model, grey, (h, w))
+    truth = paper_labels(padded)[::8, ::8][: mask.shape[0], : mask.shape[1]]  # constant on 8 x 8 blocks
+    assert 0.2 < truth.mean() < 0.8
+    assert stage.dice(mask, truth) >= 0.98
