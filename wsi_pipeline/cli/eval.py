@@ -7,6 +7,13 @@ import math
 import sys
 from collections import defaultdict
 
+from wsi_pipeline.cli._common import (
+    add_device_argument,
+    add_heatmap_mode_argument,
+    add_output_arguments,
+    add_set_argument,
+)
+
 __all__ = ["register", "run"]
 
 
@@ -23,23 +30,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "report.html and heatmaps/ (PNG, per-tile scores CSV, QuPath GeoJSON)."
         ),
     )
-    p.add_argument("--config", required=True, help="pipeline YAML, e.g. pipelines/demo.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set eval.seed=1 (repeatable)")
+    p.add_argument("--config", required=True, metavar="YAML", help="pipeline YAML, e.g. pipelines/demo.yaml")
+    add_set_argument(p)
     p.add_argument("--method", dest="methods", action="append", default=None, metavar="NAME",
                    help="evaluate only this method (repeatable; default: every method of the config)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
-    p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: each method's chunk_size)")
+    add_device_argument(p)
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="tiles per encoder call (default: each method's chunk_size)")
     p.add_argument("--bootstrap", type=int, default=None, metavar="N",
                    help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: the config's eval.bootstrap, 1000)")
     p.add_argument("--no-heatmaps", action="store_true", help="skip heatmaps, per-tile scores and GeoJSON")
     p.add_argument("--heatmap-method", default=None, metavar="NAME",
                    help="method whose seed best on validation draws the heatmaps (default: the run best on validation)")
-    p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
-                   help="colour normalisation of heatmaps: per-slide rank (default), per-slide min-max, or raw values")
+    add_heatmap_mode_argument(p)
     p.add_argument("--results", default=None, metavar="DIR", help="output folder (default: <results_dir>/<pipeline name>)")
-    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
-                   help="no progress bars or progress lines (--quiet is the old name)")
+    add_output_arguments(p)
     p.set_defaults(func=run)
 
 

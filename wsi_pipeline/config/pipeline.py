@@ -47,6 +47,7 @@ from typing import Any, Literal
 
 import yaml
 
+from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 
 __all__ = [
@@ -227,7 +228,7 @@ class TrainConfig:
     select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
         binary and QWK for multi-class tasks.
     early_stopping_patience : stop after this many epochs without improvement (None: off).
-    device : ``auto`` (CUDA when present), ``cpu``, ``cuda`` or ``cuda:<i>``.
+    device : one of :data:`wsi_pipeline.devices.DEVICE_CHOICES` (``auto``: CUDA, else MPS, else CPU) or ``cuda:<i>``.
     bf16 : bfloat16 autocast on CUDA (ignored on CPU).
     augment : per-slide augmentation.
     """
@@ -264,8 +265,7 @@ class TrainConfig:
             _positive("train.clip_grad_norm", self.clip_grad_norm)
         if self.early_stopping_patience is not None:
             _positive("train.early_stopping_patience", self.early_stopping_patience)
-        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"train.device={self.device!r}; expected auto, cpu, cuda or cuda:<index>")
+        check_device(self.device, "train.device")
 
     @property
     def bags_per_step(self) -> int:
