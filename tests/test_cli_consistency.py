@@ -228,11 +228,11 @@ def _yaml_accepts(tmp_path: Path, device: str) -> bool:
 
 @pytest.mark.parametrize("command", DEVICE_COMMANDS)
 def test_device_accepts_exactly_what_train_device_accepts(command, tmp_path, capsys):
-    from wsi_pipeline.devices import DEVICE_CHOICES
+    from wsi_pipeline.devices import DEVICES
 
     accepted_in_yaml = {d for d in CANDIDATE_DEVICES if _yaml_accepts(tmp_path, d)}
     assert accepted_in_yaml == {"auto", "cpu", "cuda", "mps", "cuda:0", "cuda:12"}
-    assert set(DEVICE_CHOICES) <= accepted_in_yaml
+    assert set(DEVICES) <= accepted_in_yaml
     accepted_by_cli = set()
     for d in CANDIDATE_DEVICES:
         try:

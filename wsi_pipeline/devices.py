@@ -1,4 +1,4 @@
-"""Choosing the compute device, the one rule every stage uses."""
+"""Choosing the compute device, the one rule every stage uses, and the device names every command accepts."""
 
 from __future__ import annotations
 
@@ -8,18 +8,22 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEVICE_CHOICES", "check_device", "resolve_device"]
+__all__ = ["DEVICES", "DEVICE_HELP", "check_device", "resolve_device"]
 
-#: Device names accepted by ``train.device`` in a pipeline YAML and by every command's ``--device``;
-#: ``cuda:<index>`` (e.g. ``cuda:1``) picks one GPU. ``auto``: CUDA when present, else Apple MPS, else CPU.
-DEVICE_CHOICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
+#: Device names accepted in ``train.device`` and by every command's ``--device`` (plus ``cuda:<i>``).
+DEVICES: tuple[str, ...] = ("auto", "cpu", "cuda", "mps")
+DEVICE_HELP = "auto (CUDA, then Apple MPS, then CPU), cpu, cuda, cuda:<i> or mps"
+_DEVICE_RE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
 def check_device(name: str, where: str = "device") -> str:
-    """Return ``name`` when it is one of :data:`DEVICE_CHOICES` or ``cuda:<index>``; ValueError naming ``where`` otherwise."""
-    if name in DEVICE_CHOICES or re.fullmatch(r"cuda:\d+", name):
-        return name
-    raise ValueError(f"{where}={name!r}; expected one of {', '.join(DEVICE_CHOICES)} or cuda:<index>")
+    """``name`` when it is one of :data:`DEVICES` or ``cuda:<i>``; ``ValueError`` naming ``where`` otherwise.
+
+    Usable as an argparse ``type=`` (argparse turns the ValueError into a usage error).
+    """
+    if not isinstance(name, str) or not _DEVICE_RE.fullmatch(name):
+        raise ValueError(f"{where}={name!r}; expected {', '.join(DEVICES)} or cuda:<index>")
+    return name
 
 
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
@@ -27,7 +31,7 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
     Raises ``ValueError`` when CUDA is asked for on a machine without it.
     """
-    import torch  # here, so that the device names above are read without importing torch (``--help``)
+    import torch  # here, so that reading the device names (a command's --help) does not import torch
 
     if device is None or device == "auto":
         if torch.cuda.is_available():

@@ -15,7 +15,7 @@ import re
 import typing
 from collections.abc import Iterator, Sequence
 
-from wsi_pipeline.devices import DEVICE_CHOICES, check_device
+from wsi_pipeline.devices import DEVICES, check_device
 
 __all__ = [
     "CommandParser",
@@ -185,7 +185,7 @@ def override(text: str) -> str:
 # --device
 # ------------------------------------------------------------------------------------------------
 
-DEVICE_HELP = (f"compute device: {', '.join(DEVICE_CHOICES)} or cuda:<index>, as train.device in a pipeline YAML "
+DEVICE_HELP = (f"compute device: {', '.join(DEVICES)} or cuda:<index>, as train.device in a pipeline YAML "
                "(auto: CUDA when present, else Apple MPS, else the CPU)")
 
 
@@ -197,7 +197,7 @@ def _device(text: str) -> str:
 
 
 def add_device_argument(p: argparse.ArgumentParser, default: str | None = "auto", note: str = "") -> None:
-    """Add ``--device`` with the names of :data:`wsi_pipeline.devices.DEVICE_CHOICES` (``note`` ends its help)."""
+    """Add ``--device`` with the names of :data:`wsi_pipeline.devices.DEVICES` (``note`` ends its help)."""
     p.add_argument("--device", type=_device, default=default, metavar="DEVICE",
                    help=DEVICE_HELP + (f"; {note}" if note else ""))
 

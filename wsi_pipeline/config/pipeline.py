@@ -228,7 +228,7 @@ class TrainConfig:
     select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
         binary and QWK for multi-class tasks.
     early_stopping_patience : stop after this many epochs without improvement (None: off).
-    device : one of :data:`wsi_pipeline.devices.DEVICE_CHOICES` (``auto``: CUDA, else MPS, else CPU) or ``cuda:<i>``.
+    device : one of :data:`wsi_pipeline.devices.DEVICES` (``auto``: CUDA, else MPS, else CPU) or ``cuda:<i>``.
     bf16 : bfloat16 autocast on CUDA (ignored on CPU).
     augment : per-slide augmentation.
     """
