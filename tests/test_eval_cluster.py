@@ -57,3 +57,41 @@ def test_eval_on_a_dask_cluster_equals_the_local_pass(tmp_path, one_thread):
     heat_local = sorted(p.name for p in (tmp_path / "local" / "heatmaps").iterdir())
     heat_dask = sorted(p.name for p in (tmp_path / "dask" / "heatmaps").iterdir())
     assert heat_local == heat_dask and heat_local
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_eval_under_torchrun_shards_the_slides_and_equals_one_process(tmp_path):
+    """2 ranks (gloo, CPU) each score half the slides; rank 0 writes what one process writes."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    cfg = _cohort_and_runs(tmp_path)
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump(config_to_dict(cfg)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's per-rank default; the same for the single process
+    env.pop("WORLD_SIZE", None)
+    common = ["-m", "wsi_pipeline.cli.main", "eval", "--config", str(path), "--device", "cpu", "--bootstrap", "0",
+              "--no-progress"]
+    one = subprocess.run([sys.executable, *common, "--results", str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *common,
+                          "--results", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("Evaluated 2 model(s)") == 1  # rank 0 alone reports
+    for name in ("metrics.json", "predictions_synthetic_all.csv", "predictions_synthetic_sub4x3.csv",
+                 "predictions_ext_ens4x3.csv"):
+        assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
+    assert sorted(p.name for p in (tmp_path / "two" / "heatmaps").iterdir()) == \
+        sorted(p.name for p in (tmp_path / "one" / "heatmaps").iterdir())

@@ -220,10 +220,11 @@ def test_localisation_and_heatmaps_of_the_first_model(evaluated):
             truth = mask[store.grid[:, 1], store.grid[:, 0]]
             if 0 < truth.sum() < len(truth):
                 per_slide.append(roc_auc_score(truth, scores.attention))
-            png = Image.open(out / "heatmaps" / f"{sid}.png")
+            with Image.open(out / "heatmaps" / f"{sid}.png") as png:  # closed: no ResourceWarning
+                png_size = png.size
             extent = store.tile_size
             h, w = thumbnail_shape(store_level0_size(store.attrs, store.coords, extent))
-            assert png.size == (w, h)
+            assert png_size == (w, h)
             geo = json.loads((out / "heatmaps" / f"{sid}.geojson").read_text())
             assert len(geo["features"]) == len(store)
         assert loc[cohort] == pytest.approx(np.mean(per_slide))

@@ -205,7 +205,8 @@ def test_slide_outputs_files(tmp_path):
     thumb = np.full((256, 320, 3), 250, np.uint8)
     out = write_slide_outputs(tmp_path / "heatmaps", "s1", thumbnail=thumb, level0_size=(160, 128), coords=coords,
                               grid=grid, tile_extent=32, attention=att, instance_scores=inst, title="attention")
-    assert Image.open(out.png).size == (320, 256)
+    with Image.open(out.png) as png:  # closed here: an open file left to the collector warns (ResourceWarning)
+        assert png.size == (320, 256)
     df = pd.read_csv(out.scores)
     assert list(df.columns) == ["tile", "x", "y", "size", "col", "row", "attention", "attention_rank", "score_0", "score_1"]
     np.testing.assert_allclose(df["attention"], att, rtol=1e-5)

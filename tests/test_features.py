@@ -119,7 +119,9 @@ def test_cli_resnet18(store_cohort, tmp_path, float64) -> None:
         assert attrs["encoder"] == "resnet18" and feats.shape[1] == 512
     assert len(list(out.glob("*.h5"))) == len(df)
     assert main(argv) == 0  # second run: everything up to date
-    assert main(argv[:-2] + ["--encoder", "nope"]) == 2
+    with pytest.raises(SystemExit) as e:  # an unknown encoder is a usage error (choices from the registry)
+        main(argv[:-2] + ["--encoder", "nope"])
+    assert e.value.code == 2
 
 
 def test_re_extraction_says_why_and_orphan_files_are_reported(store_cohort, tmp_path, caplog) -> None:

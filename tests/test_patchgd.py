@@ -747,7 +747,7 @@ def test_paper_preset_trains_through_the_loop(tmp_path, store_cohort):
     """preset: paper end to end (small head and grid for speed): batches of slides, linear schedule after warm-up."""
     import pandas as pd
 
-    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.config.pipeline import BagStatisticsWarning, load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     root = store_cohort.parent
@@ -776,8 +776,9 @@ def test_paper_preset_trains_through_the_loop(tmp_path, store_cohort):
         return orig(self, stores, labels, step, gen)
 
     strategies.PatchGDAdapter.run_batch = spy
-    try:
-        train_pipeline(cfg, progress=False)
+    try:  # the paper's BatchNorm in train mode: the risk is said, as it must be (test_bn_shortcut)
+        with pytest.warns(BagStatisticsWarning, match="method 'paper': encoder.bn='train'"):
+            train_pipeline(cfg, progress=False)
     finally:
         strategies.PatchGDAdapter.run_batch = orig
     assert calls == [4, 2] * 3  # 6 training slides in batches of 4 per epoch

@@ -207,4 +207,4 @@ def test_tile_cli_writes_sharded_stores_by_default_and_per_tile_on_request(tmp_p
     assert "shard_tiles=-2" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["tile", "--help"])
-    assert f"[default: {DEFAULT_SHARD_TILES}]" in capsys.readouterr().out
+    assert f"(default: {DEFAULT_SHARD_TILES})" in capsys.readouterr().out

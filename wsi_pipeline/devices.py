@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["DEVICES", "DEVICE_HELP", "check_device", "resolve_device"]
 
@@ -29,6 +31,8 @@ def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
 
     Raises ``ValueError`` when CUDA is asked for on a machine without it.
     """
+    import torch  # here, so that reading the device names (a command's --help) does not import torch
+
     if device is None or device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")

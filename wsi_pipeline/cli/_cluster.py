@@ -14,7 +14,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shard: bool = True) -> 
     g.add_argument("--cluster", metavar="SPEC", default=None,
                    help="run each slide as a Dask task: local[:N] (N worker processes on this machine), tcp://HOST:PORT "
                         "(a running Dask scheduler whose workers see the same paths) or slurm[:JOBS] (start JOBS SLURM "
-                        "batch jobs of workers with dask-jobqueue, options below) [default: this machine's process pool]")
+                        "batch jobs of workers with dask-jobqueue, options below) (default: this machine's process pool)")
     g.add_argument("--retries", type=int, default=2, metavar="N",
                    help="with --cluster: run a slide again, on another worker, up to N times when its worker dies")
     g.add_argument("--slurm-queue", metavar="PARTITION", default=None, help="with --cluster slurm: the partition (#SBATCH -p)")
@@ -24,7 +24,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser, *, shard: bool = True) -> 
     g.add_argument("--slurm-walltime", metavar="HH:MM:SS", default=None, help="with --cluster slurm: time limit per job")
     g.add_argument("--slurm-gpus", type=int, metavar="G", default=None, help="with --cluster slurm: GPUs per job (--gres=gpu:G)")
     g.add_argument("--slurm-processes", type=int, metavar="N", default=None,
-                   help="with --cluster slurm: worker processes per job [default: one per core]")
+                   help="with --cluster slurm: worker processes per job (default: one per core)")
     g.add_argument("--cluster-option", action="append", default=[], metavar="KEY=VALUE",
                    help="with --cluster slurm: any other dask_jobqueue.SLURMCluster argument, VALUE read as YAML "
                         "(repeatable), e.g. --cluster-option 'job_script_prologue=[\"source .venv/bin/activate\"]'. "

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -16,20 +18,20 @@ def register(sub: argparse._SubParsersAction) -> None:
             "predictions, heatmaps and report.html. Finished stages are reused on a second run."
         ),
     )
-    p.add_argument("--config", default="pipelines/demo.yaml", help="pipeline config (default: %(default)s)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set train.epochs=2 (repeatable)")
-    p.add_argument("--internal", type=int, default=40, help="internal slides (default: %(default)s)")
-    p.add_argument("--external", type=int, default=16, help="external-cohort slides (default: %(default)s)")
-    p.add_argument("--size", type=int, default=896, help="slide side in level-0 px (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="cohort seed (default: %(default)s)")
+    p.add_argument("--config", default="pipelines/demo.yaml", metavar="YAML", help="pipeline config")
+    add_set_argument(p)
+    p.add_argument("--internal", type=int, default=40, metavar="N", help="internal slides (split train/val/test)")
+    p.add_argument("--external", type=int, default=16, metavar="N", help="external-cohort slides (test only)")
+    p.add_argument("--size", type=int, default=896, metavar="PX", help="slide side in level-0 px")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="cohort seed (slides, lesions, splits)")
     p.add_argument("--seeds", type=_seeds, default=None, metavar="S,S,...",
                    help="seed study: train every method once per training seed (e.g. 0,1,2,3,4 or 0-4; same cohort "
                         "and tiles, finished runs reused), evaluate into <results>/seed-study/ and print mean +- sd "
                         "and min per method of internal AUC, localisation and external AUC (default: the config's seeds)")
-    p.add_argument("--workers", type=int, default=None, help="tiling worker processes (default: number of cores)")
-    p.add_argument("--device", default=None, help="training/eval device: auto, cpu, cuda (default: the config's)")
-    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    p.add_argument("--workers", type=int, default=None, metavar="N", help="tiling worker processes (default: number of cores)")
+    add_device_argument(p, default=None, note="used by training and evaluation "
+                        "(default: the config's train.device for training, auto for evaluation)")
+    add_output_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 from collections import defaultdict
 from typing import Any
+
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+from wsi_pipeline.cli._common import (
+    add_device_argument,
+    add_heatmap_mode_argument,
+    add_output_arguments,
+    add_set_argument,
+)
 
 __all__ = ["register", "run"]
 
@@ -24,58 +33,76 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "report.html and heatmaps/ (PNG, per-tile scores CSV, QuPath GeoJSON)."
         ),
     )
-    p.add_argument("--config", required=True, help="pipeline YAML, e.g. pipelines/demo.yaml")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config value, e.g. --set eval.seed=1 (repeatable)")
+    p.add_argument("--config", required=True, metavar="YAML", help="pipeline YAML, e.g. pipelines/demo.yaml")
+    add_set_argument(p)
     p.add_argument("--method", dest="methods", action="append", default=None, metavar="NAME",
                    help="evaluate only this method (repeatable; default: every method of the config)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
-    p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: each method's chunk_size)")
+    add_device_argument(p)
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="tiles per encoder call (default: each method's chunk_size)")
     p.add_argument("--bootstrap", type=int, default=None, metavar="N",
                    help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: the config's eval.bootstrap, 1000)")
     p.add_argument("--no-heatmaps", action="store_true", help="skip heatmaps, per-tile scores and GeoJSON")
     p.add_argument("--heatmap-method", default=None, metavar="NAME",
                    help="method whose seed best on validation draws the heatmaps (default: the run best on validation)")
-    p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
-                   help="colour normalisation of heatmaps: per-slide rank (default), per-slide min-max, or raw values")
+    add_heatmap_mode_argument(p)
     p.add_argument("--results", default=None, metavar="DIR",
                    help="output folder (default: <results_dir>/<pipeline name>; with --folds the folder that holds "
                    "<name>_fold<k>/ and <name>_cv/)")
     p.add_argument("--folds", action="store_true",
                    help="cross-validation: evaluate every fold trained with `train --folds`, then pool them into "
                    "<results_dir>/<name>_cv/ (report.html, cv_table.csv: mean ± std across folds)")
-    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
-                   help="no progress bars or progress lines (--quiet is the old name)")
+    add_output_arguments(p)
+    add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
-    from wsi_pipeline.export.metrics_json import read_metrics_json
-    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.training import distributed
 
     if args.bootstrap is not None and args.bootstrap < 0:
         print(f"error: --bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples", file=sys.stderr)
         return 2
     try:
-        config = load_config(args.config, args.overrides)
-        if getattr(args, "folds", False):
-            return _run_folds(config, args)
-        summary = evaluate_pipeline(
-            config,
-            methods=args.methods,
-            device=args.device,
-            batch_size=args.batch_size,
-            heatmaps=not args.no_heatmaps,
-            heatmap_method=args.heatmap_method,
-            heatmap_mode=args.heatmap_mode,
-            n_boot=args.bootstrap,
-            results_dir=args.results,
-            progress=not args.no_progress,
-        )
+        # under torchrun every rank scores a shard of the slides and rank 0 writes (and prints) the results
+        if not distributed.init_from_env().is_main:
+            logging.getLogger("wsi_pipeline").setLevel(logging.ERROR)
+            args.no_progress = True
+        if distributed.current().enabled and args.cluster:
+            raise ValueError("--cluster and torchrun are two ways to spread the slides; use one")
+        return _run(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        distributed.shutdown()
+
+
+def _run(args: argparse.Namespace) -> int:
+    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+    from wsi_pipeline.training import distributed
+
+    config = load_config(args.config, args.overrides)
+    if getattr(args, "folds", False):
+        return _run_folds(config, args)
+    summary = evaluate_pipeline(
+        config,
+        methods=args.methods,
+        device=args.device,
+        batch_size=args.batch_size,
+        heatmaps=not args.no_heatmaps,
+        heatmap_method=args.heatmap_method,
+        heatmap_mode=args.heatmap_mode,
+        n_boot=args.bootstrap,
+        results_dir=args.results,
+        progress=not args.no_progress,
+        cluster=cluster_from_args(args),
+        retries=args.retries,
+    )
+    if not distributed.is_main():
+        return 0
     out = summary.results_dir
     print(f"Evaluated {len(summary.models)} model(s) on {summary.n_slides} slide(s) in {summary.seconds:.1f} s.")
     for s in summary.skipped_runs:
@@ -111,7 +138,12 @@ def _run_folds(config: Any, args: argparse.Namespace) -> int:
             cfg, methods=args.methods, device=args.device, batch_size=args.batch_size,
             heatmaps=not args.no_heatmaps, heatmap_method=args.heatmap_method, heatmap_mode=args.heatmap_mode,
             n_boot=args.bootstrap, results_dir=root / cfg.name, progress=not args.no_progress,
+            cluster=cluster_from_args(args), retries=args.retries,
         )
+    from wsi_pipeline.training import distributed
+
+    if not distributed.is_main():  # rank 0 pools and prints
+        return 0
     out = pool_folds(config, folds, results_dir=root)
     print(f"\nMean ± std across {len(folds)} folds:")
     _print_table(read_metrics_json(out / "metrics_folds.json"))

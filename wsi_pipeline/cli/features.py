@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+from wsi_pipeline.cli._common import LazyChoices, add_device_argument, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -20,19 +21,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "skipped; a per-slide status table goes to <out>/features_report.csv."
         ),
     )
-    p.add_argument("--manifest", required=True, help="manifest CSV; its slide_id column selects the stores")
-    p.add_argument("--tiles", required=True, help="folder of tile stores written by `wsi-pipeline tile`")
-    p.add_argument("--out", required=True, help="output folder for the .h5 feature files (created)")
-    p.add_argument("--encoder", default="resnet18", help="registered encoder name (default: resnet18)")
+    p.add_argument("--manifest", required=True, metavar="CSV", help="manifest CSV; its slide_id column selects the stores")
+    p.add_argument("--tiles", required=True, metavar="DIR", help="folder of tile stores written by `wsi-pipeline tile`")
+    p.add_argument("--out", required=True, metavar="DIR", help="output folder for the .h5 feature files (created)")
+    p.add_argument("--encoder", default="resnet18", choices=LazyChoices("wsi_pipeline.models", "ENCODERS"), metavar="NAME",
+                   help="tile encoder, one of the registered %(choices)s")
     p.add_argument(
         "--weights",
         default=None,
+        metavar="PT",
         help="torchvision-style checkpoint for the encoder; without it the encoder is randomly initialised (seed 0)",
     )
-    p.add_argument("--batch-size", type=int, default=64, help="tiles per forward pass (default: 64)")
-    p.add_argument("--device", default="auto", help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    p.add_argument("--batch-size", type=int, default=64, metavar="N", help="tiles per forward pass")
+    add_device_argument(p)
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
+    add_output_arguments(p)
     add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
@@ -40,11 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.inference.features import extract_features
     from wsi_pipeline.manifests.schema import read_manifest
-    from wsi_pipeline.models import ENCODERS
-
-    if args.encoder not in ENCODERS:
-        print(f"error: --encoder {args.encoder!r} is unknown; choose one of {ENCODERS.names()}")
-        return 2
     try:
         cluster = cluster_from_args(args)
     except ValueError as err:

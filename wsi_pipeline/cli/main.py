@@ -16,16 +16,17 @@ from collections.abc import Sequence
 
 import wsi_pipeline
 from wsi_pipeline import cli as _cli_pkg
+from wsi_pipeline.cli._common import CommandParser, apply_output_level
 
 __all__ = ["build_parser", "main"]
 
-#: Commands in the order of the flow; ``--help`` lists them so, the others after.
-FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "demo")
+#: Commands in the order of the flow, then the side tools; ``--help`` lists them so (any other after).
+FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "tissue", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with one subparser per command module."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog="wsi-pipeline",
         description=(
             "Whole-slide images to tile stores, end-to-end MIL models, evaluation and heatmaps. "
@@ -36,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     names = [m.name for m in pkgutil.iter_modules(_cli_pkg.__path__) if not m.name.startswith("_") and m.name != "main"]
-    # the flow first (manifest, tile, train, eval, predict), then the rest alphabetically
+    # the flow first (manifest, tile, train, eval, predict), then features, tissue, demo, then any other
     for name in sorted(names, key=lambda n: (FLOW.index(n) if n in FLOW else len(FLOW), n)):
         module = importlib.import_module(f"{_cli_pkg.__name__}.{name}")
         register = getattr(module, "register", None)
@@ -51,14 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    # progress that must reach a log file even at the default level: per-epoch training lines and
-    # the plain progress lines written instead of bars when output is not a terminal
-    for name in ("wsi_pipeline.progress", "wsi_pipeline.training.loop"):
-        if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
-            logging.getLogger(name).setLevel(logging.INFO)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    # progress lines reach a log file even at the default level; --quiet: warnings and errors only
+    levels = apply_output_level(args)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -66,6 +64,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nwsi-pipeline {args.command}: interrupted; finished work is kept. Run the same command again to "
               "continue where it stopped.", file=sys.stderr)
         return 130
+    finally:
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ _NO_CHECK = "write the manifest even when slide files are missing (e.g. before d
 def _add_split_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="0.6,0.2,0.2", metavar="TRAIN,VAL,TEST",
                    help="fractions of patients (slides when there is no patient_id) drawn into train, val and test "
-                   "for labelled slides without a split; label-stratified, patient-grouped (default 0.6,0.2,0.2)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn splits (default 0)")
+                   "for labelled slides without a split; label-stratified, patient-grouped")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn splits")
     p.add_argument("--folds", type=int, metavar="K",
                    help="K-fold cross-validation: draw the test split, cut the rest into K label-stratified folds, "
                    "write OUT with a 'fold' column and one manifest per fold, OUT_fold<k>.csv (fold k = val)")
@@ -81,7 +81,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     group = p.add_mutually_exclusive_group()
     group.add_argument("--splits", metavar="DIR", help="folder with train.csv, val.csv, test.csv listing slide ids (the paper's split)")
     group.add_argument("--split-seed", type=int, default=0, metavar="N",
-                       help="seed of the label-stratified 80:10:10 split used without --splits (default 0)")
+                       help="seed of the label-stratified 80:10:10 split used without --splits")
     p.add_argument("--slides", required=True, metavar="DIR", help="folder of the slide files, <image_id>.tiff")
     _add_out(p)
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
@@ -108,9 +108,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for patient_NNN_node_N.tif")
     _add_out(p)
     p.add_argument("--positive", default="itc,micro,macro", metavar="STAGES",
-                   help="comma-separated slide stages labelled 1 (subset of itc,micro,macro; default itc,micro,macro)")
-    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help="fraction of patients in the validation split (default 0.1)")
-    p.add_argument("--split-seed", type=int, default=0, metavar="N", help="seed of the validation split (default 0)")
+                   help="comma-separated slide stages labelled 1 (a subset of itc,micro,macro)")
+    p.add_argument("--val-fraction", type=float, default=0.1, metavar="F", help="fraction of patients in the validation split")
+    p.add_argument("--split-seed", type=int, default=0, metavar="N", help="seed of the validation split")
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
     p.set_defaults(func=run)
 
@@ -123,7 +123,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for the slide files")
     _add_out(p)
     p.add_argument("--one-per-patient", action="store_true", help="keep one randomly chosen slide per patient (as the paper does)")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of --one-per-patient's choice (default 0)")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of --one-per-patient's choice")
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
     p.set_defaults(func=run)
 

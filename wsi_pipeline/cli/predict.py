@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+from wsi_pipeline.cli._common import add_device_argument, add_heatmap_mode_argument, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -30,21 +31,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="folder of slide files (searched recursively; found and named as `tile --slides` and "
                         "`manifest folder` do: a.ome.tiff -> a) or of .zarr stores")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; tiles go to <out>/tiles)")
-    p.add_argument("--workers", type=int, default=None, metavar="N", help="tiling processes (default: one per core; 0 = in-process)")
-    p.add_argument("--device", default="auto", help="auto (CUDA when available), cpu, cuda or cuda:<i> (default: auto)")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tiling processes (default: one per core); 0 = in this process")
+    add_device_argument(p)
     p.add_argument("--protocol", dest="protocols", action="append", default=None, metavar="P",
                    help="scoring protocol: all (default), sub<k>x<R> such as sub256x100 (R draws of k tiles) or ens<k>x<R> (repeatable)")
-    p.add_argument("--batch-size", type=int, default=None, help="tiles per encoder call (default: the method's chunk_size)")
-    p.add_argument("--mpp", type=float, default=None, help="um/px to assume for slides whose files do not record it")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random tile subsets of subsample protocols (default: 0)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="tiles per encoder call (default: the method's chunk_size)")
+    p.add_argument("--mpp", type=float, default=None, metavar="UM",
+                   help="level-0 resolution in um/px to assume for slides whose files do not record it")
+    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random tile subsets of subsample protocols")
     p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
     p.add_argument("--allow-other-tiling", action="store_true",
                    help="score a folder of .zarr stores tiled with other settings than the model's training stores "
                    "(another tile size, resolution, method or threshold) with a warning instead of refusing it")
-    p.add_argument("--heatmap-mode", default="rank", choices=["rank", "minmax", "raw"],
-                   help="colour normalisation: per-slide rank (default), per-slide min-max, or raw values")
-    p.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
-                   help="no progress bars or progress lines (--quiet is the old name)")
+    add_heatmap_mode_argument(p)
+    add_output_arguments(p)
     add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 

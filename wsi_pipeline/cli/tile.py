@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
+from wsi_pipeline.cli._common import LazyChoices, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -51,23 +52,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "whatever OpenSlide reads (SVS, NDPI, SCN, MRXS, BIF, DICOM, generic tiled TIFF, ...), through tiffslide "
             "OME-TIFF, and through wsidicom DICOM WSI (a folder of one slide's .dcm files, or one .dcm file)."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively (or one slide file); slide_id = file name without extension "
                           "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
-    p.add_argument("--method", choices=("greyscale", "otsu", "unet"), default="greyscale",
-                   help="foreground test: greyscale = per-tile fraction of pixels with grey in [grey-min, grey-max] "
-                        "(PANDA protocol); otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol); "
+    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.tiling.tiler", "METHODS"), default="greyscale",
+                   metavar="METHOD",
+                   help="foreground test, one of %(choices)s: greyscale = per-tile fraction of pixels with grey in "
+                        "[grey-min, grey-max] (PANDA protocol); otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol); "
                         "unet = tissue mask of the whole-image tissue U-Net (wsi-pipeline tissue; see --tissue-model)")
     p.add_argument("--tissue-model", default=None, metavar="PATH",
-                   help="unet method: best.pt of `wsi-pipeline tissue train` [default: the model shipped with the package]")
+                   help="unet method: best.pt of `wsi-pipeline tissue train` (default: the model shipped with the package)")
     p.add_argument("--tile-size", type=int, default=256, metavar="PX", help="tile side in px at the tile resolution")
     p.add_argument("--min-foreground", type=_fraction, default=None, metavar="F",
                    help="keep a tile when its foreground (greyscale) or tissue (otsu) fraction is >= F "
-                        "[default: 0.6 for greyscale, 0.5 for otsu and unet]")
+                        "(default: 0.6 for greyscale, 0.5 for otsu and unet)")
     p.add_argument("--grey-min", type=int, default=3, metavar="G", help="darkest grey value counted as foreground (greyscale method)")
     p.add_argument("--grey-max", type=_grey_max, default=230, metavar="G",
                    help="brightest grey value counted as foreground (greyscale method); 'auto': each slide's glass grey "
@@ -78,7 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "they are reported as skipped: dark background (fluorescence?)")
     p.add_argument("--mpp-target", type=_positive, default=None, metavar="UM",
                    help="tile resolution in um/px (0.5 is about 20x): read the best pyramid level at or finer than it "
-                        "and resize; default: native level 0")
+                        "and resize (default: the native resolution of level 0)")
     mpp = p.add_mutually_exclusive_group()
     mpp.add_argument("--mpp", type=_positive, default=None, metavar="UM",
                      help="um/px of level 0 for slides that have none (neither in their metadata nor in a manifest mpp "
@@ -87,20 +88,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      help="um/px of level 0 for every slide, overriding the slides' metadata and any manifest mpp column "
                           "(for scanners that write wrong values)")
     p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="slides tiled in parallel, one process each [default: number of cores]; 0 = in this process")
-    p.add_argument("--compression", choices=("zstd", "jpeg", "none"), default="zstd",
-                   help="tile compression in the store: zstd (lossless), jpeg (lossy, quality 90, ~10x smaller) or none")
+                   help="slides tiled in parallel, one process each (default: number of cores); 0 = in this process")
+    p.add_argument("--compression", choices=LazyChoices("wsi_pipeline.data.store", "COMPRESSIONS"), default="zstd",
+                   metavar="CODEC", help="tile compression in the store, one of %(choices)s: zstd (lossless), "
+                                         "jpeg (lossy, quality 90, ~10x smaller) or none")
     p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
                    help="tiles per shard file in new stores (zarr v3 sharding; a tile is still read on its own) "
-                        "[default: 1024]; 0 = one file per tile (the older layout, 100-1000x more files)")
-    p.add_argument("--backend", choices=("auto", "openslide", "tiffslide", "wsidicom"), default="auto",
-                   help="slide reader; auto tries OpenSlide, then tiffslide (for a DICOM file: OpenSlide, then wsidicom)")
+                        "(default: 1024); 0 = one file per tile (the older layout, 100-1000x more files)")
+    p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.reader", "BACKENDS"), default="auto",
+                   metavar="READER", help="slide reader, one of %(choices)s; auto tries OpenSlide, then tiffslide "
+                                          "(for a DICOM file: OpenSlide, then wsidicom)")
     p.add_argument("--no-prescreen", action="store_true",
                    help="test every tile instead of skipping tiles a low-resolution bound proves to be background "
                         "(same result, slower; for checking)")
     p.add_argument("--no-qc", action="store_true", help="do not write QC images")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_output_arguments(p)
     p.add_argument("--lock-stale-after", type=_positive, default=600.0, metavar="S",
                    help="several runs may share one --out: each slide is tiled under a lock (<out>/.locks) that its run "
                         "refreshes every 30 s; a lock whose run is gone (same host) or not refreshed for S seconds "

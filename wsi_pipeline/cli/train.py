@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
+
 __all__ = ["register", "run"]
 
 
@@ -24,16 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "step's bags and sum the gradients (NCCL on GPUs, gloo on CPUs); only rank 0 writes and logs."
         ),
     )
-    p.add_argument("--config", required=True, help="pipeline YAML file, e.g. pipelines/demo.yaml")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (repeatable), e.g. --set train.lr=5e-5 --set methods.abmil_e2e.chunk_size=32; "
-        "values are parsed as YAML",
-    )
+    p.add_argument("--config", required=True, metavar="YAML", help="pipeline YAML file, e.g. pipelines/demo.yaml")
+    add_set_argument(p)
     p.add_argument("--method", dest="methods", action="append", default=None, metavar="NAME",
                    help="train only this method (repeatable; default: every method of the config)")
     p.add_argument("--seed", dest="seeds", action="append", type=int, default=None, metavar="N",
@@ -43,9 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "the default, kept for old scripts")
     p.add_argument("--no-resume", dest="resume", action="store_false",
                    help="stop with an error instead when an interrupted run is found")
-    p.add_argument("--device", default=None,
-                   help="auto (CUDA when present), cpu, cuda or cuda:N; overrides train.device of every method")
-    p.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    add_device_argument(p, default=None, note="overrides train.device of every method (default: the config's)")
+    add_output_arguments(p)
     p.add_argument("--strict", action="store_true",
                    help="stop when a train/val slide's store holds 0 tiles (default: leave it out with a warning)")
     p.add_argument("--folds", action="store_true",
@@ -59,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
-    # a training run is long: report each epoch unless the user asked for less (-v gives debug)
+    # a training run is long: report each epoch unless the user asked for less (--quiet; -v gives debug)
     pkg = logging.getLogger("wsi_pipeline")
     main_rank = distributed.env_rank() == 0  # under torchrun only rank 0 logs and shows progress
     if not main_rank:
         pkg.setLevel(logging.ERROR)
         args.no_progress = True
-    elif pkg.getEffectiveLevel() > logging.INFO:
+    elif pkg.getEffectiveLevel() > logging.INFO and not getattr(args, "quiet", False):
         pkg.setLevel(logging.INFO)
     from tqdm.contrib.logging import logging_redirect_tqdm
 

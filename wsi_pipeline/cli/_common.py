@@ -1,0 +1,215 @@
+"""What every command shares: the help formatter, ``--quiet``/``--no-progress``, ``--set``, ``--device``.
+
+Each flag is defined once here, so it reads and behaves the same in every command. Nothing here
+imports torch or a slide library: building the parser (``--help``) stays fast; registries that need
+them are read by :class:`LazyChoices` only when a value is checked or a command's help is shown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import re
+import typing
+from collections.abc import Iterator, Sequence
+
+from wsi_pipeline.devices import DEVICES, check_device
+
+__all__ = [
+    "CommandParser",
+    "HelpFormatter",
+    "LazyChoices",
+    "add_device_argument",
+    "add_output_arguments",
+    "add_set_argument",
+    "apply_output_level",
+    "override",
+]
+
+_SAYS_DEFAULT = re.compile(r"\bdefault\b", re.IGNORECASE)
+
+
+class HelpFormatter(argparse.HelpFormatter):
+    """Appends ``(default: X)`` to an option's help only when it has a default worth showing.
+
+    Not shown: no default (None), a flag's (``store_true``: False), an empty list (repeatable
+    options), and any help text that already says its default in words.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            default is None
+            or default is argparse.SUPPRESS
+            or action.nargs == 0  # flags: store_true/false, count, help, version
+            or (isinstance(default, (list, tuple)) and not default)
+            or _SAYS_DEFAULT.search(text)
+        ):
+            return action.help
+        return f"{text} (default: %(default)s)"
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` with :class:`HelpFormatter`; its subcommands' parsers get both."""
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
+class LazyChoices(Sequence[str]):
+    """The names of a registry (``.names()``) or tuple, read from ``module.attr`` on first use."""
+
+    def __init__(self, module: str, attr: str) -> None:
+        self.module, self.attr = module, attr
+        self._names: tuple[str, ...] | None = None
+
+    def _load(self) -> tuple[str, ...]:
+        if self._names is None:
+            obj = getattr(importlib.import_module(self.module), self.attr)
+            self._names = tuple(obj.names() if hasattr(obj, "names") else obj)
+        return self._names
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self._load()[i]
+
+    def __len__(self) -> int:
+        return len(self._load())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._load())
+
+    def __contains__(self, value: object) -> bool:
+        return value in self._load()
+
+    def __repr__(self) -> str:
+        return f"LazyChoices({self.module}.{self.attr})"
+
+
+# ------------------------------------------------------------------------------------------------
+# --quiet and --no-progress
+# ------------------------------------------------------------------------------------------------
+
+NO_PROGRESS_HELP = "no progress bars, and no periodic progress lines in logs"
+QUIET_HELP = ("--no-progress, and no per-epoch or per-slide info lines: only warnings, errors and the final "
+              "summary are printed")
+
+
+def add_output_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--quiet`` and ``--no-progress`` (every long-running command has both, same meaning)."""
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+
+
+#: Loggers whose INFO lines are progress a log file should get even at the default level: the plain
+#: progress lines written instead of bars when output is not a terminal, and per-epoch training lines.
+PROGRESS_LOGGERS = ("wsi_pipeline.progress", "wsi_pipeline.training.loop")
+
+
+def apply_output_level(args: argparse.Namespace) -> dict[str, int]:
+    """Set our loggers' levels for ``args`` (``--quiet`` also sets ``args.no_progress``); return the old levels.
+
+    Without ``--quiet``, :data:`PROGRESS_LOGGERS` log INFO; with it, the whole package logs
+    warnings and errors only. The caller restores the returned levels when the command ends.
+    """
+    names = ("wsi_pipeline", *PROGRESS_LOGGERS)
+    old = {name: logging.getLogger(name).level for name in names}
+    if getattr(args, "quiet", False):
+        args.no_progress = True
+        for name in names:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    else:
+        for name in PROGRESS_LOGGERS:
+            if logging.getLogger(name).getEffectiveLevel() > logging.INFO:
+                logging.getLogger(name).setLevel(logging.INFO)
+    return old
+
+
+# ------------------------------------------------------------------------------------------------
+# --set section.key=value
+# ------------------------------------------------------------------------------------------------
+
+
+def add_set_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--set SECTION.KEY=VALUE`` (repeatable; into ``args.overrides``, read by ``load_config``)."""
+    p.add_argument(
+        "--set", dest="overrides", action="append", type=override, default=[], metavar="SECTION.KEY=VALUE",
+        help="override a value of the pipeline config (repeatable), e.g. --set train.epochs=2 "
+             "--set methods.abmil_e2e.chunk_size=32 (in `methods`, a method's name or index); VALUE is read as YAML. "
+             "A key that only one section has may omit the section (epochs=2 is train.epochs=2)",
+    )
+
+
+def _sections() -> dict[str, tuple[str, ...]]:
+    """Top-level keys of a pipeline config, each with its keys when it is a section (a dataclass)."""
+    from wsi_pipeline.config.pipeline import PipelineConfig
+
+    hints = typing.get_type_hints(PipelineConfig)
+    out: dict[str, tuple[str, ...]] = {}
+    for f in dataclasses.fields(PipelineConfig):
+        tp = hints[f.name]
+        out[f.name] = tuple(g.name for g in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
+    return out
+
+
+def override(text: str) -> str:
+    """One ``--set`` value in the ``section.key=value`` form of :func:`wsi_pipeline.config.pipeline.apply_overrides`.
+
+    The short form ``key=value`` is rewritten to ``section.key=value`` when exactly one section
+    has ``key``; otherwise a usage error names the full form.
+    """
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected SECTION.KEY=VALUE, e.g. train.epochs=2")
+    key, value = text.split("=", 1)
+    key = key.strip()
+    if "." in key:
+        return text
+    sections = _sections()
+    if key in sections:
+        return text
+    owners = [s for s, keys in sections.items() if key in keys]
+    if len(owners) == 1:
+        return f"{owners[0]}.{key}={value}"
+    if owners:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: {key!r} is in several sections; write one of {', '.join(f'{s}.{key}={value}' for s in owners)}")
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: no section has a key {key!r}; write SECTION.KEY=VALUE with a section of "
+        f"{', '.join(s for s, keys in sections.items() if keys or s == 'methods')}, e.g. train.epochs=2")
+
+
+# ------------------------------------------------------------------------------------------------
+# --device
+# ------------------------------------------------------------------------------------------------
+
+DEVICE_HELP = (f"compute device: {', '.join(DEVICES)} or cuda:<index>, as train.device in a pipeline YAML "
+               "(auto: CUDA when present, else Apple MPS, else the CPU)")
+
+
+def _device(text: str) -> str:
+    try:
+        return check_device(text, "--device")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def add_device_argument(p: argparse.ArgumentParser, default: str | None = "auto", note: str = "") -> None:
+    """Add ``--device`` with the names of :data:`wsi_pipeline.devices.DEVICES` (``note`` ends its help)."""
+    p.add_argument("--device", type=_device, default=default, metavar="DEVICE",
+                   help=DEVICE_HELP + (f"; {note}" if note else ""))
+
+
+# ------------------------------------------------------------------------------------------------
+# --heatmap-mode (eval, predict)
+# ------------------------------------------------------------------------------------------------
+
+
+def add_heatmap_mode_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--heatmap-mode`` with the modes of :data:`wsi_pipeline.export.heatmap.MODES`."""
+    p.add_argument("--heatmap-mode", default="rank", choices=LazyChoices("wsi_pipeline.export.heatmap", "MODES"),
+                   metavar="MODE",
+                   help="colour normalisation of the heatmaps, one of %(choices)s: per-slide rank, per-slide min-max, "
+                        "or the raw scores")
