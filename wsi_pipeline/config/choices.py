@@ -34,9 +34,6 @@ from typing import Literal
 
 from wsi_pipeline.data.store import COMPRESSIONS
 from wsi_pipeline.devices import DEVICES
-from wsi_pipeline.models.aggregators import AGGREGATORS
-from wsi_pipeline.models.encoders import ENCODERS
-from wsi_pipeline.models.heads import HEADS
 from wsi_pipeline.slides.reader import BACKENDS
 
 __all__ = [
@@ -78,16 +75,22 @@ PATCHGD_PRESETS: tuple[str, ...] = typing.get_args(PatchGDPreset)
 
 def encoder_names() -> list[str]:
     """Registered tile encoders (``encoder.name``, ``features --encoder``)."""
+    from wsi_pipeline.models.encoders import ENCODERS  # the registries import torch: only when asked
+
     return ENCODERS.names()
 
 
 def aggregator_names() -> list[str]:
     """Registered MIL aggregators."""
+    from wsi_pipeline.models.aggregators import AGGREGATORS
+
     return AGGREGATORS.names()
 
 
 def head_names() -> list[str]:
     """Registered PatchGD heads (``patchgd.head``, or ``aggregator.name`` of a ``patchgd`` method)."""
+    from wsi_pipeline.models.heads import HEADS
+
     return HEADS.names()
 
 
