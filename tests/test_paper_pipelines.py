@@ -27,13 +27,13 @@ def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypa
     from wsi_pipeline.training.loop import train_pipeline
 
     seen: list[Protocol] = []
-    real = protocols_mod.validate_model
+    real = protocols_mod.validation_metrics  # training scores the slides, then calls this once per validation
 
-    def spy(encoder, aggregator, inputs, labels, protocol, **kw):
+    def spy(labels, preds, protocol, n_classes):
         seen.append(protocol)
-        return real(encoder, aggregator, inputs, labels, protocol, **kw)
+        return real(labels, preds, protocol, n_classes)
 
-    monkeypatch.setattr(protocols_mod, "validate_model", spy)
+    monkeypatch.setattr(protocols_mod, "validation_metrics", spy)
     store_cohort = make_store_cohort(tmp_path / "data", n_slides=6, tiles_per_slide=(4, 6), seed=0)
     root = store_cohort.parent
     raw = {
