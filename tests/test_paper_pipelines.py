@@ -22,7 +22,7 @@ from wsi_pipeline.config.pipeline import Protocol, config_from_dict, config_to_d
 
 
 def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypatch):
-    import wsi_pipeline.inference.protocols as protocols_mod
+    import wsi_pipeline.inference.validation as protocols_mod
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.training.loop import train_pipeline
 

@@ -344,6 +344,42 @@ def _gallery(gallery: Sequence[dict], report_dir: Path, k: int) -> str:
     )
 
 
+def _intro_note(models: Sequence[tuple[str, int]]) -> str:
+    """The page's opening note: when and by what version it was made, the models, how to read the tables."""
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    from wsi_pipeline import __version__
+
+    return (
+        f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
+        f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
+        "Each model is its run's <code>best.pt</code> (chosen on validation). Protocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
+        "(the papers'): each repeat of k random tiles per slide is scored over all slides, and a model's value is the mean "
+        "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
+        "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
+        "Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval of the seed mean (slides resampled; "
+        f"per-repeat protocols average at most {BOOTSTRAP_MAX_REPEATS} repeats per resample, the interval then moved onto "
+        "the all-repeats score) and, for per-repeat protocols, the std over "
+        "repeats (mean over seeds). ROC curves and confusion matrices of a subsample protocol use the probabilities "
+        "averaged over repeats.</p>"
+    )
+
+
+def _heatmap_note(heatmap_model: str, chosen_on_validation: bool, has_validation: bool) -> str:
+    """The note above the heatmap gallery: whose attention it shows and why that model."""
+    how = ("chosen on validation" if chosen_on_validation else
+           "as requested" if has_validation else "no run recorded a validation value")
+    return (f'<p class="note">Attention of <b>{html.escape(heatmap_model)}</b> ({how}) over each slide (all tiles), '
+            "colour = per-slide rank unless stated in the image; ground-truth lesions, when known, are outlined "
+            "in black. Click an image for the full-size PNG; <code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
+
+
+def _curve_sections(pred: pd.DataFrame, n_classes: int, protocol: str, methods: Sequence[str]) -> list[str]:
+    """ROC and confusion-matrix sections (headings included) of ``protocol``."""
+    return [f"<h2>ROC curves (protocol <code>{html.escape(protocol)}</code>)</h2>", _roc_section(pred, n_classes, protocol, methods),
+            f"<h2>Confusion matrices (protocol <code>{html.escape(protocol)}</code>, counts over seeds)</h2>",
+            _confusion_section(pred, n_classes, protocol, methods)]
+
+
 def write_report(
     path: str | os.PathLike,
     *,
@@ -386,22 +422,9 @@ def write_report(
     if heatmap_model is None and heatmap_run is not None:
         heatmap_model = f"{heatmap_run[0]} seed {heatmap_run[1]}"
     best = best_on_validation(validation)
-    now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    from wsi_pipeline import __version__
-
     body = [
         f"<h1>wsi-pipeline evaluation: {html.escape(pipeline)}</h1>",
-        f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
-        f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
-        "Each model is its run's <code>best.pt</code> (chosen on validation). Protocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
-        "(the papers'): each repeat of k random tiles per slide is scored over all slides, and a model's value is the mean "
-        "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
-        "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
-        "Cells: mean ± sample std over seeds; grey: bootstrap 95 % interval of the seed mean (slides resampled; "
-        f"per-repeat protocols average at most {BOOTSTRAP_MAX_REPEATS} repeats per resample, the interval then moved onto "
-        "the all-repeats score) and, for per-repeat protocols, the std over "
-        "repeats (mean over seeds). ROC curves and confusion matrices of a subsample protocol use the probabilities "
-        "averaged over repeats.</p>",
+        _intro_note(models),
         "<h2>Summary</h2>",
         _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
         "<h2>Results in the papers' layout</h2>",
@@ -410,18 +433,11 @@ def write_report(
     loc_table = _localisation_table(records, methods, heatmap_run[0] if heatmap_run else None)
     body.append("<h2>Heatmaps and localisation</h2>")
     if heatmap_model:
-        how = ("chosen on validation" if heatmap_chosen_on_validation else
-               "as requested" if validation else "no run recorded a validation value")
-        body.append(f'<p class="note">Attention of <b>{html.escape(heatmap_model)}</b> ({how}) over each slide (all tiles), '
-                    "colour = per-slide rank unless stated in the image; ground-truth lesions, when known, are outlined "
-                    "in black. Click an image for the full-size PNG; <code>heatmaps/&lt;slide&gt;.geojson</code> opens in QuPath.</p>")
+        body.append(_heatmap_note(heatmap_model, heatmap_chosen_on_validation, bool(validation)))
     body.append(f'<div class=side>{loc_table}<div class=gal>{_gallery(gallery, path.parent, gallery_size)}</div></div>')
     body += ["<h2>Metrics</h2>", _metric_tables(records, prots, n_classes, methods)]
     if len(pred):
-        first = prots[0]
-        body += [f"<h2>ROC curves (protocol <code>{html.escape(first)}</code>)</h2>", _roc_section(pred, n_classes, first, methods)]
-        body += [f"<h2>Confusion matrices (protocol <code>{html.escape(first)}</code>, counts over seeds)</h2>",
-                 _confusion_section(pred, n_classes, first, methods)]
+        body += _curve_sections(pred, n_classes, prots[0], methods)
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
            f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
     return write_text_atomic(path, doc)

@@ -233,6 +233,60 @@ def pn_stage(node_stages: Iterable[str]) -> str:
     return "pN0"
 
 
+def _read_c17_stages(path: Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """CAMELYON17 ``stage_labels.csv`` -> (slides: slide_id, node_stage, patient_id; patients: patient_id, pn_stage), checked."""
+    raw = read_table(path, what="CAMELYON17 stage labels")
+    id_col = pick_column(raw, ("patient", "slide", "slide_id"), source=path, what="patient/slide")
+    st_col = pick_column(raw, ("stage", "label"), source=path, what="stage")
+    names = raw[id_col].astype("string")
+    is_patient = names.str.lower().str.endswith(".zip")
+    patients = pd.DataFrame({"patient_id": names[is_patient].str[:-4], "pn_stage": raw.loc[is_patient, st_col]})
+    slides = pd.DataFrame({"slide_id": clean_slide_ids(names[~is_patient]), "node_stage": raw.loc[~is_patient, st_col].str.lower()})
+    if slides.empty:
+        raise ManifestError(f"{path}: no slide rows (patient_NNN_node_N.tif); is this the stage_labels.csv of CAMELYON17?")
+    check_unique_ids(slides["slide_id"], source=path, column=id_col)
+    check_unique_ids(patients["patient_id"], source=path, column=f"{id_col} (patient rows)")
+    odd = slides.loc[~slides["slide_id"].str.match(_C17_SLIDE.pattern), "slide_id"]
+    if len(odd):
+        raise ManifestError(f"{path}: slide name(s) {first_few(odd)} are not patient_NNN_node_N")
+    bad = slides.loc[~slides["node_stage"].isin(NODE_STAGES), "slide_id"]
+    if len(bad):
+        raise ManifestError(
+            f"{path}: label out of range (stage) for slide(s) {first_few(bad)} "
+            f"(values {first_few(slides.loc[bad.index, 'node_stage'])}); expected one of {list(NODE_STAGES)}"
+        )
+    slides["patient_id"] = slides["slide_id"].str.extract(_C17_SLIDE.pattern, expand=False)
+    return slides, patients
+
+
+def _patient_pn_stages(slides: pd.DataFrame, patients: pd.DataFrame, source: Path) -> dict:
+    """patient_id -> pN stage: the file's patient row where there is one, else implied by the slides (warns where they differ)."""
+    implied = slides.groupby("patient_id")["node_stage"].agg(pn_stage)
+    given = patients.set_index("patient_id")["pn_stage"]
+    differ = [p for p in given.index.intersection(implied.index) if given[p] != implied[p]]
+    if differ:
+        warnings.warn(
+            f"{source}: the pN stage of {len(differ)} patient(s) does not follow from their slides' stages: "
+            f"{first_few(f'{p} ({given[p]} vs {implied[p]})' for p in differ)}",
+            ManifestWarning, stacklevel=3,
+        )
+    return {p: (given[p] if p in given.index else implied[p]) for p in implied.index}
+
+
+def _assign_c17_splits(slides: pd.DataFrame, pn: dict, *, val_fraction: float, split_seed: int) -> None:
+    """Set ``slides["split"]``: official test patients -> test; the others train/val by patient, stratified by pN stage."""
+    fractions = {"train": 1.0 - float(val_fraction), "val": float(val_fraction)}
+    official_test = slides["patient_id"].str[len("patient_"):].astype(int) >= FIRST_TEST_PATIENT
+    slides["split"] = "test"
+    dev = slides[~official_test]
+    if len(dev):
+        slides.loc[dev.index, "split"] = grouped_split(
+            dev["slide_id"], dev["patient_id"], fractions, seed=split_seed, group_strata=pn
+        )
+    if official_test.any():
+        log.info("%d slides of the official test patients (>= %d) go to split test", int(official_test.sum()), FIRST_TEST_PATIENT)
+
+
 def build_camelyon17_manifest(
     stage_labels_csv: str | os.PathLike,
     slides_dir: str | os.PathLike,
@@ -272,50 +326,11 @@ def build_camelyon17_manifest(
     pos = parse_positive(positive)
     if not 0.0 <= float(val_fraction) < 1.0:
         raise ValueError(f"val_fraction={val_fraction}: expected 0 <= val_fraction < 1 (fraction of patients in validation)")
-    raw = read_table(stage_labels_csv, what="CAMELYON17 stage labels")
-    id_col = pick_column(raw, ("patient", "slide", "slide_id"), source=stage_labels_csv, what="patient/slide")
-    st_col = pick_column(raw, ("stage", "label"), source=stage_labels_csv, what="stage")
-    names = raw[id_col].astype("string")
-    is_patient = names.str.lower().str.endswith(".zip")
-    patients = pd.DataFrame({"patient_id": names[is_patient].str[:-4], "pn_stage": raw.loc[is_patient, st_col]})
-    slides = pd.DataFrame({"slide_id": clean_slide_ids(names[~is_patient]), "node_stage": raw.loc[~is_patient, st_col].str.lower()})
-    if slides.empty:
-        raise ManifestError(f"{stage_labels_csv}: no slide rows (patient_NNN_node_N.tif); is this the stage_labels.csv of CAMELYON17?")
-    check_unique_ids(slides["slide_id"], source=stage_labels_csv, column=id_col)
-    check_unique_ids(patients["patient_id"], source=stage_labels_csv, column=f"{id_col} (patient rows)")
-    odd = slides.loc[~slides["slide_id"].str.match(_C17_SLIDE.pattern), "slide_id"]
-    if len(odd):
-        raise ManifestError(f"{stage_labels_csv}: slide name(s) {first_few(odd)} are not patient_NNN_node_N")
-    bad = slides.loc[~slides["node_stage"].isin(NODE_STAGES), "slide_id"]
-    if len(bad):
-        raise ManifestError(
-            f"{stage_labels_csv}: label out of range (stage) for slide(s) {first_few(bad)} "
-            f"(values {first_few(slides.loc[bad.index, 'node_stage'])}); expected one of {list(NODE_STAGES)}"
-        )
-    slides["patient_id"] = slides["slide_id"].str.extract(_C17_SLIDE.pattern, expand=False)
-
-    implied = slides.groupby("patient_id")["node_stage"].agg(pn_stage)
-    given = patients.set_index("patient_id")["pn_stage"]
-    differ = [p for p in given.index.intersection(implied.index) if given[p] != implied[p]]
-    if differ:
-        warnings.warn(
-            f"{stage_labels_csv}: the pN stage of {len(differ)} patient(s) does not follow from their slides' stages: "
-            f"{first_few(f'{p} ({given[p]} vs {implied[p]})' for p in differ)}",
-            ManifestWarning, stacklevel=2,
-        )
-    pn = {p: (given[p] if p in given.index else implied[p]) for p in implied.index}
+    slides, patients = _read_c17_stages(stage_labels_csv)
+    pn = _patient_pn_stages(slides, patients, stage_labels_csv)
     slides["pn_stage"] = slides["patient_id"].map(pn)
     slides["label"] = slides["node_stage"].isin(pos).astype(int)
-    fractions = {"train": 1.0 - float(val_fraction), "val": float(val_fraction)}
-    official_test = slides["patient_id"].str[len("patient_"):].astype(int) >= FIRST_TEST_PATIENT
-    slides["split"] = "test"
-    dev = slides[~official_test]
-    if len(dev):
-        slides.loc[dev.index, "split"] = grouped_split(
-            dev["slide_id"], dev["patient_id"], fractions, seed=split_seed, group_strata=pn
-        )
-    if official_test.any():
-        log.info("%d slides of the official test patients (>= %d) go to split test", int(official_test.sum()), FIRST_TEST_PATIENT)
+    _assign_c17_splits(slides, pn, val_fraction=val_fraction, split_seed=split_seed)
     slides["cohort"] = "camelyon17"
     slides["path"], index = _slide_paths(slides["slide_id"], slides_dir)
     _warn_unlabelled_files(index, slides["slide_id"], slides_dir)

@@ -129,6 +129,50 @@ def _read_split_dir(splits_dir: Path) -> pd.DataFrame:
     return listing
 
 
+def _apply_split_dir(
+    df: pd.DataFrame, splits_dir: Path, noisy: set[str], *, labels_csv: Path, noise_csv: str | os.PathLike | None,
+) -> pd.DataFrame:
+    """The labelled slides ``df`` with the paper's ``split`` (and ``patient_id``) from ``splits_dir``'s files, checked.
+
+    Slides in none of the split files are dropped with a :class:`ManifestWarning`.
+    """
+    listing = _read_split_dir(splits_dir)
+    flagged = listing.loc[listing["slide_id"].isin(noisy), "slide_id"]
+    if len(flagged):
+        raise ManifestError(
+            f"{splits_dir}: {len(flagged)} slide(s) in the split files are flagged noisy in {noise_csv}: "
+            f"{first_few(flagged)}; the split and the noise flags do not belong together"
+        )
+    unknown = listing.loc[~listing["slide_id"].isin(df["slide_id"]), "slide_id"]
+    if len(unknown):
+        raise ManifestError(
+            f"{splits_dir}: {len(unknown)} slide(s) in the split files are not in {labels_csv}: {first_few(unknown)}; "
+            "the split files must list slides of the labels file"
+        )
+    listing = listing.set_index("slide_id")
+    unsplit = df.loc[~df["slide_id"].isin(listing.index), "slide_id"]
+    if len(unsplit):
+        hint = "" if noise_csv is not None else " (pass the noise-flag file to drop the noisy slides first)"
+        warnings.warn(
+            f"{len(unsplit)} labelled slide(s) are in none of the split files of {splits_dir} and are left out"
+            f"{hint}: {first_few(unsplit)}",
+            ManifestWarning, stacklevel=3,
+        )
+        df = df[df["slide_id"].isin(listing.index)]
+    df = df.assign(split=listing.loc[df["slide_id"], "split"].to_numpy())
+    if "isup_grade" in listing.columns:
+        theirs = listing.loc[df["slide_id"], "isup_grade"].to_numpy()
+        differ = df.loc[df["label"].to_numpy() != theirs, "slide_id"]
+        if len(differ):
+            raise ManifestError(
+                f"{splits_dir}: isup_grade in the split files differs from {labels_csv} for {len(differ)} slide(s): "
+                f"{first_few(differ)}; the files do not belong together"
+            )
+    if "patient_id" in listing.columns:
+        df["patient_id"] = listing.loc[df["slide_id"], "patient_id"].fillna("").to_numpy()
+    return df
+
+
 def build_panda_manifest(
     labels_csv: str | os.PathLike,
     slides_dir: str | os.PathLike,
@@ -172,41 +216,7 @@ def build_panda_manifest(
     if noise_csv is not None:
         df, noisy = _drop_noisy(df, Path(noise_csv))
     if splits_dir is not None:
-        splits_dir = Path(splits_dir)
-        listing = _read_split_dir(splits_dir)
-        flagged = listing.loc[listing["slide_id"].isin(noisy), "slide_id"]
-        if len(flagged):
-            raise ManifestError(
-                f"{splits_dir}: {len(flagged)} slide(s) in the split files are flagged noisy in {noise_csv}: "
-                f"{first_few(flagged)}; the split and the noise flags do not belong together"
-            )
-        unknown = listing.loc[~listing["slide_id"].isin(df["slide_id"]), "slide_id"]
-        if len(unknown):
-            raise ManifestError(
-                f"{splits_dir}: {len(unknown)} slide(s) in the split files are not in {labels_csv}: {first_few(unknown)}; "
-                "the split files must list slides of the labels file"
-            )
-        listing = listing.set_index("slide_id")
-        unsplit = df.loc[~df["slide_id"].isin(listing.index), "slide_id"]
-        if len(unsplit):
-            hint = "" if noise_csv is not None else " (pass the noise-flag file to drop the noisy slides first)"
-            warnings.warn(
-                f"{len(unsplit)} labelled slide(s) are in none of the split files of {splits_dir} and are left out"
-                f"{hint}: {first_few(unsplit)}",
-                ManifestWarning, stacklevel=2,
-            )
-            df = df[df["slide_id"].isin(listing.index)]
-        df = df.assign(split=listing.loc[df["slide_id"], "split"].to_numpy())
-        if "isup_grade" in listing.columns:
-            theirs = listing.loc[df["slide_id"], "isup_grade"].to_numpy()
-            differ = df.loc[df["label"].to_numpy() != theirs, "slide_id"]
-            if len(differ):
-                raise ManifestError(
-                    f"{splits_dir}: isup_grade in the split files differs from {labels_csv} for {len(differ)} slide(s): "
-                    f"{first_few(differ)}; the files do not belong together"
-                )
-        if "patient_id" in listing.columns:
-            df["patient_id"] = listing.loc[df["slide_id"], "patient_id"].fillna("").to_numpy()
+        df = _apply_split_dir(df, Path(splits_dir), noisy, labels_csv=labels_csv, noise_csv=noise_csv)
     else:
         fr = check_fractions(fractions or {"train": 0.8, "val": 0.1, "test": 0.1})
         df = df.assign(split=stratified_split(df["slide_id"], df["label"].astype(int), fr, seed=split_seed))

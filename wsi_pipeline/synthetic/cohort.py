@@ -18,7 +18,7 @@ import pandas as pd
 
 from wsi_pipeline.manifests.schema import write_manifest
 from wsi_pipeline.manifests.splits import normalise_fractions, stratified_split
-from wsi_pipeline.synthetic.slides import make_slide
+from wsi_pipeline.synthetic.slides import SyntheticSlide, make_slide
 from wsi_pipeline.synthetic.truth import write_mask
 
 __all__ = ["DEFAULT_SPLITS", "EXTERNAL_NOISE", "EXTERNAL_TINT", "make_slide_cohort"]
@@ -32,6 +32,54 @@ INTERNAL_NOISE: float = 4.0
 
 def _slide_seed(seed: int, cohort: str, i: int) -> int:
     return int(np.random.SeedSequence([int(seed), zlib.crc32(cohort.encode()), i]).generate_state(1)[0])
+
+
+def _cohort_draws(
+    n_slides: int, seed: int, cohort: str, pen_fraction: float, splits: Mapping[str, float] | None,
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """(slide ids, balanced labels, which slides get pen marks, split per slide) of a cohort."""
+    rng = np.random.default_rng([int(seed), zlib.crc32(cohort.encode())])
+    labels = rng.permutation(np.arange(n_slides) % 2)
+    pens = rng.random(n_slides) < pen_fraction
+    ids = [f"{cohort}_{i:03d}" for i in range(n_slides)]
+    split_of = np.full(n_slides, "", object)
+    if splits:
+        split_of = stratified_split(ids, labels, normalise_fractions(splits, what="splits"), seed=int(rng.integers(2**31)))
+    return ids, labels, pens, split_of
+
+
+def _slide_draws(
+    srng: np.random.Generator, *, positive: bool, pen: bool, lesions: tuple[int, int], mimic_fraction: float,
+    tint: tuple[float, float, float], stain_jitter: float, density_jitter: float,
+) -> tuple[int, int, int, tuple[float, float, float], float]:
+    """One slide's (lesions, pen strokes, mimics, tint, nuclei density), drawn from its own ``srng``."""
+    n_les = int(srng.integers(lesions[0], lesions[1] + 1)) if positive else 0
+    n_pen = int(srng.integers(1, 4)) if pen else 0
+    # nuisance variation, drawn only when asked for (cohorts without it stay as they were)
+    n_mim = int(srng.integers(1, 3)) if mimic_fraction > 0 and srng.random() < mimic_fraction else 0
+    slide_tint = tint
+    if stain_jitter > 0:
+        slide_tint = tuple(float(t * (1 + srng.uniform(-stain_jitter, stain_jitter))) for t in tint)
+    density = float(np.exp(srng.uniform(-density_jitter, density_jitter))) if density_jitter > 0 else 1.0
+    return n_les, n_pen, n_mim, slide_tint, density
+
+
+def _manifest_row(slide_id: str, label: int, split: str, cohort: str, s: SyntheticSlide, n_pen: int, n_mim: int) -> dict:
+    """The manifest row of one written slide (paths relative to the cohort folder)."""
+    return {
+        "slide_id": slide_id,
+        "path": f"slides/{slide_id}.svs",
+        "label": int(label),
+        "split": split,
+        "cohort": cohort,
+        "patient_id": slide_id,
+        "lesion_mask": f"masks/{slide_id}.png",
+        "mask_downsample": s.mask_downsample,
+        "lesion_fraction": round(s.lesion_fraction, 5),
+        "n_lesions": s.n_lesions,
+        "pen_marks": n_pen,
+        "n_mimics": n_mim,
+    }
 
 
 def make_slide_cohort(
@@ -97,46 +145,18 @@ def make_slide_cohort(
     out = Path(out_dir)
     (out / "slides").mkdir(parents=True, exist_ok=True)
     (out / "masks").mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng([int(seed), zlib.crc32(cohort.encode())])
-    labels = rng.permutation(np.arange(n_slides) % 2)
-    pens = rng.random(n_slides) < pen_fraction
-    ids = [f"{cohort}_{i:03d}" for i in range(n_slides)]
-    split_of = np.full(n_slides, "", object)
-    if splits:
-        split_of = stratified_split(ids, labels, normalise_fractions(splits, what="splits"), seed=int(rng.integers(2**31)))
+    ids, labels, pens, split_of = _cohort_draws(n_slides, seed, cohort, pen_fraction, splits)
     rows = []
-    for i in range(n_slides):
-        slide_id = ids[i]
-        srng = np.random.default_rng(_slide_seed(seed, cohort, i))
-        n_les = int(srng.integers(lesions[0], lesions[1] + 1)) if labels[i] == 1 else 0
-        n_pen = int(srng.integers(1, 4)) if pens[i] else 0
-        # nuisance variation, drawn only when asked for (cohorts without it stay as they were)
-        n_mim = int(srng.integers(1, 3)) if mimic_fraction > 0 and srng.random() < mimic_fraction else 0
-        slide_tint = tint
-        if stain_jitter > 0:
-            slide_tint = tuple(float(t * (1 + srng.uniform(-stain_jitter, stain_jitter))) for t in tint)
-        density = float(np.exp(srng.uniform(-density_jitter, density_jitter))) if density_jitter > 0 else 1.0
-        s = make_slide(
-            out / "slides" / f"{slide_id}.svs", size=size, tile_size=tile_size, mpp=mpp,
-            seed=_slide_seed(seed, cohort, i), n_lesions=n_les, lesion_size=lesion_size, pen_marks=n_pen,
-            tint=slide_tint, noise=noise, quality=quality, lesion_contrast=lesion_contrast,
-            n_mimics=n_mim, nuclei_density=density,
-        )
+    for i, slide_id in enumerate(ids):
+        slide_seed = _slide_seed(seed, cohort, i)
+        n_les, n_pen, n_mim, slide_tint, density = _slide_draws(
+            np.random.default_rng(slide_seed), positive=labels[i] == 1, pen=pens[i], lesions=lesions,
+            mimic_fraction=mimic_fraction, tint=tint, stain_jitter=stain_jitter, density_jitter=density_jitter)
+        s = make_slide(out / "slides" / f"{slide_id}.svs", size=size, tile_size=tile_size, mpp=mpp, seed=slide_seed,
+                       n_lesions=n_les, lesion_size=lesion_size, pen_marks=n_pen, tint=slide_tint, noise=noise,
+                       quality=quality, lesion_contrast=lesion_contrast, n_mimics=n_mim, nuclei_density=density)
         if n_les and not s.lesion.any():
             raise ValueError(f"size={size} px leaves no room to plant a lesion in {slide_id}; use a larger size")
         write_mask(out / "masks" / f"{slide_id}.png", s.lesion)
-        rows.append({
-            "slide_id": slide_id,
-            "path": f"slides/{slide_id}.svs",
-            "label": int(labels[i]),
-            "split": split_of[i],
-            "cohort": cohort,
-            "patient_id": slide_id,
-            "lesion_mask": f"masks/{slide_id}.png",
-            "mask_downsample": s.mask_downsample,
-            "lesion_fraction": round(s.lesion_fraction, 5),
-            "n_lesions": s.n_lesions,
-            "pen_marks": n_pen,
-            "n_mimics": n_mim,
-        })
+        rows.append(_manifest_row(slide_id, labels[i], split_of[i], cohort, s, n_pen, n_mim))
     return write_manifest(pd.DataFrame(rows), out / f"{cohort}.csv")

@@ -207,6 +207,130 @@ def _row_tiles(strip: np.ndarray, tile: int, fill: int) -> Iterator[np.ndarray]:
         yield np.ascontiguousarray(t)
 
 
+def _checked_geometry(
+    size: int | tuple[int, int], tile_size: int, mask_downsample: int, level_factor: int, glass_grey: int,
+) -> tuple[int, int, int, int, int]:
+    """Validate :func:`make_slide`'s geometry; return (width px, height px, tile px, mask downsample, glass grey)."""
+    w, h = (int(size), int(size)) if np.isscalar(size) else (int(size[0]), int(size[1]))
+    T, md = int(tile_size), int(mask_downsample)
+    if T % 16 or T < 16:
+        raise ValueError(f"tile_size={tile_size} must be a positive multiple of 16 (a TIFF requirement)")
+    if T % md:
+        raise ValueError(f"mask_downsample={mask_downsample} must divide tile_size={tile_size}")
+    if level_factor not in (2, 4):
+        raise ValueError(f"level_factor={level_factor}; expected 2 or 4")
+    if min(w, h) < T:
+        raise ValueError(f"size={size} is smaller than one tile ({T} px)")
+    if not 0 <= int(glass_grey) <= 255:
+        raise ValueError(f"glass_grey={glass_grey} must be a grey level in [0, 255]")
+    return w, h, T, md, int(glass_grey)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a slide shows, at mask resolution (``md`` level-0 px per px), before painting."""
+
+    tissue: np.ndarray  # bool (mh, mw)
+    lesion: np.ndarray  # bool (mh, mw), the planted lesions
+    alpha_map: np.ndarray  # float32 (mh, mw): tissue opacity, soft edges
+    lesion_map: np.ndarray  # float32 (mh, mw): rounded lesion outlines for painting
+    mimic_map: np.ndarray | None  # float32 (mh, mw) benign mimics, or None
+    strokes: list  # pen strokes, as :func:`_pen_strokes` returns them
+
+
+def _draw_layout(
+    seed: int, w: int, h: int, md: int, *, blank: bool, tissue_fraction: float | None, n_lesions: int,
+    lesion_size: float, pen_marks: int, n_mimics: int,
+) -> _Layout:
+    """Draw tissue, lesions, pen strokes and mimics of a ``w`` x ``h`` px slide from ``seed``."""
+    import cv2
+
+    rng = np.random.default_rng(seed)
+    mh, mw = -(-h // md), -(-w // md)
+    frac = float(rng.uniform(0.25, 0.45)) if tissue_fraction is None else float(tissue_fraction)
+    tissue = np.zeros((mh, mw), bool) if blank else _tissue_shape(rng, mh, mw, frac)
+    lesion = _lesions(rng, tissue, 0 if blank else n_lesions, lesion_size)
+    # soft tissue edges: faint tissue fades into the glass over ~1.5 mask px
+    alpha_map = cv2.GaussianBlur(tissue.astype(np.float32), (0, 0), 0.8) if tissue.any() else np.zeros((mh, mw), np.float32)
+    alpha_map = np.clip(alpha_map * 1.25, 0, 1)
+    # rounded lesion outlines for painting (the returned mask stays the planted one)
+    lesion_map = cv2.GaussianBlur(lesion.astype(np.float32), (0, 0), 0.7) if lesion.any() else np.zeros((mh, mw), np.float32)
+    strokes = [] if blank else _pen_strokes(rng, w, h, int(pen_marks))
+    mimic_map = None
+    if n_mimics and not blank:  # own generator: slides without mimics stay as they were
+        mimic = _lesions(np.random.default_rng([seed, 11]), tissue & ~lesion, int(n_mimics), lesion_size)
+        mimic_map = cv2.GaussianBlur(mimic.astype(np.float32), (0, 0), 0.7) if mimic.any() else None
+    return _Layout(tissue, lesion, alpha_map, lesion_map, mimic_map, strokes)
+
+
+def _level0_tiles(
+    w: int, h: int, T: int, f: int, level1: np.ndarray | None, glass_grey: int, **paint: object,
+) -> Iterator[np.ndarray]:
+    """Paint level 0 one tile row at a time and yield its tiles; fill ``level1`` (``f`` x smaller) on the way.
+
+    ``paint`` holds :func:`_paint_strip`'s keyword arguments other than the rows, width, tile and grey.
+    """
+    import cv2
+
+    for y0 in range(0, h, T):
+        y1 = min(h, y0 + T)
+        strip = _paint_strip(y0, y1, w, tile=T, glass_grey=glass_grey, **paint)
+        if level1 is not None:
+            r0, r1 = y0 // f, min(level1.shape[0], y1 // f)
+            if r1 > r0:
+                part = strip[: (r1 - r0) * f, : level1.shape[1] * f]
+                level1[r0:r1] = cv2.resize(part, (level1.shape[1], r1 - r0), interpolation=cv2.INTER_AREA)
+        yield from _row_tiles(strip, T, glass_grey)
+
+
+def _svs_descriptions(path: Path, w: int, h: int, T: int, quality: int, mpp: float | None) -> tuple[str, str, dict]:
+    """(common header, level-0 ImageDescription, TIFF resolution tags) in the Aperio SVS style."""
+    head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({T}x{T}) JPEG/RGB Q={quality}"
+    if mpp is not None:
+        if not mpp > 0:
+            raise ValueError(f"mpp={mpp} must be > 0 um/px (or None for no resolution metadata)")
+        desc0 = f"{head}|AppMag = {10.0 / mpp:g}|MPP = {mpp:.6g}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
+        resolution = {"resolution": (1e4 / mpp, 1e4 / mpp), "resolutionunit": "CENTIMETER"}
+    else:
+        desc0 = f"{head}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
+        resolution = {}
+    return head, desc0, resolution
+
+
+def _write_svs(
+    path: Path, tiles0: Iterator[np.ndarray], level1: np.ndarray | None, sizes: list[tuple[int, int]], *,
+    T: int, f: int, quality: int, mpp: float | None, glass_grey: int,
+) -> None:
+    """Write the SVS file atomically: level 0 from ``tiles0``, the thumbnail, then the lower levels.
+
+    ``level1`` is filled while ``tiles0`` is consumed; the lower levels are downsampled from it.
+    """
+    import cv2
+    import tifffile
+
+    w, h = sizes[0]
+    head, desc0, resolution = _svs_descriptions(path, w, h, T, quality, mpp)
+    # photometric "rgb" + JPEG: tifffile stores YCbCr 4:2:0 JPEG tiles (as scanners do) from RGB input
+    jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
+    with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
+        tw.write(tiles0, shape=(h, w, 3), dtype=np.uint8, tile=(T, T), description=desc0,
+                 metadata=None, **resolution, **jpeg)
+        levels = [level1] if level1 is not None else []
+        for lw, lh in sizes[2:]:
+            levels.append(cv2.resize(levels[-1][: lh * f, : lw * f], (lw, lh), interpolation=cv2.INTER_AREA))
+        # SVS layout: the second directory is a stripped thumbnail, the other levels follow
+        small = levels[-1] if levels else None
+        if small is None:
+            thumb = cv2.resize(np.full((h, w, 3), glass_grey, np.uint8), (max(1, w // 8), max(1, h // 8)))
+        else:
+            thumb = small
+        tw.write(thumb, description=f"{head} -> {thumb.shape[1]}x{thumb.shape[0]} - ", metadata=None, **jpeg)
+        for img in levels:
+            lh_, lw_ = img.shape[:2]
+            tw.write(_tiles_of(img, T, glass_grey), shape=img.shape, dtype=np.uint8, tile=(T, T),
+                     description=f"{head} -> {lw_}x{lh_} JPEG/RGB Q={quality}", metadata=None, **jpeg)
+
+
 def make_slide(
     path: str | os.PathLike,
     *,
@@ -263,84 +387,19 @@ def make_slide(
     -------
     :class:`SyntheticSlide`.
     """
-    import cv2
-    import tifffile
-
-    w, h = (int(size), int(size)) if np.isscalar(size) else (int(size[0]), int(size[1]))
-    T, md = int(tile_size), int(mask_downsample)
-    if T % 16 or T < 16:
-        raise ValueError(f"tile_size={tile_size} must be a positive multiple of 16 (a TIFF requirement)")
-    if T % md:
-        raise ValueError(f"mask_downsample={mask_downsample} must divide tile_size={tile_size}")
-    if level_factor not in (2, 4):
-        raise ValueError(f"level_factor={level_factor}; expected 2 or 4")
-    if min(w, h) < T:
-        raise ValueError(f"size={size} is smaller than one tile ({T} px)")
-    if not 0 <= int(glass_grey) <= 255:
-        raise ValueError(f"glass_grey={glass_grey} must be a grey level in [0, 255]")
-    glass_grey = int(glass_grey)
+    w, h, T, md, glass_grey = _checked_geometry(size, tile_size, mask_downsample, level_factor, glass_grey)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    mh, mw = -(-h // md), -(-w // md)
-    frac = float(rng.uniform(0.25, 0.45)) if tissue_fraction is None else float(tissue_fraction)
-    tissue = np.zeros((mh, mw), bool) if blank else _tissue_shape(rng, mh, mw, frac)
-    lesion = _lesions(rng, tissue, 0 if blank else n_lesions, lesion_size)
-    # soft tissue edges: faint tissue fades into the glass over ~1.5 mask px
-    alpha_map = cv2.GaussianBlur(tissue.astype(np.float32), (0, 0), 0.8) if tissue.any() else np.zeros((mh, mw), np.float32)
-    alpha_map = np.clip(alpha_map * 1.25, 0, 1)
-    # rounded lesion outlines for painting (the returned mask stays the planted one)
-    lesion_map = cv2.GaussianBlur(lesion.astype(np.float32), (0, 0), 0.7) if lesion.any() else np.zeros((mh, mw), np.float32)
-    strokes = [] if blank else _pen_strokes(rng, w, h, int(pen_marks))
-    mimic_map = None
-    if n_mimics and not blank:  # own generator: slides without mimics stay as they were
-        mimic = _lesions(np.random.default_rng([seed, 11]), tissue & ~lesion, int(n_mimics), lesion_size)
-        mimic_map = cv2.GaussianBlur(mimic.astype(np.float32), (0, 0), 0.7) if mimic.any() else None
+    lay = _draw_layout(seed, w, h, md, blank=blank, tissue_fraction=tissue_fraction, n_lesions=n_lesions,
+                       lesion_size=lesion_size, pen_marks=pen_marks, n_mimics=n_mimics)
     sizes = _level_sizes(w, h, level_factor, max(64, T // 4))
-    f = level_factor
     level1 = np.empty((sizes[1][1], sizes[1][0], 3), np.uint8) if len(sizes) > 1 else None
-
-    def level0_tiles() -> Iterator[np.ndarray]:
-        for y0 in range(0, h, T):
-            y1 = min(h, y0 + T)
-            strip = _paint_strip(y0, y1, w, seed=seed, md=md, alpha_map=alpha_map, lesion_map=lesion_map,
-                                 strokes=strokes, tint=tint, noise=noise, tile=T, lesion_contrast=lesion_contrast,
-                                 mimic_map=mimic_map, nuclei_density=nuclei_density, glass_grey=glass_grey, stain=stain)
-            if level1 is not None:
-                r0, r1 = y0 // f, min(level1.shape[0], y1 // f)
-                if r1 > r0:
-                    part = strip[: (r1 - r0) * f, : level1.shape[1] * f]
-                    level1[r0:r1] = cv2.resize(part, (level1.shape[1], r1 - r0), interpolation=cv2.INTER_AREA)
-            yield from _row_tiles(strip, T, glass_grey)
-
-    head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({T}x{T}) JPEG/RGB Q={quality}"
-    if mpp is not None:
-        if not mpp > 0:
-            raise ValueError(f"mpp={mpp} must be > 0 um/px (or None for no resolution metadata)")
-        desc0 = f"{head}|AppMag = {10.0 / mpp:g}|MPP = {mpp:.6g}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
-        resolution = {"resolution": (1e4 / mpp, 1e4 / mpp), "resolutionunit": "CENTIMETER"}
-    else:
-        desc0 = f"{head}|Filename = {path.stem}|Generator = wsi_pipeline.synthetic"
-        resolution = {}
-    # photometric "rgb" + JPEG: tifffile stores YCbCr 4:2:0 JPEG tiles (as scanners do) from RGB input
-    jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
-    with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
-        tw.write(level0_tiles(), shape=(h, w, 3), dtype=np.uint8, tile=(T, T), description=desc0,
-                 metadata=None, **resolution, **jpeg)
-        levels = [level1] if level1 is not None else []
-        for lw, lh in sizes[2:]:
-            levels.append(cv2.resize(levels[-1][: lh * f, : lw * f], (lw, lh), interpolation=cv2.INTER_AREA))
-        # SVS layout: the second directory is a stripped thumbnail, the other levels follow
-        small = levels[-1] if levels else None
-        if small is None:
-            thumb = cv2.resize(np.full((h, w, 3), glass_grey, np.uint8), (max(1, w // 8), max(1, h // 8)))
-        else:
-            thumb = small
-        tw.write(thumb, description=f"{head} -> {thumb.shape[1]}x{thumb.shape[0]} - ", metadata=None, **jpeg)
-        for img in levels:
-            lh_, lw_ = img.shape[:2]
-            tw.write(_tiles_of(img, T, glass_grey), shape=img.shape, dtype=np.uint8, tile=(T, T),
-                     description=f"{head} -> {lw_}x{lh_} JPEG/RGB Q={quality}", metadata=None, **jpeg)
+    tiles0 = _level0_tiles(w, h, T, level_factor, level1, glass_grey, seed=seed, md=md, alpha_map=lay.alpha_map,
+                           lesion_map=lay.lesion_map, strokes=lay.strokes, tint=tint, noise=noise,
+                           lesion_contrast=lesion_contrast, mimic_map=lay.mimic_map, nuclei_density=nuclei_density,
+                           stain=stain)
+    _write_svs(path, tiles0, level1, sizes, T=T, f=level_factor, quality=quality, mpp=mpp, glass_grey=glass_grey)
+    tissue, lesion = lay.tissue, lay.lesion
     t_area = float(tissue.sum())
     return SyntheticSlide(
         path=path, size=(w, h), mpp=None if mpp is None else float(mpp), mask_downsample=md, tissue=tissue, lesion=lesion,

@@ -64,7 +64,7 @@ def validate(
     """
     if not labels:
         return {}
-    from wsi_pipeline.inference.protocols import slide_predictions, validation_metrics
+    from wsi_pipeline.inference.validation import slide_predictions, validation_metrics
 
     encoder = strategy.embedder()
     mine = distributed.shard(len(inputs))
