@@ -16,8 +16,8 @@ from wsi_pipeline.inference.protocols import (
     protocol_rng,
     repeat_probs,
     subset_indices,
-    validate_model,
 )
+from wsi_pipeline.inference.validation import validate_model
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.data.store import StoreWriter, open_store
 

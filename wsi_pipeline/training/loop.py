@@ -25,7 +25,7 @@ Optimisation per epoch: bags come in groups of ``B x S`` (``batch_bags x accumul
 each bag's gradient of ``loss / group size`` is added by the strategy, then the gradients are
 clipped (optional) and the optimiser steps, so a step follows the mean loss of its group.
 Validation runs after every epoch with ``eval.val_protocol`` (each slide embedded once in eval
-mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.protocols.validate_model`);
+mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.validation.validate_model`);
 ``best.pt`` follows ``train.select_metric`` (AUC for binary, QWK for multi-class tasks).
 """
 
