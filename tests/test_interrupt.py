@@ -59,3 +59,52 @@ def test_ctrl_c_prints_one_line_and_a_rerun_continues(tmp_path, store_cohort):
 
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0  # the same command, no flag
     assert (run_dir / "done").exists() and load_checkpoint(run_dir / "last.pt")["epoch"] == 3
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed interrupt is the point
+def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_next_unit_of_work():
+    """Python prints and drops a KeyboardInterrupt raised inside ``__del__``; the recorded request is raised again."""
+    import gc
+
+    from wsi_pipeline import interrupt
+
+    class Closing:
+        def __del__(self):  # a finalizer that is running when Ctrl-C arrives
+            signal.raise_signal(signal.SIGINT)
+
+    restore = interrupt.install()
+    try:
+        Closing()  # collected at once: the KeyboardInterrupt inside __del__ is ignored by Python
+        gc.collect()
+        assert interrupt.requested()
+        with pytest.raises(KeyboardInterrupt):
+            interrupt.check()
+    finally:
+        restore()
+    assert not interrupt.requested()
+    interrupt.check()  # without the handler nothing is pending
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed interrupt is the point
+def test_training_stops_at_the_next_bag_after_a_swallowed_ctrl_c(tmp_path, store_cohort, monkeypatch, capsys):
+    from wsi_pipeline.cli.main import main
+    from wsi_pipeline.training import epoch as epoch_mod
+
+    method = [{"name": "m", "strategy": "accumulate", "chunk_size": 4}]
+    cfg = make_config(tmp_path, store_cohort, method, name="t", train={"epochs": 2})
+    real, calls = epoch_mod.seed_torch, []
+
+    class Closing:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    def seed_and_maybe_interrupt(*keys):
+        calls.append(keys)
+        if len(calls) == 2:
+            Closing()  # Ctrl-C during a finalizer, before the second bag: swallowed by Python
+        real(*keys)
+
+    monkeypatch.setattr(epoch_mod, "seed_torch", seed_and_maybe_interrupt)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 130
+    assert len(calls) == 2  # the second bag was seeded, the interrupt raised before the third
+    assert "interrupted; finished work is kept" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import wsi_pipeline
 from wsi_pipeline import cli as _cli_pkg
 from wsi_pipeline.cli._common import CommandParser, apply_output_level
+from wsi_pipeline import interrupt
 
 __all__ = ["build_parser", "main"]
 
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     # progress lines reach a log file even at the default level; --quiet: warnings and errors only
     levels = apply_output_level(args)
+    restore_sigint = interrupt.install()  # a Ctrl-C swallowed by a finalizer still stops the next unit of work
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
@@ -65,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               "continue where it stopped.", file=sys.stderr)
         return 130
     finally:
+        restore_sigint()
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline import interrupt
 from wsi_pipeline.progress import progress_bar
 
 __all__ = [
@@ -140,7 +141,8 @@ class SlideRun:
         self._postfix(refresh)
 
     def record(self, i: int, row: Any) -> None:
-        """Record slide ``i``'s row (``before_record`` first), move the bar, write the report when due."""
+        """Record slide ``i``'s row (``before_record`` first), move the bar, write the report when due;
+        then stop if Ctrl-C was pressed (:func:`wsi_pipeline.interrupt.check`)."""
         if self._before is not None:
             self._before(i, row)
         if row_field(row, "status") == "failed":
@@ -154,6 +156,7 @@ class SlideRun:
         if self._every is not None and self._report is not None and time.monotonic() - self._last_write > self._every:
             self._report(self.results, False)
             self._last_write = time.monotonic()
+        interrupt.check()
 
     def write_report(self, final: bool = True) -> None:
         """Write the report now (errors propagate)."""

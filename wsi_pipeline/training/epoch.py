@@ -27,6 +27,7 @@ import torch
 
 from wsi_pipeline.data.bags import FeatureReader, TileReader, epoch_plan, iter_bags
 from wsi_pipeline.training import distributed
+from wsi_pipeline import interrupt
 
 if TYPE_CHECKING:
     from wsi_pipeline.training.strategies import PatchGDAdapter, Strategy
@@ -73,6 +74,7 @@ def bag_epoch(
         if sync is not None:
             sync.begin_group(first, len(group))
         for b in numbers[g]:
+            interrupt.check()
             _, bag = next(loaded)
             # every bag starts from its own seed: its augmentation and dropout draws depend on
             # (seed, epoch, bag) only, not on how many numbers earlier bags consumed, so strategies
@@ -112,6 +114,7 @@ def slide_batch_epoch(
     ddp = distributed.current()
     losses: list[float] = []
     for a in range(0, len(order), per):
+        interrupt.check()
         group = order[a : a + per]
         part = {"part": distributed.shard(len(group))} if ddp.enabled else {}  # this rank's slides of the batch
         stores = [reader.store(i) for i in group]

@@ -59,6 +59,7 @@ from wsi_pipeline.training.preflight import RunPlan, preflight
 from wsi_pipeline.training.rundir import DONE, resume, run_config, write_done, write_history
 from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
 from wsi_pipeline.training.validation import VAL_METRICS, improves, selection, validate
+from wsi_pipeline import interrupt
 
 __all__ = [
     "CALIBRATION_SEED", "DONE", "VAL_METRICS", "RunPlan", "calibrate_encoder", "improves", "preflight",
@@ -167,6 +168,7 @@ def train_run(
     tc = method.train
     epochs = run.bar(range(run.start, tc.epochs), initial=run.start, total=tc.epochs, desc=f"{method.name} seed{seed}", unit="epoch")
     for epoch in epochs:
+        interrupt.check()
         if tc.early_stopping_patience and epoch - run.best["epoch"] >= tc.early_stopping_patience:
             log.info("%s: early stopping, no %s improvement since epoch %d", run_dir, run.best["metric"], run.best["epoch"])
             break
