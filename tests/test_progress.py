@@ -31,6 +31,25 @@ def test_bars_become_periodic_log_lines_off_a_terminal(caplog, monkeypatch):
 
 
 @pytest.mark.slow
+def test_a_postfix_per_item_and_nested_bars_do_not_flood_a_log(caplog, monkeypatch):
+    """Setting the loss on every item must not redraw (= log) every item; cursor moves of nested bars
+    must not reach the log."""
+    from wsi_pipeline.progress import progress_bar
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    with caplog.at_level(logging.INFO, logger="wsi_pipeline.progress"):
+        with progress_bar(total=3, desc="epochs", log_every=3600) as outer:
+            for _ in range(3):
+                with progress_bar(total=40, desc="epoch", leave=False, log_every=3600) as inner:
+                    for i in range(40):
+                        inner.set_postfix(loss=1.0 / (i + 1))
+                        inner.update(1)
+                outer.update(1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "wsi_pipeline.progress"]
+    assert len(lines) <= 3 * 3 + 3, lines  # a few per bar (start, end), never one per item
+    assert not any("\x1b" in ln or ln.strip() == "[A" for ln in lines), lines
+
+
 def test_train_prints_one_line_per_epoch_to_a_log_file(tmp_path, store_cohort):
     method = [{"name": "m", "strategy": "accumulate", "chunk_size": 4}]
     cfg = make_config(tmp_path, store_cohort, method, name="t", train={"epochs": 2})

@@ -8,6 +8,7 @@ hundreds of frames. There the same bar is written as one ordinary log line (logg
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from collections.abc import Iterable
 from typing import Any
@@ -17,11 +18,15 @@ __all__ = ["progress_bar"]
 log = logging.getLogger(__name__)
 
 
+#: Terminal control sequences (cursor moves of nested bars) that have no place in a log file.
+_ESCAPES = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 class _LogLines:
     """A file-like sink for tqdm that turns each redraw into one log line."""
 
     def write(self, text: str) -> None:
-        line = text.replace("\r", "").strip()
+        line = _ESCAPES.sub("", text.replace("\r", "")).strip()
         if line:
             log.info(line)
 
@@ -46,4 +51,20 @@ def progress_bar(
         return tqdm(iterable, disable=True, **kwargs)
     if sys.stderr.isatty():
         return tqdm(iterable, dynamic_ncols=True, **kwargs)
-    return tqdm(iterable, file=_LogLines(), mininterval=log_every, maxinterval=log_every, ncols=100, ascii=True, **kwargs)
+    return _log_bar_class()(iterable, file=_LogLines(), mininterval=log_every, maxinterval=log_every, ncols=100,
+                            ascii=True, **kwargs)
+
+
+def _log_bar_class() -> type:
+    """tqdm whose ``set_postfix`` / ``set_description`` never force a redraw: off a terminal a redraw is a
+    log line, and a loop that sets a postfix per item (the training loss per bag) would log every item."""
+    from tqdm.auto import tqdm
+
+    class _LogBar(tqdm):  # type: ignore[misc, valid-type]
+        def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kwargs: Any) -> None:
+            super().set_postfix(ordered_dict, refresh=False, **kwargs)
+
+        def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
+            super().set_description(desc, refresh=False)
+
+    return _LogBar
