@@ -22,7 +22,13 @@ from pathlib import Path
 import pandas as pd
 
 from wsi_pipeline.config.pipeline import PipelineConfig
-from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json, summary_table, write_metrics_json
+from wsi_pipeline.export.metrics_json import (
+    MetricRecord,
+    aggregate_seeds,
+    read_metrics_json,
+    summary_table,
+    write_metrics_json,
+)
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.manifests.folds import cv_name, fold_config
 
@@ -76,7 +82,7 @@ def pool_folds(config: PipelineConfig, folds: Sequence[int], *, results_dir: str
     records = fold_records(by_fold)
     out = root / cv_name(config)
     write_metrics_json(out / "metrics_folds.json", records)
-    pooled = read_metrics_json(out / "metrics_folds.json")
+    pooled = records + aggregate_seeds(records)  # what the file holds: the folds, then mean/std across them
     present = [m for m in TABLE_METRICS if any(r.metric == m for r in records)]
     table = summary_table(pooled, metrics=present, digits=3)
     write_text_atomic(out / "cv_table.csv", table.to_csv())
