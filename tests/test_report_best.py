@@ -20,7 +20,7 @@ from scipy import ndimage
 
 from wsi_pipeline.export.heatmap import OUTLINE_COLOUR, mask_to_thumbnail, outline_width, render_heatmap
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
-from wsi_pipeline.export.report import rank_methods, write_report
+from wsi_pipeline.export.report import best_on_validation, rank_methods, write_report
 
 
 @pytest.mark.parametrize("mask_shape,ds,thumb", [((37, 53), 16.0, (300, 430)), ((40, 40), 8.0, (97, 97)), ((25, 60), 32.0, (64, 150))])
@@ -133,6 +133,39 @@ def test_rank_methods_orders_by_validation_and_keeps_the_rest():
     loss = {("a", 0): ("loss", 0.4), ("b", 0): ("loss", 0.2)}
     assert rank_methods(["a", "b"], loss) == ["b", "a"]
     assert rank_methods(["x", "y"], {}) == ["x", "y"]
+
+
+def test_ties_on_validation_value_go_to_the_lower_validation_loss(tmp_path):
+    """Three runs reach validation AUC 1.0 (a 10-slide split saturates): the one with the lowest
+    validation loss is chosen, whatever the order; a strictly better value still wins over a lower
+    loss, a run without a recorded loss ranks after tied runs with one, and for a ``loss`` metric
+    lower values win. The loss comes from the ``done`` record training writes."""
+    from wsi_pipeline.evaluation.sets import validation_scores
+    from wsi_pipeline.training.rundir import write_done
+    from wsi_pipeline.types import ValidationScore
+
+    tied = {("a", 0): ValidationScore("auc", 1.0, 0.31), ("b", 0): ValidationScore("auc", 1.0, 0.12),
+            ("c", 0): ValidationScore("auc", 1.0, 0.20)}
+    assert best_on_validation(tied) == ("b", 0)
+    assert best_on_validation(dict(reversed(list(tied.items())))) == ("b", 0)
+    assert best_on_validation({**tied, ("d", 0): ValidationScore("auc", 0.96, 0.01)}) == ("b", 0)
+    assert best_on_validation({("x", 0): ("auc", 1.0), ("y", 0): ValidationScore("auc", 1.0, 0.5)}) == ("y", 0)
+    assert best_on_validation({("x", 0): ("auc", 1.0), ("y", 1): ("auc", 1.0)}) == ("x", 0)
+    assert best_on_validation({("l", 0): ValidationScore("loss", 0.3, 0.3), ("l", 1): ValidationScore("loss", 0.2, 0.2)}) == ("l", 1)
+
+    class M:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    runs = []
+    for name, loss in (("a", 0.4), ("b", 0.1), ("c", None)):
+        d = tmp_path / name
+        d.mkdir()
+        write_done(d, [{}] * 3, {"metric": "auc", "epoch": 2, "value": 1.0, "loss": loss})
+        runs.append((M(name), 0, d))
+    scores = validation_scores(runs)
+    assert scores[("a", 0)] == ValidationScore("auc", 1.0, 0.4) and scores[("c", 0)].loss is None
+    assert best_on_validation(scores) == ("b", 0)
 
 
 @pytest.mark.slow

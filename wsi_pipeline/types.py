@@ -4,18 +4,29 @@ Functions that accept "a slide" or "a tile store" are typed with these Protocols
 ``Any``, so a test double or another reader fits as long as it offers the same members.
 :class:`SlideLike` is what :func:`wsi_pipeline.slides.open_slide` returns
 (:class:`wsi_pipeline.slides.reader.Slide`); :class:`TileStoreLike` is what
-:class:`wsi_pipeline.data.store.TileStore` offers. This module imports nothing of ours.
+:class:`wsi_pipeline.data.store.TileStore` offers; :class:`ValidationScore` is what a finished run
+recorded of its validation. This module imports nothing of ours.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 
-__all__ = ["SlideLike", "TileStoreLike"]
+__all__ = ["SlideLike", "TileStoreLike", "ValidationScore"]
+
+
+class ValidationScore(NamedTuple):
+    """A finished run's best validation result: the selection ``metric`` (e.g. ``auc``, ``loss``), its
+    ``value`` at the best epoch, and that epoch's validation ``loss`` (mean cross-entropy, nats per
+    slide; None where the run did not record it), which breaks ties between runs of equal ``value``."""
+
+    metric: str
+    value: float
+    loss: float | None = None
 
 
 @runtime_checkable

@@ -71,6 +71,7 @@ from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.training import distributed
+from wsi_pipeline.types import ValidationScore
 
 __all__ = ["EvalSummary", "evaluate_pipeline"]
 
@@ -95,7 +96,7 @@ class _HeatmapChoice:
     """Which model draws the heatmaps: ``run`` (method, seed), and the validation values it was chosen on."""
 
     run: tuple[str, int] | None
-    val_scores: dict[tuple[str, int], tuple[str, float]]
+    val_scores: dict[tuple[str, int], ValidationScore]
     best_val: tuple[str, int] | None
 
 

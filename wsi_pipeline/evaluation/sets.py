@@ -20,6 +20,8 @@ from typing import Any
 
 import pandas as pd
 
+from wsi_pipeline.types import ValidationScore
+
 __all__ = ["EXTERNAL", "EvalSet", "evaluation_sets", "trained_runs", "validation_scores"]
 
 EXTERNAL = "external"
@@ -71,8 +73,9 @@ def trained_runs(config: Any, methods: Sequence[str] | None = None) -> tuple[lis
     return runs, skipped
 
 
-def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, int], tuple[str, float]]:
-    """``{(method, seed): (select metric, best validation value)}`` from each finished run's ``done`` record.
+def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, int], ValidationScore]:
+    """``{(method, seed): (select metric, best validation value, that epoch's validation loss)}`` from
+    each finished run's ``done`` record (the loss is None in records written before it was kept).
 
     Runs without a finite recorded value (no validation split) are left out.
     """
@@ -84,5 +87,7 @@ def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, 
             continue
         v = rec.get("best_value") if isinstance(rec, dict) else None
         if isinstance(v, (int, float)) and math.isfinite(v):
-            out[(method.name, int(seed))] = (str(rec.get("select_metric", "")), float(v))
+            loss = rec.get("best_loss")
+            loss = float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None
+            out[(method.name, int(seed))] = ValidationScore(str(rec.get("select_metric", "")), float(v), loss)
     return out

@@ -64,10 +64,11 @@ def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
     return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records if r.repeat is None}
 
 
-def _validation_by_method(validation: Mapping[tuple[str, int], tuple[str, float]]) -> dict[str, tuple[str, float, float, int]]:
+def _validation_by_method(validation: Mapping[tuple[str, int], tuple]) -> dict[str, tuple[str, float, float, int]]:
     """``{method: (metric, mean, sample std (nan for one seed), n seeds)}`` of the runs' best validation values."""
     by: dict[str, list[tuple[str, float]]] = {}
-    for (meth, _), (metric, value) in validation.items():
+    for (meth, _), score in validation.items():
+        metric, value = score[0], score[1]
         by.setdefault(meth, []).append((metric, float(value)))
     out = {}
     for meth, vals in by.items():
@@ -76,14 +77,26 @@ def _validation_by_method(validation: Mapping[tuple[str, int], tuple[str, float]
     return out
 
 
-def best_on_validation(scores: Mapping[tuple[str, int], tuple[str, float]]) -> tuple[str, int] | None:
-    """The (method, seed) with the best validation value (lowest for a ``loss`` metric); ties: the first."""
+def best_on_validation(scores: Mapping[tuple[str, int], tuple]) -> tuple[str, int] | None:
+    """The (method, seed) with the best validation value (lowest for a ``loss`` metric).
+
+    ``scores`` maps (method, seed) to ``(metric, value)`` or :class:`~wsi_pipeline.types.ValidationScore`
+    ``(metric, value, loss)``. Ties on value, common when AUC saturates at 1.0 on a small validation
+    split, go to the lower validation loss (a run without one ranks after those with one); then the first.
+    """
     if not scores:
         return None
-    return max(scores, key=lambda k: -scores[k][1] if scores[k][0] == "loss" else scores[k][1])
+
+    def key(k: tuple[str, int]) -> tuple[float, float]:
+        metric, value = scores[k][0], float(scores[k][1])
+        loss = scores[k][2] if len(scores[k]) > 2 else None
+        loss_key = -float(loss) if loss is not None and math.isfinite(loss) else -math.inf
+        return (-value if metric == "loss" else value, loss_key)
+
+    return max(scores, key=key)
 
 
-def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tuple[str, float]]) -> list[str]:
+def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tuple]) -> list[str]:
     """``methods`` best on validation first (seed-mean best validation value; lowest first for ``loss``);
     methods without a validation value keep their order, after the others."""
     val = _validation_by_method(validation)
@@ -156,7 +169,7 @@ def _localisation_table(records: Sequence[MetricRecord], methods: Sequence[str],
 
 
 def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str, n_classes: int,
-             validation: Mapping[tuple[str, int], tuple[str, float]], chosen: tuple[str, int] | None,
+             validation: Mapping[tuple[str, int], tuple], chosen: tuple[str, int] | None,
              shown: tuple[str, int] | None) -> str:
     """The page's lead: the model chosen on validation (``chosen``), whose heatmaps are ``shown``,
     and one row per method, best on validation first."""
@@ -167,9 +180,13 @@ def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str,
     has_loc = any(r.metric == "localisation_auc" for r in records)
     parts = []
     if chosen is not None:
-        metric, value = validation[chosen]
+        metric, value = validation[chosen][0], validation[chosen][1]
+        ties = sum(1 for k, v in validation.items() if k != chosen and v[1] == value)
+        loss = validation[chosen][2] if len(validation[chosen]) > 2 else None
+        tie_note = (f"; {ties} other run(s) tie on it, this one has the lowest validation loss ({_fmt(loss)})"
+                    if ties and loss is not None else f"; {ties} other run(s) tie on it, the first is shown" if ties else "")
         parts.append(f"<p>Model chosen on validation: <b>{html.escape(chosen[0])} seed {chosen[1]}</b> "
-                     f"(validation {html.escape(metric)} {_fmt(value)}, the best of {len(validation)} run(s)); "
+                     f"(validation {html.escape(metric)} {_fmt(value)}, the best of {len(validation)} run(s){tie_note}); "
                      + ("its attention heatmaps are shown below.</p>" if shown == chosen else
                         f"heatmaps below: {html.escape(shown[0])} seed {shown[1]}, as requested.</p>" if shown else "no heatmaps drawn.</p>"))
     elif shown is not None:
@@ -391,7 +408,7 @@ def write_report(
     heatmap_model: str | None = None,
     protocols: Sequence[str] | None = None,
     gallery_size: int = 4,
-    validation: Mapping[tuple[str, int], tuple[str, float]] | None = None,
+    validation: Mapping[tuple[str, int], tuple] | None = None,
     heatmap_run: tuple[str, int] | None = None,
     heatmap_chosen_on_validation: bool = False,
 ) -> Path:

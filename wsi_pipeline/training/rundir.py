@@ -93,10 +93,13 @@ def write_history(rows: Iterable[dict[str, Any]], path: Path) -> None:
 
 
 def write_done(run_dir: Path, history: list[dict[str, Any]], best: dict[str, Any]) -> None:
-    """The ``done`` marker: epochs, selection metric, best epoch and value, finishing time (JSON, atomic)."""
+    """The ``done`` marker: epochs, selection metric, best epoch, its value and validation loss (the
+    tie-break between runs whose values tie), finishing time (JSON, atomic)."""
+    loss = best.get("loss")
     summary = {
         "epochs": len(history), "select_metric": best["metric"], "best_epoch": best["epoch"],
         "best_value": best["value"] if best["value"] is not None and math.isfinite(best["value"]) else None,
+        "best_loss": float(loss) if isinstance(loss, (int, float)) and math.isfinite(loss) else None,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
     write_text_atomic(run_dir / DONE, json.dumps(summary, indent=2))
