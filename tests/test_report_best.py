@@ -133,6 +133,12 @@ def test_rank_methods_orders_by_validation_and_keeps_the_rest():
     loss = {("a", 0): ("loss", 0.4), ("b", 0): ("loss", 0.2)}
     assert rank_methods(["a", "b"], loss) == ["b", "a"]
     assert rank_methods(["x", "y"], {}) == ["x", "y"]
+    # a tie on the value goes to the lower validation loss (seed mean), as the chosen model's does
+    from wsi_pipeline.types import ValidationScore
+    tied = {("a", 0): ValidationScore("auc", 1.0, 0.4), ("b", 0): ValidationScore("auc", 1.0, 0.1),
+            ("b", 1): ValidationScore("auc", 1.0, 0.2), ("c", 0): ("auc", 1.0), ("d", 0): ValidationScore("auc", 0.9, 0.01)}
+    assert rank_methods(["a", "b", "c", "d"], tied) == ["b", "a", "c", "d"]
+    assert best_on_validation(tied)[0] == rank_methods(["a", "b", "c", "d"], tied)[0]
 
 
 def test_ties_on_validation_value_go_to_the_lower_validation_loss(tmp_path):

@@ -97,11 +97,21 @@ def best_on_validation(scores: Mapping[tuple[str, int], tuple]) -> tuple[str, in
 
 
 def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tuple]) -> list[str]:
-    """``methods`` best on validation first (seed-mean best validation value; lowest first for ``loss``);
-    methods without a validation value keep their order, after the others."""
+    """``methods`` best on validation first (seed-mean best validation value; lowest first for ``loss``),
+    ties by the seed-mean validation loss of those epochs, as :func:`best_on_validation` breaks them
+    (methods without one after those with one); methods without a validation value keep their
+    order, after the others."""
     val = _validation_by_method(validation)
+    losses: dict[str, list[float]] = {}
+    for (meth, _), score in validation.items():
+        loss = score[2] if len(score) > 2 else None
+        losses.setdefault(meth, []).append(float(loss) if loss is not None and math.isfinite(loss) else math.inf)
+
+    def key(m: str) -> tuple[float, float]:
+        return (val[m][1] if val[m][0] == "loss" else -val[m][1], float(np.mean(losses.get(m, [math.inf]))))
+
     scored = [m for m in methods if m in val and math.isfinite(val[m][1])]
-    scored.sort(key=lambda m: val[m][1] if val[m][0] == "loss" else -val[m][1])  # stable: ties keep their order
+    scored.sort(key=key)  # stable: full ties keep their order
     return scored + [m for m in methods if m not in scored]
 
 
