@@ -59,15 +59,7 @@ def test_eval_on_a_dask_cluster_equals_the_local_pass(tmp_path, one_thread):
     assert heat_local == heat_dask and heat_local
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_eval_under_torchrun_shards_the_slides_and_equals_one_process(tmp_path):
+def test_eval_under_torchrun_shards_the_slides_and_equals_one_process(tmp_path, free_port):
     """2 ranks (gloo, CPU) each score half the slides; rank 0 writes what one process writes."""
     import os
     import subprocess
@@ -86,7 +78,7 @@ def test_eval_under_torchrun_shards_the_slides_and_equals_one_process(tmp_path):
                          text=True, timeout=600)
     assert one.returncode == 0, one.stderr[-3000:]
     two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-                          "--master_addr=127.0.0.1", f"--master_port={_free_port()}", *common,
+                          "--master_addr=127.0.0.1", f"--master_port={free_port}", *common,
                           "--results", str(tmp_path / "two")], env=env, capture_output=True, text=True, timeout=600)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("Evaluated 2 model(s)") == 1  # rank 0 alone reports

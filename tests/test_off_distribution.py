@@ -185,3 +185,43 @@ def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cann
     assert len(df) == 1 and df["stain_distance"].isna().all() and df["off_distribution"].isna().all()
     assert sum("not checked for being off-distribution" in r.getMessage() for r in caplog.records) == 1
     assert torch.is_tensor(state["models"]["aggregator"][next(iter(state["models"]["aggregator"]))])
+
+
+@pytest.mark.slow
+def test_predict_under_torchrun_shards_the_slides_and_writes_what_one_process_writes(trained, tmp_path, free_port):
+    """2 ranks (gloo, CPU) each score half the slides, the fluorescence one included; rank 0 alone
+    prints and writes, and predictions.csv, predict_info.json (stain checks of every slide) and the
+    heatmap files equal one process's byte for byte."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cfg, man = trained["cfg"], trained["manifest"]
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    for sid in man[man.split == "test"].slide_id:
+        shutil.copytree(store_path(cfg.data.tiles_dir, sid), stores / f"{sid}.zarr")
+    _fluorescence_store(stores, "dapi_001")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun's per-rank default; the same for the single process
+    env.pop("WORLD_SIZE", None)
+    common = ["-m", "wsi_pipeline.cli.main", "predict", "--model", str(cfg.run_dir("m", 0)), "--slides", str(stores),
+              "--device", "cpu", "--no-progress", "--protocol", "all", "--protocol", "sub4x3"]
+    one = subprocess.run([sys.executable, *common, "--out", str(tmp_path / "one")], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+                          "--master_addr=127.0.0.1", f"--master_port={free_port}", *common, "--out", str(tmp_path / "two")],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, two.stderr[-3000:]
+    n = len(list(stores.glob("*.zarr")))
+    assert two.stdout.count(f"Predicted {n} slide(s)") == 1 and two.stdout.count("dapi_001") >= 1  # rank 0 alone
+    assert (tmp_path / "one" / "predictions.csv").read_bytes() == (tmp_path / "two" / "predictions.csv").read_bytes()
+    info1, info2 = (json.loads((tmp_path / d / "predict_info.json").read_text()) for d in ("one", "two"))
+    assert info1 == info2 and sorted(info2["stain_checks"]) == sorted(p.name[:-5] for p in stores.glob("*.zarr"))
+    assert info2["stain_checks"]["dapi_001"]["off_distribution"] is True
+    hm1, hm2 = (sorted(p.name for p in (tmp_path / d / "heatmaps").iterdir()) for d in ("one", "two"))
+    assert hm1 == hm2 and len(hm1) >= 3 * n
+    for name in hm1:
+        if name.endswith((".csv", ".geojson")):
+            assert (tmp_path / "one" / "heatmaps" / name).read_bytes() == (tmp_path / "two" / "heatmaps" / name).read_bytes(), name

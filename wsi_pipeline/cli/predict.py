@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
@@ -22,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "_scores.csv. A folder of <slide_id>.zarr tile stores is used as it is, without tiling. "
             "No labels are needed. Each slide's stain colour and intensity are compared with the training tiles': "
             "slides far outside them are flagged (columns stain_distance and off_distribution, and a warning) "
-            "but still predicted."
+            "but still predicted. Under torchrun (torchrun --nproc_per_node=G -m wsi_pipeline.cli.main predict ...) "
+            "the ranks tile the folder together, each scores a shard of the slides, and rank 0 writes the same "
+            "files one process writes."
         ),
     )
     p.add_argument("--model", required=True, metavar="RUN_OR_CHECKPOINT",
@@ -55,11 +58,19 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from wsi_pipeline.evaluation.runner import predict_slides
+    from wsi_pipeline.training import distributed
 
     if args.workers is not None and args.workers < 0:
         print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
         return 2
     try:
+        # under torchrun every rank scores a shard of the slides and rank 0 writes (and prints) the results
+        main = distributed.init_from_env().is_main
+        if not main:
+            logging.getLogger("wsi_pipeline").setLevel(logging.ERROR)
+            args.no_progress = True
+        if distributed.current().enabled and args.cluster:
+            raise ValueError("--cluster and torchrun are two ways to spread the slides; use one")
         cluster = cluster_from_args(args)
         s = predict_slides(
             args.model, args.slides, args.out,
@@ -70,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        distributed.shutdown()
+    if not main:
+        return 0
     df = pd.DataFrame(s.rows)
     print(f"\nPredicted {df['slide_id'].nunique() if len(df) else 0} slide(s) in {s.seconds:.1f} s.")
     if len(df):

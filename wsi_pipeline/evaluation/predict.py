@@ -5,6 +5,10 @@ model (:func:`_tiler_config`); a folder of tile stores is scored as it is, after
 tiled like the model's training stores. Each slide is embedded once and scored under every
 protocol (:func:`~wsi_pipeline.evaluation.scoring.score_slide`), through the per-slide job runner
 (:mod:`wsi_pipeline.jobs.runner`), and compared with the training tiles' stain summary.
+
+Under torchrun every rank tiles (the slides' locks share the folder out), then scores its shard of
+the slides (``rank, rank + G, ...``); rank 0 gathers the rows in slide order and alone writes
+``predictions.csv`` and ``predict_info.json``, the same bytes as one process writes.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
@@ -28,6 +33,7 @@ from wsi_pipeline.inference.protocols import Protocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.tiling.params import output_params
+from wsi_pipeline.training import distributed
 
 __all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
 
@@ -159,7 +165,7 @@ def predict_slides(
         training stores (tile size, resolution, method, thresholds) with a warning instead of
         refusing it.
     cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
-        embedding and scoring stay in this process.
+        embedding and scoring stay in this process (under torchrun: in the ranks, a shard each).
 
     Every slide's tiles are also compared with the training tiles' stain summary
     (:mod:`wsi_pipeline.data.stain_stats`; saved in the checkpoint, or for older checkpoints
@@ -174,12 +180,14 @@ def predict_slides(
         raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
     from wsi_pipeline.inference.checkpoint import load_trained_model
 
-    dev = _resolve_device(device)
+    dev = str(distributed.device_for(torch.device(_resolve_device(device))))
     model = load_trained_model(model_path, device=dev)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None)
     tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, workers=workers, progress=progress,
                                                    cluster=cluster, retries=retries, allow_other_tiling=allow_other_tiling)
+    if distributed.current().enabled:  # every rank tiled the folder together; rank 0's list is the one scored
+        ids, slide_paths, summary.failed = distributed.broadcast_object((ids, slide_paths, summary.failed))
     summary.tiles_dir = tiles_dir
     if not ids and not summary.failed:
         raise FileNotFoundError(f"no slides found in {src} (looked for slide files and *.zarr stores)")
@@ -191,7 +199,17 @@ def predict_slides(
     scorer = _SlidePredictor(model, prots, tiles_dir, slide_paths, stain_ref, summary, cohort=src.resolve().name or "predict",
                              seed=seed, batch_size=int(batch_size or getattr(model.method, "chunk_size", 64) or 64),
                              device=dev, heatmap_mode=heatmap_mode)
-    run_slides(ids, scorer, desc="predicting", progress=progress, on_result=scorer.collect)
+    if distributed.current().enabled:
+        mine = distributed.shard(len(ids))
+        rows = run_slides([ids[i] for i in mine], scorer, desc="predicting", progress=progress and distributed.is_main())
+        parts = distributed.all_gather_object(list(zip(mine, rows)))
+        for _, row in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0]):
+            scorer.collect(row)
+        if not distributed.is_main():  # rank 0 writes
+            summary.seconds = time.perf_counter() - t0
+            return summary
+    else:
+        run_slides(ids, scorer, desc="predicting", progress=progress, on_result=scorer.collect)
     out.mkdir(parents=True, exist_ok=True)
     summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes),
                                             extra_columns=PREDICT_EXTRA_COLUMNS)
@@ -252,7 +270,7 @@ class _SlidePredictor:
             row.update(status="failed", error="the tile store has no tiles")
             return
         manifest_row = pd.Series({"slide_id": sid, "path": self.slide_paths.get(sid) or store.attrs.get("slide_path", "")})
-        stain = self._stain(sid, store)
+        stain, row["stain_check"] = self._stain(sid, store)
         model = self.model
         res = score_slide(model, model.config, store, manifest_row, self.protocols, seed=self.seed,
                           batch_size=self.batch_size, device=self.device, heatmap_dir=self.summary.heatmaps_dir,
@@ -262,26 +280,29 @@ class _SlidePredictor:
             protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain}
             for pname, pred in res.preds.items()]
 
-    def _stain(self, sid: str, store: Any) -> dict[str, Any]:
-        """The slide's stain distance to the training tiles (warns when it is off-distribution)."""
+    def _stain(self, sid: str, store: Any) -> tuple[dict[str, Any], Any]:
+        """The slide's stain columns (distance to the training tiles, off-distribution flag) and the
+        check behind them (None without a training summary); warns when it is off-distribution."""
         from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features
 
         stain: dict[str, Any] = {"stain_distance": None, "off_distribution": None}
         if self.stain_ref is None:
-            return stain
+            return stain, None
         chk = compare_to_reference(store_tile_features(store, int(self.stain_ref.get("max_tiles_per_slide", 64))), self.stain_ref)
-        self.summary.stain_checks[sid] = chk
         stain = {"stain_distance": round(chk.distance, 3), "off_distribution": chk.off_distribution}
         if chk.off_distribution:
             log.warning("slide %s looks unlike the training tiles (%s); predicted anyway, treat its result with "
                         "caution (fluorescence or another stain on a brightfield model?)", sid, chk.describe())
-        return stain
+        return stain, chk
 
     def collect(self, row: dict[str, Any]) -> None:
+        """File one slide's outcome: its prediction rows and stain check, or its failure."""
         if row["status"] == "failed":
             self.summary.failed.append((row["slide_id"], row["error"]))
         else:
             self.summary.rows.extend(row["predictions"])
+            if row.get("stain_check") is not None:
+                self.summary.stain_checks[row["slide_id"]] = row["stain_check"]
 
 
 def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: Path, tiles_dir: Path,
