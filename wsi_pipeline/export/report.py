@@ -215,7 +215,8 @@ def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str,
         rows.append(f'<tr{cls}><td class="m">{html.escape(meth)}</td><td>{vtxt}</td>{cells}</tr>')
     parts.append(f"<table><tr>{head}</tr><tr>{head2}</tr>{''.join(rows)}</table>")
     parts.append('<p class="note">Methods ordered best on validation first (mean over seeds of each run\'s best validation '
-                 "value, the epoch its <code>best.pt</code> was saved at); test values: mean ± std over seeds.</p>")
+                 "value, the epoch its <code>best.pt</code> was saved at; ties by that epoch's validation loss); "
+                 "test values: mean ± std over seeds.</p>")
     return "".join(parts)
 
 
