@@ -70,8 +70,29 @@ def test_demo_refuses_a_cohort_made_with_other_settings(tmp_path):
     (folder / "manifest.csv").write_text("slide_id,path,label\n")
     (folder / "demo_cohort.json").write_text(json.dumps(asdict(DemoCohort(n_internal=8))))
     assert make_cohort(folder, DemoCohort(n_internal=8)) == folder / "manifest.csv"  # same settings: reused
-    with pytest.raises(ValueError, match=r"other settings.*delete"):
+    with pytest.raises(ValueError, match=r"other settings \(lesion_contrast: 0\.7 there, 0\.9 now; .*delete"):
         make_cohort(folder, DemoCohort(n_internal=8, lesion_contrast=0.9))
+
+
+def test_demo_command_reports_a_stale_cohort_in_one_error_line(tmp_path, monkeypatch, capsys):
+    """A cohort left by an earlier version (other lesion contrast): `wsi-pipeline demo` exits with
+    status 2 and an `error:` line naming the setting and the folders to delete, no traceback."""
+    from dataclasses import asdict, replace
+    from pathlib import Path
+
+    from wsi_pipeline.cli.main import main
+    from wsi_pipeline.demo import DemoCohort
+
+    config = Path(__file__).resolve().parents[1] / "pipelines" / "demo.yaml"
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "runs" / "demo" / "cohort"
+    folder.mkdir(parents=True)
+    (folder / "manifest.csv").write_text("slide_id,path,label\n")
+    (folder / "demo_cohort.json").write_text(json.dumps(asdict(replace(DemoCohort(), lesion_contrast=0.5))))
+    assert main(["demo", "--config", str(config), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: runs/demo/cohort holds a demo cohort made with other settings (lesion_contrast: 0.5 there")
+    assert "rm -rf runs/demo" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -91,9 +91,12 @@ def make_cohort(folder: Path, cohort: DemoCohort) -> Path:
     if manifest.is_file():
         found = json.loads(spec_path.read_text()) if spec_path.is_file() else None
         if found != spec:
+            differ = ("settings unrecorded" if not isinstance(found, dict) else
+                      "; ".join(f"{k}: {found.get(k, '<absent>')!r} there, {v!r} now" for k, v in spec.items() if found.get(k) != v))
             raise ValueError(
-                f"{folder} holds a demo cohort made with other settings ({found or 'unrecorded'}; this run asks for "
-                f"{spec}); delete {folder.parent} and the pipeline's results folder to start over"
+                f"{folder} holds a demo cohort made with other settings ({differ}; e.g. by an earlier version "
+                f"of wsi-pipeline); its runs and results belong to it: delete {folder.parent} and the pipeline's "
+                f"results folder (rm -rf {folder.parent} results/demo) to start over"
             )
         return manifest
     common = dict(size=cohort.size, seed=cohort.seed, lesion_contrast=cohort.lesion_contrast,

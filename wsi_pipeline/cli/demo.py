@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
 
@@ -49,5 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.demo import DemoCohort, run_demo
 
     cohort = DemoCohort(n_internal=args.internal, n_external=args.external, size=args.size, seed=args.seed)
-    return run_demo(args.config, cohort=cohort, workers=args.workers, device=args.device,
-                    overrides=tuple(args.overrides), progress=not args.no_progress, seeds=args.seeds)
+    try:
+        return run_demo(args.config, cohort=cohort, workers=args.workers, device=args.device,
+                        overrides=tuple(args.overrides), progress=not args.no_progress, seeds=args.seeds)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
