@@ -264,8 +264,7 @@ def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, sc
     mine = distributed.shard(len(items))
     rows = run_slides([items[i] for i in mine], task, slide_id=_row_slide_id, broadcast=model, desc=desc,
                       progress=progress and distributed.is_main(), leave=False)
-    parts = distributed.all_gather_object(list(zip(mine, rows)))
-    for _, row in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0]):
+    for row in distributed.gather_in_order(mine, rows):
         scorer.collect(row)
 
 

@@ -202,8 +202,7 @@ def predict_slides(
     if distributed.current().enabled:
         mine = distributed.shard(len(ids))
         rows = run_slides([ids[i] for i in mine], scorer, desc="predicting", progress=progress and distributed.is_main())
-        parts = distributed.all_gather_object(list(zip(mine, rows)))
-        for _, row in sorted((pair for part in parts for pair in part), key=lambda pair: pair[0]):
+        for row in distributed.gather_in_order(mine, rows):
             scorer.collect(row)
         if not distributed.is_main():  # rank 0 writes
             summary.seconds = time.perf_counter() - t0

@@ -61,6 +61,7 @@ __all__ = [
     "current",
     "device_for",
     "env_rank",
+    "gather_in_order",
     "init_from_env",
     "is_main",
     "shard",
@@ -217,6 +218,13 @@ def all_gather_object(obj: Any) -> list[Any]:
     out: list[Any] = [None] * _CONTEXT.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def gather_in_order(positions: Sequence[int], values: Sequence[Any]) -> list[Any]:
+    """Every rank's ``values``, each at its ``positions`` of the whole list (e.g. from :func:`shard`),
+    gathered and put in position order on every rank (``values`` in position order in a single process)."""
+    pairs = (pair for part in all_gather_object(list(zip(positions, values))) for pair in part)
+    return [value for _, value in sorted(pairs, key=lambda pair: pair[0])]
 
 
 def all_sum(values: Sequence[float]) -> list[float]:

@@ -74,6 +74,4 @@ def validate(
             encoder, strategy.aggregator, [inputs[i] for i in mine], method.val_protocol, n_classes=config.data.n_classes,
             device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine,
         )
-    gathered = sorted((pair for part in distributed.all_gather_object(list(zip(mine, preds))) for pair in part),
-                      key=lambda pair: pair[0])
-    return validation_metrics(labels, [p for _, p in gathered], method.val_protocol, config.data.n_classes)
+    return validation_metrics(labels, distributed.gather_in_order(mine, preds), method.val_protocol, config.data.n_classes)
