@@ -38,6 +38,7 @@ from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS, headline_metri
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
 from wsi_pipeline.export.paper_table import paper_table_html
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.types import ValidationScore
 
 __all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
@@ -64,11 +65,24 @@ def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
     return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records if r.repeat is None}
 
 
+def _score(score: tuple) -> ValidationScore:
+    """A recorded validation result as a :class:`~wsi_pipeline.types.ValidationScore`, from either that
+    or a ``(metric, value)`` pair (no loss)."""
+    return ValidationScore(*score)
+
+
+def _order_key(metric: str, value: float, loss: float | None) -> tuple[float, float]:
+    """Sort key, best first: the better validation ``value`` (lowest for a ``loss`` metric), ties by the
+    lower validation ``loss`` (an unknown loss after every known one)."""
+    return (float(value) if metric == "loss" else -float(value),
+            float(loss) if loss is not None and math.isfinite(loss) else math.inf)
+
+
 def _validation_by_method(validation: Mapping[tuple[str, int], tuple]) -> dict[str, tuple[str, float, float, int]]:
     """``{method: (metric, mean, sample std (nan for one seed), n seeds)}`` of the runs' best validation values."""
     by: dict[str, list[tuple[str, float]]] = {}
     for (meth, _), score in validation.items():
-        metric, value = score[0], score[1]
+        metric, value, _loss = _score(score)
         by.setdefault(meth, []).append((metric, float(value)))
     out = {}
     for meth, vals in by.items():
@@ -86,14 +100,7 @@ def best_on_validation(scores: Mapping[tuple[str, int], tuple]) -> tuple[str, in
     """
     if not scores:
         return None
-
-    def key(k: tuple[str, int]) -> tuple[float, float]:
-        metric, value = scores[k][0], float(scores[k][1])
-        loss = scores[k][2] if len(scores[k]) > 2 else None
-        loss_key = -float(loss) if loss is not None and math.isfinite(loss) else -math.inf
-        return (-value if metric == "loss" else value, loss_key)
-
-    return max(scores, key=key)
+    return min(scores, key=lambda k: _order_key(*_score(scores[k])))  # min: the first of full ties
 
 
 def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tuple]) -> list[str]:
@@ -104,14 +111,10 @@ def rank_methods(methods: Sequence[str], validation: Mapping[tuple[str, int], tu
     val = _validation_by_method(validation)
     losses: dict[str, list[float]] = {}
     for (meth, _), score in validation.items():
-        loss = score[2] if len(score) > 2 else None
-        losses.setdefault(meth, []).append(float(loss) if loss is not None and math.isfinite(loss) else math.inf)
-
-    def key(m: str) -> tuple[float, float]:
-        return (val[m][1] if val[m][0] == "loss" else -val[m][1], float(np.mean(losses.get(m, [math.inf]))))
-
+        loss = _score(score).loss
+        losses.setdefault(meth, []).append(loss if loss is not None and math.isfinite(loss) else math.inf)
     scored = [m for m in methods if m in val and math.isfinite(val[m][1])]
-    scored.sort(key=key)  # stable: full ties keep their order
+    scored.sort(key=lambda m: _order_key(val[m][0], val[m][1], float(np.mean(losses[m]))))  # stable: full ties keep their order
     return scored + [m for m in methods if m not in scored]
 
 
@@ -190,9 +193,8 @@ def _summary(records: Sequence[MetricRecord], methods: Sequence[str], prot: str,
     has_loc = any(r.metric == "localisation_auc" for r in records)
     parts = []
     if chosen is not None:
-        metric, value = validation[chosen][0], validation[chosen][1]
-        ties = sum(1 for k, v in validation.items() if k != chosen and v[1] == value)
-        loss = validation[chosen][2] if len(validation[chosen]) > 2 else None
+        metric, value, loss = _score(validation[chosen])
+        ties = sum(1 for k, v in validation.items() if k != chosen and _score(v).value == value)
         tie_note = (f"; {ties} other run(s) tie on it, this one has the lowest validation loss ({_fmt(loss)})"
                     if ties and loss is not None else f"; {ties} other run(s) tie on it, the first is shown" if ties else "")
         parts.append(f"<p>Model chosen on validation: <b>{html.escape(chosen[0])} seed {chosen[1]}</b> "
