@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import Any
 
-__all__ = ["add_cluster_arguments", "cluster_from_args", "shard_from_args"]
+__all__ = ["add_cluster_arguments", "cluster_from_args", "join_torchrun", "shard_from_args"]
+
+
+def join_torchrun(args: argparse.Namespace) -> bool:
+    """Under torchrun, join the process group (every rank then works on a shard of the slides and
+    rank 0 writes and prints); other ranks go quiet (errors only, no progress bars), and
+    ``--cluster`` beside torchrun is refused (``ValueError``). Returns whether this process is rank 0
+    (True in a single process). The caller leaves the group with ``distributed.shutdown()``."""
+    from wsi_pipeline.training import distributed
+
+    main = distributed.init_from_env().is_main
+    if not main:
+        logging.getLogger("wsi_pipeline").setLevel(logging.ERROR)
+        args.no_progress = True
+    if distributed.current().enabled and args.cluster:
+        raise ValueError("--cluster and torchrun are two ways to spread the slides; use one")
+    return main
 
 
 def add_cluster_arguments(p: argparse.ArgumentParser, *, shard: bool = True) -> None:

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import math
 import sys
 from collections import defaultdict
 from typing import Any
 
-from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import (
     add_device_argument,
     add_heatmap_mode_argument,
@@ -64,12 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples", file=sys.stderr)
         return 2
     try:
-        # under torchrun every rank scores a shard of the slides and rank 0 writes (and prints) the results
-        if not distributed.init_from_env().is_main:
-            logging.getLogger("wsi_pipeline").setLevel(logging.ERROR)
-            args.no_progress = True
-        if distributed.current().enabled and args.cluster:
-            raise ValueError("--cluster and torchrun are two ways to spread the slides; use one")
+        join_torchrun(args)
         return _run(args)
     except (FileNotFoundError, ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
+from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import add_device_argument, add_heatmap_mode_argument, add_output_arguments
 
 __all__ = ["register", "run"]
@@ -64,13 +63,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
         return 2
     try:
-        # under torchrun every rank scores a shard of the slides and rank 0 writes (and prints) the results
-        main = distributed.init_from_env().is_main
-        if not main:
-            logging.getLogger("wsi_pipeline").setLevel(logging.ERROR)
-            args.no_progress = True
-        if distributed.current().enabled and args.cluster:
-            raise ValueError("--cluster and torchrun are two ways to spread the slides; use one")
+        main = join_torchrun(args)
         cluster = cluster_from_args(args)
         s = predict_slides(
             args.model, args.slides, args.out,
