@@ -53,10 +53,10 @@ class DemoCohort:
 
     Lesion contrast 0.7 (lesion nuclei of radius 2.3 and density 0.023 per px^2 at scale 1, against
     the mimics' 1.1 and 0.03; see :func:`~wsi_pipeline.synthetic.texture.paint_tissue`): at 0.5 two
-    of five training seeds missed a target of the seed
-    study within 12 epochs (an internal AUC of 0.88, a localisation of 0.65); at 0.7 the end-to-end
-    methods reach their targets on every seed in 8 epochs (6 for PatchGD), which also keeps the demo
-    within 8 minutes on two cores (README, seed study).
+    of five training seeds missed a target of the seed study within 12 epochs (an internal AUC of
+    0.88, a localisation of 0.65); at 0.7 the end-to-end methods reach their targets on every seed
+    in 8 epochs (6 for PatchGD), which also keeps the demo within 8 minutes on two cores (README,
+    seed study).
     """
 
     n_internal: int = 40
