@@ -88,8 +88,108 @@ def test_direct_path_is_taken_and_writes_the_read_level_store(tmp_path: Path, mo
     Sx, Sy = grid.source_shape
     under = {(c, r) for x, y in lxy.tolist()
              for r in range(y // stored, (y + Sy - 1) // stored + 1) for c in range(x // stored, (x + Sx - 1) // stored + 1)}
-    assert a.attrs["timing"]["stored_tiles_decoded"] == len(under)
+    # (whole, or only its top rows where those settled a probable-glass tile: aligned stored tiles)
+    tm = a.attrs["timing"]
+    assert tm["stored_tiles_decoded"] + tm["decided_by_top_rows"] == len(under)
+    assert tm["decided_by_top_rows"] <= tm["stored_tiles_top_decoded"]
+    if stored != T or target is not None:
+        assert tm["decided_by_top_rows"] == 0
     assert a.attrs["n_candidates"] == len(rows)
+
+
+def _write_banded_tiff(path: Path) -> tuple[np.ndarray, dict[str, tuple[int, int]]]:
+    """A 256 px JPEG TIFF on glass at grey 242 (inside the pre-screen's margin: every tile a candidate)
+    whose tiles each carry a designed band of tissue; returns the image and {case: (col, row)}."""
+    S = 256
+    rng = np.random.default_rng(11)
+    cases = {
+        "glass": (0, 0),              # probably glass, settled by its top rows
+        "tissue": (1, 0),             # kept, never cut
+        "strip-on-top": (2, 0),       # probably glass, but a 14-row strip at the top: the cut cannot settle it
+        "bottom-70": (3, 0),          # tissue in the bottom 70 %: kept
+        "top-half": (0, 1),           # tissue in the top half: dropped after a whole decode
+        "bottom-edge-58": (1, 1),     # just below the threshold
+        "glass-dots": (2, 1),         # glass with sparse dark dots: settled by its top rows
+        "glass-2": (3, 1),
+    }
+    img = np.empty((2 * S, 4 * S, 3), np.uint8)
+    img[:] = 242
+    img += rng.integers(0, 3, img.shape, dtype=np.uint8)
+    he = np.clip(np.array([200, 120, 180], np.int16) + rng.integers(-30, 31, (S, S, 3)), 0, 255).astype(np.uint8)
+
+    def paint(case: str, r0: int, r1: int) -> None:
+        c, r = cases[case]
+        img[r * S + r0 : r * S + r1, c * S : (c + 1) * S] = he[r0:r1]
+
+    paint("tissue", 0, S)
+    paint("strip-on-top", 0, 14)
+    paint("bottom-70", S - 180, S)
+    paint("top-half", 0, S // 2)
+    paint("bottom-edge-58", S - 148, S)
+    c, r = cases["glass-dots"]
+    ys, xs = rng.integers(0, S, 300), rng.integers(0, S, 300)
+    img[r * S + ys, c * S + xs] = 90
+    tifffile.imwrite(path, img, tile=(S, S), photometric="rgb", compression="jpeg", compressionargs={"level": 90}, metadata=None)
+    return img, cases
+
+
+def test_top_rows_decide_probable_glass_and_keep_exactly_the_exhaustive_set(tmp_path: Path) -> None:
+    """Tiles the overview calls probable glass are settled from their top rows when those prove the
+    tile fails; the store equals the exhaustive one (every tile decoded whole) and the brute-force
+    rule on OpenSlide's pixels; a probable-glass tile its top rows cannot settle is decoded whole."""
+    S = 256
+    path = tmp_path / "banded.tif"
+    _, cases = _write_banded_tiff(path)
+    job = SlideJob("s", str(path), mpp=MPP)
+    stores = {}
+    for name, pre in (("pre", True), ("exhaustive", False)):
+        res = tile_slide(job, tmp_path / name, TilingConfig(tile_size=S, qc=False, prescreen=pre), threads=2)
+        assert res.status == "ok", res.error
+        stores[name] = open_store(tmp_path / name / "s.zarr")
+    a, b = stores["pre"], stores["exhaustive"]
+    assert a.attrs["tile_decoder"] == "direct"
+    np.testing.assert_array_equal(a.grid, b.grid)
+    np.testing.assert_array_equal(a.foreground, b.foreground)
+    np.testing.assert_array_equal(a.read(), b.read())
+    osr = openslide.OpenSlide(str(path))
+    level0 = np.asarray(osr.read_region((0, 0), 0, osr.level_dimensions[0]))[..., :3]
+    osr.close()
+    fraction = {case: _grey_fraction(np.ascontiguousarray(level0[r * S : (r + 1) * S, c * S : (c + 1) * S])) for case, (c, r) in cases.items()}
+    kept = {tuple(v) for v in a.grid.tolist()}
+    assert kept == {cases[k] for k, f in fraction.items() if f >= 0.6}
+    assert kept == {cases["tissue"], cases["bottom-70"]}  # the design holds (58 % and a half are dropped)
+    # what the cut did: the three glass tiles settled from their top rows, the strip tile decoded whole
+    with open_slide(path, "openslide") as slide:
+        plan = plan_tiles(slide, job, TilingConfig(tile_size=S, qc=False))
+    first = {(int(c), int(r)) for r, c in zip(*np.nonzero(plan.top_first))}
+    assert {cases[k] for k in ("glass", "glass-2", "glass-dots", "strip-on-top")} <= first
+    assert cases["tissue"] not in first and cases["bottom-70"] not in first
+    tm, tb = a.attrs["timing"], b.attrs["timing"]
+    assert tm["decided_by_top_rows"] == 3 and tm["stored_tiles_top_decoded"] == len(first)
+    assert tm["stored_tiles_decoded"] == 8 - 3
+    assert tb["decided_by_top_rows"] == tb["stored_tiles_top_decoded"] == 0 and tb["stored_tiles_decoded"] == 8
+
+
+def test_top_rows_never_drop_a_tile_that_passes(tmp_path: Path, monkeypatch) -> None:
+    """With every tile cut first (the overview's guess forced to 'glass'), kept tiles and those just
+    below the threshold go through the cut too: the store still equals the exhaustive one."""
+    import wsi_pipeline.tiling.plan as plan_module
+
+    S = 256
+    path = tmp_path / "banded.tif"
+    _, cases = _write_banded_tiff(path)
+    job = SlideJob("s", str(path), mpp=MPP)
+    exhaustive = tile_slide(job, tmp_path / "exhaustive", TilingConfig(tile_size=S, qc=False, prescreen=False), threads=1)
+    monkeypatch.setattr(plan_module, "likely_background", lambda overview, ds, grid, **kw: np.ones((grid.rows, grid.cols), bool))
+    forced = tile_slide(job, tmp_path / "forced", TilingConfig(tile_size=S, qc=False), threads=2)
+    assert exhaustive.status == forced.status == "ok"
+    a, b = open_store(tmp_path / "forced" / "s.zarr"), open_store(tmp_path / "exhaustive" / "s.zarr")
+    np.testing.assert_array_equal(a.grid, b.grid)
+    np.testing.assert_array_equal(a.read(), b.read())
+    assert {tuple(v) for v in a.grid.tolist()} == {cases["tissue"], cases["bottom-70"]}
+    tm = a.attrs["timing"]
+    # all 8 cut; settled: the three glass tiles and the 58 % tile (4 tissue rows in its top 112)
+    assert tm["stored_tiles_top_decoded"] == 8 and tm["decided_by_top_rows"] == 4
 
 
 @pytest.mark.parametrize("compression", ["zstd", "jpeg", "none"])

@@ -221,8 +221,11 @@ def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     tm = attrs.get("timing", {})
     print(f"mosaic {path.name}: {spec['size']} x {spec['size']} px, tissue {100 * spec['tissue_fraction']:.1f} %, {grid_tiles} grid tiles of {T} px; "
           f"read by {attrs.get('tile_decoder')}; load average {', '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"  tiles kept {n}; tiles decoded {attrs['n_candidates']} of {grid_tiles} ({grid_tiles - attrs['n_candidates']} decided by the pre-screen); "
-          f"stored tiles decoded {tm.get('stored_tiles_decoded')}; store: {files} files, {nbytes / 2**20:.1f} MiB (zstd)")
+    top = int(tm.get("decided_by_top_rows") or 0)
+    print(f"  tiles kept {n} of {grid_tiles} grid tiles; decided without decoding: {grid_tiles - attrs['n_candidates']} by the overview bound; "
+          f"decided from their top rows alone: {top} ({tm.get('stored_tiles_top_decoded')} top-row decodes); "
+          f"decoded whole: {attrs['n_candidates'] - top} (stored tiles decoded whole {tm.get('stored_tiles_decoded')}); "
+          f"store: {files} files, {nbytes / 2**20:.1f} MiB (zstd)")
     print(f"  medians of {args.repeats} alternated runs        wall s    CPU s")
     for label, w, c in (("tiling, 1 worker, lossless", med["wall"], med["cpu"]),
                         (f"OpenSlide read_region of the {n} kept tiles", med["limit"], med["limit_cpu"]),

@@ -99,7 +99,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    metavar="READER", help="slide reader, one of %(choices)s; auto tries OpenSlide, then tiffslide "
                                           "(for a DICOM file: OpenSlide, then wsidicom)")
     p.add_argument("--no-prescreen", action="store_true",
-                   help="test every tile instead of skipping tiles a low-resolution bound proves to be background "
+                   help="decode and test every tile whole, instead of skipping tiles a low-resolution bound proves "
+                        "to be background and deciding probable glass from its top rows first "
                         "(same result, slower; for checking)")
     p.add_argument("--no-qc", action="store_true", help="do not write QC images")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")

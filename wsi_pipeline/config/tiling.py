@@ -82,7 +82,8 @@ class TilingConfig:
     shard_tiles : tiles per shard file of the store (zarr v3 sharding); 0 = one file per tile.
         The layout does not change a store's content, so it is not compared on resume.
     backend : slide reader, ``auto``, ``openslide`` or ``tiffslide``.
-    prescreen : skip tiles the low-resolution bound proves to be background (greyscale only;
+    prescreen : skip tiles the low-resolution bound proves to be background, and decide tiles that are
+        probably glass from their top rows first where the stored tiles are JPEG (greyscale only;
         the kept set is unchanged).
     prescreen_margin : grey levels of slack in that bound.
     otsu : :class:`OtsuParams`.

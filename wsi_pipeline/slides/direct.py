@@ -81,6 +81,7 @@ class _Level:
     offsets: tuple[int, ...]  # bytes into the file, per stored tile (row-major)
     counts: tuple[int, ...]  # bytes per stored tile; 0 = no data
     decode: Callable[[bytes, int], np.ndarray]  # (tile bytes, tile index) -> uint8 (>= th, >= tw, 3)
+    cut_by_height: bool = False  # JPEG tile streams decoded as they are: the top rows can be decoded alone
 
 
 def _jpeg_decoder(tables: bytes | None, photometric: int) -> Callable[[bytes, int], np.ndarray]:
@@ -195,6 +196,8 @@ class DirectTiles:
         self._cached_bytes = 0
         #: stored tiles decoded so far (a cache hit does not count)
         self.decoded = 0
+        #: stored tiles of which only the top rows were decoded (:meth:`stored_tile_top`)
+        self.decoded_top = 0
         self._cache: OrderedDict[tuple[int, int, int], np.ndarray | None] = OrderedDict()
         self._lock = threading.Lock()
         self._pending: dict[tuple[int, int, int], threading.Event] = {}  # stored tiles being decoded
@@ -269,16 +272,17 @@ class DirectTiles:
             raise _Declined(f"{len(offsets)} stored tiles for a {across} x {down} grid")
         if vendor != "generic-tiff" and min(counts[: across * down]) == 0:
             raise _Declined("stored tiles without data (OpenSlide renders them from another level)")
+        cut = False
         if int(page.compression) == _JPEG:
             if vendor == "hamamatsu":
                 decode = _ndpi_decoder(page.jpegheader, th, tw)
             else:
-                decode = _jpeg_decoder(page.jpegtables, int(page.photometric))
+                decode, cut = _jpeg_decoder(page.jpegtables, int(page.photometric)), True
         elif int(page.compression) == _APERIO_J2K_RGB:
             decode = _j2k_decoder()
         else:
             decode = _tifffile_decoder(page, int(page.samplesperpixel))
-        return _Level(w, h, tw, th, across, down, offsets, counts, decode)
+        return _Level(w, h, tw, th, across, down, offsets, counts, decode, cut)
 
     # -- public queries ------------------------------------------------------------------------
 
@@ -307,6 +311,46 @@ class DirectTiles:
         if not (0 <= int(col) < lv.across and 0 <= int(row) < lv.down):
             raise ValueError(f"stored tile ({col}, {row}) outside the {lv.across} x {lv.down} grid of level {level}")
         return self._tile(int(level), lv, int(col), int(row))
+
+    def stored_tile_top(self, level: int, col: int, row: int, rows: int) -> np.ndarray | None:
+        """At least the top ``rows`` rows of stored tile (``col``, ``row``), decoding little more than them.
+
+        Returns uint8 (r, >= tile width, 3) with ``rows`` <= r < tile height, equal to
+        ``stored_tile(level, col, row)[:r]`` bit for bit (:mod:`~wsi_pipeline.slides.jpeg_rows` says
+        why), or None where only the whole tile can be decoded: a level whose stored tiles are not JPEG
+        streams read as they are (NDPI, other codecs), a tile that is not sequential JPEG, ``rows``
+        too close to the tile height to save anything, or a tile without data. The cache is neither
+        filled nor needed (a cached tile is sliced).
+        """
+        from wsi_pipeline.slides.jpeg_rows import sequential_frame, with_height
+
+        lv = self._level(level)
+        col, row = int(col), int(row)
+        if not (0 <= col < lv.across and 0 <= row < lv.down):
+            raise ValueError(f"stored tile ({col}, {row}) outside the {lv.across} x {lv.down} grid of level {level}")
+        with self._lock:
+            cached = self._cache.get((int(level), col, row))
+        if cached is not None:
+            return cached[: max(int(rows), 1)] if int(rows) < lv.tile_h else None
+        idx = row * lv.across + col
+        if not lv.cut_by_height or not lv.counts[idx]:
+            return None
+        data = self._pread(lv.counts[idx], lv.offsets[idx])
+        frame = sequential_frame(data) if len(data) == lv.counts[idx] else None
+        if frame is None:
+            return None
+        declared, exact = frame.exact_rows(max(int(rows), 1))
+        if declared >= min(frame.height, lv.tile_h):
+            return None
+        try:
+            top = lv.decode(with_height(data, frame, declared), idx)
+        except (ValueError, RuntimeError):
+            return None  # the whole tile's decode reports the problem
+        if top.dtype != np.uint8 or top.ndim != 3 or top.shape[0] != declared or top.shape[2] != 3:
+            return None
+        with self._lock:
+            self.decoded_top += 1
+        return top[:exact]
 
     def _level(self, level: int) -> _Level:
         try:

@@ -159,18 +159,40 @@ def _test_run(
 
 def _test_stored_run(
     direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
-    encode: Encoder | None = None,
+    encode: Encoder | None = None, top_first: np.ndarray | None = None, top_rows: int = 0,
 ) -> _RunResult:
     """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
     the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
-    The foreground fraction is the same count of grey values in [grey_min, grey_max] over T * T."""
+    The foreground fraction is the same count of grey values in [grey_min, grey_max] over T * T.
+
+    ``top_first`` (bool, the grid's shape) marks tiles that probably fail the rule: of those, the top
+    ``top_rows`` or more rows are decoded first (:meth:`DirectTiles.stored_tile_top`, the full decode's
+    exact rows) and the tile is dropped when even with every other row foreground it stays below the
+    threshold; otherwise it is decoded whole. The kept set is the same; the dropped tiles' fractions
+    are then upper bounds (only kept tiles' fractions are stored).
+    """
     import cv2
 
     c0 = time.thread_time()
     T, level = grid.tile_size, grid.level
-    srcs = []
+    lo, hi, area, thr = int(config.grey_min), int(grey_max), float(T * T), config.threshold
+
+    def count(src: np.ndarray) -> int:
+        return int(cv2.countNonZero(cv2.inRange(cv2.cvtColor(src, cv2.COLOR_RGB2GRAY), lo, hi)))
+
+    srcs: list[np.ndarray | None] = []
+    fgs: list[float] = []
     blank = None
     for c in run.tolist():
+        if otsu_fg is None and top_first is not None and top_first[row, c]:
+            top = direct.stored_tile_top(level, int(c), int(row), top_rows)
+            if top is not None:
+                r = min(len(top), T)
+                upper = np.float32((count(np.ascontiguousarray(top[:r, :T])) + (T - r) * T) / area)
+                if not upper >= thr:  # the same comparison as `keep` below: this tile cannot be kept
+                    srcs.append(None)
+                    fgs.append(float(upper))
+                    continue
         tile = direct.stored_tile(level, int(c), int(row))
         if tile is None:  # no stored data: the background, as DirectTiles.read fills it
             if blank is None:
@@ -178,14 +200,16 @@ def _test_stored_run(
                 blank[:] = direct.background
             tile = blank
         srcs.append(tile[:T, :T])
+        fgs.append(0.0 if otsu_fg is not None else count(srcs[-1]) / area)
     if otsu_fg is not None:
         fg = otsu_fg[row, run].astype(np.float32)
         keep = np.ones(len(run), bool)
     else:
-        lo, hi, area = int(config.grey_min), int(grey_max), float(T * T)
-        fg = np.array([cv2.countNonZero(cv2.inRange(cv2.cvtColor(src, cv2.COLOR_RGB2GRAY), lo, hi)) / area for src in srcs], np.float32)
-        keep = fg >= config.threshold
-    kept = [src for src, k in zip(srcs, keep.tolist()) if k]
+        fg = np.array(fgs, np.float32)
+        keep = fg >= thr
+    kept = [src for src, k in zip(srcs, keep.tolist()) if k and src is not None]
+    if len(kept) != int(keep.sum()):
+        raise RuntimeError(f"row {row}: a tile dropped from its top rows passed the foreground test")  # cannot happen
     tiles = np.stack(kept) if kept else np.zeros((0, T, T, 3), np.uint8)
     return _stored_result(tiles, keep, fg, encode, c0)
 

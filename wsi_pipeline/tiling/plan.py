@@ -16,7 +16,7 @@ from wsi_pipeline.slides import read_scaled, resolve_mpp
 from wsi_pipeline.slides.reader import Slide
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
-from wsi_pipeline.tiling.prescreen import prescreen_candidates
+from wsi_pipeline.tiling.prescreen import likely_background, prescreen_candidates
 from wsi_pipeline.tiling.tissue import box_mean, otsu_tissue_mask
 
 if TYPE_CHECKING:
@@ -54,6 +54,8 @@ class TilePlan:
     otsu_fg : float32 (rows, cols) tissue-mask foreground fractions (otsu and unet methods), else None.
     otsu_info : the Otsu mask's description (otsu method), else None.
     unet_info : the U-Net mask's description (unet method), else None.
+    top_first : bool (rows, cols), candidates that are probably background: their top rows are decoded
+        first where the slide allows it (greyscale method with the pre-screen), else None.
     """
 
     grid: TileGrid
@@ -69,6 +71,7 @@ class TilePlan:
     otsu_fg: np.ndarray | None = None
     otsu_info: dict[str, Any] | None = None
     unet_info: dict[str, Any] | None = None
+    top_first: np.ndarray | None = None
 
 
 def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
@@ -124,6 +127,7 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         plan.candidates = prescreen_candidates(
             overview, ds_over, grid, grey_max=plan.grey_max, min_foreground=thr, margin=config.prescreen_margin
         )
+        plan.top_first = plan.candidates & likely_background(overview, ds_over, grid, grey_min=config.grey_min, grey_max=plan.grey_max)
     else:
         plan.candidates = np.ones((grid.rows, grid.cols), bool)
     return plan

@@ -8,6 +8,12 @@ Averaging min(1, that bound) over a tile's footprint bounds the tile's foregroun
 from above; a tile whose bound is below the keep threshold cannot be kept and is skipped
 without decoding it. Everything else is decoded and tested exactly, so the kept set equals
 the exhaustive test's.
+
+Of the candidates, those the overview says are probably glass (:func:`likely_background`) are
+decided from their top rows first where the stored tiles allow it: a tile whose top
+:func:`rows_to_reject` rows alone hold too few foreground pixels to reach the threshold, even if
+every other row were foreground, fails the exact test, so decoding its top half settles it. The
+overview only chooses the order of work; a wrong guess costs time, never a tile.
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ import numpy as np
 from wsi_pipeline.tiling.grid import TileGrid
 from wsi_pipeline.tiling.tissue import box_mean, grey
 
-__all__ = ["foreground_bound_map", "prescreen_candidates"]
+__all__ = ["foreground_bound_map", "likely_background", "prescreen_candidates", "rows_to_reject"]
+
+#: Estimated foreground fraction below which a candidate is decided from its top rows first. On the
+#: real-tissue bench mosaic 0.05-0.1 attempt about 40 % of the tiles and about 97 % of the attempts
+#: settle the tile; higher cuts waste more half decodes on tiles that are kept.
+LIKELY_BACKGROUND_BELOW = 0.1
 
 
 def foreground_bound_map(overview_rgb: np.ndarray, grey_max: int, margin: float) -> np.ndarray:
@@ -63,3 +74,40 @@ def prescreen_candidates(
     # beyond the overview's edge nothing is known: assume foreground there
     upper = box_mean(bound, overview_downsample, coords, extent, outside=1.0)
     return (upper >= min_foreground - 1e-6).reshape(grid.rows, grid.cols)
+
+
+def likely_background(
+    overview_rgb: np.ndarray, overview_downsample: float, grid: TileGrid, *, grey_min: int, grey_max: int,
+    below: float = LIKELY_BACKGROUND_BELOW,
+) -> np.ndarray:
+    """Tiles whose foreground fraction, estimated from the overview, is below ``below``.
+
+    Parameters
+    ----------
+    overview_rgb : uint8 (H, W, 3), the slide at ``overview_downsample`` level-0 px per px.
+    overview_downsample : level-0 px per overview px.
+    grid : the tile grid.
+    grey_min, grey_max : the greyscale rule's grey range.
+    below : the estimated fraction under which a tile counts as probably background.
+
+    Returns
+    -------
+    bool (rows, cols). An estimate only: it orders work and never decides a tile.
+    """
+    if grid.rows == 0 or grid.cols == 0:
+        return np.zeros((grid.rows, grid.cols), bool)
+    g = grey(overview_rgb)
+    inside = ((g >= grey_min) & (g <= grey_max)).astype(np.float32)
+    rows, cols = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
+    est = box_mean(inside, overview_downsample, grid.coords(cols.ravel(), rows.ravel()), grid.extent, outside=1.0)
+    return (est < below).reshape(grid.rows, grid.cols)
+
+
+def rows_to_reject(tile_size: int, min_foreground: float) -> int:
+    """Fewest top rows of a T x T tile that can prove it fails ``min_foreground``: the smallest r with
+    (T - r) * T < min_foreground * T * T, i.e. the rest of the tile alone cannot reach the threshold.
+    Returns T + 1 (no such r below T) when ``min_foreground`` <= 0."""
+    T = int(tile_size)
+    if min_foreground <= 0:
+        return T + 1
+    return min(T + 1, int(np.floor(T * (1.0 - float(min_foreground)))) + 1)

@@ -14,6 +14,7 @@ from wsi_pipeline.data.store import StoreWriter
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.tiling.decode import LevelRead, _runs, _RunResult, _test_run, _test_stored_run, _tested_runs
 from wsi_pipeline.tiling.plan import TilePlan
+from wsi_pipeline.tiling.prescreen import rows_to_reject
 from wsi_pipeline.tiling.writers import BackgroundWriter, InlineWriter
 
 if TYPE_CHECKING:
@@ -37,17 +38,20 @@ class TileLoop:
         self.n_kept = 0
         self.reported = 0
         self.test_cpu = 0.0
+        self.stored_grid = False
 
     def _tester(self) -> Callable[[int, np.ndarray], _RunResult]:
         """``test(row, run)``: stored tiles of exactly the grid's tiles are tested as decoded (no strip copy)."""
         grid, direct, T = self.plan.grid, self.direct, self.plan.grid.tile_size
-        stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
-                       and grid.level_step == (float(T), float(T)))
+        stored_grid = self.stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
+                                          and grid.level_step == (float(T), float(T)))
         # with several decoding threads they compress the kept tiles too; the writer thread only writes
         encode = self.writer.tile_encoder if self.n_threads > 1 else None
         kw = dict(config=self.config, grey_max=self.plan.grey_max, otsu_fg=self.plan.otsu_fg, encode=encode)
         if stored_grid:
-            return partial(_test_stored_run, direct, grid, **kw)
+            top_rows = rows_to_reject(T, self.config.threshold)
+            top_first = self.plan.top_first if top_rows < T else None
+            return partial(_test_stored_run, direct, grid, top_first=top_first, top_rows=top_rows, **kw)
         return partial(_test_run, self.read, grid, **kw)
 
     def run(self) -> None:
@@ -105,6 +109,10 @@ class TileLoop:
             "writer_thread_cpu": round(sink.cpu_seconds, 3),
             "n_decoded": int(self.plan.candidates.sum()),
             "stored_tiles_decoded": None if self.direct is None else int(self.direct.decoded),
+            "stored_tiles_top_decoded": None if self.direct is None else int(self.direct.decoded_top),
+            # each candidate is one stored tile here, decoded whole unless its top rows decided it
+            "decided_by_top_rows": (int(self.plan.candidates.sum()) - int(self.direct.decoded)
+                                    if self.stored_grid and self.direct is not None else 0),
         }})
 
     def flush_progress(self) -> None:
