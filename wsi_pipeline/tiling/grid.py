@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from wsi_pipeline.slides.coverage import box_mean
+
 __all__ = ["TILE_FORMULA", "TileGrid", "make_grid"]
 
 #: The tile formula in one paragraph, stored in every store's attributes (``tile_formula``).
@@ -121,6 +123,27 @@ class TileGrid:
         """Level-0 (x, y) px of the tiles' top-left corners, (round(lx * sx), round(ly * sy)); int64 (k, 2)."""
         lxy = self.level_coords(cols, rows).astype(np.float64)
         return _round(lxy * np.asarray(self.level_scale, np.float64)).reshape(-1, 2)
+
+    def footprint_means(self, values: np.ndarray, downsample: float, *, extent: float | None = None, outside: float = 0.0) -> np.ndarray:
+        """Area-weighted mean of a low-resolution map over every tile's level-0 footprint (:func:`box_mean`).
+
+        Parameters
+        ----------
+        values : float (H, W) map; pixel (i, j) covers level-0 [j*d, (j+1)*d) x [i*d, (i+1)*d).
+        downsample : d, level-0 px per map px.
+        extent : footprint side in level-0 px; default :attr:`extent`.
+        outside : value assumed beyond the map's edge.
+
+        Returns
+        -------
+        float64 (rows, cols).
+        """
+        if self.rows == 0 or self.cols == 0:
+            return np.zeros((self.rows, self.cols))
+        rows, cols = np.meshgrid(np.arange(self.rows), np.arange(self.cols), indexing="ij")
+        side = self.extent if extent is None else float(extent)
+        means = box_mean(values, downsample, self.coords(cols.ravel(), rows.ravel()), side, outside=outside)
+        return means.reshape(self.rows, self.cols)
 
     def describe(self) -> dict[str, object]:
         """JSON-friendly summary for store attributes (with the formula's parameters)."""

@@ -17,7 +17,7 @@ from wsi_pipeline.slides.reader import Slide
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import likely_background, prescreen_candidates
-from wsi_pipeline.tiling.tissue import box_mean, otsu_tissue_mask
+from wsi_pipeline.tiling.tissue import otsu_tissue_mask
 
 if TYPE_CHECKING:
     from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
@@ -111,17 +111,13 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
     plan.grey_max, plan.grey_note = _grey_max_for(config, background, job.slide_id)
     if config.method == "otsu":
         mask, plan.otsu_info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu, background=background)
-        rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
-        coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
-        plan.otsu_fg = box_mean(mask.astype(np.float32), ds_over, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        plan.otsu_fg = grid.footprint_means(mask.astype(np.float32), ds_over)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
     elif config.method == "unet":
         from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
 
         mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model)  # type: ignore[arg-type]
-        rows_all, cols_all = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
-        coords_all = grid.coords(cols_all.ravel(), rows_all.ravel())
-        plan.otsu_fg = box_mean(mask.astype(np.float32), ds_mask, coords_all, grid.extent).reshape(grid.rows, grid.cols)
+        plan.otsu_fg = grid.footprint_means(mask.astype(np.float32), ds_mask)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
     elif config.prescreen and thr > 0:
         plan.candidates = prescreen_candidates(

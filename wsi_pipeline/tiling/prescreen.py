@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from wsi_pipeline.tiling.grid import TileGrid
-from wsi_pipeline.tiling.tissue import box_mean, grey
+from wsi_pipeline.tiling.tissue import grey
 
 __all__ = ["foreground_bound_map", "likely_background", "prescreen_candidates", "rows_to_reject"]
 
@@ -63,17 +63,13 @@ def prescreen_candidates(
     -------
     bool (rows, cols); False = certainly below ``min_foreground``.
     """
-    if grid.rows == 0 or grid.cols == 0:
-        return np.zeros((grid.rows, grid.cols), bool)
     bound = foreground_bound_map(overview_rgb, grey_max, margin)
-    rows, cols = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
-    coords = grid.coords(cols.ravel(), rows.ravel())
     # the footprint in level-0 px: origin rounded on the level grid, side = source px * level scale
     # (the mean of the two axes; they differ by a fraction of a level px)
     extent = 0.5 * (grid.source_shape[0] * grid.level_scale[0] + grid.source_shape[1] * grid.level_scale[1])
     # beyond the overview's edge nothing is known: assume foreground there
-    upper = box_mean(bound, overview_downsample, coords, extent, outside=1.0)
-    return (upper >= min_foreground - 1e-6).reshape(grid.rows, grid.cols)
+    upper = grid.footprint_means(bound, overview_downsample, extent=extent, outside=1.0)
+    return upper >= min_foreground - 1e-6
 
 
 def likely_background(
@@ -94,13 +90,9 @@ def likely_background(
     -------
     bool (rows, cols). An estimate only: it orders work and never decides a tile.
     """
-    if grid.rows == 0 or grid.cols == 0:
-        return np.zeros((grid.rows, grid.cols), bool)
     g = grey(overview_rgb)
     inside = ((g >= grey_min) & (g <= grey_max)).astype(np.float32)
-    rows, cols = np.meshgrid(np.arange(grid.rows), np.arange(grid.cols), indexing="ij")
-    est = box_mean(inside, overview_downsample, grid.coords(cols.ravel(), rows.ravel()), grid.extent, outside=1.0)
-    return (est < below).reshape(grid.rows, grid.cols)
+    return grid.footprint_means(inside, overview_downsample, outside=1.0) < below
 
 
 def rows_to_reject(tile_size: int, min_foreground: float) -> int:
