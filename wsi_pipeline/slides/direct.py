@@ -58,6 +58,8 @@ from typing import Any
 
 import numpy as np
 
+from wsi_pipeline.slides.jpeg_rows import sequential_frame, with_height
+
 __all__ = ["DirectTiles", "direct_levels"]
 
 #: TIFF compression codes read through libtiff's RGBA path by OpenSlide that tifffile decodes
@@ -322,8 +324,6 @@ class DirectTiles:
         too close to the tile height to save anything, or a tile without data. The cache is neither
         filled nor needed (a cached tile is sliced).
         """
-        from wsi_pipeline.slides.jpeg_rows import sequential_frame, with_height
-
         lv = self._level(level)
         col, row = int(col), int(row)
         if not (0 <= col < lv.across and 0 <= row < lv.down):
