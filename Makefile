@@ -1,10 +1,13 @@
 # wsi-pipeline: every target installs first, so `make demo` and `make test` work on a fresh clone.
 PYTHON     ?= python3
 VENV       ?= .venv
-# The PyTorch requirement installed before the package. This machine has a CPU wheel of 2.13.0;
-# GPU users pick their own, e.g. `make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cu124"`,
-# or TORCH_SPEC= to keep a torch already present in the venv.
-TORCH_SPEC ?= torch==2.13.0
+# The PyTorch pair installed before the package: what `pip install torch torchvision` gives a user
+# (the standard build; it runs on a CPU too). timm, which the foundation-model encoders are built
+# with, imports torchvision, and the CPU-only torch==2.13.0 wheel has no torchvision that imports
+# beside it, so the pair is pinned together. GPU users may pick their own pair, e.g.
+# `make install TORCH_SPEC="torch torchvision --index-url https://download.pytorch.org/whl/cu128"`,
+# or TORCH_SPEC= to keep a torch and torchvision already present in the venv.
+TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.installed
 
