@@ -21,7 +21,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-verify clean
 
 install: $(STAMP)
 
@@ -96,6 +96,9 @@ bench-scale: install
 
 bench-tissue: install
 	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
+
+bench-verify: install
+	$(BIN)/python -m wsi_pipeline.bench.verify $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache

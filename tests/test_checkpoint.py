@@ -47,7 +47,7 @@ def test_round_trip_loads_with_weights_only(tmp_path):
         assert torch.equal(back["models"]["aggregator"][k], v)
     assert back["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3)
     assert back["config"] == s["config"] and back["history"] == s["history"]
-    assert [p.name for p in path.parent.iterdir()] == ["last.pt"]  # no temporary file left behind
+    assert sorted(p.name for p in path.parent.iterdir()) == ["last.pt", "last.pt.sha256"]  # no temporary file left behind
 
 
 def test_a_pickled_object_is_refused_with_a_clear_message(tmp_path):
@@ -77,7 +77,7 @@ def test_saving_a_non_plain_object_fails_before_touching_the_file(tmp_path):
     with pytest.raises(TypeError, match=r"checkpoint\['models'\]\['x'\] is a .*Payload"):
         save_checkpoint(path, {"models": {"x": Payload()}})
     assert path.read_bytes() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt", "last.pt.sha256"]
 
 
 def test_ordered_dicts_and_tuples_are_plain(tmp_path):

@@ -326,4 +326,37 @@ def test_top_level_help_lists_commands_in_the_order_of_the_flow(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     listed = re.findall(r"^ {4}(\w+) ", text, re.MULTILINE)
-    assert listed == ["manifest", "tile", "train", "eval", "predict", "features", "tissue", "demo"]
+    assert listed == ["manifest", "tile", "train", "eval", "predict", "features", "verify", "tissue", "demo"]
+
+
+#: Each command with a path that does not exist (or a value it refuses), as a user would mistype it.
+BAD_CALLS = {
+    "manifest": ["manifest", "folder", "--slides", "{missing}", "--out", "{tmp}/m.csv"],
+    "tile": ["tile", "--slides", "{missing}", "--out", "{tmp}/tiles"],
+    "train": ["train", "--config", "{missing}.yaml"],
+    "eval": ["eval", "--config", "{missing}.yaml"],
+    "predict": ["predict", "--model", "{missing}", "--slides", "{missing}", "--out", "{tmp}/p"],
+    "features": ["features", "--manifest", "{missing}.csv", "--tiles", "{missing}", "--out", "{tmp}/f"],
+    "verify": ["verify", "--tiles", "{missing}"],
+    "tissue": ["tissue", "predict", "--slides", "{missing}", "--model", "{missing}.pt", "--out", "{tmp}/t"],
+    "demo": ["demo", "--config", "{missing}.yaml"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(BAD_CALLS))
+def test_every_command_reports_an_error_in_one_format(command, tmp_path, capsys):
+    """One error path (cli/main.py): one line on stderr, `wsi-pipeline <command>: error: ...`, naming the
+    missing path, exit status 2, no traceback."""
+    missing = str(tmp_path / "no_such_thing")
+    argv = [a.format(missing=missing, tmp=tmp_path) for a in BAD_CALLS[command]]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert rc == 2, (rc, err)
+    assert lines and lines[-1].startswith(f"wsi-pipeline {command}: error: "), err
+    assert missing in lines[-1] and "Traceback" not in err, err
+    assert sum("error:" in ln for ln in lines) == 1, err
+
+
+def test_every_command_has_a_bad_call():
+    assert set(BAD_CALLS) == {c.split()[0] for c in _parsers() if c}

@@ -91,7 +91,7 @@ def test_demo_command_reports_a_stale_cohort_in_one_error_line(tmp_path, monkeyp
     (folder / "demo_cohort.json").write_text(json.dumps(asdict(replace(DemoCohort(), lesion_contrast=0.5))))
     assert main(["demo", "--config", str(config), "--quiet"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: runs/demo/cohort holds a demo cohort made with other settings (lesion_contrast: 0.5 there")
+    assert err.startswith("wsi-pipeline demo: error: runs/demo/cohort holds a demo cohort made with other settings (lesion_contrast: 0.5 there")
     assert "rm -rf runs/demo" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 

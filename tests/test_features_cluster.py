@@ -55,6 +55,6 @@ def test_features_on_a_local_cluster_equal_one_process(store_cohort, tmp_path) -
 def test_features_cluster_flags_are_checked(store_cohort, tmp_path, capsys) -> None:
     base = ["features", "--manifest", str(store_cohort), "--tiles", str(store_cohort.parent / "tiles"), "--out", str(tmp_path)]
     assert main(base + ["--cluster", "nowhere"]) == 2
-    assert "--cluster 'nowhere'" in capsys.readouterr().out
+    assert "wsi-pipeline features: error: --cluster 'nowhere'" in capsys.readouterr().err  # stderr, the one format
     assert main(base + ["--slurm-memory", "8GB"]) == 2
     assert not list(tmp_path.glob("*.h5"))

@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "wsi_pipeline"
 #: Lowest first. Blocks, then stages in the order of the flow, then entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("",),  # wsi_pipeline/__init__.py: the version only
-    ("types", "io_atomic", "progress", "devices", "interrupt"),  # helpers without our own imports; shared Protocols
+    ("types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs"),  # helpers without our own imports; shared Protocols
     ("slides",),  # readers, mpp, slide finder
     ("models",),  # encoders, aggregators, heads, registries
     ("bigl",),  # Big-Layers (converts models)
@@ -38,7 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 

@@ -104,7 +104,7 @@ def test_panda_cli_writes_a_readable_manifest(panda_files, tmp_path, capsys):
     df = read_manifest(out, n_classes=6)
     assert len(df) == 9555 and set(df["cohort"]) == {"panda"}
     rc = main(["manifest", "panda", "--labels", str(labels), "--slides", str(tmp_path / "none"), "--out", str(out)])
-    assert rc == 1
+    assert rc == 2
     assert "10616 of 10616 slide files not found" in capsys.readouterr().err
 
 

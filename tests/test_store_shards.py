@@ -80,7 +80,8 @@ def test_shard_files_are_the_bytes_zarr_writes(tmp_path: Path, compression: str)
 
 
 def test_shard_layout_follows_the_zarr_v3_sharding_spec(tmp_path: Path) -> None:
-    """Parse a shard by the spec alone: chunks, then S (offset, nbytes) little-endian uint64 pairs, then crc32c."""
+    """Parse a shard by the spec alone: chunks (each zstd frame followed by its crc32c, the codec
+    chain bytes -> zstd -> crc32c), then S (offset, nbytes) little-endian uint64 pairs, then crc32c."""
     tiles = _tiles(13, seed=4)
     S = 8
     _write(tmp_path / "s.zarr", tiles, [13], compression="zstd", shard_tiles=S).commit()
@@ -95,7 +96,9 @@ def test_shard_layout_follows_the_zarr_v3_sharding_spec(tmp_path: Path) -> None:
             if j >= n_in:  # beyond the array's end: absent
                 assert off == nb == 2**64 - 1
                 continue
-            tile = np.frombuffer(z.decode(raw[off : off + nb]), np.uint8).reshape(T, T, 3)
+            chunk, chunk_crc = raw[off : off + nb - 4], raw[off + nb - 4 : off + nb]
+            assert struct.unpack("<I", chunk_crc)[0] == google_crc32c.value(chunk)
+            tile = np.frombuffer(z.decode(chunk), np.uint8).reshape(T, T, 3)
             np.testing.assert_array_equal(tile, tiles[s * S + j])
 
 
@@ -170,10 +173,13 @@ def test_damaged_shard_index_is_a_clear_error(tmp_path: Path) -> None:
     shard.write_bytes(bytes(raw))
     with pytest.raises(ValueError, match=r"c\.0\.0\.0\.0.*checksum"):
         open_store(path).read([1])
+    opened = open_store(path)
     shard.write_bytes(bytes(raw[:20]))  # truncated below the index size
-    with pytest.raises(ValueError, match=r"c\.0\.0\.0\.0 has 20 bytes"):
-        open_store(path).read([1])
-    np.testing.assert_array_equal(open_store(path).read([5, 4]), tiles[[5, 4]])  # the other shard is fine
+    with pytest.raises(ValueError, match=r"c\.0\.0\.0\.0 has 20 bytes, expected"):  # found on open
+        open_store(path)
+    with pytest.raises(ValueError, match=r"c\.0\.0\.0\.0 has 20 bytes, fewer than its index"):  # and on read
+        opened.read([1])
+    np.testing.assert_array_equal(opened.read([5, 4]), tiles[[5, 4]])  # the other shard is fine
 
 
 def test_open_store_sees_a_rebuilt_store(tmp_path: Path) -> None:

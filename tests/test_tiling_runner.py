@@ -21,7 +21,7 @@ import zarr
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import jobs_from_folder, tile_cohort
-from wsi_pipeline.data.store import is_complete, open_store
+from wsi_pipeline.data.store import StoreDamagedError, is_complete, open_store
 from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
 
 REPO = Path(__file__).resolve().parents[1]
@@ -418,12 +418,15 @@ def test_store_writes_chunk_files_identical_to_zarr(tmp_path: Path, compression:
         key = ref.metadata.chunk_key_encoding.encode_chunk_key((i, 0, 0, 0))
         assert (tmp_path / "a.zarr" / "tiles" / key).read_bytes() == (tmp_path / "b.zarr" / "tiles" / key).read_bytes()
     np.testing.assert_array_equal(open_store(tmp_path / "a.zarr").read(), tiles)
-    # reading: the direct path returns what zarr itself reads, for any order, with repeats, and a
-    # chunk file that was never written reads as zarr's fill value
+    # reading: the direct path returns what zarr itself reads, for any order, with repeats; a chunk
+    # file that goes missing is damage: found on open (zarr alone would read its fill value)
     a = open_store(tmp_path / "a.zarr")
     assert a._direct is not None
     idx = np.array([4, 0, 4, 2, 1, 3])
     np.testing.assert_array_equal(a.read(idx), zarr.open_array(str(tmp_path / "a.zarr" / "tiles"), mode="r")[:][idx])
-    (tmp_path / "a.zarr" / "tiles" / ref.metadata.chunk_key_encoding.encode_chunk_key((2, 0, 0, 0))).unlink()
-    np.testing.assert_array_equal(open_store(tmp_path / "a.zarr").read([2, 1]),
-                                  zarr.open_array(str(tmp_path / "a.zarr" / "tiles"), mode="r").get_orthogonal_selection(([2, 1],)))
+    key2 = ref.metadata.chunk_key_encoding.encode_chunk_key((2, 0, 0, 0))
+    (tmp_path / "a.zarr" / "tiles" / key2).unlink()
+    with pytest.raises(StoreDamagedError, match=f"chunk file tiles/{key2} is missing"):
+        open_store(tmp_path / "a.zarr")
+    with pytest.raises(StoreDamagedError, match="tile 2: its chunk file"):  # and on read, for a store opened before
+        a.read([2, 1])

@@ -19,9 +19,10 @@ import zarr
 
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling import outdir, pool, runner
+from wsi_pipeline import output_dirs as outdir
+from wsi_pipeline.tiling import pool, runner
 from wsi_pipeline.tiling.locks import LockDir
-from wsi_pipeline.tiling.outdir import OutputDirError
+from wsi_pipeline.output_dirs import OutputDirError
 from wsi_pipeline.tiling.report import _merge_rows
 from wsi_pipeline.tiling.runner import tile_cohort
 from wsi_pipeline.data.store import is_complete
@@ -240,7 +241,7 @@ def _no_traceback(err: str) -> None:
 def test_out_that_is_a_file_or_under_a_file_is_one_error(tmp_path: Path, cohort: Path, capsys) -> None:
     afile = tmp_path / "taken.txt"
     afile.write_text("x")
-    for bad, why in ((afile, "is an existing file"), (afile / "tiles", "Not a directory")):
+    for bad, why in ((afile, "is an existing file"), (afile / "tiles", f"{afile} is a file, not a folder")):
         code = main(["tile", "--slides", str(cohort), "--out", str(bad), "--workers", "0", "--no-progress"])
         err = capsys.readouterr().err
         assert code == 2, err
@@ -355,10 +356,25 @@ def test_an_output_write_error_is_not_blamed_on_the_slide(tmp_path: Path, cohort
     out = tmp_path / "tiles"
     store = out / ".s0.zarr.tmp-1" / "tiles"
 
-    def full_disk(job, *a, **k):  # a write error on the output that the probe no longer sees (space freed since)
-        return SlideResult(job.slide_id, "failed", error=f"OSError: [Errno 28] No space left on device: '{store}'", path=job.path)
+    def denied(job, *a, **k):  # a write error on the output that the probe does not see (a subfolder's permissions)
+        return SlideResult(job.slide_id, "failed", error=f"PermissionError: [Errno 13] Permission denied: '{store}'", path=job.path)
 
-    monkeypatch.setattr(runner, "tile_slide", full_disk)
+    monkeypatch.setattr(runner, "tile_slide", denied)
     rep = tile_cohort(cohort, out, workers=0, progress=False)
     errors = {r.slide_id: r.error for r in rep.results}
-    assert errors["s0"].startswith("writing to the output folder failed (the slide itself may be fine): OSError: [Errno 28]")
+    assert errors["s0"].startswith("writing to the output folder failed (the slide itself may be fine): PermissionError: [Errno 13]")
+
+
+def test_a_full_disk_stops_the_run_at_the_first_slide(tmp_path: Path, cohort: Path, monkeypatch) -> None:
+    """A full disk fails every remaining slide alike: the run stops with one error (the issue-34 case)."""
+    out = tmp_path / "tiles"
+    tried = []
+
+    def full_disk(job, *a, **k):  # as a worker reports it: text, even when the probe still finds room
+        tried.append(job.slide_id)
+        return SlideResult(job.slide_id, "failed", error=f"OSError: [Errno 28] No space left on device: '{out}'", path=job.path)
+
+    monkeypatch.setattr(runner, "tile_slide", full_disk)
+    with pytest.raises(OutputDirError, match="disk is full"):
+        tile_cohort(cohort, out, workers=0, progress=False)
+    assert len(tried) == 1

@@ -22,9 +22,11 @@ __all__ = [
     "HelpFormatter",
     "LazyChoices",
     "add_device_argument",
+    "add_failure_argument",
     "add_output_arguments",
     "add_set_argument",
     "apply_output_level",
+    "failure_status",
     "override",
 ]
 
@@ -102,6 +104,20 @@ def add_output_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--quiet`` and ``--no-progress`` (every long-running command has both, same meaning)."""
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument("--quiet", action="store_true", help=QUIET_HELP)
+
+
+def add_failure_argument(p: argparse.ArgumentParser, what: str = "slide") -> None:
+    """Add ``--allow-failures``: exit 0 even when some {what}s failed (the default exit status is 1 then)."""
+    p.add_argument("--allow-failures", action="store_true",
+                   help=f"exit with status 0 even when some {what}s failed (they are still named in the summary and "
+                        f"the report); without it the exit status is 1 when any {what} failed, so scripts and cluster "
+                        "jobs notice")
+
+
+def failure_status(failed: bool, args: argparse.Namespace) -> int:
+    """The exit status of a command that ran to its end: 1 when something ``failed`` (unless
+    ``--allow-failures``), else 0."""
+    return 1 if failed and not getattr(args, "allow_failures", False) else 0
 
 
 #: Loggers whose INFO lines are progress a log file should get even at the default level: the plain

@@ -50,9 +50,5 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.demo import DemoCohort, run_demo
 
     cohort = DemoCohort(n_internal=args.internal, n_external=args.external, size=args.size, seed=args.seed)
-    try:
-        return run_demo(args.config, cohort=cohort, workers=args.workers, device=args.device,
-                        overrides=tuple(args.overrides), progress=not args.no_progress, seeds=args.seeds)
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return run_demo(args.config, cohort=cohort, workers=args.workers, device=args.device,
+                    overrides=tuple(args.overrides), progress=not args.no_progress, seeds=args.seeds)

@@ -10,6 +10,7 @@ from typing import Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import (
+    add_failure_argument, failure_status,
     add_device_argument,
     add_heatmap_mode_argument,
     add_output_arguments,
@@ -52,6 +53,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="cross-validation: evaluate every fold trained with `train --folds`, then pool them into "
                    "<results_dir>/<name>_cv/ (report.html, cv_table.csv: mean ± std across folds)")
     add_output_arguments(p)
+    add_failure_argument(p)
     add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
@@ -60,14 +62,10 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
 
     if args.bootstrap is not None and args.bootstrap < 0:
-        print(f"error: --bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples", file=sys.stderr)
-        return 2
+        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples")
     try:
         join_torchrun(args)
         return _run(args)
-    except (FileNotFoundError, ValueError, TypeError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     finally:
         distributed.shutdown()
 
@@ -105,13 +103,15 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {len(summary.missing_stores)} slide(s) had no complete tile store and were skipped "
               f"(e.g. {', '.join(summary.missing_stores[:3])}); run `wsi-pipeline tile` for them")
     _print_table(read_metrics_json(out / "metrics.json"))
+    for sid, why in summary.failed_slides.items():
+        print(f"wsi-pipeline eval: slide {sid} was not scored: {why}", file=sys.stderr)
     print(f"\nResults in {out}/")
     print(f"  report       {out / 'report.html'}")
     print(f"  metrics      {out / 'metrics.json'}")
     print(f"  predictions  {out}/predictions_<cohort>_<protocol>.csv ({sum(1 for f in summary.files if f.name.startswith('predictions_'))} files)")
     if not args.no_heatmaps:
         print(f"  heatmaps     {out / 'heatmaps'}/<slide_id>.png, .geojson (QuPath), _scores.csv")
-    return 0
+    return failure_status(bool(summary.failed_slides), args)
 
 
 def _run_folds(config: Any, args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
-from wsi_pipeline.cli._common import LazyChoices, add_device_argument, add_output_arguments
+from wsi_pipeline.cli._common import add_failure_argument, failure_status, LazyChoices, add_device_argument, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -36,6 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_device_argument(p)
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
     add_output_arguments(p)
+    add_failure_argument(p)
     add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
@@ -43,11 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.inference.features import extract_features
     from wsi_pipeline.manifests.schema import read_manifest
-    try:
-        cluster = cluster_from_args(args)
-    except ValueError as err:
-        print(f"wsi-pipeline features: error: {err}")
-        return 2
+    cluster = cluster_from_args(args)
     df = read_manifest(args.manifest)
     report = extract_features(
         df,
@@ -67,4 +64,4 @@ def run(args: argparse.Namespace) -> int:
           f"{counts.get('failed', 0)} failed -> {args.out}")
     for _, r in report[report["status"] == "failed"].iterrows():
         print(f"  failed {r['slide_id']}: {r['error']}")
-    return 1 if counts.get("failed", 0) else 0
+    return failure_status(bool(counts.get("failed", 0)), args)

@@ -3,11 +3,18 @@
 Every module in :mod:`wsi_pipeline.cli` that defines ``register(subparsers)`` contributes one
 subcommand; ``register`` adds a parser and sets ``func`` (``Callable[[argparse.Namespace], int]``)
 as its default. Heavy imports (torch, openslide) happen inside ``func``, so ``--help`` is fast.
+
+Errors are reported here, once for every command: a user error (:data:`USER_ERRORS`: bad input,
+a missing or refused file, a full, read-only or wrong output path) is one line on stderr,
+``wsi-pipeline <command>: error: ...``, exit status 2 (``-vv`` adds the traceback); Ctrl-C is one
+line saying how to continue, exit status 130. Exit status 1 means the command ran but some
+slides (or runs) failed; each command's summary names them.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import pkgutil
@@ -19,10 +26,42 @@ from wsi_pipeline import cli as _cli_pkg
 from wsi_pipeline.cli._common import CommandParser, apply_output_level
 from wsi_pipeline import interrupt
 
-__all__ = ["build_parser", "main"]
+__all__ = ["USER_ERRORS", "build_parser", "describe_error", "main"]
+
+#: What a user can cause and fix: bad values and files (ValueError, TypeError: config fields),
+#: missing files, a missing optional dependency, a lock not released in time, and every OSError
+#: (no space left, read-only or not a folder, permissions), reported by :func:`describe_error`.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, TimeoutError, OSError)
+
+#: Longest error line printed (a value quoted in full could be megabytes).
+MAX_ERROR_CHARS = 2000
+
+_OS_ADVICE = {
+    errno.ENOSPC: "the disk is full: free space or choose another output folder, then run the same command again",
+    errno.EDQUOT: "the disk quota is used up: free space or choose another output folder",
+    errno.EROFS: "the file system is read-only: choose a writable output folder",
+    errno.EACCES: "permission denied: choose a folder you can write to",
+    errno.EPERM: "permission denied: choose a folder you can write to",
+    errno.ENOTDIR: "a path on the way is a file, not a folder: choose another output path",
+    errno.EISDIR: "the path is a folder where a file was expected",
+    errno.ELOOP: "too many levels of symbolic links (a link loop)",
+}
+
+
+def describe_error(err: BaseException) -> str:
+    """One line for a user error: the message, and for an ``OSError`` the path, the reason and what to do."""
+    if isinstance(err, OSError) and not isinstance(err, FileNotFoundError) and err.errno in _OS_ADVICE:
+        where = f" {err.filename}" if err.filename else ""
+        if err.filename2:
+            where += f" -> {err.filename2}"
+        text = f"{err.strerror or err}:{where} ({_OS_ADVICE[err.errno]})"
+    else:
+        text = str(err) or type(err).__name__
+    text = " ".join(text.split())  # one line
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + f"... ({len(text)} characters)"
 
 #: Commands in the order of the flow, then the side tools; ``--help`` lists them so (any other after).
-FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "tissue", "demo")
+FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "verify", "tissue", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +100,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     restore_sigint = interrupt.install()  # a Ctrl-C swallowed by a finalizer still stops the next unit of work
     try:
         return int(args.func(args) or 0)
+    except USER_ERRORS as err:
+        if args.verbose >= 2:
+            logging.getLogger(__name__).exception("traceback of the error below (-vv)")
+        print(f"wsi-pipeline {args.command}: error: {describe_error(err)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # finished work is kept by every stage (atomic writes, completion markers, last.pt)
         print(f"\nwsi-pipeline {args.command}: interrupted; finished work is kept. Run the same command again to "

@@ -214,21 +214,19 @@ def _builder(args: argparse.Namespace) -> Callable[[], object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Build, write and summarise the manifest; 1 with the error on stderr when the inputs are wrong."""
+    """Build, write and summarise the manifest (wrong inputs: the command line's one error line, exit 2)."""
     from wsi_pipeline.manifests.schema import write_manifest
+    from wsi_pipeline.output_dirs import check_output_file
 
     build = _builder(args)
+    check_output_file(args.out, "the manifest")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
             df = build()
-        except (ValueError, FileNotFoundError) as e:
+        finally:
             for w in caught:
                 print(f"warning: {w.message}", file=sys.stderr)
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    for w in caught:
-        print(f"warning: {w.message}", file=sys.stderr)
     _warn_duplicate_files(df)
     path = write_manifest(df, args.out)
     print(f"wrote {path}")

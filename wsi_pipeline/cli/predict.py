@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
-from wsi_pipeline.cli._common import add_device_argument, add_heatmap_mode_argument, add_output_arguments
+from wsi_pipeline.cli._common import add_failure_argument, failure_status, add_device_argument, add_heatmap_mode_argument, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -49,6 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "(another tile size, resolution, method or threshold) with a warning instead of refusing it")
     add_heatmap_mode_argument(p)
     add_output_arguments(p)
+    add_failure_argument(p)
     add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 
@@ -60,8 +61,7 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
 
     if args.workers is not None and args.workers < 0:
-        print(f"error: --workers {args.workers} must be >= 0", file=sys.stderr)
-        return 2
+        raise ValueError(f"--workers {args.workers} must be >= 0")
     try:
         main = join_torchrun(args)
         cluster = cluster_from_args(args)
@@ -71,9 +71,6 @@ def run(args: argparse.Namespace) -> int:
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
             progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling, cluster=cluster, retries=args.retries,
         )
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     finally:
         distributed.shutdown()
     if not main:
@@ -101,4 +98,4 @@ def run(args: argparse.Namespace) -> int:
     if s.heatmaps_dir is not None and len(df):
         print(f"  heatmaps     {s.heatmaps_dir}/<slide_id>.png, .geojson (QuPath: File > Import objects), _scores.csv")
     print(f"  tile stores  {s.tiles_dir}")
-    return 1 if s.failed and not len(df) else 0
+    return failure_status(bool(s.failed), args)

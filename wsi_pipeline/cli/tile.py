@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
-from wsi_pipeline.cli._common import LazyChoices, add_output_arguments
+from wsi_pipeline.cli._common import add_failure_argument, failure_status, LazyChoices, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -105,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-qc", action="store_true", help="do not write QC images")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
     add_output_arguments(p)
+    add_failure_argument(p)
     p.add_argument("--lock-stale-after", type=_positive, default=600.0, metavar="S",
                    help="several runs may share one --out: each slide is tiled under a lock (<out>/.locks) that its run "
                         "refreshes every 30 s; a lock whose run is gone (same host) or not refreshed for S seconds "
@@ -116,33 +117,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments (no slides, an
     unwritable --out), 130 on Ctrl-C."""
-    import sys
-
-    from wsi_pipeline.manifests.schema import ManifestError
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.tiling.tiler import TilingConfig
 
-    try:
-        config = TilingConfig(
-            method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
-            grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
-            compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
-            allow_dark_background=args.allow_dark_background, tissue_model=args.tissue_model,
-            **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
-        )
-        if args.workers is not None and args.workers < 0:
-            raise ValueError(f"--workers {args.workers} must be >= 0")
-        cluster, shard = cluster_from_args(args), shard_from_args(args)
-        source = args.slides if args.slides is not None else args.manifest
-        report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite,
-                             progress=not args.no_progress, lock_stale_s=args.lock_stale_after,
-                             cluster=cluster, retries=args.retries, shard=shard)
-    except (ValueError, FileNotFoundError, ManifestError, TimeoutError) as err:
-        print(f"wsi-pipeline tile: error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"wsi-pipeline tile: interrupted; finished stores are kept, rerun the same command to resume ({args.out})",
-              file=sys.stderr)
-        return 130
+    config = TilingConfig(
+        method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
+        grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
+        compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
+        allow_dark_background=args.allow_dark_background, tissue_model=args.tissue_model,
+        **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
+    )
+    if args.workers is not None and args.workers < 0:
+        raise ValueError(f"--workers {args.workers} must be >= 0")
+    cluster, shard = cluster_from_args(args), shard_from_args(args)
+    source = args.slides if args.slides is not None else args.manifest
+    report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite,
+                         progress=not args.no_progress, lock_stale_s=args.lock_stale_after,
+                         cluster=cluster, retries=args.retries, shard=shard)
     print(report.summary())
-    return 0 if report.ok else 1
+    return failure_status(not report.ok, args)

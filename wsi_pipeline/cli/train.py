@@ -76,16 +76,18 @@ def run(args: argparse.Namespace) -> int:
                     cfg, methods=args.methods, seeds=args.seeds, resume=args.resume,
                     device=args.device, progress=not args.no_progress, strict=args.strict,
                 )
-    except (ValueError, TypeError, FileNotFoundError, ImportError) as e:
-        if getattr(args, "verbose", 0) >= 2:
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     finally:
         distributed.shutdown()
     if not main_rank:
         return 0
-    print(f"trained {len(runs)} run(s) of pipeline {config.name!r}:")
+    from wsi_pipeline.training.rundir import DONE, run_holder
+
+    busy = [(r, who) for r in runs if not (r / DONE).exists() and (who := run_holder(r)) is not None]
+    print(f"trained {len(runs) - len(busy)} run(s) of pipeline {config.name!r}:")
     for r in runs:
-        print(f"  {r}")
-    return 0
+        if all(r != b for b, _ in busy):
+            print(f"  {r}")
+    for r, who in busy:
+        print(f"wsi-pipeline train: not trained here: {r}: another process is training it ({who}); run the same "
+              "command again after it finishes", file=sys.stderr)
+    return 1 if busy else 0

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.schema import spec
+from wsi_pipeline.config.io import short_repr
 
 __all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "Protocol", "parse_protocol", "parse_protocols", "saved_protocol"]
 
@@ -84,17 +85,17 @@ def parse_protocol(value: Any, where: str = "protocol") -> Protocol:
         return ALL
     m = _NAME_RE.fullmatch(value) if isinstance(value, str) else None
     if m is None:
-        raise ValueError(f"{where}={value!r}; expected {PROTOCOL_SPELLING}")
+        raise ValueError(f"{where}={short_repr(value)}; expected {PROTOCOL_SPELLING}")
     k, repeats = int(m.group(2)), int(m.group(3))
     if k < 1 or repeats < 1:
-        raise ValueError(f"{where}={value!r}; k and R must be >= 1 ({PROTOCOL_SPELLING})")
+        raise ValueError(f"{where}={short_repr(value)}; k and R must be >= 1 ({PROTOCOL_SPELLING})")
     return Protocol(k, repeats, ensemble=m.group(1) == "ens")
 
 
 def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> list[Protocol]:
     """Parse a list of protocols; duplicates are dropped, order kept; None or empty means ``[all]``."""
     if isinstance(values, (str, bytes)) or (values is not None and not isinstance(values, Sequence)):
-        raise ValueError(f"{where}={values!r}; expected a list of protocols ({PROTOCOL_SPELLING})")
+        raise ValueError(f"{where}={short_repr(values)}; expected a list of protocols ({PROTOCOL_SPELLING})")
     out: list[Protocol] = []
     for i, v in enumerate(values or ["all"]):
         p = parse_protocol(v, f"{where}[{i}]")
@@ -120,7 +121,7 @@ def saved_protocol(value: Any) -> Any:
 
 def _config_protocols(value: Any, where: str) -> tuple[Protocol, ...]:
     if not isinstance(value, (list, tuple)) or not value:
-        raise TypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {value!r}")
+        raise TypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {short_repr(value)}")
     return tuple(parse_protocol(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 

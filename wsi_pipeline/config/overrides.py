@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import yaml
+from wsi_pipeline.config.io import load_yaml
 
 __all__ = ["OVERRIDE_HELP", "OVERRIDE_METAVAR", "apply_overrides", "deep_merge"]
 
@@ -60,7 +60,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         keys = [k for k in path.strip().split(".") if k]
         if not keys:
             raise ValueError(f"override {item!r}: empty key path")
-        value = yaml.safe_load(text) if text.strip() else None
+        value = load_yaml(text, f"override {item!r}") if text.strip() else None
         node: Any = raw
         for i, key in enumerate(keys):
             last = i == len(keys) - 1

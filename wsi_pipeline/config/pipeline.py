@@ -46,7 +46,7 @@ from typing import Any
 from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, Protocol, parse_protocol, saved_protocol
-from wsi_pipeline.config.io import config_to_dict, read_yaml, write_yaml
+from wsi_pipeline.config.io import short_repr, config_to_dict, read_yaml, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BagStatisticsWarning, BiglConfig, EncoderConfig, bag_statistics_warning
 from wsi_pipeline.config.overrides import apply_overrides, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
@@ -160,12 +160,12 @@ def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: Protocol
     ``val_protocol`` (the pipeline's ``eval.val_protocol``) unless it sets its own, built, and for
     ``patchgd`` its options checked (errors under ``methods.<name>``)."""
     if not isinstance(m, Mapping):
-        raise TypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {m!r}")
+        raise TypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {short_repr(m)}")
     where = f"methods.{m['name']}" if "name" in m else f"methods[{i}]"
     m = apply_patchgd_preset(m, where)  # `patchgd: {preset: paper}` fills in the paper's settings
     over = m.get("train") or {}
     if not isinstance(over, Mapping):
-        raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {over!r}")
+        raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {short_repr(over)}")
     m["train"] = deep_merge(train_raw, over)
     m.setdefault("val_protocol", val_protocol.name)
     method = build(MethodConfig, m, where)
@@ -195,7 +195,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
     eval_cfg = build(EvalConfig, raw.get("eval") or {}, "eval")  # likewise; its val_protocol is each method's default
     methods_raw = raw.get("methods")
     if not isinstance(methods_raw, list):
-        raise TypeError(f"methods: expected a list of methods (name, strategy, ...), got {methods_raw!r}")
+        raise TypeError(f"methods: expected a list of methods (name, strategy, ...), got {short_repr(methods_raw)}")
     methods = tuple(_method(m, i, train_raw, eval_cfg.val_protocol) for i, m in enumerate(methods_raw))
     return build(PipelineConfig, {**raw, "methods": methods})
 

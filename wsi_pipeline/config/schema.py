@@ -23,6 +23,7 @@ import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
+from wsi_pipeline.config.io import short_repr
 
 __all__ = ["build", "coerce", "positive", "spec", "type_name"]
 
@@ -66,7 +67,7 @@ def type_name(tp: Any) -> str:
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` (from YAML) against the annotation ``tp``; return the typed value."""
     origin = typing.get_origin(tp)
-    wrong = TypeError(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {value!r}")
+    wrong = TypeError(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {short_repr(value)}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None:
@@ -84,7 +85,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         raise wrong
     if origin is Literal:
         if value not in typing.get_args(tp):
-            raise ValueError(f"{where}={value!r}; expected {type_name(tp)}")
+            raise ValueError(f"{where}={short_repr(value)}; expected {type_name(tp)}")
         return value
     if origin is tuple:
         args = typing.get_args(tp)
@@ -138,13 +139,13 @@ def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
     if choices is not None:
         allowed = list(choices() if callable(choices) else choices)
         if value not in allowed:
-            raise ValueError(f"{where}={value!r}; expected one of {allowed}")
+            raise ValueError(f"{where}={short_repr(value)}; expected one of {allowed}")
     if "gt" in meta and not value > meta["gt"]:
-        raise ValueError(f"{where}={value!r}; expected a value > {meta['gt']}")
+        raise ValueError(f"{where}={short_repr(value)}; expected a value > {meta['gt']}")
     if "ge" in meta and not value >= meta["ge"]:
-        raise ValueError(f"{where}={value!r}; expected a value >= {meta['ge']}")
+        raise ValueError(f"{where}={short_repr(value)}; expected a value >= {meta['ge']}")
     if "le" in meta and not value <= meta["le"]:
-        raise ValueError(f"{where}={value!r}; expected a value <= {meta['le']}")
+        raise ValueError(f"{where}={short_repr(value)}; expected a value <= {meta['le']}")
 
 
 def build(cls: type[T], raw: Any, where: str = "") -> T:
@@ -155,7 +156,7 @@ def build(cls: type[T], raw: Any, where: str = "") -> T:
     type (naming the field's path and the expected type).
     """
     if not isinstance(raw, Mapping):
-        raise TypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {raw!r}")
+        raise TypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {short_repr(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     section = where or "top level"

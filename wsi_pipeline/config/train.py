@@ -10,6 +10,7 @@ from typing import Any
 from wsi_pipeline.config.choices import Schedule, SelectMetric
 from wsi_pipeline.config.schema import build, coerce, positive, spec
 from wsi_pipeline.devices import check_device
+from wsi_pipeline.config.io import short_repr
 
 __all__ = ["AugmentConfig", "DemonConfig", "TrainConfig"]
 
@@ -36,7 +37,7 @@ def _parse_demon(value: Any, where: str) -> DemonConfig:
         raw = dict(value)
         raw.setdefault("enabled", True)
         return build(DemonConfig, raw, where)
-    raise TypeError(f"{where} must be true, false or a mapping like {{beta_init: 0.9}}; got {value!r}")
+    raise TypeError(f"{where} must be true, false or a mapping like {{beta_init: 0.9}}; got {short_repr(value)}")
 
 
 @dataclass(frozen=True)

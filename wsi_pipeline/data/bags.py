@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from wsi_pipeline.data.store import TileStore, is_complete, open_store, store_path
+from wsi_pipeline.data.store import TileStore, is_complete, marked_complete, open_store, store_path, store_problem
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +101,14 @@ def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
     skipped = skipped_by_tiler(tiles_dir)
     slides = [s for s in slides if s.slide_id not in skipped]
     missing = [s.slide_id for s in slides if not s.store.exists()]
-    partial = [s.slide_id for s in slides if s.store.exists() and not is_complete(s.store)]
+    partial = [s.slide_id for s in slides if s.store.exists() and marked_complete(s.store) is None]
     if not missing and not partial:
+        damaged = [(s.slide_id, p) for s in slides if (p := store_problem(s.store)) is not None]
+        if damaged:
+            raise ValueError(
+                f"{len(damaged)} slide(s) of the manifest have unusable tile stores in {tiles_dir}: "
+                + "; ".join(f"slide {sid}: {why}" for sid, why in damaged[:5]) + (" ..." if len(damaged) > 5 else "")
+            )
         return
     parts = []
     if missing:
@@ -114,6 +120,7 @@ def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
         f"({'; '.join(parts)}). Run `wsi-pipeline tile` (make tile) on these slides to (re)build their "
         f"<slide_id>.zarr stores, or point data.tiles_dir at the folder that holds them."
     )
+
 
 
 #: Store settings that may differ between the slides of one cohort (they describe the slide, not the tiling).

@@ -11,12 +11,18 @@
   :mod:`wsi_pipeline.tiling` does that (and the ``zarr.codecs`` entry point, where installed).
 - :func:`tile_layout_for`: one tile per chunk, optionally grouped into zarr v3 shards of
   ``shard_tiles`` tiles (one file per shard; the chunk, the unit of a read, stays one tile).
-- :func:`direct_codec`: the same codec chain (raw, zstd, jpeg) as plain encode/decode functions,
-  for the store's direct chunk reads and writes (the bytes zarr writes and reads).
+- :func:`direct_codec`: the same codec chain (raw, zstd, jpeg; each optionally followed by
+  ``crc32c``) as plain encode/decode functions, for the store's direct chunk reads and writes (the
+  bytes zarr writes and reads).
+- Every chain of a new store ends in zarr's ``crc32c`` codec: each tile's stored bytes carry
+  their CRC-32C, checked on every read (by zarr and by the direct reader alike), so a damaged
+  chunk is an error naming it, never other pixels. CRC-32C runs at several GB/s (SSE 4.2):
+  ~10 us on a 100 kB tile, against ~500 us to decode it.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +38,7 @@ if TYPE_CHECKING:
     from zarr.core.buffer import Buffer, NDBuffer
 
 __all__ = [
-    "DEFAULT_SHARD_TILES", "DirectCodec", "JPEG_CODEC_NAME", "JpegTileCodec", "direct_codec", "jpeg_tile_codecs",
+    "ChecksumError", "DEFAULT_SHARD_TILES", "DirectCodec", "checksum_codec", "JPEG_CODEC_NAME", "JpegTileCodec", "direct_codec", "jpeg_tile_codecs",
     "lossless_tile_codecs", "register_codecs", "tile_codecs_for", "tile_layout_for",
 ]
 
@@ -108,17 +114,28 @@ def register_codecs() -> None:
         _registered = True
 
 
+class ChecksumError(ValueError):
+    """A chunk whose stored CRC-32C does not match its bytes (the chunk is damaged)."""
+
+
+def checksum_codec() -> Any:
+    """zarr's ``crc32c`` codec: the last codec of every chunk chain of a new store."""
+    from zarr.codecs import Crc32cCodec
+
+    return Crc32cCodec()
+
+
 def jpeg_tile_codecs(quality: int = 90) -> dict[str, Any]:
-    """``zarr.create_array`` keyword arguments for JPEG-compressed tiles (lossy)."""
+    """``zarr.create_array`` keyword arguments for JPEG-compressed tiles (lossy), checksummed."""
     register_codecs()
-    return {"serializer": JpegTileCodec(quality=quality), "compressors": None}
+    return {"serializer": JpegTileCodec(quality=quality), "compressors": [checksum_codec()]}
 
 
 def lossless_tile_codecs() -> dict[str, Any]:
-    """``zarr.create_array`` keyword arguments for fast lossless tiles (zstd level 1)."""
+    """``zarr.create_array`` keyword arguments for fast lossless tiles (zstd level 1), checksummed."""
     from zarr.codecs import ZstdCodec
 
-    return {"compressors": [ZstdCodec(level=1)]}
+    return {"compressors": [ZstdCodec(level=1), checksum_codec()]}
 
 
 _FLAT_KEYS = {"name": "default", "configuration": {"separator": "."}}
@@ -131,7 +148,7 @@ def tile_codecs_for(compression: str) -> dict[str, Any]:
     elif compression == "jpeg":
         kw = jpeg_tile_codecs()
     elif compression == "none":
-        kw = {"compressors": None}
+        kw = {"compressors": [checksum_codec()]}
     else:
         raise ValueError(f"compression={compression!r}; expected 'zstd', 'jpeg' or 'none'")
     return {**kw, "chunk_key_encoding": _FLAT_KEYS}
@@ -172,12 +189,40 @@ class DirectCodec:
     decode: Callable[[bytes], Any]
 
 
+def _with_checksum(codec: DirectCodec) -> DirectCodec:
+    """``codec`` followed by zarr's ``crc32c`` codec: its CRC-32C appended (4 bytes, little-endian)
+    on encode, checked and removed on decode (:class:`ChecksumError` when it does not match)."""
+    import google_crc32c
+
+    inner_encode, inner_decode = codec.encode, codec.decode
+
+    def encode(tile: np.ndarray) -> bytes:
+        data = bytes(inner_encode(tile))
+        return data + struct.pack("<I", google_crc32c.value(data))
+
+    def decode(data: bytes) -> Any:
+        arr = np.frombuffer(data, np.uint8)  # a read-only view, as google_crc32c wants
+        if len(arr) < 4:
+            raise ChecksumError(f"chunk of {len(arr)} bytes is shorter than its checksum")
+        body = arr[:-4]
+        stored, = struct.unpack("<I", arr[-4:].tobytes())
+        if google_crc32c.value(body) != stored:
+            raise ChecksumError("the chunk's CRC-32C checksum does not match its bytes")
+        return inner_decode(body)
+
+    return DirectCodec(codec.name + "+crc32c", encode, decode)
+
+
 def direct_codec(codecs: Sequence[Any]) -> DirectCodec | None:
     """The :class:`DirectCodec` for a uint8 chunk's zarr codec chain, or None if it is not one of
-    ``bytes``, ``bytes`` + ``zstd``, or :class:`JpegTileCodec` (zarr then does the work)."""
-    from zarr.codecs import BytesCodec, ZstdCodec
+    ``bytes``, ``bytes`` + ``zstd``, or :class:`JpegTileCodec`, each optionally followed by
+    ``crc32c`` (zarr then does the work)."""
+    from zarr.codecs import BytesCodec, Crc32cCodec, ZstdCodec
 
     codecs = tuple(codecs)
+    if codecs and isinstance(codecs[-1], Crc32cCodec):
+        inner = direct_codec(codecs[:-1])
+        return None if inner is None else _with_checksum(inner)
     if len(codecs) == 1 and isinstance(codecs[0], JpegTileCodec):
         import imagecodecs
 

@@ -18,6 +18,17 @@ written, so a shard file is complete or absent.
 Both layouts are read and written straight from/to the chunk and shard files when their codecs
 are plain (raw, zstd, jpeg): a tile is one ``pread`` of its bytes, found in a shard through the
 shard's index (per the zarr v3 sharding spec), without decoding the rest of the shard.
+
+Stores verify themselves (stores written before this have no record and are read as before):
+
+- every chunk of every array ends in its CRC-32C (zarr's ``crc32c`` codec), checked on each read:
+  a damaged tile raises :class:`StoreDamagedError` naming the store and the tile, never decodes
+  to other pixels;
+- at commit, the attribute ``integrity`` records every chunk and shard file with its size; opening
+  a store (:class:`TileStore`, cheap: one ``stat`` per file) checks that each is there with that
+  size, so a deleted or truncated file is found before anything is read, and a tile or shard
+  index entry that is absent is an error, never zarr's silent fill value;
+- :func:`verify_store` reads everything (``wsi-pipeline verify``).
 """
 
 from __future__ import annotations
@@ -32,17 +43,51 @@ from typing import Any
 import numpy as np
 import zarr
 
-from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES, DirectCodec, direct_codec, register_codecs, tile_codecs_for, tile_layout_for
+from wsi_pipeline.data.codecs import (
+    DEFAULT_SHARD_TILES, ChecksumError, DirectCodec, checksum_codec, direct_codec, register_codecs, tile_codecs_for,
+    tile_layout_for,
+)
+from wsi_pipeline.slide_ids import slide_output_path
 
-__all__ = ["StoreWriter", "TileStore", "open_store", "complete_attrs", "is_complete", "store_path", "COMPRESSIONS", "DEFAULT_SHARD_TILES"]
+__all__ = [
+    "COMPRESSIONS", "DEFAULT_SHARD_TILES", "INTEGRITY_SCHEME", "StoreDamagedError", "StoreWriter", "TileStore", "complete_attrs", "is_complete",
+    "is_tile_store", "marked_complete", "open_store", "store_path", "store_problem", "verify_store",
+]
 
 #: Tile compressions: lossless ``zstd`` (default), ``none``, or lossy ``jpeg`` (quality 90).
 COMPRESSIONS: tuple[str, ...] = ("zstd", "none", "jpeg")
+#: The arrays every store has; a chunk of any of them missing is damage, never a fill value.
+_ARRAYS = ("tiles", "coords", "grid", "foreground")
+#: Version of the ``integrity`` attribute (chunk files and their sizes, written at commit).
+INTEGRITY_SCHEME = "files-v1"
+
+
+class StoreDamagedError(ValueError):
+    """A tile store whose files are missing, truncated or fail their checksum; the message names the
+    store, the array or tile, and how to rebuild it."""
+
+    def __init__(self, store: str | os.PathLike, problem: str) -> None:
+        super().__init__(f"tile store {store} is damaged: {problem}; rebuild it (rerun `wsi-pipeline tile`, which "
+                         "rebuilds damaged stores) and check the disk")
+        self.store = Path(store)
+        self.problem = problem
+
+
+def is_tile_store(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a zarr group written as a tile store (complete or not): its
+    attributes name a ``slide_id``. A folder that is not one is never replaced or removed."""
+    import json
+
+    try:
+        meta = json.loads((Path(path) / "zarr.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("node_type") == "group" and "slide_id" in (meta.get("attributes") or {})
 
 
 def store_path(tiles_dir: str | os.PathLike, slide_id: str) -> Path:
-    """Return the path of ``slide_id``'s store inside ``tiles_dir``."""
-    return Path(tiles_dir) / f"{slide_id}.zarr"
+    """Return the path of ``slide_id``'s store inside ``tiles_dir`` (the id checked to be a name, not a path)."""
+    return slide_output_path(tiles_dir, slide_id, ".zarr")
 
 
 class StoreWriter:
@@ -160,9 +205,12 @@ class StoreWriter:
 
     def add_array(self, name: str, values: np.ndarray) -> None:
         """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk (one file)."""
+        from zarr.codecs import ZstdCodec
+
         values = np.ascontiguousarray(values)
         chunks = tuple(max(int(v), 1) for v in values.shape) or None
-        self.group.create_array(name, data=values, chunks=chunks or "auto", overwrite=True)
+        self.group.create_array(name, data=values, chunks=chunks or "auto", overwrite=True,
+                                compressors=[ZstdCodec(level=1), checksum_codec()])
 
     def commit(self) -> Path:
         """Trim, write the small arrays, mark ``complete: true`` last, and rename into place."""
@@ -171,10 +219,15 @@ class StoreWriter:
         self.tiles.resize((n,) + self.tiles.shape[1:])
         for name, arr in (("coords", self.coords[:n]), ("grid", self.grid[:n]), ("foreground", self.foreground[:n])):
             self.add_array(name, arr)
-        self.group.attrs.update({"n_tiles": n})
+        self.group.attrs.update({"n_tiles": n, "integrity": {"scheme": INTEGRITY_SCHEME, "files": _chunk_files(self.tmp)}})
         self.group.attrs.update({"complete": True})
         old = None
-        if self.path.exists():
+        if self.path.exists() or self.path.is_symlink():
+            if not is_tile_store(self.path):
+                raise FileExistsError(
+                    f"{self.path} exists and is not a tile store (no zarr.json naming a slide_id); it was not written by "
+                    "wsi-pipeline, so it is left alone: move it away or choose another output folder"
+                )
             old = self.path.with_name(f".{self.path.name}.old-{os.getpid()}")
             os.replace(self.path, old)
         os.replace(self.tmp, self.path)
@@ -187,6 +240,55 @@ class StoreWriter:
         if isinstance(self._direct, _DirectShards):
             self._direct.discard()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _chunk_files(root: Path) -> dict[str, int]:
+    """Every chunk or shard file of the store folder ``root`` (not the ``zarr.json`` metadata), as
+    ``{path relative to root (with /): size in bytes}``."""
+    files: dict[str, int] = {}
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            if name == "zarr.json" or name.startswith("."):
+                continue
+            full = Path(dirpath) / name
+            files[full.relative_to(root).as_posix()] = full.stat().st_size
+    return dict(sorted(files.items()))
+
+
+def _check_files(path: Path, attrs: Mapping[str, Any]) -> None:
+    """The cheap check on open: every file the ``integrity`` record lists is there, with its size.
+
+    Stores without the record (written by earlier versions) get the check zarr's metadata allows:
+    the small arrays' chunks are all present.
+    """
+    record = attrs.get("integrity")
+    if isinstance(record, Mapping) and record.get("scheme") == INTEGRITY_SCHEME:
+        for rel, size in dict(record.get("files") or {}).items():
+            try:
+                found = os.stat(path / rel).st_size
+            except FileNotFoundError:
+                raise StoreDamagedError(path, f"{rel.split('/')[0]}: chunk file {rel} is missing") from None
+            if found != int(size):
+                raise StoreDamagedError(path, f"{rel.split('/')[0]}: chunk file {rel} has {found} bytes, expected {size}"
+                                        " (truncated or overwritten)")
+        return
+    group = zarr.open_group(str(path), mode="r")
+    for name in _ARRAYS[1:]:
+        if name in group and int(attrs.get("n_tiles", 1) or 0) > 0:
+            arr = group[name]
+            if arr.nchunks_initialized < arr.nchunks:
+                raise StoreDamagedError(path, f"{name}: {arr.nchunks - arr.nchunks_initialized} of its {arr.nchunks} "
+                                        "chunk file(s) are missing")
+
+
+def store_problem(path: str | os.PathLike) -> str | None:
+    """Why the store at ``path`` cannot be used (missing, partial, damaged files), or None (the
+    cheap check of :class:`TileStore`; chunk checksums are checked when tiles are read)."""
+    try:
+        open_store(path)
+    except (FileNotFoundError, StoreDamagedError, ValueError) as e:
+        return str(e)
+    return None
 
 
 _NO_CHUNK = 2**64 - 1  # offset and length of an absent chunk in a shard index (zarr v3 sharding spec)
@@ -250,7 +352,8 @@ class _DirectChunks:
 
     def __init__(self, array: Any, codec: DirectCodec) -> None:
         self.meta = array.metadata
-        self.root = Path(array.store_path.store.root) / array.store_path.path
+        self.store = Path(array.store_path.store.root)
+        self.root = self.store / array.store_path.path
         self.codec = codec
         self.chunk_shape = tuple(int(v) for v in array.shape[1:])
         fill = self.meta.fill_value
@@ -276,13 +379,16 @@ class _DirectChunks:
         """Nothing is held back: every chunk file is written by :meth:`write`."""
 
     def read(self, index: int, out: np.ndarray) -> None:
-        """Read chunk ``index`` into ``out`` (a missing chunk file reads as the fill value, as in zarr)."""
+        """Read chunk ``index`` into ``out``; a missing chunk file is :class:`StoreDamagedError`
+        (zarr would read the fill value), as is a chunk failing its checksum."""
         try:
             raw = self.path(index).read_bytes()
         except FileNotFoundError:
-            out[...] = self.fill
-            return
-        out[...] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+            raise StoreDamagedError(self.store, f"tile {index}: its chunk file {self.path(index).name} is missing") from None
+        try:
+            out[...] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+        except ChecksumError as e:
+            raise StoreDamagedError(self.store, f"tile {index}: {e}") from None
 
     def read_many(self, indices: np.ndarray, out: np.ndarray) -> None:
         """Read chunks ``indices`` into ``out[j]`` for each j."""
@@ -305,7 +411,8 @@ class _DirectShards:
 
     def __init__(self, array: Any, codec: DirectCodec, shard_tiles: int, *, crc: bool, index_at_end: bool) -> None:
         self.meta = array.metadata
-        self.root = Path(array.store_path.store.root) / array.store_path.path
+        self.store = Path(array.store_path.store.root)
+        self.root = self.store / array.store_path.path
         self.codec = codec
         self.S = int(shard_tiles)
         self.crc = crc
@@ -387,24 +494,25 @@ class _DirectShards:
         size, nb = st.st_size, self.index_nbytes
         path = self.path(shard)
         if size < nb:
-            raise ValueError(f"shard {path} has {size} bytes, fewer than its index ({nb} bytes for {self.S} tiles)")
+            raise StoreDamagedError(self.store, f"shard {path.name} has {size} bytes, fewer than its index ({nb} bytes for {self.S} tiles)")
         raw = os.pread(fd, nb, size - nb if self.index_at_end else 0)
         if self.crc:
             import google_crc32c
 
             body, (stored,) = raw[:-4], struct.unpack("<I", raw[-4:])
             if google_crc32c.value(body) != stored:
-                raise ValueError(f"shard {path}: the index checksum (crc32c) does not match; the file is damaged")
+                raise StoreDamagedError(self.store, f"shard {path.name}: the index checksum (crc32c) does not match")
             raw = body
         index = np.frombuffer(raw, dtype="<u8").reshape(self.S, 2)
         present = index[:, 0] != _NO_CHUNK
         if np.any(index[present, 0] + index[present, 1] > size):
-            raise ValueError(f"shard {path}: its index points past the end of the file ({size} bytes); the file is damaged")
+            raise StoreDamagedError(self.store, f"shard {path.name}: its index points past the end of the file ({size} bytes)")
         self._indexes[shard] = (key, index)
         return index
 
     def read(self, index: int, out: np.ndarray) -> None:
-        """Read chunk ``index`` into ``out`` (an absent shard or chunk reads as the fill value, as in zarr)."""
+        """Read chunk ``index`` into ``out`` (an absent shard or chunk, or one failing its checksum, is
+        :class:`StoreDamagedError`: zarr would read the fill value)."""
         self.read_many(np.array([index]), out[None])
 
     def _shard_file(self, shard: int) -> str:
@@ -429,26 +537,40 @@ class _DirectShards:
                     try:
                         fd = os.open(self._shard_file(shard), os.O_RDONLY)
                     except FileNotFoundError:
-                        index = None
-                    else:
-                        index = self._shard_index(shard, fd)
-                if index is None:
-                    out[j] = self.fill
-                    continue
+                        raise StoreDamagedError(self.store, f"tile {i}: its shard file {self.path(shard).name} is missing") from None
+                    index = self._shard_index(shard, fd)
                 offset, nbytes = index[i - shard * S]
                 if offset == _NO_CHUNK:
-                    out[j] = self.fill
-                    continue
+                    raise StoreDamagedError(self.store, f"tile {i}: absent from the index of shard {self.path(shard).name}")
                 raw = os.pread(fd, int(nbytes), int(offset))
-                out[j] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+                if len(raw) != int(nbytes):
+                    raise StoreDamagedError(self.store, f"tile {i}: shard {self.path(shard).name} ends inside it (truncated)")
+                try:
+                    out[j] = np.frombuffer(self.codec.decode(raw), np.uint8).reshape(self.chunk_shape)
+                except ChecksumError as e:
+                    raise StoreDamagedError(self.store, f"tile {i}: {e}") from None
         finally:
             if fd >= 0:
                 os.close(fd)
 
 
 def complete_attrs(path: str | os.PathLike) -> dict[str, Any] | None:
-    """The attributes of a complete store at ``path``; None when it is missing, unreadable or
-    partial (its attributes do not say ``complete: true``, which a writer sets last)."""
+    """The attributes of a complete store at ``path``; None when it is missing, unreadable,
+    partial (its attributes do not say ``complete: true``, which a writer sets last) or damaged
+    (a file its ``integrity`` record lists is missing or has another size)."""
+    attrs = marked_complete(path)
+    if attrs is None:
+        return None
+    try:
+        _check_files(Path(path), attrs)
+    except Exception:  # any unreadable or damaged store is simply not complete
+        return None
+    return attrs
+
+
+def marked_complete(path: str | os.PathLike) -> dict[str, Any] | None:
+    """The attributes of the store at ``path`` when they say ``complete: true`` (its files unchecked);
+    None when it is missing, unreadable or partial."""
     try:
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
     except Exception:  # any unreadable or missing store is simply not complete
@@ -457,7 +579,7 @@ def complete_attrs(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def is_complete(path: str | os.PathLike) -> bool:
-    """True when ``path`` is a readable store whose attributes say ``complete: true``."""
+    """True when ``path`` is a readable, undamaged store whose attributes say ``complete: true``."""
     return complete_attrs(path) is not None
 
 
@@ -479,10 +601,17 @@ class TileStore:
         register_codecs()  # a JPEG-compressed store needs its codec known to zarr before opening
         self.group = zarr.open_group(str(self.path), mode="r")
         self.attrs: dict[str, Any] = dict(self.group.attrs)
+        missing = [name for name in _ARRAYS if name not in self.group]
+        if missing:
+            raise StoreDamagedError(self.path, f"array(s) {missing} are missing")
+        _check_files(self.path, self.attrs)
         self._tiles = self.group["tiles"]
-        self.coords = np.asarray(self.group["coords"][:])
-        self.grid = np.asarray(self.group["grid"][:])
-        self.foreground = np.asarray(self.group["foreground"][:])
+        try:
+            self.coords = np.asarray(self.group["coords"][:])
+            self.grid = np.asarray(self.group["grid"][:])
+            self.foreground = np.asarray(self.group["foreground"][:])
+        except (ValueError, RuntimeError) as e:  # zarr's crc32c codec: "Stored and computed checksum do not match"
+            raise StoreDamagedError(self.path, f"a small array does not decode ({e})") from None
         self.tile_size = int(self._tiles.shape[1])
         #: tiles per shard file, 0 for the one-file-per-tile layout of older stores
         self.shard_tiles = _shard_tiles_of(self._tiles)
@@ -513,7 +642,10 @@ class TileStore:
         order = np.argsort(idx, kind="stable")
         sorted_idx = idx[order]
         uniq, inverse = np.unique(sorted_idx, return_inverse=True)
-        block = np.asarray(self._tiles.get_orthogonal_selection((uniq,)))
+        try:
+            block = np.asarray(self._tiles.get_orthogonal_selection((uniq,)))
+        except (ValueError, RuntimeError) as e:  # zarr's crc32c codec on a damaged chunk
+            raise StoreDamagedError(self.path, f"tiles {uniq[:5].tolist()}...: {e}") from None
         out = np.empty((len(idx),) + block.shape[1:], np.uint8)
         out[order] = block[inverse]
         return out
@@ -525,11 +657,28 @@ class TileStore:
         return np.asarray(self.group[name][:])
 
 
+def verify_store(path: str | os.PathLike, *, batch: int = 64) -> tuple[int, str | None]:
+    """Check a store fully: :class:`TileStore`'s checks on open, then every tile read and its checksum
+    checked, ``batch`` tiles at a time. Return ``(tiles read, problem or None)``."""
+    try:
+        store = open_store(path)
+    except (FileNotFoundError, ValueError) as e:
+        return 0, str(e)
+    n = len(store)
+    try:
+        for start in range(0, n, batch):
+            store.read(np.arange(start, min(start + batch, n)))
+    except StoreDamagedError as e:
+        return start, e.problem
+    return n, None
+
+
 def open_store(path: str | os.PathLike) -> TileStore:
-    """Open a complete store; raise ``FileNotFoundError`` if absent and ``ValueError`` if partial."""
+    """Open a complete store; raise ``FileNotFoundError`` if absent, :class:`StoreDamagedError` if
+    its files are missing or truncated, and ``ValueError`` if partial."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"tile store not found: {path}; run `wsi-pipeline tile` first")
-    if not is_complete(path):
+    if marked_complete(path) is None:
         raise ValueError(f"tile store {path} is partial (no `complete: true`); rerun `wsi-pipeline tile` to rebuild it")
     return TileStore(path)

@@ -61,7 +61,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from wsi_pipeline.data.store import open_store, store_path
+from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
 from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
 from wsi_pipeline.evaluation.scoring import _label, _resolve_device, score_slide
 from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
@@ -72,6 +72,7 @@ from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_pr
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
+from wsi_pipeline.output_dirs import check_output_dir
 
 __all__ = ["EvalSummary", "evaluate_pipeline"]
 
@@ -87,6 +88,8 @@ class EvalSummary:
     models: list[tuple[str, int]] = field(default_factory=list)
     n_slides: int = 0
     missing_stores: list[str] = field(default_factory=list)
+    #: slides that could not be scored (a damaged tile store), with why; the others were scored
+    failed_slides: dict[str, str] = field(default_factory=dict)
     skipped_runs: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -109,6 +112,7 @@ class _Collected:
     probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
     gallery: list[dict] = field(default_factory=list)
     missing: set[str] = field(default_factory=set)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def evaluate_pipeline(
@@ -157,8 +161,10 @@ def evaluate_pipeline(
     t0 = time.perf_counter()
     out = Path(results_dir) if results_dir is not None else Path(config.results_dir) / config.name
     summary = EvalSummary(results_dir=out)
+    if distributed.is_main():
+        check_output_dir(out, ("heatmaps",), what="results folder")  # before any model is loaded
+    sets = _sets_to_score(config)  # the manifest is checked first: a bad one names itself, not "train first"
     runs = _finished_runs(config, methods, summary)
-    sets = _sets_to_score(config)
     protocols = parse_protocols(config.eval.protocols)
     dev = str(distributed.device_for(torch.device(_resolve_device(device))))
     choice = _choose_heatmap_run(runs, heatmap_method)
@@ -176,7 +182,8 @@ def evaluate_pipeline(
         got.records += bootstrap_records(got.probs_by, int(config.data.n_classes), n_boot, seed=int(config.eval.seed),
                                          progress=progress)
     summary.missing_stores = sorted(got.missing)
-    summary.n_slides = sum(len(s.slides) for s in sets) - len(got.missing)
+    summary.failed_slides = dict(sorted(got.failed.items()))
+    summary.n_slides = sum(len(s.slides) for s in sets) - len(got.missing) - len(got.failed)
     _write_results(config, out, got, protocols, choice, summary, heatmaps=heatmaps, heatmap_method=heatmap_method)
     summary.seconds = time.perf_counter() - t0
     return summary
@@ -285,15 +292,18 @@ class _ScoreTask:
     def __call__(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
         try:
             store = open_store(store_path(Path(self.config.data.tiles_dir), row["slide_id"]))
+            if len(store) == 0:
+                row.update(status="skipped", error=f"its tile store {store.path} has no tiles")
+                return
+            row["score"] = score_slide(
+                model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
+                device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
+        except StoreDamagedError as e:  # this slide fails by name; the others are scored
+            row.update(status="failed", error=str(e), damaged=True)
+            return
         except (FileNotFoundError, ValueError) as e:
             row.update(status="skipped", error=str(e))
             return
-        if len(store) == 0:
-            row.update(status="skipped", error=f"its tile store {store.path} has no tiles")
-            return
-        row["score"] = score_slide(
-            model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
-            device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
         row["label"] = _label(mrow["label"])
 
 
@@ -316,6 +326,11 @@ class _SetScorer:
             if row["slide_id"] not in self.got.missing:
                 log.warning("slide %s skipped: %s", row["slide_id"], row["error"])
             self.got.missing.add(row["slide_id"])
+            return
+        if row.get("damaged"):
+            if row["slide_id"] not in self.got.failed:
+                log.error("slide %s not scored: %s", row["slide_id"], row["error"])
+            self.got.failed[row["slide_id"]] = row["error"]
             return
         if row["status"] != "ok":  # a task that raised on a Dask worker: stop, as a local error would
             raise RuntimeError(f"slide {row['slide_id']}: scoring failed: {row['error']}")

@@ -34,6 +34,7 @@ from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.training import distributed
+from wsi_pipeline.output_dirs import check_output_dir
 
 __all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
 
@@ -180,6 +181,8 @@ def predict_slides(
         raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
     from wsi_pipeline.inference.checkpoint import load_trained_model
 
+    if distributed.is_main():
+        check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")
     dev = str(distributed.device_for(torch.device(_resolve_device(device))))
     model = load_trained_model(model_path, device=dev)
     prots = parse_protocols(protocols)
@@ -261,10 +264,12 @@ class _SlidePredictor:
 
     def __call__(self, sid: str, row: dict[str, Any]) -> None:
         try:
-            store = open_store(store_path(self.tiles_dir, sid))
-        except (FileNotFoundError, ValueError) as e:
+            self._predict(sid, row)
+        except (FileNotFoundError, ValueError) as e:  # a missing or damaged store fails this slide only
             row.update(status="failed", error=str(e))
-            return
+
+    def _predict(self, sid: str, row: dict[str, Any]) -> None:
+        store = open_store(store_path(self.tiles_dir, sid))
         if len(store) == 0:
             row.update(status="failed", error="the tile store has no tiles")
             return

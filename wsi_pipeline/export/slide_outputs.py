@@ -16,6 +16,7 @@ import numpy as np
 from wsi_pipeline.export.geojson import write_geojson
 from wsi_pipeline.export.heatmap import render_heatmap, save_png
 from wsi_pipeline.export.scores import tile_scores_frame, write_tile_scores
+from wsi_pipeline.slide_ids import slide_output_path
 
 __all__ = ["SlideOutputs", "write_slide_outputs"]
 
@@ -51,10 +52,10 @@ def write_slide_outputs(
     """
     out = Path(out_dir)
     df = tile_scores_frame(coords, grid, tile_extent, attention, instance_scores)
-    scores = write_tile_scores(out / f"{slide_id}_scores.csv", df)
+    scores = write_tile_scores(slide_output_path(out, slide_id, "_scores.csv"), df)
     meas = {c: df[c].to_numpy() for c in df.columns if c in ("attention", "attention_rank") or c.startswith("score_")}
-    geo = write_geojson(out / f"{slide_id}.geojson", coords, tile_extent, meas)
+    geo = write_geojson(slide_output_path(out, slide_id, ".geojson"), coords, tile_extent, meas)
     img = render_heatmap(thumbnail, coords, tile_extent, attention, level0_size=level0_size, mode=mode, title=title,
                          outline=outline)
-    png = save_png(out / f"{slide_id}.png", img)
+    png = save_png(slide_output_path(out, slide_id, ".png"), img)
     return SlideOutputs(png=png, scores=scores, geojson=geo)

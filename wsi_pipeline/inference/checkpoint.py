@@ -15,12 +15,21 @@ A checkpoint is a dict::
 
 Nothing is pickled as a Python object, so ``torch.load(path, weights_only=True)`` reads it and a
 file that carries a pickled object is refused (:func:`load_checkpoint`).
+
+Every checkpoint verifies itself: ``<name>.sha256`` beside it (``sha256sum`` format) records the
+file's SHA-256, checked on every load, so flipped bytes are an error naming the file, never a model
+that silently predicts something else. Saving writes the new hash beside the old one first, then
+replaces the checkpoint, then leaves only the new hash: a kill at any point leaves a checkpoint
+whose hash is recorded. A checkpoint without the file (saved by an older version) loads with a
+warning that it is unverified.
 :func:`load_trained_model` rebuilds the models of a run for evaluation and prediction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import os
 import pickle
 import random
@@ -33,17 +42,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
 __all__ = [
     "FORMAT",
+    "file_sha256",
     "TrainedModel",
     "capture_rng",
     "load_checkpoint",
     "load_trained_model",
     "restore_rng",
     "save_checkpoint",
+    "verify_checkpoint",
 ]
+
+log = logging.getLogger(__name__)
 
 FORMAT = "wsi-pipeline/checkpoint-v1"
 _PLAIN = (str, int, float, bool, type(None), torch.Tensor)
@@ -77,9 +90,82 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     state = dict(state)
     state.setdefault("format", FORMAT)
     _check_plain(state, "checkpoint")
+    side = _hash_file(path)
     with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+        try:
+            with open(tmp, "wb") as f:
+                hashing = _HashingWriter(f)
+                torch.save(state, hashing)  # hashed as it is written: no second pass over the file
+        except OSError as e:  # a full disk: name the checkpoint, not a nameless stream
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        digest = hashing.hexdigest()
+        # the old checkpoint's hash stays valid until the new file has replaced it
+        _write_hashes(side, path.name, [digest] + [h for h in _recorded(side) if h != digest][:1])
+    _write_hashes(side, path.name, [digest])
     return path
+
+
+class _HashingWriter:
+    """A binary file wrapper that feeds every byte written to SHA-256 (what ``torch.save`` needs: write, flush)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.h = hashlib.sha256()
+
+    def write(self, data: Any) -> int:
+        self.h.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def hexdigest(self) -> str:
+        return self.h.hexdigest()
+
+
+def file_sha256(path: str | os.PathLike, *, block: int = 1 << 22) -> str:
+    """SHA-256 of the file at ``path`` (hex), read in ``block``-byte pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hash_file(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _recorded(side: Path) -> list[str]:
+    """The hashes listed in a ``.sha256`` file (``<hex>  <name>`` lines); empty when there is none."""
+    try:
+        text = side.read_text()
+    except FileNotFoundError:
+        return []
+    return [ln.split()[0].lower() for ln in text.splitlines() if ln.strip()]
+
+
+def _write_hashes(side: Path, name: str, hashes: list[str]) -> None:
+    write_text_atomic(side, "".join(f"{h}  {name}\n" for h in hashes))
+
+
+def verify_checkpoint(path: str | os.PathLike) -> None:
+    """Check ``path`` against the SHA-256 recorded beside it; ``ValueError`` naming the file on a mismatch.
+
+    A checkpoint without a ``.sha256`` file (saved by an older version) is logged as unverified.
+    """
+    path = Path(path)
+    side = _hash_file(path)
+    recorded = _recorded(side)
+    if not recorded:
+        log.warning("%s has no %s (saved by an older version): its integrity is not verified", path, side.name)
+        return
+    found = file_sha256(path)
+    if found not in recorded:
+        raise ValueError(
+            f"checkpoint {path} is damaged: its sha256 {found[:16]}... does not match the {recorded[0][:16]}... recorded "
+            f"in {side.name} when it was saved; restore it from a backup or retrain the run"
+        )
 
 
 def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -88,12 +174,14 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     Raises
     ------
     FileNotFoundError : no such file.
-    ValueError : the file carries a pickled Python object (refused: loading it could run code),
-        is not a torch file, or is not a wsi-pipeline checkpoint; the message names the file.
+    ValueError : the file does not match its recorded SHA-256 (:func:`verify_checkpoint`), carries a
+        pickled Python object (refused: loading it could run code), is not a torch file, or is not
+        a wsi-pipeline checkpoint; the message names the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    verify_checkpoint(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:

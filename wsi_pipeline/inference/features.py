@@ -35,6 +35,8 @@ import pandas as pd
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.io_atomic import atomic_path
 from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.slide_ids import slide_output_path
+from wsi_pipeline.output_dirs import check_output_dir
 
 __all__ = [
     "extract_features",
@@ -56,7 +58,7 @@ REPORT_COLUMNS: tuple[str, ...] = ("slide_id", "status", "n_tiles", "seconds", "
 
 def features_path(out_dir: str | os.PathLike, slide_id: str) -> Path:
     """Return the feature file ``<out_dir>/<slide_id>.h5``."""
-    return Path(out_dir) / f"{slide_id}.h5"
+    return slide_output_path(out_dir, slide_id, ".h5")
 
 
 def weights_sha256(module: Any) -> str:
@@ -267,7 +269,7 @@ def extract_features(
     if int(batch_size) < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_dir(out, what="features folder")
     dev = resolve_device(device)
     if encoder is None:
         from wsi_pipeline.models import build_encoder

@@ -127,17 +127,14 @@ def slurm_cluster_kwargs(opts: SlurmOptions) -> dict[str, Any]:
 
 def parse_cluster_option(text: str) -> tuple[str, Any]:
     """``KEY=VALUE`` -> ``(KEY, VALUE)``; VALUE is read as YAML (``8``, ``true``, ``["--constraint=v100"]``)."""
-    import yaml
+    from wsi_pipeline.config.io import load_yaml
 
     key, sep, value = str(text).partition("=")
     key = key.strip()
     if not sep or not key.isidentifier():
         raise ValueError(f"--cluster-option {text!r}: expected KEY=VALUE with a SLURMCluster argument as KEY, "
                          "e.g. local_directory=/scratch or 'job_extra_directives=[\"--constraint=v100\"]'")
-    try:
-        return key, yaml.safe_load(value)
-    except yaml.YAMLError as err:
-        raise ValueError(f"--cluster-option {text!r}: the value is not valid YAML ({err})") from err
+    return key, load_yaml(value, f"--cluster-option {text!r}")
 
 
 def default_workers() -> int:

@@ -24,6 +24,8 @@ tiler's :class:`~wsi_pipeline.tiling.tiler.SlideResult`).
 
 from __future__ import annotations
 
+import errno
+
 import logging
 import os
 import time
@@ -193,6 +195,10 @@ class _Guarded:
         return run_one(self.work, item, args, slide_id=self.slide_id(item), catch=self.catch, defaults=self.defaults)
 
 
+#: OSError numbers that stop a per-slide run at once instead of failing each remaining slide in turn.
+STOP_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
 def run_one(
     work: Callable[..., Any],
     item: Any,
@@ -207,7 +213,8 @@ def run_one(
     ``row`` starts as ``{slide_id, status: "ok", error: "", seconds: 0, **defaults}``; the work sets
     ``status`` ``skipped`` / ``failed`` (and ``error``) itself when it knows. An exception of a
     type in ``catch`` makes the row ``failed`` with ``error`` ``"<Type>: <message>"`` (the columns
-    the work filled before it are kept); any other exception, and always ``KeyboardInterrupt``, propagates. ``seconds`` is the wall
+    the work filled before it are kept); any other exception, an ``OSError`` of :data:`STOP_ERRNOS`
+    (a full disk or quota, a read-only file system) and always ``KeyboardInterrupt`` propagate. ``seconds`` is the wall
     time of the work (s, 3 decimals).
     """
     t0 = time.perf_counter()
@@ -218,6 +225,8 @@ def run_one(
             row.update(extra)
     except catch as err:
         if isinstance(err, (KeyboardInterrupt, SystemExit)):  # an interrupt is never a slide's failure
+            raise
+        if isinstance(err, OSError) and err.errno in STOP_ERRNOS:  # every later slide would fail alike: stop now
             raise
         row.update(status="failed", error=f"{type(err).__name__}: {err}")
     row["seconds"] = round(time.perf_counter() - t0, 3)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.slide_ids import SlideIdError, check_slide_id, slide_id_problem
 
 __all__ = ["MANIFEST_COLUMNS", "SPLITS", "ManifestError", "read_manifest", "validate_manifest", "write_manifest"]
 
@@ -41,7 +42,7 @@ def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes
     are strings with ``""`` for missing, ``mpp`` is float (NaN for missing).
 
     Raises :class:`ManifestError` naming ``source`` for: missing columns, empty or duplicate
-    slide ids, non-integer labels, labels outside ``[0, n_classes)``, unknown split values,
+    slide ids, ids that break :func:`wsi_pipeline.slide_ids.check_slide_id` (with the line), non-integer labels, labels outside ``[0, n_classes)``, unknown split values,
     a patient in two splits, non-positive mpp.
     """
     missing = [c for c in ("slide_id", "path") if c not in df.columns]
@@ -54,10 +55,16 @@ def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes
     for col in ("label", "split", "cohort"):
         if col not in df.columns:
             df[col] = pd.NA if col == "label" else ""
-    df["slide_id"] = df["slide_id"].astype("string").str.strip()
-    empty = df.index[df["slide_id"].isna() | (df["slide_id"] == "")].tolist()
+    df["slide_id"] = df["slide_id"].astype("string")
+    empty = df.index[df["slide_id"].isna() | (df["slide_id"].str.strip() == "")].tolist()
     if empty:
         raise ManifestError(f"{source}: empty slide_id in row(s) {_first(i + 2 for i in empty)} (line numbers)")
+    for line, sid in zip(range(2, len(df) + 2), df["slide_id"]):  # ids are names, never paths
+        if slide_id_problem(sid) is not None:
+            try:
+                check_slide_id(sid, where=f"{source}, line {line}")
+            except SlideIdError as e:
+                raise ManifestError(str(e)) from None
     dup = df["slide_id"][df["slide_id"].duplicated()].unique().tolist()
     if dup:
         raise ManifestError(f"{source}: duplicate slide_id {_first(dup)}; slide ids must be unique")

@@ -12,15 +12,22 @@ Rules
 - DICOM: the ``.dcm`` files of one folder are one slide (its levels are separate instances),
   named after that folder; its path is the first ``.dcm`` file in sorted order.
 - Hidden files and folders (``.``-prefixed) and ``*.zarr`` folders (tile stores) are skipped;
-  folder links are followed once (cycles skipped).
+  folder links are followed once (cycles skipped); a file link that leads nowhere (dangling, or a
+  loop) is skipped with a warning naming it.
+- An id must be a name (:func:`wsi_pipeline.slide_ids.check_slide_id`): a file whose name gives
+  an id with leading or trailing spaces, ``..`` or control characters is refused up front, naming
+  every such file, so that one file never gets two ids in two places.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from wsi_pipeline.slide_ids import SlideIdError, slide_id_problem
 
 __all__ = [
     "DICOM_EXTENSIONS",
@@ -33,6 +40,8 @@ __all__ = [
     "no_slides_message",
     "slide_id",
 ]
+
+log = logging.getLogger(__name__)
 
 #: File endings of DICOM instances (one folder of them is one slide).
 DICOM_EXTENSIONS: tuple[str, ...] = (".dcm",)
@@ -125,6 +134,7 @@ def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.Path
     Raises
     ------
     FileNotFoundError : ``root`` is not a folder.
+    SlideIdError : some file names give unusable ids (all of them named, with the rule).
     """
     base = Path(root)
     if not base.is_dir():
@@ -141,12 +151,36 @@ def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.Path
             d for d in dirnames
             if not d.startswith(".") and not d.lower().endswith(".zarr") and os.path.realpath(here / d) not in skip
         )
-        names = sorted(f for f in filenames if is_slide_name(f))
+        names = []
+        for f in sorted(filenames):
+            if not is_slide_name(f):
+                continue
+            if not os.path.exists(here / f):  # a dangling link, or a link loop
+                why = "a link loop" if os.path.islink(here / f) and _loops(here / f) else "a link to nothing"
+                log.warning("skipping %s: %s, not a slide file", here / f, why)
+                continue
+            names.append(f)
         dicom = [f for f in names if _ending(f) in DICOM_EXTENSIONS]
         if dicom:
             found.append(SlideFile(slide_id(here / dicom[0]), here / dicom[0]))
         found.extend(SlideFile(slide_id(f), here / f) for f in names if _ending(f) not in DICOM_EXTENSIONS)
+    bad = [(s.path, why) for s in found if (why := slide_id_problem(s.slide_id)) is not None]
+    if bad:
+        listed = "; ".join(f"{p} (id {slide_id(p)!r}: {why})" for p, why in bad[:5])
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise SlideIdError(
+            f"{len(bad)} slide file(s) under {base} have names that cannot be slide ids: {listed}{more}; "
+            "rename them (a slide id is the file name without its ending, and must be a plain name)"
+        )
     return sorted(found, key=lambda s: str(s.path))
+
+
+def _loops(path: Path) -> bool:
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == 40  # ELOOP
+    return False
 
 
 def no_slides_message(root: str | os.PathLike, *, exclude: Sequence[str | os.PathLike] = ()) -> str:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+from wsi_pipeline.slide_ids import slide_output_path
+
 __all__ = ["HEARTBEAT_S", "STALE_AFTER_S", "LockInfo", "LockDir", "die_with_parent"]
 
 logger = logging.getLogger(__name__)
@@ -106,8 +108,13 @@ def _create(path: Path, info: LockInfo) -> bool:
         # no fsync: existence is what locks; a file left empty by a machine crash reads as
         # unreadable and goes stale after stale_after_s like any other
         os.write(fd, json.dumps(info.__dict__).encode())
-    finally:
+    except BaseException:
+        # a failed write (a full disk) must not leave an empty lock that others wait on until it goes stale
         os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    os.close(fd)
     return True
 
 
@@ -143,7 +150,8 @@ class LockDir:
         self.lost: list[str] = []
 
     def path(self, name: str) -> Path:
-        return self.folder / f"{name}.lock"
+        """``<folder>/<name>.lock``; ``name`` (a slide id) must be a plain name inside the folder."""
+        return slide_output_path(self.folder, name, ".lock")
 
     def holder(self, name: str) -> LockInfo | None:
         """Who holds ``name`` now (None: free, or a file not yet written)."""

@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 
 from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.slide_ids import slide_output_path
 
 __all__ = ["render_qc", "write_png", "qc_path"]
 
 
 def qc_path(out_dir: str | os.PathLike, slide_id: str) -> Path:
     """``<out_dir>/qc/<slide_id>.png``."""
-    return Path(out_dir) / "qc" / f"{slide_id}.png"
+    return slide_output_path(Path(out_dir) / "qc", slide_id, ".png")
 
 
 def render_qc(

@@ -17,9 +17,9 @@
   here once that run finished them); a stale lock (its run gone, or not refreshed for
   ``lock_stale_s``) is taken over. So any number of runs on one ``--out``, on one machine or
   many sharing a file system, tile each slide once.
-- The output folder is checked before any work (:mod:`wsi_pipeline.tiling.outdir`), and again
+- The output folder is checked before any work (:mod:`wsi_pipeline.output_dirs`), and again
   when a slide fails: a folder that cannot be written stops the run with one
-  :class:`~wsi_pipeline.tiling.outdir.OutputDirError` instead of failing every slide.
+  :class:`~wsi_pipeline.output_dirs.OutputDirError` instead of failing every slide.
 
 The bookkeeping (rows, progress bar, report while running and on an interrupt) is the per-slide
 job runner's (:class:`wsi_pipeline.jobs.runner.SlideRun`), with the tiler's steps plugged in. The
@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from wsi_pipeline.jobs.cluster import default_workers
-from wsi_pipeline.jobs.runner import SlideRun, run_claimed
+from wsi_pipeline.jobs.runner import STOP_ERRNOS, SlideRun, run_claimed
 from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, NoSlidesError
 from wsi_pipeline.tiling.claims import RETRY_S, SlideClaims
 from wsi_pipeline.tiling.locks import HEARTBEAT_S, STALE_AFTER_S, LockDir
-from wsi_pipeline.tiling.outdir import OutputDirError, check_output_dir, output_problem
+from wsi_pipeline.output_dirs import OutputDirError, check_output_dir, output_problem
 from wsi_pipeline.tiling.pool import run_pool
 from wsi_pipeline.tiling.report import LOCK_DIR, REPORT_COLUMNS, REPORT_NAME, CohortReport, _unfinished, write_report
 from wsi_pipeline.tiling.sources import jobs_from_folder, jobs_from_manifest, jobs_from_source
@@ -173,6 +173,8 @@ def _release_and_check(jobs: Sequence[SlideJob], locks: LockDir, out: Path, i: i
     if r.status != "failed":
         return
     problem = output_problem(out)
+    if problem is None and any(f"[Errno {e}]" in r.error for e in STOP_ERRNOS):  # the worker's error, as text
+        problem = "the disk is full, the quota used up or the file system read-only; free space or choose another disk"
     if problem is not None:  # the output broke, not the slide: stop here, this slide stays unprocessed
         raise OutputDirError(out, f"{problem} (while tiling {r.slide_id}: {r.error})")
     if r.error.startswith(("OSError", "PermissionError")) and any(f"'{o}{os.sep}" in r.error for o in (out, out.resolve())):

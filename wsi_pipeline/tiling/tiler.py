@@ -216,7 +216,11 @@ def _tile_open_slide(
         raise
     loop = TileLoop(writer, plan, config, read, direct, progress, budget, n_threads)
     loop.run()
-    writer.commit()
+    try:
+        writer.commit()
+    except BaseException:  # a full disk, a folder in the way: remove the temporary store, keep the old one
+        writer.abort()
+        raise
     loop.flush_progress()
     note = _slide_note(loop.n_kept, plan)
     if config.qc:

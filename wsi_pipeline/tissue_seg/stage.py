@@ -30,6 +30,7 @@ from wsi_pipeline.tissue_seg.chunked import DEFAULT_MAX_ELEMENTS, ChunkedTissueU
 from wsi_pipeline.tissue_seg.labels import paper_labels
 from wsi_pipeline.tissue_seg.model import MULTIPLE, TissueUNet
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
+from wsi_pipeline.slide_ids import slide_output_path
 
 __all__ = [
     "SlideEntry",
@@ -176,7 +177,7 @@ def cached_image(entry: SlideEntry, cache: Path, *, mpp: float, size: tuple[int,
 
     key = json.dumps({"fp": slide_fingerprint(entry.path), "mpp": mpp, "size": list(size) if size else None,
                       "slide_mpp": slide_mpp, "labels": "paper-v1"}, sort_keys=True)
-    f = cache / f"{entry.slide_id}.npz"
+    f = slide_output_path(cache, entry.slide_id, ".npz")
     if f.is_file():
         with np.load(f) as z:
             if str(z["key"]) == key:
@@ -342,15 +343,15 @@ def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: st
         overlay = small.copy()
         tint = np.array([0, 200, 0], np.float32)
         overlay[mask == 1] = (0.55 * small[mask == 1] + 0.45 * tint).astype(np.uint8)
-        for name, arr in ((f"{s.slide_id}_mask.png", mask * 255), (f"{s.slide_id}_overlay.png", overlay[..., ::-1])):
-            with atomic_path(out / name) as tmp:
+        for suffix, arr in (("_mask.png", mask * 255), ("_overlay.png", overlay[..., ::-1])):
+            with atomic_path(slide_output_path(out, s.slide_id, suffix)) as tmp:
                 if not cv2.imwrite(str(tmp), arr):
                     raise OSError(f"could not write {tmp}")
         rec = {"slide_id": s.slide_id, "path": str(s.path), "mask": f"{s.slide_id}_mask.png",
                "mpp_image": mpp, "mask_downsample_image": MASK_DOWNSAMPLE,
                "mask_downsample_level0": im.level0_per_px * MASK_DOWNSAMPLE, "mpp_mask": mpp * MASK_DOWNSAMPLE,
                "shape": list(mask.shape), "tissue_fraction": float(mask.mean())}
-        _write_json(out / f"{s.slide_id}_mask.json", rec)
+        _write_json(slide_output_path(out, s.slide_id, "_mask.json"), rec)
         records.append(rec)
         log(f"{s.slide_id}: tissue {rec['tissue_fraction']:.1%} of {mask.shape[0]}x{mask.shape[1]} mask px "
             f"({rec['mpp_mask']:.3g} um/px)")

@@ -56,7 +56,9 @@ from wsi_pipeline.training.epoch import seed_everything as _seed_everything
 from wsi_pipeline.training.frozen_features import ensure_features
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
 from wsi_pipeline.training.preflight import RunPlan, preflight
-from wsi_pipeline.training.rundir import DONE, resume, run_config, write_done, write_history
+from wsi_pipeline.training.rundir import (
+    DONE, changed_since_finished, clean_temporary_files, resume, run_config, run_holder, run_lock, write_done, write_history,
+)
 from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
 from wsi_pipeline.training.validation import VAL_METRICS, improves, selection, validate
 from wsi_pipeline import interrupt
@@ -97,7 +99,14 @@ def train_pipeline(
     ddp = distributed.init_from_env()  # under torchrun: join the process group (no-op otherwise)
     plan = preflight(config, chosen, seeds, resume=resume, strict=strict)
     for run_dir in plan.finished:
-        log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
+        method = next(m for m in chosen if run_dir.parent.name == m.name)
+        changed = changed_since_finished(run_dir, run_config(config, method, int(run_dir.name[4:])))
+        if changed:
+            log.warning("%s finished with another config (%s%s); it is kept as trained, and eval reports what it was "
+                        "trained with. Delete its `done` file (continue from last.pt) or the folder to train it with the "
+                        "current config", run_dir, "; ".join(changed[:4]), " ..." if len(changed) > 4 else "")
+        else:
+            log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
     features: dict[str, Path] = {}
     for method in {m.name: m for m, _, _ in plan.runs}.values():
         if check_strategy(method).uses_features:
@@ -110,7 +119,14 @@ def train_pipeline(
 
         plan.stain = stain_reference(plan.train)
     for method, seed, run_dir in plan.runs:
-        train_run(config, method, seed, plan, features_dir=features.get(method.name), device=device, progress=progress)
+        with run_lock(run_dir) as mine:
+            if not mine:
+                log.warning("%s: another process is training it (%s); left to that process", run_dir,
+                            run_holder(run_dir) or "its lock is held")
+                continue
+            if distributed.is_main():
+                clean_temporary_files(run_dir)
+            train_run(config, method, seed, plan, features_dir=features.get(method.name), device=device, progress=progress)
     return [config.run_dir(m.name, s) for m in chosen for s in seeds]
 
 

@@ -19,6 +19,8 @@ from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.models import build_models
 from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
 from wsi_pipeline.training.strategies import check_strategy
+from wsi_pipeline.training import distributed
+from wsi_pipeline.output_dirs import check_output_dir
 
 __all__ = ["RunPlan", "preflight"]
 
@@ -56,6 +58,10 @@ def preflight(
     """
     manifest, train, val, tiling = _cohort(config, strict)
     _check_methods(config, methods)
+    if distributed.is_main():  # before minutes of compute: the folders this run writes can be written
+        check_output_dir(Path(config.runs_dir) / config.name, what="runs folder")
+        if any(check_strategy(m).uses_features for m in methods):
+            check_output_dir(config.data.features_dir, what="features folder (data.features_dir)")
     runs, finished, unfinished = [], [], []
     for method in methods:
         for seed in seeds:
@@ -88,6 +94,13 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
             f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
         )
     manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
+    unlabelled = manifest[manifest["split"].isin(("train", "val")) & manifest["label"].isna()]["slide_id"].tolist()
+    if unlabelled:
+        what = (f"{manifest_path}: {len(unlabelled)} train/val slide(s) have no label: {', '.join(unlabelled[:5])}"
+                f"{' ...' if len(unlabelled) > 5 else ''}")
+        if strict:
+            raise ValueError(f"{what}; give them a label or clear their split (--strict refuses them)")
+        log.warning("%s; they are left out of training and validation (--strict refuses them)", what)
     train = slides_for_split(manifest, "train", config.data.tiles_dir)
     val = slides_for_split(manifest, "val", config.data.tiles_dir)
     check_stores(train + val, config.data.tiles_dir)

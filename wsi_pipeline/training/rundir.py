@@ -1,16 +1,20 @@
 """A run folder ``<runs_dir>/<pipeline>/<method>/seed<k>/``: its config, resuming it, its history and ``done`` marker.
 
 Checkpoints themselves are written by the loop (:func:`wsi_pipeline.inference.checkpoint.save_checkpoint`).
+One process trains a run folder at a time: :func:`run_lock` holds ``training.lock`` in it (the
+tiler's lock files: a lock whose process is gone is taken over), and the holder removes the
+temporary files a killed run left (:func:`clean_temporary_files`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,12 +25,18 @@ from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_to
 from wsi_pipeline.inference.checkpoint import load_checkpoint, restore_rng
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
-__all__ = ["DONE", "check_resumable", "resume", "run_config", "write_done", "write_history"]
+__all__ = [
+    "DONE", "LOCK_NAME", "changed_since_finished", "check_resumable", "clean_temporary_files", "resume", "run_config",
+    "run_holder", "run_lock", "write_done", "write_history",
+]
 
 log = logging.getLogger(__name__)
 
 #: The marker of a finished run (a JSON summary, written last); a run with it is skipped.
 DONE = "done"
+
+#: The lock held in a run folder by the process training it (``training.lock``).
+LOCK_NAME = "training"
 
 #: Settings a resumed run may change: where it runs and where runs and results are kept.
 _RESUME_FREE = ("device", "runs_dir", "results_dir")
@@ -84,6 +94,66 @@ def resume(
     schedule.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])
     return list(state["history"]), dict(state["best"]), int(state["epoch"])
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[bool]:
+    """Hold ``run_dir/training.lock`` while the body runs; yields False (and holds nothing) when
+    another live process holds it. Under torchrun only rank 0 takes it; every rank gets its answer."""
+    from wsi_pipeline.tiling.locks import LockDir
+    from wsi_pipeline.training import distributed
+
+    locks = None
+    held = True
+    if distributed.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        locks = LockDir(run_dir)
+        held = locks.try_acquire(LOCK_NAME)
+    if distributed.current().enabled:
+        held = bool(distributed.broadcast_object(held))
+    try:
+        yield held
+    finally:
+        if locks is not None:
+            locks.release_all()
+
+
+def run_holder(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s training lock (host, pid, since), or None when no live process does."""
+    from wsi_pipeline.tiling.locks import LockDir
+
+    if not (run_dir / f"{LOCK_NAME}.lock").exists():
+        return None
+    locks = LockDir(run_dir)
+    if locks.stale_reason(LOCK_NAME) is not None:
+        return None
+    info = locks.holder(LOCK_NAME)
+    return info.describe() if info is not None else None
+
+
+def clean_temporary_files(run_dir: Path) -> list[Path]:
+    """Remove the temporary files (``.<name>.tmp-*``) a killed run left in ``run_dir``; call it holding
+    :func:`run_lock`, so no live writer owns them. Returns what was removed."""
+    removed = []
+    for p in run_dir.glob(".*.tmp-*"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            removed.append(p)
+    if removed:
+        log.info("%s: removed %d temporary file(s) left by an interrupted run", run_dir, len(removed))
+    return removed
+
+
+def changed_since_finished(run_dir: Path, config: PipelineConfig) -> list[str]:
+    """The settings that differ between a finished run's saved ``config.yaml`` and ``config`` (the
+    run's, :func:`run_config`; device and output folders excluded); empty when unknown or equal."""
+    from wsi_pipeline.config.io import read_yaml
+
+    try:
+        saved = read_yaml(run_dir / "config.yaml", what="saved run config")
+    except (OSError, ValueError, TypeError):
+        return []
+    return _config_diff(upgrade_saved_config(saved), config_to_dict(config))
 
 
 def write_history(rows: Iterable[dict[str, Any]], path: Path) -> None:

@@ -1,8 +1,10 @@
-"""Checking the tiler's output folder before any work starts, and again when a write fails.
+"""Checking an output folder before any work starts (and the tiler's again when a write fails).
 
 A folder that cannot be created or written (read-only file system, permission denied, a path
 that is an existing file, a full disk) is one :class:`OutputDirError` naming the path and the
-cause, so the CLI can print one line and exit 2 instead of failing every slide in turn.
+cause, so the command line prints one line and exits 2 before minutes of compute, instead of
+failing at the first write (or failing every slide in turn). Every stage checks its output
+folders this way: tiling, training (runs, features), evaluation, features, predict, manifests.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["OutputDirError", "check_output_dir", "output_problem"]
+__all__ = ["OutputDirError", "check_output_dir", "check_output_file", "output_problem"]
 
 _HINTS = {
     errno.EROFS: "the file system is read-only; choose a folder on a writable disk",
@@ -28,8 +30,8 @@ _HINTS = {
 class OutputDirError(ValueError):
     """The output folder cannot be created or written; ``path`` and ``cause`` say which and why."""
 
-    def __init__(self, path: Path, cause: str) -> None:
-        super().__init__(f"output folder {path} is not usable: {cause}")
+    def __init__(self, path: Path, cause: str, what: str = "output folder") -> None:
+        super().__init__(f"{what} {path} is not usable: {cause}")
         self.path = path
         self.cause = cause
 
@@ -61,6 +63,9 @@ def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> 
     p = Path(out)
     if p.exists() and not p.is_dir():
         return "it is an existing file, not a folder; pass a folder path (it is created when missing)"
+    blocker = next((q for q in p.parents if q.exists() and not q.is_dir()), None)
+    if blocker is not None:
+        return f"{blocker} is a file, not a folder; choose another path"
     try:
         p.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -76,8 +81,17 @@ def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> 
     return None
 
 
-def check_output_dir(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> None:
-    """Raise :class:`OutputDirError` when :func:`output_problem` finds one."""
+def check_output_dir(out: str | os.PathLike, subfolders: tuple[str, ...] = (), *, what: str = "output folder") -> None:
+    """Raise :class:`OutputDirError` when :func:`output_problem` finds one (``what`` names the folder's role)."""
     problem = output_problem(out, subfolders)
     if problem is not None:
-        raise OutputDirError(Path(out), problem)
+        raise OutputDirError(Path(out), problem, what)
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output file") -> None:
+    """Raise :class:`OutputDirError` when ``path`` cannot be written: its folder fails
+    :func:`output_problem`, or ``path`` itself is a folder."""
+    p = Path(path)
+    if p.is_dir():
+        raise OutputDirError(p, "it is a folder; pass a file path", what)
+    check_output_dir(p.parent if str(p.parent) else ".", what=f"the folder of {what} {p}:")

@@ -1,0 +1,620 @@
+"""Hostile and unlucky inputs: ids that look like paths, damaged stores and checkpoints, YAML bombs,
+full and read-only disks, locks and stale files (issue 34).
+
+Each case reproduces a defect found by trying the pipeline as a hostile or unlucky user would;
+what each test checks is the behaviour a researcher should get instead: a one-line error naming
+the file or field, nothing written or removed outside the output folder, damaged data refused
+by name while the other slides go on.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+
+from wsi_pipeline.cli.main import main
+from wsi_pipeline.slide_ids import SlideIdError, check_slide_id, slide_output_path
+
+HOSTILE_IDS = ["../ESC", "a/b", "..", ".hidden", " lead", "trail ", "bell\x07", "x" * 201, "a\\b", "dir/../up", ""]
+GOOD_IDS = ["case 01", "TCGA-AB-1234-01Z-00-DX1.5F2A", "Ünïcode-é", "a.b", "x" * 200]
+
+
+# ----------------------------------------------------------------------------------------------
+# Slide ids are names, never paths
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("sid", HOSTILE_IDS + ["/abs/victim"])
+def test_the_rule_refuses_every_hostile_id(sid, tmp_path):
+    with pytest.raises(SlideIdError, match="refused"):
+        check_slide_id(sid)
+    with pytest.raises(SlideIdError):
+        slide_output_path(tmp_path, sid, ".zarr")
+
+
+@pytest.mark.parametrize("sid", GOOD_IDS)
+def test_ordinary_ids_pass_and_stay_inside(sid, tmp_path):
+    assert check_slide_id(sid) == sid
+    p = slide_output_path(tmp_path / "out", sid, "_scores.csv")
+    assert p.parent == tmp_path / "out" and p.name == f"{sid}_scores.csv"
+
+
+def _manifest(path: Path, ids: list[str], slide: Path | str = "x.svs", **cols) -> Path:
+    df = pd.DataFrame({"slide_id": ids, "path": [str(slide)] * len(ids), "label": [i % 2 for i in range(len(ids))],
+                       "split": ["train"] * len(ids), "cohort": ["c"] * len(ids), **cols})
+    df.to_csv(path, index=False)
+    return path
+
+
+@pytest.mark.parametrize("sid", ["../ESC", "a/b", " lead", "/abs/victim"])
+def test_manifest_refuses_hostile_id_naming_the_line(sid, tmp_path):
+    from wsi_pipeline.manifests.schema import ManifestError, read_manifest
+
+    m = _manifest(tmp_path / "m.csv", ["ok1", sid, "ok2"])
+    with pytest.raises(ManifestError, match=r"line 3.*refused") as e:
+        read_manifest(m)
+    assert str(m) in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def small_slides(tmp_path_factory) -> Path:
+    """Three small generated slides (1024 px, 256 px tiles, 0.5 um/px)."""
+    from wsi_pipeline.synthetic.slides import make_slide
+
+    d = tmp_path_factory.mktemp("slides")
+    for i in range(3):
+        make_slide(d / f"s{i}.svs", size=1024, mpp=0.5, seed=10 + i, tile_size=256)
+    return d
+
+
+def test_tile_with_hostile_ids_writes_and_removes_nothing_outside(small_slides, tmp_path, capsys):
+    victim = tmp_path / "other" / "victim.zarr"
+    victim.mkdir(parents=True)
+    (victim / "precious.txt").write_text("keep me")
+    out = tmp_path / "work" / "tiles"
+    for sid in [str(tmp_path / "other" / "victim"), "../ESC", "a/b"]:
+        m = _manifest(tmp_path / "m.csv", ["s0", sid], small_slides / "s1.svs")
+        rc = main(["tile", "--manifest", str(m), "--out", str(out), "--no-progress", "--workers", "0"])
+        err = capsys.readouterr().err
+        assert rc == 2 and "refused" in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1, err
+    assert (victim / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["victim.zarr"]
+    assert not (tmp_path / "work" / "ESC.zarr").exists() and not (tmp_path / "work" / "ESC").exists()
+    assert not out.exists() or not any(out.glob("*.zarr"))
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "features"])
+def test_commands_reading_a_manifest_refuse_hostile_ids(command, store_cohort, tmp_path, capsys):
+    from test_train_loop import make_config
+
+    df = pd.read_csv(store_cohort)
+    df.loc[0, "slide_id"] = "../ESC"
+    m = tmp_path / "m.csv"
+    df.to_csv(m, index=False)
+    shutil.copytree(store_cohort.parent / "tiles", tmp_path / "tiles")
+    cfg = make_config(tmp_path, m, [{"name": "m", "strategy": "frozen", "chunk_size": 16}], results_dir=str(tmp_path / "results"))
+    argv = {"train": ["train", "--config", str(cfg)], "eval": ["eval", "--config", str(cfg)],
+            "features": ["features", "--manifest", str(m), "--tiles", str(tmp_path / "tiles"), "--out", str(tmp_path / "feat")]}[command]
+    rc = main(argv + ["--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "refused" in err and "Traceback" not in err, err
+    assert not (tmp_path.parent / "ESC.h5").exists() and not list(tmp_path.parent.glob("ESC*"))
+
+
+def test_slide_files_give_one_id_everywhere(tmp_path, small_slides, capsys):
+    from wsi_pipeline.slides.finder import find_slide_files
+
+    d = tmp_path / "slides"
+    d.mkdir()
+    shutil.copy(small_slides / "s0.svs", d / " lead.svs")
+    shutil.copy(small_slides / "s1.svs", d / "fine.svs")
+    with pytest.raises(SlideIdError, match=r"lead\.svs.*white space"):
+        find_slide_files(d)
+    rc = main(["manifest", "folder", "--slides", str(d), "--out", str(tmp_path / "m.csv")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "lead.svs" in err and "rename" in err and "Traceback" not in err, err
+
+
+def test_tile_does_not_replace_a_folder_it_did_not_create(small_slides, tmp_path):
+    out = tmp_path / "tiles"
+    theirs = out / "s0.zarr"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("a user's folder")
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc"])
+    assert rc == 1
+    assert (theirs / "notes.txt").read_text() == "a user's folder"
+    report = pd.read_csv(out / "tiling_report.csv").set_index("slide_id")
+    assert report.loc["s0", "status"] == "failed" and "not a tile store" in report.loc["s0", "error"]
+    assert (report.loc[["s1", "s2"], "status"] == "ok").all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Stores verify themselves
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiled(small_slides, tmp_path_factory) -> Path:
+    """The three small slides tiled (4 tiles per shard, so each store has several shard files)."""
+    out = tmp_path_factory.mktemp("tiled") / "tiles"
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0",
+               "--shard-tiles", "4", "--no-qc"])
+    assert rc == 0
+    return out
+
+
+def _copy(tiled: Path, tmp_path: Path) -> Path:
+    dest = tmp_path / "tiles"
+    shutil.copytree(tiled, dest)
+    return dest
+
+
+def _files(store: Path, array: str) -> list[Path]:
+    return sorted(p for p in (store / array).rglob("*") if p.is_file() and p.name != "zarr.json")
+
+
+def test_new_stores_carry_checksums_that_plain_zarr_checks(tiled):
+    import zarr
+
+    from wsi_pipeline.data.store import open_store
+
+    store = open_store(tiled / "s0.zarr")
+    ours = store.read()
+    arr = zarr.open_group(str(tiled / "s0.zarr"), mode="r")["tiles"]
+    names = [c.to_dict()["name"] for c in arr.metadata.codecs[0].codecs]
+    assert names[-1] == "crc32c", names
+    np.testing.assert_array_equal(np.asarray(arr[:]), ours)
+    assert len(_files(tiled / "s0.zarr", "tiles")) >= 2
+
+
+@pytest.mark.parametrize("array", ["tiles", "coords", "grid", "foreground"])
+def test_a_deleted_chunk_file_is_detected_on_open(array, tiled, tmp_path):
+    from wsi_pipeline.data.store import StoreDamagedError, open_store
+
+    tiles = _copy(tiled, tmp_path)
+    victim = _files(tiles / "s0.zarr", array)[0]
+    victim.unlink()
+    with pytest.raises(StoreDamagedError, match=rf"s0\.zarr.*{array}.*missing"):
+        open_store(tiles / "s0.zarr")
+    open_store(tiles / "s1.zarr")  # the others are fine
+
+
+def test_a_truncated_shard_is_detected_on_open(tiled, tmp_path):
+    from wsi_pipeline.data.store import StoreDamagedError, open_store
+
+    tiles = _copy(tiled, tmp_path)
+    shard = _files(tiles / "s0.zarr", "tiles")[0]
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    with pytest.raises(StoreDamagedError, match=rf"{shard.name}.*{size // 2} bytes.*expected {size}"):
+        open_store(tiles / "s0.zarr")
+
+
+def test_flipped_bytes_inside_a_shard_fail_the_read_of_that_tile(tiled, tmp_path):
+    import zarr
+
+    from wsi_pipeline.data.store import StoreDamagedError, open_store
+
+    tiles = _copy(tiled, tmp_path)
+    store = open_store(tiles / "s0.zarr")
+    good = store.read()
+    shard = _files(tiles / "s0.zarr", "tiles")[0]
+    data = bytearray(shard.read_bytes())
+    data[100:164] = bytes(b ^ 0xFF for b in data[100:164])  # inside the shard's first tile
+    shard.write_bytes(bytes(data))
+    store = open_store(tiles / "s0.zarr")  # sizes unchanged: the cheap check passes
+    with pytest.raises(StoreDamagedError, match=r"s0\.zarr.*tile 0.*checksum"):
+        store.read([0])
+    np.testing.assert_array_equal(store.read([1, 2, 3]), good[1:4])  # its neighbours read fine
+    with pytest.raises(Exception, match="(?i)checksum|crc"):  # plain zarr refuses it too
+        zarr.open_group(str(tiles / "s0.zarr"), mode="r")["tiles"][0]
+
+
+def test_verify_command_names_each_damaged_store(tiled, tmp_path, capsys):
+    tiles = _copy(tiled, tmp_path)
+    assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 0
+    assert "3 store(s) verified, 0 damaged" in capsys.readouterr().out
+    _files(tiles / "s0.zarr", "coords")[0].unlink()
+    shard = _files(tiles / "s2.zarr", "tiles")[-1]
+    data = bytearray(shard.read_bytes())
+    data[40] ^= 0x01
+    shard.write_bytes(bytes(data))
+    rc = main(["verify", "--tiles", str(tiles), "--no-progress"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "s0" in out and "missing" in out and "s2" in out and "checksum" in out and "1 ok" not in out
+    assert "3 store(s) verified, 2 damaged" in out
+
+
+def test_tiling_rebuilds_a_damaged_store(tiled, small_slides, tmp_path):
+    from wsi_pipeline.data.store import open_store
+
+    tiles = _copy(tiled, tmp_path)
+    before = open_store(tiles / "s1.zarr").read()
+    _files(tiles / "s1.zarr", "tiles")[0].unlink()
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(tiles), "--no-progress", "--workers", "0",
+               "--shard-tiles", "4", "--no-qc"])
+    assert rc == 0
+    report = pd.read_csv(tiles / "tiling_report.csv").set_index("slide_id")
+    assert report.loc["s1", "status"] == "ok" and report.loc["s0", "status"] == "skipped"
+    np.testing.assert_array_equal(open_store(tiles / "s1.zarr").read(), before)
+
+
+def _cohort_copy(store_cohort: Path, tmp_path: Path) -> Path:
+    """A copy of the session's store cohort (manifest + tiles) that a test may damage."""
+    shutil.copytree(store_cohort.parent / "tiles", tmp_path / "tiles")
+    shutil.copy(store_cohort, tmp_path / store_cohort.name)
+    return tmp_path / store_cohort.name
+
+
+FROZEN = [{"name": "m", "strategy": "frozen", "chunk_size": 16}]
+
+
+def _cfg(tmp_path: Path, manifest: Path, shared: Path | None = None, methods: list | None = None, **kw) -> Path:
+    """A pipeline YAML (``test_train_loop.make_config``) whose frozen features are ``shared``'s, extracted once."""
+    from test_train_loop import make_config
+
+    path = make_config(tmp_path, manifest, methods or FROZEN, **kw)
+    if shared is not None:
+        raw = yaml.safe_load(path.read_text())
+        raw["data"]["features_dir"] = str(shared / "features")
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory, store_cohort) -> Path:
+    """One finished frozen-encoder run (``<root>/runs/t/m/seed0``) and its features (``<root>/features``)."""
+    root = tmp_path_factory.mktemp("shared")
+    cfg = _cfg(root, store_cohort, root, train={"epochs": 1})
+    assert main(["train", "--config", str(cfg), "--no-progress", "--quiet"]) == 0
+    return root
+
+
+def test_train_refuses_a_damaged_training_slide_by_name(store_cohort, tmp_path, capsys):
+    from test_train_loop import make_config
+
+    m = _cohort_copy(store_cohort, tmp_path)
+    df = pd.read_csv(m)
+    sid = df.loc[df["split"] == "train", "slide_id"].iloc[0]
+    _files(tmp_path / "tiles" / f"{sid}.zarr", "tiles")[0].unlink()
+    cfg = make_config(tmp_path, m, [{"name": "m", "strategy": "accumulate", "chunk_size": 4}])
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and sid in err and "missing" in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("last.pt"))
+
+
+def test_eval_scores_the_healthy_slides_and_names_the_damaged_one(store_cohort, shared, tmp_path, capsys):
+    m = _cohort_copy(store_cohort, tmp_path)
+    cfg = _cfg(tmp_path, m, shared, train={"epochs": 1}, runs=str(shared / "runs"), results_dir=str(tmp_path / "results"))
+    df = pd.read_csv(m)
+    test_ids = df.loc[df["split"] == "test", "slide_id"].tolist()
+    shard = _files(tmp_path / "tiles" / f"{test_ids[0]}.zarr", "tiles")[0]
+    data = bytearray(shard.read_bytes())
+    data[20:84] = bytes(b ^ 0xFF for b in data[20:84])
+    shard.write_bytes(bytes(data))
+    rc = main(["eval", "--config", str(cfg), "--no-progress", "--bootstrap", "0", "--no-heatmaps"])
+    out = capsys.readouterr()
+    assert rc == 1, out.err
+    assert test_ids[0] in out.err and "checksum" in out.err
+    pred = pd.read_csv(tmp_path / "results" / "t" / "predictions_synthetic_all.csv")
+    assert set(pred["slide_id"]) == set(test_ids[1:])
+    assert main(["eval", "--config", str(cfg), "--no-progress", "--bootstrap", "0", "--no-heatmaps", "--allow-failures"]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints verify themselves
+# ----------------------------------------------------------------------------------------------
+
+
+def _flip(path: Path, at: int, n: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at:at + n] = bytes(b ^ 0x5A for b in data[at:at + n])
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_checkpoint_bytes_are_refused(tmp_path):
+    import torch
+
+    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+
+    p = save_checkpoint(tmp_path / "best.pt", {"models": {"w": torch.linspace(0, 1, 4096)}, "epoch": 3})
+    assert load_checkpoint(p)["epoch"] == 3
+    raw = p.read_bytes()
+    at = raw.index(torch.linspace(0, 1, 4096)[1000:1004].numpy().tobytes())  # inside the tensor's data
+    _flip(p, at, 16)
+    assert float(torch.load(p, weights_only=True)["models"]["w"][1001]) != pytest.approx(1001 / 4095)  # torch reads it
+    with pytest.raises(ValueError, match=r"best\.pt.*sha256.*does not match"):
+        load_checkpoint(p)
+
+
+def test_a_crash_between_checkpoint_and_its_hash_still_loads(tmp_path, monkeypatch):
+    import torch
+
+    import wsi_pipeline.inference.checkpoint as ck
+
+    p = ck.save_checkpoint(tmp_path / "last.pt", {"models": {"w": torch.ones(3)}, "epoch": 1})
+    real_replace = os.replace
+    calls = []
+
+    def crash_on_second(src, dst):
+        calls.append(dst)
+        if str(dst).endswith(".sha256") and len([c for c in calls if str(c).endswith(".sha256")]) == 2:
+            raise KeyboardInterrupt  # killed after the checkpoint was replaced, before its hash was
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ck.os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(p, {"models": {"w": torch.zeros(3)}, "epoch": 2})
+    monkeypatch.undo()
+    assert ck.load_checkpoint(p)["epoch"] == 2
+
+
+def test_stale_temporary_checkpoints_are_removed_on_the_next_run(store_cohort, shared, tmp_path):
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    run.mkdir(parents=True)
+    left = run / ".last.pt.tmp-999999.pt"
+    left.write_bytes(b"half a checkpoint")
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert not left.exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Bounded config parsing
+# ----------------------------------------------------------------------------------------------
+
+BOMB = """name: bomb
+methods: [{name: m, strategy: frozen}]
+data:
+  n_classes: 2
+  manifest:
+    - &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+    - &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]
+    - &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]
+    - &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]
+    - &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]
+    - &f [*e,*e,*e,*e,*e,*e,*e,*e,*e,*e,*e,*e]
+    - &g [*f,*f,*f,*f,*f,*f,*f,*f,*f,*f,*f,*f]
+    - &h [*g,*g,*g,*g,*g,*g,*g,*g,*g,*g,*g,*g]
+    - &i [*h,*h,*h,*h,*h,*h,*h,*h,*h,*h,*h,*h]
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, capsys):
+    """A 728-byte config whose field expands to 12**9 strings (the issue's case took 12.7 GB and 79 s)."""
+    (tmp_path / "bomb.yaml").write_text(BOMB)
+    assert len(BOMB) < 800
+    rc = main(["train", "--config", str(tmp_path / "bomb.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "aliases" in err and len(err) < 600, err[:2000]
+
+
+def test_duplicate_yaml_keys_are_refused_with_their_lines(tmp_path):
+    from wsi_pipeline.config.io import read_yaml
+
+    (tmp_path / "d.yaml").write_text("name: x\ntrain:\n  epochs: 3\n  lr: 0.1\n  epochs: 5\n")
+    with pytest.raises(ValueError, match=r"d\.yaml.*duplicate key 'epochs'.*line 5.*line 3"):
+        read_yaml(tmp_path / "d.yaml")
+
+
+def test_a_huge_yaml_document_is_refused(tmp_path):
+    from wsi_pipeline.config.io import MAX_YAML_BYTES, read_yaml
+
+    (tmp_path / "big.yaml").write_text("name: x\nnote: '" + "y" * MAX_YAML_BYTES + "'\n")
+    with pytest.raises(ValueError, match=r"big\.yaml.*larger than"):
+        read_yaml(tmp_path / "big.yaml")
+
+
+def test_error_messages_quote_long_values_shortly(tmp_path, capsys):
+    (tmp_path / "long.yaml").write_text(yaml.safe_dump({"name": "x", "train": {"epochs": "z" * 100_000}}))
+    rc = main(["train", "--config", str(tmp_path / "long.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "epochs" in err and len(err) < 1000, len(err)
+
+
+# ----------------------------------------------------------------------------------------------
+# Disk and permission errors: one line, before compute where it can be checked
+# ----------------------------------------------------------------------------------------------
+
+
+def test_train_on_a_full_disk_is_one_line(store_cohort, shared, tmp_path, monkeypatch, capsys):
+    import wsi_pipeline.inference.checkpoint as ck
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
+
+    def full(self, data):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write to a full disk raises it: no file name
+
+    monkeypatch.setattr(ck._HashingWriter, "write", full)
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "No space left on device" in err and ".pt" in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1, err
+    assert not list((tmp_path / "runs").rglob(".*.tmp-*"))
+
+
+def test_tile_on_a_full_disk_stops_at_once(small_slides, tmp_path, monkeypatch, capsys):
+    import wsi_pipeline.data.store as store_mod
+
+    tried = []
+
+    def full(self):
+        tried.append(self.path.name)
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(store_mod.StoreWriter, "commit", full)
+    out = tmp_path / "tiles"
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "No space left on device" in err and "disk is full" in err and "Traceback" not in err, err
+    assert tried == ["s0.zarr"]  # the other slides were not attempted
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "features", "manifest"])
+def test_an_output_path_that_is_a_file_is_refused_before_compute(command, store_cohort, shared, tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    runs = str(shared / "runs") if command == "eval" else str(blocker / "runs")
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, runs=runs, results_dir=str(blocker / "results"))
+    argv = {
+        "train": ["train", "--config", str(cfg), "--no-progress"],
+        "eval": ["eval", "--config", str(cfg), "--no-progress", "--bootstrap", "0"],
+        "features": ["features", "--manifest", str(store_cohort), "--tiles", str(store_cohort.parent / "tiles"),
+                     "--out", str(blocker / "feat"), "--no-progress"],
+        "manifest": ["manifest", "split", "--manifest", str(store_cohort), "--out", str(blocker / "m.csv")],
+    }[command]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and str(blocker) in err and "Traceback" not in err, err
+    assert "not a folder" in err or "Not a directory" in err, err
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root writes to read-only folders")
+def test_a_read_only_output_is_refused_before_compute(store_cohort, tmp_path, capsys):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    cfg = _cfg(tmp_path, store_cohort, runs=str(ro / "runs"))
+    try:
+        rc = main(["train", "--config", str(cfg), "--no-progress"])
+    finally:
+        ro.chmod(0o755)
+    err = capsys.readouterr().err
+    assert rc == 2 and str(ro) in err and "Traceback" not in err, err
+
+
+def test_a_read_only_output_is_refused_before_compute_as_root_too(store_cohort, tmp_path, monkeypatch, capsys):
+    """The same as the test above where it cannot run (root): the write probe meets EROFS."""
+    import wsi_pipeline.output_dirs as output_dirs
+
+    ro = tmp_path / "ro"
+    real_open = os.open
+
+    def erofs(path, *a, **k):
+        if str(path).startswith(str(ro)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(output_dirs.os, "open", erofs)
+    cfg = _cfg(tmp_path, store_cohort, runs=str(ro / "runs"))
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Read-only file system" in err and str(ro) in err and "Traceback" not in err, err
+    assert not (tmp_path / "features").exists()  # nothing computed
+
+
+def test_manifest_folder_on_a_symlink_loop(tmp_path, small_slides, capsys, caplog):
+    d = tmp_path / "slides"
+    d.mkdir()
+    shutil.copy(small_slides / "s0.svs", d / "good.svs")
+    os.symlink("loop.svs", d / "loop.svs")
+    rc = main(["manifest", "folder", "--slides", str(d), "--out", str(tmp_path / "m.csv")])
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err
+    assert any("loop.svs" in r.getMessage() and "link loop" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert rc == 0
+    assert pd.read_csv(tmp_path / "m.csv")["slide_id"].tolist() == ["good"]
+
+
+def test_tissue_predict_with_a_missing_folder_or_a_refused_model(tmp_path, small_slides, capsys):
+    rc = main(["tissue", "predict", "--slides", str(tmp_path / "nowhere"), "--model", str(tmp_path / "m.pt"),
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "nowhere" in err and "Traceback" not in err, err
+    (tmp_path / "slides").mkdir()
+    shutil.copy(small_slides / "s0.svs", tmp_path / "slides" / "s0.svs")
+    (tmp_path / "m.pt").write_bytes(b"not a model")
+    rc = main(["tissue", "predict", "--slides", str(tmp_path / "slides"), "--model", str(tmp_path / "m.pt"),
+               "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "m.pt" in err and "Traceback" not in err, err
+
+
+def test_a_failed_lock_write_leaves_no_lock_file(tmp_path, monkeypatch):
+    import wsi_pipeline.tiling.locks as locks
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(locks.os, "write", full)
+    ld = locks.LockDir(tmp_path / "locks")
+    with pytest.raises(OSError, match="No space"):
+        ld.try_acquire("s0")
+    monkeypatch.undo()
+    assert not list((tmp_path / "locks").glob("*.lock"))
+    assert ld.try_acquire("s0")  # at once, not after the stale timeout
+    ld.release_all()
+
+
+# ----------------------------------------------------------------------------------------------
+# Weak points: concurrent training, changed finished runs, empty labels, exit codes
+# ----------------------------------------------------------------------------------------------
+
+
+def test_a_run_folder_another_process_trains_is_left_alone(store_cohort, shared, tmp_path, capsys):
+    from wsi_pipeline.tiling.locks import LockDir
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, seeds=[0, 1])
+    run0 = tmp_path / "runs" / "t" / "m" / "seed0"
+    run0.mkdir(parents=True)
+    other = LockDir(run0)
+    assert other.try_acquire("training")
+    try:
+        # another process holds it: the same pid would be this one, so pretend it is pid 1 (alive)
+        info = json.loads((run0 / "training.lock").read_text())
+        info.update(pid=1, pid_start=None)
+        (run0 / "training.lock").write_text(json.dumps(info))
+        rc = main(["train", "--config", str(cfg), "--no-progress"])
+    finally:
+        other.release_all()
+    out = capsys.readouterr()
+    assert rc == 1, out.err
+    assert "seed0" in out.err and "another process" in out.err and "pid 1" in out.err
+    assert not (run0 / "done").exists() and (tmp_path / "runs" / "t" / "m" / "seed1" / "done").exists()
+
+
+def test_a_finished_run_whose_config_changed_is_a_warning(store_cohort, shared, tmp_path, caplog):
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 2}, runs=str(shared / "runs"))
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("seed0" in w and "train.epochs" in w and "done" in w for w in warned), warned
+
+
+def test_training_slides_without_a_label_are_named(store_cohort, shared, tmp_path, caplog):
+    m = _cohort_copy(store_cohort, tmp_path)
+    df = pd.read_csv(m)
+    sid = df.loc[df["split"] == "train", "slide_id"].iloc[0]
+    df.loc[df["slide_id"] == sid, "label"] = None
+    df.to_csv(m, index=False)
+    cfg = _cfg(tmp_path, m, shared, train={"epochs": 1})
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert any(sid in r.getMessage() and "no label" in r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert main(["train", "--config", str(cfg), "--no-progress", "--strict"]) == 2
+
+
+def test_predict_exit_status_says_slides_failed(shared, small_slides, tmp_path, capsys):
+    d = tmp_path / "new"
+    d.mkdir()
+    shutil.copy(small_slides / "s0.svs", d / "good.svs")
+    (d / "broken.svs").write_bytes(b"not a slide at all" * 100)
+    model = shared / "runs" / "t" / "m" / "seed0"
+    argv = ["predict", "--model", str(model), "--slides", str(d), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    assert "broken" in out.out + out.err
+    assert pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"].tolist() == ["good"]
+    assert main(argv + ["--allow-failures"]) == 0
