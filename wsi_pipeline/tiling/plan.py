@@ -153,7 +153,7 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
             plan.candidates = np.ones((grid.rows, grid.cols), bool)
         g = grey(overview)
         plan.mask = ((g >= config.grey_min) & (g <= plan.grey_max), ds_over)
-    if config.qc_mode != "off" and tissue is not None:
+    if config.qc_mode != "off" and tissue is not None and not background.is_dark:  # brightfield QC; dark slides: none
         glass = background.rgb if background.kind == "bright" else None
         fold = fold_mask(overview, tissue, glass, config.qc_params.fold_od_ratio)
         means = [grid.footprint_means(m.astype(np.float32), ds_over) for m in (ink, fold, tissue)]

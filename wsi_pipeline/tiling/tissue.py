@@ -14,9 +14,9 @@
   inside the tissue (dense vs pale, DAB vs haematoxylin) never drops the paler tissue, and
   the image is blank when the tissue class is within ``min_contrast`` of the glass.
   With glass in view the same rule also runs on the optical density against the glass colour
-  (``log10(glass / value)`` of the most absorbing channel, 1/510 per level; ``info["optical_density"]``)
-  and tissue is what either channel finds: a pale, barely coloured section (saturation within a
-  few levels of the glass) still absorbs light. Limit: tissue absorbing less than
+  (``log10(glass / value)`` of the most absorbing channel, 1/510 per level; ``info["optical_density"]``);
+  when it finds half as much tissue again as the saturation, tissue is what either channel finds:
+  a pale, barely coloured section (saturation within a few levels of the glass) still absorbs light. Limit: tissue absorbing less than
   ``min_contrast`` / 510 = 0.03 optical density (7 % of the light) is missed.
 """
 
@@ -152,9 +152,12 @@ def otsu_tissue_mask(
         od = _od_signal(rgb, bg.rgb, params, um_per_px)
         od_thr, od_contrast, od_passes = _otsu_threshold(od, params)
         od_thr, od_contrast = _against_glass(od, od_thr, glass_px, params, robust=True)  # type: ignore[arg-type]
-        info["optical_density"] = {"threshold": float(od_thr), "contrast": od_contrast, "passes": od_passes}
-        if od_contrast >= params.min_contrast:
-            mask |= od > od_thr
+        od_mask = od > od_thr
+        # used when it finds a population the saturation missed (half as much again), not to widen edges
+        used = od_contrast >= params.min_contrast and od_mask.sum() > OD_MORE * mask.sum()
+        info["optical_density"] = {"threshold": float(od_thr), "contrast": od_contrast, "passes": od_passes, "used": bool(used)}
+        if used:
+            mask |= od_mask
             contrast = max(contrast, od_contrast)
     if rule != "no-glass" and contrast < params.min_contrast:
         info["tissue_fraction"] = 0.0
@@ -198,6 +201,8 @@ def _tissue_signal(rgb: np.ndarray, g: np.ndarray, polarity: str, params: OtsuPa
     return signal, channel
 
 
+#: The optical-density mask joins the saturation mask when it is larger by this factor.
+OD_MORE = 1.5
 #: Optical density per level of the ``optical_density`` channel (0..255 spans 0..0.5).
 OD_PER_LEVEL = 1.0 / 510.0
 
