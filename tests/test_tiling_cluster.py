@@ -242,7 +242,8 @@ def test_tile_array_sbatch_tasks_together_equal_one_run(cohort: Path, reference:
     for k in (1, 2):
         env = {**os.environ, "PYTHONPATH": str(repo), "VENV": str(venv), "SLURM_ARRAY_TASK_ID": str(k),
                "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_CPUS_PER_TASK": "1"}
-        proc = subprocess.run(["bash", str(repo / "examples/slurm/tile_array.sbatch"), str(cohort), str(out), "--tile-size", "128"],
+        proc = subprocess.run(["bash", str(repo / "examples/slurm/tile_array.sbatch"), str(cohort), str(out), "--tile-size", "128",
+                                   "--method", "greyscale", "--qc", "off"],
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "3 slides" in proc.stdout  # 6 slides, 2 shards
