@@ -8,7 +8,8 @@ focus needs the tile's own pixels and is measured on each decoded tile.
   saturation and value), as histolab's pen filters do by RGB ranges: green (hue 70..190 degrees,
   saturation >= 25 %), blue (200..260 degrees, saturation >= 50 %: a haematoxylin
   counterstain is a paler blue), red (within 16 degrees of pure red, saturation >= 50 %: eosin is
-  pink, 320..345 degrees, DAB brown, 20..40 degrees) and black (brightest channel <= 80 and
+  pink, 320..345 degrees, DAB brown, 20..40 degrees; over eosin, red ink is a dark, deeply
+  saturated magenta-red: 300..20 degrees, saturation >= 70 %, value <= 120) and black (brightest channel <= 80 and
   saturation <= 40 %: stained tissue averaged over an overview pixel is never that dark and grey).
   A colour that covers more than 30 % of the slide's stained area is its stain (a blue special
   stain, the light green of a trichrome), not ink, and is not looked for on that slide. Limit:
@@ -61,7 +62,8 @@ def pen_colours(rgb: np.ndarray) -> dict[str, np.ndarray]:
     return {
         "green": (h >= 35) & (h <= 95) & (s >= 64),
         "blue": (h >= 100) & (h <= 130) & (s >= 128),
-        "red": ((h <= 8) | (h >= 172)) & (s >= 128),
+        # red ink, and red ink over eosin (dark, deeply saturated magenta-red: no stain is both)
+        "red": (((h <= 8) | (h >= 172)) & (s >= 128)) | (((h <= 10) | (h >= 150)) & (s >= 180) & (v <= 120)),
         "black": (v <= 80) & (s <= 102),
     }
 
