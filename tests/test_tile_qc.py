@@ -122,3 +122,21 @@ def test_tiler_drops_pen_and_blur_flags_with_flag_and_keeps_the_rest(kind: str, 
     worth = {(c, r) for r, c in zip(*np.nonzero(labels == 1))}
     bad = {(c, r) for r, c in zip(*np.nonzero(labels == 0))}
     assert worth <= kept["drop"] and not (kept["drop"] & bad), (worth - kept["drop"], kept["drop"] & bad)
+
+
+def test_greyscale_with_qc_keeps_the_same_tiles_with_and_without_the_prescreen(qc_fields, tmp_path: Path) -> None:
+    """The pre-screen and top-row decoding change only the order of work: with tile QC dropping pen tiles,
+    the paper's rule keeps the same tiles, with the same QC arrays, as testing every tile whole."""
+    path, _ = qc_fields["pen"]
+    stores = []
+    for pre in (True, False):
+        cfg = TilingConfig(method="greyscale", prescreen=pre, qc=False)
+        from wsi_pipeline.tiling.tiler import tile_slide
+
+        assert tile_slide(SlideJob("p", str(path)), tmp_path / str(pre), cfg).status == "ok"
+        stores.append(open_store(tmp_path / str(pre) / "p.zarr"))
+    a, b = stores
+    np.testing.assert_array_equal(a.coords, b.coords)
+    for name in ("qc_flags", "qc_focus", "qc_pen"):
+        np.testing.assert_array_equal(a.array(name), b.array(name))
+    assert a.attrs["qc"]["n_dropped"] == b.attrs["qc"]["n_dropped"] > 0

@@ -16,7 +16,8 @@ focus needs the tile's own pixels and is measured on each decoded tile.
   ink of the stain's own colour is then missed.
 - **Blur** (:func:`focus_measure`): the ratio of the tile's finest detail to its next band,
   ``E[(g - G1 g)^2] / (E[(G1 g - G3 g)^2] + 4)`` on the grey tile ``g`` (BT.601 luma), with
-  ``Gs`` a Gaussian of sigma ``s`` px at the tile resolution, per block of a 4 x 4 grid, the median
+  ``Gs`` a Gaussian of sigma ``s`` px at the tile resolution (the second band is taken at half
+  resolution, where ``G1 g`` holds all its detail; kernels cut at 2 sigma), per block of a 4 x 4 grid, the median
   over the blocks that are not flat (glass). Contrast cancels (pale tissue in
   focus scores as high as dark tissue: 0.2..0.6 on in-focus generated and CMU-1 tiles), while a
   point spread of sigma >= 2 px removes the first band far more than the second (<= 0.08); the
@@ -31,6 +32,7 @@ focus needs the tile's own pixels and is measured on each decoded tile.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +47,8 @@ __all__ = ["INK_MAX_SHARE", "QC_BITS", "TileQC", "describe", "flags_of", "focus_
 QC_BITS: dict[str, int] = {name: 1 << i for i, name in enumerate(QC_ARTIFACTS)}
 #: An ink colour covering more of the stained area than this is the slide's stain (not ink) on that slide.
 INK_MAX_SHARE = 0.3
+#: Tiles with less stained tissue than this (fraction) are not judged for focus (their ``qc_focus`` is NaN).
+FOCUS_MIN_STAINED = 0.25
 #: The focus measure is taken per block of this many x this many blocks over the tile.
 FOCUS_BLOCKS = 4
 #: Blocks whose second-band energy (grey levels^2) is below this are flat (glass) and do not vote.
@@ -116,8 +120,8 @@ def fold_mask(overview: np.ndarray, tissue: np.ndarray, glass: np.ndarray | tupl
     return tissue & (along >= ratio * norm_med) & (cos >= np.cos(np.radians(_FOLD_MAX_ANGLE)))
 
 
-def focus_measure(tiles: np.ndarray, blocks: int = FOCUS_BLOCKS) -> np.ndarray:
-    """float32 (k,): the focus measure of each uint8 (k, T, T, 3) RGB tile (module docstring); higher = sharper.
+def focus_measure(tiles: np.ndarray | Sequence[np.ndarray], blocks: int = FOCUS_BLOCKS) -> np.ndarray:
+    """float32 (k,): the focus measure of each uint8 (T, T, 3) RGB tile (module docstring); higher = sharper.
 
     The ratio is taken per block of a ``blocks`` x ``blocks`` grid over the tile; the tile's measure is
     the median over the blocks with any structure (second-band energy >= :data:`FLAT_BAND` grey
@@ -126,16 +130,20 @@ def focus_measure(tiles: np.ndarray, blocks: int = FOCUS_BLOCKS) -> np.ndarray:
     import cv2
 
     out = np.empty(len(tiles), np.float32)
+    n = int(blocks)
     for i, t in enumerate(tiles):
-        g = cv2.cvtColor(np.ascontiguousarray(t), cv2.COLOR_RGB2GRAY).astype(np.float32)
-        g1 = cv2.GaussianBlur(g, (0, 0), 1.0)
-        g3 = cv2.GaussianBlur(g, (0, 0), 3.0)
-        d1, d2 = g - g1, g1 - g3
-        n = blocks
-        h, w = (g.shape[0] // n) * n, (g.shape[1] // n) * n
-        fine = cv2.resize(d1[:h, :w] * d1[:h, :w], (n, n), interpolation=cv2.INTER_AREA).ravel()
-        band = cv2.resize(d2[:h, :w] * d2[:h, :w], (n, n), interpolation=cv2.INTER_AREA).ravel()
-        some = band >= FLAT_BAND if (band >= FLAT_BAND).any() else np.ones(len(band), bool)
+        g = np.float32(cv2.cvtColor(np.ascontiguousarray(t), cv2.COLOR_RGB2GRAY))
+        g1 = cv2.GaussianBlur(g, (5, 5), 1.0)  # kernels cut at 2 sigma
+        d1 = cv2.subtract(g, g1)
+        fine = cv2.resize(cv2.multiply(d1, d1), (n, n), interpolation=cv2.INTER_AREA).ravel()
+        # the second band at half resolution (g1 holds nothing finer): G3 = G1 then a Gaussian of
+        # sqrt(3^2 - 1^2) px = sqrt(2) half-resolution px
+        h1 = cv2.resize(g1, (g.shape[1] // 2, g.shape[0] // 2), interpolation=cv2.INTER_AREA)
+        d2 = cv2.subtract(h1, cv2.GaussianBlur(h1, (7, 7), float(np.sqrt(2.0))))
+        band = cv2.resize(cv2.multiply(d2, d2), (n, n), interpolation=cv2.INTER_AREA).ravel()
+        some = band >= FLAT_BAND
+        if not some.any():
+            some[:] = True
         out[i] = float(np.median(fine[some] / (band[some] + 4.0)))
     return out
 
@@ -148,7 +156,7 @@ class TileQC:
     ----------
     pen : float (rows, cols) ink fraction of each tile.
     fold : float (rows, cols) folded-tissue fraction of each tile.
-    stained : float (rows, cols) stained-tissue fraction (tiles under ``0.25`` are not judged for focus).
+    stained : float (rows, cols) stained-tissue fraction (tiles under :data:`FOCUS_MIN_STAINED` are not judged for focus).
     params : the thresholds.
     mode : ``drop``, ``flag`` or ``off``.
     """
@@ -165,9 +173,13 @@ class TileQC:
         f = np.zeros(len(rows), np.uint8)
         f[self.pen[rows, cols] >= p.pen_fraction] |= QC_BITS["pen"]
         f[self.fold[rows, cols] >= p.fold_fraction] |= QC_BITS["fold"]
-        judged = (self.stained[rows, cols] >= 0.25) & np.isfinite(focus)
+        judged = self.judged(rows, cols) & np.isfinite(focus)
         f[judged & (focus < p.focus_min)] |= QC_BITS["blur"]
         return f
+
+    def judged(self, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+        """Bool (k,): tiles (rows, cols) holding enough stained tissue (>= :data:`FOCUS_MIN_STAINED`) to judge their focus."""
+        return self.stained[rows, cols] >= FOCUS_MIN_STAINED
 
     def dropped(self, flags: np.ndarray) -> np.ndarray:
         """Bool (k,): tiles ``qc_mode="drop"`` removes (any of ``params.drop`` set)."""

@@ -140,7 +140,10 @@ def _apply_qc(qc: TileQC | None, row: int, run: np.ndarray, keep: np.ndarray, ke
     if qc is None:
         return keep, None
     cols = run[keep]
-    focus = focus_measure(kept_tiles) if len(cols) else np.zeros(0, np.float32)
+    focus = np.full(len(cols), np.nan, np.float32)  # not measured: a tile with too little stained tissue is not judged
+    judged = np.flatnonzero(qc.judged(np.full(len(cols), row), cols))
+    if judged.size:
+        focus[judged] = focus_measure([kept_tiles[i] for i in judged.tolist()])
     flags = qc.flags(np.full(len(cols), row), cols, focus)
     drop = qc.dropped(flags)
     dropped = np.zeros(len(run), bool)
