@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, QC_ARTIFACTS, QC_MODES, TILING_METHODS, TilingMethod
+from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, QC_ARTIFACTS, QC_MODES, TILING_METHODS, QCMode, TilingMethod
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.data.store import DEFAULT_SHARD_TILES
 
@@ -244,12 +244,15 @@ class StoreTiling:
     tile_size : tile side in px at the read resolution.
     min_foreground : keep a tile at >= this foreground fraction (0..1).
     mpp_target : read resolution in um/px.
+    qc_mode : tile artifact QC of the tiler (``drop``, ``flag``, ``off``); the paper pipelines and the
+        demo set ``off`` (the papers' tiles).
     """
 
     method: TilingMethod | None = None
     tile_size: int | None = field(default=None, metadata=spec(gt=0))
     min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
     mpp_target: float | None = field(default=None, metadata=spec(gt=0))
+    qc_mode: QCMode | None = None
 
 
 def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | None = None) -> TilingConfig:
