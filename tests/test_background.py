@@ -169,7 +169,7 @@ def test_glass_at_225_is_reported_warned_and_grey_max_auto_drops_it(grey225: Pat
     assert "inside the foreground band" not in pd.read_csv(out_auto / "tiling_report.csv", keep_default_na=False).loc[0, "note"]
 
 
-@pytest.mark.parametrize("method", ["greyscale", "otsu"])
+@pytest.mark.parametrize("method", ["tissue", "greyscale", "otsu"])
 def test_dark_background_slide_is_skipped_unless_allowed(method: str, tmp_path: Path) -> None:
     s = make_slide(tmp_path / "fluo.svs", size=768, seed=2, glass_grey=4, stain=DAPI_STAIN, tissue_fraction=0.4)
     rep = tile_cohort([SlideJob("fluo", str(s.path))], tmp_path / "out", TilingConfig(method=method), workers=0, progress=False)
