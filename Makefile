@@ -21,7 +21,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-verify clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify clean
 
 install: $(STAMP)
 
@@ -94,7 +94,14 @@ bench-decode: install
 bench-scale: install
 	$(BIN)/python -m wsi_pipeline.bench.scale $(ARGS)
 
-bench-tissue: install
+# tissue detection against painted truth (DETECT_ARGS), then the tissue U-Net's whole-image training step (ARGS)
+DETECT_ARGS ?=
+bench-tissue: bench-tissue-detection bench-tissue-step
+
+bench-tissue-detection: install
+	$(BIN)/python -m wsi_pipeline.bench.tissue_detection $(DETECT_ARGS)
+
+bench-tissue-step: install
 	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
 
 bench-verify: install

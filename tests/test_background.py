@@ -145,7 +145,7 @@ def _brute_kept(path: Path, hi: int, T: int = 256, keep: float = 0.6) -> set[tup
 def test_glass_at_225_is_reported_warned_and_grey_max_auto_drops_it(grey225: Path, tmp_path: Path, caplog) -> None:
     out = tmp_path / "default"
     with caplog.at_level("WARNING"):
-        rep = tile_cohort([SlideJob("g", str(grey225))], out, TilingConfig(), workers=0, progress=False)
+        rep = tile_cohort([SlideJob("g", str(grey225))], out, TilingConfig(method="greyscale"), workers=0, progress=False)
     r = rep.results[0]
     assert r.status == "ok" and abs(r.background_grey - 225) <= 1
     assert "inside the foreground band [3, 230]" in r.note and "inside the foreground band" in caplog.text
@@ -155,7 +155,8 @@ def test_glass_at_225_is_reported_warned_and_grey_max_auto_drops_it(grey225: Pat
     assert default_kept == _brute_kept(grey225, 230)  # the paper's rule, unchanged: glass tiles kept
 
     out_auto = tmp_path / "auto"
-    assert main(["tile", "--slides", str(grey225), "--out", str(out_auto), "--grey-max", "auto", "--workers", "0", "--no-progress"]) == 0
+    assert main(["tile", "--slides", str(grey225), "--out", str(out_auto), "--method", "greyscale", "--grey-max", "auto",
+                 "--workers", "0", "--no-progress"]) == 0
     store = open_store(out_auto / "g225.zarr")
     gmax = store.attrs["grey_max"]
     assert gmax == int(np.floor(store.attrs["background"]["grey"] - 10)) and store.attrs["grey_max_rule"] == "auto"
@@ -168,7 +169,7 @@ def test_glass_at_225_is_reported_warned_and_grey_max_auto_drops_it(grey225: Pat
     assert "inside the foreground band" not in pd.read_csv(out_auto / "tiling_report.csv", keep_default_na=False).loc[0, "note"]
 
 
-@pytest.mark.parametrize("method", ["greyscale", "otsu"])
+@pytest.mark.parametrize("method", ["tissue", "greyscale", "otsu"])
 def test_dark_background_slide_is_skipped_unless_allowed(method: str, tmp_path: Path) -> None:
     s = make_slide(tmp_path / "fluo.svs", size=768, seed=2, glass_grey=4, stain=DAPI_STAIN, tissue_fraction=0.4)
     rep = tile_cohort([SlideJob("fluo", str(s.path))], tmp_path / "out", TilingConfig(method=method), workers=0, progress=False)

@@ -57,7 +57,7 @@ def test_one_tiling_config():
     with pytest.raises(ValueError, match=r"data.tiling.min_foreground=1.5; expected a value <= 1.0"):
         config_from_dict({"data": {"manifest": "m", "tiles_dir": "t", "n_classes": 2, "tiling": {"min_foreground": 1.5}},
                           "name": "p", "methods": [{"name": "a", "strategy": "frozen"}]})
-    with pytest.raises(ValueError, match=r"data.tiling.method='grey'; expected one of 'greyscale', 'otsu', 'unet'"):
+    with pytest.raises(ValueError, match=r"data.tiling.method='grey'; expected one of 'tissue', 'greyscale', 'otsu', 'unet'"):
         config_from_dict({"data": {"manifest": "m", "tiles_dir": "t", "n_classes": 2, "tiling": {"method": "grey"}},
                           "name": "p", "methods": [{"name": "a", "strategy": "frozen"}]})
 

@@ -60,7 +60,7 @@ def test_tiled_folder_and_its_manifest_agree_for_every_extension(tmp_path: Path)
 
     manifest = build_folder_manifest(folder).set_index("slide_id")
     out = tmp_path / "tiles"
-    rep = tile_cohort(folder, out, TilingConfig(tile_size=128), workers=0, progress=False)
+    rep = tile_cohort(folder, out, TilingConfig(method="greyscale", qc_mode="off", tile_size=128), workers=0, progress=False)
     report = pd.read_csv(out / "tiling_report.csv", keep_default_na=False).set_index("slide_id")
 
     assert set(manifest.index) == set(report.index) == set(expected)

@@ -104,8 +104,8 @@ def test_auto_falls_back_to_wsidicom_and_tiles_exactly(tmp_path: Path, pyramid: 
     with open_slide(files[0]) as s:
         assert s.backend == "wsidicom"
     out = tmp_path / "tiles"
-    for cfg, ref in ((TilingConfig(tile_size=100, min_foreground=0.0), pyramid[0]),
-                     (TilingConfig(tile_size=100, min_foreground=0.0, mpp_target=0.5), pyramid[1])):
+    for cfg, ref in ((TilingConfig(method="greyscale", qc_mode="off", tile_size=100, min_foreground=0.0), pyramid[0]),
+                     (TilingConfig(method="greyscale", qc_mode="off", tile_size=100, min_foreground=0.0, mpp_target=0.5), pyramid[1])):
         rep = tile_cohort(folder, out / str(cfg.mpp_target), cfg, workers=0, progress=False)
         assert rep.ok and [r.slide_id for r in rep.results] == ["implicit"]
         store = open_store(out / str(cfg.mpp_target) / "implicit.zarr")
@@ -160,7 +160,7 @@ def test_real_dicom_wsidicom_equals_openslide_and_pydicom_frames(real_slides_dir
     folder = tmp_path / "slides" / "dicom-bone"
     folder.mkdir(parents=True)
     (folder / "jpeg.dcm").symlink_to(path)
-    rep = tile_cohort(folder.parent, tmp_path / "t", TilingConfig(backend="wsidicom", min_foreground=0.0), workers=0, progress=False)
+    rep = tile_cohort(folder.parent, tmp_path / "t", TilingConfig(method="greyscale", qc_mode="off", backend="wsidicom", min_foreground=0.0), workers=0, progress=False)
     store = open_store(tmp_path / "t" / "dicom-bone.zarr")
     assert rep.ok and store.attrs["backend"] == "wsidicom" and len(store) == (957 // 256) * (715 // 256)
     for tile, (x, y) in zip(store.read(), store.coords):

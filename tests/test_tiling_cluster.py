@@ -26,7 +26,7 @@ TIMING_COLUMNS = ("seconds", "cpu_seconds")
 #: store attributes that record when the store was written and how long it took (CPU seconds per thread)
 TIME_ATTRS = ("created", "timing")
 #: 128 px tiles: a few hundred tiles over the small cohort below
-CFG = TilingConfig(tile_size=128)
+CFG = TilingConfig(method="greyscale", qc_mode="off", tile_size=128)
 
 
 def _report_rows(out: Path) -> dict[str, dict]:
@@ -110,7 +110,7 @@ def test_shards_are_disjoint_cover_balanced_and_independent_of_order() -> None:
 @pytest.mark.slow
 def test_shard_1_of_2_plus_2_of_2_equals_one_full_run(cohort: Path, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "tiles"
-    base = ["tile", "--slides", str(cohort), "--out", str(out), "--workers", "1", "--no-progress", "--tile-size", "128"]
+    base = ["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(out), "--workers", "1", "--no-progress", "--tile-size", "128"]
     assert main(base + ["--shard", "1/2"]) == 0
     first = set(_report_rows(out))
     assert main(base + ["--shard", "2/2"]) == 0
@@ -122,7 +122,7 @@ def test_shard_1_of_2_plus_2_of_2_equals_one_full_run(cohort: Path, reference: P
 
 
 def test_bad_shard_and_cluster_flags_exit_2(cohort: Path, tmp_path: Path, capsys) -> None:
-    base = ["tile", "--slides", str(cohort), "--out", str(tmp_path / "t"), "--no-progress"]
+    base = ["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(tmp_path / "t"), "--no-progress"]
     assert main(base + ["--shard", "3/2"]) == 2
     assert "--shard '3/2'" in capsys.readouterr().err
     assert main(base + ["--cluster", "yarn"]) == 2
@@ -144,7 +144,7 @@ def test_bad_shard_and_cluster_flags_exit_2(cohort: Path, tmp_path: Path, capsys
 @pytest.mark.slow
 def test_dask_local_cluster_of_2_workers_equals_local_runner(cohort: Path, reference: Path, tmp_path: Path) -> None:
     out = tmp_path / "tiles"
-    assert main(["tile", "--slides", str(cohort), "--out", str(out), "--no-progress", "--tile-size", "128", "--cluster", "local:2"]) == 0
+    assert main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(out), "--no-progress", "--tile-size", "128", "--cluster", "local:2"]) == 0
     assert_same_outputs(out, reference)
     # a second run on the cluster finds every store current
     rep = tile_cohort(cohort, out, CFG, progress=False, cluster="local:1")
@@ -162,7 +162,7 @@ def test_worker_killed_mid_slide_is_retried_and_correct(tmp_path: Path) -> None:
     make_slide(folder / "b_big.svs", size=1024, seed=32, tissue_fraction=0.6)
     # 32 px tiles in shards of 32: ~600 kept tiles on b_big, written over many shard files, so it is easy
     # to catch mid-slide
-    cfg = TilingConfig(tile_size=32, shard_tiles=32)
+    cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=32, shard_tiles=32)
     ref = tmp_path / "ref"
     assert tile_cohort(folder, ref, cfg, workers=0, progress=False).ok
 
@@ -242,7 +242,8 @@ def test_tile_array_sbatch_tasks_together_equal_one_run(cohort: Path, reference:
     for k in (1, 2):
         env = {**os.environ, "PYTHONPATH": str(repo), "VENV": str(venv), "SLURM_ARRAY_TASK_ID": str(k),
                "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_CPUS_PER_TASK": "1"}
-        proc = subprocess.run(["bash", str(repo / "examples/slurm/tile_array.sbatch"), str(cohort), str(out), "--tile-size", "128"],
+        proc = subprocess.run(["bash", str(repo / "examples/slurm/tile_array.sbatch"), str(cohort), str(out), "--tile-size", "128",
+                                   "--method", "greyscale", "--qc", "off"],
                               env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr
         assert "3 slides" in proc.stdout  # 6 slides, 2 shards

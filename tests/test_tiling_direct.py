@@ -57,7 +57,7 @@ def test_direct_path_is_taken_and_writes_the_read_level_store(tmp_path: Path, mo
     path = tmp_path / "jpeg.tif"
     _write_jpeg_tiff(path, stored)
     job = SlideJob("s", str(path), mpp=MPP)
-    cfg = TilingConfig(tile_size=T, mpp_target=target, min_foreground=0.5, qc=False)
+    cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=0.5, qc=False)
     fast = tile_slide(job, tmp_path / "direct", cfg, threads=3)
     assert fast.status == "ok", fast.error
     with monkeypatch.context() as m:  # the OpenSlide path: the direct reader declines every level
@@ -143,7 +143,7 @@ def test_top_rows_decide_probable_glass_and_keep_exactly_the_exhaustive_set(tmp_
     job = SlideJob("s", str(path), mpp=MPP)
     stores = {}
     for name, pre in (("pre", True), ("exhaustive", False)):
-        res = tile_slide(job, tmp_path / name, TilingConfig(tile_size=S, qc=False, prescreen=pre), threads=2)
+        res = tile_slide(job, tmp_path / name, TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False, prescreen=pre), threads=2)
         assert res.status == "ok", res.error
         stores[name] = open_store(tmp_path / name / "s.zarr")
     a, b = stores["pre"], stores["exhaustive"]
@@ -160,7 +160,7 @@ def test_top_rows_decide_probable_glass_and_keep_exactly_the_exhaustive_set(tmp_
     assert kept == {cases["tissue"], cases["bottom-70"]}  # the design holds (58 % and a half are dropped)
     # what the cut did: the three glass tiles settled from their top rows, the strip tile decoded whole
     with open_slide(path, "openslide") as slide:
-        plan = plan_tiles(slide, job, TilingConfig(tile_size=S, qc=False))
+        plan = plan_tiles(slide, job, TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False))
     first = {(int(c), int(r)) for r, c in zip(*np.nonzero(plan.top_first))}
     assert {cases[k] for k in ("glass", "glass-2", "glass-dots", "strip-on-top")} <= first
     assert cases["tissue"] not in first and cases["bottom-70"] not in first
@@ -179,9 +179,9 @@ def test_top_rows_never_drop_a_tile_that_passes(tmp_path: Path, monkeypatch) -> 
     path = tmp_path / "banded.tif"
     _, cases = _write_banded_tiff(path)
     job = SlideJob("s", str(path), mpp=MPP)
-    exhaustive = tile_slide(job, tmp_path / "exhaustive", TilingConfig(tile_size=S, qc=False, prescreen=False), threads=1)
+    exhaustive = tile_slide(job, tmp_path / "exhaustive", TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False, prescreen=False), threads=1)
     monkeypatch.setattr(plan_module, "likely_background", lambda overview, ds, grid, **kw: np.ones((grid.rows, grid.cols), bool))
-    forced = tile_slide(job, tmp_path / "forced", TilingConfig(tile_size=S, qc=False), threads=2)
+    forced = tile_slide(job, tmp_path / "forced", TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False), threads=2)
     assert exhaustive.status == forced.status == "ok"
     a, b = open_store(tmp_path / "forced" / "s.zarr"), open_store(tmp_path / "exhaustive" / "s.zarr")
     np.testing.assert_array_equal(a.grid, b.grid)
@@ -200,7 +200,7 @@ def test_thread_count_does_not_change_the_store_with_openslide_reads(tmp_path: P
     _write_jpeg_tiff(path, 96)
     monkeypatch.setattr(DirectTiles, "supports", lambda self, level: False)
     job = SlideJob("s", str(path), mpp=MPP)
-    cfg = TilingConfig(tile_size=T, min_foreground=0.3, qc=False, read_run=3, compression=compression)  # short runs: many tasks
+    cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, min_foreground=0.3, qc=False, read_run=3, compression=compression)  # short runs: many tasks
     stores = {}
     for n in (1, 4):
         assert tile_slide(job, tmp_path / f"t{n}", cfg, threads=n).status == "ok"
@@ -221,7 +221,7 @@ def test_tiffslide_reads_stay_on_one_thread(tmp_path: Path) -> None:
     """tiffslide handles are not shared between threads: one decoding thread, the writer thread beside it."""
     path = tmp_path / "jpeg.tif"
     _write_jpeg_tiff(path, 128)
-    cfg = TilingConfig(tile_size=T, min_foreground=0.5, qc=False, backend="tiffslide")
+    cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, min_foreground=0.5, qc=False, backend="tiffslide")
     assert tile_slide(SlideJob("s", str(path), mpp=MPP), tmp_path, cfg, threads=4).status == "ok"
     st = open_store(tmp_path / "s.zarr")
     assert st.attrs["tile_decoder"] == "read_level" and st.attrs["level_reader"] == "tiffslide"

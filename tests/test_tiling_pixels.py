@@ -142,7 +142,7 @@ def test_generated_pyramid_has_non_integer_downsamples_and_both_readers_see_its_
 def test_every_stored_tile_is_the_formula(pyramid, tmp_path: Path, backend: str, target: float | None) -> None:
     path, levels = pyramid
     ref = _formula(levels, target)
-    res = tile_slide(SlideJob("s", str(path)), tmp_path, TilingConfig(tile_size=T, mpp_target=target, min_foreground=0.5,
+    res = tile_slide(SlideJob("s", str(path)), tmp_path, TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=0.5,
                                                                      backend=backend, qc=False))
     assert res.status == "ok", res.error
     got = _check_store(tmp_path / "s.zarr", ref, 0.5)
@@ -163,7 +163,7 @@ def test_openslide_without_tiff_access_skips_non_integer_levels(pyramid, tmp_pat
 
     monkeypatch.setattr(OpenSlideSlide, "_tiff_twin", lambda self: None)
     path, levels = pyramid
-    res = tile_slide(SlideJob("s", str(path)), tmp_path, TilingConfig(tile_size=T, mpp_target=0.5, min_foreground=0.5,
+    res = tile_slide(SlideJob("s", str(path)), tmp_path, TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=0.5, min_foreground=0.5,
                                                                      backend="openslide", qc=False))
     assert res.status == "ok", res.error
     assert len(_check_store(tmp_path / "s.zarr", _formula(levels, 0.5, usable=0), 0.5)) > 0
@@ -179,7 +179,7 @@ def test_tile_pixels_do_not_depend_on_threshold_prescreen_or_workers(pyramid, tm
     ref = _formula(levels, target)
     runs = {}
     for name, thr, pre, bg in (("keep20", 0.2, True, True), ("keep90", 0.9, True, True), ("exhaustive", 0.2, False, False)):
-        cfg = TilingConfig(tile_size=T, mpp_target=target, min_foreground=thr, prescreen=pre, backend=backend, qc=False)
+        cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=thr, prescreen=pre, backend=backend, qc=False)
         assert tile_slide(SlideJob("s", str(path)), tmp_path / name, cfg, background_write=bg).status == "ok"
         runs[name] = _check_store(tmp_path / name / "s.zarr", ref, thr)
     # two worker processes on a folder of two copies
@@ -187,7 +187,7 @@ def test_tile_pixels_do_not_depend_on_threshold_prescreen_or_workers(pyramid, tm
     folder.mkdir()
     for sid in ("a", "b"):
         shutil.copy(path, folder / f"{sid}.svs")
-    cfg = TilingConfig(tile_size=T, mpp_target=target, min_foreground=0.2, backend=backend, qc=False)
+    cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=0.2, backend=backend, qc=False)
     rep = tile_cohort(folder, tmp_path / "workers", cfg, workers=2, progress=False)
     assert rep.ok and rep.count("ok") == 2
     for sid in ("a", "b"):
@@ -214,7 +214,7 @@ def test_jpeg_aperio_like_slide_matches_the_library_read_of_the_level(tmp_path: 
     for target in (0.5, 0.6):
         ref = _formula(levels, target)
         out = tmp_path / f"out{target}"
-        cfg = TilingConfig(tile_size=T, mpp_target=target, min_foreground=0.5, backend=backend, qc=False)
+        cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=0.5, backend=backend, qc=False)
         assert tile_slide(SlideJob("j", str(path)), out, cfg).status == "ok"
         assert len(_check_store(out / "j.zarr", ref, 0.5)) > 0
 

@@ -60,7 +60,7 @@ def test_real_svs_greyscale_level0_equals_brute_force(real_slides_dir: Path, tmp
     folder.mkdir()
     (folder / src.name).symlink_to(src)
     out = tmp_path / "tiles"
-    assert main(["tile", "--slides", str(folder), "--out", str(out), "--workers", "1", "--no-progress"]) == 0
+    assert main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(folder), "--out", str(out), "--workers", "1", "--no-progress"]) == 0
     assert "1 ok" in capsys.readouterr().out
 
     # reference: OpenSlide (not the package) reads level 0; numpy/cv2 test every full tile
@@ -127,7 +127,7 @@ def test_real_ndpi_and_dicom_are_tiled_or_reported(real_slides_dir: Path, tmp_pa
     assert by_id["test3-DAPI-2-387"].status == "skipped"  # fluorescence: dark background (tests/test_background.py)
     assert by_id["dicom-bone"].status == "ok" and open_store(tmp_path / "out" / "dicom-bone.zarr").attrs["backend"] == "openslide"
     # forcing tiffslide on the DICOM slide: a failed row that says why
-    rep = tile_cohort(folder, tmp_path / "out_ts", TilingConfig(backend="tiffslide"), workers=0, progress=False)
+    rep = tile_cohort(folder, tmp_path / "out_ts", TilingConfig(method="greyscale", qc_mode="off", backend="tiffslide"), workers=0, progress=False)
     dicom = next(r for r in rep.results if r.slide_id == "dicom-bone")
     assert dicom.status == "failed" and "tiffslide" in dicom.error and "not a TIFF" in dicom.error
 
@@ -150,7 +150,7 @@ def test_bad_inputs_in_a_folder_get_specific_rows_and_the_rest_is_tiled(tmp_path
     (folder / "noise.tiff").write_bytes(np.random.default_rng(0).bytes(50_000))
     make_slide(folder / "blank.svs", size=768, seed=2, blank=True)
     out = tmp_path / "tiles"
-    code = main(["tile", "--slides", str(folder), "--out", str(out), "--workers", "2", "--no-progress"])
+    code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(folder), "--out", str(out), "--workers", "2", "--no-progress"])
     text = capsys.readouterr().out
     assert code == 1
     assert "3 failed" in text and "2 ok" in text
@@ -179,7 +179,7 @@ def test_manifest_missing_file_and_missing_mpp(tmp_path: Path, good_slide: Path,
         "mpp": [None, None, None, 0.5],
     }).to_csv(manifest, index=False)
     out = tmp_path / "tiles"
-    args = ["tile", "--manifest", str(manifest), "--out", str(out), "--workers", "0", "--no-progress", "--mpp-target", "1.0"]
+    args = ["tile", "--method", "greyscale", "--qc", "off", "--manifest", str(manifest), "--out", str(out), "--workers", "0", "--no-progress", "--mpp-target", "1.0"]
     assert main(args) == 1
     assert "2 failed" in capsys.readouterr().out
     r = _report(out)
@@ -207,7 +207,7 @@ def test_sigkill_of_a_worker_mid_slide_then_rerun(tmp_path: Path) -> None:
     make_slide(folder / "c_small.svs", size=512, seed=33, tissue_fraction=0.5)
     out = tmp_path / "tiles"
     # 32 px tiles: ~600 kept tiles on b_big, so killing it mid-slide is easy to time (~19 shards of 32 tiles)
-    cmd = [sys.executable, "-m", "wsi_pipeline.cli.main", "tile", "--slides", str(folder), "--out", str(out),
+    cmd = [sys.executable, "-m", "wsi_pipeline.cli.main", "tile", "--method", "greyscale", "--qc", "off", "--slides", str(folder), "--out", str(out),
            "--workers", "1", "--tile-size", "32", "--no-progress", "--shard-tiles", "32"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -233,7 +233,7 @@ def test_sigkill_of_a_worker_mid_slide_then_rerun(tmp_path: Path) -> None:
 
     # rerun (in this process this time): the finished slides are skipped, the killed one is
     # rebuilt completely and correctly
-    assert main(["tile", "--slides", str(folder), "--out", str(out), "--workers", "0", "--tile-size", "32", "--no-progress"]) == 0
+    assert main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(folder), "--out", str(out), "--workers", "0", "--tile-size", "32", "--no-progress"]) == 0
     r = _report(out)
     assert r.loc["a_small", "status"] == "skipped" and r.loc["c_small", "status"] == "skipped"
     assert r.loc["b_big", "status"] == "ok"
@@ -253,7 +253,7 @@ def test_resume_skips_current_rebuilds_changed_partial_and_stale(tmp_path: Path,
     (folder / "one.svs").symlink_to(good_slide)
     make_slide(folder / "two.svs", size=768, seed=41, tissue_fraction=0.5)
     out = tmp_path / "tiles"
-    cfg = TilingConfig(qc=False)
+    cfg = TilingConfig(method="greyscale", qc_mode="off", qc=False)
 
     def run(config: TilingConfig = cfg) -> dict[str, str]:
         rep = tile_cohort(folder, out, config, workers=0, progress=False)
@@ -263,7 +263,7 @@ def test_resume_skips_current_rebuilds_changed_partial_and_stale(tmp_path: Path,
     n_two = len(open_store(out / "two.zarr"))
     assert run() == {"one": "skipped", "two": "skipped"}
     # changed settings rebuild
-    assert run(TilingConfig(qc=False, tile_size=128)) == {"one": "ok", "two": "ok"}
+    assert run(TilingConfig(method="greyscale", qc_mode="off", qc=False, tile_size=128)) == {"one": "ok", "two": "ok"}
     assert open_store(out / "two.zarr").tile_size == 128
     assert run() == {"one": "ok", "two": "ok"}
     assert len(open_store(out / "two.zarr")) == n_two
@@ -300,10 +300,10 @@ def test_prescreen_keeps_exactly_the_exhaustive_set_where_it_matters(tmp_path: P
     grid_tiles = cand = 0
     borderline = 0
     for job in jobs:
-        fast = tile_slide(job, tmp_path / "pre", TilingConfig(qc=False))
+        fast = tile_slide(job, tmp_path / "pre", TilingConfig(method="greyscale", qc_mode="off", qc=False))
         # the exhaustive run also writes in the decoding thread (as a worker does when every core
         # has one): the store must not depend on which thread compressed it
-        slow = tile_slide(job, tmp_path / "exh", TilingConfig(qc=False, prescreen=False), background_write=False)
+        slow = tile_slide(job, tmp_path / "exh", TilingConfig(method="greyscale", qc_mode="off", qc=False, prescreen=False), background_write=False)
         assert fast.status == slow.status == "ok"
         a, b = open_store(tmp_path / "pre" / f"{job.slide_id}.zarr"), open_store(tmp_path / "exh" / f"{job.slide_id}.zarr")
         np.testing.assert_array_equal(a.coords, b.coords)
@@ -327,7 +327,7 @@ def test_mpp_target_reads_the_right_level_and_resizes(tmp_path: Path) -> None:
     path = make_slide(tmp_path / "s40.svs", size=(1536, 1024), seed=61, mpp=0.25, tissue_fraction=0.6).path
     full = _tifffile_level0(path)
     # 0.5 um/px: no 2x level (the pyramid is 1, 4, 16), so read level 0 and downsize 512 -> 256 px
-    rep = tile_cohort([SlideJob("s", str(path))], tmp_path / "t05", TilingConfig(mpp_target=0.5, qc=False), workers=0, progress=False)
+    rep = tile_cohort([SlideJob("s", str(path))], tmp_path / "t05", TilingConfig(method="greyscale", qc_mode="off", mpp_target=0.5, qc=False), workers=0, progress=False)
     assert rep.ok
     st = open_store(tmp_path / "t05" / "s.zarr")
     assert (st.attrs["read_level"], st.attrs["downsample"], st.attrs["mpp"]) == (0, 2.0, 0.5)
@@ -338,7 +338,7 @@ def test_mpp_target_reads_the_right_level_and_resizes(tmp_path: Path) -> None:
         block = full[y : y + 512, x : x + 512].astype(np.float64).reshape(256, 2, 256, 2, 3).mean(axis=(1, 3))
         assert np.abs(tiles[i] - block).max() <= 1.0
     # 1.0 um/px: level 1 (4x) as stored, no resizing; coordinates in level-0 px
-    rep = tile_cohort([SlideJob("s", str(path))], tmp_path / "t1", TilingConfig(mpp_target=1.0, min_foreground=0.3, qc=False),
+    rep = tile_cohort([SlideJob("s", str(path))], tmp_path / "t1", TilingConfig(method="greyscale", qc_mode="off", mpp_target=1.0, min_foreground=0.3, qc=False),
                       workers=0, progress=False)
     st = open_store(tmp_path / "t1" / "s.zarr")
     assert (st.attrs["read_level"], st.attrs["downsample"]) == (1, 4.0) and len(st) > 0
@@ -351,8 +351,8 @@ def test_mpp_target_reads_the_right_level_and_resizes(tmp_path: Path) -> None:
 
 def test_jpeg_store_and_qc_image(tmp_path: Path, good_slide: Path) -> None:
     job = [SlideJob("g", str(good_slide))]
-    tile_cohort(job, tmp_path / "z", TilingConfig(), workers=0, progress=False)
-    tile_cohort(job, tmp_path / "j", TilingConfig(compression="jpeg"), workers=0, progress=False)
+    tile_cohort(job, tmp_path / "z", TilingConfig(method="greyscale", qc_mode="off"), workers=0, progress=False)
+    tile_cohort(job, tmp_path / "j", TilingConfig(method="greyscale", qc_mode="off", compression="jpeg"), workers=0, progress=False)
     z, j = open_store(tmp_path / "z" / "g.zarr"), open_store(tmp_path / "j" / "g.zarr")
     np.testing.assert_array_equal(z.coords, j.coords)
     diff = np.abs(z.read().astype(int) - j.read().astype(int))
@@ -394,7 +394,7 @@ def test_cli_help_documents_every_option(capsys) -> None:
                 "--grey-max", "--mpp-target", "--mpp", "--workers", "--compression", "--backend", "--no-prescreen",
                 "--no-qc", "--overwrite", "--no-progress", "--lock-stale-after"):
         assert opt in text
-    assert main(["tile", "--slides", "/nonexistent/dir", "--out", "/tmp/x"]) == 2
+    assert main(["tile", "--method", "greyscale", "--qc", "off", "--slides", "/nonexistent/dir", "--out", "/tmp/x"]) == 2
 
 
 @pytest.mark.parametrize("compression", ["zstd", "none"])

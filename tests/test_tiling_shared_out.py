@@ -154,7 +154,7 @@ def test_two_runs_on_one_folder_tile_each_slide_once(tmp_path: Path, cohort: Pat
     out = tmp_path / "tiles"
     wrapper = _wrapper(tmp_path)
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
-    args = ["tile", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress", "--tile-size", "64"]
+    args = ["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress", "--tile-size", "64"]
     first = subprocess.Popen([sys.executable, str(wrapper), str(logs[0]), "1.0", *args], env=ENV,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: bool(_lines(logs[0]))), "the first run never started a slide"
@@ -183,7 +183,7 @@ def test_two_runs_on_one_folder_tile_each_slide_once(tmp_path: Path, cohort: Pat
 def test_a_run_killed_holding_a_lock_is_taken_over(tmp_path: Path, cohort: Path, caplog) -> None:
     out = tmp_path / "tiles"
     log = tmp_path / "killed.log"
-    args = ["tile", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress", "--tile-size", "64"]
+    args = ["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress", "--tile-size", "64"]
     proc = subprocess.Popen([sys.executable, str(_wrapper(tmp_path)), str(log), "600", *args], env=ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: bool(_lines(log))), "the run never started a slide"
@@ -196,7 +196,7 @@ def test_a_run_killed_holding_a_lock_is_taken_over(tmp_path: Path, cohort: Path,
 
     # the lock is fresh (well inside lock_stale_s), but its process is gone on this host: taken over
     with caplog.at_level(logging.WARNING, logger="wsi_pipeline.tiling.locks"):
-        rep = tile_cohort(cohort, out, runner.TilingConfig(tile_size=64), workers=0, progress=False)
+        rep = tile_cohort(cohort, out, runner.TilingConfig(method="greyscale", qc_mode="off", tile_size=64), workers=0, progress=False)
     assert f"took over the stale lock {lock}" in caplog.text and "its process is gone" in caplog.text
     assert rep.ok and rep.count("ok") == 6
     report = pd.read_csv(out / "tiling_report.csv", keep_default_na=False).set_index("slide_id")
@@ -209,7 +209,7 @@ def test_killing_a_runner_kills_its_worker_too(tmp_path: Path) -> None:
     folder = tmp_path / "slides"
     make_slide(folder / "big.svs", size=1024, seed=3, tissue_fraction=0.7)
     out = tmp_path / "tiles"
-    cmd = [sys.executable, "-m", "wsi_pipeline.cli.main", "tile", "--slides", str(folder), "--out", str(out),
+    cmd = [sys.executable, "-m", "wsi_pipeline.cli.main", "tile", "--method", "greyscale", "--qc", "off", "--slides", str(folder), "--out", str(out),
            "--workers", "1", "--tile-size", "32", "--no-progress"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     temps: list[Path] = []
@@ -226,7 +226,7 @@ def test_killing_a_runner_kills_its_worker_too(tmp_path: Path) -> None:
         return Path(f"/proc/{worker}/status").exists() and "zombie" in Path(f"/proc/{worker}/status").read_text()
 
     assert _wait_for(gone, 10), "the worker outlived its runner and would race the next run"
-    rep = tile_cohort(folder, out, runner.TilingConfig(tile_size=32), workers=0, progress=False)
+    rep = tile_cohort(folder, out, runner.TilingConfig(method="greyscale", qc_mode="off", tile_size=32), workers=0, progress=False)
     assert rep.ok and rep.count("ok") == 1 and is_complete(out / "big.zarr")
     assert zarr.open_group(str(out / "big.zarr"), mode="r").attrs["n_tiles"] == rep.results[0].n_tiles
 
@@ -242,7 +242,7 @@ def test_out_that_is_a_file_or_under_a_file_is_one_error(tmp_path: Path, cohort:
     afile = tmp_path / "taken.txt"
     afile.write_text("x")
     for bad, why in ((afile, "is an existing file"), (afile / "tiles", f"{afile} is a file, not a folder")):
-        code = main(["tile", "--slides", str(cohort), "--out", str(bad), "--workers", "0", "--no-progress"])
+        code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(bad), "--workers", "0", "--no-progress"])
         err = capsys.readouterr().err
         assert code == 2, err
         assert str(bad) in err and why in err and err.count("error:") == 1
@@ -258,7 +258,7 @@ def test_read_only_out_is_one_error_before_any_work(tmp_path: Path, cohort: Path
     called = []
     monkeypatch.setattr(runner, "tile_slide", lambda *a, **k: called.append(a))
     out = tmp_path / "tiles"
-    code = main(["tile", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress"])
+    code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and not called
     assert f"output folder {out} is not usable: cannot write in it: Read-only file system" in err
@@ -271,7 +271,7 @@ def test_read_only_out_is_one_error_before_any_work(tmp_path: Path, cohort: Path
 def test_permission_denied_out(tmp_path: Path, cohort: Path, capsys) -> None:
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o555)
-    code = main(["tile", "--slides", str(cohort), "--out", str(locked / "tiles"), "--workers", "0", "--no-progress"])
+    code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(locked / "tiles"), "--workers", "0", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and "Permission denied" in err
     _no_traceback(err)
@@ -310,7 +310,7 @@ def test_no_slides_is_an_error_naming_the_folder_and_extensions(tmp_path: Path, 
     empty.mkdir()
     (empty / "notes.txt").write_text("x")
     (empty / "photo.jpg").write_bytes(b"x")
-    code = main(["tile", "--slides", str(empty), "--out", str(tmp_path / "out"), "--no-progress"])
+    code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(empty), "--out", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2
     assert f"no slide files under {empty}" in err and ".svs" in err and ".ome.tiff" in err and ".dcm" in err
@@ -320,7 +320,7 @@ def test_no_slides_is_an_error_naming_the_folder_and_extensions(tmp_path: Path, 
 
     manifest = tmp_path / "m.csv"
     manifest.write_text("slide_id,path\n")
-    code = main(["tile", "--manifest", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"])
+    code = main(["tile", "--method", "greyscale", "--qc", "off", "--manifest", str(manifest), "--out", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2 and str(manifest) in err
     _no_traceback(err)
@@ -332,7 +332,7 @@ def test_overwrite_does_not_rebuild_what_another_run_rebuilt_meanwhile(tmp_path:
     for k in (0, 1):
         (folder / f"s{k}.svs").symlink_to(cohort / f"s{k}.svs")
     out = tmp_path / "tiles"
-    cfg = runner.TilingConfig(tile_size=64)
+    cfg = runner.TilingConfig(method="greyscale", qc_mode="off", tile_size=64)
     assert tile_cohort(folder, out, cfg, workers=0, progress=False).count("ok") == 2
     # back to back, --overwrite rebuilds everything (a store finished just before a run started is old)
     assert tile_cohort(folder, out, cfg, workers=0, progress=False, overwrite=True).count("ok") == 2

@@ -21,7 +21,7 @@ def tiled(tmp_path_factory):
     manifest = make_slide_cohort(root / "cohort", n_slides=6, size=1024, mpp=0.25,
                                  splits={"train": 0.67, "val": 0.33})
     tiles = root / "tiles"
-    report = tile_cohort(manifest, tiles, TilingConfig(tile_size=128, mpp_target=0.5, min_foreground=0.3),
+    report = tile_cohort(manifest, tiles, TilingConfig(method="greyscale", qc_mode="off", tile_size=128, mpp_target=0.5, min_foreground=0.3),
                          workers=0, progress=False)
     assert report.ok
     return root, manifest, tiles
@@ -80,7 +80,7 @@ def test_training_refuses_stores_the_config_or_each_other_disagree_with(tiled, t
     shutil.copytree(tiles, mixed, symlinks=True)
     shutil.rmtree(mixed / "internal_001.zarr")
     tile_cohort([j for j in _jobs(manifest) if j.slide_id == "internal_001"], mixed,
-                TilingConfig(tile_size=64, mpp_target=0.5, min_foreground=0.3), workers=0, progress=False)
+                TilingConfig(method="greyscale", qc_mode="off", tile_size=64, mpp_target=0.5, min_foreground=0.3), workers=0, progress=False)
     cfg = load_config(_config(root, manifest, mixed, "mixed"))
     with pytest.raises(ValueError, match=r"different tiling settings .*internal_001: .*tile_size=64.*retile"):
         preflight(cfg, cfg.methods, [0])
@@ -104,7 +104,7 @@ def test_predict_refuses_stores_tiled_unlike_the_training_data(tiled, tmp_path):
     _check_store_settings(same, trained, allow=False)  # tiled as in training: accepted
     other = tmp_path / "other"
     tile_cohort([j for j in _jobs(manifest) if j.slide_id == "internal_000"], other,
-                TilingConfig(tile_size=64, min_foreground=0.3), workers=0, progress=False)
+                TilingConfig(method="greyscale", qc_mode="off", tile_size=64, min_foreground=0.3), workers=0, progress=False)
     stores = [other / "internal_000.zarr"]
     with pytest.raises(ValueError, match=r"tiled unlike the model's training data .*tile_size 64 \(model: 128\).*"
                        r"mpp_target None \(model: 0.5\).*--allow-other-tiling"):

@@ -40,15 +40,22 @@ def _constant_model(path: Path, logit: float) -> Path:
 @pytest.mark.parametrize("logit", [20.0, -20.0])
 def test_unet_method_keeps_tiles_by_the_predicted_mask(slide: Path, tmp_path: Path, logit: float) -> None:
     model = _constant_model(tmp_path / "m.pt", logit)
-    cfg = TilingConfig(method="unet", tissue_model=str(model), qc=False)
+    cfg = TilingConfig(method="unet", tissue_model=str(model), qc=False, qc_mode="off")
     rep = tile_cohort([SlideJob("s", str(slide))], tmp_path / "tiles", cfg, workers=0, progress=False)
     res = rep.results[0]
     assert res.status == "ok", res.error
-    n_grid = (2048 // 256) * (1536 // 256)
-    assert res.n_tiles == (n_grid if logit > 0 else 0)
-    if logit > 0:
-        store = open_store(tmp_path / "tiles" / "s.zarr")
-        assert store.attrs["method"] == "unet" and store.attrs["unet_info"]["model_mpp"] == 2.0
+    if logit < 0:
+        assert res.n_tiles == 0
+        return
+    # a model calling everything tissue: the tiler keeps its mask only where the stain rule sees stained
+    # tissue, so the tiles kept are the slide's tissue tiles (painted truth, 16 level-0 px per mask px)
+    store = open_store(tmp_path / "tiles" / "s.zarr")
+    assert store.attrs["method"] == "unet" and store.attrs["unet_info"]["model_mpp"] == 2.0
+    truth = make_slide(tmp_path / "again.svs", size=(2048, 1536), seed=2024, tissue_fraction=0.35, mpp=0.5).tissue
+    frac = truth[: 1536 // 16, : 2048 // 16].reshape(6, 16, 8, 16).mean(axis=(1, 3))
+    kept = np.zeros(frac.shape, bool)
+    kept[store.grid[:, 1], store.grid[:, 0]] = True
+    assert kept[frac >= 0.75].all() and not kept[frac < 0.25].any(), (frac.round(2), kept)
 
 
 def test_unet_method_refuses_a_missing_model(slide: Path, tmp_path: Path) -> None:

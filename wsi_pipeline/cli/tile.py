@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Tile every slide of a folder (or of a manifest) into <out>/<slide_id>.zarr: non-overlapping "
             "full tiles on a grid anchored at (0, 0), kept when their foreground fraction reaches a threshold. "
-            "Writes <out>/tiling_report.csv and a QC image per slide (<out>/qc/<slide_id>.png). Reruns skip "
+            "Writes <out>/tiling_report.csv, a QC image per slide (<out>/qc/<slide_id>.png) and the tissue mask's contours "
+            "as QuPath annotations (<out>/tissue/<slide_id>.geojson). Reruns skip "
             "complete stores built from the same slide with the same settings, and rebuild partial or outdated "
             "ones; any number of runs may share one --out (each slide is tiled once, under a lock). "
             "Exit status 1 when any slide failed (after all others were tiled); 2 when the arguments are unusable: "
@@ -58,17 +59,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
-    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.tiling.tiler", "METHODS"), default="greyscale",
+    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.tiling.tiler", "METHODS"), default="tissue",
                    metavar="METHOD",
-                   help="foreground test, one of %(choices)s: greyscale = per-tile fraction of pixels with grey in "
-                        "[grey-min, grey-max] (PANDA protocol); otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol); "
-                        "unet = tissue mask of the whole-image tissue U-Net (wsi-pipeline tissue; see --tissue-model)")
+                   help="foreground test, one of %(choices)s: tissue (default) = stained tissue by optical density against "
+                        "each slide's own glass colour, estimated from its thumbnail (any brightfield stain: H&E, IHC, special "
+                        "stains, pale sections; glass of any grey level or tint is dropped; pen ink is not tissue), tile kept at "
+                        ">= 50 %% tissue; greyscale = the paper's rule, per-tile fraction of pixels with grey in "
+                        "[grey-min, grey-max] (PANDA protocol; reproduce the paper with --method greyscale --qc off); "
+                        "otsu = tissue mask from Otsu's threshold at low resolution (CAMELYON protocol); "
+                        "unet = tissue mask of the whole-image tissue U-Net (wsi-pipeline tissue; see --tissue-model), its "
+                        "input scaled to the slide's glass level and its mask kept within the tissue rule's stained area")
     p.add_argument("--tissue-model", default=None, metavar="PATH",
                    help="unet method: best.pt of `wsi-pipeline tissue train` (default: the model shipped with the package)")
     p.add_argument("--tile-size", type=int, default=256, metavar="PX", help="tile side in px at the tile resolution")
     p.add_argument("--min-foreground", type=_fraction, default=None, metavar="F",
-                   help="keep a tile when its foreground (greyscale) or tissue (otsu) fraction is >= F "
-                        "(default: 0.6 for greyscale, 0.5 for otsu and unet)")
+                   help="keep a tile when its foreground (greyscale) or tissue (tissue, otsu, unet) fraction is >= F "
+                        "(default: 0.6 for greyscale, 0.5 for the others)")
     p.add_argument("--grey-min", type=int, default=3, metavar="G", help="darkest grey value counted as foreground (greyscale method)")
     p.add_argument("--grey-max", type=_grey_max, default=230, metavar="G",
                    help="brightest grey value counted as foreground (greyscale method); 'auto': each slide's glass grey "
@@ -102,7 +108,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="decode and test every tile whole, instead of skipping tiles a low-resolution bound proves "
                         "to be background and deciding probable glass from its top rows first "
                         "(same result, slower; for checking)")
-    p.add_argument("--no-qc", action="store_true", help="do not write QC images")
+    p.add_argument("--qc", choices=LazyChoices("wsi_pipeline.config.choices", "QC_MODES"), default="drop", metavar="MODE",
+                   help="tile artifact QC, one of %(choices)s: drop = drop the tiles with the artifacts of --qc-drop and flag "
+                        "the others; flag = record every artifact, drop nothing; off = no QC (the paper's tiles). Artifacts: "
+                        "pen = marker ink (green, blue, red, black; by colour on the thumbnail) on >= --qc-pen of the tile; "
+                        "blur = focus measure E[(g-G1 g)^2] / (E[(G1 g-G3 g)^2] + 4) of the tile's grey image below "
+                        "--qc-focus-min (G_s: Gaussian of sigma s px); fold = folded tissue (twice the slide's median optical "
+                        "density, same colour) on >= 25 %% of the tile. Per-tile arrays qc_flags, qc_focus, qc_pen, qc_fold in the "
+                        "store; counts per slide in tiling_report.csv (qc_dropped, qc_pen, qc_blur, qc_fold) and the QC image "
+                        "(flagged tiles orange, dropped red)")
+    p.add_argument("--qc-drop", default="pen,blur", metavar="LIST",
+                   help="artifacts --qc drop removes, comma-separated from pen, blur, fold")
+    p.add_argument("--qc-pen", type=_fraction, default=0.1, metavar="F", help="a tile with >= F of its area in ink is pen")
+    p.add_argument("--qc-focus-min", type=_positive, default=0.12, metavar="V",
+                   help="a tile holding stained tissue with a focus measure below V is blur (in-focus tissue scores 0.2-0.6, "
+                        "a point spread of sigma >= 2 px <= 0.08)")
+    p.add_argument("--regions", default=None, metavar="FILE_OR_DIR",
+                   help="QuPath GeoJSON regions (File > Export objects as GeoJSON; Polygon/MultiPolygon with holes, level-0 "
+                        "px): one file for every slide, or a folder of <slide_id>.geojson files. Only tiles with >= "
+                        "--region-min-fraction of their area inside the included and outside the excluded regions are kept; "
+                        "each tile's fraction and class are stored (region_fraction, region_label + attribute regions) and "
+                        "written to <out>/regions/<slide_id>.csv")
+    p.add_argument("--region-include", action="append", default=[], metavar="CLASS",
+                   help="classification name (shell pattern, case-insensitive) whose regions include tiles; repeatable "
+                        "(default: every region not excluded)")
+    p.add_argument("--region-exclude", action="append", default=None, metavar="CLASS",
+                   help="classification name (pattern) whose regions exclude tiles; repeatable "
+                        "(default: Ignore*, Exclude, Excluded, Background)")
+    p.add_argument("--region-min-fraction", type=_fraction, default=0.5, metavar="F",
+                   help="keep a tile when at least F of it lies inside the included, not excluded area")
+    p.add_argument("--no-qc", action="store_true", help="do not write QC images (tile QC itself is --qc)")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
     add_output_arguments(p)
     add_failure_argument(p)
@@ -117,14 +152,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments (no slides, an
     unwritable --out), 130 on Ctrl-C."""
+    from wsi_pipeline.config.tiling import DEFAULT_REGION_EXCLUDE, QCParams
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.tiling.tiler import TilingConfig
 
+    drop = tuple(a.strip() for a in args.qc_drop.split(",") if a.strip())
+    qc_params = QCParams(drop=drop, pen_fraction=args.qc_pen, focus_min=args.qc_focus_min)
     config = TilingConfig(
         method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
         grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
         compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
         allow_dark_background=args.allow_dark_background, tissue_model=args.tissue_model,
+        qc_mode=args.qc, qc_params=qc_params, regions=args.regions, region_include=tuple(args.region_include),
+        region_exclude=DEFAULT_REGION_EXCLUDE if args.region_exclude is None else tuple(args.region_exclude),
+        region_min_fraction=args.region_min_fraction,
         **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
     )
     if args.workers is not None and args.workers < 0:

@@ -15,7 +15,9 @@ name                   values                                       used by
                        loss
 ``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      ``methods[].strategy``
 ``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
-``TILING_METHODS``     greyscale, otsu, unet                        ``tile --method``, ``data.tiling``
+``TILING_METHODS``     tissue, greyscale, otsu, unet                ``tile --method``, ``data.tiling``
+``QC_MODES``           drop, flag, off                              ``tile --qc``
+``QC_ARTIFACTS``       pen, blur, fold                              ``tile --qc-drop``
 ``COMPRESSIONS``       zstd, none, jpeg                             ``tile --compression``
 ``BACKENDS``           auto, openslide, tiffslide, wsidicom         ``tile --backend``
 ``BACKBONE_SCALES``    full, paper                                  ``patchgd.backbone_scale``
@@ -38,8 +40,8 @@ from wsi_pipeline.slides.reader import BACKENDS
 
 __all__ = [
     "ACCUMULATE_BN_MODES", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "PARTIAL_WINDOWS",
-    "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "SCHEDULES", "SELECT_METRICS", "STRATEGY_NAMES", "TILING_METHODS",
-    "BackboneScale", "BNMode", "PartialWindow", "PatchGDPreset", "Schedule", "SelectMetric", "StrategyName",
+    "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES", "SELECT_METRICS", "STRATEGY_NAMES", "TILING_METHODS",
+    "BackboneScale", "BNMode", "PartialWindow", "PatchGDPreset", "QCArtifact", "QCMode", "Schedule", "SelectMetric", "StrategyName",
     "TilingMethod", "aggregator_names", "encoder_names", "head_names", "model_names",
 ]
 
@@ -61,9 +63,15 @@ SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)
 StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]
 STRATEGY_NAMES: tuple[str, ...] = typing.get_args(StrategyName)
 
-#: Foreground methods of the tiler.
-TilingMethod = Literal["greyscale", "otsu", "unet"]
+#: Foreground methods of the tiler (the first is the default).
+TilingMethod = Literal["tissue", "greyscale", "otsu", "unet"]
 TILING_METHODS: tuple[str, ...] = typing.get_args(TilingMethod)
+#: What the tiler does with tile artifacts: drop the kinds named in ``qc_drop`` (and flag the rest), flag all, or skip QC.
+QCMode = Literal["drop", "flag", "off"]
+QC_MODES: tuple[str, ...] = typing.get_args(QCMode)
+#: The artifacts tile QC detects.
+QCArtifact = Literal["pen", "blur", "fold"]
+QC_ARTIFACTS: tuple[str, ...] = typing.get_args(QCArtifact)
 
 BackboneScale = Literal["full", "paper"]
 BACKBONE_SCALES: tuple[str, ...] = typing.get_args(BackboneScale)

@@ -11,14 +11,65 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, TILING_METHODS, TilingMethod
+from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, QC_ARTIFACTS, QC_MODES, TILING_METHODS, QCMode, TilingMethod
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.data.store import DEFAULT_SHARD_TILES
 
-__all__ = ["DEFAULT_MIN_FOREGROUND", "OtsuParams", "StoreTiling", "TilingConfig", "tiler_config"]
+__all__ = [
+    "DEFAULT_MIN_FOREGROUND", "DEFAULT_REGION_EXCLUDE", "OtsuParams", "QCParams", "StoreTiling", "TilingConfig",
+    "TissueParams", "tiler_config",
+]
 
 #: Foreground methods and their default keep thresholds (fraction of the tile).
-DEFAULT_MIN_FOREGROUND: dict[str, float] = dict(zip(TILING_METHODS, (0.6, 0.5, 0.5), strict=True))
+DEFAULT_MIN_FOREGROUND: dict[str, float] = dict(zip(TILING_METHODS, (0.5, 0.6, 0.5, 0.5), strict=True))
+#: QuPath classifications whose regions exclude tiles by default (QuPath's own "Ignore*" class among them).
+DEFAULT_REGION_EXCLUDE: tuple[str, ...] = ("Ignore*", "Exclude", "Excluded", "Background")
+
+
+@dataclass(frozen=True)
+class TissueParams:
+    """The ``tissue`` method (:mod:`wsi_pipeline.tiling.density`): stained tissue by optical density
+    against each slide's own glass. Sizes are in overview px (the overview has 16 px per tile side).
+
+    Attributes
+    ----------
+    min_od : an overview pixel is tissue when, in some RGB channel, its optical density
+        ``log10(glass / value)`` reaches this (0.03: 6.7 % of the light absorbed; on the
+        generated fields glass stays under 0.015 and the palest tissue over 0.05).
+    glass_margin_od : the threshold is at least the glass pixels' 99.9th percentile plus this
+        (an unevenly lit slide raises it).
+    min_object : tissue components smaller than this fraction of a tile's area are dropped (dust).
+    max_hole : holes smaller than this fraction of a tile's area are filled.
+    """
+
+    min_od: float = 0.03
+    glass_margin_od: float = 0.01
+    min_object: float = 0.05
+    max_hole: float = 0.1
+
+
+@dataclass(frozen=True)
+class QCParams:
+    """Tile artifact QC (:mod:`wsi_pipeline.tiling.artifacts`): thresholds and what ``--qc drop`` drops.
+
+    Attributes
+    ----------
+    drop : artifacts dropped by ``qc_mode="drop"`` (the others are only flagged).
+    pen_fraction : a tile is ``pen`` when at least this fraction of it is ink (green, blue, red
+        or black marker, by colour on the overview).
+    focus_min : a tile is ``blur`` when its focus measure (:func:`~wsi_pipeline.tiling.artifacts.focus_measure`)
+        is below this and it holds stained tissue.
+    fold_fraction : a tile is ``fold`` when at least this fraction of it is folded tissue (a
+        double layer: optical density at least ``fold_od_ratio`` times the slide's median tissue
+        density, in the same colour direction).
+    fold_od_ratio : see ``fold_fraction``.
+    """
+
+    drop: tuple[str, ...] = ("pen", "blur")
+    pen_fraction: float = 0.1
+    focus_min: float = 0.12
+    fold_fraction: float = 0.25
+    fold_od_ratio: float = 1.7
 
 
 @dataclass(frozen=True)
@@ -60,10 +111,12 @@ class TilingConfig:
 
     Attributes
     ----------
-    method : ``"greyscale"``, ``"otsu"`` or ``"unet"`` (mask of the tissue U-Net, :mod:`wsi_pipeline.tissue_seg`).
+    method : ``"tissue"`` (the default: optical density against each slide's glass, any stain, any
+        glass level; :mod:`wsi_pipeline.tiling.density`), ``"greyscale"`` (the paper's 3..230 band),
+        ``"otsu"`` or ``"unet"`` (mask of the tissue U-Net, :mod:`wsi_pipeline.tissue_seg`).
     tile_size : T.
     min_foreground : keep a tile when its foreground fraction is at least this; None = the
-        method's default (greyscale 0.6, otsu 0.5).
+        method's default (greyscale 0.6, tissue, otsu and unet 0.5).
     grey_min, grey_max : inclusive grey range of a foreground pixel (greyscale method);
         ``grey_max="auto"``: each slide's glass grey level (estimated from its thumbnail,
         :mod:`wsi_pipeline.tiling.background`) minus ``grey_auto_margin``, or 230 when the
@@ -90,9 +143,20 @@ class TilingConfig:
     qc : write ``qc/<slide_id>.png``.
     tissue_model : ``unet`` method: the model file (``best.pt`` of ``wsi-pipeline tissue train``); None = the shipped one.
     read_run : most tiles read by one level read (one task of the decoding threads).
+    tissue : :class:`TissueParams` (``tissue`` method).
+    qc_mode : tile artifact QC: ``"drop"`` (drop the artifacts in ``qc_params.drop``, flag the
+        rest), ``"flag"`` (record every artifact, drop none) or ``"off"``.
+    qc_params : :class:`QCParams`.
+    regions : a QuPath GeoJSON file, or a folder of ``<slide_id>.geojson`` files: keep only tiles
+        inside include regions and outside exclude regions (:mod:`wsi_pipeline.tiling.regions`).
+    region_include : classification names whose regions include tiles (``*`` wildcards); empty =
+        every region not excluded.
+    region_exclude : classification names whose regions exclude tiles.
+    region_min_fraction : keep a tile when at least this fraction of it lies inside the included,
+        not excluded area.
     """
 
-    method: str = "greyscale"
+    method: str = TILING_METHODS[0]
     tile_size: int = 256
     min_foreground: float | None = None
     grey_min: int = 3
@@ -112,6 +176,13 @@ class TilingConfig:
     qc: bool = True
     read_run: int = 32
     tissue_model: str | None = None
+    tissue: TissueParams = field(default_factory=TissueParams)
+    qc_mode: str = "drop"
+    qc_params: QCParams = field(default_factory=QCParams)
+    regions: str | None = None
+    region_include: tuple[str, ...] = ()
+    region_exclude: tuple[str, ...] = DEFAULT_REGION_EXCLUDE
+    region_min_fraction: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in TILING_METHODS:
@@ -144,6 +215,13 @@ class TilingConfig:
             )
         if self.read_run < 1:
             raise ValueError(f"read_run={self.read_run} must be >= 1")
+        if self.qc_mode not in QC_MODES:
+            raise ValueError(f"qc_mode={self.qc_mode!r}; expected one of {QC_MODES}")
+        bad = [a for a in self.qc_params.drop if a not in QC_ARTIFACTS]
+        if bad:
+            raise ValueError(f"qc_params.drop={self.qc_params.drop!r}: unknown artifact(s) {bad}; expected some of {QC_ARTIFACTS}")
+        if not 0 <= self.region_min_fraction <= 1:
+            raise ValueError(f"region_min_fraction={self.region_min_fraction} must be a fraction in [0, 1]")
 
     @property
     def threshold(self) -> float:
@@ -166,12 +244,15 @@ class StoreTiling:
     tile_size : tile side in px at the read resolution.
     min_foreground : keep a tile at >= this foreground fraction (0..1).
     mpp_target : read resolution in um/px.
+    qc_mode : tile artifact QC of the tiler (``drop``, ``flag``, ``off``); the paper pipelines and the
+        demo set ``off`` (the papers' tiles).
     """
 
     method: TilingMethod | None = None
     tile_size: int | None = field(default=None, metadata=spec(gt=0))
     min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
     mpp_target: float | None = field(default=None, metadata=spec(gt=0))
+    qc_mode: QCMode | None = None
 
 
 def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | None = None) -> TilingConfig:
@@ -180,20 +261,28 @@ def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | 
     tiler's defaults. ``mpp`` (um per level-0 px) becomes the run-wide fallback ``mpp``.
 
     A store records how its tiles were made, not where they were written or how they were
-    compressed, so ``backend``, ``compression`` and ``mpp`` are never taken from ``settings``.
+    compressed, so ``backend``, ``compression`` and ``mpp`` are never taken from ``settings``; nor
+    ``regions`` (annotations belong to their own slides).
     """
     if settings is None:
         raw: dict[str, Any] = {}
     elif isinstance(settings, Mapping):
         raw = dict(settings)
+        if raw.get("method") and "qc_mode" not in raw:
+            raw["qc_mode"] = "off"  # recorded before tile QC existed: its stores were made without it
     else:
         raw = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
-    names = {f.name for f in dataclasses.fields(TilingConfig)} - {"mpp", "backend", "compression"}
+    # regions are drawn per slide: a new slide has none of the training slides' annotations
+    names = {f.name for f in dataclasses.fields(TilingConfig)} - {"mpp", "backend", "compression", "regions"}
     kw = {k: v for k, v in raw.items() if k in names and v is not None}
     if not kw.get("method"):
         kw.pop("method", None)
-    if isinstance(kw.get("otsu"), Mapping):
-        kw["otsu"] = OtsuParams(**kw["otsu"])
+    for key, cls in (("otsu", OtsuParams), ("tissue", TissueParams), ("qc_params", QCParams)):
+        if isinstance(kw.get(key), Mapping):
+            kw[key] = cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in kw[key].items()})
+    for key in ("region_include", "region_exclude"):
+        if isinstance(kw.get(key), list):
+            kw[key] = tuple(kw[key])
     if mpp is not None:
         kw["mpp"] = float(mpp)
     return TilingConfig(**kw)

@@ -153,12 +153,18 @@ class StoreWriter:
         grid: np.ndarray,
         foreground: np.ndarray,
         encoded: Sequence[Any] | None = None,
+        extra: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Append a batch: ``tiles`` uint8 (k, T, T, 3), ``coords`` (k, 2) level-0 px, ``grid`` (k, 2), ``foreground`` (k,);
-        ``encoded``: the tiles already encoded with :attr:`tile_encoder` (written as given)."""
+        ``encoded``: the tiles already encoded with :attr:`tile_encoder` (written as given); ``extra``: more
+        per-tile arrays (k, ...) by name, concatenated over batches and stored at :meth:`commit`."""
         k = len(tiles)
         if k == 0:
             return
+        for name, values in (extra or {}).items():
+            if len(values) != k:
+                raise ValueError(f"extra array {name!r} has {len(values)} rows for {k} tiles")
+            self.extra.setdefault(name, []).append(np.asarray(values))
         if tiles.shape[1:] != (self.tile_size, self.tile_size, 3) or tiles.dtype != np.uint8:
             raise ValueError(f"tiles must be uint8 (k, {self.tile_size}, {self.tile_size}, 3); got {tiles.dtype} {tiles.shape}")
         end = self.n + k
@@ -219,6 +225,8 @@ class StoreWriter:
         self.tiles.resize((n,) + self.tiles.shape[1:])
         for name, arr in (("coords", self.coords[:n]), ("grid", self.grid[:n]), ("foreground", self.foreground[:n])):
             self.add_array(name, arr)
+        for name, parts in self.extra.items():
+            self.add_array(name, np.concatenate(parts))
         self.group.attrs.update({"n_tiles": n, "integrity": {"scheme": INTEGRITY_SCHEME, "files": _chunk_files(self.tmp)}})
         self.group.attrs.update({"complete": True})
         old = None

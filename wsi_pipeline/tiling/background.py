@@ -65,11 +65,16 @@ class Background:
     grey : background grey level (0..255); None when ``kind == "none"``.
     fraction : fraction of the thumbnail's pixels taken as background (glass pixels for
         ``bright``, the darker half for ``dark``, 0 for ``none``).
+    rgb : the glass colour, per-channel median of the glass pixels (``bright`` only, else None):
+        glass may be tinted (slightly blue on some scanners), so optical density is measured
+        against each channel's own glass level.
     """
 
     kind: str
     grey: float | None
     fraction: float
+    rgb: tuple[float, float, float] | None = None
+
 
     @property
     def is_dark(self) -> bool:
@@ -78,7 +83,8 @@ class Background:
 
     def as_dict(self) -> dict[str, float | str | None]:
         """JSON-ready form (store attributes, Otsu info)."""
-        return {"kind": self.kind, "grey": self.grey, "fraction": self.fraction}
+        return {"kind": self.kind, "grey": self.grey, "fraction": self.fraction,
+                "rgb": None if self.rgb is None else [float(v) for v in self.rgb]}
 
 
 def _local_std(g: np.ndarray, k: int = 5) -> np.ndarray:
@@ -125,7 +131,8 @@ def estimate_background(rgb: np.ndarray) -> Background:
     glass = glass_pixels(rgb)
     fraction = float(glass.mean())
     if fraction >= MIN_GLASS_FRACTION:
-        return Background("bright", float(np.median(g[glass])), fraction)
+        rgb_glass = np.median(rgb[glass].reshape(-1, 3).astype(np.float64), axis=0)
+        return Background("bright", float(np.median(g[glass])), fraction, tuple(float(v) for v in rgb_glass))
     return Background("none", None, 0.0)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.reader import Slide
+from wsi_pipeline.tiling.artifacts import TileQC, focus_measure
 from wsi_pipeline.tiling.grid import TileGrid
 from wsi_pipeline.tiling.tissue import strip_foreground, tiles_foreground
 
@@ -122,27 +123,54 @@ def available_cores() -> int:
 
 #: Runs queued per decoding thread.
 _IN_FLIGHT_PER_THREAD = 4
-#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), encoded, thread CPU s); the
+#: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), encoded, thread CPU s, qc); the
 #: kept tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all
-#: True); ``encoded``: the kept tiles compressed for the store (when the decoding threads compress), else None.
-_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float]
+#: True); ``encoded``: the kept tiles compressed for the store (when the decoding threads compress), else None;
+#: ``qc``: None without tile QC, else ``{"focus": float32 per kept tile, "dropped": bool (k,) tiles QC removed
+#: from ``keep``, "dropped_flags": uint8 per dropped tile}``.
+_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float, dict[str, np.ndarray] | None]
 #: One tile (C-contiguous uint8 (T, T, 3)) to the bytes the store writes (StoreWriter.tile_encoder).
 Encoder = Callable[[np.ndarray], Any]
 
 
-def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
-    """The run's result; with ``encode``, the kept tiles are selected and compressed here (in the decoding thread)."""
+def _apply_qc(qc: TileQC | None, row: int, run: np.ndarray, keep: np.ndarray, kept_tiles: list[np.ndarray] | np.ndarray,
+              ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
+    """Tile QC of the tiles ``keep`` selects (``kept_tiles``, in run order): their focus, flags, and the
+    tiles ``qc.mode == "drop"`` removes. Returns (keep after QC, the run's ``qc`` record or None)."""
+    if qc is None:
+        return keep, None
+    cols = run[keep]
+    focus = np.full(len(cols), np.nan, np.float32)  # not measured: a tile with too little stained tissue is not judged
+    judged = np.flatnonzero(qc.judged(np.full(len(cols), row), cols))
+    if judged.size:
+        focus[judged] = focus_measure([kept_tiles[i] for i in judged.tolist()])
+    flags = qc.flags(np.full(len(cols), row), cols, focus)
+    drop = qc.dropped(flags)
+    dropped = np.zeros(len(run), bool)
+    dropped[np.flatnonzero(keep)[drop]] = True
+    return keep & ~dropped, {"focus": focus[~drop], "dropped": dropped, "dropped_flags": flags[drop]}
+
+
+def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float,
+                qc: TileQC | None = None, row: int = 0, run: np.ndarray | None = None) -> _RunResult:
+    """The run's result; with ``encode``, the kept tiles are selected and compressed here (in the decoding thread);
+    with ``qc``, kept tiles are measured and QC's drops removed first."""
+    record = None
+    if qc is not None and keep.any():
+        keep, record = _apply_qc(qc, row, run if run is not None else np.arange(len(keep)), keep, tiles[keep])
+    elif qc is not None:
+        record = {"focus": np.zeros(0, np.float32), "dropped": np.zeros(len(keep), bool), "dropped_flags": np.zeros(0, np.uint8)}
     if encode is None or not keep.any():
-        return tiles, keep, keep, fg, None, time.thread_time() - c0
+        return tiles, keep, keep, fg, None, time.thread_time() - c0, record
     kept = tiles if keep.all() and tiles.flags.c_contiguous else np.ascontiguousarray(tiles[keep])
-    return kept, np.ones(len(kept), bool), keep, fg, [encode(t) for t in kept], time.thread_time() - c0
+    return kept, np.ones(len(kept), bool), keep, fg, [encode(t) for t in kept], time.thread_time() - c0, record
 
 
 def _test_run(
     read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
-    encode: Encoder | None = None,
+    encode: Encoder | None = None, qc: TileQC | None = None,
 ) -> _RunResult:
-    """Decode and test one run of candidate tiles (:data:`_RunResult`)."""
+    """Decode and test one run of candidate tiles (:data:`_RunResult`); ``qc``: tile QC of the kept tiles."""
     c0 = time.thread_time()
     tiles, strip = _read_run(read, grid, row, run)
     if otsu_fg is not None:
@@ -154,12 +182,12 @@ def _test_run(
         else:
             fg = tiles_foreground(tiles, config.grey_min, grey_max)
         keep = fg >= config.threshold
-    return _finish_run(tiles, keep, fg, encode, c0)
+    return _finish_run(tiles, keep, fg, encode, c0, qc, row, run)
 
 
 def _test_stored_run(
     direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
-    encode: Encoder | None = None, top_first: np.ndarray | None = None, top_rows: int = 0,
+    encode: Encoder | None = None, top_first: np.ndarray | None = None, top_rows: int = 0, qc: TileQC | None = None,
 ) -> _RunResult:
     """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
     the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
@@ -210,14 +238,20 @@ def _test_stored_run(
     kept = [src for src, k in zip(srcs, keep.tolist()) if k and src is not None]
     if len(kept) != int(keep.sum()):
         raise RuntimeError(f"row {row}: a tile dropped from its top rows passed the foreground test")  # cannot happen
+    record = None
+    if qc is not None:
+        after, record = _apply_qc(qc, row, run, keep, kept)
+        kept = [t for t, d in zip(kept, record["dropped"][keep].tolist()) if not d]
+        keep = after
     tiles = np.stack(kept) if kept else np.zeros((0, T, T, 3), np.uint8)
-    return _stored_result(tiles, keep, fg, encode, c0)
+    return _stored_result(tiles, keep, fg, encode, c0, record)
 
 
-def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float) -> _RunResult:
+def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float,
+                   record: dict[str, np.ndarray] | None = None) -> _RunResult:
     """:func:`_finish_run` for ``tiles`` that are the kept tiles already (contiguous)."""
     encoded = None if encode is None or not len(tiles) else [encode(t) for t in tiles]
-    return tiles, np.ones(len(tiles), bool), keep, fg, encoded, time.thread_time() - c0
+    return tiles, np.ones(len(tiles), bool), keep, fg, encoded, time.thread_time() - c0, record
 
 
 def _tested_runs(

@@ -7,6 +7,8 @@ are removed (:func:`clean_stale`).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import shutil
@@ -37,10 +39,19 @@ def store_identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dic
     The fallback ``--mpp`` is not in it: it matters only for slides without an mpp of their own,
     which :func:`store_matches` checks against the store's recorded ``mpp_source``.
     """
-    return {
+    identity = {
         "fingerprint": fingerprint, "tile_formula": TILE_FORMULA_VERSION,
         "mpp_manifest": valid_mpp(job.mpp), "mpp_force": valid_mpp(config.mpp_force), **output_params(config),
     }
+    if config.regions is not None:  # the slide's own regions file: edited annotations rebuild the store
+        from wsi_pipeline.tiling.regions import region_file
+
+        try:
+            path = region_file(config.regions, job.slide_id)
+            identity["regions_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
+        except FileNotFoundError:
+            identity["regions_sha256"] = None  # tiling the slide reports the missing file
+    return json.loads(json.dumps(identity))  # as the store's attributes hold it (tuples become lists)
 
 
 def _stat_key(path: Path) -> list[int]:

@@ -14,10 +14,13 @@ import numpy as np
 
 from wsi_pipeline.slides import read_scaled, resolve_mpp
 from wsi_pipeline.slides.reader import Slide
+from wsi_pipeline.tiling.artifacts import TileQC, fold_mask, ink_mask
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
+from wsi_pipeline.tiling.density import clean_tissue, stained_mask
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import likely_background, prescreen_candidates
-from wsi_pipeline.tiling.tissue import otsu_tissue_mask
+from wsi_pipeline.tiling.regions import RegionTiles, read_regions, region_file, region_tiles
+from wsi_pipeline.tiling.tissue import grey, otsu_tissue_mask
 
 if TYPE_CHECKING:
     from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
@@ -56,6 +59,10 @@ class TilePlan:
     unet_info : the U-Net mask's description (unet method), else None.
     top_first : bool (rows, cols), candidates that are probably background: their top rows are decoded
         first where the slide allows it (greyscale method with the pre-screen), else None.
+    tissue_info : the ``tissue`` method's mask description (also computed for QC), else None.
+    qc : tile QC of the grid (None with ``qc_mode="off"``).
+    regions : fractions and labels of the grid's tiles in the slide's regions (``regions`` set), else None.
+    mask : (bool mask, level-0 px per mask px): the tissue mask whose contours are exported.
     """
 
     grid: TileGrid
@@ -72,6 +79,10 @@ class TilePlan:
     otsu_info: dict[str, Any] | None = None
     unet_info: dict[str, Any] | None = None
     top_first: np.ndarray | None = None
+    tissue_info: dict[str, Any] | None = None
+    qc: TileQC | None = None
+    regions: RegionTiles | None = None
+    mask: tuple[np.ndarray, float] | None = None
 
 
 def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
@@ -109,24 +120,86 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
     if background.is_dark and not config.allow_dark_background:
         return plan
     plan.grey_max, plan.grey_note = _grey_max_for(config, background, job.slide_id)
-    if config.method == "otsu":
+    tissue = None
+    if config.method in ("tissue", "unet") or config.qc_mode != "off":
+        tissue, ink, plan.tissue_info = _density_mask(overview, background, config, grid.extent / ds_over)
+    if config.method == "tissue":
+        plan.otsu_fg = grid.footprint_means(tissue.astype(np.float32), ds_over)  # type: ignore[union-attr]
+        plan.candidates = plan.otsu_fg >= thr - 1e-9
+        plan.mask = (tissue, ds_over)  # type: ignore[assignment]
+    elif config.method == "otsu":
         mask, plan.otsu_info = otsu_tissue_mask(overview, float(mpp or 0.0) * ds_over, config.otsu, background=background)
         plan.otsu_fg = grid.footprint_means(mask.astype(np.float32), ds_over)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
+        plan.mask = (mask, ds_over)
     elif config.method == "unet":
         from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
 
-        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model)  # type: ignore[arg-type]
+        glass_grey = background.grey if background.kind == "bright" else None
+        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model, glass_grey=glass_grey)  # type: ignore[arg-type]
+        if background.kind == "bright":  # the model never keeps glass: its mask within the stain rule's tissue
+            mask = mask & _resample(tissue, ds_over, mask.shape, ds_mask)  # type: ignore[arg-type]
+            plan.unet_info["tissue_fraction_with_glass_rule"] = float(mask.mean())
         plan.otsu_fg = grid.footprint_means(mask.astype(np.float32), ds_mask)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
-    elif config.prescreen and thr > 0:
-        plan.candidates = prescreen_candidates(
-            overview, ds_over, grid, grey_max=plan.grey_max, min_foreground=thr, margin=config.prescreen_margin
-        )
-        plan.top_first = plan.candidates & likely_background(overview, ds_over, grid, grey_min=config.grey_min, grey_max=plan.grey_max)
+        plan.mask = (mask, ds_mask)
     else:
-        plan.candidates = np.ones((grid.rows, grid.cols), bool)
+        if config.prescreen and thr > 0:
+            plan.candidates = prescreen_candidates(
+                overview, ds_over, grid, grey_max=plan.grey_max, min_foreground=thr, margin=config.prescreen_margin
+            )
+            plan.top_first = plan.candidates & likely_background(overview, ds_over, grid, grey_min=config.grey_min, grey_max=plan.grey_max)
+        else:
+            plan.candidates = np.ones((grid.rows, grid.cols), bool)
+        g = grey(overview)
+        plan.mask = ((g >= config.grey_min) & (g <= plan.grey_max), ds_over)
+    if config.qc_mode != "off" and tissue is not None and not background.is_dark:  # brightfield QC; dark slides: none
+        glass = background.rgb if background.kind == "bright" else None
+        fold = fold_mask(overview, tissue, glass, config.qc_params.fold_od_ratio)
+        means = [grid.footprint_means(m.astype(np.float32), ds_over) for m in (ink, fold, tissue)]
+        plan.qc = TileQC(*means, params=config.qc_params, mode=config.qc_mode)
+    if config.regions is not None:
+        plan.regions = _regions_of(config, job.slide_id, grid, plan.candidates)
+        plan.candidates = plan.candidates & (plan.regions.fraction >= config.region_min_fraction - 1e-6)
+        if plan.top_first is not None:
+            plan.top_first &= plan.candidates
     return plan
+
+
+def _resample(mask: np.ndarray, downsample: float, shape: tuple[int, int], to_downsample: float) -> np.ndarray:
+    """Nearest-neighbour resampling of a mask (``downsample`` level-0 px per px) onto a grid of ``shape`` at
+    ``to_downsample`` level-0 px per px (each target px takes the source px under its centre; outside: False)."""
+    h, w = shape
+    ys = np.floor((np.arange(h) + 0.5) * to_downsample / downsample).astype(np.int64)
+    xs = np.floor((np.arange(w) + 0.5) * to_downsample / downsample).astype(np.int64)
+    out = np.zeros(shape, bool)
+    iy, ix = ys < mask.shape[0], xs < mask.shape[1]
+    out[np.ix_(iy, ix)] = mask[np.ix_(ys[iy], xs[ix])]
+    return out
+
+
+def _density_mask(overview: np.ndarray, background: Background, config: TilingConfig,
+                  tile_px: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """(tissue mask, ink mask, description) of the ``tissue`` method on the overview (:mod:`~wsi_pipeline.tiling.density`)."""
+    stained, info = stained_mask(overview, background, config.tissue)
+    ink, ink_info = ink_mask(overview, stained)
+    tissue = clean_tissue(stained & ~ink, config.tissue, tile_px=tile_px) & ~ink
+    info.update(ink_info, tissue_fraction=float(tissue.mean()))
+    return tissue, ink, info
+
+
+def _regions_of(config: TilingConfig, slide_id: str, grid: TileGrid, candidates: np.ndarray) -> RegionTiles:
+    """The slide's regions file read and measured on the grid's candidate tiles (others get fraction 0, label -1)."""
+    path = region_file(config.regions, slide_id)  # type: ignore[arg-type]
+    regions, counts = read_regions(path)
+    rows, cols = np.nonzero(candidates)
+    frac, label, classes, info = region_tiles(regions, grid.coords(cols, rows), grid.extent,
+                                              include=config.region_include, exclude=config.region_exclude)
+    fraction = np.zeros((grid.rows, grid.cols), np.float32)
+    labels = np.full((grid.rows, grid.cols), -1, np.int16)
+    fraction[rows, cols], labels[rows, cols] = frac, label
+    info.update(counts, file=str(path), min_fraction=config.region_min_fraction, classes=classes)
+    return RegionTiles(fraction, labels, classes, info)
 
 
 def _grey_max_for(config: TilingConfig, background: Background, slide_id: str) -> tuple[int, str]:

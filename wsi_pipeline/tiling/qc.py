@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,8 @@ def render_qc(
     min_tile_px: int = 16,
     min_side: int = 1024,
     max_side: int = 4096,
+    others: Sequence[tuple[np.ndarray, tuple[int, int, int]]] = (),
+    legend: str | None = None,
 ) -> np.ndarray:
     """Outline tiles on a thumbnail.
 
@@ -41,6 +44,8 @@ def render_qc(
     min_tile_px, min_side : the thumbnail is enlarged (up to 4x) until a tile spans
         ``min_tile_px`` px or its longer side reaches ``min_side`` px.
     max_side : the image never exceeds this side length (larger thumbnails are shrunk first).
+    others : more (coords, colour) groups of tiles outlined after ``coords`` (e.g. flagged and dropped tiles).
+    legend : a line of text written at the top left (white band).
 
     Returns
     -------
@@ -61,12 +66,16 @@ def render_qc(
     if zoom > 1:
         img = cv2.resize(img, (w * zoom, h * zoom), interpolation=cv2.INTER_LINEAR)
     scale = zoom / thumbnail_downsample
-    c = np.asarray(coords, np.float64).reshape(-1, 2) * scale
     side = extent * scale
-    for x, y in c:
-        x0, y0 = int(round(x)), int(round(y))
-        x1, y1 = int(round(x + side)) - 1, int(round(y + side)) - 1
-        cv2.rectangle(img, (x0, y0), (max(x0, x1), max(y0, y1)), colour, 1)
+    for group, col in [(coords, colour), *others]:
+        for x, y in np.asarray(group, np.float64).reshape(-1, 2) * scale:
+            x0, y0 = int(round(x)), int(round(y))
+            x1, y1 = int(round(x + side)) - 1, int(round(y + side)) - 1
+            cv2.rectangle(img, (x0, y0), (max(x0, x1), max(y0, y1)), tuple(int(v) for v in col), 1)
+    if legend:
+        band = np.full((22, img.shape[1], 3), 255, np.uint8)
+        cv2.putText(band, legend, (4, 16), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
+        img = np.concatenate([band, img], axis=0)
     return img
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from wsi_pipeline.data.store import StoreWriter
 from wsi_pipeline.slides.direct import DirectTiles
+from wsi_pipeline.tiling.artifacts import describe, flags_of
 from wsi_pipeline.tiling.decode import LevelRead, _runs, _RunResult, _test_run, _test_stored_run, _tested_runs
 from wsi_pipeline.tiling.plan import TilePlan
 from wsi_pipeline.tiling.prescreen import rows_to_reject
@@ -35,10 +36,14 @@ class TileLoop:
         self.writer, self.plan, self.config, self.read, self.direct = writer, plan, config, read, direct
         self.progress, self.budget, self.n_threads = progress, budget, n_threads
         self.kept_coords: list[np.ndarray] = []
+        self.dropped_coords: list[np.ndarray] = []  # tiles QC dropped
+        self.dropped_flags: list[np.ndarray] = []
         self.n_kept = 0
         self.reported = 0
         self.test_cpu = 0.0
         self.stored_grid = False
+        self.qc_counts: dict[str, Any] | None = None
+        self.writer_flags: np.ndarray | None = None  # qc_flags of the kept tiles, store order
 
     def _tester(self) -> Callable[[int, np.ndarray], _RunResult]:
         """``test(row, run)``: stored tiles of exactly the grid's tiles are tested as decoded (no strip copy)."""
@@ -47,7 +52,7 @@ class TileLoop:
                                           and grid.level_step == (float(T), float(T)))
         # with several decoding threads they compress the kept tiles too; the writer thread only writes
         encode = self.writer.tile_encoder if self.n_threads > 1 else None
-        kw = dict(config=self.config, grey_max=self.plan.grey_max, otsu_fg=self.plan.otsu_fg, encode=encode)
+        kw = dict(config=self.config, grey_max=self.plan.grey_max, otsu_fg=self.plan.otsu_fg, encode=encode, qc=self.plan.qc)
         if stored_grid:
             top_rows = rows_to_reject(T, self.config.threshold)
             top_first = self.plan.top_first if top_rows < T else None
@@ -80,14 +85,18 @@ class TileLoop:
     def _write(self, tested: Any, sink: BackgroundWriter | InlineWriter) -> None:
         grid = self.plan.grid
         last_report = time.monotonic()
-        for row, run, (tiles, sel, keep, fg, encoded, cpu) in tested:
+        for row, run, (tiles, sel, keep, fg, encoded, cpu, qc) in tested:
             self.test_cpu += cpu
+            if qc is not None and qc["dropped"].any():
+                dc = run[qc["dropped"]]
+                self.dropped_coords.append(grid.coords(dc, np.full(len(dc), row)))
+                self.dropped_flags.append(qc["dropped_flags"])
             if not keep.any():
                 continue
             kc = run[keep]
             coords = grid.coords(kc, np.full(len(kc), row))
             gridxy = np.stack([kc, np.full(len(kc), row)], axis=1).astype(np.int32)
-            sink.put(tiles, sel, coords, gridxy, fg[keep], encoded)
+            sink.put(tiles, sel, coords, gridxy, fg[keep], encoded, None if qc is None else {"qc_focus": qc["focus"]})
             self.kept_coords.append(coords)
             self.n_kept += len(kc)
             if self.progress is not None and time.monotonic() - last_report > 0.5:
@@ -98,7 +107,9 @@ class TileLoop:
         """Add each tile's source origin (px of the read level) and the CPU split of the tile pass."""
         grid, writer, n_threads = self.plan.grid, self.writer, self.n_threads
         n = writer.n
-        writer.add_array("level_coords", grid.level_coords(writer.grid[:n, 0], writer.grid[:n, 1]))
+        cols, rows = writer.grid[:n, 0].astype(np.int64), writer.grid[:n, 1].astype(np.int64)
+        writer.add_array("level_coords", grid.level_coords(cols, rows))
+        self._finish_qc(rows, cols)
         # CPU split of the tile pass: decoding + testing (all decoding threads) vs compression + writes
         main_cpu = time.thread_time() - main_cpu0 - (0.0 if isinstance(sink, BackgroundWriter) else sink.cpu_seconds)
         writer.group.attrs.update({"timing": {
@@ -114,6 +125,28 @@ class TileLoop:
             "decided_by_top_rows": (int(self.plan.candidates.sum()) - int(self.direct.decoded)
                                     if self.stored_grid and self.direct is not None else 0),
         }})
+
+    def _finish_qc(self, rows: np.ndarray, cols: np.ndarray) -> None:
+        """Per-tile QC and region arrays of the kept tiles (store order), and their summary attributes."""
+        plan, writer = self.plan, self.writer
+        if plan.qc is not None:
+            qc = plan.qc
+            if "qc_focus" not in writer.extra:  # no tile kept
+                writer.add_array("qc_focus", np.zeros(0, np.float32))
+                focus = np.zeros(0, np.float32)
+            else:
+                focus = np.concatenate(writer.extra["qc_focus"])
+            flags = self.writer_flags = qc.flags(rows, cols, focus)
+            writer.add_array("qc_flags", flags)
+            writer.add_array("qc_pen", qc.pen[rows, cols].astype(np.float32))
+            writer.add_array("qc_fold", qc.fold[rows, cols].astype(np.float32))
+            dropped = np.concatenate(self.dropped_flags) if self.dropped_flags else np.zeros(0, np.uint8)
+            self.qc_counts = {"flagged": flags_of(flags), "dropped": flags_of(dropped), "n_dropped": int(len(dropped))}
+            writer.group.attrs.update({"qc": {**describe(qc.params, qc.mode), **self.qc_counts}})
+        if plan.regions is not None:
+            writer.add_array("region_fraction", plan.regions.fraction[rows, cols].astype(np.float32))
+            writer.add_array("region_label", plan.regions.label[rows, cols].astype(np.int16))
+            writer.group.attrs.update({"regions": plan.regions.info})
 
     def flush_progress(self) -> None:
         if self.progress is not None and self.n_kept > self.reported:

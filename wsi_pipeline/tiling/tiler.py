@@ -84,6 +84,10 @@ class SlideResult:
     background_grey: float | None = None  # glass (or dark background) grey level from the thumbnail; None: no glass seen
     slide_mpp: float | None = None  # um per level-0 px used
     mpp_source: str = ""  # where slide_mpp came from: slide / manifest / run-fallback / run-forced / none
+    qc_dropped: int = 0  # tiles tile QC dropped (qc_mode drop)
+    qc_pen: int = 0  # tiles with pen ink, of those that passed the tissue test (kept or dropped)
+    qc_blur: int = 0  # tiles out of focus, likewise
+    qc_fold: int = 0  # tiles with folded tissue, likewise
 
 
 def tile_slide(
@@ -223,8 +227,13 @@ def _tile_open_slide(
         raise
     loop.flush_progress()
     note = _slide_note(loop.n_kept, plan)
+    if res is not None and loop.qc_counts is not None:
+        res.qc_dropped = loop.qc_counts["n_dropped"]
+        for name in ("pen", "blur", "fold"):
+            setattr(res, f"qc_{name}", loop.qc_counts["flagged"][name] + loop.qc_counts["dropped"][name])
+    note = _write_side_outputs(out, job, plan, writer, note)
     if config.qc:
-        note = _write_qc(out, job, plan, loop.kept_coords, note)
+        note = _write_qc(out, job, plan, loop, note)
     return loop.n_kept, grid.mpp, note
 
 
@@ -232,7 +241,8 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
                  direct: DirectTiles | None) -> dict[str, Any]:
     """The store's attributes: the slide, where its mpp came from, the grid, the settings and the identity."""
     grid = plan.grid
-    attrs_extra: dict[str, Any] = {k: v for k, v in (("otsu_info", plan.otsu_info), ("unet_info", plan.unet_info)) if v is not None}
+    attrs_extra: dict[str, Any] = {k: v for k, v in (("otsu_info", plan.otsu_info), ("unet_info", plan.unet_info),
+                                                     ("tissue_info", plan.tissue_info)) if v is not None}
     attrs = {
         "slide_id": job.slide_id,
         "slide_path": str(Path(slide.path).resolve()),
@@ -262,6 +272,8 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
                      prescreen=bool(config.prescreen and config.threshold > 0))
     elif config.method == "otsu":
         attrs.update(otsu=asdict(config.otsu))
+    elif config.method == "tissue":
+        attrs.update(tissue=asdict(config.tissue))
     return attrs
 
 
@@ -275,11 +287,43 @@ def _slide_note(n_kept: int, plan: TilePlan) -> str:
     return note
 
 
-def _write_qc(out: Path, job: SlideJob, plan: TilePlan, kept_coords: list[np.ndarray], note: str) -> str:
-    """Write ``qc/<slide_id>.png``; the store is complete already, so a failure only adds to the note."""
+def _write_side_outputs(out: Path, job: SlideJob, plan: TilePlan, writer: StoreWriter, note: str) -> str:
+    """The tissue contours (``tissue/<slide_id>.geojson``) and, with regions, the tiles' region labels
+    (``regions/<slide_id>.csv``); the store is complete already, so a failure only adds to the note."""
+    from wsi_pipeline.tiling.regions import write_region_csv, write_tissue_geojson
+
     try:
-        coords_kept = np.concatenate(kept_coords) if kept_coords else np.zeros((0, 2), np.int64)
-        write_png(qc_path(out, job.slide_id), render_qc(plan.overview, plan.overview_downsample, coords_kept, plan.grid.extent))
+        if plan.mask is not None:
+            write_tissue_geojson(out / "tissue" / f"{job.slide_id}.geojson", plan.mask[0], plan.mask[1])
+        if plan.regions is not None:
+            n = writer.n
+            cols, rows = writer.grid[:n, 0].astype(np.int64), writer.grid[:n, 1].astype(np.int64)
+            write_region_csv(out / "regions" / f"{job.slide_id}.csv", writer.coords[:n], plan.regions.fraction[rows, cols],
+                             plan.regions.label[rows, cols], plan.regions.classes)
+    except Exception as err:  # the store is complete; a side output failing is only noted
+        logger.warning("contours/regions of %s failed: %s", job.slide_id, err)
+        note = (note + "; " if note else "") + f"contours/regions export failed: {err}"
+    return note
+
+
+def _write_qc(out: Path, job: SlideJob, plan: TilePlan, loop: TileLoop, note: str) -> str:
+    """Write ``qc/<slide_id>.png`` (kept tiles green, kept but flagged orange, dropped by QC red); the store
+    is complete already, so a failure only adds to the note."""
+    try:
+        kept = np.concatenate(loop.kept_coords) if loop.kept_coords else np.zeros((0, 2), np.int64)
+        groups: list[tuple[np.ndarray, tuple[int, int, int]]] = []
+        legend = f"kept {loop.n_kept}"
+        if plan.qc is not None and loop.qc_counts is not None:
+            flags = loop.writer_flags if loop.writer_flags is not None else np.zeros(len(kept), np.uint8)
+            flagged = flags != 0
+            dropped = np.concatenate(loop.dropped_coords) if loop.dropped_coords else np.zeros((0, 2), np.int64)
+            groups = [(kept[flagged], (255, 140, 0)), (dropped, (220, 0, 0))]
+            kept = kept[~flagged]
+            c = loop.qc_counts
+            legend += (f" | flagged {int(flagged.sum())} | QC dropped {c['n_dropped']} (" +
+                       ", ".join(f"{k} {c['flagged'][k] + c['dropped'][k]}" for k in c["flagged"]) + ")")
+        img = render_qc(plan.overview, plan.overview_downsample, kept, plan.grid.extent, others=groups, legend=legend)
+        write_png(qc_path(out, job.slide_id), img)
     except Exception as err:  # the store is complete; a QC failure is only noted
         logger.warning("QC image for %s failed: %s", job.slide_id, err)
         note = (note + "; " if note else "") + f"QC image failed: {err}"

@@ -26,11 +26,12 @@ class InlineWriter:
         self.cpu_seconds = 0.0  # CPU time spent in append
 
     def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray,
-            encoded: list[Any] | None = None) -> None:
+            encoded: list[Any] | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
         """Write ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already
-        selected); ``encoded``: those tiles already encoded (:attr:`StoreWriter.tile_encoder`)."""
+        selected); ``encoded``: those tiles already encoded (:attr:`StoreWriter.tile_encoder`); ``extra``: more
+        per-tile arrays of the kept tiles (:meth:`StoreWriter.append`)."""
         c0 = time.thread_time()
-        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg, encoded)
+        self.writer.append(tiles if keep.all() else tiles[keep], coords, grid, fg, encoded, extra)
         self.cpu_seconds += time.thread_time() - c0
 
     def close(self) -> None:
@@ -66,12 +67,12 @@ class BackgroundWriter:
                     self._error = err
 
     def put(self, tiles: np.ndarray, keep: np.ndarray, coords: np.ndarray, grid: np.ndarray, fg: np.ndarray,
-            encoded: list[Any] | None = None) -> None:
+            encoded: list[Any] | None = None, extra: dict[str, np.ndarray] | None = None) -> None:
         """Queue ``tiles[keep]`` with their level-0 ``coords``, ``grid`` cells and foreground ``fg`` (already
-        selected); ``encoded``: those tiles already encoded."""
+        selected); ``encoded``: those tiles already encoded; ``extra``: more per-tile arrays of the kept tiles."""
         if self._error is not None:
             raise self._error
-        self._q.put((tiles, keep, coords, grid, fg, encoded))
+        self._q.put((tiles, keep, coords, grid, fg, encoded, extra))
 
     def close(self) -> None:
         self._q.put(None)

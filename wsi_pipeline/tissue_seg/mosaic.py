@@ -415,25 +415,9 @@ def make_mosaic(sources: Sequence[TissueSource], seed: int, config: MosaicConfig
 def write_mosaic_slide(path: str | os.PathLike, rgb: np.ndarray, mpp: float, quality: int = 92) -> Path:
     """Write ``rgb`` as a one-level Aperio-layout slide (JPEG tiles, ``MPP = mpp``) that the
     package's readers open; atomic (temp file + rename)."""
-    import cv2
-    import tifffile
+    from wsi_pipeline.synthetic.fields import write_one_level_slide
 
-    from wsi_pipeline.io_atomic import atomic_path
-
-    if not mpp > 0:
-        raise ValueError(f"mpp must be > 0 um/px, got {mpp}")
-    h, w = rgb.shape[:2]
-    tile = 256
-    head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({tile}x{tile}) JPEG/RGB Q={quality}"
-    desc = f"{head}|AppMag = {10.0 / mpp:g}|MPP = {mpp:.6g}|Filename = {Path(path).stem}|Generator = wsi_pipeline.tissue_seg.mosaic"
-    jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
-    thumb = cv2.resize(rgb, (max(1, w // 8), max(1, h // 8)), interpolation=cv2.INTER_AREA)
-    with atomic_path(path) as tmp:
-        with tifffile.TiffWriter(tmp) as tw:
-            tw.write(rgb, tile=(tile, tile), description=desc, metadata=None,
-                     resolution=(1e4 / mpp, 1e4 / mpp), resolutionunit="CENTIMETER", **jpeg)
-            tw.write(thumb, description=f"{head} -> {thumb.shape[1]}x{thumb.shape[0]} - ", metadata=None, **jpeg)
-    return Path(path)
+    return write_one_level_slide(path, rgb, mpp, quality, generator="wsi_pipeline.tissue_seg.mosaic")
 
 
 def write_mosaics(folder: str | os.PathLike, sources: Sequence[TissueSource], n: int, *, mpp: float, seed: int,

@@ -33,18 +33,28 @@ def _load(path: str) -> tuple[TissueUNet, float]:
     return load_tissue_model(path)
 
 
+#: Glass grey level the shipped model was trained on (its glass was drawn from 232..250): a slide's
+#: greyscale input is scaled so that its own glass lands here.
+TRAINED_GLASS_GREY = 242.0
+
+
 def unet_tissue_mask(slide: Slide, slide_mpp: float, model_path: str | os.PathLike | None = None,
-                     threshold: float = 0.5) -> tuple[np.ndarray, float, dict[str, Any]]:
+                     threshold: float = 0.5, *, glass_grey: float | None = None) -> tuple[np.ndarray, float, dict[str, Any]]:
     """Tissue mask of a whole slide predicted by the tissue U-Net.
 
     The slide is read whole at the model's working resolution (``mpp`` stored in the model) and
-    the prediction is made at 8 image px per mask px.
+    the prediction is made at 8 image px per mask px. The model sees greyscale only and was
+    trained on glass at grey 232..250: given the slide's glass level (``glass_grey``), the
+    greyscale input is scaled by ``TRAINED_GLASS_GREY / glass_grey``, so glass at 216 looks like
+    glass at 242 to it instead of like tissue. (The tiler also intersects the mask with its stain
+    rule, :mod:`wsi_pipeline.tiling.plan`, so that the model never keeps glass.)
 
     Parameters
     ----------
     slide : an open slide.
     slide_mpp : um per level-0 px of the slide.
     model_path : ``best.pt`` of ``wsi-pipeline tissue train``; None: the model shipped with the package.
+    glass_grey : the slide's glass grey level (None: unknown, the input is not scaled).
 
     Returns
     -------
@@ -62,7 +72,12 @@ def unet_tissue_mask(slide: Slide, slide_mpp: float, model_path: str | os.PathLi
                          f"working resolution ({model_mpp:.4g} um/px)")
     rgb = read_scaled(slide, down)
     grey = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
+    scale = TRAINED_GLASS_GREY / float(glass_grey) if glass_grey else 1.0
+    if scale != 1.0:
+        grey = np.clip(np.rint(grey.astype(np.float32) * scale), 0, 255).astype(np.uint8)
     mask, prob = predict_mask(model, grey, threshold=threshold)
-    info = {"model": path, "model_mpp": model_mpp, "mask_downsample": down * MASK_DOWNSAMPLE,
-            "tissue_fraction": float(mask.mean())}
-    return mask.astype(bool), down * MASK_DOWNSAMPLE, info
+    mask = mask.astype(bool)
+    info: dict[str, Any] = {"model": path, "model_mpp": model_mpp, "mask_downsample": down * MASK_DOWNSAMPLE,
+                            "input_scale": round(scale, 4)}
+    info["tissue_fraction"] = float(mask.mean())
+    return mask, down * MASK_DOWNSAMPLE, info
