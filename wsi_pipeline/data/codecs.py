@@ -196,9 +196,12 @@ def _with_checksum(codec: DirectCodec) -> DirectCodec:
 
     inner_encode, inner_decode = codec.encode, codec.decode
 
-    def encode(tile: np.ndarray) -> bytes:
-        data = bytes(inner_encode(tile))
-        return data + struct.pack("<I", google_crc32c.value(data))
+    def encode(tile: np.ndarray) -> bytearray:
+        data = np.frombuffer(inner_encode(tile), np.uint8)  # read-only view, no copy
+        out = bytearray(len(data) + 4)  # one copy: the chunk, then its checksum
+        memoryview(out)[: len(data)] = data
+        struct.pack_into("<I", out, len(data), google_crc32c.value(data))
+        return out
 
     def decode(data: bytes) -> Any:
         arr = np.frombuffer(data, np.uint8)  # a read-only view, as google_crc32c wants
