@@ -42,11 +42,25 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Slide:
-    """A labelled slide: ``slide_id``, integer ``label`` and its tile store path."""
+    """A labelled slide: ``slide_id``, integer ``label`` and its tile store path.
+
+    ``target``: what a survival or regression method learns, ``(time, event)`` or ``(value,)``
+    (None for classification, whose target is ``label``; ``label`` is -1 for the other tasks).
+    ``patient_id``: the manifest's, or the slide id when it has none.
+    """
 
     slide_id: str
     label: int
     store: Path
+    target: tuple[float, ...] | None = None
+    patient_id: str = ""
+
+    @property
+    def y(self) -> Any:
+        """The training target: the class index, ``(time, event)``, or the regression value."""
+        if self.target is None:
+            return self.label
+        return self.target if len(self.target) > 1 else self.target[0]
 
 
 @dataclass
@@ -66,13 +80,32 @@ class Bag:
     data: Any
 
 
-def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike) -> list[Slide]:
+#: The manifest columns a task's targets come from.
+TARGET_COLUMNS: dict[str, tuple[str, ...]] = {"classification": ("label",), "survival": ("time", "event"), "regression": ("target",)}
+
+
+def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike, *, task: str = "classification") -> list[Slide]:
     """Labelled slides of ``split`` (``train``/``val``/``test``) in manifest order.
 
-    Unlabelled rows of the split are left out (they cannot be trained or validated on).
+    Rows of the split without the task's target (:data:`TARGET_COLUMNS`: ``label``; ``time`` and
+    ``event``; ``target``) are left out (they cannot be trained or validated on).
+
+    Raises ``ValueError`` naming the columns when the manifest has none of the task's columns.
     """
-    rows = manifest[(manifest["split"] == split) & manifest["label"].notna()]
-    return [Slide(str(r.slide_id), int(r.label), store_path(tiles_dir, str(r.slide_id))) for r in rows.itertuples()]
+    cols = TARGET_COLUMNS[task]
+    missing = [c for c in cols if c not in manifest.columns]
+    if missing:
+        raise ValueError(f"task {task!r} needs the manifest column(s) {list(cols)}; missing {missing}")
+    has = manifest[list(cols)].notna().all(axis=1)
+    rows = manifest[(manifest["split"] == split) & has]
+    patients = rows["patient_id"] if "patient_id" in rows.columns else pd.Series("", index=rows.index)
+    out = []
+    for r, patient in zip(rows.itertuples(), patients):
+        sid = str(r.slide_id)
+        target = None if task == "classification" else tuple(float(getattr(r, c)) for c in cols)
+        label = int(r.label) if task == "classification" else -1
+        out.append(Slide(sid, label, store_path(tiles_dir, sid), target, str(patient or "") or sid))
+    return out
 
 
 def skipped_by_tiler(tiles_dir: str | os.PathLike) -> dict[str, str]:
