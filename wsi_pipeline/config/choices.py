@@ -12,7 +12,7 @@ name                   values                                       used by
                                                                     ``ACCUMULATE_BN_MODES``,
                                                                     ``PATCHGD_BN_MODES``)
 ``SELECT_METRICS``     auto, auc, qwk, accuracy, balanced_accuracy,  ``train.select_metric``
-                       loss, c_index, uno_c_index, mae, rmse,
+                       loss, c_index, mae, rmse,
                        pearson, spearman
 ``TASKS``              classification, survival, regression         ``methods[].task``
 ``LOSSES``             cross_entropy, cox, nll_discrete, mse, huber ``methods[].loss`` (``TASK_LOSSES``:
@@ -64,7 +64,7 @@ ACCUMULATE_BN_MODES: tuple[str, ...] = ("frozen", "chunk")
 PATCHGD_BN_MODES: tuple[str, ...] = ("frozen", "train")
 
 SelectMetric = Literal[
-    "auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss", "c_index", "uno_c_index", "mae", "rmse", "pearson",
+    "auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss", "c_index", "mae", "rmse", "pearson",
     "spearman",
 ]
 SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)

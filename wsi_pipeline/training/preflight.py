@@ -6,7 +6,7 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ import torch
 from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, PipelineConfig, bag_statistics_warning
 from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, slides_for_split
 from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs, fit_endpoint
 from wsi_pipeline.inference.models import build_models
 from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
 from wsi_pipeline.training.strategies import check_strategy
@@ -36,6 +37,7 @@ class RunPlan:
     finished: list[Path]
     tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
     stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)  # per method, fitted on the training split; saved too
 
 
 def preflight(
@@ -74,7 +76,13 @@ def preflight(
             f"unfinished run(s) found: {', '.join(map(str, unfinished))}; run without --no-resume to continue them, "
             "or delete those folders to start over"
         )
-    return RunPlan(manifest, train, val, runs, finished, tiling)
+    endpoints = {}
+    for method in methods:
+        try:
+            endpoints[method.name] = fit_endpoint(method, config.data.n_classes, [s.y for s in train])
+        except ValueError as e:
+            raise ValueError(f"method {method.name!r}: {e}") from e
+    return RunPlan(manifest, train, val, runs, finished, tiling, endpoints=endpoints)
 
 
 def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Slide], list[Slide], dict[str, Any] | None]:
@@ -87,16 +95,20 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
             f"data.manifest {manifest_path} not found (pipeline {config.name!r}; relative paths are relative to "
             f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
         )
-    manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
-    train = slides_for_split(manifest, "train", config.data.tiles_dir)
-    val = slides_for_split(manifest, "val", config.data.tiles_dir)
+    manifest = read_manifest(manifest_path, n_classes=config.label_classes)
+    try:
+        train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
+        val = slides_for_split(manifest, "val", config.data.tiles_dir, task=config.task)
+    except ValueError as e:
+        raise ValueError(f"{manifest_path}: {e}") from e
     check_stores(train + val, config.data.tiles_dir)
     train = drop_empty(train, split="train", strict=strict)
     val = drop_empty(val, split="val", strict=strict)
     tiling = check_tiling(train + val, config.data.tiling)
     if not train:
+        what = {"classification": "labelled", "survival": "time/event", "regression": "target"}[config.task]
         raise ValueError(
-            f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
+            f"{manifest_path}: no slides with a {what} value and split=train; set the split column (train/val/test) "
             "or make splits with `wsi-pipeline manifest`"
         )
     if not val:
@@ -118,6 +130,6 @@ def _check_methods(config: PipelineConfig, methods: Sequence[MethodConfig]) -> N
             log.warning("method %s: augmentation is not applied by the %s strategy", method.name, method.strategy)
         with torch.random.fork_rng(devices=[]):
             try:
-                build_models(method, config.data.n_classes, device="cpu", for_training=False)
+                build_models(method, endpoint_outputs(method, config.data.n_classes), device="cpu", for_training=False)
             except (ValueError, TypeError, FileNotFoundError) as e:
                 raise type(e)(f"method {method.name!r}: cannot build its models: {e}") from e
