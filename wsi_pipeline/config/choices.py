@@ -20,6 +20,7 @@ name                   values                                       used by
 ``TIES``               efron, breslow                               ``methods[].loss_options.ties``
 ``LEVELS``             slide, patient                               ``eval.level``
 ``PATIENT_POOLS``      mean, max                                    ``eval.patient_pool``
+``BAG_UNITS``          slide, patient                               ``data.bags``
 ``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      ``methods[].strategy``
 ``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
 ``TILING_METHODS``     greyscale, otsu, unet                        ``tile --method``, ``data.tiling``
@@ -44,10 +45,10 @@ from wsi_pipeline.devices import DEVICES
 from wsi_pipeline.slides.reader import BACKENDS
 
 __all__ = [
-    "ACCUMULATE_BN_MODES", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",
+    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",
     "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "PATIENT_POOLS", "SCHEDULES", "SELECT_METRICS",
     "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS",
-    "BackboneScale", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "Schedule",
+    "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "Schedule",
     "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names", "head_names",
     "model_names",
 ]
@@ -88,6 +89,9 @@ Level = Literal["slide", "patient"]
 LEVELS: tuple[str, ...] = typing.get_args(Level)
 PatientPool = Literal["mean", "max"]
 PATIENT_POOLS: tuple[str, ...] = typing.get_args(PatientPool)
+#: What one bag holds in training and evaluation: one slide's tiles, or all tiles of a patient's slides.
+BagUnit = Literal["slide", "patient"]
+BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)
 
 #: The training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers exactly these).
 StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]

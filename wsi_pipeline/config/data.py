@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from wsi_pipeline.config.choices import BagUnit
 from wsi_pipeline.config.tiling import StoreTiling
 
 __all__ = ["DataConfig"]
@@ -23,6 +24,9 @@ class DataConfig:
     features_dir : root of frozen-encoder feature files; a frozen method reads
         ``<features_dir>/<encoder name>`` unless the method sets its own ``features_dir``.
     tiling : tiling parameters (saved for ``predict``).
+    bags : ``slide`` (default: a bag is one slide's tiles) or ``patient``: one bag per patient,
+        the tiles of all its slides (``patient_id``), in training and evaluation; every record and
+        prediction row is then a patient's (its ``slide_id`` is the patient id). Not for PatchGD.
     """
 
     manifest: str
@@ -30,6 +34,7 @@ class DataConfig:
     n_classes: int | None = None
     features_dir: str = "features"
     tiling: StoreTiling = field(default_factory=StoreTiling)
+    bags: BagUnit = "slide"
 
     def __post_init__(self) -> None:
         if self.n_classes is not None and self.n_classes < 2:

@@ -165,6 +165,11 @@ class PipelineConfig:
             by = {t: [m.name for m in self.methods if m.task == t] for t in sorted(tasks)}
             raise ValueError(f"methods have different tasks {by}; every method of a pipeline has one task "
                              "(their results are compared in one table): put the others in a pipeline of their own")
+        if self.data.bags == "patient":
+            grid = [m.name for m in self.methods if m.strategy == "patchgd"]
+            if grid:
+                raise ValueError(f"data.bags: patient puts several slides in one bag, whose tile grids do not join; "
+                                 f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
         if self.task == "classification" and self.data.n_classes is None:
             raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
 

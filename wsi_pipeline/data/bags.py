@@ -47,6 +47,8 @@ class Slide:
     ``target``: what a survival or regression method learns, ``(time, event)`` or ``(value,)``
     (None for classification, whose target is ``label``; ``label`` is -1 for the other tasks).
     ``patient_id``: the manifest's, or the slide id when it has none.
+    ``parts``: for a patient bag (``data.bags: patient``), the patient's slides
+    (:func:`wsi_pipeline.data.patient_bags.patient_units`); empty for a slide.
     """
 
     slide_id: str
@@ -54,6 +56,7 @@ class Slide:
     store: Path
     target: tuple[float, ...] | None = None
     patient_id: str = ""
+    parts: tuple["Slide", ...] = ()
 
     @property
     def y(self) -> Any:
@@ -290,9 +293,15 @@ class TileReader:
         self._stores: dict[int, TileStore] = {}
 
     def store(self, i: int) -> TileStore:
-        """The open store of slide ``i``."""
+        """The open store of slide ``i`` (of all its slides' stores, for a patient bag)."""
         if i not in self._stores:
-            self._stores[i] = open_store(self.slides[i].store)
+            slide = self.slides[i]
+            if slide.parts:
+                from wsi_pipeline.data.patient_bags import PatientStore
+
+                self._stores[i] = PatientStore(slide.slide_id, [p.store for p in slide.parts])
+            else:
+                self._stores[i] = open_store(slide.store)
         return self._stores[i]
 
     def n_tiles(self) -> list[int]:
@@ -310,11 +319,11 @@ class FeatureReader:
     Parameters
     ----------
     slides : the slides.
-    paths : one feature file per slide.
+    paths : one feature file per slide (a list of them for a patient bag: concatenated in order).
     read : ``read_features(path) -> (features (n, D), coords (n, 2), attrs)``.
     """
 
-    def __init__(self, slides: Sequence[Slide], paths: Sequence[Path], read: Callable[[Path], tuple]) -> None:
+    def __init__(self, slides: Sequence[Slide], paths: Sequence[Path | Sequence[Path]], read: Callable[[Path], tuple]) -> None:
         self.slides = list(slides)
         self.paths = list(paths)
         self._read = read
@@ -322,7 +331,10 @@ class FeatureReader:
 
     def features(self, i: int) -> np.ndarray:
         """All features (n, D) float32 of slide ``i``."""
-        return np.asarray(self._read(self.paths[i])[0], dtype=np.float32)
+        paths = self.paths[i]
+        if isinstance(paths, (list, tuple)):
+            return np.concatenate([np.asarray(self._read(p)[0], dtype=np.float32) for p in paths])
+        return np.asarray(self._read(paths)[0], dtype=np.float32)
 
     def n_tiles(self) -> list[int]:
         """Feature rows (tiles) per slide."""

@@ -167,6 +167,9 @@ def evaluate_pipeline(
     protocols = parse_protocols(config.eval.protocols)
     dev = str(distributed.device_for(torch.device(_resolve_device(device))))
     choice = _choose_heatmap_run(runs, heatmap_method)
+    if heatmaps and config.data.bags == "patient":
+        log.info("data.bags: patient: no heatmaps (a patient's bag spans several slides; draw them with data.bags: slide)")
+        heatmaps = False
     got = _Collected()
     for method, seed, run_dir in runs:
         make_heatmaps = heatmaps and choice.run == (method.name, seed)
@@ -251,6 +254,8 @@ def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequ
     for es in sets:
         scorer = _SetScorer(method.name, seed, es, protocols, got, model.endpoint, ref, config.eval)
         items = [row for _, row in es.slides.iterrows()]
+        if config.data.bags == "patient":
+            items = _patient_rows(items)
         desc = f"{method.name} s{seed} {es.cohort}"
         if distributed.current().enabled and cluster is None:
             _score_on_ranks(items, task, model, scorer, desc=desc, progress=progress)
@@ -261,6 +266,24 @@ def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequ
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
+
+
+def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
+    """``data.bags: patient``: one row per patient (first-slide order), ``slide_id`` = the patient, ``slides`` its
+    slides, ``label`` the highest of theirs, the survival/regression target the patient's (its first slide's)."""
+    groups: dict[str, list[pd.Series]] = {}
+    for r in rows:
+        p = r.get("patient_id")
+        groups.setdefault(str(p) if isinstance(p, str) and p else str(r["slide_id"]), []).append(r)
+    out = []
+    for patient, members in groups.items():
+        row = members[0].copy()
+        labels = [m["label"] for m in members if not pd.isna(m["label"])]
+        row["label"] = max(labels) if labels else pd.NA
+        row["slide_id"], row["patient_id"], row["path"] = patient, patient, ""
+        row["slides"] = [str(m["slide_id"]) for m in members]
+        out.append(row)
+    return out
 
 
 def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -> Any:
@@ -275,10 +298,14 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
 
     manifest = read_manifest(config.data.manifest)
     train = slides_for_split(manifest, "train", config.data.tiles_dir, task="survival")
+    if config.data.bags == "patient":
+        from wsi_pipeline.data.patient_bags import PatientStore, patient_units
+
+        train = patient_units(train)
     times, events, risks = [], [], []
     for s in train:
         try:
-            store = open_store(s.store)
+            store = PatientStore(s.slide_id, [p.store for p in s.parts]) if s.parts else open_store(s.store)
         except (FileNotFoundError, ValueError):
             continue
         if len(store) == 0:
@@ -331,8 +358,14 @@ class _ScoreTask:
     heatmap_mode: str
 
     def __call__(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
+        tiles = Path(self.config.data.tiles_dir)
         try:
-            store = open_store(store_path(Path(self.config.data.tiles_dir), row["slide_id"]))
+            if "slides" in mrow.index:  # a patient bag (data.bags: patient)
+                from wsi_pipeline.data.patient_bags import PatientStore
+
+                store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
+            else:
+                store = open_store(store_path(tiles, row["slide_id"]))
         except (FileNotFoundError, ValueError) as e:
             row.update(status="skipped", error=str(e))
             return

@@ -201,8 +201,8 @@ def _start(
     _seed_everything(seed)
     strategy = build_strategy(method, config.data.n_classes, dev, build_augment(tc.augment), plan.endpoints.get(method.name))
     calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO)  # overwritten by last.pt when resuming
-    reader = strategy.train_reader(plan.train, features_dir)
-    val_inputs = strategy.val_inputs(plan.val, features_dir)
+    reader = strategy.train_reader(plan.train_units, features_dir)
+    val_inputs = strategy.val_inputs(plan.val_units, features_dir)
     n_tiles = reader.n_tiles()
     params = strategy.parameters()
     sync = distributed.StepSync(params, strategy.state_modules().values())
@@ -250,7 +250,7 @@ def _train_and_validate(run: _Run, epoch: int) -> tuple[float, dict[str, float]]
         run.optimizer.zero_grad(set_to_none=True)
         train_loss = run.strategy.train_epoch(run.reader, run.n_tiles, run.seed, epoch, run.optimizer_step, run.bar, run.sync)
         # under torchrun every rank scores its shard of the validation slides; all get the same metrics
-        targets = [s.y for s in run.plan.val]
+        targets = [s.y for s in run.plan.val_units]
         val = validate(run.strategy, run.val_inputs, targets, run.config, run.method, run.device)
         return train_loss, distributed.broadcast_object(val)  # rank 0's, so every rank decides alike
 

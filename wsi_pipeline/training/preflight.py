@@ -15,6 +15,7 @@ import torch
 
 from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, PipelineConfig, bag_statistics_warning
 from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, slides_for_split
+from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs, fit_endpoint
 from wsi_pipeline.inference.models import build_models
@@ -38,6 +39,17 @@ class RunPlan:
     tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
     stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # per method, fitted on the training split; saved too
+    bags: str = "slide"  # data.bags
+
+    @property
+    def train_units(self) -> list[Slide]:
+        """What training bags are drawn from: the training slides, or their patients (``data.bags: patient``)."""
+        return patient_units(self.train) if self.bags == "patient" else self.train
+
+    @property
+    def val_units(self) -> list[Slide]:
+        """What validation scores: the validation slides, or their patients."""
+        return patient_units(self.val) if self.bags == "patient" else self.val
 
 
 def preflight(
@@ -79,10 +91,11 @@ def preflight(
     endpoints = {}
     for method in methods:
         try:
-            endpoints[method.name] = fit_endpoint(method, config.data.n_classes, [s.y for s in train])
+            units = patient_units(train) if config.data.bags == "patient" else train
+            endpoints[method.name] = fit_endpoint(method, config.data.n_classes, [s.y for s in units])
         except ValueError as e:
             raise ValueError(f"method {method.name!r}: {e}") from e
-    return RunPlan(manifest, train, val, runs, finished, tiling, endpoints=endpoints)
+    return RunPlan(manifest, train, val, runs, finished, tiling, endpoints=endpoints, bags=config.data.bags)
 
 
 def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Slide], list[Slide], dict[str, Any] | None]:

@@ -258,12 +258,14 @@ class FrozenStrategy(Strategy):
         """None: validation reads the h5 features (the aggregator only)."""
         return None
 
-    def _feature_paths(self, slides: Sequence[Slide], features_dir: Path | None) -> list[Path]:
+    def _feature_paths(self, slides: Sequence[Slide], features_dir: Path | None) -> list[Any]:
+        """One feature file per slide; for a patient bag the list of its slides' files."""
         from wsi_pipeline.inference.features import features_path
 
         if features_dir is None:
             raise ValueError(f"method {self.method.name!r} is frozen: pass the folder of its feature files (features_dir)")
-        return [features_path(features_dir, s.slide_id) for s in slides]
+        return [[features_path(features_dir, p.slide_id) for p in s.parts] if s.parts else features_path(features_dir, s.slide_id)
+                for s in slides]
 
     def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
         """The slides' feature files, or their tile stores when augmenting (embedded on the fly)."""
@@ -275,7 +277,7 @@ class FrozenStrategy(Strategy):
 
     def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
         """The slides' (unaugmented) feature files, read one at a time."""
-        return LazyFeatures(self._feature_paths(slides, features_dir))
+        return LazyFeatures(self._feature_paths(slides, features_dir))  # type: ignore[arg-type]
 
     def embed(self, tiles: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
