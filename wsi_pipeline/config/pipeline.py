@@ -277,11 +277,6 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("methods"), list):  # before methods had their own val_protocol: the pipeline's
         default = saved_protocol(ev.get("val_protocol", "all")) if isinstance(ev, Mapping) else "all"
         out["methods"] = [{"val_protocol": default, **m} if isinstance(m, Mapping) else m for m in out["methods"]]
-        # before endpoints: every method classified with cross-entropy
-        endpoint = {"task": "classification", "loss": "cross_entropy", "loss_options": config_to_dict(LossOptions())}
-        out["methods"] = [{**endpoint, **m} if isinstance(m, Mapping) else m for m in out["methods"]]
-    if isinstance(ev, Mapping):  # before patient-level evaluation and survival horizons
-        out["eval"] = {**config_to_dict(EvalConfig()), **out["eval"]}
     return out
 
 
