@@ -223,3 +223,29 @@ def test_patient_bags_train_and_evaluate(cohort):
     assert records["c_index"] == pytest.approx(
         _harrell_by_pairs(preds["time"].to_numpy(), preds["event"].to_numpy(), preds["risk"].to_numpy()), abs=1e-12)
     assert records["n_slides"] == 4  # the units are patients
+
+
+def test_manifest_folder_takes_survival_columns_by_any_name(tmp_path):
+    """``manifest folder --labels`` with a survival CSV named otherwise (``--time-column`` / ``--event-column``),
+    no label column: the manifest carries ``time`` and ``event``, splits drawn per patient; bad values are named."""
+    from wsi_pipeline.cli.main import main
+
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    ids = [f"s{i}" for i in range(12)]
+    for s in ids:
+        (slides / f"{s}.svs").write_bytes(b"x")
+    patient = np.arange(12) // 2  # two slides per patient, which share the patient's time and event
+    labels = pd.DataFrame({"slide_id": ids, "os_months": patient * 3 + 1.5, "dead": patient % 2,
+                           "patient_id": [f"p{k}" for k in patient]})
+    labels.to_csv(tmp_path / "labels.csv", index=False)
+    out = tmp_path / "m.csv"
+    assert main(["manifest", "folder", "--slides", str(slides), "--labels", str(tmp_path / "labels.csv"),
+                 "--time-column", "os_months", "--event-column", "dead", "--out", str(out)]) == 0
+    df = read_manifest(out).set_index("slide_id")
+    assert df.loc["s3", "time"] == 4.5 and df.loc["s3", "event"] == 1 and df["label"].isna().all()
+    assert set(df["split"]) <= {"train", "val", "test"} and (df.groupby("patient_id")["split"].nunique() == 1).all()
+    labels.loc[3, "os_months"] = -2.0
+    labels.to_csv(tmp_path / "bad.csv", index=False)
+    assert main(["manifest", "folder", "--slides", str(slides), "--labels", str(tmp_path / "bad.csv"), "--time-column",
+                 "os_months", "--event-column", "dead", "--out", str(tmp_path / "b.csv")]) != 0
