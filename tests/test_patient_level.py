@@ -48,6 +48,7 @@ def _cohort(tmp):
     df["time"] = p_time[patient]
     df["event"] = p_event[patient]
     df["label"] = ((patient % 2 == 1) & (np.arange(24) % 3 == 0)).astype(int)  # odd patients: one positive slide of three
+    df["target"] = np.round(rng.uniform(0, 20, 8), 2)[patient]
     return write_manifest(df, tmp / "data" / "patients.csv")
 
 
@@ -62,13 +63,17 @@ def _evaluate(tmp, manifest, task: str, pool: str):
     data = {"manifest": str(manifest), "tiles_dir": str(tmp / "data" / "tiles")}
     if task == "survival":
         method.update(task="survival", loss="cox", train={"batch_bags": 4})
+    elif task == "regression":
+        method.update(task="regression", loss="huber")
     else:
         data["n_classes"] = 2
     raw = {"name": f"{task}_{pool}", "data": data, "seeds": [0], "methods": [method],
            "eval": {"protocols": ["all"], "level": "patient", "patient_pool": pool, "bootstrap": 0},
            "runs_dir": str(tmp / "runs"), "results_dir": str(tmp / "results")}
     cfg = config_from_dict(raw)
-    endpoint = Endpoint(task=task, loss=cfg.methods[0].loss, n_outputs=1 if task == "survival" else 2)
+    # a wide target sd spreads the random model's nearly constant outputs far beyond the CSV's 6 significant digits
+    endpoint = Endpoint(task=task, loss=cfg.methods[0].loss, n_outputs=2 if task == "classification" else 1,
+                        target_mean=0.0, target_sd=1000.0)
     torch.manual_seed(0)
     enc, agg = build_models(cfg.methods[0], endpoint.n_outputs, for_training=False)
     run = cfg.run_dir("m", 0)
@@ -132,6 +137,22 @@ def test_patient_auc_equals_hand_computation(cohort):
         prob=("prob_1", "mean"), label=("true", "max"))  # a patient is positive when any of its slides is
     assert records["patient_auc"] == pytest.approx(roc_auc_score(per["label"], per["prob"]), abs=1e-6)
     assert records["patient_n_slides"] == 4 and records["n_slides"] == 12
+
+
+def test_regression_metrics_of_slides_and_patients_equal_hand_computation(cohort):
+    """A regression model's evaluation: the predictions CSV's values are the standardised output mapped back,
+    and the slide and patient (max pooling) metrics are those of the CSV's values, computed here."""
+    from scipy.stats import pearsonr, spearmanr
+
+    tmp, manifest = cohort
+    records, preds = _evaluate(tmp, manifest, "regression", "max")
+    y, p = preds["target"].to_numpy(), preds["prediction"].to_numpy()
+    assert records["mae"] == pytest.approx(np.mean(np.abs(y - p)), rel=1e-5)  # the CSV holds 6 significant digits
+    assert records["rmse"] == pytest.approx(np.sqrt(np.mean((y - p) ** 2)), rel=1e-5)
+    per = preds.groupby("patient_id", sort=False).agg(target=("target", "first"), prediction=("prediction", "max"))
+    assert records["patient_mae"] == pytest.approx(np.mean(np.abs(per["target"] - per["prediction"])), rel=1e-5)
+    assert records["patient_pearson"] == pytest.approx(pearsonr(per["target"], per["prediction"]).statistic, abs=1e-4)
+    assert records["patient_spearman"] == pytest.approx(spearmanr(per["target"], per["prediction"]).statistic, abs=1e-9)
 
 
 def test_patient_targets_must_agree(cohort):
