@@ -21,7 +21,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify clean
 
 install: $(STAMP)
 
@@ -73,6 +73,10 @@ readme-table: install
 
 demo-study: install
 	$(BIN)/wsi-pipeline demo --seeds $(SEEDS) $(ARGS)
+
+# the survival demo: frozen baseline vs end-to-end Cox on a synthetic survival cohort, seeds 0-2 (C-index table)
+demo-survival: install
+	$(BIN)/wsi-pipeline demo --task survival --seeds 0,1,2 $(ARGS)
 
 bench: bench-tile bench-bigl bench-accumulate bench-eval
 

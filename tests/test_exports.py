@@ -35,7 +35,7 @@ def test_predictions_csv_schema(tmp_path):
     raw = pd.read_csv(path)
     assert list(raw.columns) == [
         "slide_id", "cohort", "label", "pred", "prob_0", "prob_1", "prob_2",
-        "n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed",
+        "n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed", "patient_id",
     ] == prediction_columns(3)
     df = read_predictions(path)
     assert df["pred"].tolist() == [2, 0]  # argmax of the probabilities

@@ -14,6 +14,7 @@ from wsi_pipeline.config.pipeline import SELECT_METRICS
 from wsi_pipeline.inference.metrics import (
     METRICS,
     VALIDATION_METRICS,
+    ENDPOINT_VALIDATION_METRICS,
     bootstrap_interval,
     compute_metrics,
     compute_repeat_metrics,
@@ -87,14 +88,22 @@ def test_selection_metric_follows_the_papers():
 def test_one_selection_rule_for_every_config_choice():
     """Every ``train.select_metric`` choice goes through the one rule: loss is lower-is-better,
     the computed metrics higher-is-better, auto the task's headline (QWK graded, AUC binary)."""
-    assert set(SELECT_METRICS) == {"auto", "loss", *METRICS}
+    endpoint = {m for names in ENDPOINT_VALIDATION_METRICS.values() for m in names} - {"loss"}
+    assert set(SELECT_METRICS) == {"auto", "loss", *METRICS, *endpoint}
     for n_classes in (2, 3, 6):
-        for name in SELECT_METRICS:
+        for name in set(SELECT_METRICS) - endpoint:
             metric, higher = selection_rule(n_classes, name)
             assert (metric, higher) == (("loss", False) if name == "loss" else
                                         ("qwk" if n_classes > 2 else "auc", True) if name == "auto" else (name, True))
     # every metric the rule may pick is recorded per epoch by training
     assert set(VALIDATION_METRICS) == {"loss", *METRICS}
+    # survival and regression: auto is the C-index / RMSE; errors are lower-is-better; other tasks' names refused
+    assert selection_rule(None, "auto", "survival") == ("c_index", True)
+    assert selection_rule(None, "auto", "regression") == ("rmse", False)
+    assert selection_rule(None, "mae", "regression") == ("mae", False)
+    assert selection_rule(None, "spearman", "regression") == ("spearman", True)
+    with pytest.raises(ValueError, match="does not fit task 'survival'"):
+        selection_rule(None, "auc", "survival")
 
 
 def test_metric_order_puts_the_headline_first_and_keeps_every_metric():

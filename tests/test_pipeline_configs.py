@@ -36,7 +36,8 @@ PAPER = {
 
 
 def test_the_paper_pipelines_replace_the_per_row_files():
-    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "own_cohort", "patchgd_paper", "train_example"])
+    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "demo_survival", "own_cohort", "patchgd_paper",
+                                                       "train_example"])
 
 
 def _weightless(method):
@@ -56,12 +57,14 @@ def test_every_config_loads_and_its_methods_build(path):
     from wsi_pipeline.models import ENCODERS
     from wsi_pipeline.training.strategies import check_strategy
 
+    from wsi_pipeline.inference.endpoints import endpoint_outputs
+
     cfg = load_config(path)
-    C = cfg.data.n_classes
     tiles = torch.rand(3, 3, 32, 32)
     for m in cfg.methods:
         check_strategy(m)
         assert m.encoder.name in ENCODERS.names()
+        C = endpoint_outputs(m, cfg.data.n_classes)  # classes, or 1 for a Cox risk
         m = _weightless(m)
         key = repr((C, config_to_dict(dataclasses.replace(m, name="m", train=type(m.train)(), val_protocol=Protocol()))))
         if key in _BUILT:

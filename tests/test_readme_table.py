@@ -60,3 +60,12 @@ def test_readme_is_updated_between_its_markers_and_compared(tmp_path):
 def test_the_repository_readme_has_the_generated_block():
     text = (REPO / "README.md").read_text()
     assert text.count(START) == 1 and text.count(END) == 1 and text.index(START) < text.index(END)
+
+
+def test_survival_table_goes_between_its_markers(tmp_path):
+    from wsi_pipeline.readme_table import SURVIVAL_END, SURVIVAL_START, update_block
+
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{SURVIVAL_START}\nold\n{SURVIVAL_END}\nrest\n")
+    assert update_block(readme, "| seed | c |\n") and not update_block(readme, "| seed | c |\n")
+    assert readme.read_text() == f"intro\n{SURVIVAL_START}\n| seed | c |\n{SURVIVAL_END}\nrest\n"

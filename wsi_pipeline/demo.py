@@ -33,7 +33,10 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["DemoCohort", "format_seed_study", "parse_seeds", "results_table", "run_demo", "seed_study_table"]
+__all__ = [
+    "DemoCohort", "SurvivalCohort", "c_index_table", "format_seed_study", "parse_seeds", "results_table", "run_demo",
+    "seed_study_table",
+]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +73,33 @@ class DemoCohort:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class SurvivalCohort:
+    """The survival demo's synthetic cohort (``wsi-pipeline demo --task survival``, ``make demo-survival``).
+
+    The classification demo's slides (benign mimics, stain and density jitter, lesion contrast 0.7),
+    with 1 to 4 lesions on half of the slides and none on the others, so the lesion burden varies;
+    each slide gets a survival time whose hazard rises with its lesion fraction
+    (:func:`~wsi_pipeline.synthetic.survival.survival_targets`: Weibull shape ``shape``, log hazard
+    ratio ``beta`` at the internal cohort's mean lesion fraction) and independent censoring of a
+    ``censoring`` share of the slides (25 %). The external cohort (another stain tint, more scanner
+    noise) shares the internal cohort's hazard model.
+    """
+
+    n_internal: int = 48
+    n_external: int = 16
+    size: int = 896
+    lesion_contrast: float = 0.7
+    lesion_size: float = 0.1
+    mimic_fraction: float = 0.6
+    stain_jitter: float = 0.06
+    density_jitter: float = 0.3
+    beta: float = 2.0
+    shape: float = 3.0
+    censoring: float = 0.25
+    seed: int = 0
+
+
 @dataclass
 class _Timer:
     times: dict[str, float] = field(default_factory=dict)
@@ -79,8 +109,9 @@ class _Timer:
         print(f"[demo] {name}: {seconds:.1f} s", flush=True)
 
 
-def make_cohort(folder: Path, cohort: DemoCohort) -> Path:
-    """Generate the internal and external cohorts under ``folder``; return the merged manifest."""
+def make_cohort(folder: Path, cohort: DemoCohort | SurvivalCohort) -> Path:
+    """Generate the internal and external cohorts under ``folder``; return the merged manifest
+    (with ``time`` and ``event`` for a :class:`SurvivalCohort`)."""
     from wsi_pipeline.manifests.merge import merge_manifests
     from wsi_pipeline.manifests.schema import write_manifest
     from wsi_pipeline.synthetic.cohort import make_slide_cohort
@@ -99,17 +130,59 @@ def make_cohort(folder: Path, cohort: DemoCohort) -> Path:
                 f"results folder (rm -rf {folder.parent} results/demo) to start over"
             )
         return manifest
+    survival = isinstance(cohort, SurvivalCohort)
     common = dict(size=cohort.size, seed=cohort.seed, lesion_contrast=cohort.lesion_contrast,
-                  lesion_size=cohort.lesion_size, lesions=(2, 3), mimic_fraction=cohort.mimic_fraction,
+                  lesion_size=cohort.lesion_size, lesions=(1, 4) if survival else (2, 3), mimic_fraction=cohort.mimic_fraction,
                   stain_jitter=cohort.stain_jitter, density_jitter=cohort.density_jitter)
     internal = make_slide_cohort(folder, cohort.n_internal, cohort="internal", **common)
     external = make_slide_cohort(folder, cohort.n_external, cohort="external", splits=None, **common)
     merged = merge_manifests([internal], [external])
+    if survival:
+        _add_survival(merged, cohort)
     # paths relative to the manifest, so the cohort folder can move
     for col in ("path", "lesion_mask"):
         merged[col] = [os.path.relpath(p, folder) for p in merged[col]]
     spec_path.write_text(json.dumps(spec, indent=1))
     return write_manifest(merged, manifest)  # last: marks the stage done
+
+
+def _add_survival(manifest: pd.DataFrame, cohort: SurvivalCohort) -> None:
+    """Add ``time`` and ``event`` to the demo manifest in place: one hazard model, each cohort censored at the stated rate."""
+    import numpy as np
+
+    from wsi_pipeline.synthetic.survival import survival_targets
+
+    frac = manifest["lesion_fraction"].to_numpy(float)
+    internal = (manifest["cohort"] == "internal").to_numpy()
+    reference = float(frac[internal & (frac > 0)].mean())
+    time = np.zeros(len(manifest))
+    event = np.zeros(len(manifest), dtype=np.int64)
+    for k, part in enumerate((internal, ~internal)):
+        t, e, _ = survival_targets(frac[part], seed=cohort.seed * 2 + k, beta=cohort.beta, shape=cohort.shape,
+                                   censoring=cohort.censoring, reference=reference)
+        time[part], event[part] = t, e
+    manifest["time"] = time
+    manifest["event"] = event
+
+
+def c_index_table(records: Iterable[Any], methods: Sequence[str], seeds: Sequence[int]) -> str:
+    """Markdown table of Harrell's C-index (all tiles) per seed and method on the internal test split and the
+    external cohort, and their mean over seeds."""
+    rows = [r if isinstance(r, dict) else asdict(r) for r in records]
+    look = {(r["method"], r["seed"], r["split"]): r["value"] for r in rows
+            if r["metric"] == "c_index" and r["protocol"] == "all" and r.get("repeat") is None}
+    lines = ["| seed | " + " | ".join(f"`{m}` internal | `{m}` external" for m in methods) + " |",
+             "|---" * (1 + 2 * len(methods)) + "|"]
+
+    def cell(v: Any) -> str:
+        return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{float(v):.3f}"
+
+    for seed in seeds:
+        lines.append(f"| {seed} | " + " | ".join(f"{cell(look.get((m, seed, 'test')))} | {cell(look.get((m, seed, 'external')))}"
+                                                 for m in methods) + " |")
+    lines.append("| mean | " + " | ".join(f"{cell(look.get((m, 'mean', 'test')))} | {cell(look.get((m, 'mean', 'external')))}"
+                                          for m in methods) + " |")
+    return "Harrell's C-index, all tiles (internal test split and external cohort):\n\n" + "\n".join(lines) + "\n"
 
 
 def _eval_is_current(results: Path, run_dirs: list[Path]) -> bool:
@@ -227,7 +300,7 @@ def _summary_and_readme_check(results: Path, methods: list[str], seed: int) -> N
     print(compare_with_readme(summary, Path("README.md")))
 
 
-def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: DemoCohort = DemoCohort(),
+def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: DemoCohort | SurvivalCohort = DemoCohort(),
              workers: int | None = None, device: str | None = None, overrides: tuple[str, ...] = (),
              progress: bool = True, seeds: Sequence[int] | None = None) -> int:
     """Run the four stages of the demo; print the results table, the time per stage and the outputs.
@@ -271,11 +344,18 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
         evaluate_pipeline(config, device=device or "auto", progress=progress)
     timer.stage("eval", time.perf_counter() - t0)
 
-    with pd.option_context("display.width", 200, "display.max_columns", 50):
-        print("\n" + results_table(results / "metrics.json").to_string())
-    if seeds is None:
+    if config.task != "classification":
+        from wsi_pipeline.export.metrics_json import read_metrics_json
+        from wsi_pipeline.io_atomic import write_text_atomic
+
+        table = c_index_table(read_metrics_json(results / "metrics.json"), [m.name for m in config.methods], config.seeds)
+        print("\n" + table + f"(written to {write_text_atomic(results / 'c_index.md', table)})")
+    else:
+        with pd.option_context("display.width", 200, "display.max_columns", 50):
+            print("\n" + results_table(results / "metrics.json").to_string())
+    if seeds is None and config.task == "classification":
         _summary_and_readme_check(results, [m.name for m in config.methods], config.seeds[0])
-    if seeds is not None:
+    if seeds is not None and config.task == "classification":
         from wsi_pipeline.export.metrics_json import read_metrics_json
         from wsi_pipeline.io_atomic import write_text_atomic
 

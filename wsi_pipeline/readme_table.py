@@ -6,7 +6,9 @@ columns for seed 0 and all tiles, then the subsample protocols. ``make demo-stud
 wsi_pipeline.readme_table``) copies both into README.md between the markers
 ``<!-- demo-table:start -->`` and ``<!-- demo-table:end -->``; at its end ``make demo`` compares
 its own table with the README's and prints one line saying whether they agree
-(:func:`compare_with_readme`).
+(:func:`compare_with_readme`). The survival demo's C-index table (``make demo-survival``:
+``results/seed-study/demo_survival/c_index.md``) goes between ``<!-- survival-table:start -->`` and
+``<!-- survival-table:end -->`` when it exists (:func:`update_block`).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["START", "END", "demo_summary", "parse_tables", "compare_with_readme", "update_readme", "main"]
+__all__ = ["START", "END", "SURVIVAL_START", "SURVIVAL_END", "demo_summary", "parse_tables", "compare_with_readme",
+           "update_block", "update_readme", "main"]
 
 START = "<!-- demo-table:start -->"
 END = "<!-- demo-table:end -->"
+SURVIVAL_START = "<!-- survival-table:start -->"
+SURVIVAL_END = "<!-- survival-table:end -->"
 
 #: The README's headline columns: (heading, evaluation split, protocol, metric).
 HEADLINE: tuple[tuple[str, str, str, str], ...] = (
@@ -129,6 +134,21 @@ def update_readme(readme_path: str | Path, summary: str, study: str | None = Non
     return True
 
 
+def update_block(readme_path: str | Path, body: str, start: str = SURVIVAL_START, end: str = SURVIVAL_END) -> bool:
+    """Replace what lies between the ``start`` and ``end`` markers of the README with ``body``; True when it changed."""
+    from wsi_pipeline.io_atomic import write_text_atomic
+
+    path = Path(readme_path)
+    text = path.read_text()
+    if start not in text or end not in text:
+        raise ValueError(f"{path}: no markers {start} ... {end}; put them on their own lines where the table goes")
+    new = re.sub(re.escape(start) + r"\n.*?" + re.escape(end), lambda _: f"{start}\n{body}{end}", text, count=1, flags=re.S)
+    if new == text:
+        return False
+    write_text_atomic(path, new)
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``make readme-table``: copy the demo's (and the seed study's) tables into README.md."""
     import argparse
@@ -137,8 +157,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--summary", default="results/demo/summary.md", help="the demo's table (default: %(default)s)")
     p.add_argument("--study", default="results/seed-study/demo/seed_study.md",
                    help="the seed study's table, added after it when present (default: %(default)s)")
+    p.add_argument("--survival", default="results/seed-study/demo_survival/c_index.md",
+                   help="the survival demo's C-index table, copied when present (default: %(default)s)")
     p.add_argument("--readme", default="README.md", help="the README to update (default: %(default)s)")
     args = p.parse_args(argv)
+    survival = Path(args.survival)
+    if survival.is_file():
+        changed = update_block(args.readme, survival.read_text())
+        print(f"{args.readme}: survival table {'updated' if changed else 'already current'}")
     summary = Path(args.summary)
     if not summary.is_file():
         print(f"error: {summary} not found; run `make demo` first", file=sys.stderr)

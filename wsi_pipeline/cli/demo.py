@@ -19,9 +19,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             "predictions, heatmaps and report.html. Finished stages are reused on a second run."
         ),
     )
-    p.add_argument("--config", default="pipelines/demo.yaml", metavar="YAML", help="pipeline config")
+    p.add_argument("--task", choices=("classification", "survival"), default="classification",
+                   help="classification (default: label = lesions present; pipelines/demo.yaml) or survival (hazard rising "
+                        "with lesion burden, 25 %% censored; pipelines/demo_survival.yaml, frozen baseline vs end-to-end "
+                        "Cox; prints the C-index table)")
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="pipeline config (default: pipelines/demo.yaml, or pipelines/demo_survival.yaml with --task survival)")
     add_set_argument(p)
-    p.add_argument("--internal", type=int, default=40, metavar="N", help="internal slides (split train/val/test)")
+    p.add_argument("--internal", type=int, default=None, metavar="N",
+                   help="internal slides (split train/val/test; default 40, survival 48)")
     p.add_argument("--external", type=int, default=16, metavar="N", help="external-cohort slides (test only)")
     p.add_argument("--size", type=int, default=896, metavar="PX", help="slide side in level-0 px")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="cohort seed (slides, lesions, splits)")
@@ -47,8 +53,12 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.demo import DemoCohort, run_demo
+    from wsi_pipeline.demo import DemoCohort, SurvivalCohort, run_demo
 
-    cohort = DemoCohort(n_internal=args.internal, n_external=args.external, size=args.size, seed=args.seed)
-    return run_demo(args.config, cohort=cohort, workers=args.workers, device=args.device,
+    survival = args.task == "survival"
+    kind = SurvivalCohort if survival else DemoCohort
+    internal = args.internal if args.internal is not None else kind.n_internal
+    cohort = kind(n_internal=internal, n_external=args.external, size=args.size, seed=args.seed)
+    config = args.config or ("pipelines/demo_survival.yaml" if survival else "pipelines/demo.yaml")
+    return run_demo(config, cohort=cohort, workers=args.workers, device=args.device,
                     overrides=tuple(args.overrides), progress=not args.no_progress, seeds=args.seeds)

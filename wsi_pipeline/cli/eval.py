@@ -145,11 +145,16 @@ def _run_folds(config: Any, args: argparse.Namespace) -> int:
     return 0
 
 
+#: The metrics the command prints (those a pipeline has), classification, survival, regression and patients.
+_SHOWN = ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc", "c_index", "uno_c_index", "ibs", "logrank_p",
+          "rmse", "mae", "pearson", "patient_auc", "patient_c_index", "patient_rmse")
+
+
 def _print_table(records: list) -> None:
     cells: dict[tuple[str, str, str], dict[str, str]] = defaultdict(dict)
     look = {(r.method, r.seed, r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
     for r in records:
-        if r.seed != "mean" or r.metric not in ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc"):
+        if r.seed != "mean" or r.metric not in _SHOWN:
             continue
         std = look.get((r.method, "std", r.cohort, r.split, r.protocol, r.metric))
         txt = "-" if math.isnan(r.value) else f"{r.value:.3f}"
@@ -158,7 +163,7 @@ def _print_table(records: list) -> None:
         cells[(r.method, f"{r.cohort} ({r.split})", r.protocol)][r.metric] = txt
     if not cells:
         return
-    metrics = [m for m in ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc") if any(m in c for c in cells.values())]
+    metrics = [m for m in _SHOWN if any(m in c for c in cells.values())]
     head = ["method", "cohort", "protocol", *metrics]
     rows = [[*k, *(v.get(m, "") for m in metrics)] for k, v in cells.items()]
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]

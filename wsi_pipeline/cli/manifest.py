@@ -53,7 +53,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for slide files")
     p.add_argument("--labels", metavar="CSV", help="optional CSV with columns slide_id,label[,patient_id][,split][,mpp] "
                    "(label: integer class, empty = unlabelled); its split, cohort, patient_id, mpp and other columns "
-                   "are carried over. Without a split column, splits are drawn (see --split)")
+                   "are carried over. Without a split column, splits are drawn (see --split). Survival: columns "
+                   "time (follow-up, any unit) and event (1 = observed, 0 = censored); regression: column target; "
+                   "label may then be left out")
+    p.add_argument("--time-column", metavar="NAME", help="the labels CSV's survival time column, when not called 'time'")
+    p.add_argument("--event-column", metavar="NAME", help="the labels CSV's event column (1/0), when not called 'event'")
+    p.add_argument("--target-column", metavar="NAME", help="the labels CSV's regression target column, when not called 'target'")
     _add_split_options(p)
     _add_out(p)
     p.set_defaults(func=run)
@@ -177,7 +182,9 @@ def _builder(args: argparse.Namespace) -> Callable[[], object]:
     if args.cohort_builder == "folder":
         from wsi_pipeline.manifests.folder import build_folder_manifest
 
-        return lambda: _drawn(build_folder_manifest(args.slides, args.labels), args)
+        columns = {k: v for k, v in (("time", args.time_column), ("event", args.event_column),
+                                     ("target", args.target_column)) if v}
+        return lambda: _drawn(build_folder_manifest(args.slides, args.labels, columns=columns), args)
     if args.cohort_builder == "split":
         from wsi_pipeline.manifests.schema import read_manifest
 

@@ -12,7 +12,15 @@ name                   values                                       used by
                                                                     ``ACCUMULATE_BN_MODES``,
                                                                     ``PATCHGD_BN_MODES``)
 ``SELECT_METRICS``     auto, auc, qwk, accuracy, balanced_accuracy,  ``train.select_metric``
-                       loss
+                       loss, c_index, mae, rmse,
+                       pearson, spearman
+``TASKS``              classification, survival, regression         ``methods[].task``
+``LOSSES``             cross_entropy, cox, nll_discrete, mse, huber ``methods[].loss`` (``TASK_LOSSES``:
+                                                                    which a task takes, first = default)
+``TIES``               efron, breslow                               ``methods[].loss_options.ties``
+``LEVELS``             slide, patient                               ``eval.level``
+``PATIENT_POOLS``      mean, max                                    ``eval.patient_pool``
+``BAG_UNITS``          slide, patient                               ``data.bags``
 ``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      ``methods[].strategy``
 ``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
 ``TILING_METHODS``     tissue, greyscale, otsu, unet                ``tile --method``, ``data.tiling``
@@ -39,10 +47,12 @@ from wsi_pipeline.devices import DEVICES
 from wsi_pipeline.slides.reader import BACKENDS
 
 __all__ = [
-    "ACCUMULATE_BN_MODES", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "PARTIAL_WINDOWS",
-    "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES", "SELECT_METRICS", "STRATEGY_NAMES", "TILING_METHODS",
-    "BackboneScale", "BNMode", "PartialWindow", "PatchGDPreset", "QCArtifact", "QCMode", "Schedule", "SelectMetric", "StrategyName",
-    "TilingMethod", "aggregator_names", "encoder_names", "head_names", "model_names",
+    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",
+    "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
+    "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS",
+    "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
+    "QCMode", "Schedule", "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
+    "head_names", "model_names",
 ]
 
 Schedule = Literal["cosine", "exponential", "linear", "none"]
@@ -56,8 +66,34 @@ ACCUMULATE_BN_MODES: tuple[str, ...] = ("frozen", "chunk")
 #: The modes ``patchgd`` supports (``patchgd.freeze_bn`` true / false).
 PATCHGD_BN_MODES: tuple[str, ...] = ("frozen", "train")
 
-SelectMetric = Literal["auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss"]
+SelectMetric = Literal[
+    "auto", "auc", "qwk", "accuracy", "balanced_accuracy", "loss", "c_index", "mae", "rmse", "pearson",
+    "spearman",
+]
 SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)
+
+#: What a method predicts: a slide class, a survival risk, a number.
+Task = Literal["classification", "survival", "regression"]
+TASKS: tuple[str, ...] = typing.get_args(Task)
+#: Training losses; ``TASK_LOSSES`` maps a task to the losses it takes (the first is its default).
+LossName = Literal["cross_entropy", "cox", "nll_discrete", "mse", "huber"]
+LOSSES: tuple[str, ...] = typing.get_args(LossName)
+TASK_LOSSES: dict[str, tuple[str, ...]] = {
+    "classification": ("cross_entropy",),
+    "survival": ("cox", "nll_discrete"),
+    "regression": ("mse", "huber"),
+}
+#: How the Cox partial likelihood treats tied event times.
+Ties = Literal["efron", "breslow"]
+TIES: tuple[str, ...] = typing.get_args(Ties)
+#: Whether evaluation also scores patients (their slides' scores pooled), and how they are pooled.
+Level = Literal["slide", "patient"]
+LEVELS: tuple[str, ...] = typing.get_args(Level)
+PatientPool = Literal["mean", "max"]
+PATIENT_POOLS: tuple[str, ...] = typing.get_args(PatientPool)
+#: What one bag holds in training and evaluation: one slide's tiles, or all tiles of a patient's slides.
+BagUnit = Literal["slide", "patient"]
+BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)
 
 #: The training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers exactly these).
 StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from wsi_pipeline.config.choices import Level, PatientPool
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.config.io import short_repr
 
@@ -137,9 +138,23 @@ class EvalConfig:
     seed : seed of the random tile draws of subsampling protocols (and random pseudo-bags).
     bootstrap : resamples of the slides for the 95 % intervals (0: no intervals; each costs one
         scikit-learn call per metric and seed, ~1 ms).
+    level : ``slide`` (metrics of slides, as always) or ``patient``: also metrics of patients, each
+        scored from its slides' scores pooled by ``patient_pool`` (records ``patient_<metric>``).
+    patient_pool : ``mean`` (default: the mean of the slides' class probabilities, risks or
+        predicted values) or ``max``.
+    horizons : survival: times (in the manifest's ``time`` unit) of the time-dependent AUC; empty
+        (default) means the 25th, 50th and 75th percentiles of the training split's event times.
     """
 
     val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
     protocols: tuple[Protocol, ...] = field(default=(ALL, Protocol(256, 100)), metadata=spec(parse=_config_protocols))
     seed: int = 0
     bootstrap: int = field(default=1000, metadata=spec(ge=0))
+    level: Level = "slide"
+    patient_pool: PatientPool = "mean"
+    horizons: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        bad = [h for h in self.horizons if not h > 0]
+        if bad:
+            raise ValueError(f"eval.horizons={list(self.horizons)}; expected times > 0 (in the manifest's time unit)")

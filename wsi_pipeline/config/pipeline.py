@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName
+from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, LossName, StrategyName, Task
 from wsi_pipeline.config.data import DataConfig
+from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, Protocol, parse_protocol, saved_protocol
 from wsi_pipeline.config.io import short_repr, config_to_dict, read_yaml, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BagStatisticsWarning, BiglConfig, EncoderConfig, bag_statistics_warning
@@ -65,6 +66,7 @@ __all__ = [
     "DemonConfig",
     "EncoderConfig",
     "EvalConfig",
+    "LossOptions",
     "MethodConfig",
     "PipelineConfig",
     "Protocol",
@@ -106,6 +108,11 @@ class MethodConfig:
     val_protocol : protocol of this method's per-epoch validation: the method's own
         ``val_protocol`` key, else ``eval.val_protocol`` (the paper validates its sampled-test
         methods with sampled tiles, the others with all tiles).
+    task : ``classification`` (the manifest's ``label``), ``survival`` (its ``time`` and
+        ``event``) or ``regression`` (its ``target``); every method of a pipeline has the same task.
+    loss : the training loss; None (YAML) means the task's default, and the built config holds
+        the loss used (:mod:`wsi_pipeline.config.endpoint`).
+    loss_options : options of the survival and regression losses (:class:`LossOptions`).
     """
 
     name: str
@@ -118,11 +125,15 @@ class MethodConfig:
     features_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
     val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
+    task: Task = "classification"
+    loss: LossName | None = None
+    loss_options: LossOptions = field(default_factory=LossOptions)
 
     def __post_init__(self) -> None:
         if not _NAME_RE.match(self.name):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
         positive(f"methods.{self.name}.chunk_size", self.chunk_size)
+        object.__setattr__(self, "loss", check_task_loss(self.task, self.loss, f"methods.{self.name}"))
 
 
 @dataclass(frozen=True)
@@ -149,6 +160,28 @@ class PipelineConfig:
             raise ValueError(f"duplicate method name(s) {dup}; each method needs its own name")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={list(self.seeds)}; expected a non-empty list of distinct integers")
+        tasks = {m.task for m in self.methods}
+        if len(tasks) > 1:
+            by = {t: [m.name for m in self.methods if m.task == t] for t in sorted(tasks)}
+            raise ValueError(f"methods have different tasks {by}; every method of a pipeline has one task "
+                             "(their results are compared in one table): put the others in a pipeline of their own")
+        if self.data.bags == "patient":
+            grid = [m.name for m in self.methods if m.strategy == "patchgd"]
+            if grid:
+                raise ValueError(f"data.bags: patient puts several slides in one bag, whose tile grids do not join; "
+                                 f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
+        if self.task == "classification" and self.data.n_classes is None:
+            raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+
+    @property
+    def task(self) -> str:
+        """The methods' task (``classification``, ``survival`` or ``regression``)."""
+        return self.methods[0].task
+
+    @property
+    def label_classes(self) -> int | None:
+        """``data.n_classes`` for a classification pipeline (manifest labels are checked against it), else None."""
+        return self.data.n_classes if self.task == "classification" else None
 
     def run_dir(self, method: str, seed: int) -> Path:
         """``<runs_dir>/<pipeline>/<method>/seed<seed>``."""

@@ -42,11 +42,28 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Slide:
-    """A labelled slide: ``slide_id``, integer ``label`` and its tile store path."""
+    """A labelled slide: ``slide_id``, integer ``label`` and its tile store path.
+
+    ``target``: what a survival or regression method learns, ``(time, event)`` or ``(value,)``
+    (None for classification, whose target is ``label``; ``label`` is -1 for the other tasks).
+    ``patient_id``: the manifest's, or the slide id when it has none.
+    ``parts``: for a patient bag (``data.bags: patient``), the patient's slides
+    (:func:`wsi_pipeline.data.patient_bags.patient_units`); empty for a slide.
+    """
 
     slide_id: str
     label: int
     store: Path
+    target: tuple[float, ...] | None = None
+    patient_id: str = ""
+    parts: tuple["Slide", ...] = ()
+
+    @property
+    def y(self) -> Any:
+        """The training target: the class index, ``(time, event)``, or the regression value."""
+        if self.target is None:
+            return self.label
+        return self.target if len(self.target) > 1 else self.target[0]
 
 
 @dataclass
@@ -66,13 +83,32 @@ class Bag:
     data: Any
 
 
-def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike) -> list[Slide]:
+#: The manifest columns a task's targets come from.
+TARGET_COLUMNS: dict[str, tuple[str, ...]] = {"classification": ("label",), "survival": ("time", "event"), "regression": ("target",)}
+
+
+def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike, *, task: str = "classification") -> list[Slide]:
     """Labelled slides of ``split`` (``train``/``val``/``test``) in manifest order.
 
-    Unlabelled rows of the split are left out (they cannot be trained or validated on).
+    Rows of the split without the task's target (:data:`TARGET_COLUMNS`: ``label``; ``time`` and
+    ``event``; ``target``) are left out (they cannot be trained or validated on).
+
+    Raises ``ValueError`` naming the columns when the manifest has none of the task's columns.
     """
-    rows = manifest[(manifest["split"] == split) & manifest["label"].notna()]
-    return [Slide(str(r.slide_id), int(r.label), store_path(tiles_dir, str(r.slide_id))) for r in rows.itertuples()]
+    cols = TARGET_COLUMNS[task]
+    missing = [c for c in cols if c not in manifest.columns]
+    if missing:
+        raise ValueError(f"task {task!r} needs the manifest column(s) {list(cols)}; missing {missing}")
+    has = manifest[list(cols)].notna().all(axis=1)
+    rows = manifest[(manifest["split"] == split) & has]
+    patients = rows["patient_id"] if "patient_id" in rows.columns else pd.Series("", index=rows.index)
+    out = []
+    for r, patient in zip(rows.itertuples(), patients):
+        sid = str(r.slide_id)
+        target = None if task == "classification" else tuple(float(getattr(r, c)) for c in cols)
+        label = int(r.label) if task == "classification" else -1
+        out.append(Slide(sid, label, store_path(tiles_dir, sid), target, str(patient or "") or sid))
+    return out
 
 
 def skipped_by_tiler(tiles_dir: str | os.PathLike) -> dict[str, str]:
@@ -264,9 +300,15 @@ class TileReader:
         self._stores: dict[int, TileStore] = {}
 
     def store(self, i: int) -> TileStore:
-        """The open store of slide ``i``."""
+        """The open store of slide ``i`` (of all its slides' stores, for a patient bag)."""
         if i not in self._stores:
-            self._stores[i] = open_store(self.slides[i].store)
+            slide = self.slides[i]
+            if slide.parts:
+                from wsi_pipeline.data.patient_bags import PatientStore
+
+                self._stores[i] = PatientStore(slide.slide_id, [p.store for p in slide.parts])
+            else:
+                self._stores[i] = open_store(slide.store)
         return self._stores[i]
 
     def n_tiles(self) -> list[int]:
@@ -284,11 +326,11 @@ class FeatureReader:
     Parameters
     ----------
     slides : the slides.
-    paths : one feature file per slide.
+    paths : one feature file per slide (a list of them for a patient bag: concatenated in order).
     read : ``read_features(path) -> (features (n, D), coords (n, 2), attrs)``.
     """
 
-    def __init__(self, slides: Sequence[Slide], paths: Sequence[Path], read: Callable[[Path], tuple]) -> None:
+    def __init__(self, slides: Sequence[Slide], paths: Sequence[Path | Sequence[Path]], read: Callable[[Path], tuple]) -> None:
         self.slides = list(slides)
         self.paths = list(paths)
         self._read = read
@@ -296,7 +338,10 @@ class FeatureReader:
 
     def features(self, i: int) -> np.ndarray:
         """All features (n, D) float32 of slide ``i``."""
-        return np.asarray(self._read(self.paths[i])[0], dtype=np.float32)
+        paths = self.paths[i]
+        if isinstance(paths, (list, tuple)):
+            return np.concatenate([np.asarray(self._read(p)[0], dtype=np.float32) for p in paths])
+        return np.asarray(self._read(paths)[0], dtype=np.float32)
 
     def n_tiles(self) -> list[int]:
         """Feature rows (tiles) per slide."""

@@ -62,11 +62,12 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
+from wsi_pipeline.evaluation.endpoint_records import PATIENT_PREFIX, level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
 from wsi_pipeline.evaluation.scoring import _label, _resolve_device, score_slide
 from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
-from wsi_pipeline.export.predictions import prediction_row, predictions_path, write_predictions
+from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols
 from wsi_pipeline.jobs.runner import run_slides
@@ -113,6 +114,10 @@ class _Collected:
     gallery: list[dict] = field(default_factory=list)
     missing: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
+    # (method, cohort, split, protocol, metric prefix) -> seed -> (targets, per-repeat scores, survival reference):
+    # survival and regression slides, and patients of every task (eval.level: patient)
+    levels: dict[tuple[str, str, str, str, str], dict[int, tuple]] = field(default_factory=lambda: defaultdict(dict))
+    columns: dict[str, list[str]] = field(default_factory=dict)  # the predictions CSVs' columns (survival, regression)
 
 
 def evaluate_pipeline(
@@ -168,6 +173,9 @@ def evaluate_pipeline(
     protocols = parse_protocols(config.eval.protocols)
     dev = str(distributed.device_for(torch.device(_resolve_device(device))))
     choice = _choose_heatmap_run(runs, heatmap_method)
+    if heatmaps and config.data.bags == "patient":
+        log.info("data.bags: patient: no heatmaps (a patient's bag spans several slides; draw them with data.bags: slide)")
+        heatmaps = False
     got = _Collected()
     for method, seed, run_dir in runs:
         make_heatmaps = heatmaps and choice.run == (method.name, seed)
@@ -179,8 +187,12 @@ def evaluate_pipeline(
     if n_boot is None:
         n_boot = int(config.eval.bootstrap)
     if n_boot > 0:
-        got.records += bootstrap_records(got.probs_by, int(config.data.n_classes), n_boot, seed=int(config.eval.seed),
-                                         progress=progress)
+        if got.probs_by:
+            got.records += bootstrap_records(got.probs_by, int(config.data.n_classes), n_boot, seed=int(config.eval.seed),
+                                             progress=progress)
+        for (method, cohort, split, pname, prefix), by_seed in got.levels.items():
+            got.records += level_bootstrap(method, cohort, split, pname, config.task, by_seed, n_boot=n_boot,
+                                           seed=int(config.eval.seed), n_classes=config.label_classes, prefix=prefix)
     summary.missing_stores = sorted(got.missing)
     summary.failed_slides = dict(sorted(got.failed.items()))
     summary.n_slides = sum(len(s.slides) for s in sets) - len(got.missing) - len(got.failed)
@@ -207,7 +219,7 @@ def _sets_to_score(config: Any) -> list[EvalSet]:
     """The manifest's internal test sets and external cohorts (:func:`~wsi_pipeline.evaluation.sets.evaluation_sets`)."""
     from wsi_pipeline.manifests.schema import read_manifest
 
-    manifest = read_manifest(config.data.manifest, n_classes=int(config.data.n_classes))
+    manifest = read_manifest(config.data.manifest, n_classes=config.label_classes)
     sets = evaluation_sets(manifest)
     if not sets:
         raise ValueError(
@@ -243,25 +255,88 @@ def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequ
     summary.models.append((method.name, seed))
     log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
     bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)
+    ref = _survival_reference(config, model, bs, device) if model.endpoint.task == "survival" else None
     task = _ScoreTask(config, protocols, title=f"attention, {method.name} seed {seed}", batch_size=bs, device=device,
                       heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
     for es in sets:
-        scorer = _SetScorer(method.name, seed, es, protocols, got)
+        scorer = _SetScorer(method.name, seed, es, protocols, got, model.endpoint, ref, config.eval)
         items = [row for _, row in es.slides.iterrows()]
+        if config.data.bags == "patient":
+            items = _patient_rows(items)
         desc = f"{method.name} s{seed} {es.cohort}"
         if distributed.current().enabled and cluster is None:
             _score_on_ranks(items, task, model, scorer, desc=desc, progress=progress)
         else:
             run_slides(items, task, slide_id=_row_slide_id, broadcast=model, cluster=cluster, retries=retries, desc=desc,
                        progress=progress, leave=False, on_result=scorer.collect)
-        scorer.add_records(int(config.data.n_classes))
+        scorer.add_records(config.label_classes)
     del model
     if device.startswith("cuda"):
         torch.cuda.empty_cache()
 
 
+def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
+    """``data.bags: patient``: one row per patient (first-slide order), ``slide_id`` = the patient, ``slides`` its
+    slides, ``label`` the highest of theirs, the survival/regression target the patient's (its first slide's)."""
+    groups: dict[str, list[pd.Series]] = {}
+    for r in rows:
+        p = r.get("patient_id")
+        groups.setdefault(str(p) if isinstance(p, str) and p else str(r["slide_id"]), []).append(r)
+    out = []
+    for patient, members in groups.items():
+        row = members[0].copy()
+        labels = [m["label"] for m in members if not pd.isna(m["label"])]
+        row["label"] = max(labels) if labels else pd.NA
+        row["slide_id"], row["patient_id"], row["path"] = patient, patient, ""
+        row["slides"] = [str(m["slide_id"]) for m in members]
+        out.append(row)
+    return out
+
+
+def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -> Any:
+    """The training split's :class:`~wsi_pipeline.inference.endpoint_metrics.SurvivalReference`: its censoring
+    distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
+    every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
+    from wsi_pipeline.data.bags import slides_for_split
+    from wsi_pipeline.evaluation.scoring import _frozen_features
+    from wsi_pipeline.inference.endpoint_metrics import survival_reference
+    from wsi_pipeline.inference.protocols import ALL, predict_protocols
+    from wsi_pipeline.manifests.schema import read_manifest
+
+    manifest = read_manifest(config.data.manifest)
+    train = slides_for_split(manifest, "train", config.data.tiles_dir, task="survival")
+    if config.data.bags == "patient":
+        from wsi_pipeline.data.patient_bags import PatientStore, patient_units
+
+        train = patient_units(train)
+    times, events, risks = [], [], []
+    for s in train:
+        try:
+            store = PatientStore(s.slide_id, [p.store for p in s.parts]) if s.parts else open_store(s.store)
+        except (FileNotFoundError, ValueError):
+            continue
+        if len(store) == 0:
+            continue
+        feats = _frozen_features(model, config, store)
+        pred = predict_protocols(model.encoder, model.aggregator, store if feats is None else (feats, store.grid), [ALL],
+                                 slide_id=s.slide_id, batch_size=batch_size, device=device, with_attention=False)["all"]
+        times.append(s.target[0])
+        events.append(s.target[1])
+        risks.append(float(model.endpoint.scores(pred.repeat_logits)["risk"].mean()))
+    return survival_reference(times, events, horizons=config.eval.horizons, risk=risks, endpoint=model.endpoint)
+
+
 def _row_slide_id(mrow: pd.Series) -> str:
     return str(mrow["slide_id"])
+
+
+def _target(mrow: pd.Series) -> tuple[float, ...] | None:
+    """The slide's survival ``(time, event)`` or regression ``(value,)`` target; None when it has neither."""
+    if "time" in mrow and "event" in mrow and not pd.isna(mrow["time"]) and not pd.isna(mrow["event"]):
+        return float(mrow["time"]), float(mrow["event"])
+    if "target" in mrow and not pd.isna(mrow["target"]):
+        return (float(mrow["target"]),)
+    return None
 
 
 def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, scorer: _SetScorer, *, desc: str,
@@ -290,8 +365,14 @@ class _ScoreTask:
     heatmap_mode: str
 
     def __call__(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
+        tiles = Path(self.config.data.tiles_dir)
         try:
-            store = open_store(store_path(Path(self.config.data.tiles_dir), row["slide_id"]))
+            if "slides" in mrow.index:  # a patient bag (data.bags: patient)
+                from wsi_pipeline.data.patient_bags import PatientStore
+
+                store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
+            else:
+                store = open_store(store_path(tiles, row["slide_id"]))
             if len(store) == 0:
                 row.update(status="skipped", error=f"its tile store {store.path} has no tiles")
                 return
@@ -305,19 +386,30 @@ class _ScoreTask:
             row.update(status="skipped", error=str(e))
             return
         row["label"] = _label(mrow["label"])
+        row["target"] = _target(mrow)
+        patient = mrow.get("patient_id")
+        row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])
 
 
 class _SetScorer:
     """One model on one evaluation set, in this process: :meth:`collect` files each slide's row (from
     :class:`_ScoreTask`, here or on a worker), :meth:`add_records` the set's metrics once all are in.
 
-    A skipped slide (store missing or empty) is logged once per slide across models.
+    A skipped slide (store missing or empty) is logged once per slide across models. Classification
+    slides are recorded as always (:func:`~wsi_pipeline.evaluation.records.protocol_records`); survival
+    and regression slides, and patients (``eval.level: patient``), by
+    :func:`~wsi_pipeline.evaluation.endpoint_records.level_records`.
     """
 
-    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[Protocol], got: _Collected) -> None:
+    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[Protocol], got: _Collected,
+                 endpoint: Any = None, ref: Any = None, eval_cfg: Any = None) -> None:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
-        self.labels: list[int] = []
+        self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
+        self.task = endpoint.task if endpoint is not None else "classification"
+        self.labels: list[Any] = []
+        self.patients: list[str] = []
         self.preds: dict[str, list[SlidePrediction]] = {p.name: [] for p in protocols}
+        self.scores: dict[str, list[dict[str, np.ndarray]]] = {p.name: [] for p in protocols}
         self.loc: list[float] = []
 
     def collect(self, row: dict[str, Any]) -> None:
@@ -334,30 +426,61 @@ class _SetScorer:
             return
         if row["status"] != "ok":  # a task that raised on a Dask worker: stop, as a local error would
             raise RuntimeError(f"slide {row['slide_id']}: scoring failed: {row['error']}")
-        sid, res, lab, es = row["slide_id"], row["score"], row["label"], self.es
+        sid, res, es = row["slide_id"], row["score"], self.es
+        patient = row.get("patient_id") or sid
+        lab = row["label"] if self.task == "classification" else row.get("target")
+        if lab is not None and self.task != "classification":
+            lab = lab if self.task == "survival" else lab[0]
         for pname, pred in res.preds.items():
-            self.got.rows[(es.cohort, pname)].append(prediction_row(
-                slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
-                n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed))
+            if self.task == "classification":
+                self.got.rows[(es.cohort, pname)].append(prediction_row(
+                    slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
+                    n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed,
+                    patient_id=patient))
+                scores = {"probs": pred.repeat_probs if pred.repeat_probs is not None else pred.probs[None]}
+            else:
+                scores = self.endpoint.scores(pred.repeat_logits)
+                self.got.rows[(es.cohort, pname)].append(endpoint_row(
+                    task=self.task, slide_id=sid, cohort=es.cohort, target=lab, scores=scores, n_tiles=pred.n_tiles,
+                    protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed, patient_id=patient,
+                    threshold=None if self.ref is None else self.ref.threshold, edges=self.endpoint.edges))
+                self.got.columns.setdefault(self.task, endpoint_columns(self.task, self.endpoint.edges))
             if lab is not None:
                 self.preds[pname].append(pred)
+                self.scores[pname].append(scores)
         if lab is not None:
             self.labels.append(lab)
+            self.patients.append(patient)
         if res.localisation is not None and not math.isnan(res.localisation):
             self.loc.append(res.localisation)
         if res.heatmap is not None:
-            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab, "png": res.heatmap,
-                                     "probs": res.preds[self.protocols[0].name].probs, "localisation": res.localisation,
-                                     "outline": res.outlined})
+            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab if self.task == "classification" else None,
+                                     "png": res.heatmap, "probs": res.preds[self.protocols[0].name].probs,
+                                     "localisation": res.localisation, "outline": res.outlined})
 
-    def add_records(self, n_classes: int) -> None:
-        """The set's metric records under every protocol, and its mean localisation AUC."""
+    def add_records(self, n_classes: int | None) -> None:
+        """The set's metric records under every protocol (slides, and patients with ``eval.level: patient``),
+        and its mean localisation AUC."""
         es, got = self.es, self.got
-        y = np.asarray(self.labels, dtype=np.int64)
         for p in self.protocols:
-            recs, P = protocol_records(self.method, self.seed, es, p, y, self.preds[p.name], n_classes)
-            got.records += recs
-            got.probs_by[(self.method, es.cohort, es.split, p.name)][self.seed] = (y, P)
+            repeats = p.repeats if p.per_repeat else 1
+            stacked = stack_repeats(self.scores[p.name], repeats) if self.scores[p.name] else [{}] * repeats
+            if self.task == "classification":
+                y = np.asarray(self.labels, dtype=np.int64)
+                recs, P = protocol_records(self.method, self.seed, es, p, y, self.preds[p.name], int(n_classes or 2))
+                got.records += recs
+                got.probs_by[(self.method, es.cohort, es.split, p.name)][self.seed] = (y, P)
+            else:
+                recs, used = level_records(self.method, self.seed, es.cohort, es.split, p, self.task, self.labels, stacked,
+                                           ref=self.ref)
+                got.records += recs
+                got.levels[(self.method, es.cohort, es.split, p.name, "")][self.seed] = (list(self.labels), used, self.ref)
+            if self.eval_cfg is not None and self.eval_cfg.level == "patient" and self.labels:
+                ids, targets, pooled = pool_patients(self.patients, self.labels, stacked, self.eval_cfg.patient_pool, self.task)
+                recs, used = level_records(self.method, self.seed, es.cohort, es.split, p, self.task, targets, pooled,
+                                           n_classes=n_classes, ref=self.ref, prefix=PATIENT_PREFIX)
+                got.records += recs
+                got.levels[(self.method, es.cohort, es.split, p.name, PATIENT_PREFIX)][self.seed] = (targets, used, self.ref)
         if self.loc:
             got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_auc", float(np.mean(self.loc))))
             got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(self.loc))))
@@ -369,14 +492,23 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Prot
     from wsi_pipeline.config.pipeline import save_config
     from wsi_pipeline.export.report import write_report
 
-    n_classes = int(config.data.n_classes)
     out.mkdir(parents=True, exist_ok=True)
+    columns = got.columns.get(config.task)
     for (cohort, pname), rr in sorted(got.rows.items()):
-        summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, n_classes))
+        summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, config.label_classes, columns=columns))
     summary.files.append(write_metrics_json(out / "metrics.json", got.records))
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
+    if config.task != "classification":
+        from wsi_pipeline.export.endpoint_report import write_endpoint_report
+
+        summary.files.append(write_endpoint_report(
+            out / "report.html", pipeline=config.name, task=config.task, predictions=all_rows,
+            metrics_path=out / "metrics.json", gallery=got.gallery, protocols=[p.name for p in protocols],
+            validation=choice.val_scores, heatmap_run=hm_run if heatmaps else None))
+        return
+    n_classes = int(config.data.n_classes)
     summary.files.append(write_report(
         out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,

@@ -34,8 +34,12 @@ from wsi_pipeline.manifests.folds import cv_name, fold_config
 
 __all__ = ["fold_records", "pool_folds"]
 
-#: Metrics shown in the pooled table (those the evaluation computes for binary and multi-class labels).
-TABLE_METRICS: tuple[str, ...] = ("auc", "qwk", "accuracy", "balanced_accuracy")
+#: Metrics shown in the pooled table: those the evaluation computes for labels, survival and regression
+#: (the ones a pipeline's records hold are shown), and their patient-level versions.
+TABLE_METRICS: tuple[str, ...] = (
+    "auc", "qwk", "accuracy", "balanced_accuracy", "c_index", "uno_c_index", "ibs", "rmse", "mae", "pearson", "spearman",
+    "patient_auc", "patient_c_index", "patient_rmse",
+)
 
 
 def fold_records(metrics_by_fold: dict[int, Sequence[MetricRecord]]) -> list[MetricRecord]:

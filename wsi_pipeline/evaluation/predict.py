@@ -28,7 +28,7 @@ import torch
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.evaluation.scoring import _resolve_device, score_slide
-from wsi_pipeline.export.predictions import prediction_row, write_predictions
+from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, write_predictions
 from wsi_pipeline.inference.protocols import Protocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.runner import run_slides
@@ -113,10 +113,10 @@ def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
         from wsi_pipeline.manifests.schema import read_manifest
 
         cfg = model.config
-        manifest = read_manifest(cfg.data.manifest, n_classes=int(model.n_classes))
+        manifest = read_manifest(cfg.data.manifest, n_classes=cfg.label_classes)
         from wsi_pipeline.data.store import is_complete
 
-        train = [s for s in slides_for_split(manifest, "train", cfg.data.tiles_dir) if is_complete(s.store)]
+        train = [s for s in slides_for_split(manifest, "train", cfg.data.tiles_dir, task=cfg.task) if is_complete(s.store)]
         ref = stain_reference(train) if train else None
     except (FileNotFoundError, ValueError, OSError, KeyError) as e:
         log.info("no stain reference: the checkpoint has none and the training stores cannot be read (%s)", e)
@@ -213,8 +213,10 @@ def predict_slides(
     else:
         run_slides(ids, scorer, desc="predicting", progress=progress, on_result=scorer.collect)
     out.mkdir(parents=True, exist_ok=True)
-    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, int(model.n_classes),
-                                            extra_columns=PREDICT_EXTRA_COLUMNS)
+    endpoint = model.endpoint
+    columns = endpoint_columns(endpoint.task, endpoint.edges) if endpoint is not None and endpoint.task != "classification" else None
+    summary.predictions = write_predictions(out / "predictions.csv", summary.rows, model.n_classes,
+                                            extra_columns=PREDICT_EXTRA_COLUMNS, columns=columns)
     _write_predict_info(out / "predict_info.json", model, prots, src, tiles_dir, stain_ref, summary)
     summary.seconds = time.perf_counter() - t0
     return summary
@@ -279,6 +281,13 @@ class _SlidePredictor:
         res = score_slide(model, model.config, store, manifest_row, self.protocols, seed=self.seed,
                           batch_size=self.batch_size, device=self.device, heatmap_dir=self.summary.heatmaps_dir,
                           heatmap_mode=self.heatmap_mode, title=f"attention, {model.method.name}")
+        endpoint = model.endpoint
+        if endpoint is not None and endpoint.task != "classification":
+            row["predictions"] = [{**endpoint_row(
+                task=endpoint.task, slide_id=sid, cohort=self.cohort, target=None, scores=endpoint.scores(pred.repeat_logits),
+                n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed,
+                edges=endpoint.edges), **stain} for pname, pred in res.preds.items()]
+            return
         row["predictions"] = [{**prediction_row(
             slide_id=sid, cohort=self.cohort, label=None, probs=pred.probs, prob_std=pred.prob_std, n_tiles=pred.n_tiles,
             protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain}
@@ -314,7 +323,8 @@ def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: 
     """``predict_info.json``: the model, protocols, slides, tiling settings, failures and stain checks."""
     info = {
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
-        "n_classes": int(model.n_classes), "protocols": [p.name for p in prots], "slides": str(src.resolve()),
+        "n_classes": model.n_classes, "protocols": [p.name for p in prots], "slides": str(src.resolve()),
+        **({"endpoint": model.endpoint.to_state()} if model.endpoint is not None else {}),
         "tiles_dir": str(tiles_dir), "tiling": output_params(_tiler_config(model.tiling, None)),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
         "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},

@@ -10,10 +10,21 @@ n_repeats, prob_std, method, seed``.
 - ``n_repeats``: aggregator passes averaged (1 for ``all`` and when ``k >= n_tiles``).
 - ``prob_std``: standard deviation over repeats of the predicted class's probability (0 for one repeat).
 - ``seed``: the training seed of the model (empty for ``predict`` runs on a checkpoint without one).
+- ``patient_id``: the manifest's patient (the slide id when it names none; empty for ``predict``).
+
+Survival models (:func:`endpoint_columns`): ``slide_id, cohort, time, event, risk, risk_group,
+n_tiles, protocol, n_repeats, risk_std, method, seed, patient_id`` and, for discrete-time models,
+``survival_at_<t>``: the predicted probability of being event-free after each interval, ending at
+time t (the last interval never ends: its column is ``survival_at_inf``). ``risk``: the mean over
+repeats of the model's risk (higher = earlier event); ``risk_group``: ``high`` above the median
+risk of the training split, else ``low`` (empty where not computed, e.g. ``predict``).
+Regression models: ``slide_id, cohort, target, prediction, n_tiles, protocol, n_repeats,
+prediction_std, method, seed, patient_id``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,7 +36,10 @@ import pandas as pd
 
 from wsi_pipeline.io_atomic import atomic_path
 
-__all__ = ["prediction_columns", "prediction_row", "predictions_path", "write_predictions", "read_predictions"]
+__all__ = [
+    "endpoint_columns", "endpoint_row", "prediction_columns", "prediction_row", "predictions_path", "write_predictions",
+    "read_predictions", "survival_column",
+]
 
 
 def prediction_columns(n_classes: int) -> list[str]:
@@ -33,8 +47,52 @@ def prediction_columns(n_classes: int) -> list[str]:
     return (
         ["slide_id", "cohort", "label", "pred"]
         + [f"prob_{c}" for c in range(n_classes)]
-        + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed"]
+        + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed", "patient_id"]
     )
+
+
+def survival_column(end: float) -> str:
+    """``survival_at_<t>``: the column of the survival after the interval ending at ``end`` (``inf`` for the last)."""
+    return f"survival_at_{float(end):g}"
+
+
+def endpoint_columns(task: str, edges: Sequence[float] = ()) -> list[str]:
+    """The columns of a survival or regression predictions CSV (module docstring); ``edges``: the
+    discrete-time model's inner interval edges (adds the survival curve's columns)."""
+    tail = ["n_tiles", "protocol", "n_repeats"]
+    if task == "survival":
+        curve = [survival_column(e) for e in (*edges, math.inf)] if edges else []
+        return ["slide_id", "cohort", "time", "event", "risk", "risk_group", *curve, *tail, "risk_std", "method", "seed",
+                "patient_id"]
+    return ["slide_id", "cohort", "target", "prediction", *tail, "prediction_std", "method", "seed", "patient_id"]
+
+
+def endpoint_row(
+    *, task: str, slide_id: str, cohort: str, target: Any, scores: Mapping[str, np.ndarray], n_tiles: int, protocol: str,
+    n_repeats: int, method: str, seed: int | str | None, patient_id: str = "", threshold: float | None = None,
+    edges: Sequence[float] = (),
+) -> dict[str, Any]:
+    """One survival or regression CSV row; ``scores`` are the endpoint's per-repeat scores
+    (:meth:`~wsi_pipeline.inference.endpoints.Endpoint.scores`), averaged here over repeats."""
+    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort}
+    if task == "survival":
+        risk = np.asarray(scores["risk"], dtype=np.float64)
+        time, event = target if target is not None else (None, None)
+        row.update(time=time, event=None if event is None else int(event), risk=float(risk.mean()),
+                   risk_group="" if threshold is None else ("high" if risk.mean() > threshold else "low"))
+        if "survival" in scores:
+            curve = np.asarray(scores["survival"], dtype=np.float64).mean(0)
+            row.update({survival_column(e): float(v) for e, v in zip((*edges, math.inf), curve)})
+        spread = float(risk.std())
+        std_key = "risk_std"
+    else:
+        pred = np.asarray(scores["prediction"], dtype=np.float64)
+        row.update(target=None if target is None else float(target), prediction=float(pred.mean()))
+        spread = float(pred.std())
+        std_key = "prediction_std"
+    row.update({"n_tiles": int(n_tiles), "protocol": str(protocol), "n_repeats": int(n_repeats), std_key: spread,
+                "method": str(method), "seed": "" if seed is None else seed, "patient_id": patient_id})
+    return row
 
 
 def prediction_row(
@@ -49,6 +107,7 @@ def prediction_row(
     n_repeats: int,
     method: str,
     seed: int | str | None,
+    patient_id: str = "",
 ) -> dict[str, Any]:
     """One CSV row as a dict; ``probs``/``prob_std`` are (C,) mean and std over repeats."""
     p = np.asarray(probs, dtype=np.float64)
@@ -65,6 +124,7 @@ def prediction_row(
             "prob_std": float(s[pred]) if s.size else 0.0,
             "method": str(method),
             "seed": "" if seed is None else seed,
+            "patient_id": patient_id,
         }
     )
     return row
@@ -80,16 +140,20 @@ def predictions_path(results_dir: str | os.PathLike, cohort: str, protocol: str)
 
 
 def write_predictions(
-    path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], n_classes: int, *, extra_columns: Sequence[str] = (),
+    path: str | os.PathLike, rows: Iterable[Mapping[str, Any]], n_classes: int | None, *, extra_columns: Sequence[str] = (),
+    columns: Sequence[str] | None = None,
 ) -> Path:
-    """Write rows (from :func:`prediction_row`) atomically with :func:`prediction_columns`, then ``extra_columns``."""
+    """Write rows atomically with :func:`prediction_columns` (or ``columns``: :func:`endpoint_columns`),
+    then ``extra_columns``."""
     path = Path(path)
-    cols = prediction_columns(n_classes) + list(extra_columns)
+    cols = list(columns if columns is not None else prediction_columns(int(n_classes or 2))) + list(extra_columns)
     df = pd.DataFrame(list(rows), columns=cols)
     missing = [c for c in cols if c not in df.columns]
     if missing:
         raise ValueError(f"prediction rows for {path} lack column(s) {missing}")
-    df["label"] = df["label"].astype("Int64")
+    for col in ("label", "event"):
+        if col in df.columns:
+            df[col] = df[col].astype("Int64")
     with atomic_path(path) as tmp:
         df.to_csv(tmp, index=False, float_format="%.6g")
     return path
@@ -100,8 +164,10 @@ def read_predictions(path: str | os.PathLike) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"predictions file not found: {path}; run `wsi-pipeline eval` first")
-    strings = {c: "string" for c in ("slide_id", "cohort", "method", "seed", "protocol")}
+    strings = {c: "string" for c in ("slide_id", "cohort", "method", "seed", "protocol", "patient_id", "risk_group")}
     df = pd.read_csv(path, dtype=strings, keep_default_na=True)
-    df["label"] = df["label"].astype("Int64")
+    for col in ("label", "event"):
+        if col in df.columns:
+            df[col] = df[col].astype("Int64")
     df["seed"] = df["seed"].fillna("")
     return df

@@ -11,6 +11,9 @@ A checkpoint is a dict::
     optimizer, scheduler, rng   (last.pt only) optimiser / schedule state, RNG states
     best        {"metric": name, "value": float, "epoch": int}
     stain_reference   the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), optional
+    endpoint    the task, loss and what they learnt from the training split (discrete-time bin edges,
+                regression standardisation): :meth:`wsi_pipeline.inference.endpoints.Endpoint.to_state`;
+                absent in checkpoints written before endpoints (classification)
     history     list of per-epoch dicts (the rows of history.csv)
 
 Nothing is pickled as a Python object, so ``torch.load(path, weights_only=True)`` reads it and a
@@ -258,6 +261,7 @@ class TrainedModel:
     checkpoint : the file loaded; ``epoch`` and ``seed`` of the run.
     stain_reference : the training tiles' stain summary (:func:`wsi_pipeline.data.stain_stats.stain_reference`),
         or None for checkpoints written without one.
+    endpoint : what the model predicts (:class:`~wsi_pipeline.inference.endpoints.Endpoint`).
     """
 
     encoder: torch.nn.Module
@@ -270,6 +274,7 @@ class TrainedModel:
     epoch: int
     seed: int
     stain_reference: dict | None = None
+    endpoint: Any = None
 
     @property
     def strategy(self) -> str:
@@ -291,6 +296,7 @@ def load_trained_model(
     which : ``best`` or ``last`` (run folders only).
     """
     from wsi_pipeline.config.pipeline import config_from_dict, upgrade_saved_config
+    from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
     from wsi_pipeline.inference.models import build_models, load_encoder_state
 
     path = Path(run_or_checkpoint)
@@ -306,12 +312,16 @@ def load_trained_model(
     if method is None:
         raise ValueError(f"{path}: method {state['method']['name']!r} is missing from the saved config")
     n_classes = config.data.n_classes
+    if state.get("endpoint"):
+        endpoint = Endpoint.from_state(state["endpoint"])
+    else:
+        endpoint = Endpoint(task=method.task, loss=method.loss, n_outputs=endpoint_outputs(method, n_classes))
     models = state["models"]
     build = method
     if models.get("encoder") is not None and method.encoder.weights:
         # the checkpoint holds the encoder: the initial weights file is not needed (it may have moved)
         build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=None))
-    encoder, aggregator = build_models(build, n_classes, device="cpu", for_training=False)
+    encoder, aggregator = build_models(build, endpoint.n_outputs, device="cpu", for_training=False)
     if models.get("encoder") is not None:
         encoder = load_encoder_state(method, encoder, models["encoder"])
     aggregator.load_state_dict(models["aggregator"])
@@ -320,5 +330,5 @@ def load_trained_model(
     return TrainedModel(
         encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=n_classes,
         tiling=state.get("tiling") or config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
-        stain_reference=state.get("stain_reference"),
+        stain_reference=state.get("stain_reference"), endpoint=endpoint,
     )

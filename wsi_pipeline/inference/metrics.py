@@ -18,6 +18,7 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import sklearn
@@ -38,12 +39,16 @@ __all__ = [
     "compute_repeat_metrics",
     "confusion",
     "VALIDATION_METRICS",
+    "ENDPOINT_VALIDATION_METRICS",
+    "LOWER_IS_BETTER",
     "headline_metric",
     "metric_order",
     "selection_metric",
     "selection_rule",
     "bootstrap_interval",
     "mean_std",
+    "resample_interval",
+    "summarise_repeats",
 ]
 
 #: Repeats a bootstrap resample scores under a per-repeat protocol (see :func:`bootstrap_interval`).
@@ -184,15 +189,10 @@ def compute_repeat_metrics(labels: Sequence[int] | np.ndarray, probs: np.ndarray
     if p.ndim != 3 or p.shape[0] < 1:
         raise ValueError(f"repeat probabilities must have shape (R >= 1, N, n_classes={n_classes}); got {p.shape}")
     per = [compute_metrics(labels, p[r], n_classes) for r in range(p.shape[0])]
-    mean: dict[str, float] = {}
-    std: dict[str, float] = {}
-    for m in METRICS:
-        v = np.asarray([d[m] for d in per], dtype=np.float64)
-        mean[m] = float(v.mean())
-        std[m] = float(v.std(ddof=1)) if len(v) > 1 else math.nan
-    mean["n_slides"] = per[0]["n_slides"]
-    mean["n_repeats"] = float(p.shape[0])
-    return RepeatMetrics(mean=mean, std=std, per_repeat=per)
+    out = summarise_repeats(per, METRICS)
+    out.mean["n_slides"] = per[0]["n_slides"]
+    out.mean["n_repeats"] = float(p.shape[0])
+    return out
 
 
 def confusion(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> np.ndarray:
@@ -201,17 +201,33 @@ def confusion(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: 
     return confusion_matrix(y, p.argmax(axis=1), labels=np.arange(n_classes)).astype(np.int64)
 
 
-def selection_rule(n_classes: int, name: str = "auto") -> tuple[str, bool]:
+#: Validation metrics of survival and regression tasks (``val_<name>`` columns) and which are lower-is-better.
+ENDPOINT_VALIDATION_METRICS: dict[str, tuple[str, ...]] = {
+    "survival": ("loss", "c_index"),
+    "regression": ("loss", "rmse", "mae", "pearson", "spearman"),
+}
+LOWER_IS_BETTER: frozenset[str] = frozenset({"loss", "mae", "rmse", "ibs"})
+
+
+def selection_rule(n_classes: int | None, name: str = "auto", task: str = "classification") -> tuple[str, bool]:
     """The validation metric that picks the best checkpoint (and stops early), and whether higher is better.
 
-    ``"auto"`` is the task's :func:`headline_metric`; ``"loss"`` (validation loss) is lower-is-better;
-    any name in :data:`METRICS` is accepted as is (higher is better). The config's choice list
-    (``train.select_metric``) is exactly ``auto``, ``loss`` and :data:`METRICS`.
+    ``"auto"`` is the task's :func:`headline_metric` (classification), ``c_index`` (survival) or
+    ``rmse`` (regression); ``"loss"`` (validation loss) is lower-is-better; any other name must be
+    one of the task's validation metrics (:data:`METRICS` for classification,
+    :data:`ENDPOINT_VALIDATION_METRICS` otherwise).
     """
     if name == "loss":
         return "loss", False
+    if task != "classification":
+        allowed = ENDPOINT_VALIDATION_METRICS[task]
+        if name == "auto":
+            name = allowed[1]
+        if name not in allowed:
+            raise ValueError(f"selection metric {name!r} does not fit task {task!r}; choose 'auto' or one of {list(allowed)}")
+        return name, name not in LOWER_IS_BETTER
     if name == "auto":
-        return headline_metric(n_classes), True
+        return headline_metric(int(n_classes or 2)), True
     if name not in METRICS:
         raise ValueError(f"selection metric {name!r} unknown; choose 'auto', 'loss' or one of {list(METRICS)}")
     return name, True
@@ -260,44 +276,81 @@ def bootstrap_interval(
     """
     if metric not in METRICS:
         raise ValueError(f"metric {metric!r} unknown; choose one of {list(METRICS)}")
-    if max_repeats < 1:
-        raise ValueError(f"max_repeats={max_repeats}; expected >= 1")
     stack = [probs] if isinstance(probs, np.ndarray) and np.ndim(probs) in (2, 3) else list(probs)
     # every entry as (R, N, C): one pass (R = 1) or the repeats of a per-repeat protocol
     full = [np.asarray(p, dtype=np.float64) for p in stack]
     full = [p[None] if p.ndim == 2 else p for p in full]
-    rep = [p[:max_repeats] for p in full]
-    checked = [_check(labels, p[r], n_classes) for p in rep for r in range(len(p))]
-    y = checked[0][0]
-    ps = [c[1] for c in checked]
-    n_rep = [len(p) for p in rep]
-    owner = np.repeat(np.arange(len(rep)), n_rep)  # which seed each checked matrix belongs to
-    n = len(y)
-    if n == 0:
-        return math.nan, math.nan
-    rng = np.random.default_rng(seed)
+    checked = [[_check(labels, p[r], n_classes)[1] for r in range(len(p))] for p in full]
+    y = _check(labels, full[0][0], n_classes)[0]
     fn = _METRIC_FNS[metric]
-    values = []
+    bounds = (-1.0, 1.0) if metric == "qwk" else (0.0, 1.0)
     # inputs were validated once above; scikit-learn's per-call parameter checks would dominate
     with sklearn.config_context(skip_parameter_validation=True, assume_finite=True):
-        for _ in range(n_boot):
-            idx = rng.integers(0, n, n)
-            per = np.asarray([fn(y[idx], p[idx], n_classes) for p in ps])
-            v = float(np.mean([per[owner == i].mean() for i in range(len(rep))]))  # repeat mean, then seed mean
-            if not math.isnan(v):
-                values.append(v)
+        return resample_interval(
+            len(y), checked, lambda idx, p: fn(y[idx], p[idx], n_classes), n_boot=n_boot, level=level, seed=seed,
+            max_repeats=max_repeats, bounds=bounds,
+        )
+
+
+def resample_interval(
+    n: int,
+    stacks: Sequence[Sequence[Any]],
+    fn: Callable[[np.ndarray, Any], float],
+    *,
+    n_boot: int = 1000,
+    level: float = 0.95,
+    seed: int = 0,
+    max_repeats: int = BOOTSTRAP_MAX_REPEATS,
+    bounds: tuple[float, float] = (-math.inf, math.inf),
+) -> tuple[float, float]:
+    """The percentile bootstrap of :func:`bootstrap_interval` for any metric: the one resampling loop.
+
+    Parameters
+    ----------
+    n : slides (or patients) resampled with replacement.
+    stacks : per seed, per repeat, what ``fn`` scores (e.g. the probability matrix of that repeat).
+    fn : ``fn(indices, payload) -> value`` on the resampled slides (``indices``: int array of length n).
+    bounds : the metric's range, which a shifted interval is clipped to (see :func:`bootstrap_interval`).
+    Other parameters and the result as :func:`bootstrap_interval`.
+    """
+    if max_repeats < 1:
+        raise ValueError(f"max_repeats={max_repeats}; expected >= 1")
+    if n == 0:
+        return math.nan, math.nan
+    rep = [list(s)[:max_repeats] for s in stacks]
+    ps = [p for r in rep for p in r]
+    owner = np.repeat(np.arange(len(rep)), [len(r) for r in rep])  # which seed each payload belongs to
+    rng = np.random.default_rng(seed)
+    values = []
+    for _ in range(n_boot):
+        idx = rng.integers(0, n, n)
+        per = np.asarray([fn(idx, p) for p in ps])
+        v = float(np.mean([per[owner == i].mean() for i in range(len(rep))]))  # repeat mean, then seed mean
+        if not math.isnan(v):
+            values.append(v)
     if len(values) < 10:
         return math.nan, math.nan
     a = (1.0 - level) / 2.0
     lo, hi = np.quantile(values, [a, 1.0 - a])
-    if any(len(f) > len(r) for f, r in zip(full, rep)):
+    if any(len(f) > len(r) for f, r in zip(stacks, rep)):
         # fewer repeats per resample than reported: centre the interval on the reported score
-        score = lambda stacks: float(np.mean([np.mean([fn(y, p, n_classes) for p in ps_]) for ps_ in stacks]))  # noqa: E731
-        shift = score(full) - score(rep)
+        every = np.arange(n)
+        score = lambda st: float(np.mean([np.mean([fn(every, p) for p in s]) for s in st]))  # noqa: E731
+        shift = score([list(s) for s in stacks]) - score(rep)
         if math.isfinite(shift):
-            bounds = (-1.0, 1.0) if metric == "qwk" else (0.0, 1.0)
             lo, hi = np.clip([lo + shift, hi + shift], *bounds)
     return float(lo), float(hi)
+
+
+def summarise_repeats(per: list[dict[str, float]], metrics: Sequence[str]) -> RepeatMetrics:
+    """:class:`RepeatMetrics` of per-repeat metric dicts: the mean and sample sd (ddof 1) over repeats of each of ``metrics``."""
+    mean: dict[str, float] = {}
+    std: dict[str, float] = {}
+    for m in metrics:
+        v = np.asarray([d.get(m, math.nan) for d in per], dtype=np.float64)
+        mean[m] = float(v.mean())
+        std[m] = float(v.std(ddof=1)) if len(v) > 1 else math.nan
+    return RepeatMetrics(mean=mean, std=std, per_repeat=per)
 
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:

@@ -110,6 +110,8 @@ class SlidePrediction:
     protocol : the protocol's name.
     repeat_probs : float64 (n_repeats, C), the class probabilities of each repeat, in repeat
         order (what the per-repeat score is computed from; see :func:`repeat_probs`).
+    repeat_logits : float64 (n_repeats, C), the aggregator's raw outputs of each repeat (what
+        survival and regression scores are computed from, :meth:`~wsi_pipeline.inference.endpoints.Endpoint.scores`).
     """
 
     probs: np.ndarray
@@ -120,6 +122,7 @@ class SlidePrediction:
     n_tiles: int
     protocol: str = "all"
     repeat_probs: np.ndarray | None = None
+    repeat_logits: np.ndarray | None = None
 
     @property
     def pred(self) -> int:
@@ -241,13 +244,14 @@ def predict_slide(
     grid_np = None if grid is None else np.asarray(grid.cpu() if isinstance(grid, Tensor) else grid)
     with _eval_mode(aggregator):
         zd = z.to(_module_device(aggregator), next(aggregator.parameters(), z).dtype)  # the aggregator's dtype
-        probs = []
+        probs, logits = [], []
         attention = instance_scores = None
         for idx in subsets:
             whole = len(idx) == n
             sub = zd if whole else zd[torch.as_tensor(idx, device=zd.device)]
             out = run_aggregator(aggregator, sub, None if grid_np is None else grid_np[idx])
             probs.append(torch.softmax(out.logits.detach().float().reshape(-1), 0).cpu().double().numpy())
+            logits.append(out.logits.detach().reshape(-1).cpu().double().numpy())
             if whole and with_attention:
                 attention, instance_scores = _tile_scores(out)
         if with_attention and attention is None:
@@ -262,6 +266,7 @@ def predict_slide(
         n_tiles=n,
         protocol=protocol.name,
         repeat_probs=p,
+        repeat_logits=np.stack(logits),
     )
 
 

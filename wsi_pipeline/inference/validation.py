@@ -40,7 +40,7 @@ from wsi_pipeline.inference.protocols import (
 )
 from wsi_pipeline.progress import progress_bar
 
-__all__ = ["slide_predictions", "validation_metrics", "validate_model"]
+__all__ = ["endpoint_validation_metrics", "slide_predictions", "validation_metrics", "validate_model"]
 
 
 def slide_predictions(
@@ -112,6 +112,53 @@ def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], 
     else:
         out["loss"] = math.nan
     return out
+
+
+def endpoint_validation_metrics(endpoint: Any, targets: Sequence[Any], preds: Sequence[SlidePrediction],
+                                protocol: Protocol | str) -> dict[str, float]:
+    """Validation values of a survival or regression model (:data:`~wsi_pipeline.inference.metrics.ENDPOINT_VALIDATION_METRICS`).
+
+    Survival: ``c_index`` (Harrell's) and ``loss`` (the training loss over all validation slides:
+    Cox with every slide in one risk set, or the mean discrete-time NLL); regression: ``rmse``,
+    ``mae``, ``pearson``, ``spearman`` and ``loss`` (the training loss, standardised units). For a
+    per-repeat protocol each is the mean over repeats of its value on that repeat's outputs.
+    """
+    from wsi_pipeline.inference.endpoint_metrics import regression_metrics
+    from wsi_pipeline.inference.metrics import ENDPOINT_VALIDATION_METRICS, summarise_repeats
+    from wsi_pipeline.inference.survival_metrics import harrell_c
+
+    prot = parse_protocol(protocol)
+    if len(preds) != len(targets):
+        raise ValueError(f"endpoint_validation_metrics: {len(preds)} predictions but {len(targets)} targets")
+    if not preds:
+        return {m: math.nan for m in ENDPOINT_VALIDATION_METRICS[endpoint.task]}
+    reps = prot.repeats if prot.per_repeat else 1
+    per = []
+    for r in range(reps):
+        z = np.stack([p.repeat_logits[r if len(p.repeat_logits) > 1 else 0] if prot.per_repeat
+                      else p.repeat_logits.mean(0) for p in preds])
+        outputs = [_Out(torch.as_tensor(row)) for row in z]
+        with torch.no_grad():
+            loss = float(endpoint.group_loss(outputs, list(targets)))
+        scores = endpoint.scores(z)
+        if endpoint.task == "survival":
+            t = np.asarray([float(v[0]) for v in targets])
+            e = np.asarray([int(v[1]) for v in targets])
+            per.append({"loss": loss, "c_index": harrell_c(t, e, scores["risk"])})
+        else:
+            per.append({"loss": loss, **regression_metrics(np.asarray(targets, dtype=np.float64), scores["prediction"])})
+    names = ENDPOINT_VALIDATION_METRICS[endpoint.task]
+    if not prot.per_repeat:
+        return {m: per[0][m] for m in names}
+    rm = summarise_repeats(per, names)
+    return {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
+
+
+class _Out:
+    """An aggregator output carrying only ``logits`` (for the endpoint's losses on stored outputs)."""
+
+    def __init__(self, logits: Tensor) -> None:
+        self.logits = logits
 
 
 def validate_model(

@@ -60,9 +60,22 @@ def _patients(df: pd.DataFrame) -> pd.Series:
     return patient.mask(patient == "", "slide:" + slide)
 
 
+def _has_target(df: pd.DataFrame) -> pd.Series:
+    """Rows with a label, a survival target (time and event) or a regression target."""
+    has = df["label"].notna()
+    if "time" in df.columns and "event" in df.columns:
+        has |= df["time"].notna() & df["event"].notna()
+    if "target" in df.columns:
+        has |= df["target"].notna()
+    return has
+
+
 def _patient_strata(df: pd.DataFrame, patients: pd.Series) -> dict[str, int]:
-    """Patient -> highest label among the patient's slides."""
+    """Patient -> highest label among the patient's slides (survival cohorts without labels: the event)."""
     labels = pd.to_numeric(df["label"], errors="coerce")
+    if labels.isna().all() and "event" in df.columns:
+        labels = pd.to_numeric(df["event"], errors="coerce")
+    labels = labels.fillna(0)
     return {str(p): int(v) for p, v in labels.groupby(patients.to_numpy()).max().items()}
 
 
@@ -90,7 +103,7 @@ def assign_splits(
         raise ValueError(f"folds={folds}: cross-validation needs at least 2 folds")
     out = df.copy()
     split = out["split"].astype("string").fillna("").str.strip() if "split" in out.columns else pd.Series("", index=out.index, dtype="string")
-    labelled = out["label"].notna()
+    labelled = _has_target(out)
     patients = _patients(out)
     pinned = split != ""
     # a patient with a pinned slide keeps all its slides in that split

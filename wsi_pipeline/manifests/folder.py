@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 
 import pandas as pd
@@ -34,12 +35,28 @@ __all__ = ["build_folder_manifest"]
 log = logging.getLogger(__name__)
 
 
-def _read_labels(labels_csv: Path) -> pd.DataFrame:
-    """The labels CSV with ``slide_id`` and ``label`` columns, checked; other columns kept."""
+#: The endpoint columns a labels CSV may carry (``--time-column`` etc. name them when they are called otherwise).
+ENDPOINT_NAMES: tuple[str, ...] = ("time", "event", "target")
+
+
+def _read_labels(labels_csv: Path, columns: Mapping[str, str] | None = None) -> pd.DataFrame:
+    """The labels CSV with ``slide_id`` and ``label`` columns (and ``time``/``event``/``target``), checked;
+    other columns kept. ``label`` may be missing when the CSV has a survival or regression target."""
     df = read_table(labels_csv, what="labels CSV")
+    rename = {}
+    for name, col in (columns or {}).items():
+        if name not in ENDPOINT_NAMES:
+            raise ValueError(f"unknown endpoint column {name!r}; expected one of {list(ENDPOINT_NAMES)}")
+        if col not in df.columns:
+            raise ManifestError(f"{labels_csv}: no column {col!r} (asked for as the {name} column); found {list(df.columns)}")
+        rename[col] = name
+    df = df.rename(columns=rename)
     id_col = pick_column(df, SLIDE_ID_COLUMNS, source=labels_csv, what="slide id")
+    df = df.rename(columns={id_col: "slide_id"})
+    if any(c in df.columns for c in ENDPOINT_NAMES) and not any(c.lower() == "label" for c in df.columns):
+        df["label"] = pd.NA  # a survival or regression cohort needs no class
     label_col = pick_column(df, ("label",), source=labels_csv, what="label")
-    df = df.rename(columns={id_col: "slide_id", label_col: "label"})
+    df = df.rename(columns={label_col: "label"})
     df["slide_id"] = clean_slide_ids(df["slide_id"])
     if (df["slide_id"] == "").any():
         raise ManifestError(f"{labels_csv}: empty slide id in {int((df['slide_id'] == '').sum())} row(s)")
@@ -60,7 +77,8 @@ def _read_labels(labels_csv: Path) -> pd.DataFrame:
 
 
 def build_folder_manifest(
-    slides_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None, *, cohort: str | None = None
+    slides_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None, *, cohort: str | None = None,
+    columns: Mapping[str, str] | None = None,
 ) -> pd.DataFrame:
     """Manifest of all slides under ``slides_dir`` (recursive), labelled from ``labels_csv`` when given.
 
@@ -70,8 +88,11 @@ def build_folder_manifest(
         :data:`wsi_pipeline.slides.finder.SLIDE_EXTENSIONS`).
     labels_csv : optional CSV with a slide id column (``slide_id``, or ``image_id``/``filename``...;
         file endings are stripped) and a ``label`` column (integer class >= 0, empty = unlabelled).
-        Its ``split``, ``cohort``, ``patient_id``, ``mpp`` and any other columns are carried over.
+        Its ``split``, ``cohort``, ``patient_id``, ``mpp``, ``time``, ``event``, ``target`` and any
+        other columns are carried over; ``label`` may be left out when it has ``time``/``event`` or ``target``.
     cohort : cohort name; default the labels CSV's ``cohort`` column, else the folder's name.
+    columns : endpoint columns named otherwise in the CSV, ``{"time": "os_months", "event": "dead"}``;
+        they become the manifest's ``time``, ``event`` and ``target``.
 
     Returns
     -------
@@ -94,7 +115,7 @@ def build_folder_manifest(
     df = pd.DataFrame({"slide_id": pd.Series(list(index), dtype="string"), "path": [str(p) for p in index.values()]})
     if labels_csv is not None:
         labels_csv = Path(labels_csv)
-        labels = _read_labels(labels_csv)
+        labels = _read_labels(labels_csv, columns)
         orphans = labels.loc[~labels["slide_id"].isin(df["slide_id"]), "slide_id"].tolist()
         if orphans:
             warnings.warn(

@@ -3,7 +3,10 @@
 Columns (see ``data_manifests/README.md``): ``slide_id`` (unique), ``path`` (absolute or relative
 to the manifest file), ``label`` (integer class, empty for unlabelled), ``split`` (train/val/test
 or empty), ``cohort``; optional ``patient_id`` and ``mpp`` (um/px, overrides the slide's own);
-any extra column is kept and passed through.
+optional endpoint columns ``time`` (follow-up time >= 0, any unit) and ``event`` (1 = event
+observed, 0 = censored) for survival, ``target`` (a number) for regression; any extra column is
+kept and passed through. Survival and regression targets belong to the patient: every slide of a
+``patient_id`` must carry the same ``time``, ``event`` and ``target``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from wsi_pipeline.slide_ids import SlideIdError, check_slide_id, slide_id_proble
 __all__ = ["MANIFEST_COLUMNS", "SPLITS", "ManifestError", "read_manifest", "validate_manifest", "write_manifest"]
 
 MANIFEST_COLUMNS: tuple[str, ...] = ("slide_id", "path", "label", "split", "cohort")
-OPTIONAL_COLUMNS: tuple[str, ...] = ("patient_id", "mpp")
+OPTIONAL_COLUMNS: tuple[str, ...] = ("patient_id", "mpp", "time", "event", "target")
+#: Patient-level endpoint columns: survival (``time``, ``event``) and regression (``target``).
+ENDPOINT_COLUMNS: tuple[str, ...] = ("time", "event", "target")
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 #: Columns holding file paths, resolved relative to the manifest by :func:`read_manifest`.
 PATH_COLUMNS: tuple[str, ...] = ("path", "lesion_mask")
@@ -42,8 +47,11 @@ def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes
     are strings with ``""`` for missing, ``mpp`` is float (NaN for missing).
 
     Raises :class:`ManifestError` naming ``source`` for: missing columns, empty or duplicate
-    slide ids, ids that break :func:`wsi_pipeline.slide_ids.check_slide_id` (with the line), non-integer labels, labels outside ``[0, n_classes)``, unknown split values,
-    a patient in two splits, non-positive mpp.
+    slide ids, ids that break :func:`wsi_pipeline.slide_ids.check_slide_id` (with the line),
+    non-integer labels, labels outside ``[0, n_classes)``, unknown split values,
+    a patient in two splits, non-positive mpp, negative times, events other than 0/1, a time
+    without an event (or the reverse), non-numeric targets, and a patient whose slides disagree
+    on ``time``, ``event`` or ``target``.
     """
     missing = [c for c in ("slide_id", "path") if c not in df.columns]
     if missing:
@@ -99,12 +107,61 @@ def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes
         leaked = n_splits[n_splits > 1].index.tolist()
         if leaked:
             raise ManifestError(f"{source}: patient(s) {_first(leaked)} appear in more than one split (a leaked split)")
+    _check_endpoints(df, source)
     if "mpp" in df.columns:
         df["mpp"] = pd.to_numeric(df["mpp"], errors="coerce")
         bad_mpp = df[df["mpp"].notna() & (df["mpp"] <= 0)]
         if len(bad_mpp):
             raise ManifestError(f"{source}: mpp must be > 0 um/px; slide(s) {_first(bad_mpp['slide_id'])}")
     return df
+
+
+def _numeric(df: pd.DataFrame, col: str, source: str, expected: str) -> pd.Series:
+    """Column ``col`` as float (NaN for empty cells); ``ManifestError`` naming the slides whose value is not a number."""
+    raw = df[col]
+    text = raw.astype("string").str.strip()
+    value = pd.to_numeric(raw, errors="coerce")
+    bad = df["slide_id"][text.notna() & (text != "") & value.isna()]
+    if len(bad):
+        raise ManifestError(f"{source}: {col} is not a number for slide(s) {_first(bad)}; found {_first(raw[bad.index])} "
+                            f"(expected {expected})")
+    return value.astype("float64")
+
+
+def _check_endpoints(df: pd.DataFrame, source: str) -> None:
+    """Normalise and check ``time``, ``event`` and ``target`` in place (see the module docstring)."""
+    if "time" in df.columns:
+        df["time"] = _numeric(df, "time", source, "a follow-up time >= 0")
+        neg = df[df["time"] < 0]
+        if len(neg):
+            raise ManifestError(f"{source}: negative time for slide(s) {_first(neg['slide_id'])} ({_first(neg['time'])}); "
+                                "expected a follow-up time >= 0")
+    if "event" in df.columns:
+        ev = _numeric(df, "event", source, "1 = event observed, 0 = censored")
+        bad = df[ev.notna() & ~ev.isin([0.0, 1.0])]
+        if len(bad):
+            raise ManifestError(f"{source}: event must be 0 (censored) or 1 (event observed); slide(s) "
+                                f"{_first(bad['slide_id'])} have {_first(ev[bad.index])}")
+        df["event"] = ev.astype("Int64")
+    if "time" in df.columns and "event" in df.columns:
+        half = df[df["time"].isna() != df["event"].isna()]
+        if len(half):
+            raise ManifestError(f"{source}: slide(s) {_first(half['slide_id'])} have only one of time and event; "
+                                "give both (a survival target) or neither")
+    if "target" in df.columns:
+        df["target"] = _numeric(df, "target", source, "a number")
+    if "patient_id" not in df.columns:
+        return
+    for col in ENDPOINT_COLUMNS:
+        if col not in df.columns:
+            continue
+        rows = df[(df["patient_id"] != "") & df[col].notna()]
+        n_values = rows.groupby("patient_id")[col].nunique()
+        odd = n_values[n_values > 1].index.tolist()
+        if odd:
+            examples = "; ".join(f"{p}: {sorted(set(rows.loc[rows['patient_id'] == p, col].tolist()))}" for p in odd[:3])
+            raise ManifestError(f"{source}: the slides of patient(s) {_first(odd)} disagree on {col} ({examples}); "
+                                f"{col} belongs to the patient, so every slide of a patient needs the same value")
 
 
 def read_manifest(path: str | os.PathLike, *, n_classes: int | None = None) -> pd.DataFrame:

@@ -63,9 +63,16 @@ def bag_epoch(
     bar: Any,
     sync: distributed.StepSync | None = None,
 ) -> float:
-    """One pass of bags of ``tc.bag_size`` tiles; returns the mean bag loss (over all ranks under torchrun)."""
+    """One pass of bags of ``tc.bag_size`` tiles; returns the mean bag loss (over all ranks under torchrun).
+
+    A loss that couples the bags of a step (``strategy.endpoint.coupled``: Cox) takes each group's bags
+    together (:meth:`~wsi_pipeline.training.strategies.Strategy.group_step`); the loss returned is
+    then the mean over the steps of each step's loss.
+    """
     losses: list[float] = []
     plan = epoch_plan(n_tiles, bag_size=tc.bag_size, bags_per_step=tc.bags_per_step, seed=seed, epoch=epoch)
+    if strategy.endpoint.coupled:
+        return _coupled_epoch(strategy, reader, plan, seed, epoch, optimizer_step, bar)
     local, numbers = distributed.shard_plan(plan)  # this rank's bags (all of them in a single process)
     bags = bar(total=sum(map(len, local)), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
     loaded = iter_bags(local, reader)
@@ -92,6 +99,30 @@ def bag_epoch(
         return float(np.mean(losses))
     total, count = distributed.all_sum([sum(losses), len(losses)])
     return total / count
+
+
+def _coupled_epoch(strategy: Strategy, reader: TileReader | FeatureReader, plan: list, seed: int, epoch: int,
+                   optimizer_step: Callable[[], None], bar: Any) -> float:
+    """:func:`bag_epoch` for a loss over each step's bags (Cox): one :meth:`group_step` per group."""
+    if distributed.current().enabled:
+        raise ValueError(f"method {strategy.method.name!r}: loss {strategy.endpoint.loss!r} couples the bags of a step, "
+                         "which torchrun would split over ranks; train it in one process")
+    losses: list[float] = []
+    bags = bar(total=sum(map(len, plan)), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
+    loaded = iter_bags(plan, reader)
+    number = 0
+    for group in plan:
+        interrupt.check()
+        step = []
+        for _ in group:
+            step.append((number, next(loaded)[1]))
+            number += 1
+        losses.append(strategy.group_step(step, seed, epoch))
+        optimizer_step()
+        bags.update(len(group))
+        bags.set_postfix(loss=f"{np.mean(losses):.4f}")
+    bags.close()
+    return float(np.mean(losses))
 
 
 def slide_batch_epoch(

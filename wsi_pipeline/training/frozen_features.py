@@ -60,7 +60,7 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
 class LazyFeatures(Sequence):
     """Validation features read from h5 one slide at a time (a cohort's features need not fit in memory)."""
 
-    def __init__(self, paths: list[Path]) -> None:
+    def __init__(self, paths: list[Path] | list[list[Path]]) -> None:
         self.paths = paths
 
     def __len__(self) -> int:
@@ -69,4 +69,7 @@ class LazyFeatures(Sequence):
     def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
         from wsi_pipeline.inference.features import read_features
 
-        return torch.from_numpy(read_features(self.paths[i])[0])
+        paths = self.paths[i]
+        if isinstance(paths, (list, tuple)):  # a patient bag: its slides' features in order
+            return torch.cat([torch.from_numpy(read_features(p)[0]) for p in paths])
+        return torch.from_numpy(read_features(paths)[0])

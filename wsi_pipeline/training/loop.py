@@ -60,7 +60,7 @@ from wsi_pipeline.training.rundir import (
     DONE, changed_since_finished, clean_temporary_files, resume, run_config, run_holder, run_lock, write_done, write_history,
 )
 from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
-from wsi_pipeline.training.validation import VAL_METRICS, improves, selection, validate
+from wsi_pipeline.training.validation import VAL_METRICS, improves, selection, validate, validation_columns
 from wsi_pipeline import interrupt
 
 __all__ = [
@@ -193,7 +193,8 @@ def train_run(
         lr = run.schedule.set_epoch(epoch)
         _recalibrate(run, epoch)
         train_loss, val = _train_and_validate(run, epoch)
-        row = {"epoch": epoch + 1, "train_loss": train_loss, **{f"val_{k}": val.get(k, math.nan) for k in VAL_METRICS}}
+        row = {"epoch": epoch + 1, "train_loss": train_loss,
+               **{f"val_{k}": val.get(k, math.nan) for k in validation_columns(method.task)}}
         row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3))
         improved = _record(run, row, val)
         if run.main:
@@ -214,10 +215,10 @@ def _start(
     distributed.init_from_env()  # under torchrun (no-op when train_pipeline joined already)
     dev = distributed.device_for(resolve_device(device or tc.device))  # cuda:LOCAL_RANK under torchrun
     _seed_everything(seed)
-    strategy = build_strategy(method, config.data.n_classes, dev, build_augment(tc.augment))
+    strategy = build_strategy(method, config.data.n_classes, dev, build_augment(tc.augment), plan.endpoints.get(method.name))
     calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO)  # overwritten by last.pt when resuming
-    reader = strategy.train_reader(plan.train, features_dir)
-    val_inputs = strategy.val_inputs(plan.val, features_dir)
+    reader = strategy.train_reader(plan.train_units, features_dir)
+    val_inputs = strategy.val_inputs(plan.val_units, features_dir)
     n_tiles = reader.n_tiles()
     params = strategy.parameters()
     sync = distributed.StepSync(params, strategy.state_modules().values())
@@ -227,7 +228,7 @@ def _start(
         bar=_bars(progress), strategy=strategy, reader=reader, n_tiles=n_tiles, val_inputs=val_inputs, params=params,
         optimizer=optimizer, schedule=EpochSchedule(optimizer, tc), sync=sync,
     )
-    run.best = {"metric": selection(tc, config.data.n_classes)[0], "value": None, "epoch": 0}
+    run.best = {"metric": selection(tc, config.data.n_classes, method.task)[0], "value": None, "epoch": 0}
     last = run.run_dir / "last.pt"
     if last.exists():
         run.history, run.best, run.start = resume(last, strategy.state_modules(), optimizer, run.schedule)
@@ -265,15 +266,15 @@ def _train_and_validate(run: _Run, epoch: int) -> tuple[float, dict[str, float]]
         run.optimizer.zero_grad(set_to_none=True)
         train_loss = run.strategy.train_epoch(run.reader, run.n_tiles, run.seed, epoch, run.optimizer_step, run.bar, run.sync)
         # under torchrun every rank scores its shard of the validation slides; all get the same metrics
-        labels = [s.label for s in run.plan.val]
-        val = validate(run.strategy, run.val_inputs, labels, run.config, run.method, run.device)
+        targets = [s.y for s in run.plan.val_units]
+        val = validate(run.strategy, run.val_inputs, targets, run.config, run.method, run.device)
         return train_loss, distributed.broadcast_object(val)  # rank 0's, so every rank decides alike
 
 
 def _record(run: _Run, row: dict[str, Any], val: dict[str, float]) -> bool:
     """Append the epoch's history row and update the best epoch; whether this epoch is the best so far."""
     run.history.append(row)
-    metric, higher = selection(run.method.train, run.config.data.n_classes)
+    metric, higher = selection(run.method.train, run.config.data.n_classes, run.method.task)
     value = val.get(metric) if val else None
     loss = val.get("loss") if val else None
     improved = improves(value, loss, run.best, higher) or run.best["epoch"] == 0 or not val
@@ -290,7 +291,8 @@ def _checkpoint(run: _Run, improved: bool) -> None:
     common = {"config": config_to_dict(run_config(run.config, run.method, run.seed)), "method": config_to_dict(run.method),
               "seed": run.seed, "epoch": run.history[-1]["epoch"],
               **({"tiling": run.plan.tiling} if run.plan.tiling is not None else {}),
-              **({"stain_reference": run.plan.stain} if run.plan.stain is not None else {})}
+              **({"stain_reference": run.plan.stain} if run.plan.stain is not None else {}),
+              "endpoint": run.strategy.endpoint.to_state()}
     if improved:
         save_checkpoint(run.run_dir / "best.pt", {**common, "models": models, "best": run.best})
     save_checkpoint(run.run_dir / "last.pt", {

@@ -6,7 +6,7 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +14,10 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, PipelineConfig, bag_statistics_warning
-from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, slides_for_split
+from wsi_pipeline.data.bags import TARGET_COLUMNS, Slide, check_stores, check_tiling, drop_empty, slides_for_split
+from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs, fit_endpoint
 from wsi_pipeline.inference.models import build_models
 from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
 from wsi_pipeline.training.strategies import check_strategy
@@ -38,6 +40,18 @@ class RunPlan:
     finished: list[Path]
     tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
     stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
+    endpoints: dict[str, Endpoint] = field(default_factory=dict)  # per method, fitted on the training split; saved too
+    bags: str = "slide"  # data.bags
+
+    @property
+    def train_units(self) -> list[Slide]:
+        """What training bags are drawn from: the training slides, or their patients (``data.bags: patient``)."""
+        return patient_units(self.train) if self.bags == "patient" else self.train
+
+    @property
+    def val_units(self) -> list[Slide]:
+        """What validation scores: the validation slides, or their patients."""
+        return patient_units(self.val) if self.bags == "patient" else self.val
 
 
 def preflight(
@@ -80,7 +94,14 @@ def preflight(
             f"unfinished run(s) found: {', '.join(map(str, unfinished))}; run without --no-resume to continue them, "
             "or delete those folders to start over"
         )
-    return RunPlan(manifest, train, val, runs, finished, tiling)
+    endpoints = {}
+    for method in methods:
+        try:
+            units = patient_units(train) if config.data.bags == "patient" else train
+            endpoints[method.name] = fit_endpoint(method, config.data.n_classes, [s.y for s in units])
+        except ValueError as e:
+            raise ValueError(f"method {method.name!r}: {e}") from e
+    return RunPlan(manifest, train, val, runs, finished, tiling, endpoints=endpoints, bags=config.data.bags)
 
 
 def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Slide], list[Slide], dict[str, Any] | None]:
@@ -93,23 +114,28 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
             f"data.manifest {manifest_path} not found (pipeline {config.name!r}; relative paths are relative to "
             f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
         )
-    manifest = read_manifest(manifest_path, n_classes=config.data.n_classes)
-    unlabelled = manifest[manifest["split"].isin(("train", "val")) & manifest["label"].isna()]["slide_id"].tolist()
+    manifest = read_manifest(manifest_path, n_classes=config.label_classes)
+    try:
+        train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
+        val = slides_for_split(manifest, "val", config.data.tiles_dir, task=config.task)
+    except ValueError as e:
+        raise ValueError(f"{manifest_path}: {e}") from e
+    cols = list(TARGET_COLUMNS[config.task])
+    unlabelled = manifest[manifest["split"].isin(("train", "val")) & manifest[cols].isna().any(axis=1)]["slide_id"].tolist()
     if unlabelled:
-        what = (f"{manifest_path}: {len(unlabelled)} train/val slide(s) have no label: {', '.join(unlabelled[:5])}"
-                f"{' ...' if len(unlabelled) > 5 else ''}")
+        what = (f"{manifest_path}: {len(unlabelled)} train/val slide(s) have no label ({', '.join(cols)}): "
+                f"{', '.join(unlabelled[:5])}{' ...' if len(unlabelled) > 5 else ''}")
         if strict:
             raise ValueError(f"{what}; give them a label or clear their split (--strict refuses them)")
         log.warning("%s; they are left out of training and validation (--strict refuses them)", what)
-    train = slides_for_split(manifest, "train", config.data.tiles_dir)
-    val = slides_for_split(manifest, "val", config.data.tiles_dir)
     check_stores(train + val, config.data.tiles_dir)
     train = drop_empty(train, split="train", strict=strict)
     val = drop_empty(val, split="val", strict=strict)
     tiling = check_tiling(train + val, config.data.tiling)
     if not train:
+        what = {"classification": "labelled", "survival": "time/event", "regression": "target"}[config.task]
         raise ValueError(
-            f"{manifest_path}: no labelled slides with split=train; set the split column (train/val/test) "
+            f"{manifest_path}: no slides with a {what} value and split=train; set the split column (train/val/test) "
             "or make splits with `wsi-pipeline manifest`"
         )
     if not val:
@@ -131,6 +157,6 @@ def _check_methods(config: PipelineConfig, methods: Sequence[MethodConfig]) -> N
             log.warning("method %s: augmentation is not applied by the %s strategy", method.name, method.strategy)
         with torch.random.fork_rng(devices=[]):
             try:
-                build_models(method, config.data.n_classes, device="cpu", for_training=False)
+                build_models(method, endpoint_outputs(method, config.data.n_classes), device="cpu", for_training=False)
             except (ValueError, TypeError, FileNotFoundError) as e:
                 raise type(e)(f"method {method.name!r}: cannot build its models: {e}") from e

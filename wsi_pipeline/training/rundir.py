@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_to_dict, upgrade_saved_config
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_from_dict, config_to_dict, upgrade_saved_config
 from wsi_pipeline.inference.checkpoint import load_checkpoint, restore_rng
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
@@ -75,7 +75,9 @@ def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
     """Raise ``ValueError`` listing the differences when ``run_dir/last.pt`` was trained with another config
     than ``config`` (the run's, :func:`run_config`); device and output folders may differ."""
     state = load_checkpoint(run_dir / "last.pt")
-    diff = _config_diff(upgrade_saved_config(state["config"]), config_to_dict(config))
+    # through today's builder: keys added since the run was saved (e.g. a method's task) take their defaults
+    saved = config_to_dict(config_from_dict(upgrade_saved_config(state["config"])))
+    diff = _config_diff(saved, config_to_dict(config))
     if diff:
         raise ValueError(
             f"cannot resume {run_dir}: its config differs from the current one ({'; '.join(diff[:6])}"

@@ -46,10 +46,11 @@ from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
 from wsi_pipeline.data.bags import Bag, FeatureReader, Slide, TileReader
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
 from wsi_pipeline.inference.models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
-from wsi_pipeline.training.epoch import bag_epoch, slide_batch_epoch
+from wsi_pipeline.training.epoch import bag_epoch, seed_torch, slide_batch_epoch
 from wsi_pipeline.training.frozen_features import LazyFeatures
 
 __all__ = [
@@ -83,7 +84,13 @@ class Strategy:
         extracts before training (:mod:`wsi_pipeline.training.frozen_features`).
     applies_augment : False when ``train.augment`` is not applied (the loop warns).
     bn_modes : accepted ``encoder.bn`` values.
+    tasks : the tasks (``methods[].task``) the strategy trains.
     encoder, aggregator : the models (``aggregator`` is the head for PatchGD).
+    endpoint : what the models predict and the loss (:class:`~wsi_pipeline.inference.endpoints.Endpoint`).
+
+    A loss that couples the bags of a step (``loss: cox``) is trained by :meth:`group_step`
+    (three passes, :mod:`wsi_pipeline.training.coupled`): supported by ``frozen``, ``full``,
+    ``accumulate`` and ``bigl`` with ``encoder.bn: frozen``; PatchGD trains classification only.
     """
 
     name: ClassVar[str] = ""
@@ -93,13 +100,15 @@ class Strategy:
     uses_features: ClassVar[bool] = False
     applies_augment: ClassVar[bool] = True
     bn_modes: ClassVar[tuple[str, ...]] = BN_MODES
+    tasks: ClassVar[tuple[str, ...]] = ("classification", "survival", "regression")
     augment: SlideAugment | None = None
 
-    def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
+    def __init__(self, method: Any, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         self.method = method
-        self.n_classes = int(n_classes)
+        self.endpoint = endpoint or Endpoint(task=method.task, loss=method.loss, n_outputs=endpoint_outputs(method, n_classes))
+        self.n_classes = int(self.endpoint.n_outputs)
         self.device = torch.device(device)
-        self.encoder, self.aggregator = build_models(method, n_classes, device=self.device)
+        self.encoder, self.aggregator = build_models(method, self.endpoint.n_outputs, device=self.device)
 
     @classmethod
     def check(cls, method: Any) -> None:
@@ -109,6 +118,22 @@ class Strategy:
                 f"method {method.name!r}: encoder.bn={method.encoder.bn!r} is not supported by strategy "
                 f"{cls.name!r}; use one of {list(cls.bn_modes)}"
             )
+        task = getattr(method, "task", "classification")
+        if task not in cls.tasks:
+            raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains {' and '.join(cls.tasks)} only, not "
+                             f"task {task!r}; use frozen, full, accumulate or bigl")
+        if task != "classification" and method.aggregator.name == "dtfd":
+            raise ValueError(f"method {method.name!r}: the dtfd aggregator trains classification only (its tier-1 loss "
+                             f"is a cross-entropy on the slide's class); use abmil or transmil for task {task!r}")
+        if getattr(method, "loss", None) == "cox":
+            if cls.name != "frozen" and method.encoder.bn != "frozen":
+                raise ValueError(f"method {method.name!r}: loss cox is trained exactly by re-embedding each bag of the step "
+                                 f"(passes 1 and 3 must compute the same function): set encoder.bn: frozen, not "
+                                 f"{method.encoder.bn!r}")
+            if method.train.bags_per_step < 2:
+                raise ValueError(f"method {method.name!r}: loss cox compares the bags of an optimiser step with each "
+                                 f"other (the risk sets); train.batch_bags x accumulate_batches is "
+                                 f"{method.train.bags_per_step}: use at least 2 (README: survival, e.g. 16)")
 
     def state_modules(self) -> dict[str, nn.Module]:
         """Modules whose state dicts go into checkpoints."""
@@ -168,13 +193,41 @@ class Strategy:
         return self.device if self.augment is not None else torch.device("cpu")
 
     def _loss_fn(self, scale: float) -> Callable[[Any, Any], torch.Tensor]:
-        from wsi_pipeline.training.accumulate import default_loss
-
-        return lambda output, label: default_loss(output, label) * scale
+        """The bag loss (the endpoint's; cross-entropy for classification) times ``scale``; ``label`` is the slide's target."""
+        return lambda output, label: self.endpoint.bag_loss(output, label) * scale
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         """Add the gradient of ``scale * loss(bag)`` to ``.grad``; return the (unscaled) loss."""
         raise NotImplementedError
+
+    # -- losses that couple the bags of a step (Cox) ---------------------------------------------
+
+    def coupled_input(self, bag: Bag) -> torch.Tensor:
+        """The encoder input of ``bag`` for :meth:`group_step` (normalised, augmented tiles)."""
+        raise NotImplementedError(f"strategy {self.name!r} does not train losses that couple bags (loss: cox)")
+
+    def coupled_encoder(self) -> tuple[nn.Module, int | None]:
+        """The encoder :meth:`group_step` embeds with and its tiles per call (None: a bag at once)."""
+        return self.encoder, None
+
+    def group_step(self, bags: Sequence[tuple[int, Bag]], seed: int, epoch: int) -> float:
+        """Add the exact gradient of the step's coupled loss (``loss: cox``) over ``bags`` (``(bag number, bag)``)
+        to ``.grad`` by three passes (:func:`~wsi_pipeline.training.coupled.coupled_step`); return the loss.
+
+        Each bag's input is made after seeding torch with ``(seed, epoch, bag number)``, as :func:`bag_epoch`
+        seeds a bag, so augmentation draws what it draws for that bag in any strategy.
+        """
+        from wsi_pipeline.training.coupled import coupled_step
+
+        def maker(number: int, bag: Bag) -> Callable[[], torch.Tensor]:
+            def make() -> torch.Tensor:
+                seed_torch(seed, epoch, number)
+                return self.coupled_input(bag)
+            return make
+
+        encoder, chunk = self.coupled_encoder()
+        return coupled_step(encoder, self.aggregator, [maker(b, bag) for b, bag in bags], [bag.slide.y for _, bag in bags],
+                            self.endpoint.group_loss, chunk)
 
 
 @STRATEGIES.register("frozen")
@@ -205,12 +258,14 @@ class FrozenStrategy(Strategy):
         """None: validation reads the h5 features (the aggregator only)."""
         return None
 
-    def _feature_paths(self, slides: Sequence[Slide], features_dir: Path | None) -> list[Path]:
+    def _feature_paths(self, slides: Sequence[Slide], features_dir: Path | None) -> list[Any]:
+        """One feature file per slide; for a patient bag the list of its slides' files."""
         from wsi_pipeline.inference.features import features_path
 
         if features_dir is None:
             raise ValueError(f"method {self.method.name!r} is frozen: pass the folder of its feature files (features_dir)")
-        return [features_path(features_dir, s.slide_id) for s in slides]
+        return [[features_path(features_dir, p.slide_id) for p in s.parts] if s.parts else features_path(features_dir, s.slide_id)
+                for s in slides]
 
     def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
         """The slides' feature files, or their tile stores when augmenting (embedded on the fly)."""
@@ -222,7 +277,7 @@ class FrozenStrategy(Strategy):
 
     def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
         """The slides' (unaugmented) feature files, read one at a time."""
-        return LazyFeatures(self._feature_paths(slides, features_dir))
+        return LazyFeatures(self._feature_paths(slides, features_dir))  # type: ignore[arg-type]
 
     def embed(self, tiles: np.ndarray | torch.Tensor) -> torch.Tensor:
         """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
@@ -255,8 +310,17 @@ class FrozenStrategy(Strategy):
         else:
             feats = self.embed(bag.data)
         # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
-        loss = full_step(nn.Identity(), self.aggregator, feats, bag.slide.label, loss_fn=self._loss_fn(scale))
+        loss = full_step(nn.Identity(), self.aggregator, feats, bag.slide.y, loss_fn=self._loss_fn(scale))
         return loss / scale
+
+    def coupled_input(self, bag: Bag) -> torch.Tensor:
+        """The bag's features (read, or embedded from augmented tiles)."""
+        if self.augment is None:
+            return torch.as_tensor(np.asarray(bag.data), dtype=torch.get_default_dtype(), device=self.device)
+        return self.embed(bag.data)
+
+    def coupled_encoder(self) -> tuple[nn.Module, int | None]:
+        return nn.Identity(), None
 
 
 @STRATEGIES.register("full")
@@ -269,8 +333,11 @@ class FullStrategy(Strategy):
         from wsi_pipeline.training.accumulate import full_step
 
         tiles = tiles_to_input(bag.data, self.augment, device=self.device)
-        loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.label, loss_fn=self._loss_fn(scale), bn=self._bn())
+        loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.y, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
+
+    def coupled_input(self, bag: Bag) -> torch.Tensor:
+        return tiles_to_input(bag.data, self.augment, device=self.device)
 
 
 @STRATEGIES.register("accumulate")
@@ -286,9 +353,16 @@ class AccumulateStrategy(Strategy):
         chunk = self.method.chunk_size
         tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk)
         loss = accumulate_step(
-            self.encoder, self.aggregator, tiles, bag.slide.label, chunk, loss_fn=self._loss_fn(scale), bn=self._bn()
+            self.encoder, self.aggregator, tiles, bag.slide.y, chunk, loss_fn=self._loss_fn(scale), bn=self._bn()
         )
         return loss / scale
+
+    def coupled_input(self, bag: Bag) -> torch.Tensor:
+        """The bag's tiles on the host; ``chunk_size`` of them go to the device at a time."""
+        return tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
+
+    def coupled_encoder(self) -> tuple[nn.Module, int | None]:
+        return self.encoder, int(self.method.chunk_size)
 
 
 @STRATEGIES.register("bigl")
@@ -313,8 +387,12 @@ class BiglStrategy(Strategy):
         from wsi_pipeline.training.accumulate import full_step
 
         tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
-        loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.label, loss_fn=self._loss_fn(scale), bn=self._bn())
+        loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.y, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
+
+    def coupled_input(self, bag: Bag) -> torch.Tensor:
+        """The bag's tiles on the host (the Big-Layers encoder takes the whole bag as one batch)."""
+        return tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
 
 
 @STRATEGIES.register("patchgd")
@@ -326,9 +404,10 @@ class PatchGDAdapter(Strategy):
     steps_optimizer = True
     applies_augment = False
     bn_modes = PATCHGD_BN_MODES
+    tasks = ("classification",)
 
-    def __init__(self, method: Any, n_classes: int, device: torch.device) -> None:
-        super().__init__(method, n_classes, device)
+    def __init__(self, method: Any, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
+        super().__init__(method, n_classes, device, endpoint)
         from wsi_pipeline.training.patchgd import PatchGDStrategy
 
         self.impl = PatchGDStrategy(patchgd_method(method), self.encoder, self.aggregator, n_classes)
@@ -399,10 +478,12 @@ def check_strategy(method: Any) -> type[Strategy]:
     return cls
 
 
-def build_strategy(method: Any, n_classes: int, device: torch.device | str, augment: SlideAugment | None = None) -> Strategy:
-    """Build the strategy of ``method`` with its models on ``device`` (initialised from torch's global RNG)."""
+def build_strategy(method: Any, n_classes: int | None, device: torch.device | str, augment: SlideAugment | None = None,
+                   endpoint: Endpoint | None = None) -> Strategy:
+    """Build the strategy of ``method`` with its models on ``device`` (initialised from torch's global RNG);
+    ``endpoint``: the method's, fitted on the training split (default: the config's, for classification and Cox)."""
     cls = check_strategy(method)
-    strategy = cls(method, n_classes, torch.device(device))
+    strategy = cls(method, n_classes, torch.device(device), endpoint)
     strategy.augment = augment
     return strategy
 

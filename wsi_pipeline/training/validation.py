@@ -9,20 +9,25 @@ from typing import Any
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, TrainConfig
-from wsi_pipeline.inference.metrics import VALIDATION_METRICS, selection_rule
+from wsi_pipeline.inference.metrics import ENDPOINT_VALIDATION_METRICS, VALIDATION_METRICS, selection_rule
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.strategies import Strategy
 
-__all__ = ["VAL_METRICS", "improves", "selection", "validate"]
+__all__ = ["VAL_METRICS", "improves", "selection", "validate", "validation_columns"]
 
-#: The validation columns of ``history.csv`` (``val_<name>``), in order.
+#: The validation columns of ``history.csv`` (``val_<name>``) of a classification run, in order.
 VAL_METRICS = VALIDATION_METRICS
 
 
-def selection(train_cfg: TrainConfig, n_classes: int) -> tuple[str, bool]:
+def validation_columns(task: str) -> tuple[str, ...]:
+    """The validation values a run of ``task`` records per epoch (``val_<name>`` columns)."""
+    return VAL_METRICS if task == "classification" else ENDPOINT_VALIDATION_METRICS[task]
+
+
+def selection(train_cfg: TrainConfig, n_classes: int | None, task: str = "classification") -> tuple[str, bool]:
     """``(metric name, higher is better)`` of ``train.select_metric``
     (:func:`wsi_pipeline.inference.metrics.selection_rule`: ``loss`` is lower-is-better)."""
-    return selection_rule(n_classes, train_cfg.select_metric)
+    return selection_rule(n_classes, train_cfg.select_metric, task)
 
 
 def _better(value: float | None, best: float | None, higher: bool) -> bool:
@@ -49,7 +54,7 @@ def improves(value: float | None, loss: float | None, best: dict[str, Any], high
 def validate(
     strategy: Strategy,
     inputs: Sequence[Any],
-    labels: list[int],
+    labels: list[Any],
     config: PipelineConfig,
     method: MethodConfig,
     device: torch.device,
@@ -64,14 +69,17 @@ def validate(
     """
     if not labels:
         return {}
-    from wsi_pipeline.inference.validation import slide_predictions, validation_metrics
+    from wsi_pipeline.inference.validation import endpoint_validation_metrics, slide_predictions, validation_metrics
 
     encoder = strategy.embedder()
     mine = distributed.shard(len(inputs))
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(config.eval.seed)
         preds = slide_predictions(
-            encoder, strategy.aggregator, [inputs[i] for i in mine], method.val_protocol, n_classes=config.data.n_classes,
+            encoder, strategy.aggregator, [inputs[i] for i in mine], method.val_protocol, n_classes=strategy.endpoint.n_outputs,
             device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine,
         )
-    return validation_metrics(labels, distributed.gather_in_order(mine, preds), method.val_protocol, config.data.n_classes)
+    preds = distributed.gather_in_order(mine, preds)
+    if strategy.endpoint.task != "classification":
+        return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)
+    return validation_metrics(labels, preds, method.val_protocol, config.data.n_classes)

@@ -1,0 +1,153 @@
+"""Metric records of survival and regression models, and of patients (every task), with bootstrap intervals.
+
+Slide scores come per repeat (R repeats of a ``sub<k>x<R>`` protocol; one otherwise) as arrays:
+``probs`` (N, C) for classification, ``risk`` (N,) (and ``survival`` (N, K) for discrete-time
+models) for survival, ``prediction`` (N,) for regression (:meth:`~wsi_pipeline.inference.endpoints.Endpoint.scores`).
+
+- ``all`` / ``ens<k>x<R>``: the metrics of each slide's scores averaged over repeats;
+- ``sub<k>x<R>``: the metrics of every repeat, their mean as the model's score, ``<metric>_repeat_std``
+  and one record per repeat (as :func:`~wsi_pipeline.evaluation.records.protocol_records`).
+
+Patients (``eval.level: patient``): each patient's scores pool its slides' (:func:`pool_patients`:
+the mean, or with ``max`` the scores of its slide with the highest risk, prediction or probability
+of the last class), per repeat; its target is its slides' (survival and regression targets are
+the patient's, checked in the manifest; for classes the highest label of its slides). Patient
+records carry the metric name with the prefix ``patient_`` (``patient_c_index``, ``patient_auc``).
+Bootstrap intervals resample slides (patients at patient level) with
+:func:`~wsi_pipeline.inference.metrics.resample_interval`, the one resampling loop.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from wsi_pipeline.export.metrics_json import MetricRecord
+from wsi_pipeline.inference.endpoint_metrics import (
+    PATIENT_PREFIX,
+    REGRESSION_METRICS,
+    SurvivalReference,
+    endpoint_metric_names,
+    regression_metrics,
+    survival_metrics,
+)
+from wsi_pipeline.inference.metrics import METRICS, compute_metrics, resample_interval, summarise_repeats
+
+__all__ = ["PATIENT_PREFIX", "Scores", "cohort_metrics", "level_bootstrap", "level_records", "metric_names", "pool_patients",
+           "stack_repeats"]
+
+#: Per repeat, the score arrays of a cohort's slides (or patients).
+Scores = list[dict[str, np.ndarray]]
+
+
+def metric_names(task: str, ref: SurvivalReference | None = None) -> tuple[str, ...]:
+    """The metrics recorded (and bootstrapped) for a task."""
+    if task == "classification":
+        return METRICS
+    if task == "regression":
+        return REGRESSION_METRICS
+    return endpoint_metric_names("survival", ref.horizons if ref is not None else ())
+
+
+def stack_repeats(per_slide: Sequence[dict[str, np.ndarray]], repeats: int) -> Scores:
+    """Slides' per-repeat score arrays (each ``{name: (R_i, ...)}``) -> per repeat ``{name: (N, ...)}``;
+    a slide scored in one pass contributes it to every repeat."""
+    out: Scores = []
+    for r in range(repeats):
+        out.append({k: np.stack([s[k][r if len(s[k]) > 1 else 0] for s in per_slide]) for k in per_slide[0]} if per_slide else {})
+    return out
+
+
+def _mean_over_repeats(scores: Scores) -> Scores:
+    return [{k: np.mean([s[k] for s in scores], axis=0) for k in scores[0]}] if scores and scores[0] else scores
+
+
+def cohort_metrics(task: str, targets: Sequence[Any], scores: dict[str, np.ndarray], *, n_classes: int | None = None,
+                   ref: SurvivalReference | None = None, only: str | None = None) -> dict[str, float]:
+    """Every metric of one repeat's scores (module docstring) against ``targets`` (survival: ``only`` that one)."""
+    if task == "classification":
+        return compute_metrics(np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))
+    if task == "regression":
+        return regression_metrics(np.asarray(targets, dtype=np.float64), scores["prediction"])
+    if ref is None:
+        raise ValueError("survival metrics need the training split's reference (censoring, horizons)")
+    t = np.asarray([float(v[0]) for v in targets])
+    e = np.asarray([int(v[1]) for v in targets])
+    return survival_metrics(t, e, scores["risk"], ref, scores.get("survival"), only=only)
+
+
+def level_records(
+    method: str, seed: int, cohort: str, split: str, protocol: Any, task: str, targets: Sequence[Any], scores: Scores, *,
+    n_classes: int | None = None, ref: SurvivalReference | None = None, prefix: str = "",
+) -> tuple[list[MetricRecord], Scores]:
+    """One model's records on one cohort under one protocol; returns them and the scores they came from
+    (one entry for ``all``/``ens``, R for ``sub``), for :func:`level_bootstrap`."""
+    rec = lambda metric, value, repeat=None: MetricRecord(method, seed, cohort, split, protocol.name, prefix + metric, value, repeat)  # noqa: E731
+    names = metric_names(task, ref)
+    if not protocol.per_repeat:
+        scores = _mean_over_repeats(scores)
+        if not targets:
+            return [rec(m, math.nan) for m in names], scores
+        return [rec(k, v) for k, v in cohort_metrics(task, targets, scores[0], n_classes=n_classes, ref=ref).items()], scores
+    if not targets:
+        return [rec(m, math.nan) for m in names], scores
+    per = [cohort_metrics(task, targets, s, n_classes=n_classes, ref=ref) for s in scores]
+    rm = summarise_repeats(per, names)
+    extra = {k: v for k, v in per[0].items() if k.startswith("n_") and k not in ("n_high_risk",)}
+    out = [rec(k, v) for k, v in {**rm.mean, **extra, "n_repeats": float(len(per))}.items()]
+    out += [rec(f"{k}_repeat_std", v) for k, v in rm.std.items()]
+    out += [rec(k, d.get(k, math.nan), r) for r, d in enumerate(per) for k in names]
+    return out, scores
+
+
+def level_bootstrap(
+    method: str, cohort: str, split: str, protocol: str, task: str, by_seed: dict[int, tuple[list[Any], Scores, Any]], *,
+    n_boot: int, seed: int, n_classes: int | None = None, prefix: str = "",
+) -> list[MetricRecord]:
+    """95 % intervals of each metric's seed mean: ``by_seed`` = ``{seed: (targets, scores, survival reference)}``,
+    the same slides (patients) in the same order for every seed; resamples score every seed's repeats."""
+    items = list(by_seed.values())
+    targets = items[0][0]
+    if not targets or any(list(t) != list(targets) for t, _, _ in items[1:]):
+        return []
+    n = len(targets)
+    out = []
+    for metric in metric_names(task, items[0][2]):
+        def fn(idx: np.ndarray, payload: tuple[dict[str, np.ndarray], Any], metric: str = metric) -> float:
+            s, ref = payload
+            sub = {k: v[idx] for k, v in s.items()}
+            return cohort_metrics(task, [targets[i] for i in idx], sub, n_classes=n_classes, ref=ref, only=metric).get(metric, math.nan)
+
+        stacks = [[(s, ref) for s in scores] for _, scores, ref in items]
+        bounds = (-1.0, 1.0) if metric in ("qwk", "pearson", "spearman") else (0.0, 1.0) if metric not in (
+            "mae", "rmse", "logrank_chi2") else (0.0, math.inf)
+        lo, hi = resample_interval(n, stacks, fn, n_boot=n_boot, seed=seed, bounds=bounds)
+        out.append(MetricRecord(method, "mean", cohort, split, protocol, f"{prefix}{metric}_ci_low", lo))
+        out.append(MetricRecord(method, "mean", cohort, split, protocol, f"{prefix}{metric}_ci_high", hi))
+    return out
+
+
+def pool_patients(patients: Sequence[str], targets: Sequence[Any], scores: Scores, how: str = "mean",
+                  task: str = "classification") -> tuple[list[str], list[Any], Scores]:
+    """Patients' targets and per-repeat scores from their slides' (module docstring), patients in order of first slide."""
+    order = list(dict.fromkeys(patients))
+    rows = {p: [i for i, q in enumerate(patients) if q == p] for p in order}
+    if task == "classification":
+        pt = [max(int(targets[i]) for i in rows[p]) for p in order]
+    else:
+        pt = [targets[rows[p][0]] for p in order]
+    pooled: Scores = []
+    for s in scores:
+        key = s["probs"][:, -1] if "probs" in s else s["risk"] if "risk" in s else s["prediction"]
+        one: dict[str, np.ndarray] = {}
+        for name, v in s.items():
+            if how == "max":
+                pick = [rows[p][int(np.argmax(key[rows[p]]))] for p in order]
+                one[name] = v[pick]
+            else:
+                one[name] = np.stack([v[rows[p]].mean(0) for p in order])
+        pooled.append(one)
+    return order, pt, pooled
