@@ -3,10 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from wsi_pipeline.config.tiling import StoreTiling
 
-__all__ = ["DataConfig"]
+__all__ = ["DataConfig", "StainConfig", "STAIN_NORMALISERS"]
+
+#: ``data.stain.normalise`` values (``wsi_pipeline.data.stain.METHODS``, kept equal by a test).
+StainNormalise = Literal["none", "macenko", "reinhard"]
+STAIN_NORMALISERS: tuple[str, ...] = ("none", "macenko", "reinhard")
+
+
+@dataclass(frozen=True)
+class StainConfig:
+    """Stain normalisation (``data.stain``), fitted once at training time and stored with the model.
+
+    Attributes
+    ----------
+    normalise : ``none``, ``macenko`` or ``reinhard``.
+    target : ``train`` (the medians of the training slides' estimates) or the ``slide_id`` of a
+        reference slide (any slide of the manifest with a tile store).
+    max_tiles : tiles per slide read (evenly spaced) for its stain estimate.
+    """
+
+    normalise: StainNormalise = "none"
+    target: str = "train"
+    max_tiles: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_tiles < 1:
+            raise ValueError(f"data.stain.max_tiles={self.max_tiles}; expected >= 1 tiles per slide")
+        if not self.target:
+            raise ValueError("data.stain.target is empty; expected `train` or a slide_id")
 
 
 @dataclass(frozen=True)
@@ -21,6 +49,7 @@ class DataConfig:
     features_dir : root of frozen-encoder feature files; a frozen method reads
         ``<features_dir>/<encoder name>`` unless the method sets its own ``features_dir``.
     tiling : tiling parameters (saved for ``predict``).
+    stain : stain normalisation (:class:`StainConfig`).
     """
 
     manifest: str
@@ -28,6 +57,7 @@ class DataConfig:
     n_classes: int
     features_dir: str = "features"
     tiling: StoreTiling = field(default_factory=StoreTiling)
+    stain: StainConfig = field(default_factory=StainConfig)
 
     def __post_init__(self) -> None:
         if self.n_classes < 2:

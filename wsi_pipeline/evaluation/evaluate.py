@@ -32,7 +32,8 @@ under seed ``"mean"``, and ``localisation_auc``; see :mod:`wsi_pipeline.export.m
 on validation; the first evaluated run when no run recorded one; or ``heatmap_method``'s
 seed best on validation), drawn with the ground-truth lesion outlines when the manifest has
 them, ``report.html`` (led by the model chosen on validation), and the
-resolved ``config.yaml``.
+resolved ``config.yaml``; for models that normalise stain (``data.stain``), ``stain.csv`` (per method
+and slide: ``stain_normalised``, and ``stain_problem``, why a slide fell back to no normalisation).
 
 Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
 scoring: tile a folder with the model's saved tiling parameters, embed once, aggregate, write
@@ -113,6 +114,7 @@ class _Collected:
     gallery: list[dict] = field(default_factory=list)
     missing: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
+    stain: dict[tuple[str, str], dict] = field(default_factory=dict)  # (method, slide_id) -> stain report row
 
 
 def evaluate_pipeline(
@@ -335,6 +337,9 @@ class _SetScorer:
         if row["status"] != "ok":  # a task that raised on a Dask worker: stop, as a local error would
             raise RuntimeError(f"slide {row['slide_id']}: scoring failed: {row['error']}")
         sid, res, lab, es = row["slide_id"], row["score"], row["label"], self.es
+        if res.stain_normalised is not None:
+            self.got.stain[(self.method, sid)] = {"method": self.method, "slide_id": sid, "cohort": es.cohort,
+                                                  "stain_normalised": res.stain_normalised, "stain_problem": res.stain_problem}
         for pname, pred in res.preds.items():
             self.got.rows[(es.cohort, pname)].append(prediction_row(
                 slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
@@ -374,6 +379,12 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Prot
     for (cohort, pname), rr in sorted(got.rows.items()):
         summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, n_classes))
     summary.files.append(write_metrics_json(out / "metrics.json", got.records))
+    if got.stain:  # per method and slide: normalised, or why it fell back (one row per slide, whatever the seeds)
+        from wsi_pipeline.io_atomic import write_text_atomic
+
+        cols = ["method", "slide_id", "cohort", "stain_normalised", "stain_problem"]
+        table = pd.DataFrame([got.stain[k] for k in sorted(got.stain)], columns=cols)
+        summary.files.append(write_text_atomic(out / "stain.csv", table.to_csv(index=False)))
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])

@@ -193,7 +193,7 @@ def embed_slide(
             pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
             if on_batch is not None:
                 on_batch(np.arange(s, s + len(tiles)), tiles)
-            z = encoder(tiles_to_tensor(tiles, device=dev))
+            z = encoder(tiles_to_tensor(tiles, device=dev, stain=st.stain))
             out.append(z.float().cpu())
     if not out:
         raise ValueError(f"tile store {st.path} has no tiles; nothing to embed")
