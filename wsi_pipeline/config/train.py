@@ -53,10 +53,10 @@ class AugmentConfig:
     flips : random horizontal and vertical flips (p = 0.5 each).
     rotation : random rotation by a multiple of 90 degrees (lossless on square tiles).
     hed_p, hed_scale, hed_shift : HED jitter (Tellez et al.) with probability ``hed_p`` per bag:
-        each of the haematoxylin, eosin and DAB channels (scikit-image ``rgb2hed`` units) becomes
-        ``U(1 - hed_scale, 1 + hed_scale) * s + U(-hed_shift, hed_shift)``, one draw per bag.
-        Off by default (``hed_p: 0``); 0.05 / 0.05 is a mild jitter (Tellez et al. compare a light
-        and a strong setting; raise both for strong).
+        each of the haematoxylin, eosin and DAB channels (optical density, natural log; see
+        :func:`wsi_pipeline.data.stain.hed_jitter`) becomes ``U(1 - hed_scale, 1 + hed_scale) * s +
+        U(-hed_shift, hed_shift)``, one draw per bag. Off by default (``hed_p: 0``); 0.05 / 0.05 is a
+        mild jitter (a few grey levels), 0.2 / 0.1 a strong one.
     stain_mix_p, stain_mix : stain mixing with probability ``stain_mix_p`` per bag: the bag's
         stain matrix and intensities move a fraction ``U(0, stain_mix)`` of the way towards those
         of a training slide drawn at random (:func:`wsi_pipeline.data.stain.mix_stains`). Off by default.

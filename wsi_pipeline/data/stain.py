@@ -82,8 +82,8 @@ MIN_STAIN_ANGLE = 0.0175
 MIN_STAIN_OD = -0.2
 #: Ruifrok & Johnston's haematoxylin, eosin and DAB OD vectors (rows), as scikit-image's ``rgb_from_hed``.
 RGB_FROM_HED = ((0.65, 0.70, 0.29), (0.07, 0.99, 0.11), (0.27, 0.57, 0.78))
-#: Scale of scikit-image's HED values: ``rgb2hed`` divides the natural-log OD by ``ln(1e6)``.
-HED_UNIT = math.log(1e6)
+#: scikit-image's ``rgb2hed`` divides the natural-log OD by ``ln(1e6)``; our HED values do not.
+SKIMAGE_HED_UNIT = math.log(1e6)
 _FORMAT = "stain-normaliser-v1"
 
 
@@ -392,18 +392,20 @@ def hed_jitter(x: torch.Tensor, scale: Sequence[float], shift: Sequence[float]) 
     """Tellez et al.'s HED augmentation: ``s_c -> scale_c * s_c + shift_c`` for the haematoxylin,
     eosin and DAB channels ``s`` of Ruifrok & Johnston's colour deconvolution.
 
-    ``x``: float images (k, 3, H, W) in [0, 1]. HED values are scikit-image's ``rgb2hed`` units
-    (``-ln(max(x, 1e-6)) / ln(1e6)`` times ``inv(RGB_FROM_HED)``), so shifts carry over from the
-    papers that use it; unlike ``rgb2hed`` negative values are not clipped to 0, so scale 1 and
-    shift 0 return ``x`` (to rounding). Returns a new tensor in [0, 1].
+    ``x``: float images (k, 3, H, W) in [0, 1]. HED values are optical densities (natural log):
+    ``-ln(max(x, 1e-6))`` times ``inv(RGB_FROM_HED)``, the deconvolution scikit-image's ``rgb2hed``
+    computes without its division by ``ln(1e6)`` (:data:`SKIMAGE_HED_UNIT`: a shift of 0.05 here is
+    0.0036 in ``rgb2hed`` units; 0.05 in ``rgb2hed`` units darkens H&E tissue by about 85 grey
+    levels) and without its clipping of negative values to 0, so scale 1 and shift 0 return ``x``
+    (to rounding). Returns a new tensor in [0, 1].
     """
-    od = -torch.log(x.clamp_min(1e-6)) / HED_UNIT
+    od = -torch.log(x.clamp_min(1e-6))
     inv = np.linalg.inv(np.asarray(RGB_FROM_HED, np.float64))  # row vector convention: hed = od @ inv
     hed = _mix(inv.T.tolist(), od)
     hed = hed * torch.tensor(list(scale), dtype=x.dtype, device=x.device).view(1, 3, 1, 1) \
         + torch.tensor(list(shift), dtype=x.dtype, device=x.device).view(1, 3, 1, 1)
     od2 = _mix(np.asarray(RGB_FROM_HED, np.float64).T.tolist(), hed)
-    return torch.exp(-od2 * HED_UNIT).clamp(0.0, 1.0)
+    return torch.exp(-od2).clamp(0.0, 1.0)
 
 
 def mix_stains(x: torch.Tensor, source: StainEstimate, donor: StainEstimate, weight: float) -> torch.Tensor:

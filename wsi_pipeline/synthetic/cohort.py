@@ -102,6 +102,7 @@ def make_slide_cohort(
     mimic_fraction: float = 0.0,
     stain_jitter: float = 0.0,
     density_jitter: float = 0.0,
+    od_matrix: tuple | None = None,
 ) -> Path:
     """Write ``n_slides`` synthetic slides and their manifest; return the manifest path.
 
@@ -130,6 +131,9 @@ def make_slide_cohort(
     stain_jitter : per-slide stain variation: each channel of the slide's tint is multiplied by
         1 + U(-j, j).
     density_jitter : per-slide normal nuclei density multiplier exp(U(-j, j)).
+    od_matrix : a stain change of every slide's tissue in optical-density space (e.g.
+        :data:`~wsi_pipeline.synthetic.texture.SCANNER_SHIFT`, two scanners' stain matrices and
+        intensities); None: none.
 
     Returns
     -------
@@ -154,7 +158,8 @@ def make_slide_cohort(
             mimic_fraction=mimic_fraction, tint=tint, stain_jitter=stain_jitter, density_jitter=density_jitter)
         s = make_slide(out / "slides" / f"{slide_id}.svs", size=size, tile_size=tile_size, mpp=mpp, seed=slide_seed,
                        n_lesions=n_les, lesion_size=lesion_size, pen_marks=n_pen, tint=slide_tint, noise=noise,
-                       quality=quality, lesion_contrast=lesion_contrast, n_mimics=n_mim, nuclei_density=density)
+                       quality=quality, lesion_contrast=lesion_contrast, n_mimics=n_mim, nuclei_density=density,
+                       od_matrix=od_matrix)
         if n_les and not s.lesion.any():
             raise ValueError(f"size={size} px leaves no room to plant a lesion in {slide_id}; use a larger size")
         write_mask(out / "masks" / f"{slide_id}.png", s.lesion)
