@@ -57,7 +57,7 @@ import torch
 
 __all__ = [
     "ALPHA", "BETA", "IO", "METHODS", "MIN_TISSUE_PIXELS", "RGB_FROM_HED", "StainEstimate", "StainNormaliser",
-    "estimate_stain", "fit_target", "hed_jitter", "mix_stains", "od_to_rgb", "rgb_to_od",
+    "estimate_stain", "fit_target", "hed_jitter", "mix_stains", "od_to_rgb", "order_stains", "rgb_to_od",
 ]
 
 #: Normalisation methods (``data.stain.normalise``).
@@ -228,6 +228,13 @@ def estimate_stain(tiles: Any) -> StainEstimate:
                          macenko_problem=mac_problem, reinhard_problem=rh_problem)
 
 
+def order_stains(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(haematoxylin, eosin)`` of two stain vectors: the one with the larger red OD is haematoxylin
+    (Macenko et al.'s rule; a nearest-reference-vector rule can give both stains the same vector,
+    HistomicsTK issue 556)."""
+    return (a, b) if float(a[0]) > float(b[0]) else (b, a)
+
+
 def _macenko(odt: torch.Tensor) -> tuple[Any, Any, str]:
     """(he 3 x 2, max_c, problem) of tissue-pixel ODs (m, 3) float64."""
     zero_he = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0))
@@ -246,7 +253,7 @@ def _macenko(odt: torch.Tensor) -> tuple[Any, Any, str]:
     lo, hi = _percentile(phi, ALPHA), _percentile(phi, 100.0 - ALPHA)
     a = v1 * math.cos(lo) + v2 * math.sin(lo)
     b = v1 * math.cos(hi) + v2 * math.sin(hi)
-    h, e = (a, b) if float(a[0]) > float(b[0]) else (b, a)
+    h, e = order_stains(a, b)
     h, e = h / h.norm(), e / e.norm()
     if float(torch.dot(h, e).clamp(-1, 1).arccos()) < MIN_STAIN_ANGLE:
         return zero_he, (0.0, 0.0), "one stain only (the two stain vectors are within 1 degree)"
