@@ -1,6 +1,6 @@
 """`make bench-stain`: stain normalisation and augmentation against two stain shifts, and their cost per tile.
 
-The demo's cohort (:class:`wsi_pipeline.demo.DemoCohort`: 40 internal slides, train/val/test
+The demo's cohort (:class:`wsi_pipeline.synthetic.cohort.DemoCohort`: 40 internal slides, train/val/test
 20/10/10, and 16 ``external`` slides with another tint and more scanner noise) plus 16
 ``external_shift`` slides painted like the internal ones and then re-stained in optical-density
 space as between two scanners/labs (:data:`wsi_pipeline.synthetic.texture.SCANNER_SHIFT`: Ruifrok &
@@ -44,10 +44,9 @@ COHORTS = ("internal", "external", "external_shift")
 
 def make_cohort(folder: Path) -> Path:
     """The demo cohort plus the ``external_shift`` cohort under ``folder``; the merged manifest (reused when present)."""
-    from wsi_pipeline.demo import DemoCohort
     from wsi_pipeline.manifests.merge import merge_manifests
     from wsi_pipeline.manifests.schema import write_manifest
-    from wsi_pipeline.synthetic.cohort import EXTERNAL_NOISE, make_slide_cohort
+    from wsi_pipeline.synthetic.cohort import EXTERNAL_NOISE, DemoCohort, make_slide_cohort
     from wsi_pipeline.synthetic.texture import SCANNER_SHIFT
 
     manifest = folder / "manifest.csv"
