@@ -15,8 +15,8 @@ evaluated on all tiles (``eval.protocols: [all]``, no bootstrap); the table give
 mean +- sd over seeds, and is written to ``<out>/stain_table.md``. Finished runs are reused.
 
 ``--timing`` only measures the per-tile cost: :func:`~wsi_pipeline.data.tensors.tiles_to_tensor`
-with and without each normaliser, and HED jitter, on 32 px and 256 px tiles (CPU, this process's
-threads), plus one slide's stain estimate.
+with and without each normaliser, HED jitter, and a ResNet-18 forward for scale, on 32 px and
+256 px tiles (CPU, ``--threads``), plus one slide's stain estimate.
 """
 
 from __future__ import annotations
@@ -144,7 +144,11 @@ def timing(repeats: int = 5) -> str:
     from wsi_pipeline.synthetic.texture import paint_tissue
 
     lines = [f"tile -> tensor, CPU, {torch.get_num_threads()} threads, median of {repeats} runs, microseconds per tile:", "",
-             "| tile | batch | plain | macenko | reinhard | HED jitter | stain estimate (32 tiles) |", "|---|---|---|---|---|---|---|"]
+             "| tile | batch | plain | macenko | reinhard | HED jitter | ResNet-18 forward | stain estimate (32 tiles) |",
+             "|---|---|---|---|---|---|---|---|"]
+    from wsi_pipeline.models import build_encoder
+
+    encoder = build_encoder("resnet18").eval()
     for T, batch in ((32, 96), (256, 32)):
         side = int(math.ceil(math.sqrt(batch))) * T
         img = paint_tissue(np.random.default_rng(0), side, side)
@@ -169,6 +173,8 @@ def timing(repeats: int = 5) -> str:
             row.append(per_tile(lambda st=st: tiles_to_tensor(tiles, stain=st)))
         x = tiles_to_tensor(tiles)
         row.append(per_tile(lambda: hed_jitter(x.clamp(0, 1), (1.05, 0.95, 1.0), (0.02, -0.02, 0.0))))
+        with torch.no_grad():
+            row.append(per_tile(lambda: encoder(x)))
         lines.append(f"| {T} px | {batch} | " + " | ".join(f"{v:.0f}" for v in row) + f" | {est_ms:.0f} ms |")
     return "\n".join(lines) + "\n"
 

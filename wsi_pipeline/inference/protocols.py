@@ -173,7 +173,8 @@ def embed_slide(
     Returns
     -------
     Tensor float32 [N, D] on the CPU, row i = tile i of the store. The next batch is read in a
-    background thread while the current one is embedded.
+    background thread while the current one is embedded. Tiles go through the store's stain
+    normalisation (``store.stain``, attached by the stage that opened it) when it has one.
     """
     st = store if isinstance(store, TileStore) else open_store(store)
     n = len(st)
