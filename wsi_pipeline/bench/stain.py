@@ -1,11 +1,13 @@
 """`make bench-stain`: stain normalisation and augmentation against two stain shifts, and their cost per tile.
 
 The demo's cohort (:class:`wsi_pipeline.synthetic.cohort.DemoCohort`: 40 internal slides, train/val/test
-20/10/10, and 16 ``external`` slides with another tint and more scanner noise) plus 16
-``external_shift`` slides painted like the internal ones and then re-stained in optical-density
-space as between two scanners/labs (:data:`wsi_pipeline.synthetic.texture.SCANNER_SHIFT`: Ruifrok &
-Johnston's H&E vectors to Macenko's reference vectors, H turned by 8 degrees and E by 30, both
-stains 25 % denser) with the external scanner noise. Tiled once with the demo's settings.
+20/10/10, and 16 ``external`` slides with another tint and more scanner noise) plus two cohorts of
+16 slides painted like the internal ones, re-stained in optical-density space as between two
+scanners/labs and given the external scanner noise: ``external_shift``
+(:data:`wsi_pipeline.synthetic.texture.SCANNER_SHIFT`: Ruifrok & Johnston's H&E vectors to
+Macenko's reference vectors, H turned by 8 degrees and E by 30, both stains 25 % denser) and
+``external_pale`` (the same vectors, both stains at 60 %: an under-stained or faded section).
+Tiled once with the demo's settings.
 
 Then, for each arm (``none``, ``macenko``, ``reinhard``: ``data.stain.normalise``; ``hed``: HED
 jitter on every bag, ``train.augment`` with ``hed_p: 1``, ``hed_scale: 0.2``, ``hed_shift: 0.1`` and
@@ -39,30 +41,45 @@ ARMS: dict[str, dict[str, Any]] = {
                                   "jitter_p": 0.0, "flips": False, "rotation": False}}},
 }
 METHODS = ("abmil_frozen", "abmil_e2e")
-COHORTS = ("internal", "external", "external_shift")
+COHORTS = ("internal", "external", "external_shift", "external_pale")
+
+
+def _shifts() -> dict[str, Any]:
+    """The external cohorts' stain changes in optical-density space (None: the demo's tint only)."""
+    from wsi_pipeline.synthetic.texture import SCANNER_SHIFT, stain_shift_matrix
+
+    pale = stain_shift_matrix(((0.65, 0.70, 0.29), (0.07, 0.99, 0.11)), ((0.5626, 0.7201, 0.4062), (0.2159, 0.8012, 0.5581)),
+                              (0.6, 0.6))
+    return {"external": None, "external_shift": SCANNER_SHIFT, "external_pale": pale}
 
 
 def make_cohort(folder: Path) -> Path:
-    """The demo cohort plus the ``external_shift`` cohort under ``folder``; the merged manifest (reused when present)."""
+    """The demo cohort plus the re-stained external cohorts under ``folder``; the merged manifest.
+
+    Each cohort is generated once (its ``<cohort>.csv`` marks it done); the manifest is re-merged
+    from them, so a cohort added later joins the finished ones.
+    """
     from wsi_pipeline.manifests.merge import merge_manifests
     from wsi_pipeline.manifests.schema import write_manifest
     from wsi_pipeline.synthetic.cohort import EXTERNAL_NOISE, DemoCohort, make_slide_cohort
-    from wsi_pipeline.synthetic.texture import SCANNER_SHIFT
 
-    manifest = folder / "manifest.csv"
-    if manifest.is_file():
-        return manifest
     c = DemoCohort()
     common = dict(size=c.size, seed=c.seed, lesion_contrast=c.lesion_contrast, lesion_size=c.lesion_size, lesions=(2, 3),
                   mimic_fraction=c.mimic_fraction, stain_jitter=c.stain_jitter, density_jitter=c.density_jitter)
-    internal = make_slide_cohort(folder, c.n_internal, cohort="internal", **common)
-    external = make_slide_cohort(folder, c.n_external, cohort="external", splits=None, **common)
-    shifted = make_slide_cohort(folder, c.n_external, cohort="external_shift", splits=None, noise=EXTERNAL_NOISE,
-                                od_matrix=SCANNER_SHIFT, **common)
-    merged = merge_manifests([internal], [external, shifted])
+    internal = folder / "internal.csv"
+    if not internal.is_file():
+        make_slide_cohort(folder, c.n_internal, cohort="internal", **common)
+    external = []
+    for name, od in _shifts().items():
+        path = folder / f"{name}.csv"
+        if not path.is_file():
+            extra = {} if od is None else {"noise": EXTERNAL_NOISE, "od_matrix": od}
+            make_slide_cohort(folder, c.n_external, cohort=name, splits=None, **extra, **common)
+        external.append(path)
+    merged = merge_manifests([internal], external)
     for col in ("path", "lesion_mask"):
         merged[col] = [os.path.relpath(p, folder) for p in merged[col]]
-    return write_manifest(merged, manifest)
+    return write_manifest(merged, folder / "manifest.csv")
 
 
 def arm_config(arm: str, out: Path, seeds: list[int], epochs: int | None) -> Any:
@@ -104,7 +121,7 @@ def run_study(out: Path, seeds: list[int], arms: list[str], epochs: int | None, 
         train_pipeline(cfg, device="cpu", progress=progress)
         t2 = time.perf_counter()
         res = out / "results" / cfg.name
-        if not (res / "metrics.json").is_file():
+        if not _has_cohorts(res / "metrics.json"):
             evaluate_pipeline(cfg, device="cpu", heatmaps=False, n_boot=0, progress=progress)
         print(f"[bench-stain] {arm}: train {t2 - t1:.0f} s, eval {time.perf_counter() - t2:.0f} s", flush=True)
         for r in read_metrics_json(res / "metrics.json"):
@@ -114,6 +131,13 @@ def run_study(out: Path, seeds: list[int], arms: list[str], epochs: int | None, 
     (out / "stain_table.md").write_text(table)
     (out / "stain_values.json").write_text(json.dumps({"|".join(k): v for k, v in sorted(values.items())}, indent=1))
     return table
+
+
+def _has_cohorts(metrics: Path) -> bool:
+    """Whether an arm's ``metrics.json`` scores every cohort of :data:`COHORTS`."""
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+
+    return metrics.is_file() and set(COHORTS) <= {r.cohort for r in read_metrics_json(metrics)}
 
 
 def format_table(values: dict[tuple[str, str, str], list[float]], arms: list[str], seeds: list[int]) -> str:
@@ -126,8 +150,9 @@ def format_table(values: dict[tuple[str, str, str], list[float]], arms: list[str
         return f"{np.mean(v):.2f}{sd}"
 
     lines = [f"AUC on all tiles, mean +- sd over seeds {', '.join(map(str, seeds))}.", "",
-             "| method | stain | internal test | external (tint, noise) | external_shift (stain matrix) |",
-             "|---|---|---|---|---|"]
+             "| method | stain | internal test | external (tint, noise) | external_shift (stain matrix, x1.25) |"
+             " external_pale (stain matrix, x0.6) |",
+             "|---|---|---|---|---|---|"]
     for m in METHODS:
         for arm in arms:
             lines.append(f"| `{m}` | {arm} | " + " | ".join(cell(values.get((m, arm, c), [])) for c in COHORTS) + " |")
