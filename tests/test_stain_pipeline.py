@@ -161,8 +161,16 @@ def test_eval_applies_the_stored_normaliser_and_reports_it_per_slide(trained):
     from wsi_pipeline.evaluation.runner import evaluate_pipeline
 
     cfg, man = trained["cfg"], trained["manifest"]
+    # an external cohort of one fluorescence slide: scored unnormalised, named in stain.csv and the report
+    _fluorescence_store(cfg.data.tiles_dir, "dapi_eval")
+    row = {**man.iloc[0].to_dict(), "slide_id": "dapi_eval", "cohort": "fluo", "split": "test", "lesion_mask": None}
+    pd.concat([man, pd.DataFrame([row])]).to_csv(cfg.data.manifest, index=False)
     summary = evaluate_pipeline(cfg, device="cpu", heatmaps=False, progress=False)
-    table = pd.read_csv(summary.results_dir / "stain.csv")
+    table = pd.read_csv(summary.results_dir / "stain.csv").set_index(["method", "slide_id"])
     test_ids = set(man[man.split == "test"].slide_id)
-    assert set(table.method) == {"e2e", "fz"} and set(table.slide_id) == test_ids
-    assert table.stain_normalised.tolist() == [True] * len(table)
+    assert set(table.index) == {(m, s) for m in ("e2e", "fz") for s in test_ids | {"dapi_eval"}}
+    assert table.stain_normalised.to_dict() == {(m, s): s != "dapi_eval" for m, s in table.index}
+    assert "dark image" in table.loc[("e2e", "dapi_eval"), "stain_problem"]
+    html = (summary.results_dir / "report.html").read_text()
+    assert f"{len(test_ids)} of {len(test_ids) + 1} evaluated slides were stain-normalised" in html
+    assert "dapi_eval" in html.split("Stain normalisation")[1]

@@ -379,12 +379,13 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Prot
     for (cohort, pname), rr in sorted(got.rows.items()):
         summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, n_classes))
     summary.files.append(write_metrics_json(out / "metrics.json", got.records))
+    stain_table = None
     if got.stain:  # per method and slide: normalised, or why it fell back (one row per slide, whatever the seeds)
         from wsi_pipeline.io_atomic import write_text_atomic
 
         cols = ["method", "slide_id", "cohort", "stain_normalised", "stain_problem"]
-        table = pd.DataFrame([got.stain[k] for k in sorted(got.stain)], columns=cols)
-        summary.files.append(write_text_atomic(out / "stain.csv", table.to_csv(index=False)))
+        stain_table = pd.DataFrame([got.stain[k] for k in sorted(got.stain)], columns=cols)
+        summary.files.append(write_text_atomic(out / "stain.csv", stain_table.to_csv(index=False)))
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
@@ -393,4 +394,5 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Prot
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
         protocols=[p.name for p in protocols], validation=choice.val_scores,
         heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(choice.best_val and not heatmap_method),
+        stain=stain_table,
     ))
