@@ -211,6 +211,14 @@ def test_a_fitted_target_needs_one_usable_slide():
     bad = estimate_stain(np.full((4, 8, 8, 3), 245, np.uint8))
     with pytest.raises(ValueError, match="no training slide's stain could be estimated.*too little tissue"):
         fit_target([bad, bad], "macenko")
+    # a slide usable by Reinhard only counts for the L*a*b* target, never (as zeros) for the stain vectors
+    good = estimate_stain(paint(41))
+    lab_only = StainEstimate(lab_mean=(70.0, 20.0, -10.0), lab_std=(5.0, 3.0, 4.0), macenko_problem="one stain only")
+    target, n = fit_target([good, lab_only, lab_only], "reinhard")
+    assert n == 3 and target.he == good.he and target.max_c == good.max_c
+    assert target.lab_mean == (70.0, 20.0, -10.0) and target.ok_for("macenko")[0]
+    target, n = fit_target([good, lab_only], "macenko")
+    assert n == 1 and target.lab_mean == good.lab_mean
 
 
 def test_stain_ordering_agrees_with_histolabs_published_stain_matrices():

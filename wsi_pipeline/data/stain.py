@@ -284,27 +284,34 @@ def _reinhard_stats(px: torch.Tensor) -> tuple[Any, Any, str]:
 
 
 def fit_target(estimates: Iterable[StainEstimate], method: str) -> tuple[StainEstimate, int]:
-    """The training split's target: per value the median over the slides ``method`` can use
-    (H and E vectors re-normalised to unit length); ``(target, slides used)``.
+    """The training split's target: per value the median over the slides that can use it (H and E
+    vectors re-normalised to unit length; Macenko values over the slides Macenko can use, L*a*b*
+    statistics over those Reinhard can use); ``(target, slides used by method)``.
 
-    Raises ``ValueError`` when no slide's estimate is usable, naming the reasons found.
+    Raises ``ValueError`` when no slide's estimate is usable by ``method``, naming the reasons found.
     """
     ests = list(estimates)
-    usable = [e for e in ests if e.ok_for(method)[0]]
+    mac = [e for e in ests if e.ok_for("macenko")[0]]
+    rh = [e for e in ests if e.ok_for("reinhard")[0]]
+    usable = mac if method == "macenko" else rh
     if not usable:
         reasons = sorted({e.ok_for(method)[1] for e in ests})
         raise ValueError(f"no training slide's stain could be estimated for {method} normalisation ({'; '.join(reasons)[:300]}); "
                          "set data.stain.normalise: none, or data.stain.target to a slide whose stain can be estimated")
-    he = np.median(np.array([e.he for e in usable]), axis=0)
-    he = he / np.linalg.norm(he, axis=0, keepdims=True)
-    return StainEstimate(
-        he=tuple(tuple(float(v) for v in r) for r in he), max_c=tuple(float(v) for v in np.median([e.max_c for e in usable], 0)),
-        lab_mean=tuple(float(v) for v in np.median([e.lab_mean for e in usable], 0)),
-        lab_std=tuple(float(v) for v in np.median([e.lab_std for e in usable], 0)),
-        n_pixels=sum(e.n_pixels for e in usable), n_tissue=sum(e.n_tissue for e in usable),
-        macenko_problem="" if method != "reinhard" or all(not e.macenko_problem for e in usable) else "not fitted",
-        reinhard_problem="",
-    ), len(usable)
+    out: dict[str, Any] = {"n_pixels": sum(e.n_pixels for e in usable), "n_tissue": sum(e.n_tissue for e in usable)}
+    if mac:
+        he = np.median(np.array([e.he for e in mac]), axis=0)
+        he = he / np.linalg.norm(he, axis=0, keepdims=True)
+        out.update(he=tuple(tuple(float(v) for v in r) for r in he),
+                   max_c=tuple(float(v) for v in np.median([e.max_c for e in mac], 0)))
+    else:
+        out["macenko_problem"] = "no training slide's stain vectors could be estimated"
+    if rh:
+        out.update(lab_mean=tuple(float(v) for v in np.median([e.lab_mean for e in rh], 0)),
+                   lab_std=tuple(float(v) for v in np.median([e.lab_std for e in rh], 0)))
+    else:
+        out["reinhard_problem"] = "no training slide's colour statistics could be estimated"
+    return StainEstimate(**out), len(usable)
 
 
 # ----------------------------------------------------------------------------------------------
