@@ -174,3 +174,27 @@ def test_eval_applies_the_stored_normaliser_and_reports_it_per_slide(trained):
     html = (summary.results_dir / "report.html").read_text()
     assert f"{len(test_ids)} of {len(test_ids) + 1} evaluated slides were stain-normalised" in html
     assert "dapi_eval" in html.split("Stain normalisation")[1]
+
+
+def test_a_named_reference_slide_is_the_target_and_an_unknown_one_is_refused(tmp_path):
+    from wsi_pipeline.config.pipeline import config_from_dict
+    from wsi_pipeline.data.bags import slides_for_split
+    from wsi_pipeline.data.stain_slides import estimate_store
+    from wsi_pipeline.synthetic.stores import make_store_cohort
+    from wsi_pipeline.training.stain import fit_run_stain
+
+    manifest = make_store_cohort(tmp_path, n_slides=4, tiles_per_slide=(8, 10), seed=1)
+    man = pd.read_csv(manifest)
+    ref = str(man[man.split == "test"].slide_id.iloc[0])  # any slide of the manifest may be the reference
+
+    def fit(target):
+        cfg = config_from_dict({"name": "p", "data": {"manifest": str(manifest), "tiles_dir": str(tmp_path / "tiles"), "n_classes": 2,
+                                                      "stain": {"normalise": "reinhard", "target": target, "max_tiles": 4}},
+                                "methods": [{"name": "a", "strategy": "full"}]})
+        return fit_run_stain(cfg, cfg.methods, slides_for_split(man, "train", cfg.data.tiles_dir), man)
+
+    ctx = fit(ref)
+    assert ctx.normaliser.target == estimate_store(open_store(store_path(tmp_path / "tiles", ref)), 4)
+    assert ctx.normaliser.target_name == ref and ref not in ctx.training
+    with pytest.raises(ValueError, match=r"data\.stain\.target='nope' is not a slide_id of"):
+        fit("nope")

@@ -72,8 +72,10 @@ ALPHA = 1.0
 MAX_C_PERCENTILE = 99.0
 #: Fewest tissue pixels an estimate needs.
 MIN_TISSUE_PIXELS = 200
-#: A sample whose median channel-mean OD exceeds this is dark (grey < ~65: fluorescence, or a failed scan).
-DARK_MEDIAN_OD = 1.3
+#: A sample whose median channel-mean OD exceeds this is dark (grey below about 32: a fluorescence
+#: background, or a failed scan). Dense, dark H&E tissue stays well below it (the synthetic stores'
+#: all-lesion tiles: 1.3).
+DARK_MEDIAN_OD = 2.0
 #: A sample with more of its tissue pixels clipped at 0 in some channel than this is saturated.
 SATURATED_FRACTION = 0.25
 #: Smallest angle (radians) between the two stain vectors of a usable estimate (~1 degree).
