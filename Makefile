@@ -21,7 +21,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain clean
 
 install: $(STAMP)
 
@@ -91,6 +91,10 @@ bench-accumulate: install
 
 bench-eval: install
 	$(BIN)/python -m wsi_pipeline.bench.eval $(ARGS)
+
+# stain normalisation / augmentation against two stain shifts (about an hour on 2 cores); ARGS="--timing" for the per-tile cost
+bench-stain: install
+	$(BIN)/python -m wsi_pipeline.bench.stain $(ARGS)
 
 bench-decode: install
 	$(BIN)/python -m wsi_pipeline.bench.decode $(ARGS)

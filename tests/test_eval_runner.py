@@ -267,7 +267,8 @@ def test_predict_on_a_folder_of_stores(evaluated, tmp_path, capsys):
                "--device", "cpu", "--protocol", "all", "--protocol", "sub8x5", "--quiet"])
     assert rc == 0
     df = pd.read_csv(tmp_path / "pred" / "predictions.csv")
-    assert list(df.columns) == prediction_columns(2) + ["stain_distance", "off_distribution"] and df.label.isna().all()
+    extra = ["stain_distance", "off_distribution", "stain_normalised", "stain_problem"]
+    assert list(df.columns) == prediction_columns(2) + extra and df.label.isna().all()
     assert len(df) == 4 and set(df.protocol) == {"all", "sub8x5"}
     ref = pd.read_csv(evaluated["summary"].results_dir / "predictions_ext_all.csv")
     ref = ref[(ref.seed == 0)].set_index("slide_id")

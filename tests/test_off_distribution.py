@@ -140,7 +140,8 @@ def test_predict_flags_a_fluorescence_slide_and_still_predicts_it(trained, tmp_p
     df = pd.read_csv(tmp_path / "pred" / "predictions.csv").set_index("slide_id")
     assert set(df.index) == set(he) | {"ext_000", "ext_001", "dapi_001"}  # nothing refused
     np.testing.assert_allclose(df[["prob_0", "prob_1"]].sum(axis=1), 1.0, atol=1e-5)
-    assert list(df.columns[-2:]) == ["stain_distance", "off_distribution"]
+    assert list(df.columns[-4:]) == ["stain_distance", "off_distribution", "stain_normalised", "stain_problem"]
+    assert df["stain_normalised"].isna().all()  # a model without stain normalisation: the column is empty
     assert df.loc["dapi_001", "off_distribution"] == True  # noqa: E712 (numpy/pandas bool)
     assert not df.drop(index="dapi_001")["off_distribution"].any()
     # the fluorescence distance, recomputed with numpy from the saved reference and the store's tiles

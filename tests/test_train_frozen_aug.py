@@ -92,8 +92,8 @@ def spy_on_strategies(monkeypatch) -> list[dict]:
     records: list[dict] = []
     real = loop.build_strategy
 
-    def build(method, n_classes, device, augment=None):
-        strategy = real(method, n_classes, device, augment)
+    def build(method, n_classes, device, augment=None, *args, **options):  # the endpoint; the stain normalisation
+        strategy = real(method, n_classes, device, augment, *args, **options)
         rec = {"method": method.name, "input": strategy.input, "val_input": strategy.val_input, "bags": [], "val": []}
         records.append(rec)
         step = strategy.bag_step

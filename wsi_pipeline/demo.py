@@ -33,44 +33,14 @@ from typing import Any
 
 import pandas as pd
 
+from wsi_pipeline.synthetic.cohort import DemoCohort  # defined beside the generator (bench.stain builds it too)
+
 __all__ = [
     "DemoCohort", "SurvivalCohort", "c_index_table", "format_seed_study", "parse_seeds", "results_table", "run_demo",
     "seed_study_table",
 ]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DemoCohort:
-    """The synthetic cohort: slide counts, level-0 side in px, lesion look and size, nuisance variation, seed.
-
-    A randomly initialised encoder (no network, so no pretrained weights) with calibrated
-    BatchNorm already tells textures apart, and when slides differ only by their lesions, the
-    mean of its tile features gives every label away: the frozen baseline would rank the slides
-    perfectly and there would be nothing left to show. So, as in real cohorts, slides also differ
-    in ways that do not matter: benign mimic regions (dense small dark nuclei) on 60 % of slides
-    of either label darken tissue as lesions do, and stain (+-6 % per channel) and nuclei density
-    (x e^+-0.3) vary from slide to slide. The label is then in the lesion texture only, which the
-    end-to-end models learn and the frozen features blur.
-
-    Lesion contrast 0.7 (lesion nuclei of radius 2.3 and density 0.023 per px^2 at scale 1, against
-    the mimics' 1.1 and 0.03; see :func:`~wsi_pipeline.synthetic.texture.paint_tissue`): at 0.5 two
-    of five training seeds missed a target of the seed study within 12 epochs (an internal AUC of
-    0.88, a localisation of 0.65); at 0.7 the end-to-end methods reach their targets on every seed
-    in 8 epochs (6 for PatchGD), which also keeps the demo within 8 minutes on two cores (README,
-    seed study).
-    """
-
-    n_internal: int = 40
-    n_external: int = 16
-    size: int = 896
-    lesion_contrast: float = 0.7
-    lesion_size: float = 0.1
-    mimic_fraction: float = 0.6
-    stain_jitter: float = 0.06
-    density_jitter: float = 0.3
-    seed: int = 0
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "_scores.csv. A folder of <slide_id>.zarr tile stores is used as it is, without tiling. "
             "No labels are needed. Each slide's stain colour and intensity are compared with the training tiles': "
             "slides far outside them are flagged (columns stain_distance and off_distribution, and a warning) "
-            "but still predicted. Under torchrun (torchrun --nproc_per_node=G -m wsi_pipeline.cli.main predict ...) "
+            "but still predicted. A model trained with stain normalisation (data.stain) applies the normaliser stored "
+            "in its checkpoint to every slide, from the slide's own stain estimate (columns stain_normalised and "
+            "stain_problem: a slide whose stain cannot be estimated is predicted unnormalised). Under torchrun (torchrun --nproc_per_node=G -m wsi_pipeline.cli.main predict ...) "
             "the ranks tile the folder together, each scores a shard of the slides, and rank 0 writes the same "
             "files one process writes."
         ),

@@ -23,7 +23,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "same command is run again. Frozen methods extract missing "
             "feature files first. Relative paths in the config are relative to the current directory. "
             "Under `torchrun --nproc_per_node=G` (e.g. `make train NPROC=G`) G processes share each optimiser "
-            "step's bags and sum the gradients (NCCL on GPUs, gloo on CPUs); only rank 0 writes and logs."
+            "step's bags and sum the gradients (NCCL on GPUs, gloo on CPUs); only rank 0 writes and logs. "
+            "Stain: data.stain.normalise (none, macenko, reinhard; e.g. --set data.stain.normalise=macenko) is fitted "
+            "once before training on the training slides' stain estimates (or data.stain.target=SLIDE_ID, one reference "
+            "slide), saved in each run folder (stain.json, stain.csv) and checkpoint, and applied to every tile of "
+            "training, validation, frozen features, eval and predict; a slide whose stain cannot be estimated is left "
+            "unnormalised with a warning. Stain augmentation: train.augment.hed_p (HED jitter, strengths hed_scale, "
+            "hed_shift) and stain_mix_p (mixing with training slides' stains, weight up to stain_mix), one draw per bag."
         ),
     )
     p.add_argument("--config", required=True, metavar="YAML", help="pipeline YAML file, e.g. pipelines/demo.yaml")

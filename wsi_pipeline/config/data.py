@@ -3,11 +3,39 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from wsi_pipeline.config.choices import BagUnit
 from wsi_pipeline.config.tiling import StoreTiling
 
-__all__ = ["DataConfig"]
+__all__ = ["DataConfig", "StainConfig", "STAIN_NORMALISERS"]
+
+#: ``data.stain.normalise`` values (``wsi_pipeline.data.stain.METHODS``, kept equal by a test).
+StainNormalise = Literal["none", "macenko", "reinhard"]
+STAIN_NORMALISERS: tuple[str, ...] = ("none", "macenko", "reinhard")
+
+
+@dataclass(frozen=True)
+class StainConfig:
+    """Stain normalisation (``data.stain``), fitted once at training time and stored with the model.
+
+    Attributes
+    ----------
+    normalise : ``none``, ``macenko`` or ``reinhard``.
+    target : ``train`` (the medians of the training slides' estimates) or the ``slide_id`` of a
+        reference slide (any slide of the manifest with a tile store).
+    max_tiles : tiles per slide read (evenly spaced) for its stain estimate.
+    """
+
+    normalise: StainNormalise = "none"
+    target: str = "train"
+    max_tiles: int = 32
+
+    def __post_init__(self) -> None:
+        if self.max_tiles < 1:
+            raise ValueError(f"data.stain.max_tiles={self.max_tiles}; expected >= 1 tiles per slide")
+        if not self.target:
+            raise ValueError("data.stain.target is empty; expected `train` or a slide_id")
 
 
 @dataclass(frozen=True)
@@ -27,6 +55,7 @@ class DataConfig:
     bags : ``slide`` (default: a bag is one slide's tiles) or ``patient``: one bag per patient,
         the tiles of all its slides (``patient_id``), in training and evaluation; every record and
         prediction row is then a patient's (its ``slide_id`` is the patient id). Not for PatchGD.
+    stain : stain normalisation (:class:`StainConfig`).
     """
 
     manifest: str
@@ -35,7 +64,12 @@ class DataConfig:
     features_dir: str = "features"
     tiling: StoreTiling = field(default_factory=StoreTiling)
     bags: BagUnit = "slide"
+    stain: StainConfig = field(default_factory=StainConfig)
 
     def __post_init__(self) -> None:
         if self.n_classes is not None and self.n_classes < 2:
             raise ValueError(f"data.n_classes={self.n_classes}; expected >= 2 (binary tasks use 2)")
+        if self.bags == "patient" and self.stain.normalise != "none":
+            # a patient bag mixes slides, each with its own stain estimate; one normaliser per bag would be wrong
+            raise ValueError(f"data.bags=patient with data.stain.normalise={self.stain.normalise!r} is not supported: "
+                             "a patient's slides each need their own normalisation; use bags: slide, or normalise: none")

@@ -52,6 +52,14 @@ class AugmentConfig:
         (kornia ``ColorJitter`` conventions; hue in [0, 0.5]).
     flips : random horizontal and vertical flips (p = 0.5 each).
     rotation : random rotation by a multiple of 90 degrees (lossless on square tiles).
+    hed_p, hed_scale, hed_shift : HED jitter (Tellez et al.) with probability ``hed_p`` per bag:
+        each of the haematoxylin, eosin and DAB channels (optical density, natural log; see
+        :func:`wsi_pipeline.data.stain.hed_jitter`) becomes ``U(1 - hed_scale, 1 + hed_scale) * s +
+        U(-hed_shift, hed_shift)``, one draw per bag. Off by default (``hed_p: 0``); 0.05 / 0.05 is a
+        mild jitter (a few grey levels), 0.2 / 0.1 a strong one.
+    stain_mix_p, stain_mix : stain mixing with probability ``stain_mix_p`` per bag: the bag's
+        stain matrix and intensities move a fraction ``U(0, stain_mix)`` of the way towards those
+        of a training slide drawn at random (:func:`wsi_pipeline.data.stain.mix_stains`). Off by default.
     """
 
     enabled: bool = False
@@ -65,9 +73,19 @@ class AugmentConfig:
     hue: float = 0.02
     flips: bool = True
     rotation: bool = True
+    hed_p: float = 0.0
+    hed_scale: float = 0.05
+    hed_shift: float = 0.05
+    stain_mix_p: float = 0.0
+    stain_mix: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("blur_p", "jitter_p"):
+        for name in ("hed_scale", "hed_shift"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"train.augment.{name}={getattr(self, name)}; expected a strength in [0, 1)")
+        if not 0.0 <= self.stain_mix <= 1.0:
+            raise ValueError(f"train.augment.stain_mix={self.stain_mix}; expected a mixing weight in [0, 1]")
+        for name in ("blur_p", "jitter_p", "hed_p", "stain_mix_p"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"train.augment.{name}={getattr(self, name)}; expected a probability in [0, 1]")
         if self.blur_kernel < 1 or self.blur_kernel % 2 == 0:

@@ -7,8 +7,10 @@ run is reproducible) and apply them with kornia's image functions
 (:meth:`SlideAugment.apply`). Because the draw is separate from the application, a bag can be
 augmented chunk by chunk on the device and still get one transform (see :func:`tiles_to_input`).
 
-Order of operations: blur, brightness, contrast, saturation, hue, horizontal flip, vertical
-flip, rotation by a multiple of 90 degrees (lossless on square tiles). Colour-jitter factors
+Order of operations: stain normalisation (the slide's, not random: :mod:`wsi_pipeline.data.stain`),
+stain mixing, HED jitter (both in optical-density space, :func:`~wsi_pipeline.data.stain.mix_stains`,
+:func:`~wsi_pipeline.data.stain.hed_jitter`), blur, brightness, contrast, saturation, hue,
+horizontal flip, vertical flip, rotation by a multiple of 90 degrees (lossless on square tiles). Colour-jitter factors
 follow kornia's ``ColorJitter``: brightness adds ``b - 1`` with ``b ~ U[1 - B, 1 + B]``,
 contrast and saturation multiply by ``U[1 - x, 1 + x]``, hue turns by ``U[-H, H]`` of a full turn.
 """
@@ -17,11 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from wsi_pipeline.data.stain import StainEstimate, hed_jitter, mix_stains
 from wsi_pipeline.data.tensors import IMAGENET_MEAN, IMAGENET_STD, tiles_to_tensor
 
 __all__ = ["AugmentParams", "SlideAugment", "build_augment", "tiles_to_input"]
@@ -39,6 +43,10 @@ class AugmentParams:
     hflip: bool = False
     vflip: bool = False
     rot90: int = 0
+    hed_scale: tuple[float, float, float] | None = None
+    hed_shift: tuple[float, float, float] | None = None
+    mix_donor: int | None = None
+    mix_weight: float = 0.0
 
 
 def _uniform(low: float, high: float) -> float:
@@ -51,10 +59,12 @@ class SlideAugment:
     Parameters
     ----------
     cfg : a :class:`wsi_pipeline.config.pipeline.AugmentConfig`.
+    donors : the training slides' stain estimates stain mixing draws from (empty: no mixing).
     """
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, donors: Sequence[StainEstimate] = ()) -> None:
         self.cfg = cfg
+        self.donors = list(donors)
 
     def draw(self) -> AugmentParams:
         """One random draw (torch's global generator) of the parameters of a bag."""
@@ -69,6 +79,19 @@ class SlideAugment:
         h = _uniform(-c.hue, c.hue)
         hflip, vflip = torch.rand(()).item() < 0.5, torch.rand(()).item() < 0.5
         rot = int(torch.randint(0, 4, ()).item())
+        extra: dict[str, Any] = {}
+        # drawn only when configured, so configs without them keep their random stream
+        if c.stain_mix_p > 0:
+            mix_on, w = torch.rand(()).item() < c.stain_mix_p, _uniform(0.0, c.stain_mix)
+            donor = int(torch.randint(0, max(1, len(self.donors)), ()).item())
+            if mix_on and self.donors:
+                extra.update(mix_donor=donor, mix_weight=w)
+        if c.hed_p > 0:
+            hed_on = torch.rand(()).item() < c.hed_p
+            scale = tuple(_uniform(1 - c.hed_scale, 1 + c.hed_scale) for _ in range(3))
+            shift = tuple(_uniform(-c.hed_shift, c.hed_shift) for _ in range(3))
+            if hed_on:
+                extra.update(hed_scale=scale, hed_shift=shift)
         return AugmentParams(
             blur_sigma=sigma if blur_on else None,
             brightness=b if jit_on and c.brightness > 0 else None,
@@ -78,16 +101,25 @@ class SlideAugment:
             hflip=bool(c.flips and hflip),
             vflip=bool(c.flips and vflip),
             rot90=rot if c.rotation else 0,
+            **extra,
         )
 
-    def apply(self, images: torch.Tensor, params: AugmentParams) -> torch.Tensor:
-        """Apply ``params`` to float images ``[k, 3, T, T]`` in [0, 1]; returns a new tensor in [0, 1]."""
+    def apply(self, images: torch.Tensor, params: AugmentParams, stain: StainEstimate | None = None) -> torch.Tensor:
+        """Apply ``params`` to float images ``[k, 3, T, T]`` in [0, 1]; returns a new tensor in [0, 1].
+
+        ``stain``: the stain of the images as they are (after normalisation), which stain mixing
+        starts from (no mixing without it).
+        """
         from kornia.enhance import adjust_brightness, adjust_contrast, adjust_hue, adjust_saturation
         from kornia.filters import gaussian_blur2d
 
         x = images
         if x.shape[0] == 0:
             return x
+        if params.mix_donor is not None and stain is not None and params.mix_donor < len(self.donors):
+            x = mix_stains(x, stain, self.donors[params.mix_donor], params.mix_weight)
+        if params.hed_scale is not None and params.hed_shift is not None:
+            x = hed_jitter(x, params.hed_scale, params.hed_shift)
         if params.blur_sigma is not None:
             k = self.cfg.blur_kernel
             x = gaussian_blur2d(x, (k, k), (params.blur_sigma, params.blur_sigma))
@@ -108,9 +140,9 @@ class SlideAugment:
         return x.clamp(0.0, 1.0)
 
 
-def build_augment(cfg: Any) -> SlideAugment | None:
-    """A :class:`SlideAugment` when ``cfg.enabled``, else None."""
-    return SlideAugment(cfg) if cfg.enabled else None
+def build_augment(cfg: Any, donors: Sequence[StainEstimate] = ()) -> SlideAugment | None:
+    """A :class:`SlideAugment` when ``cfg.enabled``, else None (``donors``: see :class:`SlideAugment`)."""
+    return SlideAugment(cfg, donors) if cfg.enabled else None
 
 
 def tiles_to_input(
@@ -121,8 +153,9 @@ def tiles_to_input(
     device: torch.device | str | None = None,
     out_device: torch.device | str | None = None,
     chunk: int | None = None,
+    stain: Any = None,
 ) -> torch.Tensor:
-    """uint8 tiles ``(k, T, T, 3)`` RGB -> normalised float ``(k, 3, T, T)``, augmented per slide.
+    """uint8 tiles ``(k, T, T, 3)`` RGB -> normalised float ``(k, 3, T, T)``, stain-normalised and augmented per slide.
 
     Parameters
     ----------
@@ -132,6 +165,7 @@ def tiles_to_input(
     out_device : where the result goes (default ``device``); with ``chunk``, a bag bigger than
         the device can hold is processed ``chunk`` tiles at a time and collected there.
     chunk : tiles per piece (None: the whole bag at once).
+    stain : the slide's :class:`~wsi_pipeline.data.stain_slides.SlideStain` (None: not normalised).
 
     Without ``augment`` the result equals :func:`wsi_pipeline.data.tensors.tiles_to_tensor`.
     """
@@ -147,10 +181,12 @@ def tiles_to_input(
     for a in range(0, max(n, 1), max(step, 1)):
         part = t[a : a + step]
         if augment is None:
-            x = tiles_to_tensor(part, device=device)
+            x = tiles_to_tensor(part, device=device, stain=stain)
         else:
             x = part.to(device=device).permute(0, 3, 1, 2).to(torch.get_default_dtype()).div_(255.0)
-            x = augment.apply(x, params)
+            if stain is not None:
+                x = stain.apply(x)
+            x = augment.apply(x, params, stain.effective if stain is not None else None)
             mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
             std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
             x = x.sub_(mean).div_(std).contiguous()

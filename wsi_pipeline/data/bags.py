@@ -76,11 +76,14 @@ class Bag:
     indices : int64 (k,) tile positions in the store, increasing.
     data : uint8 tiles (k, T, T, 3) from a :class:`TileReader`, or float32 features (k, D)
         from a :class:`FeatureReader`.
+    stain : the slide's stain normalisation (:class:`~wsi_pipeline.data.stain_slides.SlideStain`)
+        for tiles, None for features or without normalisation.
     """
 
     slide: Slide
     indices: np.ndarray
     data: Any
+    stain: Any = None
 
 
 #: The manifest columns a task's targets come from.
@@ -293,10 +296,15 @@ def epoch_plan(
 
 
 class TileReader:
-    """Reads tiles of slides from their stores (stores stay open for the run)."""
+    """Reads tiles of slides from their stores (stores stay open for the run).
 
-    def __init__(self, slides: Sequence[Slide]) -> None:
+    ``stain``: a :class:`~wsi_pipeline.data.stain_slides.StainContext`; each store opened gets its
+    slide's normalisation (``store.stain``), and so does each bag read (``bag.stain``).
+    """
+
+    def __init__(self, slides: Sequence[Slide], stain: Any = None) -> None:
         self.slides = list(slides)
+        self.stain = stain
         self._stores: dict[int, TileStore] = {}
 
     def store(self, i: int) -> TileStore:
@@ -306,10 +314,17 @@ class TileReader:
             if slide.parts:
                 from wsi_pipeline.data.patient_bags import PatientStore
 
-                self._stores[i] = PatientStore(slide.slide_id, [p.store for p in slide.parts])
+                store = PatientStore(slide.slide_id, [p.store for p in slide.parts])
             else:
-                self._stores[i] = open_store(slide.store)
+                store = open_store(slide.store)
+            if self.stain is not None:
+                self.stain.attach(store)
+            self._stores[i] = store
         return self._stores[i]
+
+    def stain_of(self, i: int) -> Any:
+        """Slide ``i``'s :class:`~wsi_pipeline.data.stain_slides.SlideStain` (None without normalisation)."""
+        return self.store(i).stain
 
     def n_tiles(self) -> list[int]:
         """Tiles per slide."""
@@ -353,6 +368,10 @@ class FeatureReader:
         """float32 features (k, D) of slide ``i``."""
         return self.features(i)[indices]
 
+    def stain_of(self, i: int) -> None:
+        """None: features are embedded already (normalised when they were extracted)."""
+        return None
+
 
 def iter_bags(
     plan: Sequence[Sequence[tuple[int, np.ndarray]]],
@@ -368,7 +387,7 @@ def iter_bags(
 
     def load(item: tuple[int, int, np.ndarray]) -> tuple[int, Bag]:
         g, i, idx = item
-        return g, Bag(reader.slides[i], idx, reader.read(i, idx))
+        return g, Bag(reader.slides[i], idx, reader.read(i, idx), reader.stain_of(i))
 
     if not prefetch or len(flat) < 2:
         for item in flat:

@@ -41,6 +41,7 @@ class PatientStore(TileStore):
         sizes = [len(p) for p in self.parts]
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.shard_tiles = first.shard_tiles
+        self.stain = None  # no normalisation across a patient's slides (data.bags: patient refuses data.stain)
 
     @property
     def slide_id(self) -> str:

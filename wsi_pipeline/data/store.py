@@ -602,10 +602,13 @@ class TileStore:
     grid : int32 (N, 2) tile (col, row) at the read resolution.
     foreground : float32 (N,).
     tile_size : T in px.
+    stain : the slide's stain normalisation (a :class:`~wsi_pipeline.data.stain_slides.SlideStain`),
+        set by the stage that opened the store and applied on the tiles' way to a tensor; None: none.
     """
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
+        self.stain: Any = None
         register_codecs()  # a JPEG-compressed store needs its codec known to zarr before opening
         self.group = zarr.open_group(str(self.path), mode="r")
         self.attrs: dict[str, Any] = dict(self.group.attrs)

@@ -32,7 +32,8 @@ under seed ``"mean"``, and ``localisation_auc``; see :mod:`wsi_pipeline.export.m
 on validation; the first evaluated run when no run recorded one; or ``heatmap_method``'s
 seed best on validation), drawn with the ground-truth lesion outlines when the manifest has
 them, ``report.html`` (led by the model chosen on validation), and the
-resolved ``config.yaml``.
+resolved ``config.yaml``; for models that normalise stain (``data.stain``), ``stain.csv`` (per method
+and slide: ``stain_normalised``, and ``stain_problem``, why a slide fell back to no normalisation).
 
 Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
 scoring: tile a folder with the model's saved tiling parameters, embed once, aggregate, write
@@ -118,6 +119,7 @@ class _Collected:
     # survival and regression slides, and patients of every task (eval.level: patient)
     levels: dict[tuple[str, str, str, str, str], dict[int, tuple]] = field(default_factory=lambda: defaultdict(dict))
     columns: dict[str, list[str]] = field(default_factory=dict)  # the predictions CSVs' columns (survival, regression)
+    stain: dict[tuple[str, str], dict] = field(default_factory=dict)  # (method, slide_id) -> stain report row
 
 
 def evaluate_pipeline(
@@ -431,6 +433,9 @@ class _SetScorer:
         lab = row["label"] if self.task == "classification" else row.get("target")
         if lab is not None and self.task != "classification":
             lab = lab if self.task == "survival" else lab[0]
+        if res.stain_normalised is not None:
+            self.got.stain[(self.method, sid)] = {"method": self.method, "slide_id": sid, "cohort": es.cohort,
+                                                  "stain_normalised": res.stain_normalised, "stain_problem": res.stain_problem}
         for pname, pred in res.preds.items():
             if self.task == "classification":
                 self.got.rows[(es.cohort, pname)].append(prediction_row(
@@ -497,6 +502,13 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Prot
     for (cohort, pname), rr in sorted(got.rows.items()):
         summary.files.append(write_predictions(predictions_path(out, cohort, pname), rr, config.label_classes, columns=columns))
     summary.files.append(write_metrics_json(out / "metrics.json", got.records))
+    stain_table = None
+    if got.stain:  # per method and slide: normalised, or why it fell back (one row per slide, whatever the seeds)
+        from wsi_pipeline.io_atomic import write_text_atomic
+
+        cols = ["method", "slide_id", "cohort", "stain_normalised", "stain_problem"]
+        stain_table = pd.DataFrame([got.stain[k] for k in sorted(got.stain)], columns=cols)
+        summary.files.append(write_text_atomic(out / "stain.csv", stain_table.to_csv(index=False)))
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
@@ -514,4 +526,5 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Prot
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
         protocols=[p.name for p in protocols], validation=choice.val_scores,
         heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(choice.best_val and not heatmap_method),
+        stain=stain_table,
     ))

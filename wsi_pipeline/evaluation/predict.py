@@ -96,7 +96,7 @@ def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -
 
 
 #: Columns ``predict`` adds after the evaluation's predictions columns.
-PREDICT_EXTRA_COLUMNS = ("stain_distance", "off_distribution")
+PREDICT_EXTRA_COLUMNS = ("stain_distance", "off_distribution", "stain_normalised", "stain_problem")
 
 
 def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
@@ -173,6 +173,11 @@ def predict_slides(
     computed from the training stores when they exist): ``predictions.csv`` gets the columns
     ``stain_distance`` and ``off_distribution`` (empty when no summary is available), and a slide
     beyond the threshold is logged as a warning. It is still predicted.
+
+    The model's stain normalisation (``data.stain``, fitted at training time and stored in the
+    checkpoint) is applied to every slide, each with its own stain estimate: ``stain_normalised``
+    says whether it was (empty for a model without normalisation) and ``stain_problem`` why a slide
+    fell back to no normalisation.
     """
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -281,6 +286,8 @@ class _SlidePredictor:
         res = score_slide(model, model.config, store, manifest_row, self.protocols, seed=self.seed,
                           batch_size=self.batch_size, device=self.device, heatmap_dir=self.summary.heatmaps_dir,
                           heatmap_mode=self.heatmap_mode, title=f"attention, {model.method.name}")
+        # the model's stored normalisation (score_slide attached it): whether this slide got it, or why not
+        stain.update(stain_normalised=res.stain_normalised, stain_problem=res.stain_problem or None)
         endpoint = model.endpoint
         if endpoint is not None and endpoint.task != "classification":
             row["predictions"] = [{**endpoint_row(
@@ -328,6 +335,7 @@ def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: 
         "tiles_dir": str(tiles_dir), "tiling": output_params(_tiler_config(model.tiling, None)),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
         "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
+        "stain_normalisation": model.stain.state() if model.stain is not None else {"method": "none"},
         "stain_checks": {s: {"distance": c.distance, "off_distribution": c.off_distribution, "feature": c.feature,
                              "medians": c.medians} for s, c in summary.stain_checks.items()},
     }

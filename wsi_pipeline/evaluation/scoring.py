@@ -51,6 +51,11 @@ def _frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor 
     if attrs.get("store_fingerprint") != store_fingerprint(store) or len(feats) != len(store):
         log.info("feature file %s does not match store %s; embedding the store instead", path, store.path)
         return None
+    want = store.stain.tag if store.stain is not None else "none"
+    if attrs.get("stain", "none") != want:  # features of another stain normalisation: the model's is applied instead
+        log.info("feature file %s has stain normalisation %s, the model's is %s; embedding the store instead",
+                 path, attrs.get("stain", "none"), want)
+        return None
     return torch.from_numpy(feats)
 
 
@@ -62,6 +67,8 @@ class SlideScore:
     localisation: float | None
     heatmap: Path | None
     outlined: bool = False  # ground-truth lesions drawn on the heatmap
+    stain_normalised: bool | None = None  # None: the model does not normalise
+    stain_problem: str = ""  # why the slide fell back to no normalisation
 
 
 def score_slide(
@@ -80,12 +87,17 @@ def score_slide(
 ) -> SlideScore:
     """Score ``store`` (the slide of manifest ``row``) under every protocol; with ``heatmap_dir``, draw its heatmap.
 
+    The model's stain normalisation (``model.stain``, fitted at training time) is attached to the
+    store first, so its tiles are normalised exactly as the training tiles were.
+
     The thumbnail comes from the slide file (``row["path"]``) when it opens, else it is rebuilt
     from the tiles while they are embedded (or read once, when a frozen method's features file
     spares the embedding).
     """
     from wsi_pipeline.export.thumbnail import StoreThumbnail, store_level0_size, store_tile_extent
 
+    if getattr(model, "stain", None) is not None:
+        model.stain.attach(store)
     extent = store_tile_extent(store.attrs, store.tile_size)
     thumb = level0 = None
     builder = None
@@ -116,7 +128,9 @@ def score_slide(
         if builder is not None:
             thumb, level0 = builder.image, builder.level0_size
         png, outlined = _draw_heatmap(heatmap_dir, row, store, extent, thumb, level0, any_pred, heatmap_mode, title)
-    return SlideScore(preds=preds, localisation=loc, heatmap=png, outlined=png is not None and outlined)
+    st = store.stain
+    return SlideScore(preds=preds, localisation=loc, heatmap=png, outlined=png is not None and outlined,
+                      stain_normalised=None if st is None else st.normalised, stain_problem="" if st is None else st.problem)
 
 
 def _slide_thumbnail(path: Any) -> tuple[Any, Any]:

@@ -410,6 +410,21 @@ def _curve_sections(pred: pd.DataFrame, n_classes: int, protocol: str, methods: 
             _confusion_section(pred, n_classes, protocol, methods)]
 
 
+def _stain_section(stain: pd.DataFrame) -> str:
+    """How many slides each model normalised, and the slides that fell back with the reason (column ``stain_problem``)."""
+    per_slide = stain.drop_duplicates("slide_id")
+    n_ok = int((per_slide["stain_normalised"] == True).sum())  # noqa: E712 (a pandas column)
+    note = (f"<p>{n_ok} of {len(per_slide)} evaluated slides were stain-normalised with the normaliser stored in "
+            "each model's checkpoint (fitted at training time, <code>data.stain</code>).")
+    fell = per_slide[per_slide["stain_normalised"] != True]  # noqa: E712
+    if not len(fell):
+        return note + "</p>"
+    rows = "".join(f"<tr><td>{html.escape(str(r.slide_id))}</td><td>{html.escape(str(r.cohort))}</td>"
+                   f"<td>{html.escape(str(r.stain_problem))}</td></tr>" for r in fell.itertuples())
+    return (note + f" {len(fell)} fell back to no normalisation (their stain could not be estimated):</p>"
+            f"<table><tr><th>slide</th><th>cohort</th><th>stain_problem</th></tr>{rows}</table>")
+
+
 def write_report(
     path: str | os.PathLike,
     *,
@@ -424,6 +439,7 @@ def write_report(
     validation: Mapping[tuple[str, int], tuple] | None = None,
     heatmap_run: tuple[str, int] | None = None,
     heatmap_chosen_on_validation: bool = False,
+    stain: pd.DataFrame | None = None,
 ) -> Path:
     """Write ``report.html`` atomically.
 
@@ -439,6 +455,8 @@ def write_report(
         best first and names the model chosen on validation.
     heatmap_run : (method, seed) of the heatmaps.
     heatmap_chosen_on_validation : whether ``heatmap_run`` was chosen on validation (stated in the page).
+    stain : per method and slide ``method, slide_id, cohort, stain_normalised, stain_problem`` (the
+        results' ``stain.csv``): a section with the count normalised and every slide that fell back.
     """
     path = Path(path)
     records = read_metrics_json(metrics_path)
@@ -466,6 +484,8 @@ def write_report(
         body.append(_heatmap_note(heatmap_model, heatmap_chosen_on_validation, bool(validation)))
     body.append(f'<div class=side>{loc_table}<div class=gal>{_gallery(gallery, path.parent, gallery_size)}</div></div>')
     body += ["<h2>Metrics</h2>", _metric_tables(records, prots, n_classes, methods)]
+    if stain is not None and len(stain):
+        body += ["<h2>Stain normalisation</h2>", _stain_section(stain)]
     if len(pred):
         body += _curve_sections(pred, n_classes, prots[0], methods)
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"

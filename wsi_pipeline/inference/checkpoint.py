@@ -14,6 +14,9 @@ A checkpoint is a dict::
     endpoint    the task, loss and what they learnt from the training split (discrete-time bin edges,
                 regression standardisation): :meth:`wsi_pipeline.inference.endpoints.Endpoint.to_state`;
                 absent in checkpoints written before endpoints (classification)
+    stain_normalise   the stain normalisation's name (``none``, ``macenko``, ``reinhard``)
+    stain       the fitted normalisation (:meth:`wsi_pipeline.data.stain_slides.StainContext.state`:
+                ``method``, target, training slides' estimates), when ``data.stain`` or stain mixing used it
     history     list of per-epoch dicts (the rows of history.csv)
 
 Nothing is pickled as a Python object, so ``torch.load(path, weights_only=True)`` reads it and a
@@ -262,6 +265,9 @@ class TrainedModel:
     stain_reference : the training tiles' stain summary (:func:`wsi_pipeline.data.stain_stats.stain_reference`),
         or None for checkpoints written without one.
     endpoint : what the model predicts (:class:`~wsi_pipeline.inference.endpoints.Endpoint`).
+    stain : the fitted stain normalisation (a :class:`~wsi_pipeline.data.stain_slides.StainContext`,
+        restored exactly from the checkpoint), applied unchanged to every slide ``eval`` and
+        ``predict`` score; None when the run did not normalise (nor a checkpoint written before it could).
     """
 
     encoder: torch.nn.Module
@@ -275,6 +281,7 @@ class TrainedModel:
     seed: int
     stain_reference: dict | None = None
     endpoint: Any = None
+    stain: Any = None
 
     @property
     def strategy(self) -> str:
@@ -327,8 +334,18 @@ def load_trained_model(
     aggregator.load_state_dict(models["aggregator"])
     encoder.to(device).eval()
     aggregator.to(device).eval()
+    stain = None
+    if state.get("stain") is not None:
+        from wsi_pipeline.data.stain_slides import StainContext
+
+        try:
+            stain = StainContext.from_state(state["stain"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: its stain normalisation cannot be restored ({e})") from e
+        if stain.method == "none":
+            stain = None  # stain mixing needed estimates at training time; nothing to apply at inference
     return TrainedModel(
         encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=n_classes,
         tiling=state.get("tiling") or config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
-        stain_reference=state.get("stain_reference"), endpoint=endpoint,
+        stain_reference=state.get("stain_reference"), endpoint=endpoint, stain=stain,
     )

@@ -8,12 +8,14 @@
 - ``grid`` int32 [N, 2]: (col, row) of each tile on the store's tile grid;
 - attributes: ``slide_id``, ``encoder`` (name), ``weights_sha256`` (sha256 over the encoder's
   state dict: names, dtypes, shapes and bytes, in key order), ``store_fingerprint`` (see
-  :func:`store_fingerprint`), ``n_tiles``, ``feature_dim``, ``tile_size`` (px),
+  :func:`store_fingerprint`), ``stain`` (the slide's stain normalisation: ``none``, or the method
+  and a hash of the target and the slide's estimate, :meth:`~wsi_pipeline.data.stain.StainNormaliser.tag`;
+  files written before it existed count as ``none``), ``n_tiles``, ``feature_dim``, ``tile_size`` (px),
   ``package_version``, ``created``, and ``complete = True``.
 
 Files are written under a temporary name and renamed into place, so a file that exists is
-complete. A file whose encoder, weights hash and store fingerprint match is up to date and is
-skipped. Training the aggregator alone (the frozen baseline) reads these files with
+complete. A file whose encoder, weights hash, store fingerprint and stain normalisation match is up to
+date and is skipped (the normalisation is part of the cache key). Training the aggregator alone (the frozen baseline) reads these files with
 :func:`read_features`.
 """
 
@@ -112,7 +114,10 @@ _STALE_BECAUSE = {
     "encoder": "another encoder",
     "weights_sha256": "encoder weights changed (other weights, or BatchNorm calibrated on another training set)",
     "store_fingerprint": "tile store rebuilt or retiled",
+    "stain": "stain normalisation changed (data.stain, or the slide's stain estimate)",
 }
+#: Value of an attribute absent from files written before it existed.
+_ABSENT_MEANS = {"stain": "none"}
 
 
 def _stale_reason(path: Path, expected: Mapping[str, Any]) -> str | None:
@@ -126,7 +131,7 @@ def _stale_reason(path: Path, expected: Mapping[str, Any]) -> str | None:
             if not bool(f.attrs.get("complete", False)):
                 return "incomplete file"
             for k, v in expected.items():
-                if f.attrs.get(k) != v:
+                if f.attrs.get(k, _ABSENT_MEANS.get(k)) != v:
                     return _STALE_BECAUSE.get(k, f"{k} changed")
     except OSError as e:
         return f"unreadable file ({e})"
@@ -159,6 +164,7 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
 
 
 def _embed_store(store: Any, encoder: Any, device: str, batch_size: int) -> np.ndarray:
+    """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``): float32 [N, D]."""
     import torch
 
     from wsi_pipeline.data.tensors import tiles_to_tensor
@@ -171,7 +177,7 @@ def _embed_store(store: Any, encoder: Any, device: str, batch_size: int) -> np.n
             return np.zeros((0, encoder(blank).shape[1]), np.float32)
         for start in range(0, n, batch_size):
             idx = np.arange(start, min(start + batch_size, n))
-            x = tiles_to_tensor(store.read(idx), device=device)
+            x = tiles_to_tensor(store.read(idx), device=device, stain=store.stain)
             out.append(encoder(x).float().cpu().numpy())
     return np.concatenate(out, 0)
 
@@ -184,11 +190,12 @@ _SLIDE_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 
 def _slide_features(
     slide_id: str, row: dict[str, Any], encoder: Any, device: str, tiles_dir: str, out: str, encoder_name: str,
-    digest: str, batch_size: int, overwrite: bool,
+    digest: str, batch_size: int, overwrite: bool, stain: Any = None,
 ) -> None:
     """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): embed its store into
     ``<out>/<slide_id>.h5`` unless up to date, filling ``row`` (``n_tiles``; ``status`` skipped when up to
-    date; ``reason``, not a report column: why an existing file was re-extracted)."""
+    date; ``reason``, not a report column: why an existing file was re-extracted); ``stain``: the
+    :class:`~wsi_pipeline.data.stain_slides.StainContext` the tiles go through (None: none)."""
     import torch
 
     import wsi_pipeline
@@ -200,7 +207,10 @@ def _slide_features(
         encoder.to(dev).eval()
     dest = features_path(out, slide_id)
     store = open_store(store_path(tiles_dir, slide_id))
-    expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store)}
+    if stain is not None:
+        stain.attach(store)
+    expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store),
+                "stain": store.stain.tag if store.stain is not None else "none"}
     row["n_tiles"] = len(store)
     reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
     if reason is None:
@@ -236,6 +246,7 @@ def extract_features(
     progress: bool = True,
     cluster: Any = None,
     retries: int = 2,
+    stain: Any = None,
 ) -> pd.DataFrame:
     """Embed every slide's tile store with a frozen encoder and write ``<out_dir>/<slide_id>.h5``.
 
@@ -257,6 +268,8 @@ def extract_features(
         :mod:`wsi_pipeline.jobs.runner`): the encoder is built here and sent to every worker,
         which runs it on its own ``device``.
     retries : with ``cluster``: extra runs of a slide whose worker died.
+    stain : a fitted :class:`~wsi_pipeline.data.stain_slides.StainContext`: tiles are stain-normalised
+        before the encoder, and the normalisation is recorded in each file (its cache key).
 
     Returns
     -------
@@ -285,7 +298,7 @@ def extract_features(
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
     _report_orphans(out, slide_ids)
     rows = run_slides(
-        slide_ids, _slide_features, (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite),
+        slide_ids, _slide_features, (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain),
         catch=_SLIDE_ERRORS, defaults=_REPORT_DEFAULTS, broadcast=encoder.cpu() if cluster is not None else encoder,
         cluster=cluster, retries=retries, desc="features", progress=progress,
         report_path=out / REPORT_NAME, columns=REPORT_COLUMNS,

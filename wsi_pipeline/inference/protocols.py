@@ -176,7 +176,8 @@ def embed_slide(
     Returns
     -------
     Tensor float32 [N, D] on the CPU, row i = tile i of the store. The next batch is read in a
-    background thread while the current one is embedded.
+    background thread while the current one is embedded. Tiles go through the store's stain
+    normalisation (``store.stain``, attached by the stage that opened it) when it has one.
     """
     st = store if isinstance(store, TileStore) else open_store(store)
     n = len(st)
@@ -196,7 +197,7 @@ def embed_slide(
             pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
             if on_batch is not None:
                 on_batch(np.arange(s, s + len(tiles)), tiles)
-            z = encoder(tiles_to_tensor(tiles, device=dev))
+            z = encoder(tiles_to_tensor(tiles, device=dev, stain=st.stain))
             out.append(z.float().cpu())
     if not out:
         raise ValueError(f"tile store {st.path} has no tiles; nothing to embed")

@@ -138,7 +138,7 @@ def _paint_strip(
     y0: int, y1: int, w: int, *, seed: int, md: int, alpha_map: np.ndarray, lesion_map: np.ndarray,
     strokes: list, tint: tuple[float, float, float], noise: float, tile: int, lesion_contrast: float = 1.0,
     mimic_map: np.ndarray | None = None, nuclei_density: float = 1.0, glass_grey: int = BACKGROUND_GREY,
-    stain: Stain = HE_STAIN,
+    stain: Stain = HE_STAIN, od_matrix: tuple | None = None,
 ) -> np.ndarray:
     """Level-0 rows [y0, y1): uint8 (y1 - y0, w, 3)."""
     import cv2
@@ -164,7 +164,8 @@ def _paint_strip(
             lesion = lesion_all[:, c0:c1]
             mimic = mimic_all[:, c0:c1] if mimic_all is not None else None
             tissue = paint_tissue(rng, h, c1 - c0, lesion=lesion if lesion.any() else None, tint=tint, noise=noise,
-                                  lesion_contrast=lesion_contrast, mimic=mimic, nuclei_density=nuclei_density, stain=stain)
+                                  lesion_contrast=lesion_contrast, mimic=mimic, nuclei_density=nuclei_density, stain=stain,
+                                  od_matrix=od_matrix)
             a = alpha[:, c0:c1, None]
             mixed = base[:, c0:c1, None] * (1 - a) + tissue.astype(np.float32) * a
             img[:, c0:c1] = np.clip(mixed, 0, 255).astype(np.uint8)
@@ -353,6 +354,7 @@ def make_slide(
     nuclei_density: float = 1.0,
     glass_grey: int = BACKGROUND_GREY,
     stain: Stain = HE_STAIN,
+    od_matrix: tuple | None = None,
 ) -> SyntheticSlide:
     """Write a synthetic slide.
 
@@ -379,6 +381,8 @@ def make_slide(
         about 210 to 252; near 0 gives a dark, fluorescence-like background).
     stain : stroma, normal-nucleus and lesion-nucleus colours (H&E by default; e.g. an IHC
         look: pale blue counterstain, haematoxylin nuclei, DAB-brown lesion nuclei).
+    od_matrix : a stain change of the tissue in optical-density space (see
+        :func:`~wsi_pipeline.synthetic.texture.stain_shift_matrix`); None: none.
     quality : JPEG quality of the tiles.
     level_factor : downsample between pyramid levels (2 or 4).
     mask_downsample : level-0 px per px of the returned masks (divides ``tile_size``).
@@ -397,7 +401,7 @@ def make_slide(
     tiles0 = _level0_tiles(w, h, T, level_factor, level1, glass_grey, seed=seed, md=md, alpha_map=lay.alpha_map,
                            lesion_map=lay.lesion_map, strokes=lay.strokes, tint=tint, noise=noise,
                            lesion_contrast=lesion_contrast, mimic_map=lay.mimic_map, nuclei_density=nuclei_density,
-                           stain=stain)
+                           stain=stain, od_matrix=od_matrix)
     _write_svs(path, tiles0, level1, sizes, T=T, f=level_factor, quality=quality, mpp=mpp, glass_grey=glass_grey)
     tissue, lesion = lay.tissue, lay.lesion
     t_area = float(tissue.sum())

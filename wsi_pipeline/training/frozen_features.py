@@ -42,11 +42,11 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
         )
     rows = plan.manifest[plan.manifest["slide_id"].isin([s.slide_id for s in slides])]
     encoder = frozen_encoder(method).to(device)
-    calibrate_encoder(encoder, method, plan.train, device)
+    calibrate_encoder(encoder, method, plan.train, device, stain=plan.stain_ctx)
     # files that exist are checked against the encoder's weights and the store (stale ones are rebuilt)
     report = extract_features(
         rows, config.data.tiles_dir, out, method.encoder.name, method.encoder.weights,
-        encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress,
+        encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress, stain=plan.stain_ctx,
     )
     failed = report[report["status"] == "failed"]
     if len(failed):

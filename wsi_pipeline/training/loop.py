@@ -98,6 +98,10 @@ def train_pipeline(
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
     ddp = distributed.init_from_env()  # under torchrun: join the process group (no-op otherwise)
     plan = preflight(config, chosen, seeds, resume=resume, strict=strict)
+    if plan.runs:  # fitted once, before any features or training: every run and feature file uses it
+        from wsi_pipeline.training.stain import fit_run_stain
+
+        plan.stain_ctx = fit_run_stain(config, [m for m, _, _ in plan.runs], plan.train, plan.manifest, progress=progress)
     for run_dir in plan.finished:
         method = next(m for m in chosen if run_dir.parent.name == m.name)
         changed = changed_since_finished(run_dir, run_config(config, method, int(run_dir.name[4:])))
@@ -215,8 +219,11 @@ def _start(
     distributed.init_from_env()  # under torchrun (no-op when train_pipeline joined already)
     dev = distributed.device_for(resolve_device(device or tc.device))  # cuda:LOCAL_RANK under torchrun
     _seed_everything(seed)
-    strategy = build_strategy(method, config.data.n_classes, dev, build_augment(tc.augment), plan.endpoints.get(method.name))
-    calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO)  # overwritten by last.pt when resuming
+    ctx = plan.stain_ctx
+    strategy = build_strategy(method, config.data.n_classes, dev, build_augment(tc.augment, ctx.donors() if ctx else ()),
+                              plan.endpoints.get(method.name), stain=ctx)
+    # overwritten by last.pt when resuming
+    calibrate_encoder(strategy.encoder, method, plan.train, dev, log_level=logging.INFO, stain=ctx)
     reader = strategy.train_reader(plan.train_units, features_dir)
     val_inputs = strategy.val_inputs(plan.val_units, features_dir)
     n_tiles = reader.n_tiles()
@@ -237,6 +244,10 @@ def _start(
     if run.main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(run_config(config, method, seed), run.run_dir / "config.yaml")
+        if ctx is not None:
+            from wsi_pipeline.training.stain import write_run_stain
+
+            write_run_stain(run.run_dir, ctx)
     return run
 
 
@@ -248,7 +259,7 @@ def _recalibrate(run: _Run, epoch: int) -> None:
     """Re-estimate the encoder's BatchNorm statistics after the first epoch (``encoder.recalibrate_bn``)."""
     encoder = run.strategy.encoder
     if run.method.encoder.recalibrate_bn and epoch > 0 and encoder is not None:
-        calibrate_encoder(encoder, run.method, run.plan.train, run.device)
+        calibrate_encoder(encoder, run.method, run.plan.train, run.device, stain=run.plan.stain_ctx)
         distributed.broadcast_states([encoder])
 
 
@@ -292,7 +303,10 @@ def _checkpoint(run: _Run, improved: bool) -> None:
               "seed": run.seed, "epoch": run.history[-1]["epoch"],
               **({"tiling": run.plan.tiling} if run.plan.tiling is not None else {}),
               **({"stain_reference": run.plan.stain} if run.plan.stain is not None else {}),
-              "endpoint": run.strategy.endpoint.to_state()}
+              "endpoint": run.strategy.endpoint.to_state(),
+              # the fitted normalisation (plain containers; its "method" and stain_normalise name it)
+              "stain_normalise": run.config.data.stain.normalise,
+              **({"stain": run.plan.stain_ctx.state()} if run.plan.stain_ctx is not None else {})}
     if improved:
         save_checkpoint(run.run_dir / "best.pt", {**common, "models": models, "best": run.best})
     save_checkpoint(run.run_dir / "last.pt", {

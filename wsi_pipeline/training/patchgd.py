@@ -152,7 +152,7 @@ def embed_store(
     with _modes(encoder, train=False, freeze_bn=True), torch.no_grad():
         for start in range(0, n, batch):
             idx = np.arange(start, min(start + batch, n))
-            out.append(encoder(tiles_to_tensor(store.read(idx), device=device)).to(dtype))
+            out.append(encoder(tiles_to_tensor(store.read(idx), device=device, stain=getattr(store, "stain", None))).to(dtype))
     return torch.cat(out)
 
 
@@ -257,7 +257,8 @@ class PatchGDStrategy:
                 parts = [(b, groups[b][g]) for b in keep if len(groups[b][g])]
                 if not parts:
                     continue
-                x = torch.cat([tiles_to_tensor(stores[b].read(idx.numpy()), device=device) for b, idx in parts])
+                x = torch.cat([tiles_to_tensor(stores[b].read(idx.numpy()), device=device, stain=getattr(stores[b], "stain", None))
+                               for b, idx in parts])
                 emb = self.encoder(x).to(dtype)
                 for (b, idx), e in zip(parts, emb.split([len(idx) for _, idx in parts])):
                     if out[b] is None:
@@ -373,7 +374,8 @@ class PatchGDStrategy:
             return 0.0
         device = b.device
         idx = [plan[j].to(device) for plan in b.plans]
-        x = torch.cat([tiles_to_tensor(st.read(plan[j].numpy()), device=device) for st, plan in zip(b.stores, b.plans)])
+        x = torch.cat([tiles_to_tensor(st.read(plan[j].numpy()), device=device, stain=getattr(st, "stain", None))
+                       for st, plan in zip(b.stores, b.plans)])
         live = self.encoder(x).to(b.caches[0].dtype)
         scale = b.scale
         if not isinstance(scale, float) or scale != 1.0:

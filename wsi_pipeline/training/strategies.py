@@ -102,6 +102,8 @@ class Strategy:
     bn_modes: ClassVar[tuple[str, ...]] = BN_MODES
     tasks: ClassVar[tuple[str, ...]] = ("classification", "survival", "regression")
     augment: SlideAugment | None = None
+    #: the fitted stain normalisation (a :class:`~wsi_pipeline.data.stain_slides.StainContext`), or None
+    stain: Any = None
 
     def __init__(self, method: Any, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         self.method = method
@@ -159,12 +161,12 @@ class Strategy:
         return self.encoder
 
     def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
-        """What the training bags are read from: the slides' tile stores."""
-        return TileReader(slides)
+        """What the training bags are read from: the slides' tile stores (with their stain normalisation)."""
+        return TileReader(slides, self.stain)
 
     def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
-        """What validation reads, one entry per slide: the tile stores."""
-        reader = TileReader(slides)
+        """What validation reads, one entry per slide: the tile stores (with their stain normalisation)."""
+        reader = TileReader(slides, self.stain)
         return [reader.store(i) for i in range(len(slides))]
 
     def epoch_steps(self, n_tiles: list[int]) -> int:
@@ -189,8 +191,10 @@ class Strategy:
         return "frozen" if self.method.encoder.bn == "frozen" else "chunk"
 
     def _prep_device(self) -> torch.device:
-        """Where a host-resident bag is converted: the device when augmenting (fast), else the host (no round trip)."""
-        return self.device if self.augment is not None else torch.device("cpu")
+        """Where a host-resident bag is converted: the device when augmenting or stain-normalising (fast), else
+        the host (no round trip)."""
+        normalising = self.stain is not None and self.stain.method != "none"
+        return self.device if self.augment is not None or normalising else torch.device("cpu")
 
     def _loss_fn(self, scale: float) -> Callable[[Any, Any], torch.Tensor]:
         """The bag loss (the endpoint's; cross-entropy for classification) times ``scale``; ``label`` is the slide's target."""
@@ -270,7 +274,7 @@ class FrozenStrategy(Strategy):
     def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
         """The slides' feature files, or their tile stores when augmenting (embedded on the fly)."""
         if self.augment is not None:
-            return TileReader(slides)
+            return TileReader(slides, self.stain)
         from wsi_pipeline.inference.features import read_features
 
         return FeatureReader(slides, self._feature_paths(slides, features_dir), read_features)
@@ -279,12 +283,13 @@ class FrozenStrategy(Strategy):
         """The slides' (unaugmented) feature files, read one at a time."""
         return LazyFeatures(self._feature_paths(slides, features_dir))  # type: ignore[arg-type]
 
-    def embed(self, tiles: np.ndarray | torch.Tensor) -> torch.Tensor:
+    def embed(self, tiles: np.ndarray | torch.Tensor, stain: Any = None) -> torch.Tensor:
         """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
 
         Parameters
         ----------
         tiles : uint8 (k, T, T, 3) RGB tiles of one bag.
+        stain : the slide's stain normalisation (``bag.stain``), applied before the augmentation.
 
         Returns
         -------
@@ -298,7 +303,7 @@ class FrozenStrategy(Strategy):
         parts = []
         with torch.no_grad():
             for a in range(0, len(tiles), chunk):
-                x = tiles_to_input(tiles[a : a + chunk], self.augment, params, device=self.device)
+                x = tiles_to_input(tiles[a : a + chunk], self.augment, params, device=self.device, stain=stain)
                 parts.append(self.encoder(x).to(torch.get_default_dtype()))
         return torch.cat(parts)
 
@@ -308,7 +313,7 @@ class FrozenStrategy(Strategy):
         if self.augment is None:
             feats = torch.as_tensor(np.asarray(bag.data), dtype=torch.get_default_dtype(), device=self.device)
         else:
-            feats = self.embed(bag.data)
+            feats = self.embed(bag.data, bag.stain)
         # the features are the encoder's output, so an identity encoder gives the aggregator's exact step
         loss = full_step(nn.Identity(), self.aggregator, feats, bag.slide.y, loss_fn=self._loss_fn(scale))
         return loss / scale
@@ -317,7 +322,7 @@ class FrozenStrategy(Strategy):
         """The bag's features (read, or embedded from augmented tiles)."""
         if self.augment is None:
             return torch.as_tensor(np.asarray(bag.data), dtype=torch.get_default_dtype(), device=self.device)
-        return self.embed(bag.data)
+        return self.embed(bag.data, bag.stain)
 
     def coupled_encoder(self) -> tuple[nn.Module, int | None]:
         return nn.Identity(), None
@@ -332,12 +337,12 @@ class FullStrategy(Strategy):
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
-        tiles = tiles_to_input(bag.data, self.augment, device=self.device)
+        tiles = tiles_to_input(bag.data, self.augment, device=self.device, stain=bag.stain)
         loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.y, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
 
     def coupled_input(self, bag: Bag) -> torch.Tensor:
-        return tiles_to_input(bag.data, self.augment, device=self.device)
+        return tiles_to_input(bag.data, self.augment, device=self.device, stain=bag.stain)
 
 
 @STRATEGIES.register("accumulate")
@@ -351,7 +356,8 @@ class AccumulateStrategy(Strategy):
         from wsi_pipeline.training.accumulate import accumulate_step
 
         chunk = self.method.chunk_size
-        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk)
+        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk,
+                               stain=bag.stain)
         loss = accumulate_step(
             self.encoder, self.aggregator, tiles, bag.slide.y, chunk, loss_fn=self._loss_fn(scale), bn=self._bn()
         )
@@ -359,7 +365,8 @@ class AccumulateStrategy(Strategy):
 
     def coupled_input(self, bag: Bag) -> torch.Tensor:
         """The bag's tiles on the host; ``chunk_size`` of them go to the device at a time."""
-        return tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
+        return tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size,
+                              stain=bag.stain)
 
     def coupled_encoder(self) -> tuple[nn.Module, int | None]:
         return self.encoder, int(self.method.chunk_size)
@@ -386,13 +393,15 @@ class BiglStrategy(Strategy):
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
-        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
+        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size,
+                               stain=bag.stain)
         loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.y, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
 
     def coupled_input(self, bag: Bag) -> torch.Tensor:
         """The bag's tiles on the host (the Big-Layers encoder takes the whole bag as one batch)."""
-        return tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size)
+        return tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size,
+                              stain=bag.stain)
 
 
 @STRATEGIES.register("patchgd")
@@ -479,11 +488,13 @@ def check_strategy(method: Any) -> type[Strategy]:
 
 
 def build_strategy(method: Any, n_classes: int | None, device: torch.device | str, augment: SlideAugment | None = None,
-                   endpoint: Endpoint | None = None) -> Strategy:
+                   endpoint: Endpoint | None = None, *, stain: Any = None) -> Strategy:
     """Build the strategy of ``method`` with its models on ``device`` (initialised from torch's global RNG);
-    ``endpoint``: the method's, fitted on the training split (default: the config's, for classification and Cox)."""
+    ``endpoint``: the method's, fitted on the training split (default: the config's, for classification and Cox);
+    ``stain``: the fitted :class:`~wsi_pipeline.data.stain_slides.StainContext` its tiles go through."""
     cls = check_strategy(method)
     strategy = cls(method, n_classes, torch.device(device), endpoint)
     strategy.augment = augment
+    strategy.stain = stain
     return strategy
 
