@@ -28,7 +28,8 @@ augmentation) feeds each preset what its card asks for without knowing which pre
 
 1. resize, only when the tile's side differs from the preset's input size (224 px tiles go in
    untouched): ``torch.nn.functional.interpolate`` with the card's interpolation (bilinear for
-   UNI, whose card uses torchvision's default ``Resize``; bicubic for the others), antialiased,
+   UNI and UNI2-h, whose cards use torchvision's default ``Resize(224)``; bicubic for the
+   others), antialiased (the PIL-style filter torchvision applies to PIL images),
    ``align_corners=False``; for Prov-GigaPath, whose card resizes to 256 px and crops the
    central 224 px, the same (a 256 px tile is only cropped);
 2. the affine map from ImageNet normalisation to the preset's (exactly the identity, and skipped,
@@ -147,7 +148,7 @@ PRESETS: dict[str, Preset] = {
             dict(img_size=224, patch_size=14, depth=24, num_heads=24, init_values=1e-5, embed_dim=1536,
                  mlp_ratio=2.66667 * 2, num_classes=0, no_embed_class=True, mlp_layer="SwiGLUPacked",
                  act_layer="silu", reg_tokens=8, dynamic_img_size=True),
-            embed_dim=1536, source="huggingface.co/MahmoodLab/UNI2-h", licence="CC-BY-NC-ND-4.0",
+            embed_dim=1536, interpolation="bilinear", source="huggingface.co/MahmoodLab/UNI2-h", licence="CC-BY-NC-ND-4.0",
         ),
         Preset(
             "virchow2", "vit_huge_patch14_224",
@@ -305,12 +306,17 @@ class FoundationEncoder(nn.Module):
             x = F.interpolate(x, size=(side, side), mode=p.interpolation, align_corners=False, antialias=True)
         return x
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Embeddings ``[B, D]`` of ImageNet-normalised tiles ``[B, 3, T, T]``."""
+    def prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """The model's input: ImageNet-normalised tiles ``[B, 3, T, T]`` resized (when T differs) and
+        normalised with the preset's mean/std, ``[B, 3, S, S]`` with S the preset's input size."""
         x = self._resize(x)
         if self._renormalise:
             x = x * self._scale.to(x.dtype) + self._shift.to(x.dtype)
-        tokens = self.model.forward_features(x)
+        return x
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Embeddings ``[B, D]`` of ImageNet-normalised tiles ``[B, 3, T, T]``."""
+        tokens = self.model.forward_features(self.prepare(x))
         if self.preset.embedding == "cls_mean":
             return torch.cat([tokens[:, 0], tokens[:, self.num_prefix_tokens :].mean(1)], dim=-1)
         return self.model.forward_head(tokens, pre_logits=True)
