@@ -36,7 +36,8 @@ PAPER = {
 
 
 def test_the_paper_pipelines_replace_the_per_row_files():
-    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "own_cohort", "patchgd_paper", "train_example"])
+    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "foundation", "own_cohort", "patchgd_paper",
+                                                       "train_example"])
 
 
 def _weightless(method):
@@ -67,6 +68,12 @@ def test_every_config_loads_and_its_methods_build(path):
         if key in _BUILT:
             continue
         _BUILT.add(key)
+        if m.encoder.foundation:  # full-size ViTs: built and run on the meta device (shapes only, no compute)
+            with torch.device("meta"):
+                encoder, aggregator = build_models(m, C, device="meta", for_training=True)
+                z = encoder(tiles.to("meta"))
+            assert z.shape == (3, encoder.num_features) and aggregator is not None, m.name
+            continue
         if m.strategy == "patchgd":  # the grid head needs a tile grid: built, not run here
             build_models(m, C, for_training=True)
             continue

@@ -290,6 +290,10 @@ def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:
     weights file keeps only its trained tensors)."""
     models = {name: m.state_dict() for name, m in run.strategy.state_modules().items() if name != "encoder"}
     tile_size = (run.plan.tiling or {}).get("tile_size")
+    if tile_size is None and run.plan.train:  # stores written without tiling settings (generated cohorts)
+        from wsi_pipeline.data.store import open_store
+
+        tile_size = open_store(run.plan.train[0].store).tile_size
     models["encoder"], info = encoder_checkpoint(run.method, run.strategy.encoder, tile_size)
     return models, info
 
