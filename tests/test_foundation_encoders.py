@@ -91,11 +91,22 @@ def _card_embedding(name: str, model: torch.nn.Module, tiles: np.ndarray) -> tor
 
 
 def _write_card_checkpoint(name: str, path, depth: int | None, seed: int = 0) -> torch.nn.Module:
-    """A random-weight timm model in the card's architecture, saved as the card publishes it (state dict)."""
+    """A random-weight timm model in the card's architecture, saved as the card publishes it (state dict).
+
+    timm's initialisation leaves the class, register and position tokens near 0 and the LayerScale
+    factors at 1e-5, so every block is nearly the identity and the register tokens nearly alike:
+    an embedding that wrongly averaged the register tokens in would still pass. They are redrawn
+    at the scale of a trained model's, so each token and block changes the embedding."""
     arch, kwargs, *_ = CARDS[name]
     kw = dict(kwargs, **({"depth": depth} if depth else {}))
     torch.manual_seed(seed)
     model = timm.create_model(arch, pretrained=False, **kw)
+    with torch.no_grad():  # like a trained model, every token and every block matters (timm starts them near 0)
+        for name_, p in model.named_parameters():
+            if name_ in ("cls_token", "reg_token", "pos_embed"):
+                p.normal_(0.0, 1.0)
+            elif name_.endswith(".gamma"):  # LayerScale, initialised at 1e-5
+                p.uniform_(0.2, 0.5)
     if str(path).endswith(".safetensors"):
         from safetensors.torch import save_file
 
@@ -159,6 +170,10 @@ def test_preset_matches_its_model_card_at_reduced_depth(tmp_path, monkeypatch, n
     assert got.shape == expect.shape == (2, fm.PRESETS[name].embed_dim)
     cos = _cosines(got, expect)
     assert cos.min() >= COSINE, f"{name}: cosine {cos.tolist()}"
+    if CARDS[name][4] == "cls_mean":  # each half on its own: the class token, and the mean of the patch tokens
+        half = got.shape[1] // 2
+        for part in (slice(0, half), slice(half, None)):
+            assert _cosines(got[:, part], expect[:, part]).min() >= COSINE, f"{name}: cosine of {part}"
 
 
 def test_a_wrong_file_is_refused_naming_preset_keys_and_expected_file(tmp_path, monkeypatch) -> None:
