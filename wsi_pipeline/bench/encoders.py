@@ -45,6 +45,10 @@ __all__ = ["main"]
 DEFAULT_CHUNK = {"uni_v1": 4, "uni_v2": 2, "virchow2": 2, "hoptimus0": 2, "hoptimus1": 2, "gigapath": 2}
 BAGS = (64, 256, 1024)
 TILE = 224
+#: glibc keeps freed heap blocks for reuse, so a process's RSS creeps up with the number of chunks
+#: even when the live tensors do not (measured: +0.1 GiB from bag 32 to 256 for ViT-Ti); the workers
+#: hand allocations of 128 KiB or more back to the system at once, so RSS follows the tensors.
+MALLOC_FREE_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
 def _rss_bytes() -> int:
@@ -121,10 +125,14 @@ def _worker(name: str, chunk: int, bag: int, batch: int, threads: int | None, me
     return out
 
 
-def _run_worker(name: str, chunk: int, bag: int, batch: int, threads: int | None, speed: bool) -> dict[str, Any]:
+def _run_worker(name: str, chunk: int, bag: int, batch: int, threads: int | None, speed: bool,
+                glibc_default: bool = False) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "wsi_pipeline.bench.encoders", "--worker", name, "--chunk", str(chunk), "--bag", str(bag),
            "--batch", str(batch)] + (["--threads", str(threads)] if threads else []) + ([] if speed else ["--no-speed"])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    if not glibc_default:
+        env.update(MALLOC_FREE_ENV)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"bench worker {name} (bag {bag}) failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -153,6 +161,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--sweep-model", default="timm:vit_tiny_patch16_224", help="encoder measured at every bag size")
     p.add_argument("--sweep-chunk", type=int, default=16)
     p.add_argument("--no-sweep", action="store_true", help="skip the measured bag-size sweep")
+    p.add_argument("--glibc-default", action="store_true",
+                   help="run the workers with glibc's default heap (freed blocks kept: RSS creeps with the chunk count)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--bag", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--no-speed", action="store_true", help=argparse.SUPPRESS)
@@ -169,8 +179,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from wsi_pipeline.models.foundation import PRESETS
 
+    heap = "glibc default heap" if args.glibc_default else "large blocks freed at once (" + " ".join(
+        f"{k}={v}" for k, v in MALLOC_FREE_ENV.items()) + ")"
     print(f"bench-encoders: random weights, float32, {TILE} px tiles, CPU, torch {torch.__version__}, "
-          f"threads {args.threads or torch.get_num_threads()}, 1-min load {os.getloadavg()[0]:.1f}")
+          f"threads {args.threads or torch.get_num_threads()}, 1-min load {os.getloadavg()[0]:.1f}, {heap}")
     gpu = args.gpu_tflops * 1e12 * args.gpu_share
     rows = []
     done: dict[str, dict[str, Any]] = {}
@@ -181,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         chunk = args.chunk or DEFAULT_CHUNK.get(name, 2)
         giant = preset.architecture.startswith("vit_giant") or "giant" in preset.architecture
         r = dict(same, preset=name) if same else _run_worker(name, chunk, 2 * chunk, args.batch or (2 if giant else 4),
-                                                             args.threads, True)
+                                                             args.threads, True, args.glibc_default)
         done[name] = r
         rows.append(r)
         print(f"  measured {name}{' (same architecture as ' + same['preset'] + ')' if same else ''}: "
@@ -208,12 +220,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if not args.no_sweep:
         print(f"\nBag-size sweep, measured: {args.sweep_model}, chunk {args.sweep_chunk}, one accumulated step per process")
-        base = _run_worker(args.sweep_model, args.sweep_chunk, 2 * args.sweep_chunk, 4, args.threads, False)
+        base = _run_worker(args.sweep_model, args.sweep_chunk, 2 * args.sweep_chunk, 4, args.threads, False, args.glibc_default)
         per_tile = _per_tile_bytes(base["embed_dim"])
         print(f"| bag | step s | peak RSS (GiB) | predicted from bag {base['bag']} (GiB) | bag tensors (GiB) | RSS - bag tensors (GiB) |")
         print("|---|---|---|---|---|---|")
         for n in (base["bag"], *BAGS):
-            r = base if n == base["bag"] else _run_worker(args.sweep_model, args.sweep_chunk, n, 4, args.threads, False)
+            r = base if n == base["bag"] else _run_worker(args.sweep_model, args.sweep_chunk, n, 4, args.threads, False,
+                                                          args.glibc_default)
             pred = base["peak_rss"] + (n - base["bag"]) * per_tile
             own = n * per_tile
             print(f"| {n} | {r['step_s']:.1f} | {_gib(r['peak_rss'])} | {_gib(pred)} | {_gib(own)} | {_gib(r['peak_rss'] - own)} |",

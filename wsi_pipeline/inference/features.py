@@ -133,6 +133,8 @@ def _stale_reason(path: Path, expected: Mapping[str, Any]) -> str | None:
             if not bool(f.attrs.get("complete", False)):
                 return "incomplete file"
             for k, v in expected.items():
+                if k not in f.attrs:
+                    return f"written by an older version (no {k} recorded)"
                 if f.attrs.get(k) != v:
                     return _STALE_BECAUSE.get(k, f"{k} changed")
     except OSError as e:
