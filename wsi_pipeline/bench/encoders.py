@@ -14,16 +14,18 @@ Per preset, in its own process (so that its peak RSS is its own):
   tensors (the float32 tiles, the embeddings and their gradient) is set by the chunk, not by
   the bag (the encoder sees one chunk at a time), so the prediction adds only those tensors'
   bytes. A 1024-tile step of a ViT-g on this 2-core CPU would take hours (about 5 forwards per
-  tile at ~600 GFLOP each), so the giant presets are measured at bag = 2 chunks of ``--chunk``
-  tiles, and the prediction is checked by measuring ``--sweep-model`` (a small ViT through the
-  same code) at every bag size;
+  tile at ~600 GFLOP each), so every preset is measured at bag = 2 chunks of ``--chunk`` tiles
+  (4 for UNI, 2 for the larger ones), and the prediction is checked by measuring
+  ``--sweep-model`` (a small ViT through the same code) at every bag size. The workers run with
+  glibc handing blocks of 128 KiB or more back at once (:data:`MALLOC_FREE_ENV`), so that RSS
+  follows the live tensors rather than the heap's retained free blocks;
 * predicted time of one accumulated 1024-tile step on a GPU from the FLOP count at a stated share
   of its dense bfloat16 peak (default: H100 SXM, 989 TFLOP/s, 40 %), and the memory of full
   fine-tuning with Adam there (16 bytes per parameter: float32 weights, gradients, two moments,
   plus ``--gpu-chunk`` tiles' activations, per tile as measured here in float32: the step's RSS
   growth less the gradients and the bag's tensors, over the chunk).
 
-    python -m wsi_pipeline.bench.encoders                     # every preset and the sweep (~15 min here)
+    python -m wsi_pipeline.bench.encoders                     # every preset and the sweep (~30 min on a shared 2-core CPU)
     python -m wsi_pipeline.bench.encoders --presets uni_v1 --no-sweep
 """
 

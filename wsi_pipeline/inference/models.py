@@ -8,6 +8,7 @@ trained run through :mod:`wsi_pipeline.inference.checkpoint`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -80,8 +81,6 @@ def frozen_features_dir(method: Any, features_root: str) -> str:
     (``timm:<architecture>`` becomes ``timm-<architecture>``)."""
     if method.features_dir:
         return method.features_dir
-    from pathlib import Path
-
     tag = method.encoder.name.replace(":", "-")
     if method.encoder.weights:
         tag += "-" + Path(method.encoder.weights).stem
@@ -106,7 +105,7 @@ def encoder_checkpoint(method: Any, encoder: nn.Module, tile_size: int | None) -
     info: dict[str, Any] = {
         "name": method.encoder.name,
         "weights_file": None if weights is None else str(weights),
-        "weights_sha256": base["sha256"] if base else (file_sha256(weights) if weights else None),
+        "weights_sha256": base["sha256"] if base else (file_sha256(weights) if weights and Path(weights).is_file() else None),
         "preprocessing": None if tile_size is None else preprocessing_record(encoder, int(tile_size)),
         "stored": "trained" if base else "full",
     }
