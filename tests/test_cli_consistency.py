@@ -255,8 +255,9 @@ def test_features_encoder_choices_are_the_registry(capsys):
     from wsi_pipeline.models import ENCODERS
 
     action = _option(_parsers()["features"], "--encoder")
-    assert list(action.choices) == ENCODERS.names() and action.default in ENCODERS
-    for name in ENCODERS.names():
+    # the registry (ResNets and foundation presets), and any timm architecture by the timm: prefix
+    assert list(action.choices) == [*ENCODERS.names(), "timm:<architecture>"] and action.default in ENCODERS
+    for name in [*ENCODERS.names(), "timm:vit_small_patch16_224"]:
         assert _parse("features", "--encoder", name).encoder == name
     with pytest.raises(SystemExit) as e:
         _parse("features", "--encoder", "resnet19")

@@ -73,7 +73,7 @@ def _pipeline(**method) -> dict:
     "method, exc, match",
     [
         ({"train": {"lr": "x"}}, TypeError, r"methods.b.train.lr: expected a number, got str 'x'"),
-        ({"encoder": {"name": "resnet9"}}, ValueError, r"methods.b.encoder.name='resnet9'; expected one of \['resnet18',"),
+        ({"encoder": {"name": "resnet9"}}, ValueError, r"methods.b.encoder.name='resnet9'; expected one of \[.*'resnet18', .*\] or 'timm:<architecture>'"),
         ({"encoder": {"bn": "batch"}}, ValueError, r"methods.b.encoder.bn='batch'; expected one of 'frozen', 'chunk', 'train'"),
         ({"aggregator": {"name": "mlp"}}, ValueError, r"methods.b.aggregator.name='mlp'; expected one of \[.*'abmil'.*'transformer'"),
         ({"strategy": "fancy"}, ValueError, r"methods.b.strategy='fancy'; expected one of 'frozen', 'full', 'accumulate'"),

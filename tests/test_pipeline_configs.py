@@ -36,7 +36,7 @@ PAPER = {
 
 
 def test_the_paper_pipelines_replace_the_per_row_files():
-    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "demo_survival", "own_cohort", "patchgd_paper",
+    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "demo_survival", "foundation", "own_cohort", "patchgd_paper",
                                                        "train_example"])
 
 
@@ -70,6 +70,12 @@ def test_every_config_loads_and_its_methods_build(path):
         if key in _BUILT:
             continue
         _BUILT.add(key)
+        if m.encoder.foundation:  # full-size ViTs: built and run on the meta device (shapes only, no compute)
+            with torch.device("meta"):
+                encoder, aggregator = build_models(m, C, device="meta", for_training=True)
+                z = encoder(tiles.to("meta"))
+            assert z.shape == (3, encoder.num_features) and aggregator is not None, m.name
+            continue
         if m.strategy == "patchgd":  # the grid head needs a tile grid: built, not run here
             build_models(m, C, for_training=True)
             continue

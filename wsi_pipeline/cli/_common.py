@@ -14,6 +14,7 @@ import logging
 import re
 import typing
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 from wsi_pipeline.devices import DEVICES, check_device
 
@@ -68,11 +69,12 @@ class LazyChoices(Sequence[str]):
     def __init__(self, module: str, attr: str) -> None:
         self.module, self.attr = module, attr
         self._names: tuple[str, ...] | None = None
+        self._obj: Any = None
 
     def _load(self) -> tuple[str, ...]:
         if self._names is None:
-            obj = getattr(importlib.import_module(self.module), self.attr)
-            self._names = tuple(obj.names() if hasattr(obj, "names") else obj)
+            self._obj = getattr(importlib.import_module(self.module), self.attr)
+            self._names = tuple(self._obj.names() if hasattr(self._obj, "names") else self._obj)
         return self._names
 
     def __getitem__(self, i):  # type: ignore[override]
@@ -85,7 +87,8 @@ class LazyChoices(Sequence[str]):
         return iter(self._load())
 
     def __contains__(self, value: object) -> bool:
-        return value in self._load()
+        self._load()
+        return value in self._obj  # the object decides: a registry, a tuple, or a pattern (`timm:<architecture>`)
 
     def __repr__(self) -> str:
         return f"LazyChoices({self.module}.{self.attr})"

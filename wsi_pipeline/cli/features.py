@@ -17,22 +17,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Embed every slide's tile store (<tiles>/<slide_id>.zarr) with a frozen encoder and write "
             "<out>/<slide_id>.h5 with `features` [N, D] float32, `coords` [N, 2] (level-0 px) and attributes "
-            "naming the encoder, the sha256 of its weights and the store's fingerprint. Up-to-date files are "
+            "naming the encoder, the sha256 of its weights (and of its weights file), its preprocessing (resize "
+            "to the model's input size, normalisation) and the store's fingerprint. Up-to-date files are "
             "skipped; a per-slide status table goes to <out>/features_report.csv."
         ),
     )
     p.add_argument("--manifest", required=True, metavar="CSV", help="manifest CSV; its slide_id column selects the stores")
     p.add_argument("--tiles", required=True, metavar="DIR", help="folder of tile stores written by `wsi-pipeline tile`")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the .h5 feature files (created)")
-    p.add_argument("--encoder", default="resnet18", choices=LazyChoices("wsi_pipeline.models", "ENCODERS"), metavar="NAME",
-                   help="tile encoder, one of the registered %(choices)s")
+    p.add_argument("--encoder", default="resnet18", choices=LazyChoices("wsi_pipeline.models", "encoder_choices"), metavar="NAME",
+                   help="tile encoder, one of %(choices)s: our ResNets, the foundation-model presets (UNI, UNI2-h, "
+                        "Virchow2, H-optimus-0/1, Prov-GigaPath tile encoder; README 'Foundation models'), or any timm "
+                        "architecture as timm:<name> (default resnet18)")
     p.add_argument(
         "--weights",
         default=None,
-        metavar="PT",
-        help="torchvision-style checkpoint for the encoder; without it the encoder is randomly initialised (seed 0)",
+        metavar="FILE",
+        help="weights file: a torchvision checkpoint for a ResNet; for a foundation preset the file its model card "
+             "publishes (pytorch_model.bin, model.safetensors or .pth), loaded strictly, never downloaded; without it "
+             "the encoder is randomly initialised (seed 0)",
     )
     p.add_argument("--batch-size", type=int, default=64, metavar="N", help="tiles per forward pass")
+    p.add_argument("--bf16", action="store_true",
+                   help="embed under bfloat16 autocast (fast on recent GPUs; features are stored as float32 and the "
+                        "precision is recorded, so float32 and bf16 files never mix)")
     add_device_argument(p)
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
     add_output_arguments(p)
@@ -58,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         cluster=cluster,
         retries=args.retries,
+        bf16=args.bf16,
     )
     counts = report["status"].value_counts().to_dict()
     print(f"features: {counts.get('ok', 0)} written, {counts.get('skipped', 0)} up to date, "

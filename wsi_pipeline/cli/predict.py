@@ -46,6 +46,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="level-0 resolution in um/px to assume for slides whose files do not record it")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random tile subsets of subsample protocols")
     p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
+    p.add_argument("--encoder-weights", default=None, metavar="FILE",
+                   help="the base weights file of a fine-tuned foundation encoder (its checkpoint keeps only the trained "
+                        "tensors: LoRA adapters, unfrozen blocks) when it is no longer where the training config says; "
+                        "a file whose sha256 differs from the one recorded at training is refused")
     p.add_argument("--allow-other-tiling", action="store_true",
                    help="score a folder of .zarr stores tiled with other settings than the model's training stores "
                    "(another tile size, resolution, method or threshold) with a warning instead of refusing it")
@@ -72,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
             protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
             mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
             progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling, cluster=cluster, retries=args.retries,
+            encoder_weights=args.encoder_weights,
         )
     finally:
         distributed.shutdown()

@@ -1,18 +1,64 @@
-"""The model sections of a method: ``encoder`` (with the BatchNorm mode and its warning),
-``aggregator`` (or PatchGD head) and ``bigl``."""
+"""The model sections of a method: ``encoder`` (with the BatchNorm mode and its warning, and for
+foundation-model encoders their timm options and partial fine-tuning), ``aggregator`` (or
+PatchGD head) and ``bigl``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from wsi_pipeline.config.choices import BNMode, encoder_names, model_names
-from wsi_pipeline.config.schema import positive, spec
+from wsi_pipeline.config.schema import coerce, positive, spec
 
 if TYPE_CHECKING:
     from wsi_pipeline.config.pipeline import MethodConfig
 
-__all__ = ["AggregatorConfig", "BagStatisticsWarning", "BiglConfig", "EncoderConfig", "bag_statistics_warning"]
+__all__ = [
+    "AggregatorConfig", "BagStatisticsWarning", "BiglConfig", "EncoderConfig", "LoRAConfig", "bag_statistics_warning",
+    "is_foundation_encoder",
+]
+
+#: ``encoder.name`` prefix of any timm architecture (``wsi_pipeline.models.foundation.TIMM_PREFIX``).
+TIMM_PREFIX = "timm:"
+
+
+def is_foundation_encoder(name: str) -> bool:
+    """True when ``encoder.name`` is a foundation-model encoder (a preset or ``timm:<architecture>``), built with timm."""
+    from wsi_pipeline.models.foundation import is_foundation_name  # no torch/timm import: presets are plain data
+
+    return is_foundation_name(name)
+
+
+def _encoder_name(value: Any, where: str) -> str:
+    """``encoder.name``: a registered encoder or ``timm:<architecture>``."""
+    name = coerce(value, str, where)
+    if name not in encoder_names() and not name.startswith(TIMM_PREFIX):
+        raise ValueError(f"{where}={name!r}; expected one of {encoder_names()} or 'timm:<architecture>'")
+    if name == TIMM_PREFIX:
+        raise ValueError(f"{where}={name!r}: name the timm architecture after 'timm:', e.g. timm:vit_small_patch16_224")
+    return name
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Low-rank adapters on a ViT's attention projections (``encoder.lora``).
+
+    Each targeted linear layer ``y = W x + b`` becomes ``y = W x + b + (alpha / rank) B A x`` with
+    ``A`` [rank, in] and ``B`` [out, rank] trained and ``W``, ``b`` frozen; ``B`` starts at zero, so
+    training starts from the pretrained model (:mod:`wsi_pipeline.models.lora`).
+
+    ``targets``: the attention's ``qkv`` and output ``proj`` (names of ``timm`` attention layers).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    targets: tuple[Literal["qkv", "proj"], ...] = ("qkv", "proj")
+
+    def __post_init__(self) -> None:
+        positive("encoder.lora.rank", self.rank)
+        positive("encoder.lora.alpha", self.alpha)
+        if not self.targets:
+            raise ValueError("encoder.lora.targets is empty; name at least one of 'qkv', 'proj'")
 
 
 @dataclass(frozen=True)
@@ -34,23 +80,81 @@ class EncoderConfig:
     the statistics it started with, and training can diverge). Exact gradients within each epoch
     are kept: the statistics are constant while the epoch's steps are taken.
 
+    Foundation-model encoders (``uni_v1``, ``uni_v2``, ``virchow2``, ``hoptimus0``, ``hoptimus1``,
+    ``gigapath``, ``timm:<architecture>``; :mod:`wsi_pipeline.models.foundation`): ``weights`` is the
+    file the model card publishes. ``timm:`` names also take ``timm_kwargs`` (for
+    ``timm.create_model``), ``mean``/``std`` (default ImageNet's), ``input_size`` (px; default
+    ``timm_kwargs.img_size`` or 224) and ``embedding`` (``pooled``: the model's pooled output;
+    ``cls_mean``: class token ++ mean of the patch tokens). When the encoder trains:
+    ``freeze_blocks`` freezes the patch embedding, position embedding, class/register tokens and
+    the first N transformer blocks; ``layer_decay`` multiplies the learning rate of block i
+    (0-based) of L by ``layer_decay ** (L - 1 - i)`` and of the embeddings by ``layer_decay ** L``
+    (timm's layer grouping: the last block and the final norm keep the full rate, as does the
+    aggregator); ``lora`` trains low-rank adapters on the attention projections with the
+    base weights frozen (:class:`LoRAConfig`); ``checkpointing`` recomputes each block's
+    activations in the backward pass (peak memory set by the chunk, not by the depth; None: on
+    for foundation encoders whose weights train).
+
     ``chunk`` and ``train`` normalise with the statistics of the bag (or chunk) being trained on,
     while validation, evaluation and prediction normalise with running statistics: the model can
     learn to read the label from the bag's own statistics and then fails at evaluation. Training
     with them emits a :class:`BagStatisticsWarning` (see :func:`bag_statistics_warning`).
     """
 
-    name: str = field(default="resnet18", metadata=spec(choices=encoder_names))
+    name: str = field(default="resnet18", metadata=spec(parse=_encoder_name))
     weights: str | None = None
     bn: BNMode = "frozen"
     calibrate_bn: int = 0
     recalibrate_bn: bool = False
+    timm_kwargs: dict[str, Any] = field(default_factory=dict)
+    mean: tuple[float, float, float] | None = None
+    std: tuple[float, float, float] | None = None
+    input_size: int | None = None
+    embedding: Literal["pooled", "cls_mean"] | None = None
+    freeze_blocks: int = 0
+    layer_decay: float | None = None
+    lora: LoRAConfig | None = None
+    checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         if self.calibrate_bn < 0:
             raise ValueError(f"encoder.calibrate_bn={self.calibrate_bn}; expected a number of tiles >= 0 (0 = off)")
         if self.recalibrate_bn and self.calibrate_bn <= 0:
             raise ValueError("encoder.recalibrate_bn needs encoder.calibrate_bn > 0 (the number of tiles to calibrate on)")
+        timm_only = {k: getattr(self, k) for k in ("mean", "std", "input_size", "embedding") if getattr(self, k) is not None}
+        if self.timm_kwargs:
+            timm_only["timm_kwargs"] = self.timm_kwargs
+        if timm_only and not self.name.startswith(TIMM_PREFIX):
+            raise ValueError(
+                f"encoder.{sorted(timm_only)[0]} is set for encoder {self.name!r}; {sorted(timm_only)} apply to "
+                "'timm:<architecture>' encoders only (a preset is defined by its model card)"
+            )
+        vit_only = {k: v for k, v in (("freeze_blocks", self.freeze_blocks), ("layer_decay", self.layer_decay),
+                                      ("lora", self.lora), ("checkpointing", self.checkpointing)) if v}
+        if vit_only and not is_foundation_encoder(self.name):
+            raise ValueError(
+                f"encoder.{sorted(vit_only)[0]} is set for encoder {self.name!r}; partial fine-tuning and activation "
+                "checkpointing apply to foundation-model (timm) encoders only"
+            )
+        if self.freeze_blocks < 0:
+            raise ValueError(f"encoder.freeze_blocks={self.freeze_blocks}; expected a number of blocks >= 0")
+        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
+            raise ValueError(f"encoder.layer_decay={self.layer_decay}; expected a factor in (0, 1] (e.g. 0.75)")
+        if self.input_size is not None:
+            positive("encoder.input_size", self.input_size)
+        if self.std is not None and not all(x > 0 for x in self.std):
+            raise ValueError(f"encoder.std={list(self.std)}; expected three values > 0")
+
+    @property
+    def foundation(self) -> bool:
+        """True for a foundation-model (timm) encoder."""
+        return is_foundation_encoder(self.name)
+
+    def build_options(self) -> dict[str, Any]:
+        """Keyword options of :func:`wsi_pipeline.models.build_encoder` for this section (``timm:`` names)."""
+        opts = {"timm_kwargs": dict(self.timm_kwargs) or None, "mean": self.mean, "std": self.std,
+                "input_size": self.input_size, "embedding": self.embedding}
+        return {k: v for k, v in opts.items() if v is not None}
 
 
 class BagStatisticsWarning(UserWarning):

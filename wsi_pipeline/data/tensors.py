@@ -13,10 +13,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "tiles_to_tensor"]
+from wsi_pipeline.models.input_norm import IMAGENET_MEAN, IMAGENET_STD
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
+__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "tiles_to_tensor"]
 
 
 def tiles_to_tensor(
@@ -32,7 +31,8 @@ def tiles_to_tensor(
     normalisation), applied to the [0, 1] pixels first.
 
     Values are scaled to [0, 1] and then standardised per channel, the convention of the
-    torchvision ResNet weights our encoders can load. ``dtype`` defaults to torch's default dtype
+    torchvision ResNet weights our encoders can load, and the one input every encoder takes
+    (a foundation encoder converts it to its own preset's normalisation and size itself). ``dtype`` defaults to torch's default dtype
     (float32 unless a caller sets ``torch.set_default_dtype``; the numerics tests run in float64).
     """
     dtype = dtype or torch.get_default_dtype()

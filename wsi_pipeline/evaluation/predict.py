@@ -145,6 +145,7 @@ def predict_slides(
     allow_other_tiling: bool = False,
     cluster: Any = None,
     retries: int = 2,
+    encoder_weights: str | os.PathLike | None = None,
 ) -> PredictSummary:
     """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
 
@@ -167,6 +168,9 @@ def predict_slides(
         refusing it.
     cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
         embedding and scoring stay in this process (under torchrun: in the ranks, a shard each).
+    encoder_weights : the base weights file of a foundation encoder whose checkpoint stores only
+        the trained tensors, when it is not where the training config says; its sha256 must be
+        the one recorded at training (else ``ValueError``).
 
     Every slide's tiles are also compared with the training tiles' stain summary
     (:mod:`wsi_pipeline.data.stain_stats`; saved in the checkpoint, or for older checkpoints
@@ -189,7 +193,7 @@ def predict_slides(
     if distributed.is_main():
         check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")
     dev = str(distributed.device_for(torch.device(_resolve_device(device))))
-    model = load_trained_model(model_path, device=dev)
+    model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None)
     tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, workers=workers, progress=progress,

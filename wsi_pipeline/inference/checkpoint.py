@@ -8,6 +8,10 @@ A checkpoint is a dict::
     seed        the run's seed
     epoch       epochs completed
     models      {"encoder": state dict or None, "aggregator": state dict}
+    encoder_info  what the encoder started from and how it is stored
+                (:func:`wsi_pipeline.inference.models.encoder_checkpoint`: name, weights file and its
+                sha256, preprocessing; ``stored: trained`` = only the trained tensors of a
+                foundation encoder, the rest being the weights file with that sha256)
     optimizer, scheduler, rng   (last.pt only) optimiser / schedule state, RNG states
     best        {"metric": name, "value": float, "epoch": int}
     stain_reference   the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), optional
@@ -293,6 +297,7 @@ def load_trained_model(
     *,
     device: str | torch.device = "cpu",
     which: str = "best",
+    encoder_weights: str | os.PathLike | None = None,
 ) -> TrainedModel:
     """Rebuild a run's encoder and aggregator from ``runs/<pipeline>/<method>/seed<k>/`` or a ``.pt`` file.
 
@@ -301,10 +306,13 @@ def load_trained_model(
     run_or_checkpoint : a run folder (``which`` picks ``best.pt`` or ``last.pt``) or a checkpoint file.
     device : where the models go.
     which : ``best`` or ``last`` (run folders only).
+    encoder_weights : the base weights file of a foundation encoder when it is no longer where
+        the config says (checkpoints that store only the trained tensors need it; its sha256
+        must be the one recorded at training, else ``ValueError``).
     """
     from wsi_pipeline.config.pipeline import config_from_dict, upgrade_saved_config
     from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
-    from wsi_pipeline.inference.models import build_models, load_encoder_state
+    from wsi_pipeline.inference.models import build_models, restore_encoder
 
     path = Path(run_or_checkpoint)
     if path.is_dir():
@@ -315,6 +323,7 @@ def load_trained_model(
             raise FileNotFoundError(f"{path} not found: the run has not finished an epoch yet (train it with `wsi-pipeline train`)")
     state = load_checkpoint(path)
     config = config_from_dict(upgrade_saved_config(state["config"]))
+    info = state.get("encoder_info")
     method = next((m for m in config.methods if m.name == state["method"]["name"]), None)
     if method is None:
         raise ValueError(f"{path}: method {state['method']['name']!r} is missing from the saved config")
@@ -325,12 +334,22 @@ def load_trained_model(
         endpoint = Endpoint(task=method.task, loss=method.loss, n_outputs=endpoint_outputs(method, n_classes))
     models = state["models"]
     build = method
-    if models.get("encoder") is not None and method.encoder.weights:
+    partial = bool(info) and info.get("stored") == "trained"
+    if partial:  # only the trained tensors are stored: the rest is the base weights file, checked by its sha256
+        weights = encoder_weights or method.encoder.weights
+        if not weights or not Path(weights).is_file():
+            raise FileNotFoundError(
+                f"{path}: its encoder {info.get('name')!r} is stored as the trained tensors only; the rest is the weights file "
+                f"{info.get('weights_file')} (sha256 {info.get('weights_sha256')}), not found{'' if not weights else ' at ' + str(weights)}. "
+                "Point at it with --encoder-weights FILE"
+            )
+        build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=str(weights)))
+    elif models.get("encoder") is not None and method.encoder.weights:
         # the checkpoint holds the encoder: the initial weights file is not needed (it may have moved)
         build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=None))
     encoder, aggregator = build_models(build, endpoint.n_outputs, device="cpu", for_training=False)
     if models.get("encoder") is not None:
-        encoder = load_encoder_state(method, encoder, models["encoder"])
+        encoder = restore_encoder(method, encoder, models["encoder"], info, where=str(path))
     aggregator.load_state_dict(models["aggregator"])
     encoder.to(device).eval()
     aggregator.to(device).eval()

@@ -6,16 +6,20 @@
   in store order;
 - ``coords`` int64 [N, 2]: (x, y) of each tile's top-left corner in level-0 px (from the store);
 - ``grid`` int32 [N, 2]: (col, row) of each tile on the store's tile grid;
-- attributes: ``slide_id``, ``encoder`` (name), ``weights_sha256`` (sha256 over the encoder's
-  state dict: names, dtypes, shapes and bytes, in key order), ``store_fingerprint`` (see
+- attributes: ``slide_id``, ``encoder`` (name: ``resnet18``, a foundation preset such as
+  ``uni_v1``, or ``timm:<architecture>``), ``weights_sha256`` (sha256 over the encoder's state
+  dict: names, dtypes, shapes and bytes, in key order), ``weights_file_sha256`` (sha256 of the
+  weights file the encoder was loaded from; empty without one), ``preprocessing`` (JSON: the
+  resize, normalisation and embedding the encoder applied to this store's tiles),
+  ``precision`` (``float32``, or ``bfloat16`` autocast), ``store_fingerprint`` (see
   :func:`store_fingerprint`), ``stain`` (the slide's stain normalisation: ``none``, or the method
   and a hash of the target and the slide's estimate, :meth:`~wsi_pipeline.data.stain.StainNormaliser.tag`;
   files written before it existed count as ``none``), ``n_tiles``, ``feature_dim``, ``tile_size`` (px),
   ``package_version``, ``created``, and ``complete = True``.
 
 Files are written under a temporary name and renamed into place, so a file that exists is
-complete. A file whose encoder, weights hash, store fingerprint and stain normalisation match is up to
-date and is skipped (the normalisation is part of the cache key). Training the aggregator alone (the frozen baseline) reads these files with
+complete. A file whose encoder, weights hashes, preprocessing, precision, store fingerprint and stain
+normalisation match is up to date and is skipped (the normalisation is part of the cache key). Training the aggregator alone (the frozen baseline) reads these files with
 :func:`read_features`.
 """
 
@@ -113,11 +117,16 @@ def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict
 _STALE_BECAUSE = {
     "encoder": "another encoder",
     "weights_sha256": "encoder weights changed (other weights, or BatchNorm calibrated on another training set)",
+    "weights_file_sha256": "another encoder weights file",
+    "preprocessing": "another preprocessing (resize, normalisation or embedding)",
+    "precision": "another precision (float32 / bfloat16)",
     "store_fingerprint": "tile store rebuilt or retiled",
     "stain": "stain normalisation changed (data.stain, or the slide's stain estimate)",
 }
 #: Value of an attribute absent from files written before it existed.
 _ABSENT_MEANS = {"stain": "none"}
+#: ``precision`` attribute values.
+PRECISIONS = {False: "float32", True: "bfloat16"}
 
 
 def _stale_reason(path: Path, expected: Mapping[str, Any]) -> str | None:
@@ -131,6 +140,8 @@ def _stale_reason(path: Path, expected: Mapping[str, Any]) -> str | None:
             if not bool(f.attrs.get("complete", False)):
                 return "incomplete file"
             for k, v in expected.items():
+                if k not in f.attrs and k not in _ABSENT_MEANS:
+                    return f"written by an older version (no {k} recorded)"
                 if f.attrs.get(k, _ABSENT_MEANS.get(k)) != v:
                     return _STALE_BECAUSE.get(k, f"{k} changed")
     except OSError as e:
@@ -163,15 +174,19 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
             f.attrs["complete"] = True
 
 
-def _embed_store(store: Any, encoder: Any, device: str, batch_size: int) -> np.ndarray:
-    """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``): float32 [N, D]."""
+def _embed_store(store: Any, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
+    """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``), optionally
+    under bfloat16 autocast: float32 [N, D]."""
+    import contextlib
+
     import torch
 
     from wsi_pipeline.data.tensors import tiles_to_tensor
 
     n = len(store)
     out = []
-    with torch.inference_mode():
+    autocast = torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+    with torch.inference_mode(), autocast:
         if n == 0:  # learn D from one blank tile so the file still has shape [0, D]
             blank = torch.zeros(1, 3, store.tile_size, store.tile_size, device=device)
             return np.zeros((0, encoder(blank).shape[1]), np.float32)
@@ -190,7 +205,7 @@ _SLIDE_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 
 def _slide_features(
     slide_id: str, row: dict[str, Any], encoder: Any, device: str, tiles_dir: str, out: str, encoder_name: str,
-    digest: str, batch_size: int, overwrite: bool, stain: Any = None,
+    digest: str, batch_size: int, overwrite: bool, stain: Any = None, file_digest: str = "", bf16: bool = False,
 ) -> None:
     """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): embed its store into
     ``<out>/<slide_id>.h5`` unless up to date, filling ``row`` (``n_tiles``; ``status`` skipped when up to
@@ -209,8 +224,11 @@ def _slide_features(
     store = open_store(store_path(tiles_dir, slide_id))
     if stain is not None:
         stain.attach(store)
-    expected = {"encoder": encoder_name, "weights_sha256": digest, "store_fingerprint": store_fingerprint(store),
-                "stain": store.stain.tag if store.stain is not None else "none"}
+    from wsi_pipeline.models.foundation import preprocessing_record
+
+    expected = {"encoder": encoder_name, "weights_sha256": digest, "weights_file_sha256": file_digest,
+                "preprocessing": preprocessing_record(encoder, int(store.tile_size)), "precision": PRECISIONS[bool(bf16)],
+                "store_fingerprint": store_fingerprint(store), "stain": store.stain.tag if store.stain is not None else "none"}
     row["n_tiles"] = len(store)
     reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
     if reason is None:
@@ -218,7 +236,7 @@ def _slide_features(
         return
     if reason != "no feature file":
         row["reason"] = reason
-    feats = _embed_store(store, encoder, dev, int(batch_size))
+    feats = _embed_store(store, encoder, dev, int(batch_size), bool(bf16))
     attrs = {
         **expected,
         "slide_id": slide_id,
@@ -247,6 +265,7 @@ def extract_features(
     cluster: Any = None,
     retries: int = 2,
     stain: Any = None,
+    bf16: bool = False,
 ) -> pd.DataFrame:
     """Embed every slide's tile store with a frozen encoder and write ``<out_dir>/<slide_id>.h5``.
 
@@ -255,7 +274,8 @@ def extract_features(
     manifest_df : manifest rows (``slide_id`` is used); stores are ``<tiles_dir>/<slide_id>.zarr``.
     tiles_dir, out_dir : folders of the tile stores and of the feature files (created).
     encoder_name : a registered encoder (``wsi_pipeline.models.ENCODERS``), recorded in the files.
-    weights : checkpoint path for :func:`wsi_pipeline.models.build_encoder`. Without weights the
+    weights : weights file for :func:`wsi_pipeline.models.build_encoder` (a torchvision ResNet
+        checkpoint, or the file a foundation model's card publishes). Without weights the
         encoder is randomly initialised from ``seed`` (reproducible, but not a useful baseline).
     encoder : an already built module [B, 3, T, T] -> [B, D] to use instead of building
         ``encoder_name`` (``encoder_name`` is then only the recorded name).
@@ -270,6 +290,7 @@ def extract_features(
     retries : with ``cluster``: extra runs of a slide whose worker died.
     stain : a fitted :class:`~wsi_pipeline.data.stain_slides.StainContext`: tiles are stain-normalised
         before the encoder, and the normalisation is recorded in each file (its cache key).
+    bf16 : embed under bfloat16 autocast (features stored as float32; recorded as ``precision``).
 
     Returns
     -------
@@ -294,11 +315,21 @@ def extract_features(
             log.warning("no --weights given: %s is randomly initialised (seed %d)", encoder_name, seed)
     encoder = encoder.to(dev).eval()
     digest = weights_sha256(encoder)
+    base = getattr(encoder, "base_weights", None)
+    if base is not None:
+        file_digest = base["sha256"]
+    elif weights is not None:
+        from wsi_pipeline.models.foundation import file_sha256
+
+        file_digest = file_sha256(weights)
+    else:
+        file_digest = ""
 
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
     _report_orphans(out, slide_ids)
     rows = run_slides(
-        slide_ids, _slide_features, (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain),
+        slide_ids, _slide_features,
+        (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain, file_digest, bool(bf16)),
         catch=_SLIDE_ERRORS, defaults=_REPORT_DEFAULTS, broadcast=encoder.cpu() if cluster is not None else encoder,
         cluster=cluster, retries=retries, desc="features", progress=progress,
         report_path=out / REPORT_NAME, columns=REPORT_COLUMNS,

@@ -8,6 +8,7 @@ trained run through :mod:`wsi_pipeline.inference.checkpoint`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,60 +20,141 @@ from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
     "FROZEN_INIT_SEED",
+    "build_method_encoder",
     "build_models",
     "build_patchgd_head",
+    "encoder_checkpoint",
     "frozen_encoder",
     "frozen_features_dir",
     "load_encoder_state",
     "patchgd_method",
+    "restore_encoder",
 ]
 
 #: Seed of the random initialisation of a frozen encoder without weights (as ``extract_features``).
 FROZEN_INIT_SEED = 0
 
 
-def frozen_encoder(method: Any) -> nn.Module:
-    """The frozen encoder of a method: ``encoder.name`` with ``encoder.weights``, eval mode, no gradient.
+def build_method_encoder(method: Any, *, weights: str | None = None, training: bool = True) -> nn.Module:
+    """The encoder of ``method.encoder``: built by name with its weights file and options, fine-tuning prepared.
+
+    For a foundation-model encoder: LoRA adapters are added (``encoder.lora``; also for
+    inference, so a checkpoint's adapters load), the first blocks frozen (``freeze_blocks``),
+    and with ``training`` and weights that train, activation checkpointing is switched on
+    (``encoder.checkpointing``, default on). ``weights`` overrides ``method.encoder.weights``
+    (``predict --encoder-weights``). Random initialisation follows torch's global generator.
+    """
+    from wsi_pipeline.models import build_encoder
+
+    cfg = method.encoder
+    path = weights if weights is not None else cfg.weights
+    encoder = build_encoder(cfg.name, weights=path, **cfg.build_options())
+    if not cfg.foundation:
+        return encoder
+    from wsi_pipeline.models.finetune import add_lora, freeze_first_blocks
+
+    if cfg.lora is not None:
+        add_lora(encoder.model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, first_block=cfg.freeze_blocks)
+    freeze_first_blocks(encoder.model, cfg.freeze_blocks)
+    trains = method.strategy != "frozen" and any(p.requires_grad for p in encoder.parameters())
+    if training and trains and cfg.checkpointing is not False:
+        encoder.model.set_grad_checkpointing(True)
+    return encoder
+
+
+def frozen_encoder(method: Any, weights: str | None = None) -> nn.Module:
+    """The frozen encoder of a method: ``encoder.name`` with ``encoder.weights`` (or ``weights``), eval mode, no gradient.
 
     Without weights the encoder is initialised from a fixed seed, the one
     :func:`wsi_pipeline.inference.features.extract_features` uses, so features and model agree.
     """
-    from wsi_pipeline.models import build_encoder
-
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(FROZEN_INIT_SEED)
-        enc = build_encoder(method.encoder.name, weights=method.encoder.weights)
+        enc = build_method_encoder(method, weights=weights, training=False)
     enc.eval()
     enc.requires_grad_(False)
     return enc
 
 
 def frozen_features_dir(method: Any, features_root: str) -> str:
-    """Feature folder of a frozen method: its ``features_dir``, else ``<features_root>/<encoder>[-<weights stem>]``."""
+    """Feature folder of a frozen method: its ``features_dir``, else ``<features_root>/<encoder>[-<weights stem>]``
+    (``timm:<architecture>`` becomes ``timm-<architecture>``)."""
     if method.features_dir:
         return method.features_dir
-    from pathlib import Path
-
-    tag = method.encoder.name
+    tag = method.encoder.name.replace(":", "-")
     if method.encoder.weights:
         tag += "-" + Path(method.encoder.weights).stem
     return str(Path(features_root) / tag)
 
 
-def build_models(method: Any, n_classes: int, *, device: str | torch.device = "cpu", for_training: bool = True) -> tuple[nn.Module, nn.Module]:
+def encoder_checkpoint(method: Any, encoder: nn.Module, tile_size: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """What a checkpoint keeps of ``encoder``: ``(state, info)``.
+
+    ``info``: ``name``, ``weights_file`` and ``weights_sha256`` (the file the encoder started
+    from, or None), ``preprocessing`` (JSON, for ``tile_size`` px tiles) and ``stored``:
+    ``"trained"`` for a foundation encoder built from a weights file, whose ``state`` holds only
+    the tensors that train (none for a frozen method; LoRA adapters; the unfrozen blocks; all of
+    them for full fine-tuning), the rest being the file, which must then be found with the same
+    sha256 to use the checkpoint; ``"full"`` otherwise (the whole state dict).
+    """
+    from wsi_pipeline.models.finetune import trained_state
+    from wsi_pipeline.models.foundation import file_sha256, preprocessing_record
+
+    base = getattr(encoder, "base_weights", None)
+    weights = method.encoder.weights
+    info: dict[str, Any] = {
+        "name": method.encoder.name,
+        "weights_file": None if weights is None else str(weights),
+        "weights_sha256": base["sha256"] if base else (file_sha256(weights) if weights and Path(weights).is_file() else None),
+        "preprocessing": None if tile_size is None else preprocessing_record(encoder, int(tile_size)),
+        "stored": "trained" if base else "full",
+    }
+    state = trained_state(encoder) if base else encoder.state_dict()
+    return state, info
+
+
+def restore_encoder(method: Any, encoder: nn.Module, state: dict[str, torch.Tensor], info: dict[str, Any] | None, *,
+                    where: str) -> nn.Module:
+    """Load a checkpoint's encoder ``state`` (see :func:`encoder_checkpoint`) into ``encoder`` built for ``method``.
+
+    With ``info["stored"] == "trained"`` the encoder must have been built from the base weights
+    file whose sha256 ``info`` records: a different file is refused (``ValueError``), naming both.
+    Returns the module holding the weights (see :func:`load_encoder_state`).
+    """
+    if not info or info.get("stored") != "trained":
+        return load_encoder_state(method, encoder, state)
+    from wsi_pipeline.models.finetune import load_trained_state
+
+    base = getattr(encoder, "base_weights", None)
+    want = info.get("weights_sha256")
+    if base is None or base["sha256"] != want:
+        found = "no weights file" if base is None else f"{base['file']} (sha256 {base['sha256'][:16]}...)"
+        raise ValueError(
+            f"{where}: this checkpoint stores only the trained part of encoder {info.get('name')!r}; the rest is the base "
+            f"weights file {info.get('weights_file')} with sha256 {want}. Found {found}, which differs: point at the original "
+            "file (predict --encoder-weights FILE, or encoder.weights in the config)"
+        )
+    load_trained_state(encoder, state, where=where)
+    return encoder
+
+
+def build_models(method: Any, n_classes: int, *, device: str | torch.device = "cpu", for_training: bool = True,
+                 encoder_weights: str | None = None) -> tuple[nn.Module, nn.Module]:
     """Build a method's ``(encoder, aggregator)``; the aggregator is the PatchGD head for ``patchgd``.
+
+    ``encoder_weights`` replaces ``encoder.weights`` (a trained method's encoder whose base file moved).
 
     Random initialisation follows torch's global generator (seed it first). ``for_training``
     converts a ``bigl`` encoder to Big-Layers; for inference a ``bigl`` encoder is an
     :class:`~wsi_pipeline.bigl.EmbeddingEncoder` (plain on the device when a call fits
     ``bigl.embed_budget_mib``, Big-Layers otherwise; plain encoder's state dict).
     """
-    from wsi_pipeline.models import build_aggregator, build_encoder
+    from wsi_pipeline.models import build_aggregator
 
     if method.strategy == "frozen":
-        encoder = frozen_encoder(method)
+        encoder = frozen_encoder(method, encoder_weights)
     else:
-        encoder = build_encoder(method.encoder.name, weights=method.encoder.weights)
+        encoder = build_method_encoder(method, weights=encoder_weights, training=for_training)
     dim = int(encoder.num_features)
     if method.strategy == "patchgd":
         aggregator = build_patchgd_head(patchgd_method(method), dim, n_classes)

@@ -1,4 +1,5 @@
-"""Models: tile encoders (ResNet-18/50 with torchvision parameter names) and MIL aggregators.
+"""Models: tile encoders (ResNet-18/50 with torchvision parameter names, foundation-model ViTs
+built with timm) and MIL aggregators.
 
 ``build_encoder`` lives in :mod:`wsi_pipeline.models.encoders`, ``build_aggregator`` in
 :mod:`wsi_pipeline.models.aggregators`; both are re-exported here lazily so importing one does
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["build_encoder", "build_aggregator", "ENCODERS", "AGGREGATORS"]
+__all__ = ["build_encoder", "build_aggregator", "ENCODERS", "AGGREGATORS", "encoder_choices"]
 
 _LAZY = {
     "build_encoder": "wsi_pipeline.models.encoders",
     "ENCODERS": "wsi_pipeline.models.encoders",
+    "encoder_choices": "wsi_pipeline.models.encoders",
     "build_aggregator": "wsi_pipeline.models.aggregators",
     "AGGREGATORS": "wsi_pipeline.models.aggregators",
 }

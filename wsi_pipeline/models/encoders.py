@@ -1,4 +1,6 @@
-"""Tile encoders: ResNet-18/34/50 written here, with torchvision's parameter and buffer names.
+"""Tile encoders: ResNet-18/34/50 written here, with torchvision's parameter and buffer names, and
+the foundation-model presets (UNI, UNI2-h, Virchow2, H-optimus-0/1, Prov-GigaPath) and
+``timm:<architecture>`` built with timm (:mod:`wsi_pipeline.models.foundation`).
 
 The names (``conv1``, ``bn1``, ``layer1.0.conv1``, ``layer2.0.downsample.0``, ...) match
 torchvision's ``ResNet`` so a torchvision checkpoint file loads with ``weights=path``; the
@@ -19,6 +21,8 @@ from wsi_pipeline.models.registry import Registry
 
 __all__ = [
     "ENCODERS",
+    "EncoderNames",
+    "encoder_choices",
     "BasicBlock",
     "Bottleneck",
     "ResNet",
@@ -245,25 +249,90 @@ def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
     log.info("loaded %d tensors from %s", len(state), path)
 
 
+def _preset_factory(preset: str) -> Callable[..., nn.Module]:
+    def factory(weights: str | Path | None = None, **kw) -> nn.Module:
+        from wsi_pipeline.models.foundation import build_foundation_encoder  # imports timm: only when built
+
+        return build_foundation_encoder(preset, weights, **kw)
+
+    factory.__doc__ = f"The {preset} foundation-model encoder (:mod:`wsi_pipeline.models.foundation`)."
+    return factory
+
+
+def _register_presets() -> None:
+    from wsi_pipeline.models.foundation import PRESETS
+
+    for preset in PRESETS:
+        ENCODERS.register(preset)(_preset_factory(preset))
+
+
+_register_presets()
+
+
+class EncoderNames:
+    """The encoder names ``--encoder`` and ``encoder.name`` accept: the registry's, and ``timm:<architecture>``.
+
+    Iterating lists them for ``--help`` (``timm:<architecture>`` stands for the pattern);
+    ``in`` accepts any ``timm:`` name (timm checks the architecture when the model is built).
+    """
+
+    def __iter__(self):
+        return iter([*ENCODERS.names(), "timm:<architecture>"])
+
+    def __len__(self) -> int:
+        return len(ENCODERS.names()) + 1
+
+    def __getitem__(self, i: int) -> str:
+        return list(self)[i]
+
+    def __contains__(self, name: object) -> bool:
+        from wsi_pipeline.models.foundation import is_foundation_name
+
+        return isinstance(name, str) and (name in ENCODERS or is_foundation_name(name))
+
+    def names(self) -> list[str]:
+        return list(self)
+
+
+#: What :class:`wsi_pipeline.cli._common.LazyChoices` reads for ``--encoder``.
+encoder_choices = EncoderNames()
+
+
 def build_encoder(name: str, weights: str | Path | None = None, **kw) -> nn.Module:
-    """Build a registered encoder by name.
+    """Build an encoder by name.
 
     Parameters
     ----------
     name
-        One of ``ENCODERS.names()`` (``resnet18``, ``resnet34``, ``resnet50``).
+        One of ``ENCODERS.names()`` (``resnet18``, ``resnet34``, ``resnet50``, and the foundation
+        presets ``uni_v1``, ``uni_v2``, ``virchow2``, ``hoptimus0``, ``hoptimus1``, ``gigapath``)
+        or ``timm:<architecture>``.
     weights
-        Optional path of a torchvision checkpoint file to load (classifier keys ignored).
+        Optional weights file: a torchvision checkpoint for the ResNets (classifier keys
+        ignored); for a foundation encoder the file its model card publishes (``.bin``, ``.pth``,
+        ``.safetensors``), loaded strictly (:func:`wsi_pipeline.models.foundation.build_foundation_encoder`).
     **kw
-        Passed to the architecture (e.g. ``zero_init_residual=True``).
+        Passed to the architecture (e.g. ``zero_init_residual=True``; for ``timm:`` names
+        ``timm_kwargs``, ``mean``, ``std``, ``input_size``, ``embedding``).
 
     Returns
     -------
     nn.Module
-        Maps images ``[B, 3, H, W]`` (float, any H, W >= 1 px) to features ``[B, D]``;
-        ``.num_features`` is D (512 for resnet18/34, 2048 for resnet50).
+        Maps images ``[B, 3, H, W]`` (float, ImageNet-normalised: ``tiles_to_tensor``) to
+        features ``[B, D]``; ``.num_features`` is D (512 for resnet18/34, 2048 for resnet50, the
+        preset's embedding width for a foundation encoder).
     """
-    model = ENCODERS.get(name)(**kw)
+    from wsi_pipeline.models.foundation import TIMM_PREFIX, build_foundation_encoder
+
+    if name.startswith(TIMM_PREFIX):
+        return build_foundation_encoder(name, weights, **kw)
+    factory = ENCODERS.get(name)
+    if name not in _RESNETS:
+        return factory(weights, **kw)
+    model = factory(**kw)
     if weights is not None:
         load_torchvision_weights(model, weights)
     return model
+
+
+_RESNETS = ("resnet18", "resnet34", "resnet50")

@@ -47,6 +47,7 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     report = extract_features(
         rows, config.data.tiles_dir, out, method.encoder.name, method.encoder.weights,
         encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress, stain=plan.stain_ctx,
+        bf16=bool(method.train.bf16) and torch.device(device).type == "cuda",
     )
     failed = report[report["status"] == "failed"]
     if len(failed):

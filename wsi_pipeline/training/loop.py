@@ -48,7 +48,7 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
-from wsi_pipeline.inference.models import frozen_features_dir
+from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_dir, restore_encoder
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
@@ -229,7 +229,7 @@ def _start(
     n_tiles = reader.n_tiles()
     params = strategy.parameters()
     sync = distributed.StepSync(params, strategy.state_modules().values())
-    optimizer = build_optimizer(params, tc, total_steps=tc.epochs * strategy.epoch_steps(n_tiles))
+    optimizer = build_optimizer(strategy.param_groups(), tc, total_steps=tc.epochs * strategy.epoch_steps(n_tiles))
     run = _Run(
         config=config, method=method, seed=int(seed), plan=plan, run_dir=config.run_dir(method.name, seed), device=dev,
         bar=_bars(progress), strategy=strategy, reader=reader, n_tiles=n_tiles, val_inputs=val_inputs, params=params,
@@ -238,7 +238,8 @@ def _start(
     run.best = {"metric": selection(tc, config.data.n_classes, method.task)[0], "value": None, "epoch": 0}
     last = run.run_dir / "last.pt"
     if last.exists():
-        run.history, run.best, run.start = resume(last, strategy.state_modules(), optimizer, run.schedule)
+        restore = lambda enc, st, info: restore_encoder(method, enc, st, info, where=str(last))  # noqa: E731
+        run.history, run.best, run.start = resume(last, strategy.state_modules(), optimizer, run.schedule, restore_encoder=restore)
         log.info("resuming %s after epoch %d", run.run_dir, run.start)
     distributed.broadcast_states(strategy.state_modules().values())  # every rank starts from rank 0's models
     if run.main:
@@ -298,8 +299,8 @@ def _record(run: _Run, row: dict[str, Any], val: dict[str, float]) -> bool:
 def _checkpoint(run: _Run, improved: bool) -> None:
     """``history.csv``, ``best.pt`` when ``improved``, then ``last.pt`` (everything needed to resume)."""
     write_history(run.history, run.run_dir / "history.csv")
-    models = {name: m.state_dict() for name, m in run.strategy.state_modules().items()}
-    common = {"config": config_to_dict(run_config(run.config, run.method, run.seed)), "method": config_to_dict(run.method),
+    models, encoder_info = _model_states(run)
+    common = {"encoder_info": encoder_info,"config": config_to_dict(run_config(run.config, run.method, run.seed)), "method": config_to_dict(run.method),
               "seed": run.seed, "epoch": run.history[-1]["epoch"],
               **({"tiling": run.plan.tiling} if run.plan.tiling is not None else {}),
               **({"stain_reference": run.plan.stain} if run.plan.stain is not None else {}),
@@ -313,6 +314,20 @@ def _checkpoint(run: _Run, improved: bool) -> None:
         **common, "models": models, "optimizer": run.optimizer.state_dict(), "scheduler": run.schedule.state_dict(),
         "rng": capture_rng(), "best": run.best, "history": run.history,
     })
+
+
+def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The checkpoint's model states and what it records of the encoder
+    (:func:`~wsi_pipeline.inference.models.encoder_checkpoint`: a foundation encoder built from a
+    weights file keeps only its trained tensors)."""
+    models = {name: m.state_dict() for name, m in run.strategy.state_modules().items() if name != "encoder"}
+    tile_size = (run.plan.tiling or {}).get("tile_size")
+    if tile_size is None and run.plan.train:  # stores written without tiling settings (generated cohorts)
+        from wsi_pipeline.data.store import open_store
+
+        tile_size = open_store(run.plan.train[0].store).tile_size
+    models["encoder"], info = encoder_checkpoint(run.method, run.strategy.encoder, tile_size)
+    return models, info
 
 
 def _log_epoch(run: _Run, row: dict[str, Any], val: dict[str, float], epochs: Any) -> None:

@@ -114,12 +114,22 @@ class DemonAdam(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], train: Any, total_steps: int) -> torch.optim.Optimizer:
+def build_optimizer(params: Iterable[Any], train: Any, total_steps: int) -> torch.optim.Optimizer:
     """Adam (``train.lr``, L2 ``train.weight_decay``), or :class:`DemonAdam` when ``train.demon.enabled``.
 
+    ``params``: parameters, or parameter groups (dicts with ``params`` and optionally
+    ``lr_scale``, the group's share of the scheduled rate, and ``weight_decay``).
     ``train`` is a :class:`wsi_pipeline.config.pipeline.TrainConfig`; ``total_steps`` is T for DEMON.
     """
-    params = [p for p in params if p.requires_grad]
+    params = list(params)
+    if params and isinstance(params[0], dict):
+        params = [{**g, "params": [p for p in g["params"] if p.requires_grad]} for g in params]
+        params = [g for g in params if g["params"]]
+        for g in params:
+            g.setdefault("lr_scale", 1.0)
+            g["lr"] = train.lr * g["lr_scale"]
+    else:
+        params = [p for p in params if p.requires_grad]
     if not params:
         raise ValueError("no trainable parameters: the method has nothing to optimise")
     if train.demon.enabled:
@@ -155,7 +165,8 @@ def lr_at_epoch(epoch: int, train: Any) -> float:
 
 
 class EpochSchedule:
-    """Sets every parameter group's ``lr`` to :func:`lr_at_epoch` at the start of each epoch.
+    """Sets every parameter group's ``lr`` to :func:`lr_at_epoch` (times the group's ``lr_scale``, 1
+    unless layer-wise decay set it) at the start of each epoch.
 
     State is the epoch only (plain ints), so checkpoints stay loadable with ``weights_only=True``.
     """
@@ -170,7 +181,7 @@ class EpochSchedule:
         self.epoch = int(epoch)
         lr = lr_at_epoch(self.epoch, self.train)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)  # layer-wise decay: a group's share of the rate
         return lr
 
     def state_dict(self) -> dict[str, int]:

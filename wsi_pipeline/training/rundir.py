@@ -86,12 +86,21 @@ def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
 
 
 def resume(
-    last: Path, modules: dict[str, torch.nn.Module], optimizer: torch.optim.Optimizer, schedule: Any
+    last: Path, modules: dict[str, torch.nn.Module], optimizer: torch.optim.Optimizer, schedule: Any, *,
+    restore_encoder: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
-    """Load ``last.pt`` into the models, optimiser, schedule and RNGs; return ``(history, best, epochs done)``."""
+    """Load ``last.pt`` into the models, optimiser, schedule and RNGs; return ``(history, best, epochs done)``.
+
+    ``restore_encoder(encoder, state, info)`` loads the encoder's state when given (a checkpoint
+    holding only a foundation encoder's trained tensors, see
+    :func:`wsi_pipeline.inference.models.encoder_checkpoint`); else every module loads strictly.
+    """
     state = load_checkpoint(last)  # on the CPU: RNG states must stay there; load_state_dict moves the rest
     for name, module in modules.items():
-        module.load_state_dict(state["models"][name])
+        if name == "encoder" and restore_encoder is not None:
+            restore_encoder(module, state["models"][name], state.get("encoder_info"))
+        else:
+            module.load_state_dict(state["models"][name])
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["scheduler"])
     restore_rng(state["rng"])

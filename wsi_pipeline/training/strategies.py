@@ -136,6 +136,27 @@ class Strategy:
                 raise ValueError(f"method {method.name!r}: loss cox compares the bags of an optimiser step with each "
                                  f"other (the risk sets); train.batch_bags x accumulate_batches is "
                                  f"{method.train.bags_per_step}: use at least 2 (README: survival, e.g. 16)")
+        enc = method.encoder
+        tuning = [k for k, v in (("freeze_blocks", enc.freeze_blocks), ("layer_decay", enc.layer_decay), ("lora", enc.lora)) if v]
+        if tuning and cls.name == "frozen":
+            raise ValueError(
+                f"method {method.name!r}: encoder.{tuning[0]} fine-tunes the encoder, but strategy 'frozen' never trains it; "
+                "use strategy 'accumulate' (or remove the option)"
+            )
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimiser's parameter groups: one, or with ``encoder.layer_decay`` one per encoder layer
+        (timm's layer grouping: embeddings, each block, final norm) with its ``lr_scale``, the
+        aggregator at scale 1. Weight decay stays ``train.weight_decay`` for every parameter."""
+        decay = self.method.encoder.layer_decay
+        if not decay or self.encoder not in self.trainable():
+            return [{"params": self.parameters()}]
+        from timm.optim import param_groups_layer_decay
+
+        groups = param_groups_layer_decay(self.encoder.model, weight_decay=self.method.train.weight_decay,
+                                          weight_decay_exclude_1d=False, layer_decay=float(decay))
+        others = [p for m in self.trainable() if m is not self.encoder for p in m.parameters() if p.requires_grad]
+        return [g for g in groups if g["params"]] + [{"params": others, "lr_scale": 1.0}]
 
     def state_modules(self) -> dict[str, nn.Module]:
         """Modules whose state dicts go into checkpoints."""
@@ -377,6 +398,17 @@ class BiglStrategy(Strategy):
     """The encoder converted to Big-Layers; the whole bag is one batch whose big activations live in host memory."""
 
     name = "bigl"
+
+    @classmethod
+    def check(cls, method: Any) -> None:
+        super().check(method)
+        if method.encoder.foundation:
+            raise ValueError(
+                f"method {method.name!r}: strategy 'bigl' needs a CNN encoder (resnet18/34/50): Big-Layers splits the "
+                f"large early convolution activations of a whole-bag batch by rows, and a ViT such as "
+                f"{method.encoder.name!r} has none (its first layer is a patch embedding, its memory grows with the "
+                "tiles embedded at once). Train it with strategy 'accumulate', whose memory is set by chunk_size"
+            )
 
     def _prep_device(self) -> torch.device:
         """Always the host: the tiles stay there until the first Big-Layer takes its chunks."""
