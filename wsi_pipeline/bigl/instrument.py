@@ -7,7 +7,8 @@ Every chunk step of a Big-Layer reports its transfers to the registered hooks:
 the Big-Layer stages end: ``handoff/forward`` moves it to the device, ``handoff/backward`` moves
 its gradient back to the host; not a chunk, so outside the chunk budget). ``resident`` is the
 number of elements of chunk tensors alive on the device right after the event. Every event
-carries its bytes (``nbytes``). Hooks cost nothing when none is registered.
+carries its bytes (``nbytes``); ``start`` opens each pass (before its first chunk). Hooks cost
+nothing when none is registered.
 """
 
 from __future__ import annotations
@@ -119,6 +120,11 @@ def handoff(layer: str, t: torch.Tensor) -> None:
     """Report the whole-tensor move where the Big-Layer stages end (``layer``: ``handoff/forward``
     host -> device, ``handoff/backward`` device -> host)."""
     _emit("handoff", layer, 0, t.numel(), nbytes=t.numel() * t.element_size())
+
+
+def pass_start(layer: str) -> None:
+    """Report the start of a pass (before its first chunk is loaded)."""
+    _emit("start", layer, 0, 0)
 
 
 def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool, nbytes: int = 0) -> None:

@@ -35,6 +35,7 @@ lower bounds for a real step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -45,7 +46,11 @@ from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
 
-__all__ = ["PassCost", "StepTraffic", "DeviceModel", "count_step", "dry_step", "predict", "paper_big_layers", "module_big_layers"]
+__all__ = ["PassCost", "StepTraffic", "DeviceModel", "count_step", "dry_step", "dry_budget_step", "dry_forward_flops", "predict",
+           "paper_big_layers", "module_big_layers"]
+
+if TYPE_CHECKING:
+    from wsi_pipeline.bigl.budget import StepPlan
 
 _BIG = (BigConv2d, BigBatchNorm2d, BigReLU, BigMaxPool2d, BigAddReLU)
 
@@ -126,11 +131,13 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
             if e.kind == "handoff":
                 hand[e.layer.rsplit("/", 1)[-1]] += e.nbytes
                 return
-            if e.kind not in ("h2d", "d2h", "chunk"):
+            if e.kind not in ("h2d", "d2h", "chunk", "start"):
                 return
             p = passes.get(e.layer)
-            if p is None:  # a pass starts with its first upload: FLOPs from here on are its own
+            if p is None:  # a pass starts with its start event: FLOPs from here on are its own
                 p = passes[e.layer] = PassCost(e.layer, _flops_at_start=fc.get_total_flops())
+            if e.kind == "start":
+                return
             if e.kind == "h2d":
                 p.h2d += e.nbytes
                 if e.chunk == 0:
@@ -152,7 +159,8 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
             for h in handles:
                 h.remove()
         flops = fc.get_total_flops()
-    if not big_modules:
+    planned = getattr(model, "last_plan", None) is not None
+    if not big_modules and not planned:
         return StepTraffic(_nbytes(x), 0, _nbytes(x), flops)
     plist = list(passes.values())
     for p in plist:
@@ -160,6 +168,9 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     handoff = hand["forward"] + hand["backward"]
     h2d = sum(p.h2d for p in plist) + hand["forward"]
     d2h = sum(p.d2h for p in plist) + hand["backward"]
+    if planned:  # a device-budget plan: its minimum is the plan's (the image, the host checkpoints)
+        minimum = sum(model.last_plan.minimum_bytes(x.requires_grad))
+        return StepTraffic(h2d, d2h, minimum, flops, plist, handoff)
     return StepTraffic(h2d, d2h, minimum + handoff, flops, plist, handoff)
 
 
@@ -180,6 +191,48 @@ def dry_step(name: str, stages: int | None, side: int, batch: int = 1, max_eleme
         model = bigify(model, stages=stages, max_elements=max_elements, device="meta").train()
     x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
     return count_step(model, x)
+
+
+def _meta_encoder(name: str, dtype: torch.dtype, bn: str) -> nn.Module:
+    from wsi_pipeline.models import build_encoder
+
+    if bn not in ("train", "frozen"):
+        raise ValueError(f"bn={bn!r}; expected 'train' (batch statistics) or 'frozen' (running statistics)")
+    with torch.device("meta"):
+        model = build_encoder(name).to(dtype)
+    model.train()
+    if bn == "frozen":
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+    return model
+
+
+def dry_budget_step(name: str, batch: int, side: int, budget: int | None, *, bn: str = "train",
+                    dtype: torch.dtype = torch.float32, cast: torch.dtype | None = None,
+                    max_elements: int = 2**27) -> tuple[StepTraffic, "StepPlan"]:
+    """Count a training step of encoder ``name`` on ``[batch, 3, side, side]`` under a device budget
+    (bytes; None: plain), on meta tensors; returns the counts and the plan.
+
+    ``bn``: ``train`` (batch statistics) or ``frozen`` (running statistics, parameters trained);
+    ``cast``: count as under autocast to this dtype (activations, checkpoints and the image in it).
+    """
+    from wsi_pipeline.bigl.planned import BudgetResNet
+    from wsi_pipeline.bigl.runner import ChunkRunner
+
+    model = BudgetResNet(_meta_encoder(name, dtype, bn), ChunkRunner("meta"), budget, max_elements)
+    model.dry_cast = cast
+    x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
+    return count_step(model, x), model.last_plan
+
+
+def dry_forward_flops(name: str, batch: int, side: int, *, dtype: torch.dtype = torch.float32) -> int:
+    """FLOPs of a forward pass without gradient of encoder ``name`` on ``[batch, 3, side, side]`` (meta)."""
+    model = _meta_encoder(name, dtype, "frozen")
+    x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
+    with FlopCounterMode(display=False) as fc, torch.no_grad():
+        model(x)
+    return fc.get_total_flops()
 
 
 def predict(t: StepTraffic, device: DeviceModel, *, plain: bool = False) -> tuple[float, float]:
