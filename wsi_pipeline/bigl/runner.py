@@ -34,7 +34,7 @@ instrumentation reports exactly the chunks, elements and bytes a real run would 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
@@ -128,7 +128,8 @@ class ChunkRunner:
         return contextlib.nullcontext()
 
     def run(self, layer: str, chunks: Sequence[RowChunk], load: Load, compute: Compute, store: Store | None = None, *,
-            resident_in: Sequence[bool] = (), resident_out: Sequence[bool] = ()) -> None:
+            resident_in: Sequence[bool] = (), resident_out: Sequence[bool] = (),
+            signature: Callable[[int, RowChunk], Hashable] | None = None) -> None:
         """Run every chunk step of one pass of one layer.
 
         Parameters
@@ -147,6 +148,11 @@ class ChunkRunner:
         resident_in, resident_out
             Per loaded tensor / per destination: True when it already lives on the compute device
             (used in place, not transferred, not reported); missing entries are False.
+        signature
+            Dry runs (``meta``) only: ``signature(i, chunk)`` is equal for chunks whose loads,
+            results and FLOPs have the same shapes; such a chunk is computed once per pass and
+            replayed after (its transfers and FLOPs reported again, ``compute`` and ``store`` not
+            called), so a dry run costs the distinct chunk shapes, not the chunks.
         """
         if not chunks:
             return
@@ -158,15 +164,27 @@ class ChunkRunner:
             with torch.cuda.device(self.device):
                 self._run_cuda(layer, chunks, load, compute, store, watch)
         else:
+            replay = signature is not None and self.device.type == "meta"
+            seen: dict[Hashable, tuple[int, list[tuple[int, int]]]] = {}
             pending = self._send_cpu(layer, 0, chunks[0], load, watch)
             for i, ch in enumerate(chunks):
                 ins = pending
+                sig = signature(i, ch) if replay else None
+                if sig is not None and sig in seen:
+                    pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
+                    self._replay(layer, i, ch, ins, seen[sig], watch)
+                    del ins
+                    continue
+                f0 = instrument.flop_total()
                 with self._no_autocast():
                     outs = compute(i, ch, ins)
+                flops = instrument.flop_total() - f0
                 pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
                 sent = [t for k, t in enumerate(ins) if not self._resident(self._res_in, k)]
                 moved = sum(t.numel() for t in sent)
                 moved_bytes = sum(_nbytes(t) for t in sent)
+                if sig is not None:
+                    seen[sig] = (flops, [(o.numel(), _nbytes(o)) for k, o in enumerate(outs) if not self._resident(self._res_out, k)])
                 dests = store(i, ch) if store is not None else ()
                 self._check(layer, dests, outs)
                 for k, (d, o) in enumerate(zip(dests, outs)):
@@ -180,7 +198,19 @@ class ChunkRunner:
                     moved_bytes += _nbytes(o)
                 if watch:
                     instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
-                del ins, outs
+                del ins, outs, sent
+
+    def _replay(self, layer: str, i: int, ch: RowChunk, ins, cached: tuple[int, list[tuple[int, int]]], watch: bool) -> None:
+        """Report a dry-run chunk like an earlier one of the same shapes (its uploads were reported on loading)."""
+        flops, outs = cached
+        instrument.add_flops(flops)
+        sent = [t for k, t in enumerate(ins) if not self._resident(self._res_in, k)]
+        moved = sum(t.numel() for t in sent) + sum(n for n, _ in outs)
+        moved_bytes = sum(_nbytes(t) for t in sent) + sum(b for _, b in outs)
+        if watch:
+            for n, b in outs:
+                instrument.report("d2h", layer, i, n, b)
+            instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
 
     @staticmethod
     def _resident(flags: tuple[bool, ...], k: int) -> bool:
@@ -290,7 +320,7 @@ class ChunkRunner:
                 d.copy_(staged)
             if watch:
                 instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
-            del ins, outs
+            del ins, outs, sent
         # host code (autograd, the next layer's staging) reads the results right after; device
         # state of the pass (accumulated dW, statistics) stays ordered on `cur`
         self._d2h.synchronize()

@@ -49,6 +49,7 @@ from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
 from wsi_pipeline.inference.models import frozen_features_dir
+from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
@@ -236,6 +237,9 @@ def _start(
     if run.main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(run_config(config, method, seed), run.run_dir / "config.yaml")
+        for name, text in strategy.run_notes(reader, n_tiles).items():  # e.g. the Big-Layers plan
+            log.info("%s", text)
+            write_text_atomic(run.run_dir / name, text + "\n")
     return run
 
 
