@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from wsi_pipeline.bigl.units import UnitGeometry, resnet_units
 from wsi_pipeline.models.encoders import ResNet
 
-__all__ = ["StepPlan", "UnitMemory", "unit_memory", "plan_step", "default_budget_bytes", "resolve_budget", "GB"]
+__all__ = ["StepPlan", "UnitMemory", "unit_memory", "plan_step", "manual_plan", "default_budget_bytes", "resolve_budget", "GB"]
 
 GB = 10**9
 #: Adam: weights, gradients and two moments per parameter
@@ -231,6 +231,29 @@ class StepPlan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def manual_plan(model: ResNet, shape: tuple[int, ...], offloaded: int, places: tuple[str, ...], chunk_elements: int, *,
+                dtype: torch.dtype = torch.float32, cast: torch.dtype | None = None, grad: bool = True) -> StepPlan:
+    """A plan chosen by hand (experiments, tests): ``offloaded`` units as fused runs, checkpoint
+    ``places`` (``"device"``/``"host"``, the image first), ``chunk_elements`` per chunk step."""
+    shape = tuple(int(s) for s in shape)
+    units = resnet_units(model)
+    if not 0 <= offloaded <= len(units):
+        raise ValueError(f"offloaded={offloaded}; expected 0..{len(units)} units")
+    if len(places) != offloaded or any(p not in ("device", "host") for p in places):
+        raise ValueError(f"places={places!r}; expected {offloaded} of 'device' or 'host'")
+    if offloaded and chunk_elements < 1:
+        raise ValueError(f"chunk_elements={chunk_elements}; expected >= 1")
+    act = cast or dtype
+    mem = unit_memory(model, shape, act, grad=grad)
+    n_in = 1
+    for s in shape:
+        n_in *= s
+    ckpts = (n_in * torch.empty((), dtype=act).element_size(),) + tuple(m.output for m in mem[: max(offloaded - 1, 0)])
+    return StepPlan(shape=shape, dtype=str(dtype).replace("torch.", ""), transfer_dtype=str(act).replace("torch.", ""),
+                    budget=None, units=tuple(u.name for u in units), offloaded=offloaded, places=tuple(places),
+                    checkpoint_bytes=ckpts, chunk_elements=int(chunk_elements), plain_estimate=0, estimate=0, grad=grad)
 
 
 def _state_bytes(model: nn.Module) -> int:

@@ -121,11 +121,22 @@ class BudgetResNet(nn.Module):
             return self.dry_cast
         return autocast_dtype(self.runner.device, x, self._plain.conv1.weight)
 
+    def _key(self, shape, dtype: torch.dtype, cast: torch.dtype | None, grad: bool) -> tuple:
+        modes = tuple(m.training for m in self.modules() if isinstance(m, nn.BatchNorm2d))
+        return (tuple(int(s) for s in shape), dtype, cast, bool(grad), modes)
+
+    def set_plan(self, plan: StepPlan) -> None:
+        """Use ``plan`` for steps on its input (shape, dtype, autocast dtype, gradient mode) in the
+        current BatchNorm modes (a plan made by :func:`~wsi_pipeline.bigl.budget.manual_plan`, for
+        experiments and tests)."""
+        dtype = getattr(torch, plan.dtype)
+        cast = None if plan.transfer_dtype == plan.dtype else getattr(torch, plan.transfer_dtype)
+        self._plans[self._key(plan.shape, dtype, cast, plan.grad)] = plan
+
     def plan_for(self, shape, dtype: torch.dtype = torch.float32, *, cast: torch.dtype | None = None,
                  grad: bool = True) -> StepPlan:
         """The plan of a step on ``shape`` (cached per shape, dtypes, gradient mode and BatchNorm modes)."""
-        modes = tuple(m.training for m in self.modules() if isinstance(m, nn.BatchNorm2d))
-        key = (tuple(int(s) for s in shape), dtype, cast, bool(grad), modes)
+        key = self._key(shape, dtype, cast, grad)
         if key not in self._plans:
             self._plans[key] = plan_step(self._plain, key[0], self.budget, dtype=dtype, cast=cast, grad=grad,
                                          max_elements=self.max_elements)
