@@ -1,6 +1,15 @@
 """``make bench-bigl``: what Big-Layers cost, predicted from counts and measured, as the paper's Table 4.
 
-Part 1, predicted (``--predict-models``, default ResNet-18 and -50; ``--predict-sides``, default
+Part 1, predicted: device-budget plans (``bigl.device_budget_gb``, :mod:`wsi_pipeline.bigl.budget`).
+For ResNet-18 and -50 (``--predict-models``), bags of 256..2048 tiles of 256 px and whole images of
+4096..32768 px (``--budget-configs``), device budgets of 8, 24 and 80 GB (``--budgets``) and
+batch-statistics and frozen BatchNorm (``--bn``): one training step counted on meta tensors (the
+plan, bytes each way, the plan's minimum and the ratio, FLOPs with the recomputation, bytes under
+bf16 autocast), its predicted time on PCIe 4 and 5 (overlapped as the runner does), over the
+plain step's compute time, beside the plain step (where it fits the budget) and exact
+accumulation (bags). Counts, not timings: they do not depend on the machine running the bench.
+
+Part 1b, predicted: the fixed plan (``bigl.device_budget_gb: null``, the paper's; ``--predict-models``, ``--predict-sides``, default
 4096..32768 px; plain and 0..4 Big-Layer stages): one training step (forward + backward, batch 1,
 float32) is run on meta tensors (:mod:`wsi_pipeline.bigl.traffic`: shapes only, seconds per
 step) under the transfer instrumentation and ``torch.utils.flop_counter``. Printed per

@@ -22,12 +22,17 @@ The rule:
    dtype) and the outputs of runs 1 .. k-1 (run k's output is the device part's input, counted in
    its ``saved``).
 3. For a given ``k``, checkpoints stay on the device while they fit beside the smallest chunk
-   step (one output row, or one sample, of the largest run), the costliest on the host first:
-   the image costs its bytes once per pass (forward, backward), any other checkpoint 5 x its
-   bytes (out and in forward, in again backward, its gradient out and in). The rest live in host
-   memory (pinned on CUDA, reused across steps) and cross the bus.
+   step (one output row, or one sample, of the largest run), the costliest on the host first;
+   when some must go to the host anyway, they leave room for chunk steps of 64 output rows (or
+   one sample), so that halo rows re-read from the host stay a few per cent (where that fits).
+   On the host a checkpoint is read by every pass of the run it feeds (one forward and one
+   backward pass, plus one statistics and one sums pass per batch-statistics BatchNorm on the
+   run's longest chain: 4 for the stem, 6 for a BasicBlock, 8 for a Bottleneck in ``bn: train``),
+   written once, and its gradient written once and read by every backward pass of the run
+   before. The rest live in host memory (pinned on CUDA, reused across steps) and cross the bus.
 4. ``k`` is the smallest for which nothing but the image's single upload crosses the bus; where
-   no ``k`` achieves that, the ``k`` that moves the fewest bytes (the smaller on a tie). Bytes
+   no ``k`` achieves that, the ``k`` whose host checkpoints cost the fewest bytes (the smaller
+   on a tie). Bytes
    over the bus cost far more time than recomputing an early unit (50 GB/s against hundreds of
    TFLOP/s), so the rule minimises transfers first and recomputation second.
 5. Chunks get what is left of the budget (at most ``max_elements`` elements per chunk step).
@@ -49,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
+from wsi_pipeline.bigl.batchnorm import uses_batch_stats
 from wsi_pipeline.bigl.units import UnitGeometry, resnet_units
 from wsi_pipeline.models.encoders import ResNet
 
@@ -57,6 +63,8 @@ __all__ = ["StepPlan", "UnitMemory", "unit_memory", "plan_step", "manual_plan", 
 GB = 10**9
 #: Adam: weights, gradients and two moments per parameter
 STATE_FACTOR = 4
+#: output rows of a chunk step the checkpoints leave room for (halo rows then cost a few per cent)
+PREFERRED_ROWS = 64
 #: the default budget's margin: this share of the CUDA device's memory, at least MIN_MARGIN bytes
 MARGIN_FRACTION = 0.10
 MIN_MARGIN = 1 << 30
@@ -315,30 +323,44 @@ def plan_step(
         geos.append(g)
         c, h, w = g.c_out, g.h_out, g.w_out
     row_min = [g.row_elements(1) if g.sample_elements() > 0 else 0 for g in geos]
+    # passes over its input of each unit as a fused run: 1 + (batch-statistics BatchNorms on its
+    # longest chain) forward, as many backward (statistics / sums passes, then the pass itself)
+    levels = [max(sum(op.kind == "bn" and uses_batch_stats(op.module) for op in ops) for ops in (u.main, u.shortcut or []))
+              for u in units]
+    grad_reads = [1 + lv for lv in levels] if grad else [0] * len(units)
+    reads = [1 + lv + g for lv, g in zip(levels, grad_reads)]
     sample_min = [min(g.sample_elements(), g.row_elements(1)) for g in geos]
+    # the chunk step checkpoints leave room for: PREFERRED_ROWS output rows (or one sample) of
+    # every run, so that halo rows stay a small share; one row where that does not fit
+    sample_pref = [min(g.sample_elements(), g.row_elements(min(PREFERRED_ROWS, g.h_out)), max_elements) for g in geos]
     best: tuple | None = None
     for k in range(1, len(units) + 1):
         rest = mem[k:]
         device_part = sum(m.saved for m in rest) + (work_f * max(m.largest for m in rest) if rest else mem[-1].output)
         ckpts = [image] + [m.output for m in mem[: k - 1]]
-        need_chunk = max(sample_min[:k]) * esize
-        free = budget - state - device_part - need_chunk
-        if free < 0:
-            continue
-        # what a checkpoint costs on the host: the image once per pass, another checkpoint out and
-        # in forward, in again backward, its gradient out and in; the costliest stay on the device
-        cost = [(2 if grad else 1) * ckpts[0]] + [(5 if grad else 2) * b for b in ckpts[1:]]
-        places = ["host"] * len(ckpts)
-        for j in sorted(range(len(ckpts)), key=lambda j: (-cost[j], j)):
-            if ckpts[j] <= free:
-                places[j] = "device"
-                free -= ckpts[j]
-        moved = sum(c for c, p in zip(cost, places) if p == "host")
-        if best is None or moved < best[0]:
-            chunk = min(max_elements, (free + need_chunk) // esize)
+        # what a checkpoint costs on the host: read by every pass of the run it feeds, written
+        # once, its gradient written once and read by every backward pass of the run before
+        cost = [reads[0] * ckpts[0]] + [(reads[j] + 1 + (grad_reads[j - 1] + 1 if grad else 0)) * b
+                                        for j, b in enumerate(ckpts[1:], start=1)]
+        option = None
+        for reserve in (max(sample_min[:k]), max(max(sample_pref[:k]), max(sample_min[:k]))):
+            free = budget - state - device_part - reserve * esize
+            if free < 0:
+                break
+            places = ["host"] * len(ckpts)
+            for j in sorted(range(len(ckpts)), key=lambda j: (-cost[j], j)):
+                if ckpts[j] <= free:
+                    places[j] = "device"
+                    free -= ckpts[j]
+            moved = sum(c for c, p in zip(cost, places) if p == "host")
+            chunk = min(max_elements, free // esize + reserve)
             resident = sum(b for b, p in zip(ckpts, places) if p == "device")
-            best = (moved, k, tuple(places), tuple(ckpts), int(chunk), state + device_part + resident + chunk * esize)
-        if moved == 0:
+            option = (moved, k, tuple(places), tuple(ckpts), int(chunk), state + device_part + resident + chunk * esize)
+            if moved == 0:
+                break  # nothing but the image crosses the bus: small chunks only cost halo recomputation
+        if option is not None and (best is None or option[0] < best[0]):
+            best = option
+        if best is not None and best[0] == 0:
             break
     if best is not None:
         _, k, places, ckpts, chunk, estimate = best

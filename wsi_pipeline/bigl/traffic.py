@@ -1,10 +1,13 @@
 """What a training step moves and computes, counted without running it; predicted step times.
 
 :func:`count_step` runs one forward + backward of an encoder (the loss ``mean(features^2)``)
-under the transfer instrumentation (:mod:`wsi_pipeline.bigl.instrument`) and
-``torch.utils.flop_counter.FlopCounterMode``. On ``meta`` tensors (:func:`dry_step`) nothing is
+under the transfer instrumentation (:mod:`wsi_pipeline.bigl.instrument`) and a FLOP counter
+with ``torch.utils.flop_counter``'s formulas (:class:`FlopCount`, the same numbers as
+``FlopCounterMode``). On ``meta`` tensors (:func:`dry_step`, :func:`dry_budget_step`) nothing is
 allocated or computed, so a 32768 px step is counted in seconds, and the counts are exactly
-those of a real run with the same chunk plan (a test checks a meta count against a CPU run).
+those of a real run with the same chunk plan (tests check meta counts against CPU runs); a
+fused run's chunks of equal shapes are computed once per pass and replayed
+(:meth:`~wsi_pipeline.bigl.runner.ChunkRunner.run`).
 
 Counted:
 
@@ -18,9 +21,15 @@ Counted:
   per pass: forward ``x + y``; backward ``x + dy`` in and ``dx`` out (``dx`` only when the input
   needs a gradient: not for the image), plus the hand-off itself. ``h2d + d2h`` over it is 1
   only without halos and without second sweeps (BatchNorm reads ``x`` twice each way).
-- ``flops``: FlopCounterMode's count (convolutions and matrix products, forward and backward;
-  BatchNorm, ReLU, pooling and the optimiser step are not counted, as FlopCounterMode does not
-  count them), and per Big-Layer pass the FLOPs computed between its first and last chunk.
+  For a device-budget plan (:class:`~wsi_pipeline.bigl.planned.BudgetResNet`) the plan's
+  minimum (:meth:`~wsi_pipeline.bigl.budget.StepPlan.minimum_bytes`): the image once (kept on
+  the device) or once per pass (from the host), every host checkpoint out and in forward, in
+  again backward, its gradient out and in; halo rows and the extra passes of batch-statistics
+  BatchNorm over host inputs come on top.
+- ``flops``: FlopCounterMode's count (convolutions and matrix products, forward and backward,
+  recomputation included; BatchNorm, ReLU, pooling and the optimiser step are not counted, as
+  FlopCounterMode does not count them), and per pass the FLOPs computed between its start and
+  its last chunk.
 
 :func:`predict` turns counts into a step time on a stated device: compute at ``flop_rate``
 (FLOP/s actually achieved), copies at ``bandwidth`` bytes/s per direction (PCIe is full
