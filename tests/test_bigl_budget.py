@@ -94,8 +94,9 @@ def _stage_ends(name: str) -> list[int]:
 CASES = {"resnet18": ((2, 3, 45, 37), 45_000), "resnet50": ((2, 3, 56, 48), 110_000)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bn", ["train", "frozen"])
-@pytest.mark.parametrize("name", ["resnet18", pytest.param("resnet50", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
 def test_fused_prefix_at_every_stage_boundary_equals_plain_float64(name, bn):
     shape, chunk = CASES[name]
     x = torch.randn(*shape, dtype=torch.float64)
@@ -385,3 +386,27 @@ def test_dry_budget_step_meets_the_issue_targets():
             p, _ = dry_budget_step("resnet18", n, side, None, bn=bn)
             assert not plan.plain and predict(t, dev)[1] <= 2 * p.flops / dev.flop_rate, (n, side, bn)
             assert t.moved <= 1.1 * t.minimum
+
+
+@pytest.mark.slow
+def test_training_logs_and_records_the_plan(tmp_path, store_cohort, caplog):
+    """A ``bigl`` method with a device budget below its plain step trains through fused runs and
+    writes the plan it printed into its run folder (``bigl_plan.txt``)."""
+    import logging
+
+    from test_train_loop import make_config
+    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.training.loop import train_pipeline
+    from wsi_pipeline.training.rundir import DONE
+
+    with torch.device("meta"):
+        model = build_encoder("resnet18").eval()
+    budget = plan_step(model, (8, 3, 32, 32), None).plain_estimate - 1  # the plain step just misses it
+    method = {"name": "m", "strategy": "bigl", "bigl": {"device_budget_gb": budget / GB, "max_elements": 2**22}}
+    cfg = load_config(make_config(tmp_path, store_cohort, [method], train={"epochs": 1}))
+    with caplog.at_level(logging.INFO):
+        (run_dir,) = train_pipeline(cfg, progress=False)
+    note = (run_dir / "bigl_plan.txt").read_text()
+    assert "Big-Layers plan (input [8, 3, 32, 32] float32" in note and "fused runs (stem" in note
+    assert any(note.strip() in r.getMessage() for r in caplog.records)
+    assert (run_dir / DONE).exists()

@@ -48,7 +48,7 @@ from wsi_pipeline.bigl.precision import math_dtype
 from wsi_pipeline.bigl.runner import ChunkRunner
 from wsi_pipeline.bigl.units import Op, OpRange, Unit, UnitChunk, UnitGeometry, plan_unit
 
-__all__ = ["FusedRun", "fused_unit", "bn_levels"]
+__all__ = ["FusedRun", "bn_levels"]
 
 _DIMS = (0, 2, 3)
 
@@ -339,7 +339,7 @@ class _FusedFn(torch.autograd.Function):
             out_shape = (n, geo.c_out, geo.h_out, geo.w_out)
             dtype = _out_dtype(call, x)
             if call.y_resident:
-                y = torch.empty(out_shape, dtype=dtype, device=runner.device).contiguous(memory_format=torch.channels_last)
+                y = torch.empty(out_shape, dtype=dtype, device=runner.device, memory_format=torch.channels_last)
             else:
                 y = runner.buffers.acquire(f"{name}/out", out_shape, dtype)
 
@@ -404,7 +404,7 @@ class _FusedFn(torch.autograd.Function):
         gx = None
         if need_x:
             if call.x_resident:
-                gx = torch.empty(x.shape, dtype=x.dtype, device=runner.device).contiguous(memory_format=torch.channels_last)
+                gx = torch.empty(x.shape, dtype=x.dtype, device=runner.device, memory_format=torch.channels_last)
             else:
                 gx = runner.buffers.acquire(f"{name}/grad_in", tuple(x.shape), x.dtype)
         stitch = GradStitcher(chunks, x.shape[2])
@@ -467,7 +467,3 @@ def _out_dtype(call: _Call, x: torch.Tensor) -> torch.dtype:
     """The unit's output dtype: the convolutions' (autocast dtype, else the input's)."""
     return call.cast if call.cast is not None else x.dtype
 
-
-def fused_unit(unit: Unit, runner: ChunkRunner, max_elements: int) -> FusedRun:
-    """A :class:`FusedRun` of ``unit``."""
-    return FusedRun(unit, runner, max_elements)
