@@ -335,6 +335,8 @@ def test_budget_option_and_errors():
     assert type(bigify(copy.deepcopy(model), 1, 2**20, device="cpu", device_budget_gb="auto")).__name__ == "BigResNet"
     big = bigify(copy.deepcopy(model), 1, 2**20, device="cpu", device_budget_gb=0.2)
     assert isinstance(big, BudgetResNet) and big.budget == int(0.2 * GB)
+    assert list(big.state_dict()) == list(model.state_dict())  # checkpoints load into the plain encoder
+    assert big.conv1.weight is big.plain.conv1.weight
     with pytest.raises(ValueError, match="device budget 0.010 GB is too small"):
         plan_step(model, (4, 3, 64, 64), int(0.01 * GB))
     plain = plan_step(model, (4, 3, 64, 64), None).plain_estimate
