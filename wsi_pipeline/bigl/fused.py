@@ -366,7 +366,7 @@ class _FusedFn(torch.autograd.Function):
         geo, chunks = run.plan(tuple(x.shape))
         params = unit.parameters()
         need_x = ctx.needs_input_grad[0]
-        need_p = [p.requires_grad for p in params]
+        need_p = list(ctx.needs_input_grad[2 : 2 + len(params)])
         rlevels = {}
         for ops in (unit.main, unit.shortcut or []):
             rlevels.update(bn_levels(ops, ctx.batch_ids)[1])
