@@ -29,6 +29,7 @@ NUMERICS_TESTS = (
     "tests/test_accumulate_rng.py",
     "tests/test_aggregators.py",
     "tests/test_bigl.py",
+    "tests/test_bigl_budget.py",
     "tests/test_bn_calibration.py",
     "tests/test_features.py",
     "tests/test_optim.py",

@@ -1,6 +1,15 @@
 """``make bench-bigl``: what Big-Layers cost, predicted from counts and measured, as the paper's Table 4.
 
-Part 1, predicted (``--predict-models``, default ResNet-18 and -50; ``--predict-sides``, default
+Part 1, predicted: device-budget plans (``bigl.device_budget_gb``, :mod:`wsi_pipeline.bigl.budget`).
+For ResNet-18 and -50 (``--predict-models``), bags of 256..2048 tiles of 256 px and whole images of
+4096..32768 px (``--budget-configs``), device budgets of 8, 24 and 80 GB (``--budgets``) and
+batch-statistics and frozen BatchNorm (``--bn``): one training step counted on meta tensors (the
+plan, bytes each way, the plan's minimum and the ratio, FLOPs with the recomputation, bytes under
+bf16 autocast), its predicted time on PCIe 4 and 5 (overlapped as the runner does), over the
+plain step's compute time, beside the plain step (where it fits the budget) and exact
+accumulation (bags). Counts, not timings: they do not depend on the machine running the bench.
+
+Part 1b, predicted: the fixed plan (``bigl.device_budget_gb: null``, the paper's; ``--predict-models``, ``--predict-sides``, default
 4096..32768 px; plain and 0..4 Big-Layer stages): one training step (forward + backward, batch 1,
 float32) is run on meta tensors (:mod:`wsi_pipeline.bigl.traffic`: shapes only, seconds per
 step) under the transfer instrumentation and ``torch.utils.flop_counter``. Printed per
@@ -69,6 +78,12 @@ CUDA_MAX_ELEMENTS = 1 << 27  # 512 MiB of float32 per chunk step
 PREDICT_SIDES = (4096, 8192, 16384, 32768)
 QUICK_PREDICT_SIDES = (4096, 8192)
 QUICK_CPU_SIDES = (96, 128, 160)
+#: part 1's inputs: bags of 256 px tiles and whole images
+BUDGET_CONFIGS = ("256x256", "512x256", "1024x256", "2048x256", "4096", "8192", "16384", "32768")
+QUICK_BUDGET_CONFIGS = ("512x256", "8192")
+BUDGETS_GB = (8.0, 24.0, 80.0)
+#: chunk cap of the budget table (working elements); the budget itself bounds it too
+BUDGET_MAX_ELEMENTS = 1 << 30
 #: H100 SXM5 dense TF32 tensor-core peak (FLOP/s); float32 convolutions run as TF32 by default
 H100_TF32_PEAK = 494.7e12
 #: effective host <-> device bandwidth per direction (bytes/s) of x16 links
@@ -331,6 +346,89 @@ def predict_table(models: list[str], stages: list[int], sides: list[int], effici
     return rows
 
 
+def _parse_config(text: str) -> tuple[int, int]:
+    """``512x256`` (a bag of 512 tiles of 256 px) or ``8192`` (one whole image of 8192 px) -> (batch, side)."""
+    try:
+        if "x" in text:
+            n, side = text.split("x")
+            return int(n), int(side)
+        return 1, int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NxS (a bag of N tiles of S px) or S (one image of S px)") from None
+
+
+def _config_label(n: int, side: int) -> str:
+    return f"{n} tiles x {side} px" if n > 1 else f"{side} px image"
+
+
+def budget_table(models: list[str], configs: list[tuple[int, int]], budgets: list[float], efficiency: float,
+                 max_elements: int, bn_modes: list[str], bf16: bool) -> list[dict]:
+    """Part 1: device-budget plans, counted on meta tensors; print the table, return its rows."""
+    from wsi_pipeline.bigl.budget import GB
+    from wsi_pipeline.bigl.traffic import DeviceModel, dry_budget_step, dry_forward_flops, predict
+
+    rate = efficiency * H100_TF32_PEAK
+    devices = [DeviceModel(link, bw, rate) for link, bw in LINKS]
+    pcie5 = devices[-1]
+    print(f"Device-budget plans (bigl.device_budget_gb), predicted from counts on meta tensors: one training step (forward + "
+          f"backward, float32) of the encoder; compute at {efficiency:.0%} of an H100 SXM's {H100_TF32_PEAK / 1e12:.1f} TFLOP/s dense "
+          f"TF32 peak = {rate / 1e12:.0f} TFLOP/s (convolutions only, recomputation included; BatchNorm, ReLU and pooling not "
+          "modelled), copies at " + ", ".join(f"{d.bandwidth / 1e9:.0f} GB/s ({d.name})" for d in devices)
+          + " per direction, overlapped with compute as the runner does. GB = 1e9 bytes.\n"
+          "plan: 'plain' (the step fits) or 'k fused' units (stem, blocks) recomputed chunk by chunk, 'h host' of their checkpoints "
+          "in host memory; min: the bytes the plan cannot do without (the image once, or once per pass from the host; host "
+          "checkpoints out and in, their gradients out and in); x min: moved / min; step: predicted seconds; / comp: over the plain "
+          "step's compute time (PCIe5); plain: the plain step (compute + input upload) where it fits the budget, else the memory it "
+          "needs; accum: exact accumulation (an extra forward without gradient, the bag uploaded twice, exact with frozen BatchNorm "
+          "only; bags only)" + ("; bf16 GB: bytes moved (both ways) when the step runs under bf16 autocast, planned for bf16"
+                                 if bf16 else "") + ".")
+    rows: list[dict] = []
+    for bn in bn_modes:
+        for name in models:
+            print(f"\n{name}, BatchNorm {'batch statistics (bn: train)' if bn == 'train' else 'running statistics (bn: frozen)'}")
+            head = (f"{'input':<22} {'budget':>6} {'plan':<16} {'H2D GB':>7} {'D2H GB':>7} {'min GB':>7} {'x min':>6} {'TFLOP':>7} "
+                    + " ".join(f"{d.name.split()[0] + ' step':>11}" for d in devices)
+                    + f" {'/ comp':>7} {'plain':>13} {'accum':>7}" + (f" {'bf16 GB':>8}" if bf16 else ""))
+            print(head)
+            for n, side in configs:
+                t0 = time.perf_counter()
+                plain, plain_plan = dry_budget_step(name, n, side, None, bn=bn, max_elements=max_elements)
+                comp = plain.flops / rate
+                plain_step = comp + plain.h2d / pcie5.bandwidth
+                acc = None
+                if n > 1:
+                    fwd = dry_forward_flops(name, n, side)
+                    acc = (plain.flops + fwd) / rate + 2 * plain.h2d / pcie5.bandwidth
+                for budget in budgets:
+                    b = int(budget * GB)
+                    try:
+                        tr, plan = dry_budget_step(name, n, side, b, bn=bn, max_elements=max_elements)
+                    except ValueError as e:
+                        print(f"{_config_label(n, side):<22} {budget:>6g} does not fit: {e}")
+                        continue
+                    steps = [predict(tr, d, plain=plan.plain)[1] for d in devices]
+                    what = "plain" if plan.plain else f"{plan.offloaded} fused, {plan.places.count('host')} host"
+                    fits = plain_plan.plain_estimate <= b
+                    plain_cell = f"{plain_step:.3f}" if fits else f"needs {plain_plan.plain_estimate / GB:.0f} GB"
+                    acc_cell = f"{acc:.3f}" if acc is not None else "-"
+                    line = (f"{_config_label(n, side):<22} {budget:>6g} {what:<16} {tr.h2d / GB:>7.2f} {tr.d2h / GB:>7.2f} "
+                            f"{tr.minimum / GB:>7.2f} {tr.over_minimum:>6.2f} {tr.flops / 1e12:>7.2f} "
+                            + " ".join(f"{t:>11.3f}" for t in steps) + f" {steps[-1] / comp:>7.2f} {plain_cell:>13} {acc_cell:>7}")
+                    row = {"model": name, "bn": bn, "batch": n, "side": side, "budget_gb": budget, "plan": plan.to_dict(),
+                           "h2d_bytes": tr.h2d, "d2h_bytes": tr.d2h, "minimum_bytes": tr.minimum, "flops": tr.flops,
+                           "plain_flops": plain.flops, "plain_estimate_bytes": plain_plan.plain_estimate,
+                           "predicted_s": {d.name: t for d, t in zip(devices, steps)}, "plain_compute_s": comp,
+                           "plain_step_s": plain_step if fits else None, "accumulate_step_s": acc}
+                    if bf16:
+                        tb, _ = dry_budget_step(name, n, side, b, bn=bn, max_elements=max_elements, cast=torch.bfloat16)
+                        line += f" {(tb.h2d + tb.d2h) / GB:>8.2f}"
+                        row["bf16_moved_bytes"] = tb.h2d + tb.d2h
+                    print(line, flush=True)
+                    rows.append(row)
+                print(f"{'':<22} ({time.perf_counter() - t0:.0f} s to count)", flush=True)
+    return rows
+
+
 def _dry_model(name: str, stages: int, max_elements: int) -> torch.nn.Module:
     from wsi_pipeline.bigl import bigify
     from wsi_pipeline.models import build_encoder
@@ -397,7 +495,19 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"chunk budget (elements) of the predicted table; default {CUDA_MAX_ELEMENTS} (the CUDA default)")
     p.add_argument("--efficiency", type=float, default=0.3,
                    help="share of the H100's dense TF32 peak the predicted compute reaches; default 0.3")
-    p.add_argument("--no-predict", action="store_true", help="skip part 1 (the predicted table)")
+    p.add_argument("--budget-configs", type=_parse_config, nargs="+", default=None,
+                   help="inputs of the device-budget table: NxS = a bag of N tiles of S px, S = one image of S px; default "
+                        f"{' '.join(BUDGET_CONFIGS)} ({' '.join(QUICK_BUDGET_CONFIGS)} with --quick)")
+    p.add_argument("--budgets", type=float, nargs="+", default=list(BUDGETS_GB),
+                   help=f"device budgets in GB (1e9 bytes) of the device-budget table; default {' '.join(f'{b:g}' for b in BUDGETS_GB)}")
+    p.add_argument("--bn", nargs="+", choices=("train", "frozen"), default=["train", "frozen"],
+                   help="BatchNorm of the device-budget table: train (batch statistics) and/or frozen; default both")
+    p.add_argument("--budget-max-elements", type=int, default=BUDGET_MAX_ELEMENTS,
+                   help=f"chunk cap (working elements) of the device-budget table; default {BUDGET_MAX_ELEMENTS}")
+    p.add_argument("--no-bf16", action="store_true", help="skip the bf16 column of the device-budget table (one more count per row)")
+    p.add_argument("--no-budget", action="store_true", help="skip the device-budget table (part 1)")
+    p.add_argument("--no-fixed", action="store_true", help="skip the fixed-plan table (part 1b, the paper's plan)")
+    p.add_argument("--no-predict", action="store_true", help="skip the predicted tables (parts 1 and 1b)")
     p.add_argument("--no-timing", action="store_true", help="skip part 2 (the measured timings)")
     return p
 
@@ -422,14 +532,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--predict-stages {bad} out of range; use 0..4", file=sys.stderr)
         return 2
     predicted: list[dict] = []
-    if not args.no_predict:
+    budget_rows: list[dict] = []
+    if not args.no_predict and not args.no_budget:
+        configs = args.budget_configs or [_parse_config(c) for c in (QUICK_BUDGET_CONFIGS if args.quick else BUDGET_CONFIGS)]
+        budget_rows = budget_table(args.predict_models, configs, args.budgets, args.efficiency, args.budget_max_elements,
+                                   args.bn, not args.no_bf16)
+        print()
+    if not args.no_predict and not args.no_fixed:
         sides_p = sorted(args.predict_sides or (QUICK_PREDICT_SIDES if args.quick else PREDICT_SIDES))
+        print("Part 1b: the fixed plan (bigl.device_budget_gb: null, the paper's): every layer of the stem and of the big stages "
+              "offloaded, whatever the device holds")
         predicted = predict_table(args.predict_models, sorted(set(args.predict_stages)), sides_p, args.efficiency,
                                   args.predict_max_elements)
     if args.no_timing:
         if args.out:
-            _write_json(args.out, {"predicted": predicted, "efficiency": args.efficiency, "links": dict(LINKS),
-                                   "h100_tf32_peak": H100_TF32_PEAK})
+            _write_json(args.out, {"budget": budget_rows, "predicted": predicted, "efficiency": args.efficiency,
+                                   "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK})
             print(f"\nwrote {args.out}")
         return 0
     print()
@@ -553,7 +671,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_elements": max_elements, "warmup": args.warmup, "repeats": args.repeats,
             "memory_fraction": args.memory_fraction,
             "bandwidth_gbps": bandwidth,
-            "predicted": predicted, "efficiency": args.efficiency, "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK,
+            "budget": budget_rows, "predicted": predicted, "efficiency": args.efficiency, "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK,
             "configs": [
                 {"stages": c, "label": labels[c], "points": [asdict(p) for p in results[c]],
                  "fit": asdict(fits[c]) if fits[c] else None}

@@ -26,7 +26,7 @@ from wsi_pipeline.bigl.plan import RowChunk, Window, plan_rows
 from wsi_pipeline.bigl.precision import math_dtype
 from wsi_pipeline.bigl.runner import ChunkRunner
 
-__all__ = ["BigBatchNorm2d"]
+__all__ = ["BigBatchNorm2d", "Moments", "momentum_factor", "uses_batch_stats", "finish_stats"]
 
 _DIMS = (0, 2, 3)
 
@@ -58,29 +58,76 @@ def _rows(t: torch.Tensor):
     return lambda i, ch: (t[ch.n0 : ch.n1, :, ch.a : ch.b],)
 
 
-def batch_stats(layer: BigBatchNorm2d, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Per-channel mean and M2 over ``[N, H, W]`` of host ``x`` (pass 1), and the count N*H*W."""
-    state: dict[str, Any] = {"n": 0, "mean": None, "m2": None}
+class Moments:
+    """Per-channel count, mean and M2 (sum of squared deviations) over ``[N, H, W]``, merged chunk
+    by chunk with Chan, Golub & LeVeque's parallel update (exact up to rounding, any order)."""
 
-    def compute(i: int, ch: RowChunk, ins):
-        xc = _up(ins[0])
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean: torch.Tensor | None = None
+        self.m2: torch.Tensor | None = None
+
+    def add(self, xc: torch.Tensor) -> None:
+        """Merge chunk ``xc`` ``[n, C, h, w]`` (any floating dtype; computed in BatchNorm's arithmetic dtype)."""
+        xc = _up(xc)
         m = xc.numel() // xc.shape[1]
+        if m == 0:
+            return
         var_b, mean_b = torch.var_mean(xc, dim=_DIMS, correction=0)
         m2_b = var_b * m
-        if state["n"] == 0:
-            state["mean"], state["m2"] = mean_b, m2_b
+        if self.n == 0:
+            self.mean, self.m2 = mean_b, m2_b
         else:
-            # Chan, Golub & LeVeque: merge (n_a, mean_a, M2_a) with (n_b, mean_b, M2_b)
-            n_a = state["n"]
+            n_a = self.n
             tot = n_a + m
-            delta = mean_b - state["mean"]
-            state["mean"] = state["mean"] + delta * (m / tot)
-            state["m2"] = state["m2"] + m2_b + delta * delta * (n_a * m / tot)
-        state["n"] += m
+            delta = mean_b - self.mean
+            self.mean = self.mean + delta * (m / tot)
+            self.m2 = self.m2 + m2_b + delta * delta * (n_a * m / tot)
+        self.n += m
+
+
+def batch_stats(layer: BigBatchNorm2d, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-channel mean and M2 over ``[N, H, W]`` of host ``x`` (pass 1), and the count N*H*W."""
+    acc = Moments()
+
+    def compute(i: int, ch: RowChunk, ins):
+        acc.add(ins[0])
         return ()
 
     layer.runner.run(f"{layer.qualname}/stats", _plan(layer, x, 1, 0), _load_x(x), compute)
-    return state["mean"], state["m2"], state["n"]
+    return acc.mean, acc.m2, acc.n
+
+
+def momentum_factor(bn: nn.BatchNorm2d) -> float:
+    """The running-statistics factor of this call, counting the batch as ``nn.BatchNorm2d`` does
+    (``num_batches_tracked += 1`` in training; ``momentum=None``: cumulative average)."""
+    factor = 0.0 if bn.momentum is None else bn.momentum
+    if bn.training and bn.track_running_stats and bn.num_batches_tracked is not None:
+        bn.num_batches_tracked.add_(1)
+        factor = 1.0 / float(bn.num_batches_tracked) if bn.momentum is None else bn.momentum
+    return factor
+
+
+def uses_batch_stats(bn: nn.BatchNorm2d) -> bool:
+    """Whether ``bn`` normalises with batch statistics now (training, or no running statistics)."""
+    return bn.training or (bn.running_mean is None and bn.running_var is None)
+
+
+def finish_stats(bn: nn.BatchNorm2d, name: str, mean: torch.Tensor, m2: torch.Tensor, count: int, factor: float,
+                 shape: list[int]) -> torch.Tensor:
+    """``invstd`` from merged moments (biased variance), after updating ``bn``'s running statistics
+    once, as ``nn.BatchNorm2d`` (unbiased variance); ``shape`` is the input's, for the error."""
+    if count <= 1:
+        raise ValueError(
+            f"{name}: expected more than 1 value per channel when training, got input size {shape}; "
+            "use a batch or image with more than one value per channel"
+        )
+    invstd = torch.rsqrt(m2 / count + bn.eps)
+    if bn.running_mean is not None and bn.training:
+        bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
+        unbiased = (m2 / (count - 1)).to(bn.running_var.dtype)
+        bn.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+    return invstd
 
 
 class _BigBatchNorm2dFn(torch.autograd.Function):
@@ -91,16 +138,7 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
         with torch.no_grad():
             if use_batch_stats:
                 mean, m2, count = batch_stats(layer, x)
-                if count <= 1:
-                    raise ValueError(
-                        f"{layer.qualname}: expected more than 1 value per channel when training, got input "
-                        f"size {list(x.shape)}; use a batch or image with more than one value per channel"
-                    )
-                invstd = torch.rsqrt(m2 / count + eps)
-                if layer.running_mean is not None and layer.training:
-                    layer.running_mean.mul_(1 - factor).add_(mean.to(layer.running_mean.dtype), alpha=factor)
-                    unbiased = (m2 / (count - 1)).to(layer.running_var.dtype)
-                    layer.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+                invstd = finish_stats(layer, layer.qualname, mean, m2, count, factor, list(x.shape))
             else:
                 acc = math_dtype(x.dtype)
                 mean = layer.running_mean.to(acc)
@@ -220,11 +258,8 @@ class BigBatchNorm2d(nn.BatchNorm2d):
             raise ValueError(f"{self.qualname}: expected a 4-D input [N, C, H, W], got shape {tuple(x.shape)}")
         if not self.runner.is_host(x):
             x = self.runner.to_host(x)
-        factor = 0.0 if self.momentum is None else self.momentum
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
-        use_batch_stats = self.training or (self.running_mean is None and self.running_var is None)
+        factor = momentum_factor(self)
+        use_batch_stats = uses_batch_stats(self)
         return _BigBatchNorm2dFn.apply(x, self.weight, self.bias, self, use_batch_stats, factor)
 
     def extra_repr(self) -> str:

@@ -1,4 +1,5 @@
-"""``bigify``: run the stem and the first residual stages of a ResNet as Big-Layers."""
+"""``bigify``: run the stem and the first residual stages of a ResNet as Big-Layers (the fixed
+plan), or, with a device budget, only what does not fit (:mod:`wsi_pipeline.bigl.planned`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from torch import nn
 
 from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
+from wsi_pipeline.bigl.budget import resolve_budget
 from wsi_pipeline.bigl.conv import BigConv2d
+from wsi_pipeline.bigl.planned import BudgetResNet
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
 from wsi_pipeline.bigl.runner import ChunkRunner
 from wsi_pipeline.models.encoders import ResNet
@@ -182,7 +185,8 @@ def bigify(
     *,
     pointwise: str = "host",
     pin_memory: bool = True,
-) -> BigResNet:
+    device_budget_gb: float | str | None = None,
+) -> BigResNet | BudgetResNet:
     """Convert the stem and the first ``stages`` residual stages of a ResNet to Big-Layers.
 
     Parameters
@@ -205,10 +209,18 @@ def bigify(
         CUDA only: keep the host activations in pinned memory (fastest transfers; PyTorch's
         pinned allocator rounds blocks up to a power of two). ``False``: pageable activations,
         each chunk staged through a chunk-sized pinned buffer.
+    device_budget_gb
+        None (default): the fixed plan above, every layer of the big stages offloaded (the
+        paper's). A number of GB (10^9 bytes) or ``"auto"`` (the CUDA device's free memory minus
+        a margin; no budget on the CPU, which then keeps the fixed plan): a
+        :class:`~wsi_pipeline.bigl.planned.BudgetResNet`, plain when the step fits, else the
+        units that do not fit as fused runs (:mod:`wsi_pipeline.bigl.budget` states the rule);
+        ``stages`` is then kept for the inference fallback only and ``max_elements`` caps a
+        chunk step's working elements.
 
     Returns
     -------
-    BigResNet
+    BigResNet or BudgetResNet
         Computes the same function as ``model`` (same outputs, gradients and BatchNorm
         running statistics up to floating-point rounding); shares its parameters and buffers.
     """
@@ -224,4 +236,7 @@ def bigify(
         device = "cuda" if torch.cuda.is_available() else "cpu"
     runner = ChunkRunner(device, pin_memory=pin_memory)
     model.to(runner.device)
+    budget = resolve_budget(device_budget_gb, runner.device)
+    if budget is not None:
+        return BudgetResNet(model, runner, budget, max_elements, stages=stages)
     return BigResNet(model, stages, runner, max_elements, pointwise)

@@ -7,7 +7,8 @@ Every chunk step of a Big-Layer reports its transfers to the registered hooks:
 the Big-Layer stages end: ``handoff/forward`` moves it to the device, ``handoff/backward`` moves
 its gradient back to the host; not a chunk, so outside the chunk budget). ``resident`` is the
 number of elements of chunk tensors alive on the device right after the event. Every event
-carries its bytes (``nbytes``). Hooks cost nothing when none is registered.
+carries its bytes (``nbytes``); ``start`` opens each pass (before its first chunk). Hooks cost
+nothing when none is registered.
 """
 
 from __future__ import annotations
@@ -121,6 +122,36 @@ def handoff(layer: str, t: torch.Tensor) -> None:
     _emit("handoff", layer, 0, t.numel(), nbytes=t.numel() * t.element_size())
 
 
+class _FlopProbe:
+    counter = None  # an object with ``total`` (FLOPs so far), set while a step is counted
+
+
+def set_flop_counter(counter) -> None:
+    """Let dry runs read and add FLOPs (``counter.total``) while ``counter`` counts a step; None to stop."""
+    _FlopProbe.counter = counter
+
+
+def flop_total() -> int:
+    """FLOPs counted so far by the registered counter (0 without one)."""
+    return 0 if _FlopProbe.counter is None else _FlopProbe.counter.total
+
+
+def add_flops(n: int) -> None:
+    """Add ``n`` FLOPs to the registered counter (a dry run replaying a chunk it did not compute)."""
+    if _FlopProbe.counter is not None:
+        _FlopProbe.counter.total += n
+
+
+def report(kind: str, layer: str, chunk: int, numel: int, nbytes: int) -> None:
+    """Report a transfer of ``numel`` elements (``nbytes``) without a tensor (a replayed dry-run chunk)."""
+    _emit(kind, layer, chunk, numel, nbytes=nbytes)
+
+
+def pass_start(layer: str) -> None:
+    """Report the start of a pass (before its first chunk is loaded)."""
+    _emit("start", layer, 0, 0)
+
+
 def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool, nbytes: int = 0) -> None:
     """Report the end of one chunk step that moved ``numel`` elements (``nbytes`` bytes) in and out."""
     _emit("chunk", layer, chunk, numel, samples, rows, full, nbytes)
@@ -153,7 +184,8 @@ class TransferMonitor:
             self.max_transfer = max(self.max_transfer, e.numel)
         elif e.kind == "chunk":
             self.max_chunk = max(self.max_chunk, e.numel)
-        self.peak_resident = max(self.peak_resident, e.resident)
+        if e.kind != "start":  # a pass's start: earlier passes' chunks may not be collected yet
+            self.peak_resident = max(self.peak_resident, e.resident)
 
     def count(self, kind: str) -> int:
         """Number of events of one kind."""

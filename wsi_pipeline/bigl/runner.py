@@ -16,6 +16,15 @@ Precision: every ``compute`` runs with autocast switched off for the compute dev
 decide their precision themselves (:mod:`wsi_pipeline.bigl.precision`), once per call, so the
 forward and the backward pass follow the same policy as plain autocast.
 
+Device-resident tensors: a fused run (:mod:`wsi_pipeline.bigl.fused`) may keep its input or
+output on the compute device when the device budget allows (:mod:`wsi_pipeline.bigl.budget`);
+``run(..., resident_in=, resident_out=)`` marks such loads and destinations: they are used in
+place (results copied on the device), never cross the bus and are not reported as transfers.
+
+Host buffers reused across steps: :class:`HostBuffers` hands out named host tensors (pinned on
+CUDA) and takes them back when a step no longer needs them, so the next step writes into the
+same pinned memory instead of allocating and page-locking it again.
+
 Dry runs: with ``device="meta"`` host and device tensors are both meta tensors (shapes only, no
 memory, no arithmetic), so a training step of any size runs in seconds and the transfer
 instrumentation reports exactly the chunks, elements and bytes a real run would move
@@ -25,14 +34,14 @@ instrumentation reports exactly the chunks, elements and bytes a real run would 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
 from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.plan import RowChunk
 
-__all__ = ["ChunkRunner"]
+__all__ = ["ChunkRunner", "HostBuffers"]
 
 Load = Callable[[int, RowChunk], Sequence[torch.Tensor]]
 Compute = Callable[[int, RowChunk, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
@@ -50,6 +59,11 @@ def _empty_host(shape: Sequence[int], dtype: torch.dtype, pinned: bool, device: 
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s memory (its storage object; meta tensors included, which have no address)."""
+    return t.untyped_storage()._cdata
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -84,6 +98,10 @@ class ChunkRunner:
         if self.is_cuda:
             self._h2d = torch.cuda.Stream(self.device)
             self._d2h = torch.cuda.Stream(self.device)
+        self._res_in: tuple[bool, ...] = ()
+        self._res_out: tuple[bool, ...] = ()
+        #: host tensors reused across steps (fused runs' checkpoints and their gradients)
+        self.buffers = HostBuffers(self)
 
     def __repr__(self) -> str:
         return f"ChunkRunner(device={self.device})"
@@ -109,7 +127,9 @@ class ChunkRunner:
             return torch.autocast(self.device.type, enabled=False)
         return contextlib.nullcontext()
 
-    def run(self, layer: str, chunks: Sequence[RowChunk], load: Load, compute: Compute, store: Store | None = None) -> None:
+    def run(self, layer: str, chunks: Sequence[RowChunk], load: Load, compute: Compute, store: Store | None = None, *,
+            resident_in: Sequence[bool] = (), resident_out: Sequence[bool] = (),
+            signature: Callable[[int, RowChunk], Hashable] | None = None) -> None:
         """Run every chunk step of one pass of one layer.
 
         Parameters
@@ -125,40 +145,83 @@ class ChunkRunner:
             runs on the current stream, in chunk order, so it may keep state across chunks.
         store
             ``store(i, chunk)`` -> host views receiving ``compute``'s results, same shapes.
+        resident_in, resident_out
+            Per loaded tensor / per destination: True when it already lives on the compute device
+            (used in place, not transferred, not reported); missing entries are False.
+        signature
+            Dry runs (``meta``) only: ``signature(i, chunk)`` is equal for chunks whose loads,
+            results and FLOPs have the same shapes; such a chunk is computed once per pass and
+            replayed after (its transfers and FLOPs reported again, ``compute`` and ``store`` not
+            called), so a dry run costs the distinct chunk shapes, not the chunks.
         """
         if not chunks:
             return
         watch = instrument.active()
+        if watch:
+            instrument.pass_start(layer)
+        self._res_in, self._res_out = tuple(resident_in), tuple(resident_out)
         if self.is_cuda:
             with torch.cuda.device(self.device):
                 self._run_cuda(layer, chunks, load, compute, store, watch)
         else:
+            replay = signature is not None and self.device.type == "meta"
+            seen: dict[Hashable, tuple[int, list[tuple[int, int]]]] = {}
             pending = self._send_cpu(layer, 0, chunks[0], load, watch)
             for i, ch in enumerate(chunks):
                 ins = pending
+                sig = signature(i, ch) if replay else None
+                if sig is not None and sig in seen:
+                    pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
+                    self._replay(layer, i, ch, ins, seen[sig], watch)
+                    del ins
+                    continue
+                f0 = instrument.flop_total()
                 with self._no_autocast():
                     outs = compute(i, ch, ins)
+                flops = instrument.flop_total() - f0
                 pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
-                moved = sum(t.numel() for t in ins)
-                moved_bytes = sum(_nbytes(t) for t in ins)
+                sent = [t for k, t in enumerate(ins) if not self._resident(self._res_in, k)]
+                moved = sum(t.numel() for t in sent)
+                moved_bytes = sum(_nbytes(t) for t in sent)
+                if sig is not None:
+                    seen[sig] = (flops, [(o.numel(), _nbytes(o)) for k, o in enumerate(outs) if not self._resident(self._res_out, k)])
                 dests = store(i, ch) if store is not None else ()
                 self._check(layer, dests, outs)
-                for d, o in zip(dests, outs):
-                    if watch:
-                        instrument.track("d2h", layer, i, o)
+                for k, (d, o) in enumerate(zip(dests, outs)):
                     if o.numel():
                         d.copy_(o)
+                    if self._resident(self._res_out, k):
+                        continue
+                    if watch:
+                        instrument.track("d2h", layer, i, o)
                     moved += o.numel()
                     moved_bytes += _nbytes(o)
                 if watch:
                     instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
-                del ins, outs
+                del ins, outs, sent
+
+    def _replay(self, layer: str, i: int, ch: RowChunk, ins, cached: tuple[int, list[tuple[int, int]]], watch: bool) -> None:
+        """Report a dry-run chunk like an earlier one of the same shapes (its uploads were reported on loading)."""
+        flops, outs = cached
+        instrument.add_flops(flops)
+        sent = [t for k, t in enumerate(ins) if not self._resident(self._res_in, k)]
+        moved = sum(t.numel() for t in sent) + sum(n for n, _ in outs)
+        moved_bytes = sum(_nbytes(t) for t in sent) + sum(b for _, b in outs)
+        if watch:
+            for n, b in outs:
+                instrument.report("d2h", layer, i, n, b)
+            instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
+
+    @staticmethod
+    def _resident(flags: tuple[bool, ...], k: int) -> bool:
+        return k < len(flags) and bool(flags[k])
 
     def _send_cpu(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool) -> tuple[torch.Tensor, ...]:
         ins = tuple(load(i, ch))
         if watch:
-            for t in ins:
-                instrument.track("h2d", layer, i, t)
+            for k, t in enumerate(ins):
+                if not self._resident(self._res_in, k):
+                    instrument.track("h2d", layer, i, t)
         return ins
 
     @staticmethod
@@ -172,7 +235,11 @@ class ChunkRunner:
     # ---- CUDA: pinned buffers, copy streams, events -------------------------------------
     def _send_cuda(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool):
         srcs = []
-        for t in load(i, ch):
+        loaded = tuple(load(i, ch))
+        for k, t in enumerate(loaded):
+            if self._resident(self._res_in, k):
+                srcs.append(t)
+                continue
             if not (t.is_pinned() and _dense(t)):
                 # pageable or strided: stage through a pinned buffer so the copy is a real async DMA
                 # (the pinned allocator keeps the buffer until the copy has completed)
@@ -182,15 +249,19 @@ class ChunkRunner:
             srcs.append(t)
         ins = []
         with torch.cuda.stream(self._h2d):
-            for t in srcs:
+            for k, t in enumerate(srcs):
+                if self._resident(self._res_in, k):
+                    ins.append(t)  # already on the device: used in place
+                    continue
                 d = torch.empty_like(t, device=self.device)
                 d.copy_(t, non_blocking=True)
                 ins.append(d)
             ready = torch.cuda.Event()
             ready.record(self._h2d)
         if watch:
-            for d in ins:
-                instrument.track("h2d", layer, i, d)
+            for k, d in enumerate(ins):
+                if not self._resident(self._res_in, k):
+                    instrument.track("h2d", layer, i, d)
         return tuple(ins), ready
 
     def _run_cuda(self, layer, chunks, load, compute, store, watch) -> None:
@@ -208,11 +279,15 @@ class ChunkRunner:
                 outs = tuple(compute(i, ch, ins))
             # queue the next chunk's transfer while the device computes this one
             pending = self._send_cuda(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else None
-            moved = sum(t.numel() for t in ins)
-            moved_bytes = sum(_nbytes(t) for t in ins)
+            sent = [t for k, t in enumerate(ins) if not self._resident(self._res_in, k)]
+            moved = sum(t.numel() for t in sent)
+            moved_bytes = sum(_nbytes(t) for t in sent)
             dests = store(i, ch) if store is not None else ()
             self._check(layer, dests, outs)
-            if outs:
+            for k, (d, o) in enumerate(zip(dests, outs)):
+                if self._resident(self._res_out, k) and o.numel():
+                    d.copy_(o)  # device to device, on the compute stream
+            if any(not self._resident(self._res_out, k) for k in range(len(outs))):
                 # same memory layout as the host view, so each copy back is a single DMA
                 outs = tuple(
                     o if d.stride() == o.stride() else o.contiguous(memory_format=torch.channels_last) if o.dim() == 4 else o.contiguous()
@@ -222,8 +297,8 @@ class ChunkRunner:
                 done.record(cur)
                 self._d2h.wait_event(done)
                 with torch.cuda.stream(self._d2h):
-                    for d, o in zip(dests, outs):
-                        if o.numel() == 0:
+                    for k, (d, o) in enumerate(zip(dests, outs)):
+                        if o.numel() == 0 or self._resident(self._res_out, k):
                             continue
                         o.record_stream(self._d2h)
                         if d.is_pinned() and _dense(d):
@@ -245,9 +320,58 @@ class ChunkRunner:
                 d.copy_(staged)
             if watch:
                 instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
-            del ins, outs
+            del ins, outs, sent
         # host code (autograd, the next layer's staging) reads the results right after; device
         # state of the pass (accumulated dW, statistics) stays ordered on `cur`
         self._d2h.synchronize()
         for _, _, staged, d in landing:
             d.copy_(staged)
+
+
+class HostBuffers:
+    """Named host tensors (channels-last for 4-D; pinned on CUDA) reused from one step to the next.
+
+    :meth:`acquire` returns the tensor kept under ``key`` when it has the requested shape and
+    dtype and is free, else allocates one (and keeps it under ``key`` for the next step when the
+    slot is free); :meth:`release` makes it free again. A step acquires, say, ``layer1.0/out``
+    in its forward pass and releases it when the backward pass has used it for the last time,
+    so a training loop pins each buffer once. Released contents are garbage: callers write
+    before they read. On CUDA a reused buffer is handed out only after the runner's copy
+    streams are done with it.
+    """
+
+    def __init__(self, runner: ChunkRunner) -> None:
+        self.runner = runner
+        self._slots: dict[str, torch.Tensor] = {}
+        self._busy: set[str] = set()
+
+    def acquire(self, key: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor of ``shape`` and ``dtype`` for ``key`` (contents undefined)."""
+        t = self._slots.get(key)
+        if key not in self._busy:
+            if t is None or tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+                t = self._slots[key] = self.runner.host_empty(shape, dtype)
+            elif self.runner.is_cuda:
+                self.runner._h2d.synchronize()  # earlier uploads from it are done
+                self.runner._d2h.synchronize()
+            self._busy.add(key)
+            return t
+        return self.runner.host_empty(shape, dtype)  # the slot is still in use: an unpooled tensor
+
+    def release(self, t: torch.Tensor | None) -> None:
+        """Make the pooled buffer ``t`` shares memory with free again (anything else is ignored)."""
+        if t is None:
+            return
+        key = _storage_key(t)
+        for name, s in self._slots.items():
+            if _storage_key(s) == key:
+                self._busy.discard(name)
+                return
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` shares memory with one of the pooled buffers."""
+        key = _storage_key(t)
+        return any(_storage_key(s) == key for s in self._slots.values())
+
+    def __len__(self) -> int:
+        return len(self._slots)

@@ -1,10 +1,13 @@
 """What a training step moves and computes, counted without running it; predicted step times.
 
 :func:`count_step` runs one forward + backward of an encoder (the loss ``mean(features^2)``)
-under the transfer instrumentation (:mod:`wsi_pipeline.bigl.instrument`) and
-``torch.utils.flop_counter.FlopCounterMode``. On ``meta`` tensors (:func:`dry_step`) nothing is
+under the transfer instrumentation (:mod:`wsi_pipeline.bigl.instrument`) and a FLOP counter
+with ``torch.utils.flop_counter``'s formulas (:class:`FlopCount`, the same numbers as
+``FlopCounterMode``). On ``meta`` tensors (:func:`dry_step`, :func:`dry_budget_step`) nothing is
 allocated or computed, so a 32768 px step is counted in seconds, and the counts are exactly
-those of a real run with the same chunk plan (a test checks a meta count against a CPU run).
+those of a real run with the same chunk plan (tests check meta counts against CPU runs); a
+fused run's chunks of equal shapes are computed once per pass and replayed
+(:meth:`~wsi_pipeline.bigl.runner.ChunkRunner.run`).
 
 Counted:
 
@@ -18,9 +21,15 @@ Counted:
   per pass: forward ``x + y``; backward ``x + dy`` in and ``dx`` out (``dx`` only when the input
   needs a gradient: not for the image), plus the hand-off itself. ``h2d + d2h`` over it is 1
   only without halos and without second sweeps (BatchNorm reads ``x`` twice each way).
-- ``flops``: FlopCounterMode's count (convolutions and matrix products, forward and backward;
-  BatchNorm, ReLU, pooling and the optimiser step are not counted, as FlopCounterMode does not
-  count them), and per Big-Layer pass the FLOPs computed between its first and last chunk.
+  For a device-budget plan (:class:`~wsi_pipeline.bigl.planned.BudgetResNet`) the plan's
+  minimum (:meth:`~wsi_pipeline.bigl.budget.StepPlan.minimum_bytes`): the image once (kept on
+  the device) or once per pass (from the host), every host checkpoint out and in forward, in
+  again backward, its gradient out and in; halo rows and the extra passes of batch-statistics
+  BatchNorm over host inputs come on top.
+- ``flops``: FlopCounterMode's count (convolutions and matrix products, forward and backward,
+  recomputation included; BatchNorm, ReLU, pooling and the optimiser step are not counted, as
+  FlopCounterMode does not count them), and per pass the FLOPs computed between its start and
+  its last chunk.
 
 :func:`predict` turns counts into a step time on a stated device: compute at ``flop_rate``
 (FLOP/s actually achieved), copies at ``bandwidth`` bytes/s per direction (PCIe is full
@@ -35,17 +44,23 @@ lower bounds for a real step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 
 from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
 
-__all__ = ["PassCost", "StepTraffic", "DeviceModel", "count_step", "dry_step", "predict", "paper_big_layers", "module_big_layers"]
+__all__ = ["PassCost", "StepTraffic", "DeviceModel", "count_step", "dry_step", "dry_budget_step", "dry_forward_flops", "predict", "FlopCount",
+           "paper_big_layers", "module_big_layers"]
+
+if TYPE_CHECKING:
+    from wsi_pipeline.bigl.budget import StepPlan
 
 _BIG = (BigConv2d, BigBatchNorm2d, BigReLU, BigMaxPool2d, BigAddReLU)
 
@@ -98,6 +113,27 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class FlopCount(TorchDispatchMode):
+    """FLOPs with ``torch.utils.flop_counter``'s formulas (convolutions and matrix products,
+    forward and backward), as ``FlopCounterMode`` counts them, without its per-module bookkeeping
+    (several times faster on the many small ops of a chunked dry run)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
 def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     """Count one forward + backward of ``model`` on ``x`` (loss ``mean(features^2)``).
 
@@ -120,17 +156,19 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     passes: dict[str, PassCost] = {}
     last_chunk: dict[str, tuple[int, int]] = {}  # pass -> (chunk index, its d2h bytes)
     hand = {"forward": 0, "backward": 0}
-    with FlopCounterMode(display=False) as fc:
+    with FlopCount() as fc:
 
         def on_event(e: instrument.TransferEvent) -> None:
             if e.kind == "handoff":
                 hand[e.layer.rsplit("/", 1)[-1]] += e.nbytes
                 return
-            if e.kind not in ("h2d", "d2h", "chunk"):
+            if e.kind not in ("h2d", "d2h", "chunk", "start"):
                 return
             p = passes.get(e.layer)
-            if p is None:  # a pass starts with its first upload: FLOPs from here on are its own
+            if p is None:  # a pass starts with its start event: FLOPs from here on are its own
                 p = passes[e.layer] = PassCost(e.layer, _flops_at_start=fc.get_total_flops())
+            if e.kind == "start":
+                return
             if e.kind == "h2d":
                 p.h2d += e.nbytes
                 if e.chunk == 0:
@@ -144,15 +182,18 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
 
         handles = [m.register_forward_hook(hook) for m in big_modules]
         ev = instrument.register_transfer_hook(on_event)
+        instrument.set_flop_counter(fc)
         try:
             y = model(x)
             y.float().square().mean().backward()
         finally:
+            instrument.set_flop_counter(None)
             ev.remove()
             for h in handles:
                 h.remove()
         flops = fc.get_total_flops()
-    if not big_modules:
+    planned = getattr(model, "last_plan", None) is not None
+    if not big_modules and not planned:
         return StepTraffic(_nbytes(x), 0, _nbytes(x), flops)
     plist = list(passes.values())
     for p in plist:
@@ -160,6 +201,9 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     handoff = hand["forward"] + hand["backward"]
     h2d = sum(p.h2d for p in plist) + hand["forward"]
     d2h = sum(p.d2h for p in plist) + hand["backward"]
+    if planned:  # a device-budget plan: its minimum is the plan's (the image, the host checkpoints)
+        minimum = sum(model.last_plan.minimum_bytes(x.requires_grad))
+        return StepTraffic(h2d, d2h, minimum, flops, plist, handoff)
     return StepTraffic(h2d, d2h, minimum + handoff, flops, plist, handoff)
 
 
@@ -180,6 +224,48 @@ def dry_step(name: str, stages: int | None, side: int, batch: int = 1, max_eleme
         model = bigify(model, stages=stages, max_elements=max_elements, device="meta").train()
     x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
     return count_step(model, x)
+
+
+def _meta_encoder(name: str, dtype: torch.dtype, bn: str) -> nn.Module:
+    from wsi_pipeline.models import build_encoder
+
+    if bn not in ("train", "frozen"):
+        raise ValueError(f"bn={bn!r}; expected 'train' (batch statistics) or 'frozen' (running statistics)")
+    with torch.device("meta"):
+        model = build_encoder(name).to(dtype)
+    model.train()
+    if bn == "frozen":
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.eval()
+    return model
+
+
+def dry_budget_step(name: str, batch: int, side: int, budget: int | None, *, bn: str = "train",
+                    dtype: torch.dtype = torch.float32, cast: torch.dtype | None = None,
+                    max_elements: int = 2**27) -> tuple[StepTraffic, "StepPlan"]:
+    """Count a training step of encoder ``name`` on ``[batch, 3, side, side]`` under a device budget
+    (bytes; None: plain), on meta tensors; returns the counts and the plan.
+
+    ``bn``: ``train`` (batch statistics) or ``frozen`` (running statistics, parameters trained);
+    ``cast``: count as under autocast to this dtype (activations, checkpoints and the image in it).
+    """
+    from wsi_pipeline.bigl.planned import BudgetResNet
+    from wsi_pipeline.bigl.runner import ChunkRunner
+
+    model = BudgetResNet(_meta_encoder(name, dtype, bn), ChunkRunner("meta"), budget, max_elements)
+    model.dry_cast = cast
+    x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
+    return count_step(model, x), model.last_plan
+
+
+def dry_forward_flops(name: str, batch: int, side: int, *, dtype: torch.dtype = torch.float32) -> int:
+    """FLOPs of a forward pass without gradient of encoder ``name`` on ``[batch, 3, side, side]`` (meta)."""
+    model = _meta_encoder(name, dtype, "frozen")
+    x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
+    with FlopCount() as fc, torch.no_grad():
+        model(x)
+    return fc.get_total_flops()
 
 
 def predict(t: StepTraffic, device: DeviceModel, *, plain: bool = False) -> tuple[float, float]:

@@ -195,6 +195,16 @@ class AggregatorConfig:
 class BiglConfig:
     """Big-Layers: residual stages run as Big-Layers after the stem, and the device chunk size in elements.
 
+    ``device_budget_gb``: device memory a training step may use, in GB (10^9 bytes). The step is
+    plain when it fits; otherwise the early units (stem, residual blocks) that do not fit run as
+    fused runs, recomputed chunk by chunk, their checkpoints on the device when they fit and in
+    host memory when not (:mod:`wsi_pipeline.bigl.budget` states the rule; the plan is logged and
+    written to the run folder as ``bigl_plan.txt``). ``auto`` (default): the CUDA device's free
+    memory minus a margin (10 % of its memory, at least 1 GiB); on the CPU, where host and device
+    memory are one, ``auto`` keeps the fixed plan. ``null``: the fixed plan, the paper's: the stem
+    and ``stages`` residual stages offloaded layer by layer. ``max_elements`` caps one chunk step
+    in both.
+
     ``embed_budget_mib``: validation and evaluation embed with the plain encoder on the device when
     one call's estimated activations fit this many MiB, through Big-Layers otherwise
     (:class:`wsi_pipeline.bigl.EmbeddingEncoder`); None: half the CUDA device's memory, no limit
@@ -204,10 +214,13 @@ class BiglConfig:
     stages: int = 1
     max_elements: int = 2**27
     embed_budget_mib: float | None = None
+    device_budget_gb: float | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         if self.stages < 0:
             raise ValueError(f"bigl.stages={self.stages}; expected >= 0")
         positive("bigl.max_elements", self.max_elements)
+        if isinstance(self.device_budget_gb, (int, float)) and not isinstance(self.device_budget_gb, bool):
+            positive("bigl.device_budget_gb", self.device_budget_gb)
         if self.embed_budget_mib is not None and not self.embed_budget_mib >= 0:
             raise ValueError(f"bigl.embed_budget_mib={self.embed_budget_mib}; expected MiB >= 0 or null (device default)")

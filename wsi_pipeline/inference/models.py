@@ -190,7 +190,8 @@ def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.M
     from wsi_pipeline.bigl import bigify
 
     dim = encoder.num_features
-    big = bigify(encoder, method.bigl.stages, method.bigl.max_elements, device=torch.device(device))
+    big = bigify(encoder, method.bigl.stages, method.bigl.max_elements, device=torch.device(device),
+                 device_budget_gb=getattr(method.bigl, "device_budget_gb", None))
     if not hasattr(big, "num_features"):
         big.num_features = dim
     return big

@@ -49,6 +49,7 @@ from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
 from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_dir, restore_encoder
+from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
@@ -249,6 +250,9 @@ def _start(
             from wsi_pipeline.training.stain import write_run_stain
 
             write_run_stain(run.run_dir, ctx)
+        for name, text in strategy.run_notes(reader, n_tiles).items():  # e.g. the Big-Layers plan
+            log.info("%s", text)
+            write_text_atomic(run.run_dir / name, text + "\n")
     return run
 
 

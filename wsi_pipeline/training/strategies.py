@@ -225,6 +225,10 @@ class Strategy:
         """Add the gradient of ``scale * loss(bag)`` to ``.grad``; return the (unscaled) loss."""
         raise NotImplementedError
 
+    def run_notes(self, reader: Any, n_tiles: Sequence[int]) -> dict[str, str]:
+        """Files (name -> text) the loop logs and writes into the run folder before training (none by default)."""
+        return {}
+
     # -- losses that couple the bags of a step (Cox) ---------------------------------------------
 
     def coupled_input(self, bag: Bag) -> torch.Tensor:
@@ -421,6 +425,25 @@ class BiglStrategy(Strategy):
         if getattr(self, "_embedder", None) is None:
             self._embedder = EmbeddingEncoder.from_big(self.encoder, budget_bytes=embed_budget(self.method))
         return self._embedder
+
+    def run_notes(self, reader: Any, n_tiles: Sequence[int]) -> dict[str, str]:
+        """``bigl_plan.txt``: where the largest training bag's activations live (the device-budget plan, or the fixed plan)."""
+        from wsi_pipeline.bigl import BudgetResNet
+
+        if not n_tiles or not hasattr(reader, "store"):
+            return {}
+        tile = int(reader.store(0).tile_size)
+        shape = (min(int(self.method.train.bag_size), max(n_tiles)), 3, tile, tile)
+        enc = self.encoder
+        if isinstance(enc, BudgetResNet):
+            cast = torch.bfloat16 if (self.method.train.bf16 and self.device.type == "cuda") else None
+            text = enc.describe(shape, torch.float32, cast=cast, grad=True)
+        else:
+            text = (f"Big-Layers plan (input {list(shape)}): the fixed plan, the stem and {self.method.bigl.stages} residual "
+                    f"stage(s) offloaded layer by layer in chunks of at most {self.method.bigl.max_elements} elements "
+                    f"(bigl.device_budget_gb: {self.method.bigl.device_budget_gb!r}"
+                    + ("; on the CPU 'auto' sets no budget" if self.method.bigl.device_budget_gb == "auto" else "") + ")")
+        return {"bigl_plan.txt": text}
 
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
