@@ -50,6 +50,7 @@ from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
 from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_dir, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
@@ -158,13 +159,23 @@ class _Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] = field(default_factory=dict)
     start: int = 0
+    monitor: StepMonitor | None = None
+    progress: bool = True
+    train_seconds: float = 0.0
+    val_seconds: float = 0.0
+    suggested: bool = False  # the cheaper-validation hint was given
 
-    def optimizer_step(self) -> None:
-        """Sum the step's gradients over ranks (under torchrun), clip, step, zero the gradients."""
+    def optimizer_step(self, info: StepInfo | None = None) -> None:
+        """Sum the step's gradients over ranks (under torchrun), clip, step, zero the gradients; record
+        the step (``info``: its loss, tiles and data wait, from the epoch) in the run's monitor."""
         self.sync.reduce()
-        clip_gradients(self.params, self.method.train.clip_grad_norm)
+        norm = clip_gradients(self.params, self.method.train.clip_grad_norm)
+        if norm is None and self.monitor is not None and self.monitor.enabled:
+            norm = gradient_norm(self.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.monitor is not None:
+            self.monitor.step(info, lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=norm)
 
 
 def train_run(
@@ -197,18 +208,32 @@ def train_run(
         _seed_everything(seed, epoch + 1)
         lr = run.schedule.set_epoch(epoch)
         _recalibrate(run, epoch)
+        assert run.monitor is not None
+        run.monitor.begin_epoch(epoch)
         train_loss, val = _train_and_validate(run, epoch)
         row = {"epoch": epoch + 1, "train_loss": train_loss,
                **{f"val_{k}": val.get(k, math.nan) for k in validation_columns(method.task)}}
-        row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3))
+        row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3), **_epoch_rates(run))
         improved = _record(run, row, val)
         if run.main:
             _checkpoint(run, improved)
+            run.monitor.end_epoch(row)
             _log_epoch(run, row, val, epochs)
+    run.monitor.close()
     distributed.barrier()
     if run.main:
         write_done(run_dir, run.history, run.best)
     return run_dir
+
+
+def _epoch_rates(run: _Run) -> dict[str, float]:
+    """The epoch's training tiles/s, the share of it the training thread waited for data, the peak
+    memory (MiB) and the seconds validation took: ``history.csv`` columns."""
+    assert run.monitor is not None
+    rates = run.monitor.summary()
+    out = {k: round(float(v), 4) for k, v in rates.items() if v == v}
+    out["val_seconds"] = round(run.val_seconds, 3)
+    return out
 
 
 def _start(
@@ -253,6 +278,8 @@ def _start(
         for name, text in strategy.run_notes(reader, n_tiles).items():  # e.g. the Big-Layers plan
             log.info("%s", text)
             write_text_atomic(run.run_dir / name, text + "\n")
+    run.progress = progress
+    run.monitor = StepMonitor(run.run_dir, dev, tc.log, enabled=run.main, start_epoch=run.start)
     return run
 
 
@@ -280,11 +307,28 @@ def _train_and_validate(run: _Run, epoch: int) -> tuple[float, dict[str, float]]
     run.strategy.train()
     with _autocast(run):
         run.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         train_loss = run.strategy.train_epoch(run.reader, run.n_tiles, run.seed, epoch, run.optimizer_step, run.bar, run.sync)
+        t1 = time.perf_counter()
         # under torchrun every rank scores its shard of the validation slides; all get the same metrics
         targets = [s.y for s in run.plan.val_units]
-        val = validate(run.strategy, run.val_inputs, targets, run.config, run.method, run.device)
+        val = validate(run.strategy, run.val_inputs, targets, run.config, run.method, run.device,
+                       progress=run.progress and run.main)
+        run.train_seconds, run.val_seconds = t1 - t0, time.perf_counter() - t1
+        _suggest_cheaper_validation(run)
         return train_loss, distributed.broadcast_object(val)  # rank 0's, so every rank decides alike
+
+
+def _suggest_cheaper_validation(run: _Run) -> None:
+    """Say once per run when validation takes longer than the epoch's training, and what is cheaper."""
+    if run.suggested or not run.main or run.val_seconds <= run.train_seconds or run.val_seconds < 30:
+        return
+    run.suggested = True
+    protocol = str(run.method.val_protocol)
+    cheaper = (f"val_protocol: sub{min(256, run.method.train.bag_size)}x1 (one random subset of tiles per slide, "
+               "as training sees them)") if protocol == "all" else "fewer validation slides"
+    log.info("%s: validation took %.0f s, longer than the epoch's training (%.0f s); %s would cut it",
+             run.run_dir, run.val_seconds, run.train_seconds, cheaper)
 
 
 def _record(run: _Run, row: dict[str, Any], val: dict[str, float]) -> bool:
