@@ -92,7 +92,7 @@ def test_each_strategy_trains_two_epochs_through_the_cli(tmp_path, store_cohort,
     run = tmp_path / "runs" / "t" / "m" / "seed0"
     plan = ["bigl_plan.txt"] if strategy == "bigl" else []  # where its activations live, logged before training
     assert sorted(p.name for p in run.iterdir()) == sorted(["best.pt", "best.pt.sha256", "config.yaml", "done", "history.csv", "last.pt",
-                                                            "last.pt.sha256", "steps.csv"] + plan)
+                                                            "last.pt.sha256", "memory.json", "steps.csv"] + plan)
     saved = load_config(run / "config.yaml")
     assert [m.name for m in saved.methods] == ["m"] and saved.methods[0].strategy == strategy and saved.seeds == (0,)
     hist = pd.read_csv(run / "history.csv")

@@ -48,8 +48,9 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
-from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_dir, restore_encoder
+from wsi_pipeline.inference.models import build_models, encoder_checkpoint, frozen_features_dir, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.training.memory import MemoryPrediction, check_fits, predict_memory, write_memory_record
 from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
@@ -82,6 +83,7 @@ def train_pipeline(
     device: str | None = None,
     progress: bool = True,
     strict: bool = False,
+    memory_check: bool = True,
 ) -> list[Path]:
     """Train every (method, seed) of ``config``; return the run folders (finished ones included).
 
@@ -95,6 +97,8 @@ def train_pipeline(
     strict : refuse slides whose store holds 0 tiles instead of leaving them out with a warning.
     device : overrides every method's ``train.device``.
     progress : tqdm bars (shown on terminals only).
+    memory_check : refuse a method whose predicted peak memory exceeds what is available
+        (:mod:`wsi_pipeline.training.memory`); the prediction is logged and recorded either way.
     """
     chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
@@ -113,6 +117,8 @@ def train_pipeline(
                         "current config", run_dir, "; ".join(changed[:4]), " ..." if len(changed) > 4 else "")
         else:
             log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
+    for method in {m.name: m for m, _, _ in plan.runs}.values():  # before any compute: will it fit?
+        plan.memory[method.name] = _predict_memory(config, method, plan, device, check=memory_check and ddp.is_main)
     features: dict[str, Path] = {}
     for method in {m.name: m for m, _, _ in plan.runs}.values():
         if check_strategy(method).uses_features:
@@ -222,8 +228,35 @@ def train_run(
     run.monitor.close()
     distributed.barrier()
     if run.main:
+        if method.name in plan.memory:
+            write_memory_record(run_dir, plan.memory[method.name], run.device)
         write_done(run_dir, run.history, run.best)
     return run_dir
+
+
+def _predict_memory(config: PipelineConfig, method: MethodConfig, plan: RunPlan, device: str | None,
+                    *, check: bool) -> MemoryPrediction:
+    """The method's predicted peak memory (:mod:`wsi_pipeline.training.memory`), logged; refused when it
+    cannot fit and ``check``."""
+    from wsi_pipeline.data.bags import TileReader
+
+    dev = distributed.device_for(resolve_device(device or method.train.device))
+    train_tiles = TileReader(plan.train_units).n_tiles() if plan.train_units else [0]
+    val_tiles = TileReader(plan.val_units).n_tiles() if plan.val_units else [0]
+    tile = int((plan.tiling or {}).get("tile_size") or TileReader(plan.train_units).store(0).tile_size)
+    with torch.random.fork_rng(devices=[]):
+        encoder, aggregator = build_models(method, config.data.n_classes or 2, device="cpu", for_training=False)
+        if method.strategy == "bigl":  # count the plain network: Big-Layers keeps the same activations, on the host
+            from wsi_pipeline.models import build_encoder
+
+            encoder = build_encoder(method.encoder.name)
+    pred = predict_memory(method, encoder, aggregator, bag_tiles=min(method.train.bag_size, max(train_tiles)),
+                          tile_size=tile, val_tiles=max(val_tiles), device=dev, augment=method.train.augment.enabled)
+    del encoder, aggregator
+    log.info("%s", pred.describe())
+    if check:
+        check_fits(pred, device=dev)
+    return pred
 
 
 def _epoch_rates(run: _Run) -> dict[str, float]:
