@@ -21,7 +21,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders clean
+.PHONY: install test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
 
 install: $(STAMP)
 
@@ -114,6 +114,14 @@ bench-tissue-step: install
 
 bench-verify: install
 	$(BIN)/python -m wsi_pipeline.bench.verify $(ARGS)
+
+bench-loader: install
+	$(BIN)/python -m wsi_pipeline.bench.loader $(ARGS)
+
+# the whole flow at real scale: 4 real-tissue mosaics of 28672 px, tile -> train (frozen, accumulate, bigl;
+# bags of 512) -> eval -> predict; time and peak memory per stage (needs ../shared/slides)
+scale-check: install
+	$(BIN)/python -m wsi_pipeline.bench.scale_check $(ARGS)
 
 # the foundation-model presets at real size (random weights): parameters, GFLOPs, frozen tiles/s,
 # peak RSS of an accumulated step, predicted GPU time; ~15 min on a 2-core CPU

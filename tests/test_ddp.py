@@ -35,6 +35,7 @@ import pytest
 import torch
 import yaml
 
+from wsi_pipeline.training.monitor import MEASURED_COLUMNS
 from wsi_pipeline.training.distributed import DistContext, shard, shard_plan
 
 STRATEGIES = ("frozen", "full", "accumulate", "bigl", "patchgd")
@@ -210,7 +211,7 @@ def test_two_ranks_take_the_step_of_one_process(ddp_runs, strategy):
     # the history (written by rank 0 only) holds the same losses and validation metrics
     ha, hb = pd.read_csv(a / "history.csv"), pd.read_csv(b / "history.csv")
     assert len(ha) == 1
-    cols = [c for c in ha.columns if c not in ("seconds",)]
+    cols = [c for c in ha.columns if c not in MEASURED_COLUMNS]
     np.testing.assert_allclose(ha[cols].to_numpy(float), hb[cols].to_numpy(float), rtol=REL_TOL, atol=0)
 
 
@@ -232,7 +233,7 @@ def test_a_killed_two_rank_run_resumes_exactly_with_one_rank(ddp_runs):
     assert all(v <= REL_TOL for v in rel.values()), rel
     ha, hb = pd.read_csv(a / "history.csv"), pd.read_csv(b / "history.csv")
     assert ha["epoch"].tolist() == [1, 2]
-    cols = [c for c in ha.columns if c != "seconds"]
+    cols = [c for c in ha.columns if c not in MEASURED_COLUMNS]
     np.testing.assert_allclose(ha[cols].to_numpy(float), hb[cols].to_numpy(float), rtol=REL_TOL, atol=0)
 
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 import yaml
 
+from wsi_pipeline.training.monitor import MEASURED_COLUMNS
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.data.augment import AugmentParams, SlideAugment, tiles_to_input
 from wsi_pipeline.data.bags import epoch_plan
@@ -33,7 +34,8 @@ from wsi_pipeline.config.pipeline import AugmentConfig, BagStatisticsWarning, lo
 from wsi_pipeline.training.loop import train_pipeline
 
 TINY_TRAIN = {"epochs": 2, "bag_size": 8, "batch_bags": 2, "lr": 1e-4}
-HISTORY = ["epoch", "train_loss", "val_loss", "val_auc", "val_qwk", "val_accuracy", "val_balanced_accuracy", "lr", "seconds"]
+HISTORY = ["epoch", "train_loss", "val_loss", "val_auc", "val_qwk", "val_accuracy", "val_balanced_accuracy", "lr", "seconds",
+           "tiles_per_s", "data_wait_share", "peak_mem_mb", "val_seconds"]
 
 
 def make_config(tmp_path: Path, manifest: Path, methods: list[dict], *, name: str = "t", train: dict | None = None,
@@ -90,7 +92,7 @@ def test_each_strategy_trains_two_epochs_through_the_cli(tmp_path, store_cohort,
     run = tmp_path / "runs" / "t" / "m" / "seed0"
     plan = ["bigl_plan.txt"] if strategy == "bigl" else []  # where its activations live, logged before training
     assert sorted(p.name for p in run.iterdir()) == sorted(["best.pt", "best.pt.sha256", "config.yaml", "done", "history.csv", "last.pt",
-                                                            "last.pt.sha256"] + plan)
+                                                            "last.pt.sha256", "memory.json", "steps.csv"] + plan)
     saved = load_config(run / "config.yaml")
     assert [m.name for m in saved.methods] == ["m"] and saved.methods[0].strategy == strategy and saved.seeds == (0,)
     hist = pd.read_csv(run / "history.csv")
@@ -283,8 +285,8 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, store_cohort
         for k in a[m]:
             assert torch.equal(a[m][k], b[m][k]), (m, k)
     assert max_diff(models_of(run_s / "best.pt"), models_of(run_k / "best.pt")) == 0.0
-    ha = pd.read_csv(run_s / "history.csv").drop(columns="seconds")
-    hb = pd.read_csv(run_k / "history.csv").drop(columns="seconds")
+    ha = pd.read_csv(run_s / "history.csv").drop(columns=list(MEASURED_COLUMNS))
+    hb = pd.read_csv(run_k / "history.csv").drop(columns=list(MEASURED_COLUMNS))
     pd.testing.assert_frame_equal(ha, hb, check_exact=True)
     assert len(ha) == 2
 

@@ -67,4 +67,11 @@ def _log_bar_class() -> type:
         def set_description(self, desc: str | None = None, refresh: bool = True) -> None:
             super().set_description(desc, refresh=False)
 
+        def close(self) -> None:
+            # the last periodic line may be minutes old: log the final count and postfix (the epoch's
+            # loss), so the last line a log file shows holds the final values
+            if not self.disable and self.n and self.last_print_n != self.n:
+                self.refresh()
+            super().close()
+
     return _LogBar

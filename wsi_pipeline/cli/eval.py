@@ -96,7 +96,9 @@ def _run(args: argparse.Namespace) -> int:
     if not distributed.is_main():
         return 0
     out = summary.results_dir
-    print(f"Evaluated {len(summary.models)} model(s) on {summary.n_slides} slide(s) in {summary.seconds:.1f} s.")
+    rate = len(summary.models) * summary.n_slides / summary.seconds * 3600 if summary.seconds > 0 else 0.0
+    print(f"Evaluated {len(summary.models)} model(s) on {summary.n_slides} slide(s) in {summary.seconds:.1f} s "
+          f"({rate:,.0f} slides/h, each model's scoring counted).")
     for s in summary.skipped_runs:
         print(f"  skipped {s}")
     if summary.missing_stores:

@@ -83,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
     if not main:
         return 0
     df = pd.DataFrame(s.rows)
-    print(f"\nPredicted {df['slide_id'].nunique() if len(df) else 0} slide(s) in {s.seconds:.1f} s.")
+    n = df["slide_id"].nunique() if len(df) else 0
+    print(f"\nPredicted {n} slide(s) in {s.seconds:.1f} s ({n / s.seconds * 3600 if s.seconds > 0 else 0:,.0f} slides/h, "
+          "tiling included).")
     if len(df):
         probs = [c for c in df.columns if c.startswith("prob_") and c != "prob_std"]
         show = df[["slide_id", "protocol", "n_tiles", "pred"]].copy()

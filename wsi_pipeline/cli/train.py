@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_output_arguments(p)
     p.add_argument("--strict", action="store_true",
                    help="stop when a train/val slide's store holds 0 tiles (default: leave it out with a warning)")
+    p.add_argument("--no-memory-check", action="store_true",
+                   help="train even when a method's predicted peak memory (logged before training, recorded with the "
+                        "measured peak in <run>/memory.json) exceeds the memory available")
     p.add_argument("--folds", action="store_true",
                    help="cross-validation: train every fold of the manifest (its 'fold' column and M_fold<k>.csv files, "
                    "written by `wsi-pipeline manifest ... --folds K`), fold k as pipeline <name>_fold<k>")
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
                 runs += train_pipeline(
                     cfg, methods=args.methods, seeds=args.seeds, resume=args.resume,
                     device=args.device, progress=not args.no_progress, strict=args.strict,
+                    memory_check=not args.no_memory_check,
                 )
     finally:
         distributed.shutdown()

@@ -49,7 +49,7 @@ from wsi_pipeline.slides.reader import BACKENDS
 __all__ = [
     "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",
     "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
-    "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS",
+    "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
     "QCMode", "Schedule", "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
     "head_names", "model_names",
@@ -57,6 +57,9 @@ __all__ = [
 
 Schedule = Literal["cosine", "exponential", "linear", "none"]
 SCHEDULES: tuple[str, ...] = typing.get_args(Schedule)
+#: ``train.log``: where per-step training records go besides ``steps.csv``.
+TrainLog = Literal["none", "tensorboard"]
+TRAIN_LOGS: tuple[str, ...] = typing.get_args(TrainLog)
 
 #: Encoder BatchNorm modes in training: running statistics, each chunk's, or the whole bag's.
 BNMode = Literal["frozen", "chunk", "train"]

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import Schedule, SelectMetric
+from wsi_pipeline.config.choices import Schedule, SelectMetric, TrainLog
 from wsi_pipeline.config.schema import build, coerce, positive, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
@@ -117,6 +117,10 @@ class TrainConfig:
         (:data:`wsi_pipeline.devices.DEVICES`, as every command's ``--device``).
     bf16 : bfloat16 autocast on CUDA (ignored on CPU).
     augment : per-slide augmentation.
+    log : where per-step records go besides the run folder's ``steps.csv`` (loss, learning rate,
+        gradient norm, tiles/s, share of the step spent waiting for data, peak memory):
+        ``none`` (default) or ``tensorboard`` (event files in ``<run>/tensorboard``; needs the
+        ``tensorboard`` package: ``pip install 'wsi-pipeline[tensorboard]'``).
     """
 
     epochs: int = 20
@@ -136,6 +140,7 @@ class TrainConfig:
     device: str = field(default="auto", metadata=spec(parse=lambda value, where: check_device(coerce(value, str, where), where)))
     bf16: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)
+    log: TrainLog = "none"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "bag_size", "batch_bags", "accumulate_batches"):

@@ -78,12 +78,16 @@ class Bag:
         from a :class:`FeatureReader`.
     stain : the slide's stain normalisation (:class:`~wsi_pipeline.data.stain_slides.SlideStain`)
         for tiles, None for features or without normalisation.
+    prepared : what the training strategy made of ``data`` in the loader thread, off the training
+        thread (:meth:`~wsi_pipeline.training.strategies.Strategy.prepare_bag`: the float input on
+        the CPU, or pinned uint8 for the device), None when it prepares nothing.
     """
 
     slide: Slide
     indices: np.ndarray
     data: Any
     stain: Any = None
+    prepared: Any = None
 
 
 #: The manifest columns a task's targets come from.
@@ -378,16 +382,23 @@ def iter_bags(
     reader: TileReader | FeatureReader,
     *,
     prefetch: bool = True,
+    prepare: Callable[[Bag], Any] | None = None,
 ) -> Iterator[tuple[int, Bag]]:
     """Yield ``(group index, bag)`` in plan order, reading the next bag in a background thread.
 
-    Only I/O happens in the thread (no random numbers), so the result does not depend on timing.
+    ``prepare(bag)``, when given, also runs there and its result becomes ``bag.prepared`` (the
+    strategy's conversion of the tiles, so the training thread does not convert while the device
+    waits). Only I/O and deterministic conversion happen in the thread (no random numbers), so the
+    result does not depend on timing.
     """
     flat = [(g, i, idx) for g, group in enumerate(plan) for i, idx in group]
 
     def load(item: tuple[int, int, np.ndarray]) -> tuple[int, Bag]:
         g, i, idx = item
-        return g, Bag(reader.slides[i], idx, reader.read(i, idx), reader.stain_of(i))
+        bag = Bag(reader.slides[i], idx, reader.read(i, idx), reader.stain_of(i))
+        if prepare is not None:
+            bag.prepared = prepare(bag)
+        return g, bag
 
     if not prefetch or len(flat) < 2:
         for item in flat:

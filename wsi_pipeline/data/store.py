@@ -51,7 +51,7 @@ from wsi_pipeline.slide_ids import slide_output_path
 
 __all__ = [
     "COMPRESSIONS", "DEFAULT_SHARD_TILES", "INTEGRITY_SCHEME", "StoreDamagedError", "StoreWriter", "TileStore", "complete_attrs", "is_complete",
-    "is_tile_store", "marked_complete", "open_store", "store_path", "store_problem", "verify_store",
+    "is_tile_store", "marked_complete", "open_store", "store_bytes", "store_path", "store_problem", "verify_store",
 ]
 
 #: Tile compressions: lossless ``zstd`` (default), ``none``, or lossy ``jpeg`` (quality 90).
@@ -287,6 +287,14 @@ def _check_files(path: Path, attrs: Mapping[str, Any]) -> None:
             if arr.nchunks_initialized < arr.nchunks:
                 raise StoreDamagedError(path, f"{name}: {arr.nchunks - arr.nchunks_initialized} of its {arr.nchunks} "
                                         "chunk file(s) are missing")
+
+
+def store_bytes(attrs: Mapping[str, Any]) -> int:
+    """Bytes of a store's chunk and shard files, from its ``integrity`` record (0 for stores without one)."""
+    record = attrs.get("integrity")
+    if not isinstance(record, Mapping):
+        return 0
+    return int(sum(int(v) for v in dict(record.get("files") or {}).values()))
 
 
 def store_problem(path: str | os.PathLike) -> str | None:

@@ -63,7 +63,13 @@ class CohortReport:
         dark = sum(r.status == "skipped" and r.note.startswith(DARK_NOTE) for r in self.results)
         if dark:
             text += f" ({dark} with a dark background, fluorescence?, not tiled)"
-        text += f"; {self.n_tiles} tiles in {self.seconds:.1f} s; report: {self.report_path}"
+        text += f"; {self.n_tiles} tiles in {self.seconds:.1f} s"
+        stored = [r for r in self.results if r.status in ("ok", "skipped") and r.store_bytes and r.slide_bytes]
+        if stored:
+            sb, lb, n = (sum(getattr(r, k) for r in stored) for k in ("store_bytes", "slide_bytes", "n_tiles"))
+            text += (f"; stores {sb / 2**20:.0f} MiB for {lb / 2**20:.0f} MiB of slides ({sb / lb:.2f}x, "
+                     f"{sb / max(n, 1) / 1024:.0f} KiB per tile)")
+        text += f"; report: {self.report_path}"
         if not self.ok:
             failed = [r.slide_id for r in self.results if r.status == "failed"]
             more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""

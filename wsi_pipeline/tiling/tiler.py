@@ -42,7 +42,7 @@ from wsi_pipeline.tiling.identity import TILE_FORMULA_VERSION, _stat_key, clean_
 from wsi_pipeline.tiling.plan import PAPER_GREY_MAX, TilePlan, plan_tiles
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
 from wsi_pipeline.tiling.tile_loop import TileLoop
-from wsi_pipeline.data.store import StoreWriter, store_path
+from wsi_pipeline.data.store import StoreWriter, marked_complete, store_bytes, store_path
 from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, OtsuParams, TilingConfig  # noqa: F401 (re-exported)
 
 __all__ = [
@@ -88,6 +88,8 @@ class SlideResult:
     qc_pen: int = 0  # tiles with pen ink, of those that passed the tissue test (kept or dropped)
     qc_blur: int = 0  # tiles out of focus, likewise
     qc_fold: int = 0  # tiles with folded tissue, likewise
+    store_bytes: int = 0  # bytes of the store's tile, coordinate and QC files (its chunk and shard files)
+    slide_bytes: int = 0  # bytes of the slide file (of its first file, for formats of several files)
 
 
 def tile_slide(
@@ -171,6 +173,7 @@ def precheck(job: SlideJob, out_dir: str | os.PathLike, config: TilingConfig, *,
         if attrs is None:
             return None
         res.status, res.n_tiles, res.mpp = "skipped", int(attrs.get("n_tiles", 0)), attrs.get("mpp")
+        res.store_bytes, res.slide_bytes = store_bytes(attrs), path.stat().st_size
         res.background_grey = (attrs.get("background") or {}).get("grey")
         res.slide_mpp, res.mpp_source = attrs.get("slide_mpp"), str(attrs.get("mpp_source", ""))
         res.note = "complete store from the same slide and settings exists"
@@ -226,6 +229,9 @@ def _tile_open_slide(
         writer.abort()
         raise
     loop.flush_progress()
+    if res is not None:
+        res.store_bytes = store_bytes(marked_complete(writer.path) or {})
+        res.slide_bytes = Path(job.path).stat().st_size
     note = _slide_note(loop.n_kept, plan)
     if res is not None and loop.qc_counts is not None:
         res.qc_dropped = loop.qc_counts["n_dropped"]

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES
+from wsi_pipeline.data.tensors import DeviceTiles
 
 __all__ = ["accumulate_step", "full_step", "default_loss", "BN_MODES"]
 
@@ -81,11 +82,17 @@ def _device_of(module: nn.Module, fallback: torch.device) -> torch.device:
 
 
 def _check(tiles: Tensor, chunk_size: int | None = None) -> None:
+    if isinstance(tiles, DeviceTiles):  # uint8 tiles converted on the device chunk by chunk
+        return _check_size(tiles, chunk_size)
     if not isinstance(tiles, torch.Tensor) or not tiles.is_floating_point():
         raise TypeError(
             f"tiles must be a float tensor [n, 3, H, W] already normalised (see wsi_pipeline.data.tensors."
             f"tiles_to_tensor); got {type(tiles).__name__} {getattr(tiles, 'dtype', '')}"
         )
+    _check_size(tiles, chunk_size)
+
+
+def _check_size(tiles: Tensor | DeviceTiles, chunk_size: int | None) -> None:
     if tiles.ndim < 2 or tiles.shape[0] < 1:
         raise ValueError(f"tiles must hold at least one tile [n, ...]; got shape {tuple(tiles.shape)}")
     if chunk_size is not None and int(chunk_size) < 1:
@@ -221,7 +228,9 @@ def accumulate_step(
         (e.g. :class:`~wsi_pipeline.models.aggregators.MILOutput`); it is called with
         ``label=label`` when its forward accepts it (DTFD needs it for ``aux_loss``).
     tiles : float tensor [n, 3, H, W], already normalised; chunks are moved to the encoder's
-        device one at a time, so the bag may stay in host memory.
+        device one at a time, so the bag may stay in host memory. Or a
+        :class:`~wsi_pipeline.data.tensors.DeviceTiles`: the bag's uint8 tiles, each chunk converted
+        on the device (a quarter of the bytes cross the bus; the same values).
     label : the bag's class index (int or 0-d tensor).
     chunk_size : tiles embedded with gradient at once (>= 1); peak activation memory scales
         with it, not with n.

@@ -18,6 +18,7 @@ its share of every group (:mod:`wsi_pipeline.training.distributed`).
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from wsi_pipeline.data.bags import FeatureReader, TileReader, epoch_plan, iter_bags
+from wsi_pipeline.training.monitor import StepInfo
 from wsi_pipeline.training import distributed
 from wsi_pipeline import interrupt
 
@@ -59,7 +61,7 @@ def bag_epoch(
     tc: Any,
     seed: int,
     epoch: int,
-    optimizer_step: Callable[[], None],
+    optimizer_step: Callable[..., None],
     bar: Any,
     sync: distributed.StepSync | None = None,
 ) -> float:
@@ -75,24 +77,30 @@ def bag_epoch(
         return _coupled_epoch(strategy, reader, plan, seed, epoch, optimizer_step, bar)
     local, numbers = distributed.shard_plan(plan)  # this rank's bags (all of them in a single process)
     bags = bar(total=sum(map(len, local)), desc=f"epoch {epoch + 1}", unit="bag", leave=False)
-    loaded = iter_bags(local, reader)
+    loaded = iter_bags(local, reader, prepare=strategy.prepare_bag)
     first = 0
     for g, group in enumerate(plan):
         if sync is not None:
             sync.begin_group(first, len(group))
+        step_losses: list[float] = []
+        tiles, wait = 0, 0.0
         for b in numbers[g]:
             interrupt.check()
+            t0 = time.perf_counter()
             _, bag = next(loaded)
+            wait += time.perf_counter() - t0  # the training thread idle, waiting for the loader
+            tiles += len(bag.indices)
             # every bag starts from its own seed: its augmentation and dropout draws depend on
             # (seed, epoch, bag) only, not on how many numbers earlier bags consumed, so strategies
             # that draw differently per bag still give a bag the same augmentation (and so does
             # the rank that trains it under torchrun)
             seed_torch(seed, epoch, b)
             with sync.bag(b) if sync is not None else nullcontext():
-                losses.append(strategy.bag_step(bag, 1.0 / len(group)))
+                step_losses.append(strategy.bag_step(bag, 1.0 / len(group)))
+            losses.append(step_losses[-1])
             bags.update()
             bags.set_postfix(loss=f"{np.mean(losses):.4f}")
-        optimizer_step()
+        optimizer_step(StepInfo(float(np.mean(step_losses)) if step_losses else float("nan"), tiles, wait))
         first += len(group)
     bags.close()
     if not distributed.current().enabled:
@@ -102,7 +110,7 @@ def bag_epoch(
 
 
 def _coupled_epoch(strategy: Strategy, reader: TileReader | FeatureReader, plan: list, seed: int, epoch: int,
-                   optimizer_step: Callable[[], None], bar: Any) -> float:
+                   optimizer_step: Callable[..., None], bar: Any) -> float:
     """:func:`bag_epoch` for a loss over each step's bags (Cox): one :meth:`group_step` per group."""
     if distributed.current().enabled:
         raise ValueError(f"method {strategy.method.name!r}: loss {strategy.endpoint.loss!r} couples the bags of a step, "
@@ -114,11 +122,13 @@ def _coupled_epoch(strategy: Strategy, reader: TileReader | FeatureReader, plan:
     for group in plan:
         interrupt.check()
         step = []
+        t0 = time.perf_counter()
         for _ in group:
             step.append((number, next(loaded)[1]))
             number += 1
+        wait = time.perf_counter() - t0
         losses.append(strategy.group_step(step, seed, epoch))
-        optimizer_step()
+        optimizer_step(StepInfo(losses[-1], sum(len(bag.indices) for _, bag in step), wait))
         bags.update(len(group))
         bags.set_postfix(loss=f"{np.mean(losses):.4f}")
     bags.close()

@@ -48,8 +48,10 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
-from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_dir, restore_encoder
+from wsi_pipeline.inference.models import build_models, encoder_checkpoint, frozen_features_dir, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.training.memory import MemoryPrediction, check_fits, predict_memory, write_memory_record
+from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
@@ -81,6 +83,7 @@ def train_pipeline(
     device: str | None = None,
     progress: bool = True,
     strict: bool = False,
+    memory_check: bool = True,
 ) -> list[Path]:
     """Train every (method, seed) of ``config``; return the run folders (finished ones included).
 
@@ -94,6 +97,8 @@ def train_pipeline(
     strict : refuse slides whose store holds 0 tiles instead of leaving them out with a warning.
     device : overrides every method's ``train.device``.
     progress : tqdm bars (shown on terminals only).
+    memory_check : refuse a method whose predicted peak memory exceeds what is available
+        (:mod:`wsi_pipeline.training.memory`); the prediction is logged and recorded either way.
     """
     chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
@@ -112,6 +117,8 @@ def train_pipeline(
                         "current config", run_dir, "; ".join(changed[:4]), " ..." if len(changed) > 4 else "")
         else:
             log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
+    for method in {m.name: m for m, _, _ in plan.runs}.values():  # before any compute: will it fit?
+        plan.memory[method.name] = _predict_memory(config, method, plan, device, check=memory_check and ddp.is_main)
     features: dict[str, Path] = {}
     for method in {m.name: m for m, _, _ in plan.runs}.values():
         if check_strategy(method).uses_features:
@@ -158,13 +165,23 @@ class _Run:
     history: list[dict[str, Any]] = field(default_factory=list)
     best: dict[str, Any] = field(default_factory=dict)
     start: int = 0
+    monitor: StepMonitor | None = None
+    progress: bool = True
+    train_seconds: float = 0.0
+    val_seconds: float = 0.0
+    suggested: bool = False  # the cheaper-validation hint was given
 
-    def optimizer_step(self) -> None:
-        """Sum the step's gradients over ranks (under torchrun), clip, step, zero the gradients."""
+    def optimizer_step(self, info: StepInfo | None = None) -> None:
+        """Sum the step's gradients over ranks (under torchrun), clip, step, zero the gradients; record
+        the step (``info``: its loss, tiles and data wait, from the epoch) in the run's monitor."""
         self.sync.reduce()
-        clip_gradients(self.params, self.method.train.clip_grad_norm)
+        norm = clip_gradients(self.params, self.method.train.clip_grad_norm)
+        if norm is None and self.monitor is not None and self.monitor.enabled:
+            norm = gradient_norm(self.params)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.monitor is not None:
+            self.monitor.step(info, lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=norm)
 
 
 def train_run(
@@ -197,18 +214,59 @@ def train_run(
         _seed_everything(seed, epoch + 1)
         lr = run.schedule.set_epoch(epoch)
         _recalibrate(run, epoch)
+        assert run.monitor is not None
+        run.monitor.begin_epoch(epoch)
         train_loss, val = _train_and_validate(run, epoch)
         row = {"epoch": epoch + 1, "train_loss": train_loss,
                **{f"val_{k}": val.get(k, math.nan) for k in validation_columns(method.task)}}
-        row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3))
+        row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3), **_epoch_rates(run))
         improved = _record(run, row, val)
         if run.main:
             _checkpoint(run, improved)
+            run.monitor.end_epoch(row)
             _log_epoch(run, row, val, epochs)
+    run.monitor.close()
     distributed.barrier()
     if run.main:
+        if method.name in plan.memory:
+            write_memory_record(run_dir, plan.memory[method.name], run.device)
         write_done(run_dir, run.history, run.best)
     return run_dir
+
+
+def _predict_memory(config: PipelineConfig, method: MethodConfig, plan: RunPlan, device: str | None,
+                    *, check: bool) -> MemoryPrediction:
+    """The method's predicted peak memory (:mod:`wsi_pipeline.training.memory`), logged; refused when it
+    cannot fit and ``check``."""
+    from wsi_pipeline.data.bags import TileReader
+
+    dev = distributed.device_for(resolve_device(device or method.train.device))
+    train_tiles = TileReader(plan.train_units).n_tiles() if plan.train_units else [0]
+    val_tiles = TileReader(plan.val_units).n_tiles() if plan.val_units else [0]
+    tile = int((plan.tiling or {}).get("tile_size") or TileReader(plan.train_units).store(0).tile_size)
+    with torch.random.fork_rng(devices=[]):
+        encoder, aggregator = build_models(method, config.data.n_classes or 2, device="cpu", for_training=False)
+        if method.strategy == "bigl":  # count the plain network: Big-Layers keeps the same activations, on the host
+            from wsi_pipeline.models import build_encoder
+
+            encoder = build_encoder(method.encoder.name)
+    pred = predict_memory(method, encoder, aggregator, bag_tiles=min(method.train.bag_size, max(train_tiles)),
+                          tile_size=tile, val_tiles=max(val_tiles), device=dev, augment=method.train.augment.enabled)
+    del encoder, aggregator
+    log.info("%s", pred.describe())
+    if check:
+        check_fits(pred, device=dev)
+    return pred
+
+
+def _epoch_rates(run: _Run) -> dict[str, float]:
+    """The epoch's training tiles/s, the share of it the training thread waited for data, the peak
+    memory (MiB) and the seconds validation took: ``history.csv`` columns."""
+    assert run.monitor is not None
+    rates = run.monitor.summary()
+    out = {k: round(float(v), 4) for k, v in rates.items() if v == v}
+    out["val_seconds"] = round(run.val_seconds, 3)
+    return out
 
 
 def _start(
@@ -253,6 +311,8 @@ def _start(
         for name, text in strategy.run_notes(reader, n_tiles).items():  # e.g. the Big-Layers plan
             log.info("%s", text)
             write_text_atomic(run.run_dir / name, text + "\n")
+    run.progress = progress
+    run.monitor = StepMonitor(run.run_dir, dev, tc.log, enabled=run.main, start_epoch=run.start)
     return run
 
 
@@ -280,11 +340,28 @@ def _train_and_validate(run: _Run, epoch: int) -> tuple[float, dict[str, float]]
     run.strategy.train()
     with _autocast(run):
         run.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         train_loss = run.strategy.train_epoch(run.reader, run.n_tiles, run.seed, epoch, run.optimizer_step, run.bar, run.sync)
+        t1 = time.perf_counter()
         # under torchrun every rank scores its shard of the validation slides; all get the same metrics
         targets = [s.y for s in run.plan.val_units]
-        val = validate(run.strategy, run.val_inputs, targets, run.config, run.method, run.device)
+        val = validate(run.strategy, run.val_inputs, targets, run.config, run.method, run.device,
+                       progress=run.progress and run.main)
+        run.train_seconds, run.val_seconds = t1 - t0, time.perf_counter() - t1
+        _suggest_cheaper_validation(run)
         return train_loss, distributed.broadcast_object(val)  # rank 0's, so every rank decides alike
+
+
+def _suggest_cheaper_validation(run: _Run) -> None:
+    """Say once per run when validation takes longer than the epoch's training, and what is cheaper."""
+    if run.suggested or not run.main or run.val_seconds <= run.train_seconds or run.val_seconds < 30:
+        return
+    run.suggested = True
+    protocol = str(run.method.val_protocol)
+    cheaper = (f"val_protocol: sub{min(256, run.method.train.bag_size)}x1 (one random subset of tiles per slide, "
+               "as training sees them)") if protocol == "all" else "fewer validation slides"
+    log.info("%s: validation took %.0f s, longer than the epoch's training (%.0f s); %s would cut it",
+             run.run_dir, run.val_seconds, run.train_seconds, cheaper)
 
 
 def _record(run: _Run, row: dict[str, Any], val: dict[str, float]) -> bool:

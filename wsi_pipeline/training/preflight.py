@@ -41,6 +41,7 @@ class RunPlan:
     tiling: dict[str, Any] | None = None  # the stores' tiling settings, saved with every checkpoint
     stain: dict[str, Any] | None = None  # the training tiles' stain summary, saved with every checkpoint
     stain_ctx: Any = None  # the fitted stain normalisation (data.stain), a StainContext, or None
+    memory: dict[str, Any] = field(default_factory=dict)  # per method, its predicted peak memory (training.memory)
     endpoints: dict[str, Endpoint] = field(default_factory=dict)  # per method, fitted on the training split; saved too
     bags: str = "slide"  # data.bags
 

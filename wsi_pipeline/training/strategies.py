@@ -44,6 +44,7 @@ from torch import nn
 
 from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
 from wsi_pipeline.data.bags import Bag, FeatureReader, Slide, TileReader
+from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
@@ -181,6 +182,11 @@ class Strategy:
         """The encoder validation embeds tiles with (eval mode, no gradient); None when it reads features."""
         return self.encoder
 
+    def prepare_bag(self, bag: Bag) -> Any:
+        """The bag's input made ready for :meth:`bag_step` in the loader thread, off the training thread
+        (``bag.prepared``); no random numbers may be drawn here. None (the default): nothing prepared."""
+        return None
+
     def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:
         """What the training bags are read from: the slides' tile stores (with their stain normalisation)."""
         return TileReader(slides, self.stain)
@@ -200,7 +206,7 @@ class Strategy:
         n_tiles: list[int],
         seed: int,
         epoch: int,
-        optimizer_step: Callable[[], None],
+        optimizer_step: Callable[..., None],
         bar: Any,
         sync: distributed.StepSync | None = None,
     ) -> float:
@@ -359,10 +365,19 @@ class FullStrategy(Strategy):
 
     name = "full"
 
+    def prepare_bag(self, bag: Bag) -> Any:
+        return prepare_tiles(self, bag, device_side=True)
+
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
-        tiles = tiles_to_input(bag.data, self.augment, device=self.device, stain=bag.stain)
+        prepared = bag.prepared
+        if prepared is None:
+            tiles = tiles_to_input(bag.data, self.augment, device=self.device, stain=bag.stain)
+        elif prepared.dtype == torch.uint8:  # pinned uint8: a quarter of the bytes, converted on the device
+            tiles = tiles_to_tensor(prepared.to(self.device, non_blocking=True), stain=bag.stain)
+        else:
+            tiles = prepared.to(self.device)
         loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.y, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
 
@@ -377,12 +392,21 @@ class AccumulateStrategy(Strategy):
     name = "accumulate"
     bn_modes = ACCUMULATE_BN_MODES
 
+    def prepare_bag(self, bag: Bag) -> Any:
+        return prepare_tiles(self, bag, device_side=True)
+
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import accumulate_step
 
         chunk = self.method.chunk_size
-        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk,
-                               stain=bag.stain)
+        prepared = bag.prepared
+        if prepared is None:
+            tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk,
+                                   stain=bag.stain)
+        elif prepared.dtype == torch.uint8:  # the uint8 bag goes to the device once; each chunk is converted there
+            tiles = DeviceTiles(prepared.to(self.device, non_blocking=True), self.device, stain=bag.stain)
+        else:  # converted on the host by the loader thread
+            tiles = prepared
         loss = accumulate_step(
             self.encoder, self.aggregator, tiles, bag.slide.y, chunk, loss_fn=self._loss_fn(scale), bn=self._bn()
         )
@@ -448,10 +472,15 @@ class BiglStrategy(Strategy):
     def bag_step(self, bag: Bag, scale: float) -> float:
         from wsi_pipeline.training.accumulate import full_step
 
-        tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=self.method.chunk_size,
-                               stain=bag.stain)
+        tiles = bag.prepared
+        if tiles is None:
+            tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu",
+                                   chunk=self.method.chunk_size, stain=bag.stain)
         loss = full_step(self.encoder, self.aggregator, tiles, bag.slide.y, loss_fn=self._loss_fn(scale), bn=self._bn())
         return loss / scale
+
+    def prepare_bag(self, bag: Bag) -> Any:
+        return prepare_tiles(self, bag, device_side=False)  # the tiles stay on the host for the Big-Layers
 
     def coupled_input(self, bag: Bag) -> torch.Tensor:
         """The bag's tiles on the host (the Big-Layers encoder takes the whole bag as one batch)."""
@@ -540,6 +569,23 @@ def check_strategy(method: Any) -> type[Strategy]:
         ) from None
     cls.check(method)
     return cls
+
+
+def prepare_tiles(strategy: Strategy, bag: Bag, *, device_side: bool) -> torch.Tensor | None:
+    """What the loader thread makes of a bag of tiles for ``strategy`` (its ``prepare_bag``).
+
+    None when the bag is augmented (its draw belongs to the training thread, seeded per bag) or holds
+    features. Otherwise, with ``device_side`` and a CUDA device: the uint8 tiles in pinned memory,
+    sent asynchronously and converted on the device (a quarter of float32's bytes); else the float
+    input on the host (:func:`~wsi_pipeline.data.tensors.tiles_to_tensor`, the same values the
+    training thread would compute), so the training thread never converts.
+    """
+    data = bag.data
+    if strategy.augment is not None or not isinstance(data, np.ndarray) or data.dtype != np.uint8:
+        return None
+    if device_side and strategy.device.type == "cuda":
+        return torch.from_numpy(np.ascontiguousarray(data)).pin_memory()
+    return tiles_to_tensor(data, stain=bag.stain)
 
 
 def build_strategy(method: Any, n_classes: int | None, device: torch.device | str, augment: SlideAugment | None = None,

@@ -58,6 +58,8 @@ def validate(
     config: PipelineConfig,
     method: MethodConfig,
     device: torch.device,
+    *,
+    progress: bool = False,
 ) -> dict[str, float]:
     """Validation metrics (``loss, auc, qwk, accuracy, balanced_accuracy``); empty without validation slides.
 
@@ -65,7 +67,8 @@ def validate(
     torch's generator seeded from ``eval.seed`` (the caller's random state is left as it was).
     Under torchrun every rank scores its shard of the slides (positions ``rank, rank + G, ...``),
     the predictions are gathered in slide order and every rank computes the same metrics; each
-    slide's subsets are seeded by the slide, so the result is the single process's.
+    slide's subsets are seeded by the slide, so the result is the single process's. ``progress``: a bar
+    over the slides (a periodic line with the rate and time left in a log file).
     """
     if not labels:
         return {}
@@ -77,7 +80,7 @@ def validate(
         torch.manual_seed(config.eval.seed)
         preds = slide_predictions(
             encoder, strategy.aggregator, [inputs[i] for i in mine], method.val_protocol, n_classes=strategy.endpoint.n_outputs,
-            device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine,
+            device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine, progress=progress,
         )
     preds = distributed.gather_in_order(mine, preds)
     if strategy.endpoint.task != "classification":
