@@ -166,7 +166,7 @@ def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cann
     from wsi_pipeline.evaluation.runner import predict_slides
     from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
-    cfg, man = trained["cfg"], trained["manifest"]
+    cfg = trained["cfg"]
     state = load_checkpoint(cfg.run_dir("m", 0) / "best.pt")
     ref = state.pop("stain_reference")
     old = save_checkpoint(tmp_path / "old.pt", state)

@@ -6,7 +6,6 @@ and the README maps each row to its pipeline and method."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest

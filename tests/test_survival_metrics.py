@@ -12,9 +12,9 @@ from wsi_pipeline.inference import survival_metrics as sm
 from wsi_pipeline.inference.endpoint_metrics import regression_metrics, survival_reference
 from wsi_pipeline.inference.endpoints import Endpoint, breslow_baseline
 
-import lifelines  # noqa: E402  (the test extra's references)
-import sksurv.metrics as sksurv_metrics  # noqa: E402
-from sksurv.util import Surv  # noqa: E402
+import lifelines  # the test extra's references
+import sksurv.metrics as sksurv_metrics
+from sksurv.util import Surv
 
 
 def _cohort(seed: int, n: int = 50):

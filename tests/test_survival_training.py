@@ -34,8 +34,8 @@ def _cox_loop(risk: np.ndarray, time: np.ndarray, event: np.ndarray, ties: str) 
         s_all = sum(math.exp(risk[i]) for i in risk_set)
         s_dead = sum(math.exp(risk[i]) for i in dead)
         ll += sum(risk[i] for i in dead)
-        for l in range(len(dead)):
-            ll -= math.log(s_all - (l / len(dead) if ties == "efron" else 0.0) * s_dead)
+        for j in range(len(dead)):
+            ll -= math.log(s_all - (j / len(dead) if ties == "efron" else 0.0) * s_dead)
     return -ll / event.sum()
 
 

@@ -210,7 +210,7 @@ def test_jpeg_aperio_like_slide_matches_the_library_read_of_the_level(tmp_path: 
         lib = tiffslide.TiffSlide(str(path))
         levels = [lib.read_region((0, 0), L, lib.level_dimensions[L], as_array=True) for L in range(lib.level_count)]
     lib.close()
-    assert not float((levels[0].shape[1] / levels[1].shape[1])).is_integer()
+    assert not float(levels[0].shape[1] / levels[1].shape[1]).is_integer()
     for target in (0.5, 0.6):
         ref = _formula(levels, target)
         out = tmp_path / f"out{target}"

@@ -43,6 +43,7 @@ class SlideLike(Protocol):
     level_downsamples : level-0 px per level px, per level.
     mpp : microns per level-0 px from the slide's metadata, or None.
     properties : the slide's metadata.
+    background : RGB fill of transparent or out-of-bounds areas.
     """
 
     path: Path
@@ -53,6 +54,7 @@ class SlideLike(Protocol):
     level_downsamples: tuple[float, ...]
     mpp: float | None
     properties: dict[str, str]
+    background: tuple[int, int, int]
 
     def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
         """uint8 (h, w, 3) RGB of ``size`` (w, h) level px at ``location`` (x, y) in level-0 px."""
@@ -87,6 +89,7 @@ class TileStoreLike(Protocol):
     grid : int32 (N, 2) tile (col, row) at the read resolution.
     foreground : float32 (N,) foreground fraction of each tile.
     tile_size : T in px.
+    stain : the slide's stain normalisation applied when tiles become tensors, or None.
     """
 
     path: Path
@@ -95,6 +98,7 @@ class TileStoreLike(Protocol):
     grid: np.ndarray
     foreground: np.ndarray
     tile_size: int
+    stain: Any
 
     @property
     def slide_id(self) -> str:

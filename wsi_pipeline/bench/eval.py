@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.trials):
             dt, z = timed(lambda: embed_slide(encoder, store, batch_size=args.batch_size, device=device))
             t_embed.append(dt)
-            t_agg_all.append(timed(lambda: predict_slide(aggregator, z, None, ALL, with_attention=False))[0])
-            dt, fast = timed(lambda: predict_slide(aggregator, z, None, prot, protocol_rng(0, "bench", prot), with_attention=False))
+            t_agg_all.append(timed(lambda z=z: predict_slide(aggregator, z, None, ALL, with_attention=False))[0])
+            dt, fast = timed(lambda z=z: predict_slide(aggregator, z, None, prot, protocol_rng(0, "bench", prot), with_attention=False))
             t_agg_r.append(dt)
         t_one = float(np.median(t_embed) + np.median(t_agg_all))
         t_once = float(np.median(t_embed) + np.median(t_agg_r))

@@ -107,7 +107,7 @@ def _store_layouts(src_path: Path, work: Path, compression: str, shard_tiles: in
         writes[name] = time.perf_counter() - t  # includes reading the source tiles back
         files[name] = _count_files(paths[name])
     size = {name: sum(p.stat().st_size for p in paths[name].rglob("*") if p.is_file()) for name in layouts}
-    print(f"the tiler's store of slide A ({'%d tiles per shard' % src.shard_tiles if src.shard_tiles else 'one file per tile'}): "
+    print(f"the tiler's store of slide A ({f'{src.shard_tiles} tiles per shard' if src.shard_tiles else 'one file per tile'}): "
           f"{_count_files(src_path)} files for {n} tiles")
     print(f"store layouts, {n} tiles of {T} px, {compression}: files per slide {files['per-tile']} one file per tile, "
           f"{files['sharded']} sharded ({shard_tiles} tiles per shard, {-(-n // shard_tiles)} shard files, "
@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio tiling / decode limit (wall): {ratio_wall:.2f} whole run incl. worker start, {r_seconds / decode:.2f} slide only"
               f"   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
         # reading the store back (training and evaluation draw random tile subsets)
-        reads = {}
+        reads: dict[str, list[float]] = {}
         direct = store._direct
         rng = np.random.default_rng(0)
         for name in ("zarr", "direct", "zarr", "direct"):

@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(_one(*args.one, args.device, args.max_elements, args.plain, args.threads)))
+        h, w = args.one
+        print(json.dumps(_one(h, w, args.device, args.max_elements, args.plain, args.threads)))
         return 0
     sizes = sorted(args.sizes, key=lambda s: s[0] * s[1])
     plain_sizes = set(map(tuple, args.plain_sizes)) if args.plain_sizes is not None else {sizes[0]}

@@ -55,11 +55,11 @@ def _without_checksums() -> Iterator[None]:
         return kw
 
     saved_tile_codecs = store.tile_codecs_for
-    codecs.checksum_codec = no_crc  # type: ignore[assignment]
-    store.checksum_codec = no_crc  # type: ignore[assignment]
-    store.tile_codecs_for = tile_codecs_for  # type: ignore[assignment]
-    store._chunk_files = lambda root: {}  # type: ignore[assignment]
-    store._check_files = lambda path, attrs: None  # type: ignore[assignment]
+    codecs.checksum_codec = no_crc
+    store.checksum_codec = no_crc
+    store.tile_codecs_for = tile_codecs_for
+    store._chunk_files = lambda root: {}
+    store._check_files = lambda path, attrs: None
     orig_add = store.StoreWriter.add_array
 
     def add_array(self: store.StoreWriter, name: str, values: np.ndarray) -> None:
@@ -69,14 +69,14 @@ def _without_checksums() -> Iterator[None]:
 
     store.StoreWriter.add_array = add_array  # type: ignore[method-assign]
     ck._HashingWriter.write = lambda self, data: self.f.write(data)  # type: ignore[method-assign]
-    ck.verify_checkpoint = lambda path: None  # type: ignore[assignment]
-    ck._write_hashes = lambda side, name, hashes: None  # type: ignore[assignment]
+    ck.verify_checkpoint = lambda path: None
+    ck._write_hashes = lambda side, name, hashes: None
     try:
         yield
     finally:
-        ck._HashingWriter.write, ck.verify_checkpoint, ck._write_hashes = saved_ck  # type: ignore[method-assign,assignment]
-        codecs.checksum_codec, store.checksum_codec, store._chunk_files, store._check_files = saved  # type: ignore[assignment]
-        store.tile_codecs_for = saved_tile_codecs  # type: ignore[assignment]
+        ck._HashingWriter.write, ck.verify_checkpoint, ck._write_hashes = saved_ck  # type: ignore[method-assign]
+        codecs.checksum_codec, store.checksum_codec, store._chunk_files, store._check_files = saved
+        store.tile_codecs_for = saved_tile_codecs
         store.StoreWriter.add_array = orig_add  # type: ignore[method-assign]
 
 

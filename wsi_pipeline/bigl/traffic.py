@@ -243,7 +243,7 @@ def _meta_encoder(name: str, dtype: torch.dtype, bn: str) -> nn.Module:
 
 def dry_budget_step(name: str, batch: int, side: int, budget: int | None, *, bn: str = "train",
                     dtype: torch.dtype = torch.float32, cast: torch.dtype | None = None,
-                    max_elements: int = 2**27) -> tuple[StepTraffic, "StepPlan"]:
+                    max_elements: int = 2**27) -> tuple[StepTraffic, StepPlan]:
     """Count a training step of encoder ``name`` on ``[batch, 3, side, side]`` under a device budget
     (bytes; None: plain), on meta tensors; returns the counts and the plan.
 

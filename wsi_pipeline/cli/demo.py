@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
 

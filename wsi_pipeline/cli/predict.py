@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import add_failure_argument, failure_status, add_device_argument, add_heatmap_mode_argument, add_output_arguments

@@ -161,7 +161,7 @@ class BagStatisticsWarning(UserWarning):
     """Training normalises BatchNorm with bag statistics, evaluation with running statistics."""
 
 
-def bag_statistics_warning(method: "MethodConfig") -> str | None:
+def bag_statistics_warning(method: MethodConfig) -> str | None:
     """Why training ``method`` with bag-statistics BatchNorm is risky; None when it does not use them.
 
     A method uses bag statistics when its encoder trains (any strategy but ``frozen``) with

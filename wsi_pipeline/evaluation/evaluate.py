@@ -75,6 +75,7 @@ from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
 from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = ["EvalSummary", "evaluate_pipeline"]
 
@@ -246,7 +247,7 @@ def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: s
     return _HeatmapChoice(hm_run, val_scores, best_val)
 
 
-def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[Protocol],
+def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[Protocol],
                   got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
                   heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)

@@ -35,6 +35,7 @@ from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.training import distributed
 from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.types import TileStoreLike
 
 __all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
 
@@ -304,7 +305,7 @@ class _SlidePredictor:
             protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain}
             for pname, pred in res.preds.items()]
 
-    def _stain(self, sid: str, store: Any) -> tuple[dict[str, Any], Any]:
+    def _stain(self, sid: str, store: TileStoreLike) -> tuple[dict[str, Any], Any]:
         """The slide's stain columns (distance to the training tiles, off-distribution flag) and the
         check behind them (None without a training summary); warns when it is off-distribution."""
         from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features

@@ -312,7 +312,7 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Seque
             if curves:
                 out.append(roc_svg(curves, title=title))
         else:
-            for mi, meth in enumerate(methods):
+            for meth in methods:
                 g = d[d["method"] == meth]
                 mean = g.groupby("slide_id", sort=False)[[f"prob_{c}" for c in range(n_classes)] + ["label"]].mean()
                 y = mean["label"].astype(int).to_numpy()

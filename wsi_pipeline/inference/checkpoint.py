@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
+from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = [
     "FORMAT",
@@ -277,7 +278,7 @@ class TrainedModel:
     encoder: torch.nn.Module
     aggregator: torch.nn.Module
     config: Any
-    method: Any
+    method: MethodConfig
     n_classes: int
     tiling: Any
     checkpoint: Path

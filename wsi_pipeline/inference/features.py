@@ -43,6 +43,7 @@ from wsi_pipeline.io_atomic import atomic_path
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.slide_ids import slide_output_path
 from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.types import TileStoreLike
 
 __all__ = [
     "extract_features",
@@ -79,7 +80,7 @@ def weights_sha256(module: Any) -> str:
     return h.hexdigest()
 
 
-def store_fingerprint(store: Any) -> str:
+def store_fingerprint(store: TileStoreLike) -> str:
     """sha256 (hex) identifying a tile store's content: its attributes (slide fingerprint, mpp,
     tile size, creation time, ...) and its tile coordinates. A rebuilt store changes it."""
     h = hashlib.sha256()
@@ -174,7 +175,7 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
             f.attrs["complete"] = True
 
 
-def _embed_store(store: Any, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
+def _embed_store(store: TileStoreLike, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
     """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``), optionally
     under bfloat16 autocast: float32 [N, D]."""
     import contextlib

@@ -289,7 +289,7 @@ class MaskedBatchNorm2d(nn.BatchNorm2d):
     valid positions the running statistics are used (and not updated).
     """
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if mask is None:
             return super().forward(x)
         b, c, h, w = x.shape
@@ -312,7 +312,7 @@ class MaskedBatchNorm2d(nn.BatchNorm2d):
 class CellLayerNorm(nn.LayerNorm):
     """LayerNorm over the channels of each cell separately (independent of other cells and slides)."""
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 

@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.slides.jpeg_rows import sequential_frame, with_height
+from wsi_pipeline.types import SlideLike
 
 __all__ = ["DirectTiles", "direct_levels"]
 
@@ -235,7 +236,7 @@ class DirectTiles:
             raise
 
     @classmethod
-    def from_slide(cls, slide: Any, cache_bytes: int = 128 * 2**20) -> DirectTiles:
+    def from_slide(cls, slide: SlideLike, cache_bytes: int = 128 * 2**20) -> DirectTiles:
         """A reader for an open :class:`~wsi_pipeline.slides.reader.Slide`; every level is declined
         unless OpenSlide opened it (OpenSlide's pixels are the reference)."""
         if getattr(slide, "backend", None) != "openslide":
@@ -529,7 +530,7 @@ class _Declined(Exception):
     """A level that is not read directly; the message says why."""
 
 
-def direct_levels(slide: Any) -> dict[int, str | None]:
+def direct_levels(slide: SlideLike) -> dict[int, str | None]:
     """Per level of an open slide: None when :class:`DirectTiles` reads it directly, else the reason."""
     with DirectTiles.from_slide(slide) as reader:
         return {i: reader.reason(i) for i in range(slide.level_count)}

@@ -261,6 +261,7 @@ class Slide(ABC):
         w0, h0 = self.dimensions
         return read_scaled(self, max(1.0, max(w0, h0) / float(max_size)))
 
+    @abstractmethod
     def close(self) -> None:
         """Release the file handle."""
 

@@ -136,9 +136,9 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
 
         glass_grey = background.grey if background.kind == "bright" else None
-        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model, glass_grey=glass_grey)  # type: ignore[arg-type]
+        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model, glass_grey=glass_grey)
         if background.kind == "bright":  # the model never keeps glass: its mask within the stain rule's tissue
-            mask = mask & _resample(tissue, ds_over, mask.shape, ds_mask)  # type: ignore[arg-type]
+            mask = mask & _resample(tissue, ds_over, mask.shape, ds_mask)
             plan.unet_info["tissue_fraction_with_glass_rule"] = float(mask.mean())
         plan.otsu_fg = grid.footprint_means(mask.astype(np.float32), ds_mask)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
@@ -190,7 +190,7 @@ def _density_mask(overview: np.ndarray, background: Background, config: TilingCo
 
 def _regions_of(config: TilingConfig, slide_id: str, grid: TileGrid, candidates: np.ndarray) -> RegionTiles:
     """The slide's regions file read and measured on the grid's candidate tiles (others get fraction 0, label -1)."""
-    path = region_file(config.regions, slide_id)  # type: ignore[arg-type]
+    path = region_file(config.regions, slide_id)
     regions, counts = read_regions(path)
     rows, cols = np.nonzero(candidates)
     frac, label, classes, info = region_tiles(regions, grid.coords(cols, rows), grid.extent,

@@ -263,7 +263,7 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
         "package_version": wsi_pipeline.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tiling_identity": identity,
-        "n_candidates": int(plan.candidates.sum()),  # type: ignore[union-attr]  (a dark slide has no store)
+        "n_candidates": int(plan.candidates.sum()),  # type: ignore[union-attr]  # a dark slide has no store
         "background": plan.background.as_dict(),
         **attrs_extra,
     }

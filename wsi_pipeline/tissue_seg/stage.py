@@ -160,7 +160,7 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     return TissueImage(grey, label, (min(vh, h), min(vw, w)), float(down), rgb if keep_rgb else None)
 
 
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
+def _save_npz(path: Path, **arrays: Any) -> None:
     with atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, **arrays)
 
@@ -265,7 +265,7 @@ def train(
         log(f"resuming from {last} after epoch {start}")
     big = ChunkedTissueUNet(model, ChunkRunner(device), max_elements)
     cache = out / "cache"
-    kw = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
+    kw: dict[str, Any] = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
     train_im = [cached_image(s, cache, **kw) for s in train_s]
     val_im = [cached_image(s, cache, **kw) for s in val_s]
     for epoch in range(start, epochs):

@@ -306,7 +306,7 @@ class FrozenStrategy(Strategy):
 
     def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
         """The slides' (unaugmented) feature files, read one at a time."""
-        return LazyFeatures(self._feature_paths(slides, features_dir))  # type: ignore[arg-type]
+        return LazyFeatures(self._feature_paths(slides, features_dir))
 
     def embed(self, tiles: np.ndarray | torch.Tensor, stain: Any = None) -> torch.Tensor:
         """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
