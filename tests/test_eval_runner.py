@@ -18,7 +18,10 @@ from PIL import Image
 from sklearn.metrics import accuracy_score, roc_auc_score
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.evaluation.runner import evaluate_pipeline, evaluation_sets, localisation_auc, predict_slides
+from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
+from wsi_pipeline.evaluation.sets import evaluation_sets
+from wsi_pipeline.evaluation.localisation import localisation_auc
+from wsi_pipeline.evaluation.predict import predict_slides
 from wsi_pipeline.export.predictions import prediction_columns
 from wsi_pipeline.export.thumbnail import store_level0_size, thumbnail_shape
 from wsi_pipeline.manifests.schema import read_manifest, write_manifest
@@ -146,7 +149,8 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
 
 
 def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
-    from wsi_pipeline.inference.protocols import Protocol, protocol_rng, subset_indices
+    from wsi_pipeline.config.evaluation import Protocol
+    from wsi_pipeline.inference.protocols import protocol_rng, subset_indices
     from wsi_pipeline.inference.checkpoint import load_trained_model
 
     cfg, out = evaluated["cfg"], evaluated["summary"].results_dir

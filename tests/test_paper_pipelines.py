@@ -64,7 +64,7 @@ PROTOCOLS = ["all", "sub4x3"]
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     """Three methods x three seeds (``abmil_frozen`` seed 2 unfinished) saved as trained runs, evaluated."""
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.inference.checkpoint import save_checkpoint
     from wsi_pipeline.inference.models import build_models
     from wsi_pipeline.manifests.schema import read_manifest, write_manifest

@@ -18,12 +18,9 @@ from torch import nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.heads import HEADS, CNNHead, PaperCNNHead, build_head, grid_layout, tiles_to_z
 from wsi_pipeline.data.store import StoreWriter, open_store
-from wsi_pipeline.training.patchgd import (
-    PatchGDConfig,
-    PatchGDStrategy,
-    accumulation_windows,
-    plan_inner_iterations,
-)
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.training.patchgd import PatchGDStrategy
+from wsi_pipeline.training.patchgd_plan import accumulation_windows, plan_inner_iterations
 
 
 @pytest.fixture(autouse=True)

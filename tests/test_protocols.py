@@ -5,18 +5,8 @@ from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.inference.metrics import compute_metrics
-from wsi_pipeline.inference.protocols import (
-    ALL,
-    Protocol,
-    embed_slide,
-    parse_protocol,
-    parse_protocols,
-    predict_protocols,
-    predict_slide,
-    protocol_rng,
-    repeat_probs,
-    subset_indices,
-)
+from wsi_pipeline.config.evaluation import ALL, Protocol, parse_protocol, parse_protocols
+from wsi_pipeline.inference.protocols import embed_slide, predict_protocols, predict_slide, protocol_rng, repeat_probs, subset_indices
 from wsi_pipeline.inference.validation import validate_model
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.data.store import StoreWriter, open_store

@@ -181,7 +181,7 @@ def test_evaluation_draws_heatmaps_of_the_run_best_on_validation(tmp_path):
     import torch
 
     from wsi_pipeline.data.tensors import tiles_to_tensor
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.thumbnail import thumbnail_shape
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort

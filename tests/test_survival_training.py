@@ -169,9 +169,9 @@ def _small_models(strategy, n_outputs: int) -> None:
 
 def _eval_bn(module):
     """BatchNorm layers on running statistics (as the strategies' frozen BatchNorm), dropout left in train mode."""
-    from wsi_pipeline.training.accumulate import _bn_training
+    from wsi_pipeline.training.accumulate import bn_training
 
-    return _bn_training(module, False)
+    return bn_training(module, False)
 
 
 def _relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:

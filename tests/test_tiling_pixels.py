@@ -26,7 +26,9 @@ import tiffslide
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.runner import tile_cohort
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 T = 128
 MPP = 0.25
@@ -159,7 +161,7 @@ def test_every_stored_tile_is_the_formula(pyramid, tmp_path: Path, backend: str,
 def test_openslide_without_tiff_access_skips_non_integer_levels(pyramid, tmp_path: Path, monkeypatch) -> None:
     """A format only OpenSlide reads (no tiffslide twin): levels with a non-integer downsample are
     never read (OpenSlide would interpolate them); the target is met from level 0, resized."""
-    from wsi_pipeline.slides.reader import OpenSlideSlide
+    from wsi_pipeline.slides.backends import OpenSlideSlide
 
     monkeypatch.setattr(OpenSlideSlide, "_tiff_twin", lambda self: None)
     path, levels = pyramid

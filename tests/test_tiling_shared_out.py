@@ -26,7 +26,7 @@ from wsi_pipeline.output_dirs import OutputDirError
 from wsi_pipeline.tiling.report import _merge_rows
 from wsi_pipeline.tiling.runner import tile_cohort
 from wsi_pipeline.data.store import is_complete
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult
+from wsi_pipeline.tiling.job import SlideJob, SlideResult
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -495,7 +495,7 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
 
 
 def test_best_checkpoint_ties_are_broken_by_validation_loss():
-    from wsi_pipeline.training.loop import improves
+    from wsi_pipeline.training.validation import improves
 
     best = {"value": 1.0, "loss": 0.69, "epoch": 1}
     assert improves(1.0, 0.05, best, higher=True)  # same AUC, much lower loss: a better model
@@ -510,7 +510,8 @@ def test_best_checkpoint_ties_are_broken_by_validation_loss():
 def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoch(tmp_path, store_cohort):
     """Two epochs with ``recalibrate_bn``: the statistics at the end equal a calibration of the
     weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
-    from wsi_pipeline.training.loop import calibrate_encoder, preflight
+    from wsi_pipeline.training.calibration import calibrate_encoder
+    from wsi_pipeline.training.preflight import preflight
     from wsi_pipeline.inference.models import build_models
 
     def method(recal: bool) -> dict:

@@ -3,7 +3,7 @@
 Functions that accept "a slide" or "a tile store" are typed with these Protocols instead of
 ``Any``, so a test double or another reader fits as long as it offers the same members.
 :class:`SlideLike` is what :func:`wsi_pipeline.slides.open_slide` returns
-(:class:`wsi_pipeline.slides.reader.Slide`); :class:`TileStoreLike` is what
+(:class:`wsi_pipeline.slides.base.Slide`); :class:`TileStoreLike` is what
 :class:`wsi_pipeline.data.store.TileStore` offers; :class:`ValidationScore` is what a finished run
 recorded of its validation. This module imports nothing of ours.
 """
@@ -62,6 +62,14 @@ class SlideLike(Protocol):
 
     def read_level(self, level: int, origin: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
         """uint8 (h, w, 3) RGB of ``size`` level px at ``origin`` in level px."""
+        ...
+
+    def level_is_exact(self, level: int) -> bool:
+        """True when :meth:`read_level` returns ``level``'s pixels exactly, as stored."""
+        ...
+
+    def level_scale(self, level: int) -> tuple[float, float]:
+        """(x, y) level-0 px per px of ``level``."""
         ...
 
     def best_level_for_downsample(self, downsample: float) -> int:

@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.inference.protocols import ALL, Protocol, embed_slide, predict_slide, protocol_rng, subset_indices
+from wsi_pipeline.config.evaluation import ALL, Protocol
+from wsi_pipeline.inference.protocols import embed_slide, predict_slide, protocol_rng, subset_indices
 from wsi_pipeline.data.store import StoreWriter, open_store
 
 

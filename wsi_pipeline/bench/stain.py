@@ -104,7 +104,7 @@ def arm_config(arm: str, out: Path, seeds: list[int], epochs: int | None) -> Any
 def run_study(out: Path, seeds: list[int], arms: list[str], epochs: int | None, progress: bool) -> str:
     """Cohort, tiles, every arm trained and evaluated; returns (and writes) the markdown table."""
     from wsi_pipeline.config.tiling import tiler_config
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.training.loop import train_pipeline

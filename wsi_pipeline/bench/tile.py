@@ -147,8 +147,9 @@ def _dir_files_bytes(path: Path) -> tuple[int, int]:
 def _decode_floor(path: Path, config: Any) -> tuple[float, float, int]:
     """Decode once, on this thread, every stored tile under the tiler's candidate tiles: (wall s, CPU s, stored tiles)."""
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
-    from wsi_pipeline.tiling.tiler import SlideJob, plan_tiles
+    from wsi_pipeline.slides.opener import open_slide
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.tiling.plan import plan_tiles
 
     with open_slide(path, backend="openslide") as slide:
         plan = plan_tiles(slide, SlideJob("mosaic", str(path)), config)
@@ -174,7 +175,8 @@ def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     from wsi_pipeline.slides import open_slide
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.data.store import open_store
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.config.tiling import TilingConfig
 
     if not args.mosaic_source.is_file():
         print(f"mosaic: source slide not found: {args.mosaic_source} (pass --mosaic-source or set WSI_TEST_SLIDES); skipped")
@@ -295,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     from wsi_pipeline.slides import open_slide
     from wsi_pipeline.tiling.runner import tile_cohort
     from wsi_pipeline.data.store import open_store
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.config.tiling import TilingConfig
 
     a, b = _slides(args.cache, args.size, args.regenerate)
     layout = {} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}

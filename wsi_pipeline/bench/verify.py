@@ -82,7 +82,7 @@ def _without_checksums() -> Iterator[None]:
 
 def _real_tiles(slide_path: Path, n: int) -> np.ndarray:
     """``n`` 256 px tiles of tissue from the slide (rotated and mirrored copies when it has fewer)."""
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(slide_path) as slide:
         img = slide.read_region((0, 0), 0, slide.dimensions)
@@ -145,7 +145,9 @@ def _median_pair(with_: Callable[[], None], without: Callable[[], None], repeats
 def measure(slide: Path | None, n_tiles: int, repeats: int) -> list[tuple[Any, ...]]:
     """Rows ``(part, wall with, wall without, CPU with, CPU without)`` in s."""
     from wsi_pipeline.synthetic.slides import make_slide
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.config.tiling import TilingConfig
+    from wsi_pipeline.tiling.tiler import tile_slide
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:

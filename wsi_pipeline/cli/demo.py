@@ -52,7 +52,8 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.demo import DemoCohort, SurvivalCohort, run_demo
+    from wsi_pipeline.synthetic.cohort import DemoCohort
+    from wsi_pipeline.demo import SurvivalCohort, run_demo
 
     survival = args.task == "survival"
     kind = SurvivalCohort if survival else DemoCohort

@@ -62,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from wsi_pipeline.evaluation.runner import predict_slides
+    from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.training import distributed
 
     if args.workers is not None and args.workers < 0:

@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
                    help="tiles per shard file in new stores (zarr v3 sharding; a tile is still read on its own) "
                         "(default: 1024); 0 = one file per tile (the older layout, 100-1000x more files)")
-    p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.reader", "BACKENDS"), default="auto",
+    p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.opener", "BACKENDS"), default="auto",
                    metavar="READER", help="slide reader, one of %(choices)s; auto tries OpenSlide, then tiffslide "
                                           "(for a DICOM file: OpenSlide, then wsidicom)")
     p.add_argument("--no-prescreen", action="store_true",
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     unwritable --out), 130 on Ctrl-C."""
     from wsi_pipeline.config.tiling import DEFAULT_REGION_EXCLUDE, QCParams
     from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
 
     drop = tuple(a.strip() for a in args.qc_drop.split(",") if a.strip())
     qc_params = QCParams(drop=drop, pen_fraction=args.qc_pen, focus_min=args.qc_focus_min)

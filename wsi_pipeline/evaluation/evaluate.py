@@ -63,14 +63,17 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
-from wsi_pipeline.evaluation.endpoint_records import PATIENT_PREFIX, level_bootstrap, level_records, pool_patients, stack_repeats
+from wsi_pipeline.inference.endpoint_metrics import PATIENT_PREFIX
+from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
-from wsi_pipeline.evaluation.scoring import _label, _resolve_device, score_slide
+from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.evaluation.scoring import label_of, score_slide
 from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
-from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols
+from wsi_pipeline.config.evaluation import Protocol, parse_protocols
+from wsi_pipeline.inference.protocols import SlidePrediction
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
@@ -174,7 +177,7 @@ def evaluate_pipeline(
     sets = _sets_to_score(config)  # the manifest is checked first: a bad one names itself, not "train first"
     runs = _finished_runs(config, methods, summary)
     protocols = parse_protocols(config.eval.protocols)
-    dev = str(distributed.device_for(torch.device(_resolve_device(device))))
+    dev = str(distributed.device_for(resolve_device(device)))
     choice = _choose_heatmap_run(runs, heatmap_method)
     if heatmaps and config.data.bags == "patient":
         log.info("data.bags: patient: no heatmaps (a patient's bag spans several slides; draw them with data.bags: slide)")
@@ -301,9 +304,10 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
     distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
     every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
     from wsi_pipeline.data.bags import slides_for_split
-    from wsi_pipeline.evaluation.scoring import _frozen_features
+    from wsi_pipeline.evaluation.scoring import saved_frozen_features
     from wsi_pipeline.inference.endpoint_metrics import survival_reference
-    from wsi_pipeline.inference.protocols import ALL, predict_protocols
+    from wsi_pipeline.config.evaluation import ALL
+    from wsi_pipeline.inference.protocols import predict_protocols
     from wsi_pipeline.manifests.schema import read_manifest
 
     manifest = read_manifest(config.data.manifest)
@@ -320,7 +324,7 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
             continue
         if len(store) == 0:
             continue
-        feats = _frozen_features(model, config, store)
+        feats = saved_frozen_features(model, config, store)
         pred = predict_protocols(model.encoder, model.aggregator, store if feats is None else (feats, store.grid), [ALL],
                                  slide_id=s.slide_id, batch_size=batch_size, device=device, with_attention=False)["all"]
         times.append(s.target[0])
@@ -388,7 +392,7 @@ class _ScoreTask:
         except (FileNotFoundError, ValueError) as e:
             row.update(status="skipped", error=str(e))
             return
-        row["label"] = _label(mrow["label"])
+        row["label"] = label_of(mrow["label"])
         row["target"] = _target(mrow)
         patient = mrow.get("patient_id")
         row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])

@@ -1,7 +1,7 @@
 """Prediction on new slides (``wsi-pipeline predict``): tile with the model's settings, score, write.
 
 A folder of slide files is tiled into ``<out>/tiles`` with the tiling parameters saved with the
-model (:func:`_tiler_config`); a folder of tile stores is scored as it is, after checking it was
+model (:func:`saved_tiler_config`); a folder of tile stores is scored as it is, after checking it was
 tiled like the model's training stores. Each slide is embedded once and scored under every
 protocol (:func:`~wsi_pipeline.evaluation.scoring.score_slide`), through the per-slide job runner
 (:mod:`wsi_pipeline.jobs.runner`), and compared with the training tiles' stain summary.
@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
-from wsi_pipeline.evaluation.scoring import _resolve_device, score_slide
+from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.evaluation.scoring import score_slide
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, write_predictions
-from wsi_pipeline.inference.protocols import Protocol, parse_protocols
+from wsi_pipeline.config.evaluation import Protocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.runner import run_slides
 from wsi_pipeline.tiling.params import output_params
@@ -57,7 +57,7 @@ class PredictSummary:
     stain_reference_source: str | None = None
 
 
-def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
+def saved_tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
     """The tiler's settings from the tiling parameters saved with a model.
 
     ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
@@ -66,7 +66,7 @@ def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | N
     return tiler_config(tiling, mpp)
 
 
-def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
+def check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
     """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
 
     ``tiling`` is what the checkpoint saved: the training stores' own settings (a dict), or an
@@ -193,7 +193,7 @@ def predict_slides(
 
     if distributed.is_main():
         check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")
-    dev = str(distributed.device_for(torch.device(_resolve_device(device))))
+    dev = str(distributed.device_for(resolve_device(device)))
     model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None)
@@ -238,12 +238,12 @@ def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, 
     the model's tiling), or its slide files tiled into ``<out>/tiles``; tiling failures go to ``summary.failed``."""
     stores = _store_folder(src)
     if stores:
-        _check_store_settings(stores, model.tiling, allow=allow_other_tiling)
+        check_store_settings(stores, model.tiling, allow=allow_other_tiling)
         return src, [p.name[: -len(".zarr")] for p in stores], {}
     from wsi_pipeline.tiling.runner import tile_cohort
 
     tiles_dir = out / "tiles"
-    report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+    report = tile_cohort(src, tiles_dir, saved_tiler_config(model.tiling, mpp), workers=workers, progress=progress,
                          cluster=cluster, retries=retries)
     ids, slide_paths = [], {}
     for r in report.results:
@@ -337,7 +337,7 @@ def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: 
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
         "n_classes": model.n_classes, "protocols": [p.name for p in prots], "slides": str(src.resolve()),
         **({"endpoint": model.endpoint.to_state()} if model.endpoint is not None else {}),
-        "tiles_dir": str(tiles_dir), "tiling": output_params(_tiler_config(model.tiling, None)),
+        "tiles_dir": str(tiles_dir), "tiling": output_params(saved_tiler_config(model.tiling, None)),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
         "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
         "stain_normalisation": model.stain.state() if model.stain is not None else {"method": "none"},

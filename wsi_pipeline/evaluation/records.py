@@ -9,7 +9,8 @@ import numpy as np
 from wsi_pipeline.evaluation.sets import EvalSet
 from wsi_pipeline.export.metrics_json import MetricRecord
 from wsi_pipeline.inference.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
-from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, repeat_probs
+from wsi_pipeline.config.evaluation import Protocol
+from wsi_pipeline.inference.protocols import SlidePrediction, repeat_probs
 from wsi_pipeline.progress import progress_bar
 
 __all__ = ["bootstrap_records", "protocol_records"]

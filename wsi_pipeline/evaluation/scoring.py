@@ -16,24 +16,19 @@ import torch
 
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.evaluation.localisation import lesion_fraction, lesion_outline, localisation_auc
-from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, predict_protocols
+from wsi_pipeline.config.evaluation import Protocol
+from wsi_pipeline.inference.protocols import SlidePrediction, predict_protocols
 
 __all__ = ["SlideScore", "score_slide"]
 
 log = logging.getLogger(__name__)
 
 
-def _label(v: Any) -> int | None:
+def label_of(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
 
-def _resolve_device(device: str) -> str:
-    from wsi_pipeline.devices import resolve_device
-
-    return str(resolve_device(device))
-
-
-def _frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:
+def saved_frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:
     """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
     if getattr(model.method, "strategy", None) != "frozen":
         return None
@@ -103,7 +98,7 @@ def score_slide(
     builder = None
     if heatmap_dir is not None:
         thumb, level0 = _slide_thumbnail(row.get("path"))
-    feats = _frozen_features(model, config, store)
+    feats = saved_frozen_features(model, config, store)
     if heatmap_dir is not None and thumb is None:
         builder = StoreThumbnail(store.coords, extent, store_level0_size(store.attrs, store.coords, extent))
     slide_in: Any = store

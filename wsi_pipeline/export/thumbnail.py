@@ -25,7 +25,7 @@ from wsi_pipeline.slides.scaled import read_resized
 from wsi_pipeline.types import TileStoreLike
 
 if TYPE_CHECKING:
-    from wsi_pipeline.slides.reader import Slide
+    from wsi_pipeline.slides.base import Slide
 
 __all__ = ["thumbnail_shape", "slide_thumbnail", "StoreThumbnail", "store_level0_size", "store_tile_extent"]
 

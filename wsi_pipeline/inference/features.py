@@ -30,9 +30,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -45,13 +45,16 @@ from wsi_pipeline.slide_ids import slide_output_path
 from wsi_pipeline.output_dirs import check_output_dir
 from wsi_pipeline.types import TileStoreLike
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = [
+    "LazyFeatures",
     "extract_features",
     "features_path",
     "read_features",
     "store_fingerprint",
     "weights_sha256",
-    "resolve_device",
     "REPORT_NAME",
 ]
 
@@ -342,3 +345,21 @@ def extract_features(
     if reasons:
         log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
     return pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
+
+
+class LazyFeatures(Sequence):
+    """Validation features read from h5 one slide at a time (a cohort's features need not fit in memory)."""
+
+    def __init__(self, paths: list[Path] | list[list[Path]]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        import torch
+
+        paths = self.paths[i]
+        if isinstance(paths, (list, tuple)):  # a patient bag: its slides' features in order
+            return torch.cat([torch.from_numpy(read_features(p)[0]) for p in paths])
+        return torch.from_numpy(read_features(paths)[0])

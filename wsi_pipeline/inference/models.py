@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsi_pipeline.config.pipeline import MethodConfig
-from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping, with_patchgd_head
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.config.pipeline import MethodConfig, patchgd_mapping, with_patchgd_head
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
@@ -182,7 +182,7 @@ def _embedding_encoder(method: MethodConfig, encoder: nn.Module) -> nn.Module:
 
 def patchgd_method(method: MethodConfig) -> MethodConfig:
     """``method`` with its PatchGD head named in ``patchgd`` (the one rule:
-    :func:`wsi_pipeline.config.patchgd.patchgd_mapping`)."""
+    :func:`wsi_pipeline.config.pipeline.patchgd_mapping`)."""
     return with_patchgd_head(method)
 
 

@@ -40,16 +40,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from wsi_pipeline.config.evaluation import ALL, Protocol, parse_protocol, parse_protocols
+from wsi_pipeline.config.evaluation import ALL, Protocol, parse_protocol
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.progress import progress_bar
 
 __all__ = [
-    "Protocol",
-    "ALL",
-    "parse_protocol",
-    "parse_protocols",
     "protocol_rng",
     "subset_indices",
     "SlidePrediction",
@@ -318,7 +314,7 @@ def predict_protocols(
     The all-tiles attention is computed once and shared by every protocol's prediction;
     ``sub<k>x<R>`` and ``ens<k>x<R>`` share their aggregator passes (same subsets).
     """
-    z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device, on_batch=on_batch)
+    z, grid = slide_embedding(encoder, slide, batch_size=batch_size, device=device, on_batch=on_batch)
     out: dict[str, SlidePrediction] = {}
     by_draw: dict[str, SlidePrediction] = {}
     attention = instance = None
@@ -338,7 +334,7 @@ def predict_protocols(
     return out
 
 
-def _embedding(
+def slide_embedding(
     encoder: nn.Module | None,
     slide: TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any],
     *,

@@ -29,15 +29,8 @@ from torch import Tensor, nn
 
 from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.inference.metrics import compute_metrics, compute_repeat_metrics
-from wsi_pipeline.inference.protocols import (
-    Protocol,
-    SlidePrediction,
-    _embedding,
-    parse_protocol,
-    predict_slide,
-    protocol_rng,
-    repeat_probs,
-)
+from wsi_pipeline.config.evaluation import Protocol, parse_protocol
+from wsi_pipeline.inference.protocols import SlidePrediction, slide_embedding, predict_slide, protocol_rng, repeat_probs
 from wsi_pipeline.progress import progress_bar
 
 __all__ = ["endpoint_validation_metrics", "slide_predictions", "validation_metrics", "validate_model"]
@@ -81,7 +74,7 @@ def slide_predictions(
             sid = str(slide_ids[i])
         else:
             sid = slide.slide_id if isinstance(slide, TileStore) else f"#{where[i]}"
-        z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device)
+        z, grid = slide_embedding(encoder, slide, batch_size=batch_size, device=device)
         pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
         if pred.probs.shape != (n_classes,):
             raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 #: Extra runs of a slide after its worker died or its task raised.
 DEFAULT_RETRIES = 2
-_POLL_S = 0.25
+POLL_S = 0.25
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ goes through this module:
 - :func:`write_report_csv` writes a report atomically (:func:`wsi_pipeline.io_atomic.atomic_path`).
 
 A row is a mapping or an object with ``slide_id`` / ``status`` / ``error`` attributes (the
-tiler's :class:`~wsi_pipeline.tiling.tiler.SlideResult`).
+tiler's :class:`~wsi_pipeline.tiling.job.SlideResult`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from wsi_pipeline.slides import read_scaled, resolve_mpp
-from wsi_pipeline.slides.reader import Slide
+from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import TileQC, fold_mask, ink_mask
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.density import clean_tissue, stained_mask
@@ -23,7 +23,8 @@ from wsi_pipeline.tiling.regions import RegionTiles, read_regions, region_file, 
 from wsi_pipeline.tiling.tissue import grey, otsu_tissue_mask
 
 if TYPE_CHECKING:
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
 
 __all__ = ["PAPER_GREY_MAX", "TilePlan", "plan_tiles"]
 

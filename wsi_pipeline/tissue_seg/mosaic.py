@@ -192,7 +192,7 @@ def read_source(path: str | os.PathLike, mpp: float, *, rows: tuple[float, float
         placeholder); None: the file's value (an error when it has none).
     """
     from wsi_pipeline.slides.mpp import resolve_mpp
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
 
     if not 0.0 <= rows[0] < rows[1] <= 1.0:

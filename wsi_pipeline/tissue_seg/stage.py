@@ -135,7 +135,7 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     import cv2
 
     from wsi_pipeline.slides.mpp import resolve_mpp
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
 
     if not mpp > 0:

@@ -52,7 +52,7 @@ from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_di
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
-from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
+from wsi_pipeline.training.calibration import calibrate_encoder
 from wsi_pipeline.training.epoch import seed_everything as _seed_everything
 from wsi_pipeline.training.frozen_features import ensure_features
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
@@ -61,13 +61,10 @@ from wsi_pipeline.training.rundir import (
     DONE, changed_since_finished, clean_temporary_files, resume, run_config, run_holder, run_lock, write_done, write_history,
 )
 from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
-from wsi_pipeline.training.validation import VAL_METRICS, improves, selection, validate, validation_columns
+from wsi_pipeline.training.validation import improves, selection, validate, validation_columns
 from wsi_pipeline import interrupt
 
-__all__ = [
-    "CALIBRATION_SEED", "DONE", "VAL_METRICS", "RunPlan", "calibrate_encoder", "improves", "preflight",
-    "resolve_device", "train_pipeline", "train_run",
-]
+__all__ = ["train_pipeline", "train_run"]
 
 log = logging.getLogger(__name__)
 

@@ -97,19 +97,13 @@ from torch import Tensor, nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
-from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.config.pipeline import patchgd_mapping
 from wsi_pipeline.inference.models import build_patchgd_head
-from wsi_pipeline.training.patchgd_plan import BatchPlan, accumulation_windows, plan_batch, plan_inner_iterations
+from wsi_pipeline.training.patchgd_plan import BatchPlan, plan_batch
 from wsi_pipeline.types import TileStoreLike
 
-__all__ = [
-    "PatchGDConfig",
-    "PatchGDStrategy",
-    "plan_inner_iterations",
-    "accumulation_windows",
-    "embed_store",
-    "build_patchgd_head",
-]
+__all__ = ["PatchGDStrategy", "embed_store"]
 
 log = logging.getLogger(__name__)
 

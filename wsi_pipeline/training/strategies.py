@@ -51,7 +51,7 @@ from wsi_pipeline.inference.models import embed_budget, build_models, patchgd_me
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.epoch import bag_epoch, seed_torch, slide_batch_epoch
-from wsi_pipeline.training.frozen_features import LazyFeatures
+from wsi_pipeline.inference.features import LazyFeatures
 
 __all__ = [
     "STRATEGIES",
