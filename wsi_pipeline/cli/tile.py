@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
-    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.tiling.tiler", "METHODS"), default="tissue",
+    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.config.choices", "TILING_METHODS"), default="tissue",
                    metavar="METHOD",
                    help="foreground test, one of %(choices)s: tissue (default) = stained tissue by optical density against "
                         "each slide's own glass colour, estimated from its thumbnail (any brightfield stain: H&E, IHC, special "
