@@ -21,7 +21,7 @@ from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.synthetic.texture import HE_STAIN, paint_tissue
 from wsi_pipeline.tiling.background import auto_grey_max, estimate_background
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob
 from wsi_pipeline.config.tiling import TilingConfig

@@ -47,7 +47,7 @@ def _raw_config(tmp, manifest, seeds):
 def _save_run(cfg, seed, done=True):
     from wsi_pipeline.inference.checkpoint import save_checkpoint
     from wsi_pipeline.config.pipeline import config_to_dict
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     torch.manual_seed(seed)
     enc, agg = build_models(cfg.methods[0], 2, for_training=False)
@@ -149,7 +149,7 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
 
 
 def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
-    from wsi_pipeline.config.evaluation import Protocol
+    from wsi_pipeline.config.evaluation import EvalProtocol
     from wsi_pipeline.inference.protocols import protocol_rng, subset_indices
     from wsi_pipeline.inference.checkpoint import load_trained_model
 
@@ -183,7 +183,7 @@ def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
         with torch.no_grad():
             for i, sid in enumerate(test.slide_id):
                 store = open_store(store_path(cfg.data.tiles_dir, sid))
-                subsets = subset_indices(len(store), Protocol(8, 5), protocol_rng(cfg.eval.seed, sid, "sub8x5"))
+                subsets = subset_indices(len(store), EvalProtocol(8, 5), protocol_rng(cfg.eval.seed, sid, "sub8x5"))
                 assert len(subsets) == 5  # every store has more than 8 tiles
                 for r, idx in enumerate(subsets):
                     p1[r, i] = torch.softmax(model.aggregator(enc(tiles_to_tensor(store.read(idx)))).logits, 0)[1].item()

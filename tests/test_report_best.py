@@ -188,7 +188,7 @@ def test_evaluation_draws_heatmaps_of_the_run_best_on_validation(tmp_path):
     from wsi_pipeline.data.store import open_store, store_path
     from wsi_pipeline.inference.checkpoint import load_trained_model, save_checkpoint
     from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     manifest = make_store_cohort(tmp_path / "data", n_slides=8, tiles_per_slide=(12, 20), seed=0)
     raw = {"name": "t", "seeds": [0, 1], "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results"),

@@ -13,7 +13,7 @@ from wsi_pipeline.manifests.sources import clean_slide_ids
 from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, find_slide_files, slide_id
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.sources import jobs_from_folder
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.config.tiling import TilingConfig
 

@@ -16,7 +16,7 @@ from pydicom.sequence import Sequence
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate_uid
 
 from wsi_pipeline.slides import SlideOpenError, open_slide
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.config.tiling import TilingConfig
 

@@ -19,7 +19,7 @@ from wsi_pipeline.cli.main import build_parser, main
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.partition import parse_shard, shard_indices
 from wsi_pipeline.tiling.sources import jobs_from_folder
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.config.tiling import TilingConfig
 
 #: report columns that measure this run rather than describe its result

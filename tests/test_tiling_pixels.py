@@ -24,7 +24,7 @@ import tifffile
 import tiffslide
 
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig

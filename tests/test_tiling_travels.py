@@ -14,7 +14,7 @@ from wsi_pipeline.data.store import open_store, store_path
 @pytest.fixture(scope="module")
 def tiled(tmp_path_factory):
     from wsi_pipeline.synthetic.cohort import make_slide_cohort
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.tiling import TilingConfig
 
     root = tmp_path_factory.mktemp("travels")
@@ -66,7 +66,7 @@ def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_p
 
 
 def test_training_refuses_stores_the_config_or_each_other_disagree_with(tiled, tmp_path):
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.tiling import TilingConfig
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.preflight import preflight
@@ -95,7 +95,7 @@ def _jobs(manifest):
 
 def test_predict_refuses_stores_tiled_unlike_the_training_data(tiled, tmp_path):
     from wsi_pipeline.evaluation.predict import check_store_settings
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.tiling import TilingConfig
 
     root, manifest, tiles = tiled

@@ -10,7 +10,7 @@ import torch
 
 from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.tiling.job import SlideJob

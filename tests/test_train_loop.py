@@ -167,7 +167,7 @@ def test_full_and_accumulate_with_frozen_bn_give_the_same_weights(tmp_path, stor
     assert max_diff(full, acc) <= EXACT_F64
     # and training did move the weights (the comparison is not between two untouched models)
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     _seed_everything(0)
     enc0, agg0 = build_models(cfg.methods[0], 2, for_training=False)
@@ -460,7 +460,7 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     manifest = make_store_cohort(tmp_path / "cohort", n_slides=24, tile_size=32, seed=1)
     method = {"name": "e2e", "strategy": "accumulate", "chunk_size": 8, "encoder": {"name": "resnet18", "bn": "frozen"},
@@ -512,7 +512,7 @@ def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoc
     weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
     from wsi_pipeline.training.calibration import calibrate_encoder
     from wsi_pipeline.training.preflight import preflight
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     def method(recal: bool) -> dict:
         return {"name": "acc", "strategy": "accumulate", "chunk_size": 4,

@@ -286,7 +286,7 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     stage succeeded).
     """
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.config.tiling import tiler_config
     from wsi_pipeline.training.loop import train_pipeline

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.config.evaluation import ALL, Protocol
+from wsi_pipeline.config.evaluation import ALL, EvalProtocol
 from wsi_pipeline.inference.protocols import embed_slide, predict_slide, protocol_rng, subset_indices
 from wsi_pipeline.data.store import StoreWriter, open_store
 
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     encoder = build_encoder(args.encoder).to(device).eval()
     aggregator = build_aggregator("abmil", encoder.num_features, 2).to(device).eval()
-    prot = Protocol(args.k, args.repeats)
+    prot = EvalProtocol(args.k, args.repeats)
     print(f"bench-eval: {args.n_tiles} tiles of {args.tile_size} px, protocol {prot.name} ({args.repeats} x {args.k}), "
           f"{args.encoder} + abmil, device {device}, torch threads {torch.get_num_threads()}")
 

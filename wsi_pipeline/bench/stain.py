@@ -106,7 +106,7 @@ def run_study(out: Path, seeds: list[int], arms: list[str], epochs: int | None, 
     from wsi_pipeline.config.tiling import tiler_config
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.training.loop import train_pipeline
 
     t0 = time.perf_counter()

@@ -173,7 +173,7 @@ def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     kept tiles and the direct-decode floor (medians of alternated runs). True when both targets pass."""
     from wsi_pipeline.bench.decode import build_mosaic
     from wsi_pipeline.slides import open_slide
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.tiling.job import SlideJob
     from wsi_pipeline.config.tiling import TilingConfig
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
 
     from wsi_pipeline.slides import open_slide
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.tiling.job import SlideJob
     from wsi_pipeline.config.tiling import TilingConfig

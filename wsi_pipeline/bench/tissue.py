@@ -111,7 +111,7 @@ def _one(h: int, w: int, device: str, max_elements: int, plain: bool, threads: i
     import torch.nn.functional as F
 
     from wsi_pipeline.bigl.instrument import monitor_transfers
-    from wsi_pipeline.bigl.runner import ChunkRunner
+    from wsi_pipeline.bigl.chunk_loop import ChunkRunner
     from wsi_pipeline.tissue_seg.chunked import ChunkedTissueUNet
     from wsi_pipeline.tissue_seg.model import TissueUNet, prepare_input
 

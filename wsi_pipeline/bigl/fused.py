@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 from wsi_pipeline.bigl.batchnorm import Moments, finish_stats, momentum_factor, uses_batch_stats
 from wsi_pipeline.bigl.conv import GradStitcher, pad_rows
 from wsi_pipeline.bigl.precision import math_dtype
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 from wsi_pipeline.bigl.units import Op, OpRange, Unit, UnitChunk, UnitGeometry, plan_unit
 
 __all__ = ["FusedRun", "bn_levels"]

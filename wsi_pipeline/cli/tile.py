@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments (no slides, an
     unwritable --out), 130 on Ctrl-C."""
     from wsi_pipeline.config.tiling import DEFAULT_REGION_EXCLUDE, QCParams
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.tiling import TilingConfig
 
     drop = tuple(a.strip() for a in args.qc_drop.split(",") if a.strip())

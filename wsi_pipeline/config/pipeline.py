@@ -46,7 +46,7 @@ from typing import Any
 from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, SELECT_METRICS, LossName, StrategyName, Task, head_names
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
-from wsi_pipeline.config.evaluation import ALL, EvalConfig, Protocol, parse_protocol, saved_protocol
+from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
 from wsi_pipeline.config.io import short_repr, config_to_dict, read_yaml, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfig
 from wsi_pipeline.config.overrides import apply_overrides, deep_merge
@@ -69,7 +69,7 @@ __all__ = [
     "LossOptions",
     "MethodConfig",
     "PipelineConfig",
-    "Protocol",
+    "EvalProtocol",
     "SCHEDULES",
     "SELECT_METRICS",
     "StoreTiling",
@@ -126,7 +126,7 @@ class MethodConfig:
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
-    val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
+    val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
     task: Task = "classification"
     loss: LossName | None = None
     loss_options: LossOptions = field(default_factory=LossOptions)
@@ -190,7 +190,7 @@ class PipelineConfig:
         return Path(self.runs_dir) / self.name / method / f"seed{seed}"
 
 
-def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: Protocol) -> MethodConfig:
+def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: EvalProtocol) -> MethodConfig:
     """Method ``i`` of the list: its preset expanded, its ``train`` merged over the shared section,
     ``val_protocol`` (the pipeline's ``eval.val_protocol``) unless it sets its own, built, and for
     ``patchgd`` its options checked (errors under ``methods.<name>``)."""

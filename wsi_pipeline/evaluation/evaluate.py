@@ -72,9 +72,9 @@ from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs,
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
-from wsi_pipeline.config.evaluation import Protocol, parse_protocols
+from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.inference.protocols import SlidePrediction
-from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
 from wsi_pipeline.output_dirs import check_output_dir
@@ -250,7 +250,7 @@ def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: s
     return _HeatmapChoice(hm_run, val_scores, best_val)
 
 
-def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[Protocol],
+def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[EvalProtocol],
                   got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
                   heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
@@ -359,12 +359,12 @@ def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, sc
 
 @dataclass(frozen=True)
 class _ScoreTask:
-    """The job runner's work per slide (:func:`wsi_pipeline.jobs.runner.run_one`): score one slide with
+    """The job runner's work per slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): score one slide with
     the model it is given (``broadcast``: sent once to each Dask worker). Pure, so it can run on a
     worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``."""
 
     config: Any
-    protocols: list[Protocol]
+    protocols: list[EvalProtocol]
     title: str
     batch_size: int
     device: str
@@ -408,7 +408,7 @@ class _SetScorer:
     :func:`~wsi_pipeline.evaluation.endpoint_records.level_records`.
     """
 
-    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[Protocol], got: _Collected,
+    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[EvalProtocol], got: _Collected,
                  endpoint: Any = None, ref: Any = None, eval_cfg: Any = None) -> None:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
         self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
@@ -496,7 +496,7 @@ class _SetScorer:
             got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(self.loc))))
 
 
-def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Protocol], choice: _HeatmapChoice,
+def _write_results(config: Any, out: Path, got: _Collected, protocols: list[EvalProtocol], choice: _HeatmapChoice,
                    summary: EvalSummary, *, heatmaps: bool, heatmap_method: str | None) -> None:
     """Write the predictions files, ``metrics.json``, the resolved ``config.yaml`` and ``report.html``."""
     from wsi_pipeline.config.pipeline import save_config

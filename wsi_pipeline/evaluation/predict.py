@@ -4,7 +4,7 @@ A folder of slide files is tiled into ``<out>/tiles`` with the tiling parameters
 model (:func:`saved_tiler_config`); a folder of tile stores is scored as it is, after checking it was
 tiled like the model's training stores. Each slide is embedded once and scored under every
 protocol (:func:`~wsi_pipeline.evaluation.scoring.score_slide`), through the per-slide job runner
-(:mod:`wsi_pipeline.jobs.runner`), and compared with the training tiles' stain summary.
+(:mod:`wsi_pipeline.jobs.slide_jobs`), and compared with the training tiles' stain summary.
 
 Under torchrun every rank tiles (the slides' locks share the folder out), then scores its shard of
 the slides (``rank, rank + G, ...``); rank 0 gathers the rows in slide order and alone writes
@@ -29,9 +29,9 @@ from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import score_slide
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, write_predictions
-from wsi_pipeline.config.evaluation import Protocol, parse_protocols
+from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
-from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.training import distributed
 from wsi_pipeline.output_dirs import check_output_dir
@@ -167,7 +167,7 @@ def predict_slides(
     allow_other_tiling : score a folder of stores tiled with other settings than the model's
         training stores (tile size, resolution, method, thresholds) with a warning instead of
         refusing it.
-    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
+    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.cohort.tile_cohort`);
         embedding and scoring stay in this process (under torchrun: in the ranks, a shard each).
     encoder_weights : the base weights file of a foundation encoder whose checkpoint stores only
         the trained tensors, when it is not where the training config says; its sha256 must be
@@ -240,7 +240,7 @@ def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, 
     if stores:
         check_store_settings(stores, model.tiling, allow=allow_other_tiling)
         return src, [p.name[: -len(".zarr")] for p in stores], {}
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
 
     tiles_dir = out / "tiles"
     report = tile_cohort(src, tiles_dir, saved_tiler_config(model.tiling, mpp), workers=workers, progress=progress,
@@ -259,11 +259,11 @@ def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, 
 
 @dataclass
 class _SlidePredictor:
-    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): open its store, check
+    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): open its store, check
     its stain against the training tiles, score it; :meth:`collect` files the row into the summary."""
 
     model: Any
-    protocols: list[Protocol]
+    protocols: list[EvalProtocol]
     tiles_dir: Path
     slide_paths: dict[str, str]
     stain_ref: dict | None
@@ -330,7 +330,7 @@ class _SlidePredictor:
                 self.summary.stain_checks[row["slide_id"]] = row["stain_check"]
 
 
-def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: Path, tiles_dir: Path,
+def _write_predict_info(path: Path, model: Any, prots: Sequence[EvalProtocol], src: Path, tiles_dir: Path,
                         stain_ref: dict | None, summary: PredictSummary) -> None:
     """``predict_info.json``: the model, protocols, slides, tiling settings, failures and stain checks."""
     info = {

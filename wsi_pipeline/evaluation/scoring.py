@@ -16,7 +16,7 @@ import torch
 
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.evaluation.localisation import lesion_fraction, lesion_outline, localisation_auc
-from wsi_pipeline.config.evaluation import Protocol
+from wsi_pipeline.config.evaluation import EvalProtocol
 from wsi_pipeline.inference.protocols import SlidePrediction, predict_protocols
 
 __all__ = ["SlideScore", "score_slide"]
@@ -33,7 +33,7 @@ def saved_frozen_features(model: Any, config: Any, store: TileStore) -> torch.Te
     if getattr(model.method, "strategy", None) != "frozen":
         return None
     from wsi_pipeline.inference.features import features_path, read_features, store_fingerprint
-    from wsi_pipeline.inference.models import frozen_features_dir
+    from wsi_pipeline.inference.method_models import frozen_features_dir
 
     path = features_path(frozen_features_dir(model.method, config.data.features_dir), store.slide_id)
     if not path.is_file():
@@ -71,7 +71,7 @@ def score_slide(
     config: Any,
     store: TileStore,
     row: pd.Series,
-    protocols: list[Protocol],
+    protocols: list[EvalProtocol],
     *,
     seed: int,
     batch_size: int,

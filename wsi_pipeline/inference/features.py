@@ -40,7 +40,7 @@ import pandas as pd
 
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.io_atomic import atomic_path
-from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.slide_ids import slide_output_path
 from wsi_pipeline.output_dirs import check_output_dir
 from wsi_pipeline.types import TileStoreLike
@@ -211,7 +211,7 @@ def _slide_features(
     slide_id: str, row: dict[str, Any], encoder: Any, device: str, tiles_dir: str, out: str, encoder_name: str,
     digest: str, batch_size: int, overwrite: bool, stain: Any = None, file_digest: str = "", bf16: bool = False,
 ) -> None:
-    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): embed its store into
+    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): embed its store into
     ``<out>/<slide_id>.h5`` unless up to date, filling ``row`` (``n_tiles``; ``status`` skipped when up to
     date; ``reason``, not a report column: why an existing file was re-extracted); ``stain``: the
     :class:`~wsi_pipeline.data.stain_slides.StainContext` the tiles go through (None: none)."""
@@ -289,7 +289,7 @@ def extract_features(
     progress : show a per-slide progress bar.
     cluster : None = in this process; else each slide is a Dask task (a ``--cluster`` string,
         a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``; see
-        :mod:`wsi_pipeline.jobs.runner`): the encoder is built here and sent to every worker,
+        :mod:`wsi_pipeline.jobs.slide_jobs`): the encoder is built here and sent to every worker,
         which runs it on its own ``device``.
     retries : with ``cluster``: extra runs of a slide whose worker died.
     stain : a fitted :class:`~wsi_pipeline.data.stain_slides.StainContext`: tiles are stain-normalised

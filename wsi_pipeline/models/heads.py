@@ -5,7 +5,7 @@ spatial context that attention pooling throws away. Heads: ``cnn`` (the paper's 
 mask-aware and size-agnostic; the default), ``cnn_paper`` (the paper's as published: fixed-size
 Z, flatten + Linear) and ``transformer``. Every head takes the per-tile embeddings
 and the store's grid, ``forward(z [n, D], grid [n, 2] (col, row)) -> MILOutput``, and builds Z
-itself (:func:`grid_layout`, :func:`tiles_to_z`); :class:`wsi_pipeline.training.patchgd.PatchGDStrategy`
+itself (:func:`grid_layout`, :func:`tiles_to_z`); :class:`wsi_pipeline.training.patchgd.PatchGDTrainer`
 passes a precomputed layout so the grid is laid out once per slide.
 
 Z layout

@@ -1,6 +1,6 @@
 """Which slide this run tiles next: only slides whose lock it holds (:mod:`wsi_pipeline.tiling.locks`).
 
-A :class:`~wsi_pipeline.jobs.runner.Claims` for the job runner: slides another live run holds
+A :class:`~wsi_pipeline.jobs.slide_jobs.Claims` for the job runner: slides another live run holds
 are deferred and retried; once free, each is checked again (usually ``skipped``: the other run
 finished it).
 """

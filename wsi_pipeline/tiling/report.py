@@ -16,7 +16,7 @@ from typing import Any
 
 import pandas as pd
 
-from wsi_pipeline.jobs.runner import write_report_csv
+from wsi_pipeline.jobs.slide_jobs import write_report_csv
 from wsi_pipeline.tiling.locks import LockDir
 from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
 

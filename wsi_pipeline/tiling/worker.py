@@ -1,6 +1,6 @@
 """The tiling worker process: receives slide jobs over a pipe, tiles them, reports back.
 
-Kept apart from :mod:`wsi_pipeline.tiling.runner` so that a freshly spawned worker imports only
+Kept apart from :mod:`wsi_pipeline.tiling.cohort` so that a freshly spawned worker imports only
 what tiling needs (not pandas or the CLI): a worker is ready about 0.4 s sooner.
 """
 

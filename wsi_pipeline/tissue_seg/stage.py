@@ -234,7 +234,7 @@ def train(
     ``history.json`` (one dict per epoch), ``last.pt`` (model, optimiser, epoch, history),
     ``best.pt`` (model of the lowest validation loss; read by :func:`load_tissue_model`).
     """
-    from wsi_pipeline.bigl.runner import ChunkRunner
+    from wsi_pipeline.bigl.chunk_loop import ChunkRunner
     from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
     out = Path(out)

@@ -25,7 +25,7 @@ Optimisation per epoch: bags come in groups of ``B x S`` (``batch_bags x accumul
 each bag's gradient of ``loss / group size`` is added by the strategy, then the gradients are
 clipped (optional) and the optimiser steps, so a step follows the mean loss of its group.
 Validation runs after every epoch with ``eval.val_protocol`` (each slide embedded once in eval
-mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.validation.validate_model`);
+mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.protocol_metrics.validate_model`);
 ``best.pt`` follows ``train.select_metric`` (AUC for binary, QWK for multi-class tasks).
 """
 
@@ -48,7 +48,7 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
-from wsi_pipeline.inference.models import encoder_checkpoint, frozen_features_dir, restore_encoder
+from wsi_pipeline.inference.method_models import encoder_checkpoint, frozen_features_dir, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
@@ -319,7 +319,7 @@ def _checkpoint(run: _Run, improved: bool) -> None:
 
 def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint's model states and what it records of the encoder
-    (:func:`~wsi_pipeline.inference.models.encoder_checkpoint`: a foundation encoder built from a
+    (:func:`~wsi_pipeline.inference.method_models.encoder_checkpoint`: a foundation encoder built from a
     weights file keeps only its trained tensors)."""
     models = {name: m.state_dict() for name, m in run.strategy.state_modules().items() if name != "encoder"}
     tile_size = (run.plan.tiling or {}).get("tile_size")

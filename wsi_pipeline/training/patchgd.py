@@ -1,6 +1,6 @@
 """PatchGD (Gupta et al.) on slides: a Z block over the tile grid, updated a few tiles at a time.
 
-One batch of ``slides_per_batch`` slides (default one) per :meth:`PatchGDStrategy.batch_step`:
+One batch of ``slides_per_batch`` slides (default one) per :meth:`PatchGDTrainer.batch_step`:
 
 1. **Fill** (no gradient): embed every tile of each store; the per-tile cache ``E`` [n, D]
    laid out by the head's :class:`~wsi_pipeline.models.heads.GridLayout` *is* Z
@@ -99,11 +99,11 @@ from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.pipeline import patchgd_mapping
-from wsi_pipeline.inference.models import build_patchgd_head
+from wsi_pipeline.inference.method_models import build_patchgd_head
 from wsi_pipeline.training.patchgd_plan import BatchPlan, plan_batch
 from wsi_pipeline.types import TileStoreLike
 
-__all__ = ["PatchGDStrategy", "embed_store"]
+__all__ = ["PatchGDTrainer", "embed_store"]
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +151,9 @@ def embed_store(
     return torch.cat(out)
 
 
-class PatchGDStrategy:
-    """PatchGD training on a batch of slides at a time (see the module docstring for the algorithm).
+class PatchGDTrainer:
+    """The PatchGD algorithm: trains on a batch of slides at a time (see the module docstring). The
+    registered ``patchgd`` strategy (:class:`wsi_pipeline.training.strategies.PatchGDStrategy`) drives it.
 
     Parameters
     ----------

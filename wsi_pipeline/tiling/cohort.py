@@ -22,7 +22,7 @@
   :class:`~wsi_pipeline.output_dirs.OutputDirError` instead of failing every slide.
 
 The bookkeeping (rows, progress bar, report while running and on an interrupt) is the per-slide
-job runner's (:class:`wsi_pipeline.jobs.runner.SlideRun`), with the tiler's steps plugged in. The
+job runner's (:class:`wsi_pipeline.jobs.slide_jobs.SlideRun`), with the tiler's steps plugged in. The
 parts: :mod:`~wsi_pipeline.tiling.sources` (which slides), :mod:`~wsi_pipeline.tiling.claims`
 (slide locks), :mod:`~wsi_pipeline.tiling.pool` (worker processes), :mod:`~wsi_pipeline.tiling.cluster`
 (Dask), :mod:`~wsi_pipeline.tiling.report` (the merged report).
@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from wsi_pipeline.jobs.cluster import default_workers
-from wsi_pipeline.jobs.runner import STOP_ERRNOS, SlideRun, run_claimed
+from wsi_pipeline.jobs.slide_jobs import STOP_ERRNOS, SlideRun, run_claimed
 from wsi_pipeline.tiling.claims import RETRY_S, SlideClaims
 from wsi_pipeline.tiling.locks import HEARTBEAT_S, STALE_AFTER_S, LockDir
 from wsi_pipeline.output_dirs import OutputDirError, check_output_dir, output_problem
