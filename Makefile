@@ -21,7 +21,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
+.PHONY: install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
 
 install: $(STAMP)
 
@@ -31,6 +31,14 @@ $(STAMP): pyproject.toml
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q $(TORCH_SPEC); fi
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
+
+# ruff with the rules in pyproject.toml ([tool.ruff]) over the package and the tests
+lint: install
+	$(BIN)/ruff check wsi_pipeline tests
+
+# mypy over the package, configured in pyproject.toml ([tool.mypy])
+typecheck: install
+	$(BIN)/mypy
 
 test: install
 	$(BIN)/python -m pytest -q $(ARGS)

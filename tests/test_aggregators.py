@@ -134,7 +134,7 @@ def _dtfd_reference(model, z: torch.Tensor, groups: list[torch.Tensor], label: i
     t2 = torch.cat(tier2).detach()
     a2 = torch.softmax(gated(model.attn2, t2), 0)
     logits = (a2 @ t2) @ model.cls2.weight.T + model.cls2.bias
-    aux = torch.stack([torch.nn.functional.cross_entropy(l[None], torch.tensor([label])) for l in tier1]).mean()
+    aux = torch.stack([torch.nn.functional.cross_entropy(t1[None], torch.tensor([label])) for t1 in tier1]).mean()
     return logits, aux
 
 

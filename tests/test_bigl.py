@@ -296,7 +296,7 @@ def compare_models(plain: nn.Module, big: nn.Module, x: torch.Tensor, steps: int
     big.eval()
     xs = [x.to(input_device(m)).clone().requires_grad_(True) for m in (plain, big)]
     ys = [m(xi) for m, xi in zip((plain, big), xs)]
-    for y, xi in zip(ys, xs):
+    for y in ys:
         (y * r.to(y.device)).sum().backward()
     assert_close(ys[1], ys[0], "eval output")
     assert_close(xs[1].grad, xs[0].grad, "eval input gradient")

@@ -156,7 +156,7 @@ def test_plan_rule_is_the_one_stated():
         k = plan.offloaded
         assert plan.places == ("device",) * k and plan.estimate <= budget
 
-        def fits(j: int) -> bool:  # every checkpoint on the device, beside the smallest chunk step
+        def fits(j: int, budget: int = budget) -> bool:  # every checkpoint on the device, beside the smallest chunk step
             rest = mem[j:]
             need = state + sum(m.saved for m in rest) + 2 * max(m.largest for m in rest) + 4 * chunk_min(j)
             return need + image + sum(m.output for m in mem[: j - 1]) <= budget

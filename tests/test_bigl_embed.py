@@ -54,7 +54,7 @@ def test_full_step_hands_host_tiles_to_a_host_input_encoder():
     # an ordinary encoder still receives its input on its own device
     enc.host_input = False
     enc.seen.clear()
-    with pytest.raises(Exception):  # the meta input cannot meet the CPU parameter
+    with pytest.raises(RuntimeError, match="not on the expected device meta"):  # the meta input cannot meet the CPU parameter
         full_step(enc, agg, tiles, 1)
     assert enc.seen and enc.seen[0].device.type == "meta"
 
@@ -134,7 +134,7 @@ def test_embedding_encoder_rejects_bad_arguments():
 
 def test_bigl_strategy_validates_and_evaluates_through_the_embedding_encoder():
     from wsi_pipeline.config.pipeline import BiglConfig, EncoderConfig, MethodConfig
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
     from wsi_pipeline.training.strategies import build_strategy
 
     method = MethodConfig(name="m", strategy="bigl", encoder=EncoderConfig(name="resnet18"),

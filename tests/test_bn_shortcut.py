@@ -124,7 +124,7 @@ def test_bag_statistics_are_named_for_exactly_the_methods_that_use_them(strategy
 
 
 def test_training_with_bag_statistics_warns_before_training(tmp_path, store_cohort, caplog):
-    from wsi_pipeline.training.loop import preflight
+    from wsi_pipeline.training.preflight import preflight
 
     cfg = load_config(make_config(tmp_path, store_cohort, [_method("bigl", "train")]))
     with pytest.warns(BagStatisticsWarning, match="validation, evaluation and prediction use running statistics"):

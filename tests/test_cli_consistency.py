@@ -268,8 +268,8 @@ def test_features_encoder_choices_are_the_registry(capsys):
 def test_other_choice_lists_are_the_library_constants():
     from wsi_pipeline.data.store import COMPRESSIONS
     from wsi_pipeline.export.heatmap import MODES
-    from wsi_pipeline.slides.reader import BACKENDS
-    from wsi_pipeline.tiling.tiler import METHODS
+    from wsi_pipeline.slides.opener import BACKENDS
+    from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND as METHODS
 
     parsers = _parsers()
     assert set(_option(parsers["tile"], "--method").choices) == set(METHODS)

@@ -10,7 +10,7 @@ import yaml
 from wsi_pipeline.config.pipeline import (
     DemonConfig,
     PipelineConfig,
-    Protocol,
+    EvalProtocol,
     TrainConfig,
     apply_overrides,
     config_from_dict,
@@ -58,7 +58,7 @@ def test_defaults_follow_the_papers(tmp_path):
     assert (t.bag_size, t.batch_bags, t.accumulate_batches) == (256, 2, 1)
     assert t.weight_decay == pytest.approx(1e-4) and t.gamma == pytest.approx(0.955)
     assert cfg.seeds == (0, 1, 2) and cfg.name == "pipe"  # name defaults to the file's stem
-    assert cfg.eval.protocols == (Protocol(), Protocol(256, 100))
+    assert cfg.eval.protocols == (EvalProtocol(), EvalProtocol(256, 100))
     assert cfg.methods[0].encoder.bn == "frozen" and not t.augment.enabled and not t.demon.enabled
 
 
@@ -138,7 +138,7 @@ def test_overrides_parse_yaml_scalars_and_address_methods(tmp_path):
     assert method_by_name(cfg, "b").chunk_size == 32 and method_by_name(cfg, "a").encoder.bn == "train"
     assert cfg.train.demon == DemonConfig(enabled=True, beta_init=0.8)
     assert all(m.train.lr == pytest.approx(5e-5) for m in cfg.methods)  # shared section reaches every method
-    assert cfg.eval.val_protocol == Protocol(16, 3) and cfg.eval.val_protocol.name == "sub16x3"
+    assert cfg.eval.val_protocol == EvalProtocol(16, 3) and cfg.eval.val_protocol.name == "sub16x3"
     with pytest.raises(ValueError, match=r"override 'train.lr': expected section.key=value"):
         load_config(path, ["train.lr"])
     with pytest.raises(ValueError, match=r"no entry named 'c'; entries: \['a', 'b'\]"):
@@ -156,8 +156,8 @@ def test_apply_overrides_does_not_touch_other_keys():
 def test_protocol_spelling(tmp_path):
     raw = minimal(eval={"val_protocol": "ens8x3", "protocols": ["all", "sub2048x10", "ens2048x10"]})
     cfg = load_config(write(tmp_path, raw))
-    assert cfg.eval.protocols == (Protocol(), Protocol(2048, 10), Protocol(2048, 10, ensemble=True))
-    assert cfg.eval.val_protocol == Protocol(8, 3, ensemble=True)
+    assert cfg.eval.protocols == (EvalProtocol(), EvalProtocol(2048, 10), EvalProtocol(2048, 10, ensemble=True))
+    assert cfg.eval.val_protocol == EvalProtocol(8, 3, ensemble=True)
     assert config_to_dict(cfg.eval)["protocols"] == ["all", "sub2048x10", "ens2048x10"]  # saved as written
     # the old spellings are errors naming the field, the value and the one spelling
     for bad, where in (("256x100", r"eval.protocols\[0\]='256x100'"), ({"subsample": {"k": 256, "repeats": 100}}, r"eval.protocols\[0\]=\{'subsample'"),

@@ -279,7 +279,7 @@ def test_patchgd_batch_parts_add_up_to_the_whole_batch(store_cohort):
     differ in shape, so a part padded only to its own slides' shape would differ (the CNN head's
     stride-2 mask is not invariant to bottom/right padding)."""
     from wsi_pipeline.data.store import open_store
-    from wsi_pipeline.training.patchgd import PatchGDStrategy
+    from wsi_pipeline.training.patchgd import PatchGDTrainer
 
     tiles = store_cohort.parent / "tiles"
     stores = [open_store(tiles / f"synthetic_{i:03d}.zarr") for i in (3, 4, 6, 9)]
@@ -287,7 +287,7 @@ def test_patchgd_batch_parts_add_up_to_the_whole_batch(store_cohort):
     labels = [1, 0, 0, 1]
     torch.manual_seed(0)
     enc = _TinyEncoder().double()
-    strat = PatchGDStrategy({"fraction": 0.5, "slides_per_batch": 4, "head_options": {"width": 8, "norm": "layer", "dropout": 0.0}},
+    strat = PatchGDTrainer({"fraction": 0.5, "slides_per_batch": 4, "head_options": {"width": 8, "norm": "layer", "dropout": 0.0}},
                             enc, None, 2)
     strat.head.double()
     params = list(enc.parameters()) + list(strat.head.parameters())

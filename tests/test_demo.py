@@ -63,7 +63,8 @@ def test_demo_runs_every_stage_and_reuses_them(tmp_path, monkeypatch, capsys):
 def test_demo_refuses_a_cohort_made_with_other_settings(tmp_path):
     from dataclasses import asdict
 
-    from wsi_pipeline.demo import DemoCohort, make_cohort
+    from wsi_pipeline.synthetic.cohort import DemoCohort
+    from wsi_pipeline.demo import make_cohort
 
     folder = tmp_path / "runs" / "demo" / "cohort"
     folder.mkdir(parents=True)
@@ -81,7 +82,7 @@ def test_demo_command_reports_a_stale_cohort_in_one_error_line(tmp_path, monkeyp
     from pathlib import Path
 
     from wsi_pipeline.cli.main import main
-    from wsi_pipeline.demo import DemoCohort
+    from wsi_pipeline.synthetic.cohort import DemoCohort
 
     config = Path(__file__).resolve().parents[1] / "pipelines" / "demo.yaml"
     monkeypatch.chdir(tmp_path)

@@ -18,7 +18,7 @@ tifffile = pytest.importorskip("tifffile")
 pytest.importorskip("imagecodecs")
 
 from wsi_pipeline.slides.direct import DirectTiles, direct_levels  # noqa: E402
-from wsi_pipeline.slides.reader import open_slide  # noqa: E402
+from wsi_pipeline.slides.opener import open_slide  # noqa: E402
 
 GRID = 256  # our tile grid, level px
 

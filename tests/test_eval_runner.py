@@ -18,7 +18,10 @@ from PIL import Image
 from sklearn.metrics import accuracy_score, roc_auc_score
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.evaluation.runner import evaluate_pipeline, evaluation_sets, localisation_auc, predict_slides
+from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
+from wsi_pipeline.evaluation.sets import evaluation_sets
+from wsi_pipeline.evaluation.localisation import localisation_auc
+from wsi_pipeline.evaluation.predict import predict_slides
 from wsi_pipeline.export.predictions import prediction_columns
 from wsi_pipeline.export.thumbnail import store_level0_size, thumbnail_shape
 from wsi_pipeline.manifests.schema import read_manifest, write_manifest
@@ -44,7 +47,7 @@ def _raw_config(tmp, manifest, seeds):
 def _save_run(cfg, seed, done=True):
     from wsi_pipeline.inference.checkpoint import save_checkpoint
     from wsi_pipeline.config.pipeline import config_to_dict
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     torch.manual_seed(seed)
     enc, agg = build_models(cfg.methods[0], 2, for_training=False)
@@ -146,7 +149,8 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
 
 
 def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
-    from wsi_pipeline.inference.protocols import Protocol, protocol_rng, subset_indices
+    from wsi_pipeline.config.evaluation import EvalProtocol
+    from wsi_pipeline.inference.protocols import protocol_rng, subset_indices
     from wsi_pipeline.inference.checkpoint import load_trained_model
 
     cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
@@ -179,7 +183,7 @@ def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
         with torch.no_grad():
             for i, sid in enumerate(test.slide_id):
                 store = open_store(store_path(cfg.data.tiles_dir, sid))
-                subsets = subset_indices(len(store), Protocol(8, 5), protocol_rng(cfg.eval.seed, sid, "sub8x5"))
+                subsets = subset_indices(len(store), EvalProtocol(8, 5), protocol_rng(cfg.eval.seed, sid, "sub8x5"))
                 assert len(subsets) == 5  # every store has more than 8 tiles
                 for r, idx in enumerate(subsets):
                     p1[r, i] = torch.softmax(model.aggregator(enc(tiles_to_tensor(store.read(idx)))).logits, 0)[1].item()

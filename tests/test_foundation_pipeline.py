@@ -33,7 +33,7 @@ def small_uni(monkeypatch, tmp_path) -> list[Path]:
     files = []
     for seed in (0, 1):
         torch.manual_seed(seed)
-        model = timm.create_model("vit_large_patch16_224", pretrained=False, **{**preset.timm_kwargs})
+        model = timm.create_model("vit_large_patch16_224", pretrained=False, **preset.timm_kwargs)
         path = tmp_path / f"uni{seed}" / "pytorch_model.bin"
         path.parent.mkdir()
         torch.save(model.state_dict(), path)

@@ -49,7 +49,7 @@ def test_failure_without_old_file_leaves_nothing(tmp_path):
 def test_success_replaces_and_creates_parent(tmp_path):
     dest = tmp_path / "x" / "y" / "c.txt"
     assert write_text_atomic(dest, "première\n") == dest
-    assert dest.read_bytes() == "première\n".encode("utf-8")
+    assert dest.read_bytes() == "première\n".encode()
     write_text_atomic(dest, "second")
     assert dest.read_text() == "second"
     assert write_bytes_atomic(dest, b"\x00\x01") == dest and dest.read_bytes() == b"\x00\x01"

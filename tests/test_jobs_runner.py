@@ -1,4 +1,4 @@
-"""The per-slide job runner (wsi_pipeline.jobs.runner): rows, failures, interrupts, the report, local vs Dask."""
+"""The per-slide job runner (wsi_pipeline.jobs.slide_jobs): rows, failures, interrupts, the report, local vs Dask."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from wsi_pipeline.jobs.runner import InOrder, SlideRun, run_claimed, run_slides
+from wsi_pipeline.jobs.slide_jobs import InOrder, SlideRun, run_claimed, run_slides
 
 COLUMNS = ["slide_id", "status", "value", "seconds", "error"]
 

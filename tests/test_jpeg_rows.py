@@ -113,7 +113,7 @@ def test_with_height_checks_its_range() -> None:
 def _stored_tiles_top_equal(path: Path, rows: int) -> tuple[int, int]:
     """Every stored tile of level 0: stored_tile_top equals stored_tile's top rows; (cut decodes, tiles)."""
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(path, backend="openslide") as slide, DirectTiles.from_slide(slide, cache_bytes=0) as reader:
         assert reader.supports(0), reader.reason(0)
@@ -152,7 +152,7 @@ def test_direct_reader_declines_what_it_cannot_cut(tmp_path: Path) -> None:
     tifffile = pytest.importorskip("tifffile")
     pytest.importorskip("openslide")
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     img = _image(512, 512)
     lzw, jpeg = tmp_path / "lzw.tif", tmp_path / "jpeg.tif"
@@ -180,7 +180,7 @@ def test_real_slides_top_rows(real_slides_dir: Path) -> None:
         cut, n = _stored_tiles_top_equal(path, 103)
         assert cut == n, f"{path.name}: {n - cut} stored tiles were not cut"
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     for path in sorted(real_slides_dir.glob("*.ndpi")):
         with open_slide(path, backend="openslide") as slide, DirectTiles.from_slide(slide) as reader:

@@ -190,3 +190,157 @@ def test_the_check_catches_a_back_import(tmp_path: Path, where: str) -> None:
 
 def test_blocks_are_below_every_stage() -> None:
     assert max(RANK[b] for b in BLOCKS) < min(RANK[s] for s in RANK if s not in BLOCKS)
+
+
+def _module_file(root: Path, module: str) -> Path | None:
+    """The file of ``module`` (``wsi_pipeline.a.b``) under ``root``, or None when it is not ours."""
+    parts = module.split(".")[1:]
+    base = root.joinpath(*parts) if parts else root
+    if base.with_suffix(".py").is_file():
+        return base.with_suffix(".py")
+    if (base / "__init__.py").is_file():
+        return base / "__init__.py"
+    return None
+
+
+def file_imports(path: Path, root: Path = PACKAGE) -> list[tuple[int, Path, list[str]]]:
+    """``(line, file, names)`` of every import of one of our files in ``path``: at the top, inside
+    functions and under ``if TYPE_CHECKING:`` alike. ``from package import module`` goes to the
+    module's file; ``names`` are the names taken from the file (empty for ``import a.b``)."""
+    module = _module_name(path)
+    here = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: list[tuple[int, Path, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "wsi_pipeline" and (f := _module_file(root, a.name)) is not None:
+                    found.append((node.lineno, f, []))
+        elif isinstance(node, ast.ImportFrom):
+            target = ".".join(here[: len(here) - node.level + 1] + ([node.module] if node.module else [])) if node.level else (node.module or "")
+            if target.split(".")[0] != "wsi_pipeline":
+                continue
+            names = []
+            for a in node.names:
+                sub = _module_file(root, f"{target}.{a.name}")
+                if sub is not None:  # a module of a package
+                    found.append((node.lineno, sub, []))
+                else:
+                    names.append(a.name)
+            if names and (f := _module_file(root, target)) is not None:
+                found.append((node.lineno, f, names))
+    return found
+
+
+def file_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """Circles of imports between the files of one package (``slides/a.py`` -> ``slides/b.py`` ->
+    ``slides/a.py``), each as the files on it; a package's ``__init__.py`` counts as a file."""
+    edges: dict[Path, set[Path]] = defaultdict(set)
+    for path in sorted(root.rglob("*.py")):
+        src = _package_of(_module_name(path))
+        for _, f, _ in file_imports(path, root):
+            if f != path and _package_of(_module_name(f)) == src:
+                edges[path].add(f)
+    cycles: list[list[str]] = []
+    state: dict[Path, int] = {}
+    stack: list[Path] = []
+
+    def visit(node: Path) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                cycles.append([str(p.relative_to(root)) for p in stack[stack.index(nxt):] + [nxt]])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node)
+    return cycles
+
+
+def private_imports(root: Path = PACKAGE) -> list[str]:
+    """``from module import _name`` across files: a leading underscore means "this file only"."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for line, f, names in file_imports(path, root):
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private and f != path:
+                found.append(f"{path.relative_to(root)}:{line}: imports {', '.join(private)} from {f.relative_to(root)}")
+    return found
+
+
+def test_no_cycle_between_files_of_a_package() -> None:
+    cycles = file_cycles()
+    assert not cycles, "files that import each other (put the shared name in a file both import):\n" + "\n".join(
+        " -> ".join(c) for c in cycles)
+
+
+def test_no_private_name_imported_across_files() -> None:
+    found = private_imports()
+    assert not found, "private names used outside their file (make them public, or move the user):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("where", ["top", "function", "type_checking"])
+def test_the_check_catches_a_circle_between_files(tmp_path: Path, where: str) -> None:
+    """Two files of one package importing each other, in each spelling, make one circle; one way does not."""
+    root = tmp_path / "wsi_pipeline"
+    _write(root, "__init__.py", "")
+    _write(root, "slides/__init__.py", "")
+    _write(root, "slides/base.py", "class Slide: ...\n")
+    _write(root, "slides/dicom.py", "from wsi_pipeline.slides.base import Slide\n")
+    assert file_cycles(root) == []
+    back = {
+        "top": "from wsi_pipeline.slides.dicom import x\n",
+        "function": "def f():\n    from . import dicom\n",
+        "type_checking": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from wsi_pipeline.slides.dicom import x\n",
+    }[where]
+    _write(root, "slides/base.py", "class Slide: ...\n" + back)
+    assert file_cycles(root) == [["slides/base.py", "slides/dicom.py", "slides/base.py"]]
+
+
+def test_the_check_catches_a_private_import(tmp_path: Path) -> None:
+    root = tmp_path / "wsi_pipeline"
+    _write(root, "__init__.py", "")
+    _write(root, "slides/__init__.py", "")
+    _write(root, "slides/mpp.py", "def _parse(): ...\ndef parse(): ...\n")
+    _write(root, "slides/dicom.py", "from wsi_pipeline.slides.mpp import parse, __doc__\n")
+    assert private_imports(root) == []
+    _write(root, "slides/dicom.py", "from .mpp import parse, _parse\n")
+    assert private_imports(root) == ["slides/dicom.py:1: imports _parse from slides/mpp.py"]
+
+
+#: Modules whose ``__all__`` gathers names made elsewhere on purpose: a package's ``__init__`` (its
+#: public face), the pipeline config (every section a YAML file has), the CLI choices' registry.
+FACADES = {"config/pipeline.py", "config/choices.py"}
+
+
+def reexports(root: Path = PACKAGE) -> list[str]:
+    """Names a module lists in ``__all__`` without defining them: a second home for a name."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = str(path.relative_to(root))
+        if path.name == "__init__.py" or rel in FACADES:
+            continue
+        tree = ast.parse(path.read_text())
+        defined: set[str] = set()
+        listed: list[str] = []
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+                defined |= names
+                if "__all__" in names and isinstance(node.value, (ast.List, ast.Tuple)):
+                    listed = [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+        if extra := [n for n in listed if n not in defined]:
+            found.append(f"{rel}: __all__ lists {', '.join(extra)}, made elsewhere")
+    return found
+
+
+def test_a_module_exports_only_its_own_names() -> None:
+    found = reexports()
+    assert not found, "import these names from their home instead:\n" + "\n".join(found)

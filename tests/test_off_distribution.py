@@ -163,10 +163,10 @@ def test_predict_flags_a_fluorescence_slide_and_still_predicts_it(trained, tmp_p
 def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cannot_check(trained, tmp_path, caplog):
     import torch
 
-    from wsi_pipeline.evaluation.runner import predict_slides
+    from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
-    cfg, man = trained["cfg"], trained["manifest"]
+    cfg = trained["cfg"]
     state = load_checkpoint(cfg.run_dir("m", 0) / "best.pt")
     ref = state.pop("stain_reference")
     old = save_checkpoint(tmp_path / "old.pt", state)

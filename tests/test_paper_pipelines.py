@@ -18,15 +18,15 @@ import pandas as pd
 import pytest
 import torch
 
-from wsi_pipeline.config.pipeline import Protocol, config_from_dict, config_to_dict
+from wsi_pipeline.config.pipeline import EvalProtocol, config_from_dict, config_to_dict
 
 
 def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypatch):
-    import wsi_pipeline.inference.validation as protocols_mod
+    import wsi_pipeline.inference.protocol_metrics as protocols_mod
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.training.loop import train_pipeline
 
-    seen: list[Protocol] = []
+    seen: list[EvalProtocol] = []
     real = protocols_mod.validation_metrics
 
     def spy(labels, preds, protocol, n_classes):
@@ -47,7 +47,7 @@ def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypa
     }
     cfg = config_from_dict(raw)
     train_pipeline(cfg, progress=False)
-    assert seen == [Protocol(), Protocol(4, 3)]  # methods train in the config's order
+    assert seen == [EvalProtocol(), EvalProtocol(4, 3)]  # methods train in the config's order
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,9 +64,9 @@ PROTOCOLS = ["all", "sub4x3"]
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     """Three methods x three seeds (``abmil_frozen`` seed 2 unfinished) saved as trained runs, evaluated."""
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.inference.checkpoint import save_checkpoint
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
     from wsi_pipeline.manifests.schema import read_manifest, write_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
 

@@ -18,12 +18,9 @@ from torch import nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.heads import HEADS, CNNHead, PaperCNNHead, build_head, grid_layout, tiles_to_z
 from wsi_pipeline.data.store import StoreWriter, open_store
-from wsi_pipeline.training.patchgd import (
-    PatchGDConfig,
-    PatchGDStrategy,
-    accumulation_windows,
-    plan_inner_iterations,
-)
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.training.patchgd import PatchGDTrainer
+from wsi_pipeline.training.patchgd_plan import accumulation_windows, plan_inner_iterations
 
 
 @pytest.fixture(autouse=True)
@@ -97,7 +94,7 @@ def test_z_cell_is_encoder_of_tile_at_grid_position_in_spatial_layout(tmp_path):
     store = make_store(tmp_path / "s.zarr", grid)
     enc, head = models()
     enc.train()  # the loop trains in train mode; the fill must still use the frozen statistics
-    strat = PatchGDStrategy({"patchgd": {}}, enc, head, 2)
+    strat = PatchGDTrainer({"patchgd": {}}, enc, head, 2)
     z, mask, layout = strat.fill_z(store)
     assert z.shape == (1, 12, 3, 7) and mask.shape == (1, 3, 7)
     assert layout.origin == (5, 2) and layout.factor == 1
@@ -172,7 +169,7 @@ def test_windows_and_config_errors():
 
 def run_bag(store, enc, head, seed=0, **options):
     """bag_step with gradients captured at each optimiser step (then zeroed)."""
-    strat = PatchGDStrategy({"patchgd": options}, enc, head, head.n_classes)
+    strat = PatchGDTrainer({"patchgd": options}, enc, head, head.n_classes)
     steps: list[list[torch.Tensor]] = []
 
     def step() -> None:
@@ -276,7 +273,7 @@ def test_fresh_embeddings_stay_in_z_for_later_iterations(tmp_path):
     head_in: list[torch.Tensor] = []
     enc.register_forward_hook(lambda m, i, o: live_out.append(o.detach().clone()) if torch.is_grad_enabled() else None)
     head.register_forward_pre_hook(lambda m, a: head_in.append(a[0].detach().clone()))
-    strat = PatchGDStrategy({"patchgd": {"k": 2, "zeta": 3, "epsilon": 1}}, enc, head, 2)
+    strat = PatchGDTrainer({"patchgd": {"k": 2, "zeta": 3, "epsilon": 1}}, enc, head, 2)
     enc.eval()
     with torch.no_grad():
         fill = enc(tiles_to_tensor(store.read()))
@@ -304,7 +301,7 @@ def test_parameters_change_only_at_optimizer_steps(tmp_path):
         opt.zero_grad(set_to_none=True)
         n_steps.append(1)
 
-    strat = PatchGDStrategy({"patchgd": {"k": 2, "zeta": 5, "epsilon": 2}}, enc, head, 2)
+    strat = PatchGDTrainer({"patchgd": {"k": 2, "zeta": 5, "epsilon": 2}}, enc, head, 2)
     strat.bag_step(store, 0, step, torch.Generator().manual_seed(0))
     assert len(n_steps) == 3 and len(seen) == 5  # windows 2, 2, 1
     same = [torch.equal(seen[i], seen[i + 1]) for i in range(4)]
@@ -322,22 +319,22 @@ def test_method_config_plumbing(tmp_path):
         aggregator=SimpleNamespace(name="cnn", options={"width": 4}),
         patchgd={"k": 2, "max_grid": 3},
     )
-    strat = PatchGDStrategy(method, enc, None, 2)
+    strat = PatchGDTrainer(method, enc, None, 2)
     assert isinstance(strat.head, CNNHead) and strat.head.convs[0].out_channels == 4
     assert strat.cfg.freeze_bn is False and strat.head.max_grid == 3
     # a head built elsewhere takes the strategy's grid cap; the projection must match
     head = build_head("transformer", 6, 2, dim=8, max_grid=50)
-    PatchGDStrategy({"patchgd": {"max_grid": 7}}, enc, head, 2)
+    PatchGDTrainer({"patchgd": {"max_grid": 7}}, enc, head, 2)
     assert head.max_grid == 7
     with pytest.raises(ValueError, match="patchgd.proj_dim=4 but the head was built with proj_dim=6"):
-        PatchGDStrategy({"patchgd": {"proj_dim": 4}}, enc, head, 2)
+        PatchGDTrainer({"patchgd": {"proj_dim": 4}}, enc, head, 2)
     with pytest.raises(ValueError, match="n_classes=3 but the head was built for 2 classes"):
-        PatchGDStrategy({}, enc, head, 3)
+        PatchGDTrainer({}, enc, head, 3)
     with pytest.raises(TypeError, match="PatchGD needs a grid head"):
-        PatchGDStrategy({}, enc, nn.Linear(6, 2), 2)
-    assert isinstance(PatchGDStrategy({"aggregator": {"name": "abmil"}}, enc, None, 2).head, CNNHead)
+        PatchGDTrainer({}, enc, nn.Linear(6, 2), 2)
+    assert isinstance(PatchGDTrainer({"aggregator": {"name": "abmil"}}, enc, None, 2).head, CNNHead)
     method = {"aggregator": {"name": "transformer", "options": {"dim": 8}}, "patchgd": {}}
-    assert isinstance(PatchGDStrategy(method, enc, None, 2).head, TransformerHead)
+    assert isinstance(PatchGDTrainer(method, enc, None, 2).head, TransformerHead)
     store = make_store(tmp_path / "s.zarr", block_grid(2, 3))
     with pytest.raises(ValueError, match=r"label=2 outside \[0, n_classes=2\)"):
         strat.bag_step(store, 2, lambda: None)
@@ -349,7 +346,7 @@ def test_encoder_batchnorm_frozen_or_live(tmp_path, freeze):
     enc, head = models(dtype=torch.float32)
     enc.train()
     before = enc.net[1].running_mean.clone()
-    strat = PatchGDStrategy({"patchgd": {"k": 3, "freeze_bn": freeze}}, enc, head, 2)
+    strat = PatchGDTrainer({"patchgd": {"k": 3, "freeze_bn": freeze}}, enc, head, 2)
     strat.bag_step(store, 1, lambda: None, torch.Generator().manual_seed(0))
     assert torch.equal(enc.net[1].running_mean, before) == freeze
     assert enc.training and enc.net[1].training  # modes restored
@@ -390,7 +387,7 @@ def test_saved_activations_bounded_by_k_tiles_not_slide_size(tmp_path):
     noop = lambda: None  # noqa: E731
     measured = {}
     for name, store in (("small", small), ("big", big)):
-        strat = PatchGDStrategy({"patchgd": {"k": k, "zeta": 1}}, enc, head, 2)
+        strat = PatchGDTrainer({"patchgd": {"k": k, "zeta": 1}}, enc, head, 2)
         measured[name] = saved_bytes(enc, lambda s=store, st=strat: st.bag_step(s, 1, noop, torch.Generator().manual_seed(0)))
         enc.zero_grad(set_to_none=True)
         head.zero_grad(set_to_none=True)
@@ -514,7 +511,7 @@ def test_patchgd_learns_planted_lesions(tmp_path):
     train, val = df[df.split == "train"], df[df.split == "val"]
     torch.manual_seed(0)
     method = {"encoder": {"bn": "frozen"}, "aggregator": {"name": "transformer"}, "patchgd": {"fraction": 0.5}}
-    strat = PatchGDStrategy(method, enc, None, 2)
+    strat = PatchGDTrainer(method, enc, None, 2)
     head = strat.head
     assert type(head).__name__ == "TransformerHead"
     enc_before = flat_params([enc])
@@ -609,7 +606,7 @@ def test_batch_of_slides_gives_the_batch_mean_loss_gradient_with_the_paper_head(
     init = {k: v.clone() for k, v in head.state_dict().items()}
     enc.train()
     head.train()
-    strat = PatchGDStrategy({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)  # k = 4 and 3, zeta = 2
+    strat = PatchGDTrainer({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)  # k = 4 and 3, zeta = 2
     steps: list[list[torch.Tensor]] = []
     strat.batch_step(stores, labels, lambda: steps.append(grads([enc, head])), torch.Generator().manual_seed(0))
     assert len(steps) == 1 and [len(p) for p in strat.last_plans] == [2, 2]
@@ -679,7 +676,7 @@ def test_train_mode_fill_embeds_random_k_groups_of_the_batch_together(tmp_path):
     enc, head = models()
     ref = copy.deepcopy(enc).train()
     enc.train()
-    strat = PatchGDStrategy({"patchgd": {"k": 2, "freeze_bn": False, "slides_per_batch": 2}}, enc, head, 2)
+    strat = PatchGDTrainer({"patchgd": {"k": 2, "freeze_bn": False, "slides_per_batch": 2}}, enc, head, 2)
     caches = strat._fill(stores, [2, 2], torch.Generator().manual_seed(7))
     gen = torch.Generator().manual_seed(7)
     perms = [torch.randperm(6, generator=gen), torch.randperm(5, generator=gen)]
@@ -708,7 +705,7 @@ def _raw_pipeline(methods):
 
 def test_paper_preset_fills_in_the_papers_settings_and_explicit_keys_win():
     from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
-    from wsi_pipeline.inference.models import patchgd_method
+    from wsi_pipeline.inference.method_models import patchgd_method
 
     cfg = config_from_dict(_raw_pipeline([
         {"name": "paper", "strategy": "patchgd", "patchgd": {"preset": "paper"}},
@@ -720,7 +717,7 @@ def test_paper_preset_fills_in_the_papers_settings_and_explicit_keys_win():
     assert (paper.encoder.bn, paper.aggregator.name) == ("train", "cnn_paper")
     t = paper.train
     assert (t.schedule, t.warmup_epochs, t.lr, t.min_lr, t.weight_decay, t.epochs) == ("linear", 2, 1e-3, 5e-4, 0.0, 10)
-    strat = PatchGDStrategy(patchgd_method(paper), TinyEncoder(12), None, 6)
+    strat = PatchGDTrainer(patchgd_method(paper), TinyEncoder(12), None, 6)
     c = strat.cfg
     assert (c.backbone_scale, c.freeze_bn, c.slides_per_batch, c.fraction, c.epsilon, c.partial_window) == (
         "paper", False, 14, 0.1, None, "drop")
@@ -728,7 +725,7 @@ def test_paper_preset_fills_in_the_papers_settings_and_explicit_keys_win():
     # the method's own keys win over the preset's; the rest still comes from the preset
     assert (mine.encoder.bn, mine.aggregator.name, mine.patchgd["fraction"]) == ("frozen", "transformer", 0.25)
     assert (mine.train.lr, mine.train.min_lr, mine.train.schedule, mine.patchgd["backbone_scale"]) == (5e-4, 2.5e-4, "linear", "paper")
-    assert PatchGDStrategy(patchgd_method(mine), TinyEncoder(12), None, 6).cfg.freeze_bn is True
+    assert PatchGDTrainer(patchgd_method(mine), TinyEncoder(12), None, 6).cfg.freeze_bn is True
     # no preset: nothing changes
     assert (plain.train.lr, plain.train.schedule, plain.encoder.bn, plain.patchgd) == (1e-4, "cosine", "frozen", {})
     assert PatchGDConfig.from_mapping({}).slides_per_batch == 1
@@ -769,18 +766,18 @@ def test_paper_preset_trains_through_the_loop(tmp_path, store_cohort):
     calls: list[int] = []
     from wsi_pipeline.training import strategies
 
-    orig = strategies.PatchGDAdapter.run_batch
+    orig = strategies.PatchGDStrategy.run_batch
 
     def spy(self, stores, labels, step, gen):
         calls.append(len(stores))
         return orig(self, stores, labels, step, gen)
 
-    strategies.PatchGDAdapter.run_batch = spy
+    strategies.PatchGDStrategy.run_batch = spy
     try:  # the paper's BatchNorm in train mode: the risk is said, as it must be (test_bn_shortcut)
         with pytest.warns(BagStatisticsWarning, match="method 'paper': encoder.bn='train'"):
             train_pipeline(cfg, progress=False)
     finally:
-        strategies.PatchGDAdapter.run_batch = orig
+        strategies.PatchGDStrategy.run_batch = orig
     assert calls == [4, 2] * 3  # 6 training slides in batches of 4 per epoch
     hist = pd.read_csv(tmp_path / "runs" / "pp" / "paper" / "seed0" / "history.csv")
     # the preset's lr 1e-3 and warm-up: lr/3, 2 lr/3, then the linear decay starts at lr (test_optim has the decay)
@@ -802,7 +799,7 @@ def test_batch_with_different_k_scales_each_slides_live_rows_by_its_own_n_over_k
     init = {k: v.clone() for k, v in head.state_dict().items()}
     enc.train()
     head.train()
-    strat = PatchGDStrategy({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)
+    strat = PatchGDTrainer({"patchgd": {"fraction": 0.5, "slides_per_batch": 2}}, enc, head, 2)
     steps: list[list[torch.Tensor]] = []
     strat.batch_step(stores, labels, lambda: steps.append(grads([enc, head])), torch.Generator().manual_seed(3))
     plans = strat.last_plans

@@ -6,13 +6,12 @@ and the README maps each row to its pipeline and method."""
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from wsi_pipeline.config.pipeline import Protocol, load_config
+from wsi_pipeline.config.pipeline import EvalProtocol, load_config
 
 PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
 ALL_YAML = sorted(PIPELINES.glob("*.yaml"))
@@ -52,7 +51,7 @@ _BUILT: set[str] = set()  # models already built and run by an earlier method (t
 def test_every_config_loads_and_its_methods_build(path):
     """Each method passes its strategy's checks, and its models build and map a 3-tile bag to C logits."""
     from wsi_pipeline.config.pipeline import config_to_dict
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
     from wsi_pipeline.inference.protocols import run_aggregator
     from wsi_pipeline.models import ENCODERS
     from wsi_pipeline.training.strategies import check_strategy
@@ -66,7 +65,7 @@ def test_every_config_loads_and_its_methods_build(path):
         assert m.encoder.name in ENCODERS.names()
         C = endpoint_outputs(m, cfg.data.n_classes)  # classes, or 1 for a Cox risk
         m = _weightless(m)
-        key = repr((C, config_to_dict(dataclasses.replace(m, name="m", train=type(m.train)(), val_protocol=Protocol()))))
+        key = repr((C, config_to_dict(dataclasses.replace(m, name="m", train=type(m.train)(), val_protocol=EvalProtocol()))))
         if key in _BUILT:
             continue
         _BUILT.add(key)
@@ -111,16 +110,16 @@ def test_paper_pipelines_hold_every_row_with_the_papers_settings(name):
         assert t.augment.enabled == (aug == ["aug"]), m.name
         if cohort == "panda":
             assert t.lr in (1e-4, 5e-5, 1e-5)
-            assert m.val_protocol == Protocol()
+            assert m.val_protocol == EvalProtocol()
         else:  # section 4.2.4: our DTFD and TransMIL models on 3 x 2048 tiles, the rest on all tiles
             sampled = kind == "bigl" and agg in ("dtfd", "transmil")
-            assert m.val_protocol == (Protocol(2048, 3) if sampled else Protocol()), m.name
+            assert m.val_protocol == (EvalProtocol(2048, 3) if sampled else EvalProtocol()), m.name
     if cohort == "panda":
         assert cfg.data.n_classes == 6 and cfg.data.tiling.min_foreground == pytest.approx(0.6)
-        assert cfg.eval.protocols == (Protocol(), Protocol(256, 100))  # all tiles; TCGA-PRAD-256
+        assert cfg.eval.protocols == (EvalProtocol(), EvalProtocol(256, 100))  # all tiles; TCGA-PRAD-256
     else:
         assert cfg.data.n_classes == 2 and cfg.data.tiling.method == "otsu"
-        assert cfg.eval.protocols == (Protocol(), Protocol(2048, 10))  # CAM-All, CAM-2048
+        assert cfg.eval.protocols == (EvalProtocol(), EvalProtocol(2048, 10))  # CAM-All, CAM-2048
     assert cfg.data.tiling.tile_size == 256 and cfg.data.tiling.mpp_target == pytest.approx(0.5)
 
 
@@ -132,9 +131,9 @@ def test_a_method_overrides_the_pipelines_validation_protocol(tmp_path):
     cfg = load_config(PIPELINES / "camelyon.yaml", ["eval.val_protocol=sub64x2",
                                                     "methods.abmil_bigl.val_protocol=ens8x4"])
     by = {m.name: m.val_protocol for m in cfg.methods}
-    assert by["abmil_frozen"] == Protocol(64, 2)  # inherits the (overridden) pipeline default
-    assert by["abmil_bigl"] == Protocol(8, 4, ensemble=True)
-    assert by["dtfd_bigl"] == Protocol(2048, 3)  # its own, from the YAML
+    assert by["abmil_frozen"] == EvalProtocol(64, 2)  # inherits the (overridden) pipeline default
+    assert by["abmil_bigl"] == EvalProtocol(8, 4, ensemble=True)
+    assert by["dtfd_bigl"] == EvalProtocol(2048, 3)  # its own, from the YAML
     assert config_from_dict(config_to_dict(cfg)) == cfg
     with pytest.raises(ValueError, match=r"methods\.abmil_bigl\.val_protocol"):
         load_config(PIPELINES / "camelyon.yaml", ["methods.abmil_bigl.val_protocol=some"])

@@ -10,7 +10,7 @@ import pytest
 from test_train_loop import make_config
 from wsi_pipeline.data.store import StoreWriter, open_store
 from wsi_pipeline.config.pipeline import load_config
-from wsi_pipeline.training.loop import preflight
+from wsi_pipeline.training.preflight import preflight
 
 
 def _cohort_with_an_empty_slide(tmp_path, store_cohort):

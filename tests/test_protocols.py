@@ -5,19 +5,9 @@ from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.inference.metrics import compute_metrics
-from wsi_pipeline.inference.protocols import (
-    ALL,
-    Protocol,
-    embed_slide,
-    parse_protocol,
-    parse_protocols,
-    predict_protocols,
-    predict_slide,
-    protocol_rng,
-    repeat_probs,
-    subset_indices,
-)
-from wsi_pipeline.inference.validation import validate_model
+from wsi_pipeline.config.evaluation import ALL, EvalProtocol, parse_protocol, parse_protocols
+from wsi_pipeline.inference.protocols import embed_slide, predict_protocols, predict_slide, protocol_rng, repeat_probs, subset_indices
+from wsi_pipeline.inference.protocol_metrics import validate_model
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.data.store import StoreWriter, open_store
 
@@ -77,14 +67,14 @@ def _models(n_classes=2):
 
 def test_parse_protocols():
     assert parse_protocol("all") is ALL
-    assert parse_protocol("sub2048x10") == Protocol(2048, 10) and parse_protocol("sub256x100").name == "sub256x100"
-    assert parse_protocols(["all", "sub4x3", "all"]) == [ALL, Protocol(4, 3)]  # duplicates dropped, order kept
-    assert parse_protocols(None) == [ALL] and parse_protocol(Protocol(4, 3)) == Protocol(4, 3)
+    assert parse_protocol("sub2048x10") == EvalProtocol(2048, 10) and parse_protocol("sub256x100").name == "sub256x100"
+    assert parse_protocols(["all", "sub4x3", "all"]) == [ALL, EvalProtocol(4, 3)]  # duplicates dropped, order kept
+    assert parse_protocols(None) == [ALL] and parse_protocol(EvalProtocol(4, 3)) == EvalProtocol(4, 3)
     # the mean-probability ensemble has its own name, never the papers' sub<k>x<R>
     ens = parse_protocol("ens256x100")
-    assert ens == Protocol(256, 100, ensemble=True) and ens.name == "ens256x100" and not ens.per_repeat
+    assert ens == EvalProtocol(256, 100, ensemble=True) and ens.name == "ens256x100" and not ens.per_repeat
     assert parse_protocol("sub256x100").per_repeat and not parse_protocol("sub256x100").ensemble
-    assert parse_protocols(["sub4x3", "ens4x3"]) == [Protocol(4, 3), Protocol(4, 3, ensemble=True)]
+    assert parse_protocols(["sub4x3", "ens4x3"]) == [EvalProtocol(4, 3), EvalProtocol(4, 3, ensemble=True)]
     # one spelling: every other form is refused, naming the field, the value and the spelling
     for bad in ("256x100", "sub256X100", " sub4x3", "subsample4x3", "ensemble4x3", "sub4x", {"subsample": {"k": 4, "repeats": 3}},
                 {"k": 4, "repeats": 3}, None, 4):
@@ -93,13 +83,13 @@ def test_parse_protocols():
     with pytest.raises(ValueError, match=r"protocols\[1\]='most'"):
         parse_protocols(["all", "most"])
     # the config's protocol is this one class
-    from wsi_pipeline.config.pipeline import Protocol as CfgProtocol
+    from wsi_pipeline.config.pipeline import EvalProtocol as CfgProtocol
 
-    assert CfgProtocol is Protocol
+    assert CfgProtocol is EvalProtocol
 
 
 def test_sub_and_ens_draw_the_same_subsets():
-    a, b = Protocol(5, 4), Protocol(5, 4, ensemble=True)
+    a, b = EvalProtocol(5, 4), EvalProtocol(5, 4, ensemble=True)
     sa = subset_indices(40, a, protocol_rng(0, "s1", a))
     sb = subset_indices(40, b, protocol_rng(0, "s1", "ens5x4"))
     assert all(np.array_equal(x, y) for x, y in zip(sa, sb))
@@ -108,7 +98,7 @@ def test_sub_and_ens_draw_the_same_subsets():
 def test_embed_once_equals_per_subset_recomputation(store):
     enc, agg = _models()
     enc.train(), agg.train()  # predict_slide/embed_slide must switch to eval themselves
-    prot = Protocol(k=7, repeats=5)
+    prot = EvalProtocol(k=7, repeats=5)
     z = embed_slide(enc, store, batch_size=6)
     assert enc.training and agg.training  # modes restored
     pred = predict_slide(agg, z, store.grid, prot, protocol_rng(3, "s1", prot))
@@ -131,7 +121,7 @@ def test_embed_once_equals_per_subset_recomputation(store):
 def test_repeats_reproducible_and_different(store):
     enc, agg = _models()
     z = embed_slide(enc, store)
-    prot = Protocol(k=5, repeats=6)
+    prot = EvalProtocol(k=5, repeats=6)
     a = subset_indices(len(store), prot, protocol_rng(0, "s1", prot))
     b = subset_indices(len(store), prot, protocol_rng(0, "s1", prot))
     c = subset_indices(len(store), prot, protocol_rng(1, "s1", prot))
@@ -149,7 +139,7 @@ def test_all_and_large_k_use_every_tile_once(store):
     enc, agg = _models()
     z = embed_slide(enc, store)
     full = predict_slide(agg, z, None, ALL)
-    big = predict_slide(agg, z, None, Protocol(100, 10), protocol_rng(0, "s1", "x"))
+    big = predict_slide(agg, z, None, EvalProtocol(100, 10), protocol_rng(0, "s1", "x"))
     assert big.n_repeats == 1 and full.n_repeats == 1
     np.testing.assert_allclose(big.probs, full.probs)
     assert full.prob_std.tolist() == [0.0, 0.0]
@@ -162,7 +152,7 @@ def test_predict_protocols_embeds_once_and_passes_grid(store):
     enc.forward = lambda x: (calls.append(len(x)), orig(x))[1]
     torch.manual_seed(1)
     head = GridHead()
-    out = predict_protocols(enc, head, store, [ALL, Protocol(5, 4), Protocol(5, 4, ensemble=True)], slide_id="s1", batch_size=16)
+    out = predict_protocols(enc, head, store, [ALL, EvalProtocol(5, 4), EvalProtocol(5, 4, ensemble=True)], slide_id="s1", batch_size=16)
     assert sum(calls) == len(store)  # every tile embedded exactly once for every protocol
     assert set(out) == {"all", "sub5x4", "ens5x4"}
     assert out["sub5x4"].attention is out["all"].attention
@@ -214,7 +204,7 @@ def test_validate_model_per_repeat_and_ensemble_protocols_vs_sklearn():
     agg.eval()
     with torch.no_grad():
         for i, (z, sid) in enumerate(zip(zs, ids)):
-            subsets = subset_indices(len(z), Protocol(k, R), protocol_rng(0, sid, "sub6x5"))
+            subsets = subset_indices(len(z), EvalProtocol(k, R), protocol_rng(0, sid, "sub6x5"))
             ps = [torch.softmax(agg(z[torch.as_tensor(idx)]).logits, 0)[1].item() for idx in subsets]
             ref[:, i] = ps if len(ps) == R else ps * R  # a one-pass slide counts in every repeat
     per_auc = [roc_auc_score(y, ref[r]) for r in range(R)]
@@ -242,8 +232,8 @@ def test_validate_model_per_repeat_and_ensemble_protocols_vs_sklearn():
 def test_repeat_probs_broadcasts_one_pass_slides(store):
     _, agg = _models()
     z = torch.randn(40, D)
-    many = predict_slide(agg, z, None, Protocol(5, 3), protocol_rng(0, "a", "sub5x3"), with_attention=False)
-    one = predict_slide(agg, z[:4], None, Protocol(5, 3), protocol_rng(0, "b", "sub5x3"), with_attention=False)
+    many = predict_slide(agg, z, None, EvalProtocol(5, 3), protocol_rng(0, "a", "sub5x3"), with_attention=False)
+    one = predict_slide(agg, z[:4], None, EvalProtocol(5, 3), protocol_rng(0, "b", "sub5x3"), with_attention=False)
     P = repeat_probs([many, one], 3)
     assert P.shape == (3, 2, 2)
     np.testing.assert_array_equal(P[:, 0], many.repeat_probs)

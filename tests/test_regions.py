@@ -18,7 +18,9 @@ import pytest
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.synthetic.fields import FieldSpec, make_field, write_field
 from wsi_pipeline.tiling.regions import read_regions, region_file
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 T = 64  # tile px: 16 x 16 tiles on the 1024 px field
 N = 1024

@@ -181,14 +181,14 @@ def test_evaluation_draws_heatmaps_of_the_run_best_on_validation(tmp_path):
     import torch
 
     from wsi_pipeline.data.tensors import tiles_to_tensor
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.thumbnail import thumbnail_shape
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.data.store import open_store, store_path
     from wsi_pipeline.inference.checkpoint import load_trained_model, save_checkpoint
     from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     manifest = make_store_cohort(tmp_path / "data", n_slides=8, tiles_per_slide=(12, 20), seed=0)
     raw = {"name": "t", "seeds": [0, 1], "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results"),

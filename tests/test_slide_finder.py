@@ -12,9 +12,10 @@ from wsi_pipeline.manifests.folder import build_folder_manifest
 from wsi_pipeline.manifests.sources import clean_slide_ids
 from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, find_slide_files, slide_id
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.runner import jobs_from_folder, tile_cohort
+from wsi_pipeline.tiling.sources import jobs_from_folder
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.tiling.tiler import TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
 
 # extensions a generated Aperio-layout TIFF is a valid slide under (both readers detect TIFFs by content)
 TIFF_LIKE = (".svs", ".tif", ".tiff", ".ome.tif", ".ome.tiff", ".qptiff")

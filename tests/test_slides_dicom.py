@@ -16,9 +16,9 @@ from pydicom.sequence import Sequence
 from pydicom.uid import ExplicitVRLittleEndian, ImplicitVRLittleEndian, generate_uid
 
 from wsi_pipeline.slides import SlideOpenError, open_slide
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.tiling.tiler import TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
 
 WSI_SOP_CLASS = "1.2.840.10008.5.1.4.1.1.77.1.6"
 
@@ -171,7 +171,7 @@ def test_real_dicom_wsidicom_equals_openslide_and_pydicom_frames(real_slides_dir
 def test_reader_warnings_go_to_the_log(real_slides_dir: Path, caplog) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a leaked warning fails the test
-        with caplog.at_level(logging.INFO, logger="wsi_pipeline.slides.reader"):
+        with caplog.at_level(logging.INFO, logger="wsi_pipeline.slides.opener"):
             with open_slide(real_slides_dir / "test3-DAPI-2-387.ndpi", "tiffslide") as s:
                 assert s.backend == "tiffslide"
     assert "tiffslide on test3-DAPI-2-387.ndpi: hamamatsu-format metadata parsing only partially implemented" in caplog.text

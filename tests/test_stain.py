@@ -291,7 +291,7 @@ def test_augmentation_draws_hed_and_mixing_once_per_bag_and_applies_them_to_ever
     assert torch.equal(whole, chunked)  # one draw, the same transform for every chunk of the bag
     x = to_float(tiles, torch.get_default_dtype())
     ref = hed_jitter(mix_stains(x, src, donors[p.mix_donor], p.mix_weight), p.hed_scale, p.hed_shift)
-    from wsi_pipeline.data.tensors import IMAGENET_MEAN, IMAGENET_STD
+    from wsi_pipeline.models.input_norm import IMAGENET_MEAN, IMAGENET_STD
 
     ref = (ref - torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1)) / torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     assert torch.allclose(whole, ref, atol=1e-5)

@@ -117,7 +117,7 @@ def test_predict_applies_the_stored_normaliser_and_a_fluorescence_slide_falls_ba
     from wsi_pipeline.data.stain_slides import SlideStain
     from wsi_pipeline.data.stain_stats import even_indices
     from wsi_pipeline.data.tensors import tiles_to_tensor
-    from wsi_pipeline.evaluation.runner import predict_slides
+    from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model, save_checkpoint
     from wsi_pipeline.synthetic.cohort import EXTERNAL_TINT
     from wsi_pipeline.synthetic.stores import make_store_cohort
@@ -158,7 +158,7 @@ def test_predict_applies_the_stored_normaliser_and_a_fluorescence_slide_falls_ba
 
 @pytest.mark.slow
 def test_eval_applies_the_stored_normaliser_and_reports_it_per_slide(trained):
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
 
     cfg, man = trained["cfg"], trained["manifest"]
     # an external cohort of one fluorescence slide: scored unnormalised, named in stain.csv and the report

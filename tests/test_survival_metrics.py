@@ -12,9 +12,9 @@ from wsi_pipeline.inference import survival_metrics as sm
 from wsi_pipeline.inference.endpoint_metrics import regression_metrics, survival_reference
 from wsi_pipeline.inference.endpoints import Endpoint, breslow_baseline
 
-import lifelines  # noqa: E402  (the test extra's references)
-import sksurv.metrics as sksurv_metrics  # noqa: E402
-from sksurv.util import Surv  # noqa: E402
+import lifelines  # the test extra's references
+import sksurv.metrics as sksurv_metrics
+from sksurv.util import Surv
 
 
 def _cohort(seed: int, n: int = 50):
@@ -107,7 +107,7 @@ def test_survival_bootstrap_and_repeats_follow_the_resampling_loop():
     """A seed-mean bootstrap interval of the C-index equals the percentile interval of a loop written here
     (same draws: ``default_rng(seed).integers(0, n, n)`` per resample, two seeds scored on the same slides)."""
     from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records
-    from wsi_pipeline.config.evaluation import Protocol
+    from wsi_pipeline.config.evaluation import EvalProtocol
 
     t, e, r = _cohort(7, 30)
     r2 = r + np.random.default_rng(8).normal(0, 0.5, len(r))
@@ -127,7 +127,7 @@ def test_survival_bootstrap_and_repeats_follow_the_resampling_loop():
     assert (low, high) == pytest.approx(tuple(np.quantile(values, [0.025, 0.975])), abs=1e-12)
     # per-repeat protocol: the mean and sd over repeats of each repeat's C-index
     reps = [{"risk": r + k * 0.3 * np.sin(np.arange(len(r)))} for k in range(4)]
-    recs, _ = level_records("m", 0, "c", "test", Protocol(8, 4), "survival", targets, reps, ref=ref)
+    recs, _ = level_records("m", 0, "c", "test", EvalProtocol(8, 4), "survival", targets, reps, ref=ref)
     per = [sksurv_metrics.concordance_index_censored(e, t, x["risk"])[0] for x in reps]
     value = {x.metric: x.value for x in recs if x.repeat is None}
     assert value["c_index"] == pytest.approx(np.mean(per), abs=1e-12)

@@ -34,8 +34,8 @@ def _cox_loop(risk: np.ndarray, time: np.ndarray, event: np.ndarray, ties: str) 
         s_all = sum(math.exp(risk[i]) for i in risk_set)
         s_dead = sum(math.exp(risk[i]) for i in dead)
         ll += sum(risk[i] for i in dead)
-        for l in range(len(dead)):
-            ll -= math.log(s_all - (l / len(dead) if ties == "efron" else 0.0) * s_dead)
+        for j in range(len(dead)):
+            ll -= math.log(s_all - (j / len(dead) if ties == "efron" else 0.0) * s_dead)
     return -ll / event.sum()
 
 
@@ -169,9 +169,9 @@ def _small_models(strategy, n_outputs: int) -> None:
 
 def _eval_bn(module):
     """BatchNorm layers on running statistics (as the strategies' frozen BatchNorm), dropout left in train mode."""
-    from wsi_pipeline.training.accumulate import _bn_training
+    from wsi_pipeline.training.accumulate import bn_training
 
-    return _bn_training(module, False)
+    return bn_training(module, False)
 
 
 def _relative(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:

@@ -21,8 +21,9 @@ from wsi_pipeline.synthetic.texture import HE_STAIN
 from wsi_pipeline.tiling.artifacts import QC_BITS, focus_measure, fold_mask, ink_mask, pen_colours
 from wsi_pipeline.tiling.background import estimate_background
 from wsi_pipeline.tiling.density import density_tissue_mask
-from wsi_pipeline.tiling.runner import tile_cohort
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+from wsi_pipeline.tiling.cohort import tile_cohort
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
 
 FOCUS_MIN = QCParams().focus_min
 

@@ -18,8 +18,9 @@ import pytest
 from wsi_pipeline.cli.main import build_parser, main
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.partition import parse_shard, shard_indices
-from wsi_pipeline.tiling.runner import jobs_from_folder, tile_cohort
-from wsi_pipeline.tiling.tiler import TilingConfig
+from wsi_pipeline.tiling.sources import jobs_from_folder
+from wsi_pipeline.tiling.cohort import tile_cohort
+from wsi_pipeline.config.tiling import TilingConfig
 
 #: report columns that measure this run rather than describe its result
 TIMING_COLUMNS = ("seconds", "cpu_seconds")

@@ -18,9 +18,12 @@ import pytest
 import tifffile
 
 from wsi_pipeline.slides.direct import DirectTiles
-from wsi_pipeline.slides.reader import open_slide
+from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, plan_tiles, tile_slide
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.plan import plan_tiles
+from wsi_pipeline.tiling.tiler import tile_slide
 
 from test_tiling_pixels import MPP, T, _formula, _grey_fraction  # MPP: given to the tiler as the manifest's (a generic TIFF has none)
 

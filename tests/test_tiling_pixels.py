@@ -24,9 +24,11 @@ import tifffile
 import tiffslide
 
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 T = 128
 MPP = 0.25
@@ -159,7 +161,7 @@ def test_every_stored_tile_is_the_formula(pyramid, tmp_path: Path, backend: str,
 def test_openslide_without_tiff_access_skips_non_integer_levels(pyramid, tmp_path: Path, monkeypatch) -> None:
     """A format only OpenSlide reads (no tiffslide twin): levels with a non-integer downsample are
     never read (OpenSlide would interpolate them); the target is met from level 0, resized."""
-    from wsi_pipeline.slides.reader import OpenSlideSlide
+    from wsi_pipeline.slides.backends import OpenSlideSlide
 
     monkeypatch.setattr(OpenSlideSlide, "_tiff_twin", lambda self: None)
     path, levels = pyramid
@@ -210,7 +212,7 @@ def test_jpeg_aperio_like_slide_matches_the_library_read_of_the_level(tmp_path: 
         lib = tiffslide.TiffSlide(str(path))
         levels = [lib.read_region((0, 0), L, lib.level_dimensions[L], as_array=True) for L in range(lib.level_count)]
     lib.close()
-    assert not float((levels[0].shape[1] / levels[1].shape[1])).is_integer()
+    assert not float(levels[0].shape[1] / levels[1].shape[1]).is_integer()
     for target in (0.5, 0.6):
         ref = _formula(levels, target)
         out = tmp_path / f"out{target}"

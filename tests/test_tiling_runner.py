@@ -20,9 +20,12 @@ import zarr
 
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.runner import jobs_from_folder, tile_cohort
+from wsi_pipeline.tiling.sources import jobs_from_folder
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import StoreDamagedError, is_complete, open_store
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 REPO = Path(__file__).resolve().parents[1]
 

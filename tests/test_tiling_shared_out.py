@@ -24,9 +24,9 @@ from wsi_pipeline.tiling import pool, runner
 from wsi_pipeline.tiling.locks import LockDir
 from wsi_pipeline.output_dirs import OutputDirError
 from wsi_pipeline.tiling.report import _merge_rows
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import is_complete
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult
+from wsi_pipeline.tiling.job import SlideJob, SlideResult
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
@@ -35,7 +35,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 # appended to a log as "<slide_id> <status>", and slowed by a delay so that runs overlap.
 _WRAPPER = """
 import sys, time
-import wsi_pipeline.tiling.runner as runner
+import wsi_pipeline.tiling.cohort as runner
 from wsi_pipeline.cli.main import main
 log, delay = sys.argv[1], float(sys.argv[2])
 orig = runner.tile_slide

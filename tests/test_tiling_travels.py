@@ -14,8 +14,8 @@ from wsi_pipeline.data.store import open_store, store_path
 @pytest.fixture(scope="module")
 def tiled(tmp_path_factory):
     from wsi_pipeline.synthetic.cohort import make_slide_cohort
-    from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.tiling.cohort import tile_cohort
+    from wsi_pipeline.config.tiling import TilingConfig
 
     root = tmp_path_factory.mktemp("travels")
     manifest = make_slide_cohort(root / "cohort", n_slides=6, size=1024, mpp=0.25,
@@ -41,7 +41,7 @@ def _config(root, manifest, tiles, name, tiling=None):
 
 @pytest.mark.slow
 def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_path):
-    from wsi_pipeline.evaluation.runner import predict_slides
+    from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.inference.checkpoint import load_checkpoint
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
@@ -66,10 +66,10 @@ def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_p
 
 
 def test_training_refuses_stores_the_config_or_each_other_disagree_with(tiled, tmp_path):
-    from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.tiling.cohort import tile_cohort
+    from wsi_pipeline.config.tiling import TilingConfig
     from wsi_pipeline.config.pipeline import load_config
-    from wsi_pipeline.training.loop import preflight
+    from wsi_pipeline.training.preflight import preflight
 
     root, manifest, tiles = tiled
     cfg = load_config(_config(root, manifest, tiles, "wrongsize", tiling={"tile_size": 256}))
@@ -88,25 +88,25 @@ def test_training_refuses_stores_the_config_or_each_other_disagree_with(tiled, t
 
 def _jobs(manifest):
     from wsi_pipeline.manifests.schema import read_manifest
-    from wsi_pipeline.tiling.tiler import SlideJob
+    from wsi_pipeline.tiling.job import SlideJob
 
     return [SlideJob(str(r.slide_id), str(r.path)) for r in read_manifest(manifest).itertuples()]
 
 
 def test_predict_refuses_stores_tiled_unlike_the_training_data(tiled, tmp_path):
-    from wsi_pipeline.evaluation.runner import _check_store_settings
-    from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.evaluation.predict import check_store_settings
+    from wsi_pipeline.tiling.cohort import tile_cohort
+    from wsi_pipeline.config.tiling import TilingConfig
 
     root, manifest, tiles = tiled
     trained = {"method": "greyscale", "tile_size": 128, "min_foreground": 0.3, "mpp_target": 0.5}
     same = [tiles / "internal_000.zarr"]
-    _check_store_settings(same, trained, allow=False)  # tiled as in training: accepted
+    check_store_settings(same, trained, allow=False)  # tiled as in training: accepted
     other = tmp_path / "other"
     tile_cohort([j for j in _jobs(manifest) if j.slide_id == "internal_000"], other,
                 TilingConfig(method="greyscale", qc_mode="off", tile_size=64, min_foreground=0.3), workers=0, progress=False)
     stores = [other / "internal_000.zarr"]
     with pytest.raises(ValueError, match=r"tiled unlike the model's training data .*tile_size 64 \(model: 128\).*"
                        r"mpp_target None \(model: 0.5\).*--allow-other-tiling"):
-        _check_store_settings(stores, trained, allow=False)
-    _check_store_settings(stores, trained, allow=True)  # warned, not refused
+        check_store_settings(stores, trained, allow=False)
+    check_store_settings(stores, trained, allow=True)  # warned, not refused

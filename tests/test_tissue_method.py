@@ -19,7 +19,9 @@ from wsi_pipeline.data.store import open_store
 from wsi_pipeline.synthetic.fields import FieldSpec, IHC_STAIN, field_spec, make_field, tile_truth, write_field
 from wsi_pipeline.tiling.background import estimate_background
 from wsi_pipeline.tiling.density import density_tissue_mask, optical_density
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 T = 256
 

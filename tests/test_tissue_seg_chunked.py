@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from wsi_pipeline.bigl.instrument import monitor_transfers
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 from wsi_pipeline.tissue_seg.chunked import ChunkedTissueUNet
 from wsi_pipeline.tissue_seg.model import PAPER_PARAMETERS, TissueUNet, count_parameters, prepare_input
 

@@ -8,7 +8,7 @@ import cv2
 import numpy as np
 import pytest
 
-from wsi_pipeline.slides.reader import open_slide
+from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.slides.scaled import read_scaled
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tissue_seg import mosaic as M

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from wsi_pipeline.cli.main import main
-from wsi_pipeline.slides.reader import open_slide
+from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.slides.scaled import read_scaled
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tissue_seg import stage

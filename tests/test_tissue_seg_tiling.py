@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from wsi_pipeline.slides.reader import open_slide
+from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.synthetic.slides import make_slide
-from wsi_pipeline.tiling.runner import tile_cohort
+from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.params import output_params
-from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+from wsi_pipeline.tiling.job import SlideJob
+from wsi_pipeline.config.tiling import TilingConfig
 from wsi_pipeline.tissue_seg import stage
 from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
 from wsi_pipeline.tissue_seg.labels import paper_labels

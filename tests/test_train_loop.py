@@ -169,7 +169,7 @@ def test_full_and_accumulate_with_frozen_bn_give_the_same_weights(tmp_path, stor
     assert max_diff(full, acc) <= EXACT_F64
     # and training did move the weights (the comparison is not between two untouched models)
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     _seed_everything(0)
     enc0, agg0 = build_models(cfg.methods[0], 2, for_training=False)
@@ -462,7 +462,7 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.inference.method_models import build_models
 
     manifest = make_store_cohort(tmp_path / "cohort", n_slides=24, tile_size=32, seed=1)
     method = {"name": "e2e", "strategy": "accumulate", "chunk_size": 8, "encoder": {"name": "resnet18", "bn": "frozen"},
@@ -497,7 +497,7 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
 
 
 def test_best_checkpoint_ties_are_broken_by_validation_loss():
-    from wsi_pipeline.training.loop import improves
+    from wsi_pipeline.training.validation import improves
 
     best = {"value": 1.0, "loss": 0.69, "epoch": 1}
     assert improves(1.0, 0.05, best, higher=True)  # same AUC, much lower loss: a better model
@@ -512,8 +512,9 @@ def test_best_checkpoint_ties_are_broken_by_validation_loss():
 def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoch(tmp_path, store_cohort):
     """Two epochs with ``recalibrate_bn``: the statistics at the end equal a calibration of the
     weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
-    from wsi_pipeline.training.loop import calibrate_encoder, preflight
-    from wsi_pipeline.inference.models import build_models
+    from wsi_pipeline.training.calibration import calibrate_encoder
+    from wsi_pipeline.training.preflight import preflight
+    from wsi_pipeline.inference.method_models import build_models
 
     def method(recal: bool) -> dict:
         return {"name": "acc", "strategy": "accumulate", "chunk_size": 4,

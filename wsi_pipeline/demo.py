@@ -36,7 +36,12 @@ import pandas as pd
 from wsi_pipeline.synthetic.cohort import DemoCohort  # defined beside the generator (bench.stain builds it too)
 
 __all__ = [
-    "DemoCohort", "SurvivalCohort", "c_index_table", "format_seed_study", "parse_seeds", "results_table", "run_demo",
+    "SurvivalCohort",
+    "c_index_table",
+    "format_seed_study",
+    "parse_seeds",
+    "results_table",
+    "run_demo",
     "seed_study_table",
 ]
 
@@ -172,7 +177,7 @@ def results_table(metrics_json: Path) -> pd.DataFrame:
 
 
 #: The seed study's columns: (heading, evaluation split, metric), all tiles. The internal test
-#: split is ``test``; the external cohort's is ``external`` (see :mod:`wsi_pipeline.evaluation.runner`).
+#: split is ``test``; the external cohort's is ``external`` (see :mod:`wsi_pipeline.evaluation.sets`).
 STUDY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("internal AUC", "test", "auc"),
     ("localisation", "test", "localisation_auc"),
@@ -280,8 +285,8 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     :func:`format_seed_study` table (``seed_study.md``). Returns the exit status (0 when every
     stage succeeded).
     """
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.config.tiling import tiler_config
     from wsi_pipeline.training.loop import train_pipeline

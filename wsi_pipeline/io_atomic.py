@@ -17,7 +17,7 @@ from pathlib import Path
 __all__ = ["atomic_path", "temp_path", "write_text_atomic", "write_bytes_atomic"]
 
 
-def temp_path(path: str | os.PathLike, *, suffix: str | None = None) -> Path:
+def temp_path(path: str | os.PathLike[str], *, suffix: str | None = None) -> Path:
     """The temporary name :func:`atomic_path` writes ``path`` under, in the same folder.
 
     ``.<name>.tmp-<pid>[-<thread>]<suffix>``: hidden, tells which process left it, and ends with
@@ -35,7 +35,7 @@ def temp_path(path: str | os.PathLike, *, suffix: str | None = None) -> Path:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike, *, suffix: str | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], *, suffix: str | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on failure it is removed.
 
     The parent folder is created. The temporary name is :func:`temp_path`'s (``suffix`` as there).
@@ -52,14 +52,14 @@ def atomic_path(path: str | os.PathLike, *, suffix: str | None = None) -> Iterat
         raise
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
     """Write ``text`` (UTF-8) to ``path`` atomically; return ``path``."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
     return Path(path)
 
 
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write ``data`` to ``path`` atomically; return ``path``."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)

@@ -54,7 +54,7 @@ def _probe_write(folder: Path) -> None:
     probe.unlink()
 
 
-def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> str | None:
+def output_problem(out: str | os.PathLike[str], subfolders: tuple[str, ...] = ()) -> str | None:
     """Why ``out`` cannot take the tiler's files, or None when it can (creating it if missing).
 
     Checks that ``out`` is (or can be made) a folder, that a file can be created, written and
@@ -81,14 +81,14 @@ def output_problem(out: str | os.PathLike, subfolders: tuple[str, ...] = ()) -> 
     return None
 
 
-def check_output_dir(out: str | os.PathLike, subfolders: tuple[str, ...] = (), *, what: str = "output folder") -> None:
+def check_output_dir(out: str | os.PathLike[str], subfolders: tuple[str, ...] = (), *, what: str = "output folder") -> None:
     """Raise :class:`OutputDirError` when :func:`output_problem` finds one (``what`` names the folder's role)."""
     problem = output_problem(out, subfolders)
     if problem is not None:
         raise OutputDirError(Path(out), problem, what)
 
 
-def check_output_file(path: str | os.PathLike, what: str = "output file") -> None:
+def check_output_file(path: str | os.PathLike[str], what: str = "output file") -> None:
     """Raise :class:`OutputDirError` when ``path`` cannot be written: its folder fails
     :func:`output_problem`, or ``path`` itself is a folder."""
     p = Path(path)

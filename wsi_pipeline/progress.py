@@ -60,7 +60,7 @@ def _log_bar_class() -> type:
     log line, and a loop that sets a postfix per item (the training loss per bag) would log every item."""
     from tqdm.auto import tqdm
 
-    class _LogBar(tqdm):  # type: ignore[misc, valid-type]
+    class _LogBar(tqdm):
         def set_postfix(self, ordered_dict: Any = None, refresh: bool = True, **kwargs: Any) -> None:
             super().set_postfix(ordered_dict, refresh=False, **kwargs)
 

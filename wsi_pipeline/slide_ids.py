@@ -48,8 +48,8 @@ def slide_id_problem(slide_id: object) -> str | None:
     return None
 
 
-RULE = ("a slide id is a file name: non-empty, at most {} bytes, no / or \\, no '..', no leading '.', "
-        "no leading or trailing spaces, no control characters").format(MAX_ID_BYTES)
+RULE = (f"a slide id is a file name: non-empty, at most {MAX_ID_BYTES} bytes, no / or \\, no '..', no leading '.', "
+        "no leading or trailing spaces, no control characters")
 
 
 def check_slide_id(slide_id: object, *, where: str = "") -> str:
@@ -64,7 +64,7 @@ def check_slide_id(slide_id: object, *, where: str = "") -> str:
     return slide_id  # type: ignore[return-value]
 
 
-def slide_output_path(root: str | os.PathLike, slide_id: str, suffix: str = "") -> Path:
+def slide_output_path(root: str | os.PathLike[str], slide_id: str, suffix: str = "") -> Path:
     """``root / (slide_id + suffix)``, checked to name an entry directly inside ``root``.
 
     The id is checked with :func:`check_slide_id`, and the joined path's parent is ``root``

@@ -3,7 +3,7 @@
 Functions that accept "a slide" or "a tile store" are typed with these Protocols instead of
 ``Any``, so a test double or another reader fits as long as it offers the same members.
 :class:`SlideLike` is what :func:`wsi_pipeline.slides.open_slide` returns
-(:class:`wsi_pipeline.slides.reader.Slide`); :class:`TileStoreLike` is what
+(:class:`wsi_pipeline.slides.base.Slide`); :class:`TileStoreLike` is what
 :class:`wsi_pipeline.data.store.TileStore` offers; :class:`ValidationScore` is what a finished run
 recorded of its validation. This module imports nothing of ours.
 """
@@ -43,6 +43,7 @@ class SlideLike(Protocol):
     level_downsamples : level-0 px per level px, per level.
     mpp : microns per level-0 px from the slide's metadata, or None.
     properties : the slide's metadata.
+    background : RGB fill of transparent or out-of-bounds areas.
     """
 
     path: Path
@@ -53,6 +54,7 @@ class SlideLike(Protocol):
     level_downsamples: tuple[float, ...]
     mpp: float | None
     properties: dict[str, str]
+    background: tuple[int, int, int]
 
     def read_region(self, location: tuple[int, int], level: int, size: tuple[int, int]) -> np.ndarray:
         """uint8 (h, w, 3) RGB of ``size`` (w, h) level px at ``location`` (x, y) in level-0 px."""
@@ -60,6 +62,14 @@ class SlideLike(Protocol):
 
     def read_level(self, level: int, origin: tuple[int, int], size: tuple[int, int]) -> np.ndarray:
         """uint8 (h, w, 3) RGB of ``size`` level px at ``origin`` in level px."""
+        ...
+
+    def level_is_exact(self, level: int) -> bool:
+        """True when :meth:`read_level` returns ``level``'s pixels exactly, as stored."""
+        ...
+
+    def level_scale(self, level: int) -> tuple[float, float]:
+        """(x, y) level-0 px per px of ``level``."""
         ...
 
     def best_level_for_downsample(self, downsample: float) -> int:
@@ -87,6 +97,7 @@ class TileStoreLike(Protocol):
     grid : int32 (N, 2) tile (col, row) at the read resolution.
     foreground : float32 (N,) foreground fraction of each tile.
     tile_size : T in px.
+    stain : the slide's stain normalisation applied when tiles become tensors, or None.
     """
 
     path: Path
@@ -95,6 +106,7 @@ class TileStoreLike(Protocol):
     grid: np.ndarray
     foreground: np.ndarray
     tile_size: int
+    stain: Any
 
     @property
     def slide_id(self) -> str:

@@ -26,7 +26,7 @@ import torch
 
 from wsi_pipeline.bench.memory import SavedTensorMeter
 
-__all__ = ["SavedTensorMeter", "main"]
+__all__ = ["main"]
 
 
 def _sync(device: torch.device) -> None:

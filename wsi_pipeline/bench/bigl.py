@@ -63,6 +63,7 @@ import time
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -331,7 +332,7 @@ def predict_table(models: list[str], stages: list[int], sides: list[int], effici
                 if cfg is not None:
                     n_big = _count_big_layers(_dry_model(name, cfg, max_elements))
                 line = f"{_label(cfg, n_big):<56} {side:>6} {tr.h2d / 1e9:>8.2f} {tr.d2h / 1e9:>8.2f} {tr.over_minimum:>6.2f} {tr.flops / 1e12:>7.2f}"
-                row = {"model": name, "stages": cfg, "label": _label(cfg, n_big), "side": side, "h2d_bytes": tr.h2d,
+                row: dict[str, Any] = {"model": name, "stages": cfg, "label": _label(cfg, n_big), "side": side, "h2d_bytes": tr.h2d,
                        "d2h_bytes": tr.d2h, "minimum_bytes": tr.minimum, "flops": tr.flops, "predicted": {}}
                 for dev, (link, _) in zip(devices, LINKS):
                     serial, overlap = predict(tr, dev, plain=cfg is None)
@@ -534,8 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     predicted: list[dict] = []
     budget_rows: list[dict] = []
     if not args.no_predict and not args.no_budget:
-        configs = args.budget_configs or [_parse_config(c) for c in (QUICK_BUDGET_CONFIGS if args.quick else BUDGET_CONFIGS)]
-        budget_rows = budget_table(args.predict_models, configs, args.budgets, args.efficiency, args.budget_max_elements,
+        budget_configs = args.budget_configs or [_parse_config(c) for c in (QUICK_BUDGET_CONFIGS if args.quick else BUDGET_CONFIGS)]
+        budget_rows = budget_table(args.predict_models, budget_configs, args.budgets, args.efficiency, args.budget_max_elements,
                                    args.bn, not args.no_bf16)
         print()
     if not args.no_predict and not args.no_fixed:

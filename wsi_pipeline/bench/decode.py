@@ -41,7 +41,7 @@ def _source(slide_path: Path) -> tuple[np.ndarray, np.ndarray, tuple[int, int, i
     """CMU-1-Small-Region level 0 (uint8 RGB), its tissue mask (bool, same size), its glass colour."""
     import cv2
 
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.tiling.tissue import otsu_tissue_mask
 
     with open_slide(slide_path, backend="openslide") as slide:
@@ -183,7 +183,7 @@ def _since(t: tuple[float, float]) -> tuple[float, float]:
 
 
 def _run_openslide(path: Path, origins: list[tuple[int, int]]) -> tuple[float, float]:
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(path, backend="openslide") as slide:
         t = _clock()
@@ -194,7 +194,7 @@ def _run_openslide(path: Path, origins: list[tuple[int, int]]) -> tuple[float, f
 
 def _run_direct(path: Path, origins: list[tuple[int, int]]) -> tuple[tuple[float, float], int]:
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(path, backend="openslide") as slide, DirectTiles.from_slide(slide) as reader:
         t = _clock()
@@ -205,7 +205,7 @@ def _run_direct(path: Path, origins: list[tuple[int, int]]) -> tuple[tuple[float
 
 def _run_floor(path: Path) -> tuple[tuple[float, float], int]:
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(path, backend="openslide") as slide, DirectTiles.from_slide(slide, cache_bytes=0) as reader:
         tw, th = reader.stored_tile_size(0)
@@ -220,7 +220,7 @@ def _run_floor(path: Path) -> tuple[tuple[float, float], int]:
 def _verify(path: Path, origins: list[tuple[int, int]], n: int) -> tuple[int, int]:
     """Direct vs OpenSlide on ``n`` grid tiles spread over the grid: (checked, differing)."""
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     pick = origins if n >= len(origins) else [origins[int(i)] for i in np.linspace(0, len(origins) - 1, n)]
     bad = 0
@@ -234,7 +234,7 @@ def _verify(path: Path, origins: list[tuple[int, int]], n: int) -> tuple[int, in
 
 def measure(path: Path, repeats: int, verify: int) -> dict:
     """The three per-tile figures on ``path`` (medians of ``repeats`` alternating runs)."""
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(path, backend="openslide") as slide:
         w, h = slide.level_dimensions[0]

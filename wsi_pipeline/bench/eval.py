@@ -32,7 +32,8 @@ import numpy as np
 import torch
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.inference.protocols import ALL, Protocol, embed_slide, predict_slide, protocol_rng, subset_indices
+from wsi_pipeline.config.evaluation import ALL, EvalProtocol
+from wsi_pipeline.inference.protocols import embed_slide, predict_slide, protocol_rng, subset_indices
 from wsi_pipeline.data.store import StoreWriter, open_store
 
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(0)
     encoder = build_encoder(args.encoder).to(device).eval()
     aggregator = build_aggregator("abmil", encoder.num_features, 2).to(device).eval()
-    prot = Protocol(args.k, args.repeats)
+    prot = EvalProtocol(args.k, args.repeats)
     print(f"bench-eval: {args.n_tiles} tiles of {args.tile_size} px, protocol {prot.name} ({args.repeats} x {args.k}), "
           f"{args.encoder} + abmil, device {device}, torch threads {torch.get_num_threads()}")
 
@@ -102,8 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.trials):
             dt, z = timed(lambda: embed_slide(encoder, store, batch_size=args.batch_size, device=device))
             t_embed.append(dt)
-            t_agg_all.append(timed(lambda: predict_slide(aggregator, z, None, ALL, with_attention=False))[0])
-            dt, fast = timed(lambda: predict_slide(aggregator, z, None, prot, protocol_rng(0, "bench", prot), with_attention=False))
+            t_agg_all.append(timed(lambda z=z: predict_slide(aggregator, z, None, ALL, with_attention=False))[0])
+            dt, fast = timed(lambda z=z: predict_slide(aggregator, z, None, prot, protocol_rng(0, "bench", prot), with_attention=False))
             t_agg_r.append(dt)
         t_one = float(np.median(t_embed) + np.median(t_agg_all))
         t_once = float(np.median(t_embed) + np.median(t_agg_r))

@@ -38,7 +38,7 @@ GPU_RATES = {"ResNet-50, mixed precision": 2300, "ResNet-18": 5000}
 
 def _tissue_tiles(slide: Path | None, n: int, tmp: Path) -> np.ndarray:
     """``n`` 256 px tissue tiles: the slide's, rotated and mirrored, repeated."""
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides import open_slide
 
     if slide is None or not slide.is_file():
         from wsi_pipeline.synthetic.slides import make_slide
@@ -104,7 +104,7 @@ def _epoch_wait(store_path: Path, n_tiles: int, tmp: Path) -> dict[str, float]:
     from wsi_pipeline.training.strategies import build_strategy
 
     torch.manual_seed(0)
-    method = MethodConfig(name="bench", strategy="accumulate", chunk_size=16)  # type: ignore[arg-type]
+    method = MethodConfig(name="bench", strategy="accumulate", chunk_size=16)
     strategy = build_strategy(method, 2, "cpu")
     strategy.train()
     reader = TileReader([Slide(f"s{i}", i % 2, store_path) for i in range(4)])

@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.getLogger("distributed").setLevel(logging.ERROR)
     from wsi_pipeline.jobs.cluster import ClusterSpec, dask_client
-    from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.tiling.cohort import tile_cohort
+    from wsi_pipeline.config.tiling import TilingConfig
 
     folder = _slides(args.cache, args.slides, args.size, args.regenerate)
     config = TilingConfig(qc=False)

@@ -104,9 +104,9 @@ def arm_config(arm: str, out: Path, seeds: list[int], epochs: int | None) -> Any
 def run_study(out: Path, seeds: list[int], arms: list[str], epochs: int | None, progress: bool) -> str:
     """Cohort, tiles, every arm trained and evaluated; returns (and writes) the markdown table."""
     from wsi_pipeline.config.tiling import tiler_config
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.training.loop import train_pipeline
 
     t0 = time.perf_counter()
@@ -184,7 +184,7 @@ def timing(repeats: int = 5) -> str:
         estimate_stain(tiles[:32])
         est_ms = (time.perf_counter() - t) * 1e3
 
-        def per_tile(fn: Any) -> float:
+        def per_tile(fn: Any, batch: int = batch) -> float:
             times = []
             for _ in range(repeats + 1):
                 t = time.perf_counter()
@@ -192,14 +192,14 @@ def timing(repeats: int = 5) -> str:
                 times.append(time.perf_counter() - t)
             return float(np.median(times[1:])) / batch * 1e6
 
-        row = [per_tile(lambda: tiles_to_tensor(tiles))]
+        row = [per_tile(lambda tiles=tiles: tiles_to_tensor(tiles))]
         for m in ("macenko", "reinhard"):
             st = SlideStain(StainNormaliser(m, est), est)
-            row.append(per_tile(lambda st=st: tiles_to_tensor(tiles, stain=st)))
+            row.append(per_tile(lambda st=st, tiles=tiles: tiles_to_tensor(tiles, stain=st)))
         x = tiles_to_tensor(tiles)
-        row.append(per_tile(lambda: hed_jitter(x.clamp(0, 1), (1.05, 0.95, 1.0), (0.02, -0.02, 0.0))))
+        row.append(per_tile(lambda x=x: hed_jitter(x.clamp(0, 1), (1.05, 0.95, 1.0), (0.02, -0.02, 0.0))))
         with torch.no_grad():
-            row.append(per_tile(lambda: encoder(x)))
+            row.append(per_tile(lambda x=x: encoder(x)))
         lines.append(f"| {T} px | {batch} | " + " | ".join(f"{v:.0f}" for v in row) + f" | {est_ms:.0f} ms |")
     return "\n".join(lines) + "\n"
 

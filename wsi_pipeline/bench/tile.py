@@ -107,7 +107,7 @@ def _store_layouts(src_path: Path, work: Path, compression: str, shard_tiles: in
         writes[name] = time.perf_counter() - t  # includes reading the source tiles back
         files[name] = _count_files(paths[name])
     size = {name: sum(p.stat().st_size for p in paths[name].rglob("*") if p.is_file()) for name in layouts}
-    print(f"the tiler's store of slide A ({'%d tiles per shard' % src.shard_tiles if src.shard_tiles else 'one file per tile'}): "
+    print(f"the tiler's store of slide A ({f'{src.shard_tiles} tiles per shard' if src.shard_tiles else 'one file per tile'}): "
           f"{_count_files(src_path)} files for {n} tiles")
     print(f"store layouts, {n} tiles of {T} px, {compression}: files per slide {files['per-tile']} one file per tile, "
           f"{files['sharded']} sharded ({shard_tiles} tiles per shard, {-(-n // shard_tiles)} shard files, "
@@ -147,8 +147,9 @@ def _dir_files_bytes(path: Path) -> tuple[int, int]:
 def _decode_floor(path: Path, config: Any) -> tuple[float, float, int]:
     """Decode once, on this thread, every stored tile under the tiler's candidate tiles: (wall s, CPU s, stored tiles)."""
     from wsi_pipeline.slides.direct import DirectTiles
-    from wsi_pipeline.slides.reader import open_slide
-    from wsi_pipeline.tiling.tiler import SlideJob, plan_tiles
+    from wsi_pipeline.slides.opener import open_slide
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.tiling.plan import plan_tiles
 
     with open_slide(path, backend="openslide") as slide:
         plan = plan_tiles(slide, SlideJob("mosaic", str(path)), config)
@@ -172,9 +173,10 @@ def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     kept tiles and the direct-decode floor (medians of alternated runs). True when both targets pass."""
     from wsi_pipeline.bench.decode import build_mosaic
     from wsi_pipeline.slides import open_slide
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.data.store import open_store
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.config.tiling import TilingConfig
 
     if not args.mosaic_source.is_file():
         print(f"mosaic: source slide not found: {args.mosaic_source} (pass --mosaic-source or set WSI_TEST_SLIDES); skipped")
@@ -293,9 +295,10 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if ok else 1
 
     from wsi_pipeline.slides import open_slide
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.data.store import open_store
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.config.tiling import TilingConfig
 
     a, b = _slides(args.cache, args.size, args.regenerate)
     layout = {} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}
@@ -357,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ratio tiling / decode limit (wall): {ratio_wall:.2f} whole run incl. worker start, {r_seconds / decode:.2f} slide only"
               f"   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
         # reading the store back (training and evaluation draw random tile subsets)
-        reads = {}
+        reads: dict[str, list[float]] = {}
         direct = store._direct
         rng = np.random.default_rng(0)
         for name in ("zarr", "direct", "zarr", "direct"):

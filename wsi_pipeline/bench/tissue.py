@@ -111,7 +111,7 @@ def _one(h: int, w: int, device: str, max_elements: int, plain: bool, threads: i
     import torch.nn.functional as F
 
     from wsi_pipeline.bigl.instrument import monitor_transfers
-    from wsi_pipeline.bigl.runner import ChunkRunner
+    from wsi_pipeline.bigl.chunk_loop import ChunkRunner
     from wsi_pipeline.tissue_seg.chunked import ChunkedTissueUNet
     from wsi_pipeline.tissue_seg.model import TissueUNet, prepare_input
 
@@ -211,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(_one(*args.one, args.device, args.max_elements, args.plain, args.threads)))
+        h, w = args.one
+        print(json.dumps(_one(h, w, args.device, args.max_elements, args.plain, args.threads)))
         return 0
     sizes = sorted(args.sizes, key=lambda s: s[0] * s[1])
     plain_sizes = set(map(tuple, args.plain_sizes)) if args.plain_sizes is not None else {sizes[0]}

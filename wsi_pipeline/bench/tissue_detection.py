@@ -62,7 +62,7 @@ def score_tiles(labels: np.ndarray, kept: np.ndarray) -> dict[str, int]:
 
 
 def _config(method: str) -> Any:
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
 
     names = {f.name for f in dataclasses.fields(TilingConfig)}
     kw = {"method": method, "qc": False} if "qc" in names else {"method": method}
@@ -93,7 +93,9 @@ def _fmt(c: dict[str, int] | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Generate the fields (cached), tile them with every method, print the table and write ``--out`` (JSON)."""
     from wsi_pipeline.synthetic.fields import FIELD_KINDS, field_spec, make_field, tile_truth, write_field
-    from wsi_pipeline.tiling.tiler import METHODS as AVAILABLE, SlideJob, tile_slide
+    from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND as AVAILABLE
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.tiling.tiler import tile_slide
 
     p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tissue_detection", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="fields per kind")

@@ -55,11 +55,11 @@ def _without_checksums() -> Iterator[None]:
         return kw
 
     saved_tile_codecs = store.tile_codecs_for
-    codecs.checksum_codec = no_crc  # type: ignore[assignment]
-    store.checksum_codec = no_crc  # type: ignore[assignment]
-    store.tile_codecs_for = tile_codecs_for  # type: ignore[assignment]
-    store._chunk_files = lambda root: {}  # type: ignore[assignment]
-    store._check_files = lambda path, attrs: None  # type: ignore[assignment]
+    codecs.checksum_codec = no_crc
+    store.checksum_codec = no_crc
+    store.tile_codecs_for = tile_codecs_for
+    store._chunk_files = lambda root: {}
+    store._check_files = lambda path, attrs: None
     orig_add = store.StoreWriter.add_array
 
     def add_array(self: store.StoreWriter, name: str, values: np.ndarray) -> None:
@@ -69,20 +69,20 @@ def _without_checksums() -> Iterator[None]:
 
     store.StoreWriter.add_array = add_array  # type: ignore[method-assign]
     ck._HashingWriter.write = lambda self, data: self.f.write(data)  # type: ignore[method-assign]
-    ck.verify_checkpoint = lambda path: None  # type: ignore[assignment]
-    ck._write_hashes = lambda side, name, hashes: None  # type: ignore[assignment]
+    ck.verify_checkpoint = lambda path: None
+    ck._write_hashes = lambda side, name, hashes: None
     try:
         yield
     finally:
-        ck._HashingWriter.write, ck.verify_checkpoint, ck._write_hashes = saved_ck  # type: ignore[method-assign,assignment]
-        codecs.checksum_codec, store.checksum_codec, store._chunk_files, store._check_files = saved  # type: ignore[assignment]
-        store.tile_codecs_for = saved_tile_codecs  # type: ignore[assignment]
+        ck._HashingWriter.write, ck.verify_checkpoint, ck._write_hashes = saved_ck  # type: ignore[method-assign]
+        codecs.checksum_codec, store.checksum_codec, store._chunk_files, store._check_files = saved
+        store.tile_codecs_for = saved_tile_codecs
         store.StoreWriter.add_array = orig_add  # type: ignore[method-assign]
 
 
 def _real_tiles(slide_path: Path, n: int) -> np.ndarray:
     """``n`` 256 px tiles of tissue from the slide (rotated and mirrored copies when it has fewer)."""
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
 
     with open_slide(slide_path) as slide:
         img = slide.read_region((0, 0), 0, slide.dimensions)
@@ -145,7 +145,9 @@ def _median_pair(with_: Callable[[], None], without: Callable[[], None], repeats
 def measure(slide: Path | None, n_tiles: int, repeats: int) -> list[tuple[Any, ...]]:
     """Rows ``(part, wall with, wall without, CPU with, CPU without)`` in s."""
     from wsi_pipeline.synthetic.slides import make_slide
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig, tile_slide
+    from wsi_pipeline.tiling.job import SlideJob
+    from wsi_pipeline.config.tiling import TilingConfig
+    from wsi_pipeline.tiling.tiler import tile_slide
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp_s:

@@ -24,7 +24,7 @@ from wsi_pipeline.bigl.embed import EmbeddingEncoder, inference_activation_bytes
 from wsi_pipeline.bigl.instrument import TransferEvent, TransferMonitor, monitor_transfers, register_transfer_hook
 from wsi_pipeline.bigl.planned import BudgetResNet
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
 __all__ = [
     "bigify",

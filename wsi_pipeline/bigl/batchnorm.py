@@ -24,7 +24,7 @@ from torch.autograd.function import once_differentiable
 
 from wsi_pipeline.bigl.plan import RowChunk, Window, plan_rows
 from wsi_pipeline.bigl.precision import math_dtype
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
 __all__ = ["BigBatchNorm2d", "Moments", "momentum_factor", "uses_batch_stats", "finish_stats"]
 

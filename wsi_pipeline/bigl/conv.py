@@ -17,7 +17,7 @@ from torch.autograd.function import once_differentiable
 
 from wsi_pipeline.bigl.plan import RowChunk, Window, grad_write_plan, plan_rows
 from wsi_pipeline.bigl.precision import autocast_dtype
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
 __all__ = ["BigConv2d", "pad_rows", "GradStitcher"]
 

@@ -12,7 +12,7 @@ from wsi_pipeline.bigl.budget import resolve_budget
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.planned import BudgetResNet
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 from wsi_pipeline.models.encoders import ResNet
 
 __all__ = ["bigify", "BigResNet", "BigBlock"]

@@ -45,7 +45,7 @@ from torch.autograd.function import once_differentiable
 from wsi_pipeline.bigl.batchnorm import Moments, finish_stats, momentum_factor, uses_batch_stats
 from wsi_pipeline.bigl.conv import GradStitcher, pad_rows
 from wsi_pipeline.bigl.precision import math_dtype
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 from wsi_pipeline.bigl.units import Op, OpRange, Unit, UnitChunk, UnitGeometry, plan_unit
 
 __all__ = ["FusedRun", "bn_levels"]
@@ -316,7 +316,9 @@ class _FusedFn(torch.autograd.Function):
         levels = {}
         for ops in (unit.main, unit.shortcut or []):
             levels.update(bn_levels(ops, batch_ids)[0])
-        load_x = (lambda i, ch: (x[ch.n0 : ch.n1, :, ch.a : ch.b],))
+        def load_x(i: int, ch: UnitChunk) -> tuple[torch.Tensor]:
+            return (x[ch.n0 : ch.n1, :, ch.a : ch.b],)
+
         with torch.no_grad():
             for lev in range(max(levels.values(), default=-1) + 1):
                 targets = {k for k, v in levels.items() if v == lev}
@@ -371,7 +373,9 @@ class _FusedFn(torch.autograd.Function):
         for ops in (unit.main, unit.shortcut or []):
             rlevels.update(bn_levels(ops, ctx.batch_ids)[1])
         gy_res = call.y_resident
-        load = (lambda i, ch: (x[ch.n0 : ch.n1, :, ch.a : ch.b], gy[ch.n0 : ch.n1, :, ch.o0 : ch.o1]))
+        def load(i: int, ch: UnitChunk) -> tuple[torch.Tensor, torch.Tensor]:
+            return x[ch.n0 : ch.n1, :, ch.a : ch.b], gy[ch.n0 : ch.n1, :, ch.o0 : ch.o1]
+
         res_in = (call.x_resident, gy_res)
         known: set[int] = set()
         for k in ctx.batch_ids:
@@ -399,7 +403,7 @@ class _FusedFn(torch.autograd.Function):
                 return ()
 
             runner.run(f"{name}/backward-sums{lev}", chunks, load, sums, resident_in=res_in, signature=_sig)
-            known |= targets
+            known.update(targets)
         grads: list[torch.Tensor | None] = [None] * len(params)
         gx = None
         if need_x:

@@ -20,7 +20,7 @@ from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.budget import StepPlan, plan_step
 from wsi_pipeline.bigl.fused import FusedRun
 from wsi_pipeline.bigl.precision import autocast_dtype
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 from wsi_pipeline.bigl.units import resnet_units
 from wsi_pipeline.models.encoders import ResNet
 

@@ -16,7 +16,7 @@ from torch.autograd.function import once_differentiable
 
 from wsi_pipeline.bigl.conv import GradStitcher, pad_rows
 from wsi_pipeline.bigl.plan import RowChunk, Window, plan_rows
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
 __all__ = ["BigReLU", "BigMaxPool2d", "BigAddReLU"]
 

@@ -9,7 +9,7 @@ max pooling and the residual add keep their input's dtype. float64 tensors are n
 
 Big-Layers take the decision once per call, outside their autograd Function, from the autocast
 state of the *compute* device (``runner.device``), and pass it to both passes; the chunk loop
-itself runs with autocast off (:class:`~wsi_pipeline.bigl.runner.ChunkRunner`), so nothing is
+itself runs with autocast off (:class:`~wsi_pipeline.bigl.chunk_loop.ChunkRunner`), so nothing is
 cast twice or differently in the backward pass.
 """
 

@@ -7,7 +7,7 @@ with ``torch.utils.flop_counter``'s formulas (:class:`FlopCount`, the same numbe
 allocated or computed, so a 32768 px step is counted in seconds, and the counts are exactly
 those of a real run with the same chunk plan (tests check meta counts against CPU runs); a
 fused run's chunks of equal shapes are computed once per pass and replayed
-(:meth:`~wsi_pipeline.bigl.runner.ChunkRunner.run`).
+(:meth:`~wsi_pipeline.bigl.chunk_loop.ChunkRunner.run`).
 
 Counted:
 
@@ -243,7 +243,7 @@ def _meta_encoder(name: str, dtype: torch.dtype, bn: str) -> nn.Module:
 
 def dry_budget_step(name: str, batch: int, side: int, budget: int | None, *, bn: str = "train",
                     dtype: torch.dtype = torch.float32, cast: torch.dtype | None = None,
-                    max_elements: int = 2**27) -> tuple[StepTraffic, "StepPlan"]:
+                    max_elements: int = 2**27) -> tuple[StepTraffic, StepPlan]:
     """Count a training step of encoder ``name`` on ``[batch, 3, side, side]`` under a device budget
     (bytes; None: plain), on meta tensors; returns the counts and the plan.
 
@@ -251,7 +251,7 @@ def dry_budget_step(name: str, batch: int, side: int, budget: int | None, *, bn:
     ``cast``: count as under autocast to this dtype (activations, checkpoints and the image in it).
     """
     from wsi_pipeline.bigl.planned import BudgetResNet
-    from wsi_pipeline.bigl.runner import ChunkRunner
+    from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
     model = BudgetResNet(_meta_encoder(name, dtype, bn), ChunkRunner("meta"), budget, max_elements)
     model.dry_cast = cast

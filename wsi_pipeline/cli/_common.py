@@ -77,7 +77,7 @@ class LazyChoices(Sequence[str]):
             self._names = tuple(self._obj.names() if hasattr(self._obj, "names") else self._obj)
         return self._names
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         return self._load()[i]
 
     def __len__(self) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
 
@@ -53,7 +52,8 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.demo import DemoCohort, SurvivalCohort, run_demo
+    from wsi_pipeline.synthetic.cohort import DemoCohort
+    from wsi_pipeline.demo import SurvivalCohort, run_demo
 
     survival = args.task == "survival"
     kind = SurvivalCohort if survival else DemoCohort

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from wsi_pipeline.config.pipeline import load_config
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.training import distributed
 
@@ -121,7 +121,7 @@ def _run_folds(config: Any, args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from wsi_pipeline.evaluation.folds import pool_folds
-    from wsi_pipeline.evaluation.runner import evaluate_pipeline
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.manifests.folds import fold_config, fold_numbers
 

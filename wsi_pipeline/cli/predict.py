@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import add_failure_argument, failure_status, add_device_argument, add_heatmap_mode_argument, add_output_arguments
@@ -63,7 +62,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from wsi_pipeline.evaluation.runner import predict_slides
+    from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.training import distributed
 
     if args.workers is not None and args.workers < 0:

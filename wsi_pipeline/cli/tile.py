@@ -59,7 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
     src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
-    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.tiling.tiler", "METHODS"), default="tissue",
+    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.config.choices", "TILING_METHODS"), default="tissue",
                    metavar="METHOD",
                    help="foreground test, one of %(choices)s: tissue (default) = stained tissue by optical density against "
                         "each slide's own glass colour, estimated from its thumbnail (any brightfield stain: H&E, IHC, special "
@@ -101,7 +101,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
                    help="tiles per shard file in new stores (zarr v3 sharding; a tile is still read on its own) "
                         "(default: 1024); 0 = one file per tile (the older layout, 100-1000x more files)")
-    p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.reader", "BACKENDS"), default="auto",
+    p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.opener", "BACKENDS"), default="auto",
                    metavar="READER", help="slide reader, one of %(choices)s; auto tries OpenSlide, then tiffslide "
                                           "(for a DICOM file: OpenSlide, then wsidicom)")
     p.add_argument("--no-prescreen", action="store_true",
@@ -153,8 +153,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the tiling; return 0 when no slide failed, 1 otherwise, 2 for unusable arguments (no slides, an
     unwritable --out), 130 on Ctrl-C."""
     from wsi_pipeline.config.tiling import DEFAULT_REGION_EXCLUDE, QCParams
-    from wsi_pipeline.tiling.runner import tile_cohort
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.tiling.cohort import tile_cohort
+    from wsi_pipeline.config.tiling import TilingConfig
 
     drop = tuple(a.strip() for a in args.qc_drop.split(",") if a.strip())
     qc_params = QCParams(drop=drop, pen_fraction=args.qc_pen, focus_min=args.qc_focus_min)

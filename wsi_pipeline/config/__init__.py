@@ -7,7 +7,7 @@ Modules (lowest first):
   ``DEVICES``, ``TILING_METHODS``, ...; registries' names as functions), as ``Literal`` and tuple.
 - ``overrides``: the one ``--set section.key=value`` syntax; ``io``: YAML read, atomic write, to plain dicts.
 - sections: ``tiling`` (the tiler's ``TilingConfig``, ``OtsuParams``, ``data.tiling`` as ``StoreTiling``,
-  ``tiler_config``), ``data``, ``train``, ``evaluation`` (``eval`` and the one ``Protocol``),
+  ``tiler_config``), ``data``, ``train``, ``evaluation`` (``eval`` and the one ``EvalProtocol``),
   ``model`` (``encoder``, ``aggregator``, ``bigl``), ``patchgd`` (+ ``patchgd_presets``).
 - ``pipeline``: ``PipelineConfig`` / ``MethodConfig``, ``load_config``, ``save_config``; re-exports the sections.
 """

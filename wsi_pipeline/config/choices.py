@@ -44,7 +44,7 @@ from typing import Literal
 
 from wsi_pipeline.data.store import COMPRESSIONS
 from wsi_pipeline.devices import DEVICES
-from wsi_pipeline.slides.reader import BACKENDS
+from wsi_pipeline.slides.opener import BACKENDS
 
 __all__ = [
     "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",

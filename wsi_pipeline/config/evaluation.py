@@ -18,7 +18,7 @@ from wsi_pipeline.config.choices import Level, PatientPool
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.config.io import short_repr
 
-__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "Protocol", "parse_protocol", "parse_protocols", "saved_protocol"]
+__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "EvalProtocol", "parse_protocol", "parse_protocols", "saved_protocol"]
 
 #: How a protocol is written, for messages and ``--help``.
 PROTOCOL_SPELLING = "all, sub<k>x<R> (R draws of k tiles, metric per draw, e.g. sub256x100) or ens<k>x<R> (mean probability over the draws)"
@@ -26,7 +26,7 @@ _NAME_RE = re.compile(r"(sub|ens)([0-9]+)x([0-9]+)")
 
 
 @dataclass(frozen=True)
-class Protocol:
+class EvalProtocol:
     """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
 
     ``ensemble`` False (the papers' protocol, ``sub<k>x<R>``): metrics per repeat, mean over repeats.
@@ -72,15 +72,15 @@ class Protocol:
         return self.name
 
 
-ALL = Protocol()
+ALL = EvalProtocol()
 
 
-def parse_protocol(value: Any, where: str = "protocol") -> Protocol:
-    """A :class:`Protocol` from its name (``all``, ``sub256x100``, ``ens256x100``); a Protocol passes through.
+def parse_protocol(value: Any, where: str = "protocol") -> EvalProtocol:
+    """A :class:`EvalProtocol` from its name (``all``, ``sub256x100``, ``ens256x100``); a EvalProtocol passes through.
 
     Raises ``ValueError`` naming ``where`` (the field or option), the value and the accepted spelling.
     """
-    if isinstance(value, Protocol):
+    if isinstance(value, EvalProtocol):
         return value
     if value == "all":
         return ALL
@@ -90,14 +90,14 @@ def parse_protocol(value: Any, where: str = "protocol") -> Protocol:
     k, repeats = int(m.group(2)), int(m.group(3))
     if k < 1 or repeats < 1:
         raise ValueError(f"{where}={short_repr(value)}; k and R must be >= 1 ({PROTOCOL_SPELLING})")
-    return Protocol(k, repeats, ensemble=m.group(1) == "ens")
+    return EvalProtocol(k, repeats, ensemble=m.group(1) == "ens")
 
 
-def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> list[Protocol]:
+def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> list[EvalProtocol]:
     """Parse a list of protocols; duplicates are dropped, order kept; None or empty means ``[all]``."""
     if isinstance(values, (str, bytes)) or (values is not None and not isinstance(values, Sequence)):
         raise ValueError(f"{where}={short_repr(values)}; expected a list of protocols ({PROTOCOL_SPELLING})")
-    out: list[Protocol] = []
+    out: list[EvalProtocol] = []
     for i, v in enumerate(values or ["all"]):
         p = parse_protocol(v, f"{where}[{i}]")
         if p not in out:
@@ -120,7 +120,7 @@ def saved_protocol(value: Any) -> Any:
     return value
 
 
-def _config_protocols(value: Any, where: str) -> tuple[Protocol, ...]:
+def _config_protocols(value: Any, where: str) -> tuple[EvalProtocol, ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise TypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {short_repr(value)}")
     return tuple(parse_protocol(v, f"{where}[{i}]") for i, v in enumerate(value))
@@ -146,8 +146,8 @@ class EvalConfig:
         (default) means the 25th, 50th and 75th percentiles of the training split's event times.
     """
 
-    val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
-    protocols: tuple[Protocol, ...] = field(default=(ALL, Protocol(256, 100)), metadata=spec(parse=_config_protocols))
+    val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
+    protocols: tuple[EvalProtocol, ...] = field(default=(ALL, EvalProtocol(256, 100)), metadata=spec(parse=_config_protocols))
     seed: int = 0
     bootstrap: int = field(default=1000, metadata=spec(ge=0))
     level: Level = "slide"

@@ -1,22 +1,16 @@
-"""The model sections of a method: ``encoder`` (with the BatchNorm mode and its warning, and for
+"""The model sections of a method: ``encoder`` (with the BatchNorm mode, and for
 foundation-model encoders their timm options and partial fine-tuning), ``aggregator`` (or
 PatchGD head) and ``bigl``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from wsi_pipeline.config.choices import BNMode, encoder_names, model_names
 from wsi_pipeline.config.schema import coerce, positive, spec
 
-if TYPE_CHECKING:
-    from wsi_pipeline.config.pipeline import MethodConfig
-
-__all__ = [
-    "AggregatorConfig", "BagStatisticsWarning", "BiglConfig", "EncoderConfig", "LoRAConfig", "bag_statistics_warning",
-    "is_foundation_encoder",
-]
+__all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "is_foundation_encoder"]
 
 #: ``encoder.name`` prefix of any timm architecture (``wsi_pipeline.models.foundation.TIMM_PREFIX``).
 TIMM_PREFIX = "timm:"
@@ -155,32 +149,6 @@ class EncoderConfig:
         opts = {"timm_kwargs": dict(self.timm_kwargs) or None, "mean": self.mean, "std": self.std,
                 "input_size": self.input_size, "embedding": self.embedding}
         return {k: v for k, v in opts.items() if v is not None}
-
-
-class BagStatisticsWarning(UserWarning):
-    """Training normalises BatchNorm with bag statistics, evaluation with running statistics."""
-
-
-def bag_statistics_warning(method: "MethodConfig") -> str | None:
-    """Why training ``method`` with bag-statistics BatchNorm is risky; None when it does not use them.
-
-    A method uses bag statistics when its encoder trains (any strategy but ``frozen``) with
-    ``encoder.bn`` ``train`` (the whole bag is one BatchNorm batch: ``full``, ``bigl``, and
-    ``patchgd``'s tiles of a step) or ``chunk`` (each accumulation chunk is one: the ABMIL-ACC
-    paper's setting). Validation, evaluation and prediction run BatchNorm on running statistics,
-    so what the model learned from the statistics of its bags is not what it sees there.
-    """
-    if method.strategy == "frozen" or method.encoder.bn == "frozen":
-        return None
-    batch = "each chunk of the bag" if method.encoder.bn == "chunk" else "the whole bag"
-    return (
-        f"method {method.name!r}: encoder.bn={method.encoder.bn!r} normalises BatchNorm with the statistics of "
-        f"{batch} in training, but validation, evaluation and prediction use running statistics. A few lesion "
-        "tiles shift the statistics of all the others, so the model can learn to read the label from the bag's "
-        "statistics instead of from its tiles, and then fail at evaluation (README: 'Bag-statistics BatchNorm'). Prefer "
-        "`encoder: {bn: frozen, calibrate_bn: N, recalibrate_bn: true}`; keep bn=" + repr(method.encoder.bn)
-        + " only to reproduce a paper, and check the validation metric, not the training loss"
-    )
 
 
 @dataclass(frozen=True)

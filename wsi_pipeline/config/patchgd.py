@@ -1,19 +1,15 @@
-"""The ``patchgd:`` section of a method config: :class:`PatchGDConfig` (built and checked by the
-generic builder, errors by field path) and the one rule by which a method's other sections fill it
-in (:func:`patchgd_mapping`: the BatchNorm mode from ``encoder.bn``, the head from ``aggregator``)."""
+"""The ``patchgd:`` section of a method config: :class:`PatchGDConfig`, built and checked by the
+generic builder (errors by field path). How a method's other sections fill it in is a rule across
+sections: :func:`wsi_pipeline.config.pipeline.patchgd_mapping`."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 from wsi_pipeline.config.choices import (
-    BACKBONE_SCALES,
-    PARTIAL_WINDOWS,
-    PATCHGD_BN_MODES,
     BackboneScale,
     PartialWindow,
     PatchGDPreset,
@@ -22,10 +18,7 @@ from wsi_pipeline.config.choices import (
 from wsi_pipeline.config.patchgd_presets import preset_patchgd_options
 from wsi_pipeline.config.schema import build, spec
 
-if TYPE_CHECKING:
-    from wsi_pipeline.config.pipeline import MethodConfig
-
-__all__ = ["BACKBONE_SCALES", "PARTIAL_WINDOWS", "PatchGDConfig", "patchgd_mapping", "with_patchgd_head"]
+__all__ = ["PatchGDConfig"]
 
 _COUNT = spec(ge=1)  # a positive integer (or null where the type allows it)
 
@@ -90,51 +83,3 @@ class PatchGDConfig:
     def inner_iterations(self, n_tiles: int) -> int:
         """zeta for a slide of ``n_tiles`` tiles."""
         return self.zeta if self.zeta is not None else math.ceil(n_tiles / self.tiles_per_iteration(n_tiles))
-
-
-def _get(obj: Any, key: str) -> Any:
-    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
-
-
-def patchgd_mapping(method_cfg: MethodConfig | Mapping[str, Any] | None) -> dict[str, Any]:
-    """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
-    attribute) with what the rest of the method implies filled in, or a bare ``patchgd`` mapping as it is.
-
-    - ``freeze_bn`` (unless given): from ``encoder.bn``, ``frozen`` -> true, ``train`` -> false;
-      ``chunk`` raises ``ValueError`` (patchgd has no chunks).
-    - ``head`` (unless given): ``aggregator.name`` when it names a PatchGD head, its ``options``
-      under ``head_options`` (keys given in ``patchgd.head_options`` win). An aggregator that is
-      neither a head nor the default ``abmil`` raises ``ValueError``: patchgd trains a grid head.
-    """
-    if method_cfg is None:
-        return {}
-    inner = _get(method_cfg, "patchgd")
-    keys = {f.name for f in fields(PatchGDConfig)}
-    if inner is None and isinstance(method_cfg, Mapping) and set(method_cfg) <= keys:
-        return dict(method_cfg)
-    if inner is not None and not isinstance(inner, Mapping):
-        raise TypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
-    options = dict(inner or {})
-    encoder = _get(method_cfg, "encoder")
-    bn = _get(encoder, "bn") if encoder is not None else None
-    if "freeze_bn" not in options and bn is not None:
-        if bn not in PATCHGD_BN_MODES:
-            raise ValueError(f"encoder.bn={bn!r} is not supported by patchgd; use 'frozen' (exact) or 'train'")
-        options["freeze_bn"] = bn == "frozen"
-    agg = _get(method_cfg, "aggregator")
-    if agg is not None and "head" not in options:
-        name, agg_options = _get(agg, "name"), dict(_get(agg, "options") or {})
-        if name in head_names():
-            options["head"] = name
-            options["head_options"] = {**agg_options, **dict(options.get("head_options", {}))}
-        elif name != "abmil" or agg_options:
-            raise ValueError(
-                f"method {_get(method_cfg, 'name')!r}: patchgd trains a grid head, not the aggregator {name!r}; name "
-                f"the head in aggregator.name or patchgd.head (one of {head_names()})"
-            )
-    return options
-
-
-def with_patchgd_head(method: MethodConfig) -> MethodConfig:
-    """``method`` (a config dataclass) with its ``patchgd`` options resolved by :func:`patchgd_mapping`."""
-    return dataclasses.replace(method, patchgd=patchgd_mapping(method))

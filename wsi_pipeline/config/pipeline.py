@@ -43,14 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, LossName, StrategyName, Task
+from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, SELECT_METRICS, LossName, StrategyName, Task, head_names
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
-from wsi_pipeline.config.evaluation import ALL, EvalConfig, Protocol, parse_protocol, saved_protocol
+from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
 from wsi_pipeline.config.io import short_repr, config_to_dict, read_yaml, write_yaml
-from wsi_pipeline.config.model import AggregatorConfig, BagStatisticsWarning, BiglConfig, EncoderConfig, bag_statistics_warning
+from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfig
 from wsi_pipeline.config.overrides import apply_overrides, deep_merge
-from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
+from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 from wsi_pipeline.config.schema import build, positive, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
@@ -69,13 +69,15 @@ __all__ = [
     "LossOptions",
     "MethodConfig",
     "PipelineConfig",
-    "Protocol",
+    "EvalProtocol",
     "SCHEDULES",
     "SELECT_METRICS",
     "StoreTiling",
     "TilingConfig",
     "TrainConfig",
     "bag_statistics_warning",
+    "patchgd_mapping",
+    "with_patchgd_head",
     "apply_overrides",
     "config_from_dict",
     "config_to_dict",
@@ -124,7 +126,7 @@ class MethodConfig:
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
-    val_protocol: Protocol = field(default=ALL, metadata=spec(parse=parse_protocol))
+    val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
     task: Task = "classification"
     loss: LossName | None = None
     loss_options: LossOptions = field(default_factory=LossOptions)
@@ -188,7 +190,7 @@ class PipelineConfig:
         return Path(self.runs_dir) / self.name / method / f"seed{seed}"
 
 
-def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: Protocol) -> MethodConfig:
+def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: EvalProtocol) -> MethodConfig:
     """Method ``i`` of the list: its preset expanded, its ``train`` merged over the shared section,
     ``val_protocol`` (the pipeline's ``eval.val_protocol``) unless it sets its own, built, and for
     ``patchgd`` its options checked (errors under ``methods.<name>``)."""
@@ -291,3 +293,80 @@ def method_by_name(config: PipelineConfig, name: str) -> MethodConfig:
         if m.name == name:
             return m
     raise ValueError(f"pipeline {config.name!r} has no method {name!r}; its methods: {[m.name for m in config.methods]}")
+
+
+# Rules across a method's sections
+
+
+class BagStatisticsWarning(UserWarning):
+    """Training normalises BatchNorm with bag statistics, evaluation with running statistics."""
+
+
+def bag_statistics_warning(method: MethodConfig) -> str | None:
+    """Why training ``method`` with bag-statistics BatchNorm is risky; None when it does not use them.
+
+    A method uses bag statistics when its encoder trains (any strategy but ``frozen``) with
+    ``encoder.bn`` ``train`` (the whole bag is one BatchNorm batch: ``full``, ``bigl``, and
+    ``patchgd``'s tiles of a step) or ``chunk`` (each accumulation chunk is one: the ABMIL-ACC
+    paper's setting). Validation, evaluation and prediction run BatchNorm on running statistics,
+    so what the model learned from the statistics of its bags is not what it sees there.
+    """
+    if method.strategy == "frozen" or method.encoder.bn == "frozen":
+        return None
+    batch = "each chunk of the bag" if method.encoder.bn == "chunk" else "the whole bag"
+    return (
+        f"method {method.name!r}: encoder.bn={method.encoder.bn!r} normalises BatchNorm with the statistics of "
+        f"{batch} in training, but validation, evaluation and prediction use running statistics. A few lesion "
+        "tiles shift the statistics of all the others, so the model can learn to read the label from the bag's "
+        "statistics instead of from its tiles, and then fail at evaluation (README: 'Bag-statistics BatchNorm'). Prefer "
+        "`encoder: {bn: frozen, calibrate_bn: N, recalibrate_bn: true}`; keep bn=" + repr(method.encoder.bn)
+        + " only to reproduce a paper, and check the validation metric, not the training loss"
+    )
+
+
+def _get(obj: Any, key: str) -> Any:
+    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+
+
+def patchgd_mapping(method_cfg: MethodConfig | Mapping[str, Any] | None) -> dict[str, Any]:
+    """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
+    attribute) with what the rest of the method implies filled in, or a bare ``patchgd`` mapping as it is.
+
+    - ``freeze_bn`` (unless given): from ``encoder.bn``, ``frozen`` -> true, ``train`` -> false;
+      ``chunk`` raises ``ValueError`` (patchgd has no chunks).
+    - ``head`` (unless given): ``aggregator.name`` when it names a PatchGD head, its ``options``
+      under ``head_options`` (keys given in ``patchgd.head_options`` win). An aggregator that is
+      neither a head nor the default ``abmil`` raises ``ValueError``: patchgd trains a grid head.
+    """
+    if method_cfg is None:
+        return {}
+    inner = _get(method_cfg, "patchgd")
+    keys = {f.name for f in dataclasses.fields(PatchGDConfig)}
+    if inner is None and isinstance(method_cfg, Mapping) and set(method_cfg) <= keys:
+        return dict(method_cfg)
+    if inner is not None and not isinstance(inner, Mapping):
+        raise TypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
+    options = dict(inner or {})
+    encoder = _get(method_cfg, "encoder")
+    bn = _get(encoder, "bn") if encoder is not None else None
+    if "freeze_bn" not in options and bn is not None:
+        if bn not in PATCHGD_BN_MODES:
+            raise ValueError(f"encoder.bn={bn!r} is not supported by patchgd; use 'frozen' (exact) or 'train'")
+        options["freeze_bn"] = bn == "frozen"
+    agg = _get(method_cfg, "aggregator")
+    if agg is not None and "head" not in options:
+        name, agg_options = _get(agg, "name"), dict(_get(agg, "options") or {})
+        if name in head_names():
+            options["head"] = name
+            options["head_options"] = {**agg_options, **dict(options.get("head_options", {}))}
+        elif name != "abmil" or agg_options:
+            raise ValueError(
+                f"method {_get(method_cfg, 'name')!r}: patchgd trains a grid head, not the aggregator {name!r}; name "
+                f"the head in aggregator.name or patchgd.head (one of {head_names()})"
+            )
+    return options
+
+
+def with_patchgd_head(method: MethodConfig) -> MethodConfig:
+    """``method`` (a config dataclass) with its ``patchgd`` options resolved by :func:`patchgd_mapping`."""
+    return dataclasses.replace(method, patchgd=patchgd_mapping(method))

@@ -13,7 +13,7 @@ from typing import Any
 
 from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, QC_ARTIFACTS, QC_MODES, TILING_METHODS, QCMode, TilingMethod
 from wsi_pipeline.config.schema import spec
-from wsi_pipeline.data.store import DEFAULT_SHARD_TILES
+from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES
 
 __all__ = [
     "DEFAULT_MIN_FOREGROUND", "DEFAULT_REGION_EXCLUDE", "OtsuParams", "QCParams", "StoreTiling", "TilingConfig",

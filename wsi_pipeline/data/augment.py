@@ -26,7 +26,8 @@ import numpy as np
 import torch
 
 from wsi_pipeline.data.stain import StainEstimate, hed_jitter, mix_stains
-from wsi_pipeline.data.tensors import IMAGENET_MEAN, IMAGENET_STD, tiles_to_tensor
+from wsi_pipeline.models.input_norm import IMAGENET_MEAN, IMAGENET_STD
+from wsi_pipeline.data.tensors import tiles_to_tensor
 
 __all__ = ["AugmentParams", "SlideAugment", "build_augment", "tiles_to_input"]
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from wsi_pipeline.data.store import TileStore, is_complete, marked_complete, open_store, store_path, store_problem
+from wsi_pipeline.data.store import TileStore, marked_complete, open_store, store_path, store_problem
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Slide:
     store: Path
     target: tuple[float, ...] | None = None
     patient_id: str = ""
-    parts: tuple["Slide", ...] = ()
+    parts: tuple[Slide, ...] = ()
 
     @property
     def y(self) -> Any:
@@ -244,7 +244,8 @@ def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> 
     ValueError
         ``strict`` and some slide has no tiles.
     """
-    kept, empty = [], []
+    kept: list[Slide] = []
+    empty: list[Slide] = []
     skipped = skipped_by_tiler(slides[0].store.parent) if slides else {}
     for s in slides:
         (kept if s.slide_id not in skipped and len(open_store(s.store)) > 0 else empty).append(s)

@@ -67,7 +67,7 @@ class JpegTileCodec(ArrayBytesCodec):
     @classmethod
     def from_dict(cls, data: dict[str, JSON]) -> Self:
         _, config = parse_named_configuration(data, JPEG_CODEC_NAME, require_configuration=False)
-        return cls(**(config or {}))  # type: ignore[arg-type]
+        return cls(**(config or {}))
 
     def to_dict(self) -> dict[str, JSON]:
         return {"name": JPEG_CODEC_NAME, "configuration": {"quality": self.quality}}

@@ -27,7 +27,7 @@ class PatientStore(TileStore):
     with ``slide_id`` set to the patient; ``parts`` the member stores and ``offsets`` where each starts.
     """
 
-    def __init__(self, patient_id: str, stores: Sequence[TileStore | Any]) -> None:  # noqa: D107 (no TileStore.__init__: nothing to open)
+    def __init__(self, patient_id: str, stores: Sequence[TileStore | Any]) -> None:  # no TileStore.__init__: nothing to open
         self.parts = [s if isinstance(s, TileStore) else open_store(s) for s in stores]
         if not self.parts:
             raise ValueError(f"patient {patient_id!r} has no tile store")

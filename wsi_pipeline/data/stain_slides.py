@@ -25,6 +25,7 @@ import torch
 
 from wsi_pipeline.data.stain import StainEstimate, StainNormaliser, estimate_stain, fit_target
 from wsi_pipeline.data.stain_stats import even_indices
+from wsi_pipeline.types import TileStoreLike
 
 __all__ = ["DEFAULT_MAX_TILES", "SlideStain", "StainContext", "estimate_store", "fit_stain_context"]
 
@@ -37,7 +38,7 @@ _FORMAT = "stain-context-v1"
 _WARNED: set[tuple[str, str]] = set()
 
 
-def estimate_store(store: Any, max_tiles: int = DEFAULT_MAX_TILES) -> StainEstimate:
+def estimate_store(store: TileStoreLike, max_tiles: int = DEFAULT_MAX_TILES) -> StainEstimate:
     """The stain of an open tile store, from up to ``max_tiles`` evenly spaced tiles."""
     idx = even_indices(len(store), int(max_tiles))
     if len(idx) == 0:
@@ -108,7 +109,7 @@ class StainContext:
         self.normaliser, self.max_tiles, self.training = s["normaliser"], s["max_tiles"], s["training"]
         self._cache, self._lock = dict(s["cache"]), threading.Lock()
 
-    def estimate(self, store: Any) -> StainEstimate:
+    def estimate(self, store: TileStoreLike) -> StainEstimate:
         """The estimate of an open store's slide (computed once per slide id, then cached)."""
         sid = str(store.slide_id)
         with self._lock:
@@ -119,7 +120,7 @@ class StainContext:
             self._cache.setdefault(sid, est)
             return self._cache[sid]
 
-    def for_store(self, store: Any) -> SlideStain:
+    def for_store(self, store: TileStoreLike) -> SlideStain:
         """The slide's :class:`SlideStain`; a slide that falls back is warned about once."""
         st = SlideStain(self.normaliser, self.estimate(store), str(store.slide_id))
         if self.method != "none" and not st.normalised and (self.method, st.slide_id) not in _WARNED:
@@ -128,7 +129,7 @@ class StainContext:
                         st.slide_id, st.problem, self.method)
         return st
 
-    def attach(self, store: Any) -> Any:
+    def attach(self, store: TileStoreLike) -> Any:
         """Set ``store.stain`` to the slide's :class:`SlideStain`; return the store."""
         store.stain = self.for_store(store)
         return store

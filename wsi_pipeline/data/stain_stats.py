@@ -27,10 +27,12 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import cv2
 import numpy as np
+
+from wsi_pipeline.types import TileStoreLike
 
 __all__ = [
     "FEATURES",
@@ -86,13 +88,21 @@ def even_indices(n: int, k: int) -> np.ndarray:
     return np.unique(np.round(np.linspace(0, n - 1, k)).astype(np.int64))
 
 
-def store_tile_features(store: Any, max_tiles: int = 64) -> np.ndarray:
+@runtime_checkable
+class HasStorePath(Protocol):
+    """Something that names a tile store by path (such as :class:`wsi_pipeline.data.bags.Slide`)."""
+
+    @property
+    def store(self) -> Path: ...
+
+
+def store_tile_features(store: TileStoreLike, max_tiles: int = 64) -> np.ndarray:
     """Features (k, 5) of up to ``max_tiles`` evenly spaced tiles of an open tile store."""
     idx = even_indices(len(store), max_tiles)
     return tile_features(store.read(idx)) if len(idx) else np.zeros((0, len(FEATURES)))
 
 
-def stain_reference(stores: Iterable[str | Path | Any], max_tiles: int = 64) -> dict[str, Any] | None:
+def stain_reference(stores: Iterable[str | Path | TileStoreLike | HasStorePath], max_tiles: int = 64) -> dict[str, Any] | None:
     """The training cohort's reference: per-feature median and robust spread over its tiles.
 
     Parameters
@@ -107,9 +117,9 @@ def stain_reference(stores: Iterable[str | Path | Any], max_tiles: int = 64) -> 
     from wsi_pipeline.data.store import open_store
 
     feats, n_slides = [], 0
-    for s in stores:
-        s = getattr(s, "store", s)
-        store = open_store(s) if isinstance(s, (str, Path)) else s
+    for item in stores:
+        src = item.store if isinstance(item, HasStorePath) else item
+        store = open_store(src) if isinstance(src, (str, Path)) else src
         f = store_tile_features(store, max_tiles)
         if len(f):
             feats.append(f)

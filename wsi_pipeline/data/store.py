@@ -50,8 +50,20 @@ from wsi_pipeline.data.codecs import (
 from wsi_pipeline.slide_ids import slide_output_path
 
 __all__ = [
-    "COMPRESSIONS", "DEFAULT_SHARD_TILES", "INTEGRITY_SCHEME", "StoreDamagedError", "StoreWriter", "TileStore", "complete_attrs", "is_complete",
-    "is_tile_store", "marked_complete", "open_store", "store_bytes", "store_path", "store_problem", "verify_store",
+    "COMPRESSIONS",
+    "INTEGRITY_SCHEME",
+    "StoreDamagedError",
+    "StoreWriter",
+    "TileStore",
+    "complete_attrs",
+    "is_complete",
+    "is_tile_store",
+    "marked_complete",
+    "open_store",
+    "store_bytes",
+    "store_path",
+    "store_problem",
+    "verify_store",
 ]
 
 #: Tile compressions: lossless ``zstd`` (default), ``none``, or lossy ``jpeg`` (quality 90).

@@ -15,7 +15,7 @@ import torch
 
 from wsi_pipeline.models.input_norm import IMAGENET_MEAN, IMAGENET_STD
 
-__all__ = ["IMAGENET_MEAN", "IMAGENET_STD", "DeviceTiles", "tiles_to_tensor"]
+__all__ = ["DeviceTiles", "tiles_to_tensor"]
 
 
 def tiles_to_tensor(

@@ -27,7 +27,6 @@ import numpy as np
 
 from wsi_pipeline.export.metrics_json import MetricRecord
 from wsi_pipeline.inference.endpoint_metrics import (
-    PATIENT_PREFIX,
     REGRESSION_METRICS,
     SurvivalReference,
     endpoint_metric_names,
@@ -36,8 +35,15 @@ from wsi_pipeline.inference.endpoint_metrics import (
 )
 from wsi_pipeline.inference.metrics import METRICS, compute_metrics, resample_interval, summarise_repeats
 
-__all__ = ["PATIENT_PREFIX", "Scores", "cohort_metrics", "level_bootstrap", "level_records", "metric_names", "pool_patients",
-           "stack_repeats"]
+__all__ = [
+    "Scores",
+    "cohort_metrics",
+    "level_bootstrap",
+    "level_records",
+    "metric_names",
+    "pool_patients",
+    "stack_repeats",
+]
 
 #: Per repeat, the score arrays of a cohort's slides (or patients).
 Scores = list[dict[str, np.ndarray]]

@@ -63,18 +63,22 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
-from wsi_pipeline.evaluation.endpoint_records import PATIENT_PREFIX, level_bootstrap, level_records, pool_patients, stack_repeats
+from wsi_pipeline.inference.endpoint_metrics import PATIENT_PREFIX
+from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
-from wsi_pipeline.evaluation.scoring import _label, _resolve_device, score_slide
+from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.evaluation.scoring import label_of, score_slide
 from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
-from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, parse_protocols
-from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
+from wsi_pipeline.inference.protocols import SlidePrediction
+from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
 from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = ["EvalSummary", "evaluate_pipeline"]
 
@@ -173,7 +177,7 @@ def evaluate_pipeline(
     sets = _sets_to_score(config)  # the manifest is checked first: a bad one names itself, not "train first"
     runs = _finished_runs(config, methods, summary)
     protocols = parse_protocols(config.eval.protocols)
-    dev = str(distributed.device_for(torch.device(_resolve_device(device))))
+    dev = str(distributed.device_for(resolve_device(device)))
     choice = _choose_heatmap_run(runs, heatmap_method)
     if heatmaps and config.data.bags == "patient":
         log.info("data.bags: patient: no heatmaps (a patient's bag spans several slides; draw them with data.bags: slide)")
@@ -246,7 +250,7 @@ def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: s
     return _HeatmapChoice(hm_run, val_scores, best_val)
 
 
-def _evaluate_run(config: Any, method: Any, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[Protocol],
+def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[EvalProtocol],
                   got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
                   heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
@@ -300,9 +304,10 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
     distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
     every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
     from wsi_pipeline.data.bags import slides_for_split
-    from wsi_pipeline.evaluation.scoring import _frozen_features
+    from wsi_pipeline.evaluation.scoring import saved_frozen_features
     from wsi_pipeline.inference.endpoint_metrics import survival_reference
-    from wsi_pipeline.inference.protocols import ALL, predict_protocols
+    from wsi_pipeline.config.evaluation import ALL
+    from wsi_pipeline.inference.protocols import predict_protocols
     from wsi_pipeline.manifests.schema import read_manifest
 
     manifest = read_manifest(config.data.manifest)
@@ -319,7 +324,7 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
             continue
         if len(store) == 0:
             continue
-        feats = _frozen_features(model, config, store)
+        feats = saved_frozen_features(model, config, store)
         pred = predict_protocols(model.encoder, model.aggregator, store if feats is None else (feats, store.grid), [ALL],
                                  slide_id=s.slide_id, batch_size=batch_size, device=device, with_attention=False)["all"]
         times.append(s.target[0])
@@ -354,12 +359,12 @@ def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, sc
 
 @dataclass(frozen=True)
 class _ScoreTask:
-    """The job runner's work per slide (:func:`wsi_pipeline.jobs.runner.run_one`): score one slide with
+    """The job runner's work per slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): score one slide with
     the model it is given (``broadcast``: sent once to each Dask worker). Pure, so it can run on a
     worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``."""
 
     config: Any
-    protocols: list[Protocol]
+    protocols: list[EvalProtocol]
     title: str
     batch_size: int
     device: str
@@ -387,7 +392,7 @@ class _ScoreTask:
         except (FileNotFoundError, ValueError) as e:
             row.update(status="skipped", error=str(e))
             return
-        row["label"] = _label(mrow["label"])
+        row["label"] = label_of(mrow["label"])
         row["target"] = _target(mrow)
         patient = mrow.get("patient_id")
         row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])
@@ -403,7 +408,7 @@ class _SetScorer:
     :func:`~wsi_pipeline.evaluation.endpoint_records.level_records`.
     """
 
-    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[Protocol], got: _Collected,
+    def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[EvalProtocol], got: _Collected,
                  endpoint: Any = None, ref: Any = None, eval_cfg: Any = None) -> None:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
         self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
@@ -491,7 +496,7 @@ class _SetScorer:
             got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(self.loc))))
 
 
-def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Protocol], choice: _HeatmapChoice,
+def _write_results(config: Any, out: Path, got: _Collected, protocols: list[EvalProtocol], choice: _HeatmapChoice,
                    summary: EvalSummary, *, heatmaps: bool, heatmap_method: str | None) -> None:
     """Write the predictions files, ``metrics.json``, the resolved ``config.yaml`` and ``report.html``."""
     from wsi_pipeline.config.pipeline import save_config

@@ -1,10 +1,10 @@
 """Prediction on new slides (``wsi-pipeline predict``): tile with the model's settings, score, write.
 
 A folder of slide files is tiled into ``<out>/tiles`` with the tiling parameters saved with the
-model (:func:`_tiler_config`); a folder of tile stores is scored as it is, after checking it was
+model (:func:`saved_tiler_config`); a folder of tile stores is scored as it is, after checking it was
 tiled like the model's training stores. Each slide is embedded once and scored under every
 protocol (:func:`~wsi_pipeline.evaluation.scoring.score_slide`), through the per-slide job runner
-(:mod:`wsi_pipeline.jobs.runner`), and compared with the training tiles' stain summary.
+(:mod:`wsi_pipeline.jobs.slide_jobs`), and compared with the training tiles' stain summary.
 
 Under torchrun every rank tiles (the slides' locks share the folder out), then scores its shard of
 the slides (``rank, rank + G, ...``); rank 0 gathers the rows in slide order and alone writes
@@ -23,18 +23,19 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-import torch
 
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
-from wsi_pipeline.evaluation.scoring import _resolve_device, score_slide
+from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.evaluation.scoring import score_slide
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, write_predictions
-from wsi_pipeline.inference.protocols import Protocol, parse_protocols
+from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
-from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.training import distributed
 from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.types import TileStoreLike
 
 __all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
 
@@ -56,7 +57,7 @@ class PredictSummary:
     stain_reference_source: str | None = None
 
 
-def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
+def saved_tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
     """The tiler's settings from the tiling parameters saved with a model.
 
     ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
@@ -65,7 +66,7 @@ def _tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | N
     return tiler_config(tiling, mpp)
 
 
-def _check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
+def check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
     """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
 
     ``tiling`` is what the checkpoint saved: the training stores' own settings (a dict), or an
@@ -166,7 +167,7 @@ def predict_slides(
     allow_other_tiling : score a folder of stores tiled with other settings than the model's
         training stores (tile size, resolution, method, thresholds) with a warning instead of
         refusing it.
-    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.runner.tile_cohort`);
+    cluster, retries : tile on a Dask cluster (see :func:`wsi_pipeline.tiling.cohort.tile_cohort`);
         embedding and scoring stay in this process (under torchrun: in the ranks, a shard each).
     encoder_weights : the base weights file of a foundation encoder whose checkpoint stores only
         the trained tensors, when it is not where the training config says; its sha256 must be
@@ -192,7 +193,7 @@ def predict_slides(
 
     if distributed.is_main():
         check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")
-    dev = str(distributed.device_for(torch.device(_resolve_device(device))))
+    dev = str(distributed.device_for(resolve_device(device)))
     model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None)
@@ -237,12 +238,12 @@ def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, 
     the model's tiling), or its slide files tiled into ``<out>/tiles``; tiling failures go to ``summary.failed``."""
     stores = _store_folder(src)
     if stores:
-        _check_store_settings(stores, model.tiling, allow=allow_other_tiling)
+        check_store_settings(stores, model.tiling, allow=allow_other_tiling)
         return src, [p.name[: -len(".zarr")] for p in stores], {}
-    from wsi_pipeline.tiling.runner import tile_cohort
+    from wsi_pipeline.tiling.cohort import tile_cohort
 
     tiles_dir = out / "tiles"
-    report = tile_cohort(src, tiles_dir, _tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+    report = tile_cohort(src, tiles_dir, saved_tiler_config(model.tiling, mpp), workers=workers, progress=progress,
                          cluster=cluster, retries=retries)
     ids, slide_paths = [], {}
     for r in report.results:
@@ -258,11 +259,11 @@ def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, 
 
 @dataclass
 class _SlidePredictor:
-    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): open its store, check
+    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): open its store, check
     its stain against the training tiles, score it; :meth:`collect` files the row into the summary."""
 
     model: Any
-    protocols: list[Protocol]
+    protocols: list[EvalProtocol]
     tiles_dir: Path
     slide_paths: dict[str, str]
     stain_ref: dict | None
@@ -304,7 +305,7 @@ class _SlidePredictor:
             protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain}
             for pname, pred in res.preds.items()]
 
-    def _stain(self, sid: str, store: Any) -> tuple[dict[str, Any], Any]:
+    def _stain(self, sid: str, store: TileStoreLike) -> tuple[dict[str, Any], Any]:
         """The slide's stain columns (distance to the training tiles, off-distribution flag) and the
         check behind them (None without a training summary); warns when it is off-distribution."""
         from wsi_pipeline.data.stain_stats import compare_to_reference, store_tile_features
@@ -329,14 +330,14 @@ class _SlidePredictor:
                 self.summary.stain_checks[row["slide_id"]] = row["stain_check"]
 
 
-def _write_predict_info(path: Path, model: Any, prots: Sequence[Protocol], src: Path, tiles_dir: Path,
+def _write_predict_info(path: Path, model: Any, prots: Sequence[EvalProtocol], src: Path, tiles_dir: Path,
                         stain_ref: dict | None, summary: PredictSummary) -> None:
     """``predict_info.json``: the model, protocols, slides, tiling settings, failures and stain checks."""
     info = {
         "model": str(model.checkpoint), "method": model.method.name, "seed": model.seed, "epoch": model.epoch,
         "n_classes": model.n_classes, "protocols": [p.name for p in prots], "slides": str(src.resolve()),
         **({"endpoint": model.endpoint.to_state()} if model.endpoint is not None else {}),
-        "tiles_dir": str(tiles_dir), "tiling": output_params(_tiler_config(model.tiling, None)),
+        "tiles_dir": str(tiles_dir), "tiling": output_params(saved_tiler_config(model.tiling, None)),
         "failed": [{"slide_id": s, "reason": r} for s, r in summary.failed],
         "stain_reference": {"source": summary.stain_reference_source, **(stain_ref or {})},
         "stain_normalisation": model.stain.state() if model.stain is not None else {"method": "none"},

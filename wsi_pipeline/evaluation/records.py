@@ -9,14 +9,15 @@ import numpy as np
 from wsi_pipeline.evaluation.sets import EvalSet
 from wsi_pipeline.export.metrics_json import MetricRecord
 from wsi_pipeline.inference.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
-from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, repeat_probs
+from wsi_pipeline.config.evaluation import EvalProtocol
+from wsi_pipeline.inference.protocols import SlidePrediction, repeat_probs
 from wsi_pipeline.progress import progress_bar
 
 __all__ = ["bootstrap_records", "protocol_records"]
 
 
 def protocol_records(
-    method: str, seed: int, es: EvalSet, protocol: Protocol, y: np.ndarray, preds: list[SlidePrediction], n_classes: int,
+    method: str, seed: int, es: EvalSet, protocol: EvalProtocol, y: np.ndarray, preds: list[SlidePrediction], n_classes: int,
 ) -> tuple[list[MetricRecord], np.ndarray]:
     """One model's metric records on one cohort under one protocol, and the probabilities they came from.
 

@@ -16,29 +16,24 @@ import torch
 
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.evaluation.localisation import lesion_fraction, lesion_outline, localisation_auc
-from wsi_pipeline.inference.protocols import Protocol, SlidePrediction, predict_protocols
+from wsi_pipeline.config.evaluation import EvalProtocol
+from wsi_pipeline.inference.protocols import SlidePrediction, predict_protocols
 
 __all__ = ["SlideScore", "score_slide"]
 
 log = logging.getLogger(__name__)
 
 
-def _label(v: Any) -> int | None:
+def label_of(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
 
-def _resolve_device(device: str) -> str:
-    from wsi_pipeline.devices import resolve_device
-
-    return str(resolve_device(device))
-
-
-def _frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:
+def saved_frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:
     """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
     if getattr(model.method, "strategy", None) != "frozen":
         return None
     from wsi_pipeline.inference.features import features_path, read_features, store_fingerprint
-    from wsi_pipeline.inference.models import frozen_features_dir
+    from wsi_pipeline.inference.method_models import frozen_features_dir
 
     path = features_path(frozen_features_dir(model.method, config.data.features_dir), store.slide_id)
     if not path.is_file():
@@ -76,7 +71,7 @@ def score_slide(
     config: Any,
     store: TileStore,
     row: pd.Series,
-    protocols: list[Protocol],
+    protocols: list[EvalProtocol],
     *,
     seed: int,
     batch_size: int,
@@ -103,7 +98,7 @@ def score_slide(
     builder = None
     if heatmap_dir is not None:
         thumb, level0 = _slide_thumbnail(row.get("path"))
-    feats = _frozen_features(model, config, store)
+    feats = saved_frozen_features(model, config, store)
     if heatmap_dir is not None and thumb is None:
         builder = StoreThumbnail(store.coords, extent, store_level0_size(store.attrs, store.coords, extent))
     slide_in: Any = store

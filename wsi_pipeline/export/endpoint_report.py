@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
-from wsi_pipeline.export.report import _COLOURS, _CSS, _png_data_uri, best_on_validation
+from wsi_pipeline.export.report import COLOURS, REPORT_CSS, png_data_uri, best_on_validation
 from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["km_svg", "write_endpoint_report"]
@@ -112,7 +112,7 @@ def _km_section(pred: pd.DataFrame, records: Sequence[MetricRecord], protocol: s
                 sel = c[c["risk_group"] == grp]
                 if len(sel):
                     t, s = _kaplan_meier_steps(sel["time"].to_numpy(float), sel["event"].to_numpy(int))
-                    curves.append((f"{grp} risk (n={len(sel)})", _COLOURS[i], t, s))
+                    curves.append((f"{grp} risk (n={len(sel)})", COLOURS[i], t, s))
             p = look.get((meth, seed, cohort, "logrank_p"))
             title = f"{meth} seed {seed}, {cohort}: log-rank p = {_fmt(p)}"
             out.append(km_svg(curves, t_max=float(c["time"].max()), title=title))
@@ -125,7 +125,7 @@ def _gallery(gallery: Sequence[dict], report_dir: Path) -> str:
     cards = []
     for g in gallery[:8]:
         rel = os.path.relpath(g["png"], report_dir)
-        cards.append(f'<div class=card><a href="{html.escape(rel)}"><img src="{_png_data_uri(Path(g["png"]))}" '
+        cards.append(f'<div class=card><a href="{html.escape(rel)}"><img src="{png_data_uri(Path(g["png"]))}" '
                      f'alt="{html.escape(g["slide_id"])}"></a><b>{html.escape(g["slide_id"])}</b> ({html.escape(g["cohort"])})</div>')
     return "<div class=grid>" + "".join(cards) + "</div>"
 
@@ -158,5 +158,5 @@ def write_endpoint_report(path: str | os.PathLike, *, pipeline: str, task: str, 
              f'<p class="note">Attention of {html.escape(f"{heatmap_run[0]} seed {heatmap_run[1]}") if heatmap_run else "–"}.</p>',
              _gallery(gallery, path.parent)]
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
-           f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
+           f"<style>{REPORT_CSS}</style></head><body>{''.join(body)}</body></html>\n")
     return write_text_atomic(path, doc)

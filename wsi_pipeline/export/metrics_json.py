@@ -144,7 +144,7 @@ def read_metrics_json(path: str | os.PathLike) -> list[MetricRecord]:
     return [MetricRecord(**{**r, "value": math.nan if r["value"] is None else float(r["value"])}) for r in recs]
 
 
-def summary_table(records: Iterable[MetricRecord], metrics: Iterable[str] = ("auc", "accuracy"), *, digits: int = 3) -> "Any":
+def summary_table(records: Iterable[MetricRecord], metrics: Iterable[str] = ("auc", "accuracy"), *, digits: int = 3) -> Any:
     """Method x (cohort, protocol, metric) table of ``"mean ± std"`` strings over seeds (headline records).
 
     Each cell is the seed mean of the metric (for ``sub<k>x<R>``: of the per-seed repeat means) and,

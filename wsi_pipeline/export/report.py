@@ -42,8 +42,8 @@ from wsi_pipeline.types import ValidationScore
 
 __all__ = ["write_report", "best_on_validation", "rank_methods", "roc_svg", "confusion_svg"]
 
-_COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
-_CSS = """
+COLOURS = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"]
+REPORT_CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#222;max-width:1400px}
 h1{font-size:22px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ddd}h3{font-size:15px}
 table{border-collapse:collapse;margin:8px 0 16px;font-size:13px}
@@ -149,7 +149,7 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
                     cells.append(f"<td>{txt}{ci}{sd}</td>")
             body.append(f'<tr><td class="m">{html.escape(meth)} <span class="ci">({n_seeds[meth]} seed{"s" * (n_seeds[meth] != 1)})</span></td>{"".join(cells)}</tr>')
         parts.append(
-            f"<h3>Protocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
+            f"<h3>EvalProtocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
             f"<tr>{head2}</tr>{''.join(body)}</table>"
         )
     return "\n".join(parts)
@@ -307,12 +307,12 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Seque
                     if len(set(y)) < 2:
                         continue
                     fpr, tpr, _ = roc_curve(y, g["prob_1"].to_numpy())
-                    curves.append((f"{meth} s{seed}", _COLOURS[mi % len(_COLOURS)], fpr, tpr))
+                    curves.append((f"{meth} s{seed}", COLOURS[mi % len(COLOURS)], fpr, tpr))
             title = f"{cohort} ({protocol})"
             if curves:
                 out.append(roc_svg(curves, title=title))
         else:
-            for mi, meth in enumerate(methods):
+            for meth in methods:
                 g = d[d["method"] == meth]
                 mean = g.groupby("slide_id", sort=False)[[f"prob_{c}" for c in range(n_classes)] + ["label"]].mean()
                 y = mean["label"].astype(int).to_numpy()
@@ -320,7 +320,7 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Seque
                 for c in range(n_classes):
                     if 0 < (y == c).sum() < len(y):
                         fpr, tpr, _ = roc_curve(y == c, mean[f"prob_{c}"].to_numpy())
-                        curves.append((f"class {c} vs rest", _COLOURS[c % len(_COLOURS)], fpr, tpr))
+                        curves.append((f"class {c} vs rest", COLOURS[c % len(COLOURS)], fpr, tpr))
                 if curves:
                     out.append(roc_svg(curves, title=f"{meth}, {cohort} ({protocol}, seed mean)"))
     return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else '<p class="note">ROC undefined (one class per cohort).</p>'
@@ -342,7 +342,7 @@ def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str, order:
     return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else ""
 
 
-def _png_data_uri(path: Path, max_side: int = 480) -> str:
+def png_data_uri(path: Path, max_side: int = 480) -> str:
     img = Image.open(path).convert("RGB")
     img.thumbnail((max_side, max_side))
     buf = io.BytesIO()
@@ -366,7 +366,7 @@ def _gallery(gallery: Sequence[dict], report_dir: Path, k: int) -> str:
                f"pred {int(p.argmax())}, p = {p.max():.3f}"
                + ("" if loc is None or (isinstance(loc, float) and math.isnan(loc)) else f", localisation AUC {loc:.3f}")
                + (", lesions outlined" if g.get("outline") else ""))
-        return f'<div class=card><a href="{html.escape(rel)}"><img src="{_png_data_uri(Path(g["png"]))}" alt="{html.escape(g["slide_id"])}"></a>{cap}</div>'
+        return f'<div class=card><a href="{html.escape(rel)}"><img src="{png_data_uri(Path(g["png"]))}" alt="{html.escape(g["slide_id"])}"></a>{cap}</div>'
 
     return (
         "<h3>Most confident</h3><div class=grid>" + "".join(card(g) for g in most) + "</div>"
@@ -382,7 +382,7 @@ def _intro_note(models: Sequence[tuple[str, int]]) -> str:
     return (
         f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
         f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
-        "Each model is its run's <code>best.pt</code> (chosen on validation). Protocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
+        "Each model is its run's <code>best.pt</code> (chosen on validation). EvalProtocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
         "(the papers'): each repeat of k random tiles per slide is scored over all slides, and a model's value is the mean "
         "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
         "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
@@ -489,5 +489,5 @@ def write_report(
     if len(pred):
         body += _curve_sections(pred, n_classes, prots[0], methods)
     doc = (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{html.escape(pipeline)}: evaluation</title>"
-           f"<style>{_CSS}</style></head><body>{''.join(body)}</body></html>\n")
+           f"<style>{REPORT_CSS}</style></head><body>{''.join(body)}</body></html>\n")
     return write_text_atomic(path, doc)

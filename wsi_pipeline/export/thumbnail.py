@@ -22,9 +22,10 @@ import numpy as np
 
 from wsi_pipeline.export.heatmap import tile_rects
 from wsi_pipeline.slides.scaled import read_resized
+from wsi_pipeline.types import TileStoreLike
 
 if TYPE_CHECKING:
-    from wsi_pipeline.slides.reader import Slide
+    from wsi_pipeline.slides.base import Slide
 
 __all__ = ["thumbnail_shape", "slide_thumbnail", "StoreThumbnail", "store_level0_size", "store_tile_extent"]
 
@@ -100,7 +101,7 @@ class StoreThumbnail:
             self.image[y0[i] : y1[i], x0[i] : x1[i]] = cv2.resize(tile, (tw, th), interpolation=interp)
 
     @classmethod
-    def from_store(cls, store: Any, max_side: int = 1024, batch_size: int = 256) -> "StoreThumbnail":
+    def from_store(cls, store: TileStoreLike, max_side: int = 1024, batch_size: int = 256) -> StoreThumbnail:
         """Rebuild from every tile of an open store (reads it once, ``batch_size`` tiles at a time)."""
         extent = store_tile_extent(store.attrs, store.tile_size)
         th = cls(store.coords, extent, store_level0_size(store.attrs, store.coords, extent), max_side)

@@ -9,7 +9,7 @@ A checkpoint is a dict::
     epoch       epochs completed
     models      {"encoder": state dict or None, "aggregator": state dict}
     encoder_info  what the encoder started from and how it is stored
-                (:func:`wsi_pipeline.inference.models.encoder_checkpoint`: name, weights file and its
+                (:func:`wsi_pipeline.inference.method_models.encoder_checkpoint`: name, weights file and its
                 sha256, preprocessing; ``stored: trained`` = only the trained tensors of a
                 foundation encoder, the rest being the weights file with that sha256)
     optimizer, scheduler, rng   (last.pt only) optimiser / schedule state, RNG states
@@ -53,6 +53,7 @@ import numpy as np
 import torch
 
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
+from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = [
     "FORMAT",
@@ -277,7 +278,7 @@ class TrainedModel:
     encoder: torch.nn.Module
     aggregator: torch.nn.Module
     config: Any
-    method: Any
+    method: MethodConfig
     n_classes: int
     tiling: Any
     checkpoint: Path
@@ -312,7 +313,7 @@ def load_trained_model(
     """
     from wsi_pipeline.config.pipeline import config_from_dict, upgrade_saved_config
     from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
-    from wsi_pipeline.inference.models import build_models, restore_encoder
+    from wsi_pipeline.inference.method_models import build_models, restore_encoder
 
     path = Path(run_or_checkpoint)
     if path.is_dir():

@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from wsi_pipeline.config.pipeline import MethodConfig
+
 __all__ = [
     "Endpoint",
     "breslow_baseline",
@@ -150,7 +152,7 @@ def breslow_baseline(time: np.ndarray, event: np.ndarray, risk: np.ndarray) -> t
     return times, np.cumsum(d / denom) * math.exp(-shift)
 
 
-def endpoint_outputs(method: Any, n_classes: int | None) -> int:
+def endpoint_outputs(method: MethodConfig, n_classes: int | None) -> int:
     """The aggregator's output size for a method (config only: what :class:`Endpoint` says, without data)."""
     loss = getattr(method, "loss", None) or "cross_entropy"
     if loss == "cross_entropy":
@@ -197,7 +199,7 @@ class Endpoint:
         return d
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "Endpoint":
+    def from_state(cls, state: Mapping[str, Any]) -> Endpoint:
         s = dict(state)
         s["edges"] = tuple(float(v) for v in s.get("edges", ()))
         return cls(**{k: v for k, v in s.items() if k in cls.__dataclass_fields__})
@@ -257,12 +259,12 @@ class Endpoint:
         return {"prediction": z[:, 0] * self.target_sd + self.target_mean}
 
 
-def fit_endpoint(method: Any, n_classes: int | None, targets: Sequence[Any]) -> Endpoint:
+def fit_endpoint(method: MethodConfig, n_classes: int | None, targets: Sequence[Any]) -> Endpoint:
     """The :class:`Endpoint` of ``method`` with what it needs from the training split's ``targets``
     (``(time, event)`` pairs for survival, values for regression; unused for classification)."""
     task, loss = method.task, method.loss
     opts = method.loss_options
-    base = dict(task=task, loss=loss, n_outputs=endpoint_outputs(method, n_classes), ties=opts.ties,
+    base: dict[str, Any] = dict(task=task, loss=loss, n_outputs=endpoint_outputs(method, n_classes), ties=opts.ties,
                 huber_delta=float(opts.huber_delta))
     if loss == "nll_discrete":
         times = np.asarray([float(t) for t, e in targets if int(e) == 1])

@@ -30,9 +30,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -40,17 +40,21 @@ import pandas as pd
 
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.io_atomic import atomic_path
-from wsi_pipeline.jobs.runner import run_slides
+from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.slide_ids import slide_output_path
 from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.types import TileStoreLike
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
+    "LazyFeatures",
     "extract_features",
     "features_path",
     "read_features",
     "store_fingerprint",
     "weights_sha256",
-    "resolve_device",
     "REPORT_NAME",
 ]
 
@@ -79,7 +83,7 @@ def weights_sha256(module: Any) -> str:
     return h.hexdigest()
 
 
-def store_fingerprint(store: Any) -> str:
+def store_fingerprint(store: TileStoreLike) -> str:
     """sha256 (hex) identifying a tile store's content: its attributes (slide fingerprint, mpp,
     tile size, creation time, ...) and its tile coordinates. A rebuilt store changes it."""
     h = hashlib.sha256()
@@ -174,7 +178,7 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
             f.attrs["complete"] = True
 
 
-def _embed_store(store: Any, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
+def _embed_store(store: TileStoreLike, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
     """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``), optionally
     under bfloat16 autocast: float32 [N, D].
 
@@ -224,7 +228,7 @@ def _slide_features(
     slide_id: str, row: dict[str, Any], encoder: Any, device: str, tiles_dir: str, out: str, encoder_name: str,
     digest: str, batch_size: int, overwrite: bool, stain: Any = None, file_digest: str = "", bf16: bool = False,
 ) -> None:
-    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.runner.run_one`): embed its store into
+    """The job runner's work for one slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): embed its store into
     ``<out>/<slide_id>.h5`` unless up to date, filling ``row`` (``n_tiles``; ``status`` skipped when up to
     date; ``reason``, not a report column: why an existing file was re-extracted); ``stain``: the
     :class:`~wsi_pipeline.data.stain_slides.StainContext` the tiles go through (None: none)."""
@@ -302,7 +306,7 @@ def extract_features(
     progress : show a per-slide progress bar.
     cluster : None = in this process; else each slide is a Dask task (a ``--cluster`` string,
         a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``; see
-        :mod:`wsi_pipeline.jobs.runner`): the encoder is built here and sent to every worker,
+        :mod:`wsi_pipeline.jobs.slide_jobs`): the encoder is built here and sent to every worker,
         which runs it on its own ``device``.
     retries : with ``cluster``: extra runs of a slide whose worker died.
     stain : a fitted :class:`~wsi_pipeline.data.stain_slides.StainContext`: tiles are stain-normalised
@@ -358,3 +362,21 @@ def extract_features(
     if reasons:
         log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
     return pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
+
+
+class LazyFeatures(Sequence):
+    """Validation features read from h5 one slide at a time (a cohort's features need not fit in memory)."""
+
+    def __init__(self, paths: list[Path] | list[list[Path]]) -> None:
+        self.paths = paths
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        import torch
+
+        paths = self.paths[i]
+        if isinstance(paths, (list, tuple)):  # a patient bag: its slides' features in order
+            return torch.cat([torch.from_numpy(read_features(p)[0]) for p in paths])
+        return torch.from_numpy(read_features(paths)[0])

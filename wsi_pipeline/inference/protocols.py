@@ -23,7 +23,7 @@ slides, on the other protocols, or on the model; repeats differ from each other;
 statistics above see the same subsets.
 
 Validation (:func:`validate_model`, :func:`slide_predictions`, :func:`validation_metrics`) lives in
-:mod:`wsi_pipeline.inference.validation`.
+:mod:`wsi_pipeline.inference.protocol_metrics`.
 """
 
 from __future__ import annotations
@@ -40,16 +40,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from wsi_pipeline.config.evaluation import ALL, Protocol, parse_protocol, parse_protocols
+from wsi_pipeline.config.evaluation import ALL, EvalProtocol, parse_protocol
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.progress import progress_bar
 
 __all__ = [
-    "Protocol",
-    "ALL",
-    "parse_protocol",
-    "parse_protocols",
     "protocol_rng",
     "subset_indices",
     "SlidePrediction",
@@ -61,10 +57,10 @@ __all__ = [
 ]
 
 
-def protocol_rng(seed: int, slide_id: str, protocol: Protocol | str) -> np.random.Generator:
+def protocol_rng(seed: int, slide_id: str, protocol: EvalProtocol | str) -> np.random.Generator:
     """The generator of one slide's subsets under one protocol, from a stable hash of the three.
 
-    A protocol is keyed by its :attr:`Protocol.draw_name`, so ``sub<k>x<R>`` and ``ens<k>x<R>``
+    A protocol is keyed by its :attr:`EvalProtocol.draw_name`, so ``sub<k>x<R>`` and ``ens<k>x<R>``
     draw the same subsets; a string that is not a protocol name is used as it is.
     """
     if isinstance(protocol, str):
@@ -72,12 +68,12 @@ def protocol_rng(seed: int, slide_id: str, protocol: Protocol | str) -> np.rando
             protocol = parse_protocol(protocol)
         except ValueError:
             pass
-    name = protocol.draw_name if isinstance(protocol, Protocol) else str(protocol)
+    name = protocol.draw_name if isinstance(protocol, EvalProtocol) else str(protocol)
     key = f"{int(seed)}\x1f{slide_id}\x1f{name}".encode()
     return np.random.default_rng(int.from_bytes(hashlib.sha256(key).digest()[:8], "little"))
 
 
-def subset_indices(n_tiles: int, protocol: Protocol, generator: np.random.Generator | None = None) -> list[np.ndarray]:
+def subset_indices(n_tiles: int, protocol: EvalProtocol, generator: np.random.Generator | None = None) -> list[np.ndarray]:
     """Tile indices of each repeat, each sorted ascending (the store's order, which TransMIL's
     positional layout expects).
 
@@ -221,7 +217,7 @@ def predict_slide(
     aggregator: nn.Module,
     z: Tensor,
     grid: Tensor | np.ndarray | None = None,
-    protocol: Protocol | str = ALL,
+    protocol: EvalProtocol | str = ALL,
     generator: np.random.Generator | None = None,
     *,
     with_attention: bool = True,
@@ -304,7 +300,7 @@ def predict_protocols(
     encoder: nn.Module | None,
     aggregator: nn.Module,
     slide: TileStore | Tensor | tuple[Tensor, Any],
-    protocols: Sequence[Protocol],
+    protocols: Sequence[EvalProtocol],
     *,
     slide_id: str,
     seed: int = 0,
@@ -318,7 +314,7 @@ def predict_protocols(
     The all-tiles attention is computed once and shared by every protocol's prediction;
     ``sub<k>x<R>`` and ``ens<k>x<R>`` share their aggregator passes (same subsets).
     """
-    z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device, on_batch=on_batch)
+    z, grid = slide_embedding(encoder, slide, batch_size=batch_size, device=device, on_batch=on_batch)
     out: dict[str, SlidePrediction] = {}
     by_draw: dict[str, SlidePrediction] = {}
     attention = instance = None
@@ -338,7 +334,7 @@ def predict_protocols(
     return out
 
 
-def _embedding(
+def slide_embedding(
     encoder: nn.Module | None,
     slide: TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any],
     *,

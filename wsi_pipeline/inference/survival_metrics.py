@@ -94,7 +94,7 @@ class CensoringWeights:
     last_time: float
 
     @classmethod
-    def fit(cls, time: np.ndarray, event: np.ndarray) -> "CensoringWeights":
+    def fit(cls, time: np.ndarray, event: np.ndarray) -> CensoringWeights:
         t, e = _arrays(time, event)
         if len(t) == 0:
             raise ValueError("the censoring distribution needs training times; the training split has none")

@@ -2,8 +2,8 @@
 
 Dask (``distributed``) schedules and dask-jobqueue starts SLURM workers; this module only turns a
 ``--cluster`` value into a connected client (:func:`dask_client`) and maps a function over
-slides, one task each (:func:`map_slides`, used by :func:`wsi_pipeline.jobs.runner.run_slides`).
-Rows, reports and progress are the job runner's (:mod:`wsi_pipeline.jobs.runner`); the tiler
+slides, one task each (:func:`map_slides`, used by :func:`wsi_pipeline.jobs.slide_jobs.run_slides`).
+Rows, reports and progress are the job runner's (:mod:`wsi_pipeline.jobs.slide_jobs`); the tiler
 submits its own tasks as its slide locks allow (:mod:`wsi_pipeline.tiling.cluster`).
 
 - ``local[:N]``: a :class:`distributed.LocalCluster` of N single-threaded worker processes
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 #: Extra runs of a slide after its worker died or its task raised.
 DEFAULT_RETRIES = 2
-_POLL_S = 0.25
+POLL_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def map_slides(
 ) -> list[Any]:
     """Run ``fn(item, *args)`` (``fn(item, broadcast, *args)`` with ``broadcast``) as one Dask task per item.
 
-    For per-slide stages without slide locks (through :func:`wsi_pipeline.jobs.runner.run_slides`): every item is submitted at
+    For per-slide stages without slide locks (through :func:`wsi_pipeline.jobs.slide_jobs.run_slides`): every item is submitted at
     once, ``broadcast`` (e.g. an encoder module) is sent to each worker once, a task whose worker
     died runs again elsewhere up to ``retries`` times. Returns the results in the order of
     ``items``; an item whose task raised (or whose workers kept dying) gets the exception instead.

@@ -14,10 +14,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from wsi_pipeline.manifests.schema import ManifestError
-from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, NoSlidesError, find_slide_files, is_slide_name, no_slides_message
+from wsi_pipeline.slides.finder import NoSlidesError, find_slide_files, is_slide_name, no_slides_message
 from wsi_pipeline.slides.finder import slide_id as _slide_id
 
-__all__ = ["SLIDE_EXTENSIONS", "slide_stem", "find_slides", "check_files_exist", "first_few"]
+__all__ = ["slide_stem", "find_slides", "check_files_exist", "first_few"]
 
 log = logging.getLogger(__name__)
 

@@ -46,8 +46,9 @@ def merge_manifests(
     """
     if not internal:
         raise ValueError("merge_manifests: give at least one internal manifest (the cohort trained on)")
-    frames, origin = [], {}
-    cohorts = {"internal": set(), "external": set()}
+    frames: list[pd.DataFrame] = []
+    origin: dict[str, str] = {}
+    cohorts: dict[str, set[str]] = {"internal": set(), "external": set()}
     for kind, paths in (("internal", internal), ("external", external)):
         for path in paths:
             df = read_manifest(path)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from wsi_pipeline.manifests.files import SLIDE_EXTENSIONS, first_few
+from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS
+from wsi_pipeline.manifests.files import first_few
 from wsi_pipeline.manifests.schema import MANIFEST_COLUMNS, OPTIONAL_COLUMNS, ManifestError, validate_manifest
 
 __all__ = [

@@ -171,7 +171,7 @@ def build_tcga_prad_manifest(
         df["patient_id"] = df["slide_id"].str.extract(_BARCODE, expand=False).str.upper().fillna("")
     if one_per_patient:
         rng = np.random.default_rng(seed)
-        keep = []
+        keep: list[int] = []
         for pid, rows in df.groupby("patient_id", sort=True):
             rows = rows.sort_values("slide_id")
             keep.extend(rows.index if pid == "" else [rows.index[rng.integers(len(rows))]])

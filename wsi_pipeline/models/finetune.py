@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +51,7 @@ class LoRALinear(nn.Linear):
             self.bias.requires_grad_(False)
         self.rank = int(rank)
         self.scaling = float(alpha) / float(rank)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
+        kw: dict[str, Any] = {"device": base.weight.device, "dtype": base.weight.dtype}
         self.lora_a = nn.Parameter(torch.empty(self.rank, self.in_features, **kw))
         self.lora_b = nn.Parameter(torch.zeros(self.out_features, self.rank, **kw))
         nn.init.kaiming_uniform_(self.lora_a, a=math.sqrt(5))

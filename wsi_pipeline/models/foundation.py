@@ -366,7 +366,7 @@ def load_state_file(path: str | os.PathLike, *, what: str) -> dict[str, torch.Te
             state: Any = load_file(str(p), device="cpu")
         else:
             state = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - every reader error becomes one message naming the file
+    except Exception as e:  # every reader error becomes one message naming the file
         if isinstance(e, MemoryError):
             raise
         raise ValueError(f"{what}: cannot read {p} ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}); "

@@ -5,7 +5,7 @@ spatial context that attention pooling throws away. Heads: ``cnn`` (the paper's 
 mask-aware and size-agnostic; the default), ``cnn_paper`` (the paper's as published: fixed-size
 Z, flatten + Linear) and ``transformer``. Every head takes the per-tile embeddings
 and the store's grid, ``forward(z [n, D], grid [n, 2] (col, row)) -> MILOutput``, and builds Z
-itself (:func:`grid_layout`, :func:`tiles_to_z`); :class:`wsi_pipeline.training.patchgd.PatchGDStrategy`
+itself (:func:`grid_layout`, :func:`tiles_to_z`); :class:`wsi_pipeline.training.patchgd.PatchGDTrainer`
 passes a precomputed layout so the grid is laid out once per slide.
 
 Z layout
@@ -289,7 +289,7 @@ class MaskedBatchNorm2d(nn.BatchNorm2d):
     valid positions the running statistics are used (and not updated).
     """
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         if mask is None:
             return super().forward(x)
         b, c, h, w = x.shape
@@ -312,7 +312,7 @@ class MaskedBatchNorm2d(nn.BatchNorm2d):
 class CellLayerNorm(nn.LayerNorm):
     """LayerNorm over the channels of each cell separately (independent of other cells and slides)."""
 
-    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def forward(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         return super().forward(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 

@@ -1,8 +1,10 @@
-"""Slide reading: one interface over OpenSlide and tiffslide, resolution (mpp) and file identity."""
+"""Slide reading: one interface (``base``) over the OpenSlide, tiffslide (``backends``) and DICOM
+(``dicom``) readers, chosen by :func:`open_slide` (``opener``); resolution (``mpp``) and file identity."""
 
+from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.slides.fingerprint import slide_fingerprint
 from wsi_pipeline.slides.mpp import MPP_SOURCES, MissingMppError, resolve_mpp
-from wsi_pipeline.slides.reader import BACKENDS, Slide, SlideOpenError, open_slide
+from wsi_pipeline.slides.opener import BACKENDS, SlideOpenError, open_slide
 from wsi_pipeline.slides.scaled import read_scaled, scaled_shape
 
 __all__ = [

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from wsi_pipeline.slides.reader import Slide, _parse_mpp
+from wsi_pipeline.slides.base import Slide
+from wsi_pipeline.slides.mpp import parse_mpp
 
 __all__ = ["SUPPORTED_LAYOUTS", "WsiDicomSlide", "describe_dicom", "dicom_files", "is_dicom_file"]
 
@@ -123,7 +124,7 @@ class WsiDicomSlide(Slide):
         except AttributeError:  # metadata layout differs between wsidicom versions; it is informative only
             pass
         self.properties = props
-        self.mpp = _parse_mpp(props, ("wsidicom.mpp-x", "wsidicom.mpp-y"))
+        self.mpp = parse_mpp(props, ("wsidicom.mpp-x", "wsidicom.mpp-y"))
         self.background = (255, 255, 255)
 
     def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:

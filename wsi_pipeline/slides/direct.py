@@ -23,7 +23,7 @@ because it follows OpenSlide's conventions for that vendor driver:
   behind the file's JPEG header with the tile's size, libjpeg guessing the colour space as OpenSlide does.
 - Edge tiles are decoded whole and clipped at the level's edge; areas outside the level and stored
   tiles with no data (byte count 0) in a generic TIFF are filled with the background colour, where
-  OpenSlide leaves them transparent (:class:`~wsi_pipeline.slides.reader.Slide` composites them over
+  OpenSlide leaves them transparent (:class:`~wsi_pipeline.slides.base.Slide` composites them over
   the same colour).
 
 Anything else is declined (:meth:`DirectTiles.reason` says why) and the caller reads through
@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.slides.jpeg_rows import sequential_frame, with_height
+from wsi_pipeline.types import SlideLike
 
 __all__ = ["DirectTiles", "direct_levels"]
 
@@ -177,7 +178,7 @@ class DirectTiles:
         tile is kept); :meth:`read_tiles` raises it while it runs to what a row-major grid needs to
         decode each stored tile once (about two rows of stored tiles).
 
-    Use :meth:`from_slide` with an OpenSlide-backed :class:`~wsi_pipeline.slides.reader.Slide`.
+    Use :meth:`from_slide` with an OpenSlide-backed :class:`~wsi_pipeline.slides.base.Slide`.
     :meth:`read` and :meth:`stored_tile` are thread-safe (file reads are positional; the tile cache is
     locked; imagecodecs releases the GIL while decoding; a stored tile another thread is decoding is
     waited for, not decoded twice); run one :meth:`read_tiles` at a time.
@@ -235,8 +236,8 @@ class DirectTiles:
             raise
 
     @classmethod
-    def from_slide(cls, slide: Any, cache_bytes: int = 128 * 2**20) -> DirectTiles:
-        """A reader for an open :class:`~wsi_pipeline.slides.reader.Slide`; every level is declined
+    def from_slide(cls, slide: SlideLike, cache_bytes: int = 128 * 2**20) -> DirectTiles:
+        """A reader for an open :class:`~wsi_pipeline.slides.base.Slide`; every level is declined
         unless OpenSlide opened it (OpenSlide's pixels are the reference)."""
         if getattr(slide, "backend", None) != "openslide":
             reader = cls(slide.path, {}, slide.level_downsamples, slide.background, cache_bytes)
@@ -529,7 +530,7 @@ class _Declined(Exception):
     """A level that is not read directly; the message says why."""
 
 
-def direct_levels(slide: Any) -> dict[int, str | None]:
+def direct_levels(slide: SlideLike) -> dict[int, str | None]:
     """Per level of an open slide: None when :class:`DirectTiles` reads it directly, else the reason."""
     with DirectTiles.from_slide(slide) as reader:
         return {i: reader.reason(i) for i in range(slide.level_count)}

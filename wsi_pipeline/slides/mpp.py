@@ -12,8 +12,13 @@ Precedence, per slide (:func:`resolve_mpp`):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
-__all__ = ["MPP_SOURCES", "MissingMppError", "resolve_mpp"]
+import numpy as np
+
+__all__ = ["MPP_SOURCES", "MissingMppError", "ome_mpp", "ome_mpp_of_file", "parse_mpp", "resolve_mpp"]
 
 #: Values of ``mpp_source`` in store attributes and ``tiling_report.csv``, in precedence order.
 MPP_SOURCES: tuple[str, ...] = ("run-forced", "manifest", "slide", "run-fallback", "none")
@@ -75,3 +80,60 @@ def resolve_mpp(
             f"`--mpp-force <um/px>` overrides every slide's mpp, including correct ones"
         )
     return None, "none"
+
+
+#: OME length units -> micrometres.
+_OME_UNITS_UM = {"pm": 1e-6, "nm": 1e-3, "µm": 1.0, "um": 1.0, "\u03bcm": 1.0, "mm": 1e3, "cm": 1e4, "m": 1e6}
+
+
+def ome_mpp(tif: Any) -> float | None:
+    """um per px of an OME-TIFF's first image (``Pixels`` ``PhysicalSizeX/Y`` and their units), or None.
+
+    The OME default unit is the micrometre; a pixel size in another length unit is converted,
+    and a non-length unit (e.g. a reference frame) is ignored.
+    """
+    if tif is None or not getattr(tif, "is_ome", False):
+        return None
+    import xml.etree.ElementTree as ET
+
+    try:
+        root = ET.fromstring(tif.ome_metadata)
+    except (ET.ParseError, TypeError, ValueError):
+        return None
+    pixels = next((el for el in root.iter() if el.tag.rsplit("}", 1)[-1] == "Pixels"), None)
+    if pixels is None:
+        return None
+    values = {}
+    for axis in ("X", "Y"):
+        size, unit = pixels.get(f"PhysicalSize{axis}"), pixels.get(f"PhysicalSize{axis}Unit", "µm")
+        if size is not None and unit in _OME_UNITS_UM:
+            try:
+                values[axis] = float(size) * _OME_UNITS_UM[unit]
+            except ValueError:
+                continue
+    return parse_mpp(values, ("X", "Y"))
+
+
+def ome_mpp_of_file(path: Path) -> float | None:
+    """:func:`ome_mpp` of a TIFF file (None when it is not OME or cannot be read)."""
+    import tifffile
+
+    try:
+        with tifffile.TiffFile(path) as tif:
+            return ome_mpp(tif)
+    except (OSError, ValueError, tifffile.TiffFileError):
+        return None
+
+
+def parse_mpp(values: Mapping[str, Any], keys: tuple[str, str]) -> float | None:
+    """Mean of the positive, finite mpp values found under ``keys`` (x, y); None when there is none."""
+    found = []
+    for key in keys:
+        raw = values.get(key)
+        try:
+            v = float(raw)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(v) and v > 0:
+            found.append(v)
+    return float(np.mean(found)) if found else None

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from wsi_pipeline.slides.reader import Slide
+    from wsi_pipeline.types import SlideLike
 
 __all__ = ["best_exact_level", "read_resized", "read_scaled", "scaled_shape"]
 
@@ -26,7 +26,7 @@ def scaled_shape(dimensions: tuple[int, int], downsample: float) -> tuple[int, i
     return max(1, int(h0 // downsample)), max(1, int(w0 // downsample))
 
 
-def best_exact_level(slide: Slide, downsample: float) -> int:
+def best_exact_level(slide: SlideLike, downsample: float) -> int:
     """The coarsest level that :meth:`Slide.read_level` reads exactly with downsample at most ``downsample`` (1e-3 slack)."""
     best = 0
     for i, d in enumerate(slide.level_downsamples):
@@ -35,7 +35,7 @@ def best_exact_level(slide: Slide, downsample: float) -> int:
     return best
 
 
-def read_scaled(slide: Slide, downsample: float) -> np.ndarray:
+def read_scaled(slide: SlideLike, downsample: float) -> np.ndarray:
     """The whole slide at ``downsample`` level-0 px per output px.
 
     Output pixel (i, j) covers level-0 px [j * d, (j + 1) * d) x [i * d, (i + 1) * d) with
@@ -57,7 +57,7 @@ def read_scaled(slide: Slide, downsample: float) -> np.ndarray:
     return _read_strips(slide, (downsample, downsample), scaled_shape(slide.dimensions, downsample))
 
 
-def read_resized(slide: Slide, shape: tuple[int, int]) -> np.ndarray:
+def read_resized(slide: SlideLike, shape: tuple[int, int]) -> np.ndarray:
     """The whole slide resized to ``shape`` = (h, w) px (smaller or larger than level 0).
 
     Output pixel (i, j) covers level-0 px [j * W / w, (j + 1) * W / w) x [i * H / h, (i + 1) * H / h)
@@ -75,7 +75,7 @@ def read_resized(slide: Slide, shape: tuple[int, int]) -> np.ndarray:
     return _read_strips(slide, (W / w, H / h), (h, w))
 
 
-def _read_strips(slide: Slide, downsample: tuple[float, float], shape: tuple[int, int]) -> np.ndarray:
+def _read_strips(slide: SlideLike, downsample: tuple[float, float], shape: tuple[int, int]) -> np.ndarray:
     """Output (h, w) = ``shape`` whose px (i, j) covers level-0 [j * dx, (j + 1) * dx) x [i * dy, (i + 1) * dy),
     (dx, dy) = ``downsample``, read in strips of the best exact level at or finer than min(dx, dy)."""
     import cv2

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
@@ -225,7 +226,7 @@ def write_one_level_slide(path: str | Path, rgb: np.ndarray, mpp: float, quality
     tile = 256
     head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({tile}x{tile}) JPEG/RGB Q={quality}"
     desc = f"{head}|AppMag = {10.0 / mpp:g}|MPP = {mpp:.6g}|Filename = {Path(path).stem}|Generator = {generator}"
-    jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
+    jpeg: dict[str, Any] = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
     thumb = cv2.resize(rgb, (max(1, w // 8), max(1, h // 8)), interpolation=cv2.INTER_AREA)
     with atomic_path(path) as tmp:
         with tifffile.TiffWriter(tmp) as tw:

@@ -15,6 +15,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -265,7 +266,7 @@ def _draw_layout(
 
 
 def _level0_tiles(
-    w: int, h: int, T: int, f: int, level1: np.ndarray | None, glass_grey: int, **paint: object,
+    w: int, h: int, T: int, f: int, level1: np.ndarray | None, glass_grey: int, **paint: Any,
 ) -> Iterator[np.ndarray]:
     """Paint level 0 one tile row at a time and yield its tiles; fill ``level1`` (``f`` x smaller) on the way.
 
@@ -284,7 +285,7 @@ def _level0_tiles(
         yield from _row_tiles(strip, T, glass_grey)
 
 
-def _svs_descriptions(path: Path, w: int, h: int, T: int, quality: int, mpp: float | None) -> tuple[str, str, dict]:
+def _svs_descriptions(path: Path, w: int, h: int, T: int, quality: int, mpp: float | None) -> tuple[str, str, dict[str, Any]]:
     """(common header, level-0 ImageDescription, TIFF resolution tags) in the Aperio SVS style."""
     head = f"Aperio Image Library v12.0.16\r\n{w}x{h} [0,0 {w}x{h}] ({T}x{T}) JPEG/RGB Q={quality}"
     if mpp is not None:
@@ -312,7 +313,7 @@ def _write_svs(
     w, h = sizes[0]
     head, desc0, resolution = _svs_descriptions(path, w, h, T, quality, mpp)
     # photometric "rgb" + JPEG: tifffile stores YCbCr 4:2:0 JPEG tiles (as scanners do) from RGB input
-    jpeg = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
+    jpeg: dict[str, Any] = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
     with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
         tw.write(tiles0, shape=(h, w, 3), dtype=np.uint8, tile=(T, T), description=desc0,
                  metadata=None, **resolution, **jpeg)

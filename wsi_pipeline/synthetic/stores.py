@@ -78,7 +78,7 @@ def make_store_cohort(
             d = np.abs(grid - centre).sum(1) + rng.uniform(0, 0.5, n)
             lesion[np.argsort(d)[:k]] = 1
         tiles = np.stack(
-            [paint_tissue(rng, T, T, lesion=np.full((T, T), bool(l)), tint=tint, scale=T / 64 if T < 64 else 1.0) for l in lesion]
+            [paint_tissue(rng, T, T, lesion=np.full((T, T), bool(hit)), tint=tint, scale=T / 64 if T < 64 else 1.0) for hit in lesion]
         )
         attrs = {
             "slide_id": slide_id, "slide_path": f"{slide_id}.tiff", "slide_fingerprint": f"synthetic-{seed}-{i}",

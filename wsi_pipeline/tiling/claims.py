@@ -1,6 +1,6 @@
 """Which slide this run tiles next: only slides whose lock it holds (:mod:`wsi_pipeline.tiling.locks`).
 
-A :class:`~wsi_pipeline.jobs.runner.Claims` for the job runner: slides another live run holds
+A :class:`~wsi_pipeline.jobs.slide_jobs.Claims` for the job runner: slides another live run holds
 are deferred and retried; once free, each is checked again (usually ``skipped``: the other run
 finished it).
 """
@@ -15,7 +15,10 @@ from pathlib import Path
 
 from wsi_pipeline.data.store import store_path
 from wsi_pipeline.tiling.locks import LockDir
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig, precheck, store_matches
+from wsi_pipeline.tiling.job import SlideJob, SlideResult
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import precheck
+from wsi_pipeline.tiling.identity import store_matches
 
 __all__ = ["RETRY_S", "SlideClaims"]
 

@@ -22,8 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.jobs.cluster import _POLL_S, DEFAULT_RETRIES, ClusterSpec, dask_client, default_workers
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig, tile_slide
+from wsi_pipeline.jobs.cluster import POLL_S, DEFAULT_RETRIES, ClusterSpec, dask_client, default_workers
+from wsi_pipeline.tiling.job import SlideJob, SlideResult
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 __all__ = ["run_on_dask", "tile_task"]
 
@@ -161,11 +163,11 @@ def _submit_all(
         fill()
         while running or not claims_done():
             if not running:
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
                 fill()
                 continue
             try:
-                done = wait(list(running), timeout=_POLL_S * 4, return_when="FIRST_COMPLETED").done
+                done = wait(list(running), timeout=POLL_S * 4, return_when="FIRST_COMPLETED").done
             except TimeoutError:
                 done = set()
             for fut in done:

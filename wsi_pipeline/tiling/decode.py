@@ -19,20 +19,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from wsi_pipeline.slides.direct import DirectTiles
-from wsi_pipeline.slides.reader import Slide
+from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import TileQC, focus_measure
 from wsi_pipeline.tiling.grid import TileGrid
 from wsi_pipeline.tiling.tissue import strip_foreground, tiles_foreground
 
 if TYPE_CHECKING:
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
 
-__all__ = ["Encoder", "LevelRead", "available_cores"]
+__all__ = [
+    "IN_FLIGHT_PER_THREAD", "Encoder", "LevelRead", "RunResult", "available_cores", "decode_run", "decode_stored_run",
+    "decoded_runs", "level_source", "split_runs",
+]
 
 logger = logging.getLogger(__name__)
 
 
-def _runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
+def split_runs(cols: np.ndarray, max_len: int) -> Iterator[np.ndarray]:
     """Split sorted column indices into runs of consecutive values, at most ``max_len`` long."""
     if cols.size == 0:
         return
@@ -79,7 +82,7 @@ def _read_run(read: LevelRead, grid: TileGrid, row: int, cols: np.ndarray) -> tu
 _DIRECT_CACHE_MAX = 512 * 2**20
 
 
-def _level_source(slide: Slide, grid: TileGrid, rows_in_flight: int = 1) -> tuple[LevelRead, DirectTiles | None, bool]:
+def level_source(slide: Slide, grid: TileGrid, rows_in_flight: int = 1) -> tuple[LevelRead, DirectTiles | None, bool]:
     """How the tiles' sources are read: (read function, the direct reader or None, thread-safe).
 
     :class:`DirectTiles` when it serves the read level (its pixels equal OpenSlide's, which
@@ -122,13 +125,13 @@ def available_cores() -> int:
 
 
 #: Runs queued per decoding thread.
-_IN_FLIGHT_PER_THREAD = 4
+IN_FLIGHT_PER_THREAD = 4
 #: A run's result: (tiles, selection, keep bool (k,), foreground float32 (k,), encoded, thread CPU s, qc); the
 #: kept tiles are ``tiles[selection]`` (``tiles`` may hold only them already, then ``selection`` is all
 #: True); ``encoded``: the kept tiles compressed for the store (when the decoding threads compress), else None;
 #: ``qc``: None without tile QC, else ``{"focus": float32 per kept tile, "dropped": bool (k,) tiles QC removed
 #: from ``keep``, "dropped_flags": uint8 per dropped tile}``.
-_RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float, dict[str, np.ndarray] | None]
+RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | None, float, dict[str, np.ndarray] | None]
 #: One tile (C-contiguous uint8 (T, T, 3)) to the bytes the store writes (StoreWriter.tile_encoder).
 Encoder = Callable[[np.ndarray], Any]
 
@@ -152,7 +155,7 @@ def _apply_qc(qc: TileQC | None, row: int, run: np.ndarray, keep: np.ndarray, ke
 
 
 def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float,
-                qc: TileQC | None = None, row: int = 0, run: np.ndarray | None = None) -> _RunResult:
+                qc: TileQC | None = None, row: int = 0, run: np.ndarray | None = None) -> RunResult:
     """The run's result; with ``encode``, the kept tiles are selected and compressed here (in the decoding thread);
     with ``qc``, kept tiles are measured and QC's drops removed first."""
     record = None
@@ -166,11 +169,11 @@ def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Enc
     return kept, np.ones(len(kept), bool), keep, fg, [encode(t) for t in kept], time.thread_time() - c0, record
 
 
-def _test_run(
+def decode_run(
     read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
     encode: Encoder | None = None, qc: TileQC | None = None,
-) -> _RunResult:
-    """Decode and test one run of candidate tiles (:data:`_RunResult`); ``qc``: tile QC of the kept tiles."""
+) -> RunResult:
+    """Decode and test one run of candidate tiles (:data:`RunResult`); ``qc``: tile QC of the kept tiles."""
     c0 = time.thread_time()
     tiles, strip = _read_run(read, grid, row, run)
     if otsu_fg is not None:
@@ -185,11 +188,11 @@ def _test_run(
     return _finish_run(tiles, keep, fg, encode, c0, qc, row, run)
 
 
-def _test_stored_run(
+def decode_stored_run(
     direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
     encode: Encoder | None = None, top_first: np.ndarray | None = None, top_rows: int = 0, qc: TileQC | None = None,
-) -> _RunResult:
-    """:func:`_test_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
+) -> RunResult:
+    """:func:`decode_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
     the decoded stored tiles are tested as they are and only the kept ones copied (no strip is assembled).
     The foreground fraction is the same count of grey values in [grey_min, grey_max] over T * T.
 
@@ -248,28 +251,28 @@ def _test_stored_run(
 
 
 def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Encoder | None, c0: float,
-                   record: dict[str, np.ndarray] | None = None) -> _RunResult:
+                   record: dict[str, np.ndarray] | None = None) -> RunResult:
     """:func:`_finish_run` for ``tiles`` that are the kept tiles already (contiguous)."""
     encoded = None if encode is None or not len(tiles) else [encode(t) for t in tiles]
     return tiles, np.ones(len(tiles), bool), keep, fg, encoded, time.thread_time() - c0, record
 
 
-def _tested_runs(
-    tasks: list[tuple[int, np.ndarray]], test: Callable[[int, np.ndarray], _RunResult], threads: int
-) -> Iterator[tuple[int, np.ndarray, _RunResult]]:
+def decoded_runs(
+    tasks: list[tuple[int, np.ndarray]], test: Callable[[int, np.ndarray], RunResult], threads: int
+) -> Iterator[tuple[int, np.ndarray, RunResult]]:
     """Yield (row, run, result) for every task in order; ``threads`` > 1 tests them in a thread pool
-    with at most ``_IN_FLIGHT_PER_THREAD`` runs per thread in flight (memory stays bounded)."""
+    with at most ``IN_FLIGHT_PER_THREAD`` runs per thread in flight (memory stays bounded)."""
     if threads <= 1:
         for row, run in tasks:
             yield row, run, test(row, run)
         return
     pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="tile-decode")
-    inflight: deque[tuple[int, np.ndarray, Future[_RunResult]]] = deque()
+    inflight: deque[tuple[int, np.ndarray, Future[RunResult]]] = deque()
     it = iter(tasks)
     try:
         for row, run in it:
             inflight.append((row, run, pool.submit(test, row, run)))
-            if len(inflight) >= _IN_FLIGHT_PER_THREAD * threads:
+            if len(inflight) >= IN_FLIGHT_PER_THREAD * threads:
                 r, c, fut = inflight.popleft()
                 yield r, c, fut.result()
         while inflight:

@@ -15,7 +15,7 @@ A tile's pixels are a function of the slide and the tiling settings alone (the *
   and ``T * D / sy`` (y) level px;
 - tile (col i, row j): level-L origin ``lx = round(i * step_x)``, ``ly = round(j * step_y)``
   (``round(v) = floor(v + 0.5)``); its source is level-L pixels ``[lx, lx + Sx) x [ly, ly + Sy)``
-  exactly as stored (:meth:`~wsi_pipeline.slides.reader.Slide.read_level`); only tiles whose
+  exactly as stored (:meth:`~wsi_pipeline.slides.base.Slide.read_level`); only tiles whose
   source lies inside the level are on the grid; the recorded level-0 corner is
   ``(round(lx * sx), round(ly * sy))``.
 
@@ -200,7 +200,7 @@ def make_grid(
     tolerance : relative difference under which a level is used as is (no resize);
         e.g. a 0.2525 um/px level serves a 0.25 target unchanged.
     exact_levels : per level, whether the reader returns its pixels exactly
-        (:meth:`~wsi_pipeline.slides.reader.Slide.exact_levels`); other levels are never read.
+        (:meth:`~wsi_pipeline.slides.base.Slide.exact_levels`); other levels are never read.
         None = all.
 
     Returns

@@ -20,7 +20,8 @@ from wsi_pipeline.slides import slide_fingerprint
 from wsi_pipeline.tiling.params import output_params
 
 if TYPE_CHECKING:
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
 
 __all__ = ["TILE_FORMULA_VERSION", "clean_stale", "store_identity", "store_matches", "valid_mpp"]
 
@@ -54,7 +55,7 @@ def store_identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dic
     return json.loads(json.dumps(identity))  # as the store's attributes hold it (tuples become lists)
 
 
-def _stat_key(path: Path) -> list[int]:
+def stat_key(path: Path) -> list[int]:
     st = path.stat()
     return [int(st.st_size), int(st.st_mtime_ns)]
 
@@ -71,7 +72,7 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
         return None
     slide = Path(job.path)
     recorded = attrs.get("tiling_identity", {}).get("fingerprint")
-    same_stat = recorded and attrs.get("slide_stat") == _stat_key(slide)
+    same_stat = recorded and attrs.get("slide_stat") == stat_key(slide)
     fingerprint = recorded if same_stat else slide_fingerprint(slide)
     if attrs.get("tiling_identity") != store_identity(job, config, fingerprint):
         return None

@@ -49,5 +49,5 @@ def shard_indices(keys: Sequence[tuple[str, str]], k: int, n: int) -> list[int]:
 
 def shard_items(items: Sequence[T], k: int, n: int) -> list[T]:
     """The items (objects with ``slide_id`` and ``path``) of shard ``k`` of ``n``, in their original order."""
-    keys = [(str(getattr(x, "slide_id")), str(getattr(x, "path"))) for x in items]
+    keys = [(str(x.slide_id), str(x.path)) for x in items]
     return [items[i] for i in shard_indices(keys, k, n)]

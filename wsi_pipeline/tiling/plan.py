@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from wsi_pipeline.slides import read_scaled, resolve_mpp
-from wsi_pipeline.slides.reader import Slide
+from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import TileQC, fold_mask, ink_mask
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.density import clean_tissue, stained_mask
@@ -23,7 +23,8 @@ from wsi_pipeline.tiling.regions import RegionTiles, read_regions, region_file, 
 from wsi_pipeline.tiling.tissue import grey, otsu_tissue_mask
 
 if TYPE_CHECKING:
-    from wsi_pipeline.tiling.tiler import SlideJob, TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
+    from wsi_pipeline.tiling.job import SlideJob
 
 __all__ = ["PAPER_GREY_MAX", "TilePlan", "plan_tiles"]
 
@@ -136,9 +137,9 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         from wsi_pipeline.tissue_seg.tiling_mask import unet_tissue_mask
 
         glass_grey = background.grey if background.kind == "bright" else None
-        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model, glass_grey=glass_grey)  # type: ignore[arg-type]
+        mask, ds_mask, plan.unet_info = unet_tissue_mask(slide, float(mpp), config.tissue_model, glass_grey=glass_grey)
         if background.kind == "bright":  # the model never keeps glass: its mask within the stain rule's tissue
-            mask = mask & _resample(tissue, ds_over, mask.shape, ds_mask)  # type: ignore[arg-type]
+            mask = mask & _resample(tissue, ds_over, mask.shape, ds_mask)
             plan.unet_info["tissue_fraction_with_glass_rule"] = float(mask.mean())
         plan.otsu_fg = grid.footprint_means(mask.astype(np.float32), ds_mask)
         plan.candidates = plan.otsu_fg >= thr - 1e-9
@@ -190,7 +191,7 @@ def _density_mask(overview: np.ndarray, background: Background, config: TilingCo
 
 def _regions_of(config: TilingConfig, slide_id: str, grid: TileGrid, candidates: np.ndarray) -> RegionTiles:
     """The slide's regions file read and measured on the grid's candidate tiles (others get fraction 0, label -1)."""
-    path = region_file(config.regions, slide_id)  # type: ignore[arg-type]
+    path = region_file(config.regions, slide_id)
     regions, counts = read_regions(path)
     rows, cols = np.nonzero(candidates)
     frac, label, classes, info = region_tiles(regions, grid.coords(cols, rows), grid.extent,

@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from wsi_pipeline.jobs.cluster import default_workers
-from wsi_pipeline.jobs.runner import Claims
+from wsi_pipeline.jobs.slide_jobs import Claims
 from wsi_pipeline.tiling.claims import RETRY_S
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig
+from wsi_pipeline.tiling.job import SlideJob, SlideResult
+from wsi_pipeline.config.tiling import TilingConfig
 from wsi_pipeline.tiling.worker import worker_main
 
 __all__ = ["run_pool"]

@@ -1,6 +1,6 @@
 """``tiling_report.csv``: one row per slide, merged with other runs' rows under a lock, replaced atomically.
 
-Columns: those of :class:`~wsi_pipeline.tiling.tiler.SlideResult` (slide_id, status, n_tiles, mpp,
+Columns: those of :class:`~wsi_pipeline.tiling.job.SlideResult` (slide_id, status, n_tiles, mpp,
 seconds, error, note, path, cpu_seconds, background_grey, slide_mpp, mpp_source). This run's
 finished slides replace older rows; its unfinished ones are ``pending`` (``failed`` at the end of
 an interrupted run) unless the report already has a row for them.
@@ -16,9 +16,9 @@ from typing import Any
 
 import pandas as pd
 
-from wsi_pipeline.jobs.runner import write_report_csv
+from wsi_pipeline.jobs.slide_jobs import write_report_csv
 from wsi_pipeline.tiling.locks import LockDir
-from wsi_pipeline.tiling.tiler import DARK_NOTE, SlideJob, SlideResult
+from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
 
 __all__ = ["LOCK_DIR", "REPORT_COLUMNS", "REPORT_NAME", "CohortReport", "write_report"]
 
@@ -77,7 +77,7 @@ class CohortReport:
         return text
 
 
-def _unfinished(job: SlideJob, final: bool) -> SlideResult:
+def unfinished_result(job: SlideJob, final: bool) -> SlideResult:
     if final:
         return SlideResult(job.slide_id, "failed", error="not processed: the run was interrupted; rerun to resume", path=job.path)
     return SlideResult(job.slide_id, "pending", path=job.path)
@@ -108,7 +108,7 @@ def _merge_rows(existing: list[dict[str, Any]], results: Sequence[SlideResult | 
         old = rows.get(job.slide_id)
         if r is None:
             if old is None or old.get("status") == "pending":
-                rows[job.slide_id] = asdict(_unfinished(job, final))
+                rows[job.slide_id] = asdict(unfinished_result(job, final))
             continue
         rows[job.slide_id] = asdict(r)
     return list(rows.values())

@@ -16,7 +16,7 @@ from wsi_pipeline.slides.finder import (
     no_slides_message,
     slide_id,
 )
-from wsi_pipeline.tiling.tiler import SlideJob
+from wsi_pipeline.tiling.job import SlideJob
 
 __all__ = ["jobs_from_folder", "jobs_from_manifest", "jobs_from_source"]
 

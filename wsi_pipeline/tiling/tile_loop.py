@@ -13,13 +13,13 @@ import numpy as np
 from wsi_pipeline.data.store import StoreWriter
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.tiling.artifacts import describe, flags_of
-from wsi_pipeline.tiling.decode import LevelRead, _runs, _RunResult, _test_run, _test_stored_run, _tested_runs
+from wsi_pipeline.tiling.decode import LevelRead, split_runs, RunResult, decode_run, decode_stored_run, decoded_runs
 from wsi_pipeline.tiling.plan import TilePlan
 from wsi_pipeline.tiling.prescreen import rows_to_reject
 from wsi_pipeline.tiling.writers import BackgroundWriter, InlineWriter
 
 if TYPE_CHECKING:
-    from wsi_pipeline.tiling.tiler import TilingConfig
+    from wsi_pipeline.config.tiling import TilingConfig
 
 __all__ = ["TileLoop"]
 
@@ -45,7 +45,7 @@ class TileLoop:
         self.qc_counts: dict[str, Any] | None = None
         self.writer_flags: np.ndarray | None = None  # qc_flags of the kept tiles, store order
 
-    def _tester(self) -> Callable[[int, np.ndarray], _RunResult]:
+    def _tester(self) -> Callable[[int, np.ndarray], RunResult]:
         """``test(row, run)``: stored tiles of exactly the grid's tiles are tested as decoded (no strip copy)."""
         grid, direct, T = self.plan.grid, self.direct, self.plan.grid.tile_size
         stored_grid = self.stored_grid = (direct is not None and not grid.resized and direct.stored_tile_size(grid.level) == (T, T)
@@ -56,8 +56,8 @@ class TileLoop:
         if stored_grid:
             top_rows = rows_to_reject(T, self.config.threshold)
             top_first = self.plan.top_first if top_rows < T else None
-            return partial(_test_stored_run, direct, grid, top_first=top_first, top_rows=top_rows, **kw)
-        return partial(_test_run, self.read, grid, **kw)
+            return partial(decode_stored_run, direct, grid, top_first=top_first, top_rows=top_rows, **kw)
+        return partial(decode_run, self.read, grid, **kw)
 
     def run(self) -> None:
         grid, writer = self.plan.grid, self.writer
@@ -65,9 +65,9 @@ class TileLoop:
         # a writer thread when there is a second core for it
         sink: BackgroundWriter | InlineWriter = BackgroundWriter(writer) if self.budget > 1 else InlineWriter(writer)
         tasks = [(row, run) for row in range(grid.rows)
-                 for run in _runs(np.flatnonzero(self.plan.candidates[row]), self.config.read_run)]
+                 for run in split_runs(np.flatnonzero(self.plan.candidates[row]), self.config.read_run)]
         try:
-            with closing(_tested_runs(tasks, self._tester(), self.n_threads)) as tested:  # closing stops the pool on an error
+            with closing(decoded_runs(tasks, self._tester(), self.n_threads)) as tested:  # closing stops the pool on an error
                 self._write(tested, sink)
             sink.close()
             self._finish_store(sink, main_cpu0)

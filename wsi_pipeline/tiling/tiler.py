@@ -17,7 +17,8 @@ The steps live in their own modules: :mod:`~wsi_pipeline.tiling.identity` (is a 
 :mod:`~wsi_pipeline.tiling.plan` (mpp, grid, overview, candidates), :mod:`~wsi_pipeline.tiling.decode`
 (runs of tiles, threads), :mod:`~wsi_pipeline.tiling.tile_loop` (the loop writing the kept tiles),
 :mod:`~wsi_pipeline.tiling.writers` (the store writer thread); this module
-holds the settings, the job and result types and :func:`tile_slide`.
+holds :func:`tile_slide`. The settings are :class:`~wsi_pipeline.config.tiling.TilingConfig`, the job
+and result types are in :mod:`~wsi_pipeline.tiling.job`.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -36,61 +37,19 @@ import numpy as np
 import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
-from wsi_pipeline.slides.reader import Slide
-from wsi_pipeline.tiling.decode import _IN_FLIGHT_PER_THREAD, _level_source, available_cores
-from wsi_pipeline.tiling.identity import TILE_FORMULA_VERSION, _stat_key, clean_stale, store_identity, store_matches, valid_mpp
-from wsi_pipeline.tiling.plan import PAPER_GREY_MAX, TilePlan, plan_tiles
+from wsi_pipeline.slides.base import Slide
+from wsi_pipeline.tiling.decode import IN_FLIGHT_PER_THREAD, available_cores, level_source
+from wsi_pipeline.tiling.identity import clean_stale, stat_key, store_identity, store_matches, valid_mpp
+from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
+from wsi_pipeline.tiling.plan import TilePlan, plan_tiles
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
 from wsi_pipeline.tiling.tile_loop import TileLoop
 from wsi_pipeline.data.store import StoreWriter, marked_complete, store_bytes, store_path
-from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, OtsuParams, TilingConfig  # noqa: F401 (re-exported)
+from wsi_pipeline.config.tiling import TilingConfig
 
-__all__ = [
-    "METHODS", "PAPER_GREY_MAX", "TILE_FORMULA_VERSION", "SlideJob", "SlideResult", "TilePlan", "TilingConfig",
-    "available_cores", "plan_tiles", "precheck", "store_matches", "tile_slide",
-]
+__all__ = ["precheck", "tile_slide"]
 
 logger = logging.getLogger(__name__)
-
-#: Foreground methods and their default keep thresholds (fraction of the tile).
-METHODS: dict[str, float] = DEFAULT_MIN_FOREGROUND
-#: Report note of a slide skipped for its dark background.
-DARK_NOTE = "skipped: dark background (fluorescence?)"
-
-
-@dataclass(frozen=True)
-class SlideJob:
-    """One slide to tile: its id, file, optional per-slide mpp, and a problem found while listing it."""
-
-    slide_id: str
-    path: str
-    mpp: float | None = None
-    problem: str | None = None
-
-
-@dataclass
-class SlideResult:
-    """One row of ``tiling_report.csv``."""
-
-    slide_id: str
-    status: str  # ok / failed / skipped
-    n_tiles: int = 0
-    mpp: float | None = None
-    seconds: float = 0.0
-    error: str = ""
-    note: str = ""
-    path: str = ""
-    cpu_seconds: float = 0.0
-    background_grey: float | None = None  # glass (or dark background) grey level from the thumbnail; None: no glass seen
-    slide_mpp: float | None = None  # um per level-0 px used
-    mpp_source: str = ""  # where slide_mpp came from: slide / manifest / run-fallback / run-forced / none
-    qc_dropped: int = 0  # tiles tile QC dropped (qc_mode drop)
-    qc_pen: int = 0  # tiles with pen ink, of those that passed the tissue test (kept or dropped)
-    qc_blur: int = 0  # tiles out of focus, likewise
-    qc_fold: int = 0  # tiles with folded tissue, likewise
-    store_bytes: int = 0  # bytes of the store's tile, coordinate and QC files (its chunk and shard files)
-    slide_bytes: int = 0  # bytes of the slide file (of its first file, for formats of several files)
-
 
 def tile_slide(
     job: SlideJob,
@@ -209,7 +168,7 @@ def _tile_open_slide(
                        job.slide_id, background.grey)
         return 0, grid.mpp, f"{DARK_NOTE}; background grey {background.grey:.0f}; --allow-dark-background tiles it anyway"
     budget = 1 if not background_write else max(1, int(threads) if threads is not None else available_cores())
-    read, direct, thread_safe = _level_source(slide, grid, _IN_FLIGHT_PER_THREAD * budget)
+    read, direct, thread_safe = level_source(slide, grid, IN_FLIGHT_PER_THREAD * budget)
     n_threads = budget if thread_safe else 1  # threads decoding and testing
     try:
         writer = StoreWriter(
@@ -253,7 +212,7 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
         "slide_id": job.slide_id,
         "slide_path": str(Path(slide.path).resolve()),
         "slide_fingerprint": identity["fingerprint"],
-        "slide_stat": _stat_key(Path(slide.path)),
+        "slide_stat": stat_key(Path(slide.path)),
         "slide_dimensions": list(slide.dimensions),
         "slide_mpp": plan.mpp,
         "mpp_source": plan.mpp_source,
@@ -269,7 +228,7 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
         "package_version": wsi_pipeline.__version__,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "tiling_identity": identity,
-        "n_candidates": int(plan.candidates.sum()),  # type: ignore[union-attr]  (a dark slide has no store)
+        "n_candidates": int(plan.candidates.sum()),  # type: ignore[union-attr]  # a dark slide has no store
         "background": plan.background.as_dict(),
         **attrs_extra,
     }

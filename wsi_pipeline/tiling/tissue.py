@@ -28,10 +28,9 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.config.tiling import OtsuParams
-from wsi_pipeline.slides.coverage import box_mean  # re-exported: tiling's callers import it from here
 from wsi_pipeline.tiling.background import Background, estimate_background, glass_pixels
 
-__all__ = ["OtsuParams", "box_mean", "grey", "otsu_tissue_mask", "strip_foreground", "tiles_foreground"]
+__all__ = ["grey", "otsu_tissue_mask", "strip_foreground", "tiles_foreground"]
 
 
 def grey(rgb: np.ndarray) -> np.ndarray:

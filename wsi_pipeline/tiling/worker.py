@@ -1,6 +1,6 @@
 """The tiling worker process: receives slide jobs over a pipe, tiles them, reports back.
 
-Kept apart from :mod:`wsi_pipeline.tiling.runner` so that a freshly spawned worker imports only
+Kept apart from :mod:`wsi_pipeline.tiling.cohort` so that a freshly spawned worker imports only
 what tiling needs (not pandas or the CLI): a worker is ready about 0.4 s sooner.
 """
 
@@ -11,13 +11,14 @@ import signal
 from multiprocessing.connection import Connection
 
 from wsi_pipeline.tiling.locks import die_with_parent
-from wsi_pipeline.tiling.tiler import TilingConfig, tile_slide
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import tile_slide
 
 __all__ = ["worker_main"]
 
 
 def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite: bool, threads: int) -> None:
-    """Receive :class:`~wsi_pipeline.tiling.tiler.SlideJob` objects until ``None``.
+    """Receive :class:`~wsi_pipeline.tiling.job.SlideJob` objects until ``None``.
 
     Sends ``("progress", n_tiles)`` while a slide is tiled and ``("done", SlideResult)`` at its
     end. ``threads`` (this worker's share of the cores: decoding threads, plus a writer thread

@@ -116,7 +116,7 @@ class HeldOut:
 
 def held_out_images(work: Path, real_slides: Path | None, mpp: float = MPP) -> list[HeldOut]:
     """The held-out set described in the module docstring (real parts only when ``real_slides``)."""
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
     from wsi_pipeline.tissue_seg.mosaic import make_mosaic
 

@@ -36,7 +36,7 @@ from torch.autograd.function import once_differentiable
 from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.plan import RowChunk, Window, plan_rows
-from wsi_pipeline.bigl.runner import ChunkRunner
+from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 from wsi_pipeline.tissue_seg.model import MULTIPLE, TissueUNet
 
 __all__ = ["ChunkedTissueUNet", "DEFAULT_MAX_ELEMENTS"]

@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -192,7 +192,7 @@ def read_source(path: str | os.PathLike, mpp: float, *, rows: tuple[float, float
         placeholder); None: the file's value (an error when it has none).
     """
     from wsi_pipeline.slides.mpp import resolve_mpp
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
 
     if not 0.0 <= rows[0] < rows[1] <= 1.0:

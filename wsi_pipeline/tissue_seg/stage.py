@@ -135,7 +135,7 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     import cv2
 
     from wsi_pipeline.slides.mpp import resolve_mpp
-    from wsi_pipeline.slides.reader import open_slide
+    from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
 
     if not mpp > 0:
@@ -160,7 +160,7 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     return TissueImage(grey, label, (min(vh, h), min(vw, w)), float(down), rgb if keep_rgb else None)
 
 
-def _save_npz(path: Path, **arrays: np.ndarray) -> None:
+def _save_npz(path: Path, **arrays: Any) -> None:
     with atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, **arrays)
 
@@ -234,7 +234,7 @@ def train(
     ``history.json`` (one dict per epoch), ``last.pt`` (model, optimiser, epoch, history),
     ``best.pt`` (model of the lowest validation loss; read by :func:`load_tissue_model`).
     """
-    from wsi_pipeline.bigl.runner import ChunkRunner
+    from wsi_pipeline.bigl.chunk_loop import ChunkRunner
     from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
     out = Path(out)
@@ -265,7 +265,7 @@ def train(
         log(f"resuming from {last} after epoch {start}")
     big = ChunkedTissueUNet(model, ChunkRunner(device), max_elements)
     cache = out / "cache"
-    kw = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
+    kw: dict[str, Any] = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
     train_im = [cached_image(s, cache, **kw) for s in train_s]
     val_im = [cached_image(s, cache, **kw) for s in val_s]
     for epoch in range(start, epochs):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from wsi_pipeline.slides.reader import Slide
+    from wsi_pipeline.slides.base import Slide
     from wsi_pipeline.tissue_seg.model import TissueUNet
 
 __all__ = ["unet_tissue_mask", "resolve_tissue_model"]

@@ -73,7 +73,7 @@ def default_loss(output: Any, label: int | Tensor) -> Tensor:
     return loss if aux is None else loss + aux
 
 
-def _device_of(module: nn.Module, fallback: torch.device) -> torch.device:
+def device_of(module: nn.Module, fallback: torch.device) -> torch.device:
     for t in module.parameters():
         return t.device
     for t in module.buffers():
@@ -99,7 +99,7 @@ def _check_size(tiles: Tensor | DeviceTiles, chunk_size: int | None) -> None:
         raise ValueError(f"chunk_size={chunk_size} must be >= 1 (tiles embedded with gradient at once)")
 
 
-def _call_aggregator(aggregator: nn.Module, z: Tensor, label: Any, extra: dict[str, Any] | None) -> Any:
+def call_aggregator(aggregator: nn.Module, z: Tensor, label: Any, extra: dict[str, Any] | None) -> Any:
     """Call ``aggregator(z, label=label, **extra)``; ``label`` is left out when forward cannot take it."""
     kwargs = dict(extra or {})
     params = inspect.signature(aggregator.forward).parameters
@@ -113,7 +113,7 @@ def _bn_layers(module: nn.Module) -> list[_BatchNorm]:
 
 
 @contextmanager
-def _bn_training(encoder: nn.Module, training: bool) -> Iterator[list[_BatchNorm]]:
+def bn_training(encoder: nn.Module, training: bool) -> Iterator[list[_BatchNorm]]:
     """Put every BatchNorm layer in train (``training=True``) or eval mode; restore the modes afterwards."""
     layers = _bn_layers(encoder)
     modes = [m.training for m in layers]
@@ -126,12 +126,12 @@ def _bn_training(encoder: nn.Module, training: bool) -> Iterator[list[_BatchNorm
             m.train(mode)
 
 
-def _rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
+def save_rng_state(device: torch.device) -> tuple[Tensor, Tensor | None]:
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return torch.get_rng_state(), cuda
 
 
-def _set_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
+def restore_rng_state(state: tuple[Tensor, Tensor | None], device: torch.device) -> None:
     torch.set_rng_state(state[0])
     if state[1] is not None:
         torch.cuda.set_rng_state(state[1], device)
@@ -198,14 +198,14 @@ def _replay_backward(
     The generators are put back where passes 1 and 2 left them, so the caller's random stream is
     never rewound.
     """
-    after = _rng_state(device)
+    after = save_rng_state(device)
     try:
         for (a, b), state in zip(bounds, states):
-            _set_rng_state(state, device)
+            restore_rng_state(state, device)
             part = encoder(tiles[a:b].to(device, non_blocking=True))
             part.backward(grad[a:b])
     finally:
-        _set_rng_state(after, device)
+        restore_rng_state(after, device)
 
 
 def accumulate_step(
@@ -255,11 +255,11 @@ def accumulate_step(
     if bn not in BN_MODES:
         raise ValueError(f"bn={bn!r}; expected one of {BN_MODES} ('frozen' is exact, 'chunk' uses chunk statistics)")
     loss_fn = loss_fn or default_loss
-    device = _device_of(encoder, tiles.device)
+    device = device_of(encoder, tiles.device)
     n = tiles.shape[0]
     bounds = [(s, min(s + int(chunk_size), n)) for s in range(0, n, int(chunk_size))]
 
-    with _bn_training(encoder, bn == "chunk") as layers:
+    with bn_training(encoder, bn == "chunk") as layers:
         stats = snaps = None
         if bn == "chunk":
             snaps = _snapshot_running(layers)
@@ -269,14 +269,14 @@ def accumulate_step(
             with torch.no_grad():
                 parts = []
                 for a, b in bounds:
-                    states.append(_rng_state(device))
+                    states.append(save_rng_state(device))
                     parts.append(encoder(tiles[a:b].to(device, non_blocking=True)))
         finally:
             if stats is not None:
                 stats.remove()
         z = torch.cat(parts).detach().requires_grad_(True)
         del parts
-        output = _call_aggregator(aggregator, z, label, aggregator_kwargs)
+        output = call_aggregator(aggregator, z, label, aggregator_kwargs)
         loss = loss_fn(output, label)
         loss.backward()
         value = float(loss.detach())
@@ -314,11 +314,11 @@ def full_step(
     if bn not in BN_MODES:
         raise ValueError(f"bn={bn!r}; expected one of {BN_MODES}")
     loss_fn = loss_fn or default_loss
-    device = _device_of(encoder, tiles.device)
-    with _bn_training(encoder, bn == "chunk"):
+    device = device_of(encoder, tiles.device)
+    with bn_training(encoder, bn == "chunk"):
         # a Big-Layers encoder takes host tiles chunk by chunk: sending the bag first would be a round trip
         z = encoder(tiles if getattr(encoder, "host_input", False) else tiles.to(device, non_blocking=True))
-        output = _call_aggregator(aggregator, z, label, aggregator_kwargs)
+        output = call_aggregator(aggregator, z, label, aggregator_kwargs)
         loss = loss_fn(output, label)
         loss.backward()
     return float(loss.detach())

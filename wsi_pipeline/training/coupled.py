@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from wsi_pipeline.training.accumulate import _bn_training, _call_aggregator, _device_of, _rng_state, _set_rng_state
+from wsi_pipeline.training.accumulate import bn_training, call_aggregator, device_of, save_rng_state, restore_rng_state
 
 __all__ = ["coupled_step"]
 
@@ -68,43 +68,43 @@ def coupled_step(
     """
     if not inputs or len(inputs) != len(targets):
         raise ValueError(f"coupled_step needs one target per bag and at least one bag; got {len(inputs)} bags, {len(targets)} targets")
-    device = _device_of(encoder, torch.device("cpu"))
+    device = device_of(encoder, torch.device("cpu"))
     trainable = any(p.requires_grad for p in encoder.parameters())
-    with _bn_training(encoder, False):
+    with bn_training(encoder, False):
         made: list[Any] = []  # per bag: generator state before its input was made, chunk bounds, chunk states
         zs: list[Tensor] = []
         with torch.no_grad():
             for make in inputs:
-                before = _rng_state(device)
+                before = save_rng_state(device)
                 x = make()
                 n = int(x.shape[0])
                 step = int(chunk_size or n)
                 bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
                 states, parts = [], []
                 for a, b in bounds:
-                    states.append(_rng_state(device))
+                    states.append(save_rng_state(device))
                     parts.append(_encode(encoder, x[a:b], device))
                 made.append((before, bounds, states))
                 zs.append(torch.cat(parts).detach().requires_grad_(True))
                 del x, parts
-        outputs = [aggregator(z) if labels is None else _call_aggregator(aggregator, z, labels[i], None)
+        outputs = [aggregator(z) if labels is None else call_aggregator(aggregator, z, labels[i], None)
                    for i, z in enumerate(zs)]
         loss = group_loss(outputs, targets)
         loss.backward()
         value = float(loss.detach())
         del outputs, loss
         if trainable:
-            after = _rng_state(device)
+            after = save_rng_state(device)
             try:
                 for make, z, (before, bounds, states) in zip(inputs, zs, made):
                     if z.grad is None:
                         continue
-                    _set_rng_state(before, device)
+                    restore_rng_state(before, device)
                     x = make()
                     for (a, b), state in zip(bounds, states):
-                        _set_rng_state(state, device)
+                        restore_rng_state(state, device)
                         _encode(encoder, x[a:b], device).backward(z.grad[a:b])
                     del x
             finally:
-                _set_rng_state(after, device)
+                restore_rng_state(after, device)
     return value

@@ -22,7 +22,7 @@ What G ranks do, so that they compute the update one process computes over the s
   cumulative average, are taken from rank 0 instead);
 - PatchGD (a strategy that steps itself): a batch of ``slides_per_batch`` slides is split the
   same way; the tile plans of the whole batch are drawn on every rank and each slide's loss is
-  divided by the whole batch's size (see :meth:`~wsi_pipeline.training.patchgd.PatchGDStrategy.batch_step`).
+  divided by the whole batch's size (see :meth:`~wsi_pipeline.training.patchgd.PatchGDTrainer.batch_step`).
 
 Rank 0 alone writes the run folder (checkpoints, history, ``done``) and logs; it also validates
 (the other ranks wait and receive the metrics, so early stopping agrees) and extracts missing

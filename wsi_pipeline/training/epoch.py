@@ -19,22 +19,44 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from wsi_pipeline.data.bags import FeatureReader, TileReader, epoch_plan, iter_bags
+from wsi_pipeline.config.pipeline import MethodConfig
+from wsi_pipeline.data.bags import Bag, FeatureReader, TileReader, epoch_plan, iter_bags
+from wsi_pipeline.inference.endpoints import Endpoint
 from wsi_pipeline.training.monitor import StepInfo
 from wsi_pipeline.training import distributed
 from wsi_pipeline import interrupt
 
-if TYPE_CHECKING:
-    from wsi_pipeline.training.strategies import PatchGDAdapter, Strategy
+__all__ = ["BagSteps", "SlideBatchSteps", "bag_epoch", "seed_everything", "seed_torch", "slide_batch_epoch"]
 
-__all__ = ["bag_epoch", "seed_everything", "seed_torch", "slide_batch_epoch"]
+
+class BagSteps(Protocol):
+    """What :func:`bag_epoch` asks of a strategy (every bag strategy of :mod:`~wsi_pipeline.training.strategies`)."""
+
+    method: MethodConfig
+    endpoint: Endpoint
+
+    def prepare_bag(self, bag: Bag) -> Any: ...
+
+    def bag_step(self, bag: Bag, scale: float) -> float: ...
+
+    def group_step(self, bags: Sequence[tuple[int, Bag]], seed: int, epoch: int) -> float: ...
+
+
+class SlideBatchSteps(Protocol):
+    """What :func:`slide_batch_epoch` asks of a strategy (PatchGD's)."""
+
+    @property
+    def slides_per_batch(self) -> int: ...
+
+    def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator,
+                  *, part: list[int] | None = None) -> float: ...
 
 
 def _seed_of(*keys: int) -> int:
@@ -55,7 +77,7 @@ def seed_torch(*keys: int) -> None:
 
 
 def bag_epoch(
-    strategy: Strategy,
+    strategy: BagSteps,
     reader: TileReader | FeatureReader,
     n_tiles: list[int],
     tc: Any,
@@ -109,7 +131,7 @@ def bag_epoch(
     return total / count
 
 
-def _coupled_epoch(strategy: Strategy, reader: TileReader | FeatureReader, plan: list, seed: int, epoch: int,
+def _coupled_epoch(strategy: BagSteps, reader: TileReader | FeatureReader, plan: list, seed: int, epoch: int,
                    optimizer_step: Callable[..., None], bar: Any) -> float:
     """:func:`bag_epoch` for a loss over each step's bags (Cox): one :meth:`group_step` per group."""
     if distributed.current().enabled:
@@ -136,7 +158,7 @@ def _coupled_epoch(strategy: Strategy, reader: TileReader | FeatureReader, plan:
 
 
 def slide_batch_epoch(
-    strategy: PatchGDAdapter,
+    strategy: SlideBatchSteps,
     reader: TileReader,
     n_tiles: list[int],
     seed: int,

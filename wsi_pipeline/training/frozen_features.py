@@ -1,22 +1,22 @@
-"""Frozen-encoder features for the ``frozen`` strategy: extracted before training, read lazily by validation."""
+"""Frozen-encoder features for the ``frozen`` strategy, extracted before training (validation reads them
+lazily: :class:`wsi_pipeline.inference.features.LazyFeatures`)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
-from wsi_pipeline.inference.models import frozen_encoder, frozen_features_dir
+from wsi_pipeline.inference.method_models import frozen_encoder, frozen_features_dir
 from wsi_pipeline.training.calibration import calibrate_encoder
 
 if TYPE_CHECKING:
     from wsi_pipeline.training.preflight import RunPlan
 
-__all__ = ["LazyFeatures", "ensure_features"]
+__all__ = ["ensure_features"]
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +56,3 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
             + "; ".join(f"{r.slide_id}: {r.error}" for r in failed.head(5).itertuples())
         )
     return out
-
-
-class LazyFeatures(Sequence):
-    """Validation features read from h5 one slide at a time (a cohort's features need not fit in memory)."""
-
-    def __init__(self, paths: list[Path] | list[list[Path]]) -> None:
-        self.paths = paths
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
-        from wsi_pipeline.inference.features import read_features
-
-        paths = self.paths[i]
-        if isinstance(paths, (list, tuple)):  # a patient bag: its slides' features in order
-            return torch.cat([torch.from_numpy(read_features(p)[0]) for p in paths])
-        return torch.from_numpy(read_features(paths)[0])

@@ -25,7 +25,7 @@ Optimisation per epoch: bags come in groups of ``B x S`` (``batch_bags x accumul
 each bag's gradient of ``loss / group size`` is added by the strategy, then the gradients are
 clipped (optional) and the optimiser steps, so a step follows the mean loss of its group.
 Validation runs after every epoch with ``eval.val_protocol`` (each slide embedded once in eval
-mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.validation.validate_model`);
+mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.protocol_metrics.validate_model`);
 ``best.pt`` follows ``train.select_metric`` (AUC for binary, QWK for multi-class tasks).
 """
 
@@ -48,13 +48,13 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
-from wsi_pipeline.inference.models import build_models, encoder_checkpoint, frozen_features_dir, restore_encoder
+from wsi_pipeline.inference.method_models import build_models, encoder_checkpoint, frozen_features_dir, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.training.memory import MemoryPrediction, check_fits, predict_memory, write_memory_record
 from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
-from wsi_pipeline.training.calibration import CALIBRATION_SEED, calibrate_encoder
+from wsi_pipeline.training.calibration import calibrate_encoder
 from wsi_pipeline.training.epoch import seed_everything as _seed_everything
 from wsi_pipeline.training.frozen_features import ensure_features
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
@@ -63,13 +63,10 @@ from wsi_pipeline.training.rundir import (
     DONE, changed_since_finished, clean_temporary_files, resume, run_config, run_holder, run_lock, write_done, write_history,
 )
 from wsi_pipeline.training.strategies import Strategy, build_strategy, check_strategy
-from wsi_pipeline.training.validation import VAL_METRICS, improves, selection, validate, validation_columns
+from wsi_pipeline.training.validation import improves, selection, validate, validation_columns
 from wsi_pipeline import interrupt
 
-__all__ = [
-    "CALIBRATION_SEED", "DONE", "VAL_METRICS", "RunPlan", "calibrate_encoder", "improves", "preflight",
-    "resolve_device", "train_pipeline", "train_run",
-]
+__all__ = ["train_pipeline", "train_run"]
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +222,8 @@ def train_run(
             _checkpoint(run, improved)
             run.monitor.end_epoch(row)
             _log_epoch(run, row, val, epochs)
-    run.monitor.close()
+    if run.monitor is not None:
+        run.monitor.close()
     distributed.barrier()
     if run.main:
         if method.name in plan.memory:
@@ -399,7 +397,7 @@ def _checkpoint(run: _Run, improved: bool) -> None:
 
 def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint's model states and what it records of the encoder
-    (:func:`~wsi_pipeline.inference.models.encoder_checkpoint`: a foundation encoder built from a
+    (:func:`~wsi_pipeline.inference.method_models.encoder_checkpoint`: a foundation encoder built from a
     weights file keeps only its trained tensors)."""
     models = {name: m.state_dict() for name, m in run.strategy.state_modules().items() if name != "encoder"}
     tile_size = (run.plan.tiling or {}).get("tile_size")

@@ -78,7 +78,7 @@ class DemonAdam(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> Any:  # noqa: D102 (torch's contract)
+    def step(self, closure: Any = None) -> Any:  # torch's contract
         loss = None
         if closure is not None:
             with torch.enable_grad():

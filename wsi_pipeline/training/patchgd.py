@@ -1,6 +1,6 @@
 """PatchGD (Gupta et al.) on slides: a Z block over the tile grid, updated a few tiles at a time.
 
-One batch of ``slides_per_batch`` slides (default one) per :meth:`PatchGDStrategy.batch_step`:
+One batch of ``slides_per_batch`` slides (default one) per :meth:`PatchGDTrainer.batch_step`:
 
 1. **Fill** (no gradient): embed every tile of each store; the per-tile cache ``E`` [n, D]
    laid out by the head's :class:`~wsi_pipeline.models.heads.GridLayout` *is* Z
@@ -97,18 +97,13 @@ from torch import Tensor, nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
-from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping
-from wsi_pipeline.inference.models import build_patchgd_head
-from wsi_pipeline.training.patchgd_plan import BatchPlan, accumulation_windows, plan_batch, plan_inner_iterations
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.config.pipeline import patchgd_mapping
+from wsi_pipeline.inference.method_models import build_patchgd_head
+from wsi_pipeline.training.patchgd_plan import BatchPlan, plan_batch
+from wsi_pipeline.types import TileStoreLike
 
-__all__ = [
-    "PatchGDConfig",
-    "PatchGDStrategy",
-    "plan_inner_iterations",
-    "accumulation_windows",
-    "embed_store",
-    "build_patchgd_head",
-]
+__all__ = ["PatchGDTrainer", "embed_store"]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +131,7 @@ def _modes(module: nn.Module, *, train: bool, freeze_bn: bool) -> Iterator[None]
 
 def embed_store(
     encoder: nn.Module,
-    store: Any,
+    store: TileStoreLike,
     *,
     batch: int = 64,
     device: torch.device | str | None = None,
@@ -156,8 +151,9 @@ def embed_store(
     return torch.cat(out)
 
 
-class PatchGDStrategy:
-    """PatchGD training on a batch of slides at a time (see the module docstring for the algorithm).
+class PatchGDTrainer:
+    """The PatchGD algorithm: trains on a batch of slides at a time (see the module docstring). The
+    registered ``patchgd`` strategy (:class:`wsi_pipeline.training.strategies.PatchGDStrategy`) drives it.
 
     Parameters
     ----------
@@ -209,11 +205,11 @@ class PatchGDStrategy:
     def device(self) -> torch.device:
         return _device_of(self.encoder)
 
-    def _embed_all(self, store: Any) -> Tensor:
+    def _embed_all(self, store: TileStoreLike) -> Tensor:
         dtype = next(self.head.parameters()).dtype
         return embed_store(self.encoder, store, batch=self.cfg.fill_batch, device=self.device, dtype=dtype)
 
-    def fill_z(self, store: Any) -> tuple[Tensor, Tensor, GridLayout]:
+    def fill_z(self, store: TileStoreLike) -> tuple[Tensor, Tensor, GridLayout]:
         """Z for a slide without gradient: ``(Z [1, s, rows, cols], mask [1, rows, cols], layout)``."""
         emb = self._embed_all(store)
         layout = self.head.layout(store.grid).to(emb.device)
@@ -221,7 +217,7 @@ class PatchGDStrategy:
             z_grid, mask = self.head.to_z(emb, layout)
         return z_grid, mask, layout
 
-    def predict(self, store: Any) -> MILOutput:
+    def predict(self, store: TileStoreLike) -> MILOutput:
         """Evaluate a slide: fill Z with all tiles and run the head in eval mode (logits [C], scores [n])."""
         emb = self._embed_all(store)
         was = self.head.training
@@ -233,7 +229,7 @@ class PatchGDStrategy:
             self.head.train(was)
         return out
 
-    def _fill(self, stores: list[Any], ks: list[int], generator: torch.Generator | None, part: list[int] | None = None) -> list[Tensor]:
+    def _fill(self, stores: list[TileStoreLike], ks: list[int], generator: torch.Generator | None, part: list[int] | None = None) -> list[Tensor]:
         """Each slide's tile embeddings [n, D] without gradient (Z-filling).
 
         Frozen BatchNorm: :func:`embed_store` (eval mode). Train-mode BatchNorm (the paper's):
@@ -268,7 +264,7 @@ class PatchGDStrategy:
 
     def bag_step(
         self,
-        store: Any,
+        store: TileStoreLike,
         label: int | Tensor,
         optimizer_step: Callable[[], None],
         generator: torch.Generator | None = None,
@@ -278,7 +274,7 @@ class PatchGDStrategy:
 
     def batch_step(
         self,
-        stores: list[Any],
+        stores: list[TileStoreLike],
         labels: list[int | Tensor],
         optimizer_step: Callable[[], None],
         generator: torch.Generator | None = None,
@@ -322,7 +318,7 @@ class PatchGDStrategy:
                 optimizer_step()
         return float(np.mean(losses))
 
-    def _check_batch(self, stores: list[Any], labels: list[int | Tensor]) -> tuple[list[int], list[int]]:
+    def _check_batch(self, stores: list[TileStoreLike], labels: list[int | Tensor]) -> tuple[list[int], list[int]]:
         """The slides' tile counts and labels, checked: ``(ns, ys)``."""
         if not stores or len(stores) != len(labels):
             raise ValueError(f"batch_step needs one label per store and at least one store; got {len(stores)} stores, {len(labels)} labels")
@@ -337,7 +333,7 @@ class PatchGDStrategy:
         return ns, ys
 
     def _live_batch(
-        self, stores: list[Any], ns: list[int], ys: list[int], plan: BatchPlan, generator: torch.Generator | None,
+        self, stores: list[TileStoreLike], ns: list[int], ys: list[int], plan: BatchPlan, generator: torch.Generator | None,
         part: list[int] | None,
     ) -> _LiveBatch:
         """Fill the batch's Z caches and gather what its inner iterations use (this rank's slides with ``part``)."""
@@ -348,7 +344,9 @@ class PatchGDStrategy:
         z_shape = None
         if part is not None:  # this rank's slides of the batch, padded to the whole batch's Z shape
             z_shape = self.head.z_shape([self.head.layout(store.grid).shape for store in stores]) if batched else None
-            stores, ns, ks, ys, plans = ([x[b] for b in part] for x in (stores, ns, ks, ys, plans))
+            stores = [stores[b] for b in part]
+            ns, ks, ys = [ns[b] for b in part], [ks[b] for b in part], [ys[b] for b in part]
+            plans = [plans[b] for b in part]
         target = torch.tensor(ys, device=device)
         scale = self._live_scale(ns, ks, caches, device)
         layouts = [self.head.layout(store.grid).to(device) for store in stores]
@@ -418,7 +416,7 @@ class _LiveBatch:
     batch's size; ``sharded``: only a part of the batch is here (data-parallel).
     """
 
-    stores: list[Any]
+    stores: list[TileStoreLike]
     plans: list[list[Tensor]]
     ks: list[int]
     caches: list[Tensor]

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from wsi_pipeline.config.patchgd import PARTIAL_WINDOWS, PatchGDConfig
+from wsi_pipeline.config.choices import PARTIAL_WINDOWS
+from wsi_pipeline.config.patchgd import PatchGDConfig
 
 __all__ = ["BatchPlan", "accumulation_windows", "plan_batch", "plan_inner_iterations"]
 

@@ -18,7 +18,7 @@ from wsi_pipeline.data.bags import TARGET_COLUMNS, Slide, check_stores, check_ti
 from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs, fit_endpoint
-from wsi_pipeline.inference.models import build_models
+from wsi_pipeline.inference.method_models import build_models
 from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
 from wsi_pipeline.training.strategies import check_strategy
 from wsi_pipeline.training import distributed

@@ -93,7 +93,7 @@ def resume(
 
     ``restore_encoder(encoder, state, info)`` loads the encoder's state when given (a checkpoint
     holding only a foundation encoder's trained tensors, see
-    :func:`wsi_pipeline.inference.models.encoder_checkpoint`); else every module loads strictly.
+    :func:`wsi_pipeline.inference.method_models.encoder_checkpoint`); else every module loads strictly.
     """
     state = load_checkpoint(last)  # on the CPU: RNG states must stay there; load_state_dict moves the rest
     for name, module in modules.items():

@@ -27,7 +27,7 @@ evaluation and prediction use running statistics, so training with ``chunk`` or 
 warns (:func:`wsi_pipeline.config.pipeline.bag_statistics_warning`): a model can learn the
 label from its bags' statistics and fail at evaluation.
 
-The models a strategy trains come from :func:`wsi_pipeline.inference.models.build_models`.
+The models a strategy trains come from :func:`wsi_pipeline.inference.method_models.build_models`.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
-from wsi_pipeline.inference.models import embed_budget, build_models, patchgd_method
+from wsi_pipeline.inference.method_models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.epoch import bag_epoch, seed_torch, slide_batch_epoch
-from wsi_pipeline.training.frozen_features import LazyFeatures
+from wsi_pipeline.inference.features import LazyFeatures
 
 __all__ = [
     "STRATEGIES",
@@ -312,7 +312,7 @@ class FrozenStrategy(Strategy):
 
     def val_inputs(self, slides: Sequence[Slide], features_dir: Path | None = None) -> Sequence[Any]:
         """The slides' (unaugmented) feature files, read one at a time."""
-        return LazyFeatures(self._feature_paths(slides, features_dir))  # type: ignore[arg-type]
+        return LazyFeatures(self._feature_paths(slides, features_dir))
 
     def embed(self, tiles: np.ndarray | torch.Tensor, stain: Any = None) -> torch.Tensor:
         """Embed a bag's tiles with the frozen encoder after one augmentation draw for the whole bag.
@@ -400,6 +400,7 @@ class AccumulateStrategy(Strategy):
 
         chunk = self.method.chunk_size
         prepared = bag.prepared
+        tiles: torch.Tensor | DeviceTiles
         if prepared is None:
             tiles = tiles_to_input(bag.data, self.augment, device=self._prep_device(), out_device="cpu", chunk=chunk,
                                    stain=bag.stain)
@@ -489,7 +490,7 @@ class BiglStrategy(Strategy):
 
 
 @STRATEGIES.register("patchgd")
-class PatchGDAdapter(Strategy):
+class PatchGDStrategy(Strategy):
     """PatchGD (:mod:`wsi_pipeline.training.patchgd`): inner iterations over the whole slide, own optimiser steps."""
 
     name = "patchgd"
@@ -501,9 +502,9 @@ class PatchGDAdapter(Strategy):
 
     def __init__(self, method: Any, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         super().__init__(method, n_classes, device, endpoint)
-        from wsi_pipeline.training.patchgd import PatchGDStrategy
+        from wsi_pipeline.training.patchgd import PatchGDTrainer
 
-        self.impl = PatchGDStrategy(patchgd_method(method), self.encoder, self.aggregator, n_classes)
+        self.impl = PatchGDTrainer(patchgd_method(method), self.encoder, self.aggregator, n_classes)
 
     @classmethod
     def check(cls, method: Any) -> None:
@@ -553,7 +554,7 @@ class PatchGDAdapter(Strategy):
 
     def run_batch(self, stores: list[Any], labels: list[int], optimizer_step: Callable[[], None], generator: torch.Generator,
                   *, part: list[int] | None = None) -> float:
-        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDStrategy.batch_step`);
+        """A batch of slides through one PatchGD inner loop (:meth:`PatchGDTrainer.batch_step`);
         ``part``: this rank's positions of the batch under torchrun."""
         return self.impl.batch_step(stores, labels, optimizer_step, generator, part=part)
 

@@ -72,7 +72,7 @@ def validate(
     """
     if not labels:
         return {}
-    from wsi_pipeline.inference.validation import endpoint_validation_metrics, slide_predictions, validation_metrics
+    from wsi_pipeline.inference.protocol_metrics import endpoint_validation_metrics, slide_predictions, validation_metrics
 
     encoder = strategy.embedder()
     mine = distributed.shard(len(inputs))

@@ -32,6 +32,7 @@ equals the exact softmax attention row.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -132,7 +133,7 @@ class TransMIL(nn.Module):
         self.in_dim, self.n_classes = int(in_dim), int(n_classes)
         self.embed = nn.Sequential(nn.Linear(in_dim, dim), nn.ReLU())
         self.cls_token = nn.Parameter(torch.randn(1, 1, dim))
-        opts = {"num_landmarks": num_landmarks, "pinv_iterations": pinv_iterations, "dropout": dropout, "nystrom": nystrom}
+        opts: dict[str, Any] = {"num_landmarks": num_landmarks, "pinv_iterations": pinv_iterations, "dropout": dropout, "nystrom": nystrom}
         self.layer1 = TransLayer(dim, **opts)
         self.ppeg = PPEG(dim)
         self.layer2 = TransLayer(dim, **opts)

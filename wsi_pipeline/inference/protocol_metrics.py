@@ -13,7 +13,7 @@ modules are put in eval mode for the call and their previous train/eval mode is 
 afterwards; no gradient is recorded.
 
 The protocols themselves (subset drawing, embedding, per-slide prediction) are in
-:mod:`wsi_pipeline.inference.protocols`, which re-exports the three functions here.
+:mod:`wsi_pipeline.inference.protocols`.
 """
 
 from __future__ import annotations
@@ -29,15 +29,8 @@ from torch import Tensor, nn
 
 from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.inference.metrics import compute_metrics, compute_repeat_metrics
-from wsi_pipeline.inference.protocols import (
-    Protocol,
-    SlidePrediction,
-    _embedding,
-    parse_protocol,
-    predict_slide,
-    protocol_rng,
-    repeat_probs,
-)
+from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocol
+from wsi_pipeline.inference.protocols import SlidePrediction, slide_embedding, predict_slide, protocol_rng, repeat_probs
 from wsi_pipeline.progress import progress_bar
 
 __all__ = ["endpoint_validation_metrics", "slide_predictions", "validation_metrics", "validate_model"]
@@ -47,7 +40,7 @@ def slide_predictions(
     encoder: nn.Module | None,
     aggregator: nn.Module,
     slides: Sequence[TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any]],
-    protocol: Protocol | str = "all",
+    protocol: EvalProtocol | str = "all",
     *,
     n_classes: int,
     device: torch.device | str | None = None,
@@ -81,7 +74,7 @@ def slide_predictions(
             sid = str(slide_ids[i])
         else:
             sid = slide.slide_id if isinstance(slide, TileStore) else f"#{where[i]}"
-        z, grid = _embedding(encoder, slide, batch_size=batch_size, device=device)
+        z, grid = slide_embedding(encoder, slide, batch_size=batch_size, device=device)
         pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
         if pred.probs.shape != (n_classes,):
             raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")
@@ -89,7 +82,7 @@ def slide_predictions(
     return preds
 
 
-def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], protocol: Protocol | str,
+def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], protocol: EvalProtocol | str,
                        n_classes: int) -> dict[str, float]:
     """The metrics :func:`validate_model` returns, from every slide's prediction (in the order of ``labels``)."""
     prot = parse_protocol(protocol)
@@ -115,7 +108,7 @@ def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], 
 
 
 def endpoint_validation_metrics(endpoint: Any, targets: Sequence[Any], preds: Sequence[SlidePrediction],
-                                protocol: Protocol | str) -> dict[str, float]:
+                                protocol: EvalProtocol | str) -> dict[str, float]:
     """Validation values of a survival or regression model (:data:`~wsi_pipeline.inference.metrics.ENDPOINT_VALIDATION_METRICS`).
 
     Survival: ``c_index`` (Harrell's) and ``loss`` (the training loss over all validation slides:
@@ -166,7 +159,7 @@ def validate_model(
     aggregator: nn.Module,
     slides: Sequence[TileStore | str | os.PathLike | Tensor | tuple[Tensor, Any]],
     labels: Sequence[int],
-    protocol: Protocol | str = "all",
+    protocol: EvalProtocol | str = "all",
     *,
     n_classes: int,
     device: torch.device | str | None = None,
@@ -183,7 +176,7 @@ def validate_model(
     aggregator : MIL aggregator (or grid head with ``needs_grid``).
     slides : per slide a TileStore, a store path, a Tensor [N, D] or ``(z, grid)``.
     labels : int class per slide, same order.
-    protocol : test-time protocol (``"all"``, ``"sub256x100"``, ``"ens256x100"`` or a Protocol);
+    protocol : test-time protocol (``"all"``, ``"sub256x100"``, ``"ens256x100"`` or a EvalProtocol);
         subsets are seeded per slide by ``seed`` (see :func:`protocol_rng`), so every epoch
         sees the same subsets.
     n_classes : C.

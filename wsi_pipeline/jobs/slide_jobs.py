@@ -19,7 +19,7 @@ goes through this module:
 - :func:`write_report_csv` writes a report atomically (:func:`wsi_pipeline.io_atomic.atomic_path`).
 
 A row is a mapping or an object with ``slide_id`` / ``status`` / ``error`` attributes (the
-tiler's :class:`~wsi_pipeline.tiling.tiler.SlideResult`).
+tiler's :class:`~wsi_pipeline.tiling.job.SlideResult`).
 """
 
 from __future__ import annotations
@@ -124,14 +124,14 @@ class SlideRun:
     def __enter__(self) -> SlideRun:
         return self
 
-    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
         self.bar.close()
         if kind is not None and self._report is not None:
             try:  # keep what is known; the error in flight matters more than a report that cannot be written
                 self._report(self.results, True)
             except (OSError, TimeoutError) as write_err:
                 logger.error("%s: could not write the report: %s", self.desc, write_err)
-        return False  # the error (KeyboardInterrupt included) goes on
+        # returning None lets the error (KeyboardInterrupt included) go on
 
     def _postfix(self, refresh: bool) -> None:
         if self.totals or self.n_failed:

@@ -22,7 +22,7 @@
   :class:`~wsi_pipeline.output_dirs.OutputDirError` instead of failing every slide.
 
 The bookkeeping (rows, progress bar, report while running and on an interrupt) is the per-slide
-job runner's (:class:`wsi_pipeline.jobs.runner.SlideRun`), with the tiler's steps plugged in. The
+job runner's (:class:`wsi_pipeline.jobs.slide_jobs.SlideRun`), with the tiler's steps plugged in. The
 parts: :mod:`~wsi_pipeline.tiling.sources` (which slides), :mod:`~wsi_pipeline.tiling.claims`
 (slide locks), :mod:`~wsi_pipeline.tiling.pool` (worker processes), :mod:`~wsi_pipeline.tiling.cluster`
 (Dask), :mod:`~wsi_pipeline.tiling.report` (the merged report).
@@ -39,26 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from wsi_pipeline.jobs.cluster import default_workers
-from wsi_pipeline.jobs.runner import STOP_ERRNOS, SlideRun, run_claimed
-from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS, NoSlidesError
+from wsi_pipeline.jobs.slide_jobs import STOP_ERRNOS, SlideRun, run_claimed
 from wsi_pipeline.tiling.claims import RETRY_S, SlideClaims
 from wsi_pipeline.tiling.locks import HEARTBEAT_S, STALE_AFTER_S, LockDir
 from wsi_pipeline.output_dirs import OutputDirError, check_output_dir, output_problem
 from wsi_pipeline.tiling.pool import run_pool
-from wsi_pipeline.tiling.report import LOCK_DIR, REPORT_COLUMNS, REPORT_NAME, CohortReport, _unfinished, write_report
-from wsi_pipeline.tiling.sources import jobs_from_folder, jobs_from_manifest, jobs_from_source
-from wsi_pipeline.tiling.tiler import SlideJob, SlideResult, TilingConfig, precheck, tile_slide
+from wsi_pipeline.tiling.report import LOCK_DIR, REPORT_NAME, CohortReport, unfinished_result, write_report
+from wsi_pipeline.tiling.sources import jobs_from_source
+from wsi_pipeline.tiling.job import SlideJob, SlideResult
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.tiling.tiler import precheck, tile_slide
 
-__all__ = [
-    "REPORT_COLUMNS",
-    "SLIDE_EXTENSIONS",
-    "CohortReport",
-    "NoSlidesError",
-    "OutputDirError",
-    "jobs_from_folder",
-    "jobs_from_manifest",
-    "tile_cohort",
-]
+__all__ = ["tile_cohort"]
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +131,7 @@ def tile_cohort(
         run.write_report(final=True)
     except OSError as err:
         raise OutputDirError(out, f"cannot write {report_path}: {err}") from err
-    final = [r if r is not None else _unfinished(j, True) for j, r in zip(jobs, run.results)]
+    final = [r if r is not None else unfinished_result(j, True) for j, r in zip(jobs, run.results)]
     return CohortReport(final, report_path, round(time.perf_counter() - t0, 3))
 
 

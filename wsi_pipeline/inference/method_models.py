@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from wsi_pipeline.config.pipeline import MethodConfig
-from wsi_pipeline.config.patchgd import PatchGDConfig, patchgd_mapping, with_patchgd_head
+from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.config.pipeline import MethodConfig, patchgd_mapping, with_patchgd_head
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
 FROZEN_INIT_SEED = 0
 
 
-def build_method_encoder(method: Any, *, weights: str | None = None, training: bool = True) -> nn.Module:
+def build_method_encoder(method: MethodConfig, *, weights: str | None = None, training: bool = True) -> nn.Module:
     """The encoder of ``method.encoder``: built by name with its weights file and options, fine-tuning prepared.
 
     For a foundation-model encoder: LoRA adapters are added (``encoder.lora``; also for
@@ -62,7 +62,7 @@ def build_method_encoder(method: Any, *, weights: str | None = None, training: b
     return encoder
 
 
-def frozen_encoder(method: Any, weights: str | None = None) -> nn.Module:
+def frozen_encoder(method: MethodConfig, weights: str | None = None) -> nn.Module:
     """The frozen encoder of a method: ``encoder.name`` with ``encoder.weights`` (or ``weights``), eval mode, no gradient.
 
     Without weights the encoder is initialised from a fixed seed, the one
@@ -76,7 +76,7 @@ def frozen_encoder(method: Any, weights: str | None = None) -> nn.Module:
     return enc
 
 
-def frozen_features_dir(method: Any, features_root: str) -> str:
+def frozen_features_dir(method: MethodConfig, features_root: str) -> str:
     """Feature folder of a frozen method: its ``features_dir``, else ``<features_root>/<encoder>[-<weights stem>]``
     (``timm:<architecture>`` becomes ``timm-<architecture>``)."""
     if method.features_dir:
@@ -87,7 +87,7 @@ def frozen_features_dir(method: Any, features_root: str) -> str:
     return str(Path(features_root) / tag)
 
 
-def encoder_checkpoint(method: Any, encoder: nn.Module, tile_size: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def encoder_checkpoint(method: MethodConfig, encoder: nn.Module, tile_size: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """What a checkpoint keeps of ``encoder``: ``(state, info)``.
 
     ``info``: ``name``, ``weights_file`` and ``weights_sha256`` (the file the encoder started
@@ -113,7 +113,7 @@ def encoder_checkpoint(method: Any, encoder: nn.Module, tile_size: int | None) -
     return state, info
 
 
-def restore_encoder(method: Any, encoder: nn.Module, state: dict[str, torch.Tensor], info: dict[str, Any] | None, *,
+def restore_encoder(method: MethodConfig, encoder: nn.Module, state: dict[str, torch.Tensor], info: dict[str, Any] | None, *,
                     where: str) -> nn.Module:
     """Load a checkpoint's encoder ``state`` (see :func:`encoder_checkpoint`) into ``encoder`` built for ``method``.
 
@@ -138,7 +138,7 @@ def restore_encoder(method: Any, encoder: nn.Module, state: dict[str, torch.Tens
     return encoder
 
 
-def build_models(method: Any, n_classes: int, *, device: str | torch.device = "cpu", for_training: bool = True,
+def build_models(method: MethodConfig, n_classes: int, *, device: str | torch.device = "cpu", for_training: bool = True,
                  encoder_weights: str | None = None) -> tuple[nn.Module, nn.Module]:
     """Build a method's ``(encoder, aggregator)``; the aggregator is the PatchGD head for ``patchgd``.
 
@@ -167,12 +167,12 @@ def build_models(method: Any, n_classes: int, *, device: str | torch.device = "c
     return encoder, aggregator
 
 
-def embed_budget(method: Any) -> int | None:
+def embed_budget(method: MethodConfig) -> int | None:
     mib = getattr(method.bigl, "embed_budget_mib", None)
     return None if mib is None else int(mib * 2**20)
 
 
-def _embedding_encoder(method: Any, encoder: nn.Module) -> nn.Module:
+def _embedding_encoder(method: MethodConfig, encoder: nn.Module) -> nn.Module:
     """A ``bigl`` method's inference encoder (plain when a call fits the budget, else Big-Layers)."""
     from wsi_pipeline.bigl import EmbeddingEncoder
 
@@ -182,11 +182,11 @@ def _embedding_encoder(method: Any, encoder: nn.Module) -> nn.Module:
 
 def patchgd_method(method: MethodConfig) -> MethodConfig:
     """``method`` with its PatchGD head named in ``patchgd`` (the one rule:
-    :func:`wsi_pipeline.config.patchgd.patchgd_mapping`)."""
+    :func:`wsi_pipeline.config.pipeline.patchgd_mapping`)."""
     return with_patchgd_head(method)
 
 
-def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.Module:
+def _bigify(method: MethodConfig, encoder: nn.Module, device: str | torch.device) -> nn.Module:
     from wsi_pipeline.bigl import bigify
 
     dim = encoder.num_features
@@ -197,7 +197,7 @@ def _bigify(method: Any, encoder: nn.Module, device: str | torch.device) -> nn.M
     return big
 
 
-def load_encoder_state(method: Any, encoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+def load_encoder_state(method: MethodConfig, encoder: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
     """Load a checkpoint's encoder state into a plain encoder (a Big-Layers state is converted when needed).
 
     Returns the module holding the weights (the plain encoder, or its Big-Layers version when
