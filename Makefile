@@ -49,7 +49,7 @@ test-fast: install
 # the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess
 # (part of `make test` too; a set this CPU lacks is skipped and says so)
 test-isa: install
-	$(BIN)/python -m pytest -q -rs tests/test_instruction_sets.py $(ARGS)
+	$(BIN)/python -m pytest -q -rs tests/project/test_instruction_sets.py $(ARGS)
 
 tile: install
 	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }

@@ -33,7 +33,7 @@ Exact (to rounding) for every strategy whose bags do not share batch statistics:
 features, ``full``, ``accumulate``, ``bigl`` with ``encoder.bn`` ``frozen``/``chunk``/``train``
 (BatchNorm statistics are per bag) and PatchGD with frozen encoder BatchNorm and a head without
 batch statistics (``norm: layer``/``none``, no dropout: a rank draws dropout masks for its own
-slides only). Everything is checked by ``tests/test_ddp.py`` against one process in float64.
+slides only). Everything is checked by ``tests/training/test_ddp.py`` against one process in float64.
 """
 
 from __future__ import annotations

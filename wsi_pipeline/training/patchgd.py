@@ -59,7 +59,7 @@ its own dropout masks, so the mean of the iterations' losses is not the all-tile
 head's part alone needs only the one window and no head dropout (its input Z is the same in
 every iteration). It is not exact otherwise: when k does not divide n the last iteration wraps
 into the next pass and some tiles are live twice while the n / k scale assumes once. Relative
-error of the encoder gradient against all-tiles autograd, float64 (``tests/test_patchgd.py``,
+error of the encoder gradient against all-tiles autograd, float64 (``tests/training/test_patchgd.py``,
 which checks the exact case to 1e-10 and both inexact ones to differ): 13-tile slide, k = 4,
 zeta = 4: 0.59 (the audit of issue 15 measured 0.51 on another model); 12 tiles, k = 4 (exact
 without dropout: 7e-16) with head dropout 0.2: 1.5 (audit: 2.1). With ``paper`` scale the

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from test_train_loop import make_config
+from pipeline_helpers import make_config
 
 
 def test_bars_become_periodic_log_lines_off_a_terminal(caplog, monkeypatch):

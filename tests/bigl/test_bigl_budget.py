@@ -396,7 +396,7 @@ def test_training_logs_and_records_the_plan(tmp_path, store_cohort, caplog):
     writes the plan it printed into its run folder (``bigl_plan.txt``)."""
     import logging
 
-    from test_train_loop import make_config
+    from pipeline_helpers import make_config
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
     from wsi_pipeline.training.rundir import DONE

@@ -21,7 +21,6 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-import yaml
 
 from wsi_pipeline.training.monitor import MEASURED_COLUMNS
 from wsi_pipeline.cli.main import main
@@ -33,28 +32,10 @@ from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_mode
 from wsi_pipeline.config.pipeline import AugmentConfig, BagStatisticsWarning, load_config
 from wsi_pipeline.training.loop import train_pipeline
 
-TINY_TRAIN = {"epochs": 2, "bag_size": 8, "batch_bags": 2, "lr": 1e-4}
+from pipeline_helpers import make_config
+
 HISTORY = ["epoch", "train_loss", "val_loss", "val_auc", "val_qwk", "val_accuracy", "val_balanced_accuracy", "lr", "seconds",
            "tiles_per_s", "data_wait_share", "peak_mem_mb", "val_seconds"]
-
-
-def make_config(tmp_path: Path, manifest: Path, methods: list[dict], *, name: str = "t", train: dict | None = None,
-                runs: str = "runs", **extra) -> Path:
-    """A pipeline YAML over a store cohort, every path absolute."""
-    root = manifest.parent
-    raw = {
-        "name": name,
-        "data": {"manifest": str(manifest), "tiles_dir": str(root / "tiles"), "features_dir": str(tmp_path / "features"),
-                 "n_classes": 2, "tiling": {"tile_size": 32}},
-        "train": {**TINY_TRAIN, **(train or {})},
-        "seeds": [0],
-        "runs_dir": str(tmp_path / runs),
-        "methods": methods,
-        **extra,
-    }
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(raw, sort_keys=False))
-    return path
 
 
 def models_of(path: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -27,7 +27,7 @@ from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig
 from wsi_pipeline.tiling.tiler import tile_slide
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _report(out: Path) -> pd.DataFrame:

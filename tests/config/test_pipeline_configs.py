@@ -13,7 +13,7 @@ import torch
 
 from wsi_pipeline.config.pipeline import EvalProtocol, load_config
 
-PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 ALL_YAML = sorted(PIPELINES.glob("*.yaml"))
 PAPER_FILES = ("panda_cosine", "panda_exp", "camelyon")
 AGGS = {"ABMIL": "abmil", "DTFD": "dtfd", "TransMIL": "transmil"}

@@ -35,7 +35,7 @@ from wsi_pipeline.config.pipeline import load_config  # noqa: E402
 REL = 1e-10  # see the module docstring
 DIM, HEADS, LANDMARKS, ITERS = 512, 8, 256, 6  # TransMIL's settings
 D = 24
-PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
+PIPELINES = Path(__file__).resolve().parents[2] / "pipelines"
 
 
 def _package_copy(attn: NystromAttention) -> torch.nn.Module:

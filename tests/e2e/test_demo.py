@@ -14,7 +14,7 @@ from PIL import Image
 
 from wsi_pipeline.cli.main import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -84,7 +84,7 @@ def test_demo_command_reports_a_stale_cohort_in_one_error_line(tmp_path, monkeyp
     from wsi_pipeline.cli.main import main
     from wsi_pipeline.synthetic.cohort import DemoCohort
 
-    config = Path(__file__).resolve().parents[1] / "pipelines" / "demo.yaml"
+    config = Path(__file__).resolve().parents[2] / "pipelines" / "demo.yaml"
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "runs" / "demo" / "cohort"
     folder.mkdir(parents=True)

@@ -19,30 +19,30 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 #: The numerics tests (gradients, accumulation, Big-Layers, optimiser, aggregators, evaluation
 #: arithmetic, the loop against plain autograd, feature extraction); their fast tests run under
 #: each instruction set (about a minute each on a quiet 2-core machine).
 NUMERICS_TESTS = (
-    "tests/test_accumulate.py",
-    "tests/test_accumulate_rng.py",
-    "tests/test_aggregators.py",
-    "tests/test_bigl.py",
-    "tests/test_bigl_budget.py",
-    "tests/test_bn_calibration.py",
-    "tests/test_features.py",
-    "tests/test_optim.py",
-    "tests/test_protocols.py",
-    "tests/test_train_loop.py::test_loop_matches_a_plain_autograd_reference",
-    "tests/test_train_loop.py::test_augmentation_is_one_transform_per_bag",
+    "tests/training/test_accumulate.py",
+    "tests/training/test_accumulate_rng.py",
+    "tests/models/test_aggregators.py",
+    "tests/bigl/test_bigl.py",
+    "tests/bigl/test_bigl_budget.py",
+    "tests/models/test_bn_calibration.py",
+    "tests/training/test_features.py",
+    "tests/training/test_optim.py",
+    "tests/inference/test_protocols.py",
+    "tests/training/test_train_loop.py::test_loop_matches_a_plain_autograd_reference",
+    "tests/training/test_train_loop.py::test_augmentation_is_one_transform_per_bag",
     # a ViT through exact accumulation: each aggregator once, each fine-tuning mode once
-    "tests/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[abmil-checkpointing]",
-    "tests/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[dtfd-lora_last2]",
-    "tests/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[transmil-freeze1]",
+    "tests/training/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[abmil-checkpointing]",
+    "tests/training/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[dtfd-lora_last2]",
+    "tests/training/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[transmil-freeze1]",
 )
 #: Not numerics (memory accounting), and slow.
-DESELECT = ("tests/test_accumulate.py::test_saved_activation_memory_does_not_grow_with_the_bag",)
+DESELECT = ("tests/training/test_accumulate.py::test_saved_activation_memory_does_not_grow_with_the_bag",)
 
 #: ``ATEN_CPU_CAPABILITY`` value -> what ``torch.backends.cpu.get_cpu_capability()`` reports when it applies.
 CAPABILITIES = {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"}

@@ -232,7 +232,7 @@ def test_tile_array_sbatch_tasks_together_equal_one_run(cohort: Path, reference:
     import subprocess
     import sys
 
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     exe = shutil.which("wsi-pipeline", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("the wsi-pipeline console script is not installed beside this python")

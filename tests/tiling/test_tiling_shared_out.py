@@ -20,7 +20,8 @@ import zarr
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline import output_dirs as outdir
-from wsi_pipeline.tiling import pool, runner
+from wsi_pipeline.tiling import cohort as tiling_cohort, pool
+from wsi_pipeline.config.tiling import TilingConfig
 from wsi_pipeline.tiling.locks import LockDir
 from wsi_pipeline.output_dirs import OutputDirError
 from wsi_pipeline.tiling.report import _merge_rows
@@ -28,7 +29,7 @@ from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import is_complete
 from wsi_pipeline.tiling.job import SlideJob, SlideResult
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 # Runs the CLI with tile_slide wrapped: each real tiling (made after the slide's lock is held) is
@@ -196,7 +197,7 @@ def test_a_run_killed_holding_a_lock_is_taken_over(tmp_path: Path, cohort: Path,
 
     # the lock is fresh (well inside lock_stale_s), but its process is gone on this host: taken over
     with caplog.at_level(logging.WARNING, logger="wsi_pipeline.tiling.locks"):
-        rep = tile_cohort(cohort, out, runner.TilingConfig(method="greyscale", qc_mode="off", tile_size=64), workers=0, progress=False)
+        rep = tile_cohort(cohort, out, TilingConfig(method="greyscale", qc_mode="off", tile_size=64), workers=0, progress=False)
     assert f"took over the stale lock {lock}" in caplog.text and "its process is gone" in caplog.text
     assert rep.ok and rep.count("ok") == 6
     report = pd.read_csv(out / "tiling_report.csv", keep_default_na=False).set_index("slide_id")
@@ -226,7 +227,7 @@ def test_killing_a_runner_kills_its_worker_too(tmp_path: Path) -> None:
         return Path(f"/proc/{worker}/status").exists() and "zombie" in Path(f"/proc/{worker}/status").read_text()
 
     assert _wait_for(gone, 10), "the worker outlived its runner and would race the next run"
-    rep = tile_cohort(folder, out, runner.TilingConfig(method="greyscale", qc_mode="off", tile_size=32), workers=0, progress=False)
+    rep = tile_cohort(folder, out, TilingConfig(method="greyscale", qc_mode="off", tile_size=32), workers=0, progress=False)
     assert rep.ok and rep.count("ok") == 1 and is_complete(out / "big.zarr")
     assert zarr.open_group(str(out / "big.zarr"), mode="r").attrs["n_tiles"] == rep.results[0].n_tiles
 
@@ -256,7 +257,7 @@ def test_read_only_out_is_one_error_before_any_work(tmp_path: Path, cohort: Path
 
     monkeypatch.setattr(outdir, "_probe_write", read_only)
     called = []
-    monkeypatch.setattr(runner, "tile_slide", lambda *a, **k: called.append(a))
+    monkeypatch.setattr(tiling_cohort, "tile_slide", lambda *a, **k: called.append(a))
     out = tmp_path / "tiles"
     code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(cohort), "--out", str(out), "--workers", "0", "--no-progress"])
     err = capsys.readouterr().err
@@ -288,7 +289,7 @@ def test_output_failing_mid_run_stops_the_run_instead_of_failing_slides(tmp_path
         monkeypatch.setattr(outdir, "_probe_write", read_only)
         return SlideResult(job.slide_id, "failed", error=f"OSError: [Errno 30] Read-only file system: '{out}/x'", path=job.path)
 
-    monkeypatch.setattr(runner, "tile_slide", disk_gone)
+    monkeypatch.setattr(tiling_cohort, "tile_slide", disk_gone)
     with pytest.raises(OutputDirError, match=r"output folder .*tiles is not usable: cannot write in it: Read-only.*while tiling s0"):
         tile_cohort(cohort, out, workers=0, progress=False)
     assert seen == ["s0"]  # stopped at the first: the other slides were not each failed for it
@@ -332,11 +333,11 @@ def test_overwrite_does_not_rebuild_what_another_run_rebuilt_meanwhile(tmp_path:
     for k in (0, 1):
         (folder / f"s{k}.svs").symlink_to(cohort / f"s{k}.svs")
     out = tmp_path / "tiles"
-    cfg = runner.TilingConfig(method="greyscale", qc_mode="off", tile_size=64)
+    cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=64)
     assert tile_cohort(folder, out, cfg, workers=0, progress=False).count("ok") == 2
     # back to back, --overwrite rebuilds everything (a store finished just before a run started is old)
     assert tile_cohort(folder, out, cfg, workers=0, progress=False, overwrite=True).count("ok") == 2
-    orig = runner.tile_slide
+    orig = tiling_cohort.tile_slide
     tiled: list[str] = []
 
     def and_another_run(job, *a, **k):
@@ -345,7 +346,7 @@ def test_overwrite_does_not_rebuild_what_another_run_rebuilt_meanwhile(tmp_path:
             orig(SlideJob("s1", str(folder / "s1.svs")), out, cfg, overwrite=True)
         return orig(job, *a, **k)
 
-    monkeypatch.setattr(runner, "tile_slide", and_another_run)
+    monkeypatch.setattr(tiling_cohort, "tile_slide", and_another_run)
     rep = tile_cohort(folder, out, cfg, workers=0, progress=False, overwrite=True)
     by_id = {r.slide_id: r for r in rep.results}
     assert tiled == ["s0"] and by_id["s0"].status == "ok"
@@ -359,7 +360,7 @@ def test_an_output_write_error_is_not_blamed_on_the_slide(tmp_path: Path, cohort
     def denied(job, *a, **k):  # a write error on the output that the probe does not see (a subfolder's permissions)
         return SlideResult(job.slide_id, "failed", error=f"PermissionError: [Errno 13] Permission denied: '{store}'", path=job.path)
 
-    monkeypatch.setattr(runner, "tile_slide", denied)
+    monkeypatch.setattr(tiling_cohort, "tile_slide", denied)
     rep = tile_cohort(cohort, out, workers=0, progress=False)
     errors = {r.slide_id: r.error for r in rep.results}
     assert errors["s0"].startswith("writing to the output folder failed (the slide itself may be fine): PermissionError: [Errno 13]")
@@ -374,7 +375,7 @@ def test_a_full_disk_stops_the_run_at_the_first_slide(tmp_path: Path, cohort: Pa
         tried.append(job.slide_id)
         return SlideResult(job.slide_id, "failed", error=f"OSError: [Errno 28] No space left on device: '{out}'", path=job.path)
 
-    monkeypatch.setattr(runner, "tile_slide", full_disk)
+    monkeypatch.setattr(tiling_cohort, "tile_slide", full_disk)
     with pytest.raises(OutputDirError, match="disk is full"):
         tile_cohort(cohort, out, workers=0, progress=False)
     assert len(tried) == 1

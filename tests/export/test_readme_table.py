@@ -9,7 +9,7 @@ import pytest
 from wsi_pipeline.export.metrics_json import MetricRecord
 from wsi_pipeline.readme_table import END, START, compare_with_readme, demo_summary, parse_tables, update_readme
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _records() -> list[MetricRecord]:

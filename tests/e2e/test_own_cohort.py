@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FAST = ["--set", "train.epochs=1", "--set", "train.bag_size=8", "--device", "cpu"]
 
 

@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 import torch
 
-from test_train_loop import make_config
+from pipeline_helpers import make_config
 from wsi_pipeline.cli.main import main
 
 

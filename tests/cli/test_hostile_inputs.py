@@ -94,7 +94,7 @@ def test_tile_with_hostile_ids_writes_and_removes_nothing_outside(small_slides, 
 
 @pytest.mark.parametrize("command", ["train", "eval", "features"])
 def test_commands_reading_a_manifest_refuse_hostile_ids(command, store_cohort, tmp_path, capsys):
-    from test_train_loop import make_config
+    from pipeline_helpers import make_config
 
     df = pd.read_csv(store_cohort)
     df.loc[0, "slide_id"] = "../ESC"
@@ -261,7 +261,7 @@ FROZEN = [{"name": "m", "strategy": "frozen", "chunk_size": 16}]
 
 def _cfg(tmp_path: Path, manifest: Path, shared: Path | None = None, methods: list | None = None, **kw) -> Path:
     """A pipeline YAML (``test_train_loop.make_config``) whose frozen features are ``shared``'s, extracted once."""
-    from test_train_loop import make_config
+    from pipeline_helpers import make_config
 
     path = make_config(tmp_path, manifest, methods or FROZEN, **kw)
     if shared is not None:
@@ -281,7 +281,7 @@ def shared(tmp_path_factory, store_cohort) -> Path:
 
 
 def test_train_refuses_a_damaged_training_slide_by_name(store_cohort, tmp_path, capsys):
-    from test_train_loop import make_config
+    from pipeline_helpers import make_config
 
     m = _cohort_copy(store_cohort, tmp_path)
     df = pd.read_csv(m)

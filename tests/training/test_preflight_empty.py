@@ -7,7 +7,7 @@ import logging
 import pandas as pd
 import pytest
 
-from test_train_loop import make_config
+from pipeline_helpers import make_config
 from wsi_pipeline.data.store import StoreWriter, open_store
 from wsi_pipeline.config.pipeline import load_config
 from wsi_pipeline.training.preflight import preflight

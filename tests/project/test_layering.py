@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "wsi_pipeline"
+PACKAGE = Path(__file__).resolve().parents[2] / "wsi_pipeline"
 
 #: Lowest first. Blocks, then stages in the order of the flow, then entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (

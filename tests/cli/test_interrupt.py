@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from test_train_loop import make_config
+from pipeline_helpers import make_config
 from wsi_pipeline.inference.checkpoint import load_checkpoint
 
 # train, and touch a flag file once the first epoch's checkpoint exists

@@ -25,9 +25,9 @@ from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.training.accumulate import full_step
 from wsi_pipeline.config.pipeline import BagStatisticsWarning, bag_statistics_warning, config_from_dict, load_config
 
-from test_train_loop import make_config
+from pipeline_helpers import make_config
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 TILES, LESIONS, DIM = 32, 6, 4
 LESION_SHIFT, NUISANCE_SD = 4.0, 3.0

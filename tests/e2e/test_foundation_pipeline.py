@@ -20,7 +20,7 @@ from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_mode
 from wsi_pipeline.models import foundation as fm
 from wsi_pipeline.training.loop import train_pipeline
 
-PIPELINE = Path(__file__).resolve().parents[1] / "pipelines" / "foundation.yaml"
+PIPELINE = Path(__file__).resolve().parents[2] / "pipelines" / "foundation.yaml"
 #: UNI's card keywords with depth, width and input size reduced (32 px tiles go in untouched).
 SMALL = dict(depth=2, embed_dim=32, num_heads=2, img_size=32)
 

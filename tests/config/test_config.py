@@ -20,7 +20,7 @@ from wsi_pipeline.config.pipeline import (
     save_config,
 )
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "pipelines" / "train_example.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "pipelines" / "train_example.yaml"
 
 
 def minimal(**extra) -> dict:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from test_train_loop import make_config
+from pipeline_helpers import make_config
 from wsi_pipeline.cli.main import main
 
 

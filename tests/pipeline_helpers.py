@@ -1,0 +1,32 @@
+"""Helpers the training tests share: a tiny pipeline YAML over a generated store cohort.
+
+Importable from every test folder (``pythonpath = ["tests"]`` in pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+#: Two epochs of 8-tile bags, 2 bags per step: enough to train and resume, fast on a CPU.
+TINY_TRAIN = {"epochs": 2, "bag_size": 8, "batch_bags": 2, "lr": 1e-4}
+
+
+def make_config(tmp_path: Path, manifest: Path, methods: list[dict], *, name: str = "t", train: dict | None = None,
+                runs: str = "runs", **extra) -> Path:
+    """A pipeline YAML over a store cohort, every path absolute."""
+    root = manifest.parent
+    raw = {
+        "name": name,
+        "data": {"manifest": str(manifest), "tiles_dir": str(root / "tiles"), "features_dir": str(tmp_path / "features"),
+                 "n_classes": 2, "tiling": {"tile_size": 32}},
+        "train": {**TINY_TRAIN, **(train or {})},
+        "seeds": [0],
+        "runs_dir": str(tmp_path / runs),
+        "methods": methods,
+        **extra,
+    }
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
