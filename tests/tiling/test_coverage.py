@@ -7,7 +7,7 @@ import pytest
 
 from wsi_pipeline.slides.coverage import box_mean
 from wsi_pipeline.synthetic.truth import tile_lesion_fraction
-from wsi_pipeline.tiling import tissue
+from wsi_pipeline.tiling import grid
 
 
 def _brute(mask: np.ndarray, d: int, coords: np.ndarray, extent: int) -> np.ndarray:
@@ -33,7 +33,7 @@ def test_tile_fraction_equals_level0_average(d, extent):
     # sums of at most H*W 0/1 values and the bilinear weights are exact in float64 up to a few ulps of the sums
     np.testing.assert_allclose(box_mean(mask, d, coords, extent), ref, rtol=0, atol=1e-12)
     np.testing.assert_allclose(tile_lesion_fraction(mask, d, coords, extent), ref, rtol=0, atol=1e-12)
-    assert tissue.box_mean is box_mean  # tiling's callers use the same function
+    assert grid.box_mean is box_mean  # tiling's callers use the same function
 
 
 def test_aligned_tiles_are_exact_counts():

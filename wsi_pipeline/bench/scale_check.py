@@ -30,12 +30,14 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO.parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
 
-#: Run one command line in this process and leave its peak resident memory (bytes) in a file.
+#: Run one command line in this process and leave its peak resident memory (bytes) in a file: the
+#: larger of the process's own and its largest worker's (tiling runs its slides in worker processes).
 _STAGE = """
 import json, resource, sys
 from wsi_pipeline.cli.main import main
 rc = main(sys.argv[2:])
-json.dump({"rc": rc, "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, open(sys.argv[1], "w"))
+peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+json.dump({"rc": rc, "maxrss": peak * 1024}, open(sys.argv[1], "w"))
 sys.exit(rc)
 """
 
