@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = ["MemoryPrediction", "available_host_bytes", "check_fits", "measured_peak", "predict_memory", "rss_bytes",
            "write_memory_record"]
@@ -109,7 +110,7 @@ def _activations(encoder: nn.Module, n: int, tile: int, *, grad: bool) -> int | 
     return sum(m.saved for m in mem) + 2 * largest if grad else 3 * largest
 
 
-def predict_memory(method: Any, encoder: nn.Module | None, aggregator: nn.Module, *, bag_tiles: int, tile_size: int,
+def predict_memory(method: MethodConfig, encoder: nn.Module | None, aggregator: nn.Module, *, bag_tiles: int, tile_size: int,
                    val_tiles: int, device: torch.device, augment: bool, baseline: int | None = None) -> MemoryPrediction:
     """The run's peak memory (module docstring) for bags of ``bag_tiles`` tiles of ``tile_size`` px and
     a largest validation slide of ``val_tiles`` tiles; ``encoder``/``aggregator``: the method's models

@@ -47,6 +47,8 @@ from wsi_pipeline.data.bags import Bag, FeatureReader, Slide, TileReader
 from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.config.pipeline import MethodConfig
+from wsi_pipeline.types import TileStoreLike
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
 from wsi_pipeline.inference.method_models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
@@ -106,7 +108,7 @@ class Strategy:
     #: the fitted stain normalisation (a :class:`~wsi_pipeline.data.stain_slides.StainContext`), or None
     stain: Any = None
 
-    def __init__(self, method: Any, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
+    def __init__(self, method: MethodConfig, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         self.method = method
         self.endpoint = endpoint or Endpoint(task=method.task, loss=method.loss, n_outputs=endpoint_outputs(method, n_classes))
         self.n_classes = int(self.endpoint.n_outputs)
@@ -114,7 +116,7 @@ class Strategy:
         self.encoder, self.aggregator = build_models(method, self.endpoint.n_outputs, device=self.device)
 
     @classmethod
-    def check(cls, method: Any) -> None:
+    def check(cls, method: MethodConfig) -> None:
         """Raise before training if this strategy cannot run ``method`` (missing block, bad option)."""
         if method.encoder.bn not in cls.bn_modes:
             raise ValueError(
@@ -429,7 +431,7 @@ class BiglStrategy(Strategy):
     name = "bigl"
 
     @classmethod
-    def check(cls, method: Any) -> None:
+    def check(cls, method: MethodConfig) -> None:
         super().check(method)
         if method.encoder.foundation:
             raise ValueError(
@@ -500,14 +502,14 @@ class PatchGDStrategy(Strategy):
     bn_modes = PATCHGD_BN_MODES
     tasks = ("classification",)
 
-    def __init__(self, method: Any, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
+    def __init__(self, method: MethodConfig, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         super().__init__(method, n_classes, device, endpoint)
         from wsi_pipeline.training.patchgd import PatchGDTrainer
 
         self.impl = PatchGDTrainer(patchgd_method(method), self.encoder, self.aggregator, n_classes)
 
     @classmethod
-    def check(cls, method: Any) -> None:
+    def check(cls, method: MethodConfig) -> None:
         super().check(method)
         PatchGDConfig.from_mapping(dict(patchgd_method(method).patchgd))
 
@@ -548,7 +550,7 @@ class PatchGDStrategy(Strategy):
             raise TypeError(f"method {self.method.name!r}: PatchGD trains on tile stores (a TileReader); got {type(reader).__name__}")
         return slide_batch_epoch(self, reader, n_tiles, seed, epoch, optimizer_step, bar)
 
-    def run_bag(self, store: Any, label: int, optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
+    def run_bag(self, store: TileStoreLike, label: int, optimizer_step: Callable[[], None], generator: torch.Generator) -> float:
         """One slide of PatchGD; ``optimizer_step`` steps and zeroes the gradients."""
         return self.impl.bag_step(store, label, optimizer_step, generator)
 
@@ -559,7 +561,7 @@ class PatchGDStrategy(Strategy):
         return self.impl.batch_step(stores, labels, optimizer_step, generator, part=part)
 
 
-def check_strategy(method: Any) -> type[Strategy]:
+def check_strategy(method: MethodConfig) -> type[Strategy]:
     """The strategy class of ``method``; raises ``ValueError`` listing the valid strategies when unknown,
     ``ValueError`` for an unsupported option."""
     try:
@@ -589,7 +591,7 @@ def prepare_tiles(strategy: Strategy, bag: Bag, *, device_side: bool) -> torch.T
     return tiles_to_tensor(data, stain=bag.stain)
 
 
-def build_strategy(method: Any, n_classes: int | None, device: torch.device | str, augment: SlideAugment | None = None,
+def build_strategy(method: MethodConfig, n_classes: int | None, device: torch.device | str, augment: SlideAugment | None = None,
                    endpoint: Endpoint | None = None, *, stain: Any = None) -> Strategy:
     """Build the strategy of ``method`` with its models on ``device`` (initialised from torch's global RNG);
     ``endpoint``: the method's, fitted on the training split (default: the config's, for classification and Cox);
