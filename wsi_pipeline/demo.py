@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class SurvivalCohort:
+class SurvivalCohort(DemoCohort):
     """The survival demo's synthetic cohort (``wsi-pipeline demo --task survival``, ``make demo-survival``).
 
     The classification demo's slides (benign mimics, stain and density jitter, lesion contrast 0.7),
@@ -62,17 +62,9 @@ class SurvivalCohort:
     """
 
     n_internal: int = 48
-    n_external: int = 16
-    size: int = 896
-    lesion_contrast: float = 0.7
-    lesion_size: float = 0.1
-    mimic_fraction: float = 0.6
-    stain_jitter: float = 0.06
-    density_jitter: float = 0.3
     beta: float = 2.0
     shape: float = 3.0
     censoring: float = 0.25
-    seed: int = 0
 
 
 @dataclass

@@ -29,6 +29,7 @@ exceed ``--max-rss-gb`` (default 16, the issue's target) or the memory available
 
 from __future__ import annotations
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.training.memory import available_host_bytes
 
 import argparse
 import json
@@ -92,17 +93,6 @@ def _current_rss() -> int:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except OSError:
         return _rss_bytes()
-
-
-def _available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def _one(h: int, w: int, device: str, max_elements: int, plain: bool, threads: int | None) -> dict[str, Any]:
@@ -225,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if prev is not None:
                 need = prev["peak_rss_bytes"] * (h * w) / prev["pixels"]
-                avail = _available_bytes()
+                avail = available_host_bytes()
                 if need > args.max_rss_gb * 1e9 or (avail is not None and need > 0.8 * avail):
                     print(f"{h * w:>14,} {'plain' if mode_plain else 'chunked':>8}  skipped: extrapolated RSS {_gb(need)} GB "
                           f"(limit {args.max_rss_gb} GB, available {_gb(avail or 0)} GB)")
