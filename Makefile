@@ -46,7 +46,8 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
-# the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess
+# the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess (the set this
+# machine runs the suite under is skipped: `make test` runs those tests there)
 # (part of `make test` too; a set this CPU lacks is skipped and says so)
 test-isa: install
 	$(BIN)/python -m pytest -q -rs tests/project/test_instruction_sets.py $(ARGS)
