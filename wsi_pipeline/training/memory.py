@@ -13,8 +13,8 @@ of each unit, counted on meta tensors, nothing allocated):
 - ``activations``: one step's activations: of ``chunk_size`` tiles (exact accumulation), of the
   whole bag (``full``; ``bigl`` on the CPU, where its host activations are the whole bag's), of a
   feature-extraction batch (``frozen``);
-- ``validation``: embedding the largest validation slide (Big-Layers on the CPU embeds a slide at
-  once; the other strategies ``chunk_size`` tiles at a time), when that exceeds the step's.
+- ``validation``: embedding a validation slide, ``chunk_size`` tiles at a time (every strategy), when
+  that exceeds the step's.
 
 The peak is ``baseline + state + max(bags + activations, validation)``. :func:`check_fits` refuses a
 run whose prediction exceeds the memory available (``MemAvailable`` plus what the process already
@@ -138,8 +138,7 @@ def predict_memory(method: MethodConfig, encoder: nn.Module | None, aggregator: 
     if act is None:
         pred.note = f"no activation count for encoder {method.encoder.name!r} (ResNets only): activations left out"
         act = 0
-    embed_all = strategy == "bigl" and not cuda
-    val_n = val_tiles if embed_all else min(chunk, val_tiles)
+    val_n = min(chunk, val_tiles)  # validation embeds each slide chunk_size tiles at a time (every strategy)
     val = 0
     if val_tiles > 0 and encoder is not None:
         v = _activations(encoder, val_n, tile_size, grad=False)
@@ -150,7 +149,7 @@ def predict_memory(method: MethodConfig, encoder: nn.Module | None, aggregator: 
     pred.parts = {"baseline": base, "state": state, "bags": bags, "activations": act, "validation": val}
     if cuda:  # the device holds the state, the step's activations and (accumulate) the uint8 bag
         pred.device_bytes = state + act + (u8 if strategy == "accumulate" else fl if strategy == "full" else 0)
-        pred.host_bytes = base + bags + (val if embed_all else 0)
+        pred.host_bytes = base + bags
     else:
         pred.host_bytes = base + state + max(step, val)
     return pred
