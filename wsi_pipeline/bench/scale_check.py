@@ -27,6 +27,8 @@ from pathlib import Path
 import pandas as pd
 import yaml
 
+from wsi_pipeline.io_atomic import write_text_atomic
+
 REPO = Path(__file__).resolve().parents[2]
 SOURCE = REPO.parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
 
@@ -43,7 +45,14 @@ sys.exit(rc)
 
 
 def _stage(name: str, argv: list[str], work: Path, rows: list[dict]) -> None:
+    """Run one stage in a subprocess and append its row (seconds, peak RSS); a stage that finished in
+    an earlier run of the same ``--work`` folder is not run again: its recorded row is reused."""
     record = work / f"{name}.json"
+    done = work / f"{name}.row.json"
+    if done.is_file():
+        rows.append(json.loads(done.read_text()))
+        print(f"  {name}: done earlier ({rows[-1]['seconds']:.0f} s, peak {rows[-1]['peak_rss_gib']:.2f} GiB)", flush=True)
+        return
     t0 = time.perf_counter()
     r = subprocess.run([sys.executable, "-c", _STAGE, str(record), *argv], cwd=work, env={**os.environ},
                        capture_output=True, text=True)
@@ -52,6 +61,7 @@ def _stage(name: str, argv: list[str], work: Path, rows: list[dict]) -> None:
         raise SystemExit(f"stage {name} failed ({r.returncode}):\n{r.stderr[-3000:]}")
     peak = json.loads(record.read_text())["maxrss"]
     rows.append({"stage": name, "seconds": round(seconds, 1), "peak_rss_gib": round(peak / 2**30, 2)})
+    write_text_atomic(done, json.dumps(rows[-1]))
     print(f"  {name}: {seconds:.0f} s, peak {peak / 2**30:.2f} GiB", flush=True)
 
 
@@ -111,16 +121,29 @@ def main(argv: list[str] | None = None) -> int:
         wait = (steps["data_wait_share"] * steps["seconds"]).sum() / steps["seconds"].sum()
         row = next(r for r in rows if r["stage"] == f"train {m}")
         row.update(data_wait_share=round(float(wait), 4), tiles_per_s=round(float(steps["tiles"].sum() / steps["seconds"].sum()), 1))
+        memory = json.loads((work / "runs" / "scale" / m / "seed0" / "memory.json").read_text())
+        row.update(predicted_gib=round(memory["predicted"]["host_bytes"] / 2**30, 2), measured_over_predicted=memory["host_ratio"])
     table = pd.DataFrame(rows).fillna("")
     text = table.to_markdown(index=False) if _has_tabulate() else table.to_string(index=False)
     total = sum(r["seconds"] for r in rows)
     print("\n" + text + f"\n\ntotal {total / 60:.1f} min (mosaics cached)")
     if args.write_docs:
         (REPO / "docs").mkdir(exist_ok=True)
-        (REPO / "docs" / "scale-check.md").write_text(
+        write_text_atomic(REPO / "docs" / "scale-check.md",
             "# Scale check\n\n`make scale-check` on this project's 2-core CPU machine: 4 mosaics of real tissue, "
-            f"{args.size} px, bags of {args.bag}.\n\n" + text + f"\n\nTotal {total / 60:.1f} min.\n")
+            f"{args.size} px, bags of {args.bag} (ResNet-18, 1 epoch, 2 training slides, validation on one "
+            f"{args.bag}-tile subset), written by `python -m wsi_pipeline.bench.scale_check --write-docs`.\n\n"
+            + text + f"\n\nTotal {total / 60:.1f} min (mosaics cached).\n\n" + COLUMNS)
     return 0
+
+
+COLUMNS = """Columns: `seconds`, the stage's wall time (its own process, start-up included); `peak_rss_gib`,
+the larger of that process's peak resident memory and its largest worker's (tiling runs slides in
+worker processes); for training, `tiles_per_s` and `data_wait_share` from the run's `steps.csv` (the
+share of step time the training thread waited for the loader), `predicted_gib` the memory
+preflight's host prediction and `measured_over_predicted` the measured peak over it (`memory.json`).
+The frozen method's time includes extracting the features of every slide (all 4).
+"""
 
 
 def _has_tabulate() -> bool:
