@@ -84,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         build_mosaic(path, SOURCE, size=args.size, seed=100 + i)
         slides.append(path)
     work = args.work or args.cache / f"scale-check-{time.strftime('%Y%m%d-%H%M%S')}"
+    work = work.resolve()  # the stages run with the work folder as their current directory
     work.mkdir(parents=True, exist_ok=True)
     pd.DataFrame({"slide_id": [f"m{i}" for i in range(4)], "path": [str(s) for s in slides], "label": [0, 1, 0, 1],
                   "split": ["train", "train", "val", "test"], "cohort": "scale"}).to_csv(work / "manifest.csv", index=False)
