@@ -179,6 +179,29 @@ def test_validate_model_matches_compute_metrics(store, tmp_path):
         validate_model(enc, agg, slides, [0, 1], n_classes=2)
 
 
+def test_validation_under_a_subsample_protocol_embeds_only_its_subsets(store):
+    """Validation's slide predictions read the tiles of the subsets only, and score them as when every
+    tile was embedded (the reference: all tiles embedded, the same seeded subsets aggregated)."""
+    from wsi_pipeline.inference.protocol_metrics import slide_predictions
+
+    enc, agg = _models()
+    prot = EvalProtocol(k=6, repeats=3)
+    seen: list[int] = []
+    orig = enc.forward
+    enc.forward = lambda x: (seen.append(len(x)), orig(x))[1]
+    got = slide_predictions(enc, agg, [store], prot, n_classes=2, batch_size=5, seed=4)[0]
+    needed = np.unique(np.concatenate(subset_indices(len(store), prot, protocol_rng(4, "s1", prot))))
+    assert len(needed) < len(store) and sum(seen) == len(needed)  # 3 subsets of 6 of 40 tiles
+    enc.forward = orig
+    ref = predict_slide(agg, embed_slide(enc, store), store.grid, prot, protocol_rng(4, "s1", prot), with_attention=False)
+    # the same tiles through the same eval-mode encoder, in other batches: float32 rounding of the
+    # convolution's sums (24 terms of size ~1 per output) bounds the difference well below 1e-5
+    np.testing.assert_allclose(got.repeat_probs, ref.repeat_probs, rtol=0, atol=1e-5)
+    assert got.n_tiles == len(store) and got.n_repeats == 3
+    whole = slide_predictions(enc, agg, [store], ALL, n_classes=2, batch_size=5, seed=4)[0]
+    np.testing.assert_allclose(whole.probs, predict_slide(agg, embed_slide(enc, store), None, ALL).probs, rtol=0, atol=1e-5)
+
+
 def _slide_embeddings(n_slides=12, seed=0):
     """Per slide random embeddings [n, D] (some slides smaller than k) and a label that shifts them."""
     rng = np.random.default_rng(seed)

@@ -30,7 +30,9 @@ from torch import Tensor, nn
 from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.inference.metrics import compute_metrics, compute_repeat_metrics
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocol
-from wsi_pipeline.inference.protocols import SlidePrediction, slide_embedding, predict_slide, protocol_rng, repeat_probs
+from wsi_pipeline.inference.protocols import (
+    SlidePrediction, embed_slide, predict_slide, protocol_rng, repeat_probs, slide_embedding, subset_indices,
+)
 from wsi_pipeline.progress import progress_bar
 
 __all__ = ["endpoint_validation_metrics", "slide_predictions", "validation_metrics", "validate_model"]
@@ -51,7 +53,8 @@ def slide_predictions(
     positions: Sequence[int] | None = None,
 ) -> list[SlidePrediction]:
     """Each slide embedded once and scored under ``protocol`` (subsets seeded per slide, so the
-    prediction of a slide does not depend on which other slides are scored with it).
+    prediction of a slide does not depend on which other slides are scored with it); under a
+    subsample protocol only the tiles of its subsets are embedded.
 
     ``positions`` are the slides' places in the whole validation set (default ``0..n-1``): they
     key the subsets of precomputed embeddings (``#<position>``) when ``slide_ids`` is not given,
@@ -74,12 +77,27 @@ def slide_predictions(
             sid = str(slide_ids[i])
         else:
             sid = slide.slide_id if isinstance(slide, TileStore) else f"#{where[i]}"
-        z, grid = slide_embedding(encoder, slide, batch_size=batch_size, device=device)
+        if isinstance(slide, TileStore) and encoder is not None and prot.k is not None and prot.k < len(slide):
+            z, grid = _subset_embedding(encoder, slide, prot, protocol_rng(seed, sid, prot), batch_size, device)
+        else:
+            z, grid = slide_embedding(encoder, slide, batch_size=batch_size, device=device)
         pred = predict_slide(aggregator, z, grid, prot, protocol_rng(seed, sid, prot), with_attention=False)
         if pred.probs.shape != (n_classes,):
             raise ValueError(f"aggregator returned {pred.probs.shape[0]} classes; n_classes={n_classes}")
         preds.append(pred)
     return preds
+
+
+def _subset_embedding(encoder: nn.Module, store: TileStore, prot: EvalProtocol, generator: np.random.Generator,
+                      batch_size: int, device: torch.device | str | None) -> tuple[Tensor, np.ndarray | None]:
+    """The embeddings a subsample protocol reads: only the tiles of its subsets are embedded (the
+    subsets :func:`predict_slide` draws from a generator seeded like ``generator``); the other rows
+    are zero and never read. A 512-tile validation subset of a 5,500-tile slide embeds 512 tiles."""
+    needed = np.unique(np.concatenate(subset_indices(len(store), prot, generator)))
+    zs = embed_slide(encoder, store, batch_size=batch_size, device=device, indices=needed)
+    z = zs.new_zeros((len(store), zs.shape[1]))
+    z[torch.as_tensor(needed)] = zs
+    return z, store.grid
 
 
 def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], protocol: EvalProtocol | str,

@@ -156,8 +156,9 @@ def embed_slide(
     device: torch.device | str | None = None,
     on_batch: Callable[[np.ndarray, np.ndarray], None] | None = None,
     progress: bool = False,
+    indices: np.ndarray | None = None,
 ) -> Tensor:
-    """Embed every tile of a store once, in eval mode without gradient.
+    """Embed every tile of a store once (or the tiles ``indices`` names), in eval mode without gradient.
 
     Parameters
     ----------
@@ -168,6 +169,8 @@ def embed_slide(
     on_batch : called as ``on_batch(indices, tiles_uint8)`` for every batch read (e.g. to build a
         thumbnail from the tiles without reading the store twice).
     progress : show a tqdm bar over batches.
+    indices : ascending tile indices to embed (default: all); row i of the result is then tile
+        ``indices[i]``.
 
     Returns
     -------
@@ -176,14 +179,15 @@ def embed_slide(
     normalisation (``store.stain``, attached by the stage that opened it) when it has one.
     """
     st = store if isinstance(store, TileStore) else open_store(store)
-    n = len(st)
+    which = np.arange(len(st)) if indices is None else np.asarray(indices, dtype=np.int64)
+    n = len(which)
     if batch_size < 1:
         raise ValueError(f"batch_size={batch_size}; expected >= 1")
     dev = torch.device(device) if device is not None else _module_device(encoder)
     starts = list(range(0, n, batch_size))
     out: list[Tensor] = []
     with _eval_mode(encoder), ThreadPoolExecutor(max_workers=1) as pool:
-        read = lambda s: st.read(np.arange(s, min(s + batch_size, n)))  # noqa: E731
+        read = lambda s: st.read(which[s : s + batch_size])  # noqa: E731
         pending = pool.submit(read, starts[0]) if starts else None
         it = starts
         if progress:
@@ -192,7 +196,7 @@ def embed_slide(
             tiles = pending.result()  # type: ignore[union-attr]
             pending = pool.submit(read, starts[i + 1]) if i + 1 < len(starts) else None
             if on_batch is not None:
-                on_batch(np.arange(s, s + len(tiles)), tiles)
+                on_batch(which[s : s + len(tiles)], tiles)
             z = encoder(tiles_to_tensor(tiles, device=dev, stain=st.stain))
             out.append(z.float().cpu())
     if not out:
