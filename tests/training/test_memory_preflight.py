@@ -80,3 +80,20 @@ def test_the_prediction_adds_up_its_parts(store_cohort):
     assert pred.parts["bags"] == 2 * u8 + 3 * 4 * u8
     step = pred.parts["bags"] + pred.parts["activations"] + 3 * 100 * 512 * 4
     assert pred.host_bytes == 10**9 + pred.parts["state"] + max(step, pred.parts["validation"])
+
+
+def test_the_measured_peak_is_the_run_s_own_when_a_large_process_starts_it():
+    """Linux keeps ru_maxrss across exec: a run started by a process holding 1 GiB would report it.
+    measured_peak reads the program's own high-water mark (VmHWM) instead."""
+    import numpy as np
+
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("no /proc: measured_peak falls back to ru_maxrss there")
+    held = np.ones(2**27)  # 1 GiB, every page touched
+    code = ("import resource; from wsi_pipeline.training.memory import measured_peak; "
+            "print(measured_peak(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    own, inherited = int(out[0]), int(out[1])
+    assert held.sum() == 2**27
+    assert inherited > 2**30  # the parent's peak (over 1 GiB: it holds one), carried across exec
+    assert own < 2**30, own  # the child's own: an interpreter with torch imported (about 0.5 GiB here)

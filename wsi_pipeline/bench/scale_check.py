@@ -38,8 +38,9 @@ _STAGE = """
 import json, resource, sys
 from wsi_pipeline.cli.main import main
 rc = main(sys.argv[2:])
-peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-json.dump({"rc": rc, "maxrss": peak * 1024}, open(sys.argv[1], "w"))
+from wsi_pipeline.training.memory import measured_peak
+peak = max(measured_peak(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+json.dump({"rc": rc, "maxrss": peak}, open(sys.argv[1], "w"))
 sys.exit(rc)
 """
 
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         memory = json.loads((work / "runs" / "scale" / m / "seed0" / "memory.json").read_text())
         row.update(predicted_gib=round(memory["predicted"]["host_bytes"] / 2**30, 2), measured_over_predicted=memory["host_ratio"])
     table = pd.DataFrame(rows).fillna("")
-    text = table.to_markdown(index=False) if _has_tabulate() else table.to_string(index=False)
+    text = table.to_markdown(index=False) if _has_tabulate() else "```\n" + table.to_string(index=False) + "\n```"
     total = sum(r["seconds"] for r in rows)
     print("\n" + text + f"\n\ntotal {total / 60:.1f} min (mosaics cached)")
     if args.write_docs:

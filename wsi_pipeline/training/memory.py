@@ -77,7 +77,16 @@ def rss_bytes() -> int:
 
 
 def measured_peak() -> int:
-    """This process's peak resident memory so far, in bytes."""
+    """This process's peak resident memory so far, in bytes: Linux's ``VmHWM`` (the high-water mark of
+    this program's own memory), else ``ru_maxrss``. Not ``ru_maxrss`` on Linux: it survives ``exec``,
+    so a run started from a large process (a test runner, a notebook) would report that process's peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 import math
-import resource
-import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,6 +23,7 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.training.memory import measured_peak
 
 __all__ = ["MEASURED_COLUMNS", "STEP_COLUMNS", "StepInfo", "StepMonitor", "gradient_norm", "peak_memory_mb"]
 
@@ -60,8 +59,7 @@ def peak_memory_mb(device: torch.device) -> float:
     """Peak memory so far in MiB: CUDA allocated bytes on ``device``, else this process's peak resident set."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return rss / (2**20 if sys.platform == "darwin" else 2**10)
+    return measured_peak() / 2**20
 
 
 class StepMonitor:
