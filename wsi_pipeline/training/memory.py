@@ -76,30 +76,32 @@ def rss_bytes() -> int:
         return measured_peak()
 
 
+def _proc_bytes(path: str, key: str) -> int | None:
+    """The ``key:`` line of a ``/proc`` file (given in KiB there) in bytes; None where it cannot be read."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def measured_peak() -> int:
     """This process's peak resident memory so far, in bytes: Linux's ``VmHWM`` (the high-water mark of
     this program's own memory), else ``ru_maxrss``. Not ``ru_maxrss`` on Linux: it survives ``exec``,
     so a run started from a large process (a test runner, a notebook) would report that process's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    hwm = _proc_bytes("/proc/self/status", "VmHWM")
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)
 
 
 def available_host_bytes() -> int | None:
     """``MemAvailable`` of ``/proc/meminfo`` in bytes (None where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
+    return _proc_bytes("/proc/meminfo", "MemAvailable")
     return None
 
 
