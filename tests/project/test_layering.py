@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import ast
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 PACKAGE = Path(__file__).resolve().parents[2] / "wsi_pipeline"
 
@@ -108,23 +112,17 @@ def layering_violations(root: Path = PACKAGE) -> list[str]:
     return problems
 
 
-def package_cycles(root: Path = PACKAGE) -> list[list[str]]:
-    """Cycles in the package graph (each as the packages on it), found by depth-first search."""
-    edges: dict[str, set[str]] = defaultdict(set)
-    for path in root.rglob("*.py"):
-        src = _package_of(_module_name(path))
-        for _, target in own_imports(path):
-            dst = _package_of(target)
-            if dst and dst != src:
-                edges[src].add(dst)
-    cycles: list[list[str]] = []
-    state: dict[str, int] = {}
-    stack: list[str] = []
+def _cycles(edges: Mapping[T, set[T]]) -> list[list[T]]:
+    """Cycles of a directed graph found by depth-first search, each as its nodes with the first
+    repeated at the end; nodes and successors are visited in sorted order, so the result is stable."""
+    cycles: list[list[T]] = []
+    state: dict[T, int] = {}
+    stack: list[T] = []
 
-    def visit(node: str) -> None:
+    def visit(node: T) -> None:
         state[node] = 1
         stack.append(node)
-        for nxt in sorted(edges[node]):
+        for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == 1:
                 cycles.append(stack[stack.index(nxt):] + [nxt])
             elif nxt not in state:
@@ -136,6 +134,18 @@ def package_cycles(root: Path = PACKAGE) -> list[list[str]]:
         if node not in state:
             visit(node)
     return cycles
+
+
+def package_cycles(root: Path = PACKAGE) -> list[list[str]]:
+    """Cycles in the package graph (each as the packages on it), found by depth-first search."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in root.rglob("*.py"):
+        src = _package_of(_module_name(path))
+        for _, target in own_imports(path):
+            dst = _package_of(target)
+            if dst and dst != src:
+                edges[src].add(dst)
+    return _cycles(edges)
 
 
 def test_every_import_goes_down_the_layers() -> None:
@@ -240,25 +250,7 @@ def file_cycles(root: Path = PACKAGE) -> list[list[str]]:
         for _, f, _ in file_imports(path, root):
             if f != path and _package_of(_module_name(f)) == src:
                 edges[path].add(f)
-    cycles: list[list[str]] = []
-    state: dict[Path, int] = {}
-    stack: list[Path] = []
-
-    def visit(node: Path) -> None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(edges[node]):
-            if state.get(nxt) == 1:
-                cycles.append([str(p.relative_to(root)) for p in stack[stack.index(nxt):] + [nxt]])
-            elif nxt not in state:
-                visit(nxt)
-        stack.pop()
-        state[node] = 2
-
-    for node in sorted(edges):
-        if node not in state:
-            visit(node)
-    return cycles
+    return [[str(p.relative_to(root)) for p in cycle] for cycle in _cycles(edges)]
 
 
 def private_imports(root: Path = PACKAGE) -> list[str]:
