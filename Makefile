@@ -10,6 +10,8 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.installed
+# the TORCH_SPEC the venv was last installed with: a different spec reinstalls (the file changes only then)
+SPEC_STAMP := $(VENV)/.torch-spec
 
 PIPELINE ?= pipelines/demo.yaml
 SLIDES   ?=
@@ -21,11 +23,16 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(SPEC_STAMP): FORCE
+	@mkdir -p $(VENV); if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_SPEC)" ]; then echo "$(TORCH_SPEC)" > $@; fi
+
+FORCE:
+
+$(STAMP): pyproject.toml $(SPEC_STAMP)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q $(TORCH_SPEC); fi

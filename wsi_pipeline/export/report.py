@@ -149,7 +149,7 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
                     cells.append(f"<td>{txt}{ci}{sd}</td>")
             body.append(f'<tr><td class="m">{html.escape(meth)} <span class="ci">({n_seeds[meth]} seed{"s" * (n_seeds[meth] != 1)})</span></td>{"".join(cells)}</tr>')
         parts.append(
-            f"<h3>EvalProtocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
+            f"<h3>Protocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
             f"<tr>{head2}</tr>{''.join(body)}</table>"
         )
     return "\n".join(parts)
@@ -382,7 +382,7 @@ def _intro_note(models: Sequence[tuple[str, int]]) -> str:
     return (
         f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
         f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
-        "Each model is its run's <code>best.pt</code> (chosen on validation). EvalProtocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
+        "Each model is its run's <code>best.pt</code> (chosen on validation). Protocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
         "(the papers'): each repeat of k random tiles per slide is scored over all slides, and a model's value is the mean "
         "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
         "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
