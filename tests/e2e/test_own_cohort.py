@@ -68,11 +68,17 @@ def workdir(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-def test_the_readme_sequence_runs_as_written(workdir, monkeypatch, capsys):
+def test_the_readme_sequence_runs_as_written(workdir, monkeypatch, capsys, caplog):
     from wsi_pipeline.cli.main import main
     from wsi_pipeline.manifests.schema import read_manifest
+    from wsi_pipeline.models import imagenet
+
+    from pipeline_helpers import published_copy
 
     monkeypatch.chdir(workdir)
+    # own_cohort.yaml starts from ImageNet weights: a stand-in checkpoint in torchvision's layout and naming
+    weights, _ = published_copy(workdir, "resnet18")
+    monkeypatch.setattr(imagenet, "imagenet_file", lambda name: weights)
     commands = readme_commands()
     assert [c[:2] for c in commands] == [["wsi-pipeline", "manifest"], ["wsi-pipeline", "tile"], ["wsi-pipeline", "train"],
                                          ["wsi-pipeline", "eval"], ["wsi-pipeline", "predict"]]
@@ -81,6 +87,8 @@ def test_the_readme_sequence_runs_as_written(workdir, monkeypatch, capsys):
         rc = main(argv[1:] + extra)
         out = capsys.readouterr()
         assert rc == 0, f"{' '.join(argv)} -> {rc}\n{out.out[-3000:]}\n{out.err[-3000:]}"
+
+    assert "randomly initialised" not in caplog.text  # own_cohort.yaml starts from ImageNet
 
     manifest = read_manifest(workdir / "data_manifests" / "mine.csv")
     assert {"ome_case", "nompp", "blank"} <= set(manifest["slide_id"])  # one slide id rule: a.ome.tif -> a

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--weights",
         default=None,
         metavar="FILE",
-        help="weights file: a torchvision checkpoint for a ResNet; for a foundation preset the file its model card "
+        help="weights file: a torchvision checkpoint for a ResNet, or `imagenet` for torchvision's ImageNet checkpoint (`wsi-pipeline weights fetch`); for a foundation preset the file its model card "
              "publishes (pytorch_model.bin, model.safetensors or .pth), loaded strictly, never downloaded; without it "
              "the encoder is randomly initialised (seed 0)",
     )

@@ -53,6 +53,7 @@ td.m{text-align:left;font-weight:600}.ci{color:#777;font-size:11px}.note{color:#
 .card img{max-width:480px;display:block}
 tr.best td{background:#fff8d6}.side{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
 .side>.loc{flex:0 0 auto;max-width:400px}.side>.gal{flex:1 1 500px}.gal .card{max-width:410px}.gal .card img{max-width:400px}
+.warn{color:#8a4b00;background:#fff4e0;border-left:4px solid #e69500;padding:6px 10px;font-size:13px}
 """
 
 
@@ -440,6 +441,7 @@ def write_report(
     heatmap_run: tuple[str, int] | None = None,
     heatmap_chosen_on_validation: bool = False,
     stain: pd.DataFrame | None = None,
+    notes: Sequence[str] = (),
 ) -> Path:
     """Write ``report.html`` atomically.
 
@@ -457,6 +459,7 @@ def write_report(
     heatmap_chosen_on_validation : whether ``heatmap_run`` was chosen on validation (stated in the page).
     stain : per method and slide ``method, slide_id, cohort, stain_normalised, stain_problem`` (the
         results' ``stain.csv``): a section with the count normalised and every slide that fell back.
+    notes : warnings shown under the title (e.g. "encoder randomly initialised"), one per line.
     """
     path = Path(path)
     records = read_metrics_json(metrics_path)
@@ -473,6 +476,7 @@ def write_report(
     body = [
         f"<h1>wsi-pipeline evaluation: {html.escape(pipeline)}</h1>",
         _intro_note(models),
+        *(f'<p class="warn">Warning: {html.escape(n)}</p>' for n in notes),
         "<h2>Summary</h2>",
         _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
         "<h2>Results in the papers' layout</h2>",

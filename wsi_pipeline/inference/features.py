@@ -326,6 +326,9 @@ def extract_features(
     out = Path(out_dir)
     check_output_dir(out, what="features folder")
     dev = resolve_device(device)
+    from wsi_pipeline.models.imagenet import resolve_weights
+
+    weights = resolve_weights(encoder_name, weights)
     if encoder is None:
         from wsi_pipeline.models import build_encoder
 
@@ -333,7 +336,8 @@ def extract_features(
             torch.manual_seed(seed)
             encoder = build_encoder(encoder_name, weights=weights)
         if weights is None:
-            log.warning("no --weights given: %s is randomly initialised (seed %d)", encoder_name, seed)
+            log.warning("encoder randomly initialised: no --weights given, so %s is random (seed %d); its features are "
+                        "not a useful baseline (--weights imagenet for a ResNet, or a model file)", encoder_name, seed)
     encoder = encoder.to(dev).eval()
     digest = weights_sha256(encoder)
     base = getattr(encoder, "base_weights", None)
