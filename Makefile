@@ -47,17 +47,18 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# the whole suite, slow tests included, but not the instruction-set reruns (make test-isa; CI runs both)
 test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -m "not isa" $(ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not isa" $(ARGS)
 
 # the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess (the set this
-# machine runs the suite under is skipped: `make test` runs those tests there)
-# (part of `make test` too; a set this CPU lacks is skipped and says so)
+# machine runs the suite under is skipped: `make test` runs those tests there); a set this CPU lacks is
+# skipped and says so
 test-isa: install
-	$(BIN)/python -m pytest -q -rs tests/project/test_instruction_sets.py $(ARGS)
+	$(BIN)/python -m pytest -q -rs -m isa tests/project/test_instruction_sets.py $(ARGS)
 
 tile: install
 	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }
