@@ -539,4 +539,5 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Eval
         protocols=[p.name for p in protocols], validation=choice.val_scores,
         heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(choice.best_val and not heatmap_method),
         stain=stain_table, notes=summary.random_encoders,
+        histories={f"{m} seed {sd}": config.run_dir(m, sd) / "history.csv" for m, sd in summary.models},
     ))
