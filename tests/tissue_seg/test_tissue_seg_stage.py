@@ -92,7 +92,15 @@ def test_predict_writes_mask_overlay_and_record(slide_dir: Path, tmp_path: Path)
         p = torch.nn.functional.avg_pool2d(torch.sigmoid(model(x[None, None])), 8)[0, 0].numpy()
     vh, vw = -(-im.valid[0] // 8), -(-im.valid[1] // 8)
     ref = (p[:vh, :vw] > 0.5).astype(np.uint8) * 255
-    assert mask.shape == ref.shape == overlay.shape[:2]
+    assert mask.shape == ref.shape
+    # the overlay is the image itself (not the 1/8 mask grid), tissue tinted green where the mask says so
+    assert overlay.shape[:2] == tuple(im.valid)
+    big = cv2.resize(mask, (overlay.shape[1], overlay.shape[0]), interpolation=cv2.INTER_NEAREST) > 0
+    rgb = stage.load_image(slide_dir / "s1.svs", mpp=2.0, with_label=False, keep_rgb=True).rgb[: im.valid[0], : im.valid[1]]
+    green_gain = overlay[..., 1].astype(int) - rgb[..., 1].astype(int)  # overlay is BGR: index 1 is green in both
+    if big.any():
+        assert np.median(green_gain[big]) > 0
+    assert (overlay[~big] == rgb[~big][:, ::-1]).mean() > 0.9  # outside the tissue: the image (but for the outline)
     # float32 chunked vs whole: a pixel can flip only where p is within float32 rounding of 0.5
     flips = mask != ref
     assert np.all(np.abs(p[:vh, :vw][flips] - 0.5) < 1e-5)

@@ -325,6 +325,31 @@ def predict_mask(model: TissueUNet, grey: np.ndarray, valid: tuple[int, int] | N
     return (prob > threshold).astype(np.uint8), prob
 
 
+#: Longest side (px) of the QC overlay: the image at the model's resolution, shrunk to this when larger.
+OVERLAY_MAX_SIDE = 2048
+
+
+def tissue_overlay(rgb: np.ndarray, mask: np.ndarray, max_side: int = OVERLAY_MAX_SIDE) -> np.ndarray:
+    """The QC overlay: ``rgb`` (the image at the model's mpp, (H, W, 3) uint8) with ``mask`` (0/1 at 1/8 of it)
+    tinted green and outlined, at the image's own size (at most ``max_side`` px on the long side).
+
+    Drawn at the mask's size the overlay was a few dozen pixels wide for a small slide: too small to
+    see what was kept.
+    """
+    import cv2
+
+    h, w = rgb.shape[:2]
+    scale = min(1.0, max_side / max(h, w))
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    base = rgb if scale == 1.0 else cv2.resize(rgb, size, interpolation=cv2.INTER_AREA)
+    big = cv2.resize(mask.astype(np.uint8), size, interpolation=cv2.INTER_NEAREST).astype(bool)
+    out = base.copy()
+    out[big] = (0.55 * base[big] + 0.45 * np.array([0, 200, 0], np.float32)).astype(np.uint8)
+    contours, _ = cv2.findContours(big.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
+    cv2.drawContours(out, contours, -1, (0, 110, 0), max(1, round(max(size) / 600)))
+    return out
+
+
 def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: str | os.PathLike, *,
             mpp: float | None = None, slide_mpp: float | None = None, device: str = "cpu",
             max_elements: int = DEFAULT_MAX_ELEMENTS, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -339,10 +364,7 @@ def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: st
     for s in slides:
         im = load_image(s.path, mpp=mpp, slide_mpp=slide_mpp, with_label=False, keep_rgb=True)
         mask, _ = predict_mask(model, im.grey, im.valid, max_elements=max_elements)
-        small = cv2.resize(im.rgb[: im.valid[0], : im.valid[1]], (mask.shape[1], mask.shape[0]), interpolation=cv2.INTER_AREA)
-        overlay = small.copy()
-        tint = np.array([0, 200, 0], np.float32)
-        overlay[mask == 1] = (0.55 * small[mask == 1] + 0.45 * tint).astype(np.uint8)
+        overlay = tissue_overlay(im.rgb[: im.valid[0], : im.valid[1]], mask)
         for suffix, arr in (("_mask.png", mask * 255), ("_overlay.png", overlay[..., ::-1])):
             with atomic_path(slide_output_path(out, s.slide_id, suffix)) as tmp:
                 if not cv2.imwrite(str(tmp), arr):
