@@ -134,7 +134,7 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     """
     import cv2
 
-    from wsi_pipeline.slides.mpp import resolve_mpp
+    from wsi_pipeline.slides.mpp import MissingMppError, resolve_mpp
     from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
 
@@ -143,8 +143,13 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     if size is not None and (size[0] % MULTIPLE or size[1] % MULTIPLE or min(size) < MULTIPLE):
         raise ValueError(f"--size must be positive multiples of {MULTIPLE} px (height width), got {size}")
     with open_slide(path) as slide:
-        level0_mpp, _ = resolve_mpp(slide.mpp, run_mpp=None if slide.mpp else slide_mpp, path=str(path),
-                                    needed_for=f"reading at --mpp {mpp}")
+        try:
+            level0_mpp, _ = resolve_mpp(slide.mpp, run_mpp=None if slide.mpp else slide_mpp, path=str(path),
+                                        needed_for=f"reading at --mpp {mpp}")
+        except MissingMppError as e:  # the tissue commands' flag is --slide-mpp (their --mpp is the working resolution)
+            raise MissingMppError(f"{path}: the slide has no mpp (um per px) in its metadata, and reading it at --mpp {mpp} "
+                                  "um/px needs one; give it with --slide-mpp <um/px> (used for every slide that lacks one, "
+                                  "e.g. 0.25 for 40x, 0.5 for 20x)") from e
         down = mpp / level0_mpp
         if down < 1:
             raise ValueError(f"{path}: --mpp {mpp} is finer than the slide's level 0 ({level0_mpp:.4g} um/px)")
@@ -212,6 +217,26 @@ def _evaluate(big: ChunkedTissueUNet, images: Sequence[TissueImage]) -> tuple[fl
     return float(np.mean(losses)), float(np.mean(dices))
 
 
+def _readable_images(entries: Sequence[SlideEntry], cache: Path, kw: dict[str, Any], split: str,
+                     log: Callable[[str], None]) -> list[TissueImage]:
+    """The images of ``entries``; a slide that cannot be read is named with why and left out (not the whole run).
+
+    Raises
+    ------
+    ValueError : no slide of the split could be read (each one's reason listed).
+    """
+    images, failed = [], []
+    for s in entries:
+        try:
+            images.append(cached_image(s, cache, **kw))
+        except (OSError, ValueError) as e:
+            failed.append(f"slide {s.slide_id!r} ({s.path}): {e}")
+            log(f"{split} slide {s.slide_id} left out: it could not be read: {e}")
+    if not images:
+        raise ValueError(f"none of the {len(entries)} {split} slide(s) could be read: " + "; ".join(failed[:5]))
+    return images
+
+
 def train(
     slides: Sequence[SlideEntry],
     out: str | os.PathLike,
@@ -266,8 +291,8 @@ def train(
     big = ChunkedTissueUNet(model, ChunkRunner(device), max_elements)
     cache = out / "cache"
     kw: dict[str, Any] = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
-    train_im = [cached_image(s, cache, **kw) for s in train_s]
-    val_im = [cached_image(s, cache, **kw) for s in val_s]
+    train_im = _readable_images(train_s, cache, kw, "training", log)
+    val_im = _readable_images(val_s, cache, kw, "validation", log)
     for epoch in range(start, epochs):
         t0 = time.perf_counter()
         order = np.random.default_rng([seed, epoch]).permutation(len(train_im))
