@@ -10,6 +10,8 @@ VENV       ?= .venv
 TORCH_SPEC ?= torch==2.14.1 torchvision==0.29.1
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.installed
+# the TORCH_SPEC the venv was last installed with: a different spec reinstalls (the file changes only then)
+SPEC_STAMP := $(VENV)/.torch-spec
 
 PIPELINE ?= pipelines/demo.yaml
 SLIDES   ?=
@@ -21,11 +23,16 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(SPEC_STAMP): FORCE
+	@mkdir -p $(VENV); if [ "$$(cat $@ 2>/dev/null)" != "$(TORCH_SPEC)" ]; then echo "$(TORCH_SPEC)" > $@; fi
+
+FORCE:
+
+$(STAMP): pyproject.toml $(SPEC_STAMP)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	if [ -n "$(TORCH_SPEC)" ]; then $(BIN)/python -m pip install -q $(TORCH_SPEC); fi
@@ -40,17 +47,18 @@ lint: install
 typecheck: install
 	$(BIN)/mypy
 
+# the whole suite, slow tests included, but not the instruction-set reruns (make test-isa; CI runs both)
 test: install
-	$(BIN)/python -m pytest -q $(ARGS)
+	$(BIN)/python -m pytest -q -m "not isa" $(ARGS)
 
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+	$(BIN)/python -m pytest -q -m "not slow and not isa" $(ARGS)
 
 # the numerics tests under ATEN_CPU_CAPABILITY=default, avx2 and avx512, each in a subprocess (the set this
-# machine runs the suite under is skipped: `make test` runs those tests there)
-# (part of `make test` too; a set this CPU lacks is skipped and says so)
+# machine runs the suite under is skipped: `make test` runs those tests there); a set this CPU lacks is
+# skipped and says so
 test-isa: install
-	$(BIN)/python -m pytest -q -rs tests/project/test_instruction_sets.py $(ARGS)
+	$(BIN)/python -m pytest -q -rs -m isa tests/project/test_instruction_sets.py $(ARGS)
 
 tile: install
 	@test -n "$(SLIDES)$(MANIFEST)" || { echo "usage: make tile SLIDES=<folder of slides> | MANIFEST=<manifest CSV> OUT=<tiles folder> [ARGS='--mpp-target 0.5']"; exit 2; }

@@ -30,3 +30,20 @@ def make_config(tmp_path: Path, manifest: Path, methods: list[dict], *, name: st
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw, sort_keys=False))
     return path
+
+
+def published_copy(folder: Path, arch: str, seed: int = 3) -> tuple[Path, dict]:
+    """A torchvision-layout checkpoint of ``arch`` named as torchvision names its files (``<arch>-<sha256 prefix>.pth``)."""
+    import hashlib
+
+    import torch
+    import torchvision
+
+    torch.manual_seed(seed)
+    state = getattr(torchvision.models, arch)().state_dict()
+    tmp = folder / "tmp.pth"
+    torch.save(state, tmp)
+    digest = hashlib.sha256(tmp.read_bytes()).hexdigest()
+    path = folder / f"{arch}-{digest[:8]}.pth"
+    tmp.rename(path)
+    return path, state

@@ -21,12 +21,15 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["START", "END", "SURVIVAL_START", "SURVIVAL_END", "demo_summary", "parse_tables", "compare_with_readme",
-           "update_block", "update_readme", "main"]
+           "update_block", "update_readme", "main", "STUDY_START", "STUDY_END"]
 
 START = "<!-- demo-table:start -->"
 END = "<!-- demo-table:end -->"
 SURVIVAL_START = "<!-- survival-table:start -->"
 SURVIVAL_END = "<!-- survival-table:end -->"
+#: Inside the demo block, the seed study's table sits between these (kept when a run has no new study).
+STUDY_START = "<!-- seed-study:start -->"
+STUDY_END = "<!-- seed-study:end -->"
 
 #: The README's headline columns: (heading, evaluation split, protocol, metric).
 HEADLINE: tuple[tuple[str, str, str, str], ...] = (
@@ -118,15 +121,31 @@ def compare_with_readme(summary: str, readme_path: str | Path) -> str:
     return f"README demo table differs ({len(diff)} values; `make readme-table` updates it): " + "; ".join(diff[:6]) + more
 
 
+def _study_part(block: str) -> str | None:
+    """The seed-study table of a demo block: between its own markers, or (older READMEs) from its "Seed study" line on."""
+    m = re.search(re.escape(STUDY_START) + r"\n(.*?)" + re.escape(STUDY_END), block, re.S)
+    if m:
+        return m.group(1)
+    legacy = re.search(r"^Seed study.*", block, re.S | re.M)
+    return legacy.group(0) if legacy else None
+
+
 def update_readme(readme_path: str | Path, summary: str, study: str | None = None) -> bool:
-    """Replace the README's demo block with ``summary`` (and ``study`` after it); True when it changed."""
+    """Replace the README's demo block with ``summary`` and the seed study's table after it; True when it changed.
+
+    Without a new ``study`` the block's current seed-study table is kept (a plain ``make demo`` then
+    ``make readme-table`` must not delete the study that ``make demo-study`` made).
+    """
     from wsi_pipeline.io_atomic import write_text_atomic
 
     path = Path(readme_path)
     text = path.read_text()
-    if _block(text) is None:
+    block = _block(text)
+    if block is None:
         raise ValueError(f"{path}: no demo table markers; put {START} and {END} on their own lines where the table goes")
-    body = summary + ("\n" + study if study else "")
+    if study is None:
+        study = _study_part(block)
+    body = summary + (f"\n{STUDY_START}\n{study.rstrip()}\n{STUDY_END}\n" if study else "")
     new = re.sub(re.escape(START) + r"\n.*?" + re.escape(END), lambda _: f"{START}\n{body}{END}", text, count=1, flags=re.S)
     if new == text:
         return False

@@ -44,6 +44,8 @@ def test_demo_runs_every_stage_and_reuses_them(tmp_path, monkeypatch, capsys):
     # the full-size heatmaps beside it), and every embedded image decodes
     html = (results / "report.html").read_text()
     assert not re.search(r'src="(?!data:)', html) and "<link" not in html
+    # user text names no class of ours (a rename once leaked "EvalProtocol" into the headings)
+    assert not re.search(r"EvalProtocol|MetricRecord|PipelineConfig", re.sub(r"<[^>]+>", " ", html))
     for href in re.findall(r'href="(?!data:|#)([^"]+)"', html):
         assert (results / href).is_file(), href
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', html)

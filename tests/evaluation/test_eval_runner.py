@@ -257,6 +257,25 @@ def test_eval_cli(evaluated, capsys):
     assert sorted(p.name for p in (tmp / "cli_results").glob("predictions_*.csv")) == ["predictions_ext_all.csv", "predictions_synthetic_all.csv"]
 
 
+def test_eval_on_no_scorable_slide_exits_1_with_the_reason(evaluated, tmp_path, capsys):
+    """Every test slide left out by the tiler: not "Evaluated 2 model(s) on 0 slide(s)" and exit 0."""
+    from wsi_pipeline.cli.main import main
+
+    tmp = evaluated["tmp"]
+    manifest = evaluated["manifest"]
+    tiles = tmp_path / "tiles"
+    tiles.mkdir()
+    test_ids = manifest.loc[manifest["split"] == "test", "slide_id"].tolist()
+    pd.DataFrame([{"slide_id": sid, "status": "skipped", "n_tiles": 0, "note": "skipped: dark background (fluorescence?)"}
+                  for sid in test_ids]).to_csv(tiles / "tiling_report.csv", index=False)
+    rc = main(["eval", "--config", str(tmp / "t.yaml"), "--bootstrap", "0", "--no-heatmaps", "--quiet",
+               "--results", str(tmp_path / "res"), "--set", "eval.protocols=[all]", "--set", f"data.tiles_dir={tiles}"])
+    out = capsys.readouterr()
+    assert rc == 1
+    assert f"{len(test_ids)} left out by the tiler" in out.err and "no test or external slide could be scored" in out.err
+    assert "run `wsi-pipeline tile` for them" not in out.out  # the tiler did run: that hint would be wrong
+
+
 def test_predict_on_a_folder_of_stores(evaluated, tmp_path, capsys):
     import shutil
 

@@ -69,3 +69,20 @@ def test_survival_table_goes_between_its_markers(tmp_path):
     readme.write_text(f"intro\n{SURVIVAL_START}\nold\n{SURVIVAL_END}\nrest\n")
     assert update_block(readme, "| seed | c |\n") and not update_block(readme, "| seed | c |\n")
     assert readme.read_text() == f"intro\n{SURVIVAL_START}\n| seed | c |\n{SURVIVAL_END}\nrest\n"
+
+
+def test_a_demo_without_a_new_seed_study_keeps_the_readmes_study_table(tmp_path):
+    """`make demo` then `make readme-table` (no seed study on disk) must not delete the study table."""
+    study = "Seed study: seeds 0, 1.\n\n| method | internal AUC |\n|---|---|\n| `frozen` | 0.77 +- 0.05 (min 0.72) |\n"
+    summary = demo_summary(_records(), ["frozen", "e2e"])
+    # the README as the previous release wrote it: the study after the summary, no inner markers
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{START}\n| method | internal AUC |\n|---|---|\n| `frozen` | 0.10 |\n\n{study}{END}\n")
+    assert update_readme(readme, summary) is True
+    text = readme.read_text()
+    assert "0.77 +- 0.05 (min 0.72)" in text and "| 0.10 |" not in text
+    # and again, now with the inner markers: still kept, and a new study replaces it
+    assert update_readme(readme, summary) is False
+    assert text.count("Seed study") == 1
+    update_readme(readme, summary, study.replace("0.77", "0.66"))
+    assert "0.66 +- 0.05" in readme.read_text() and "0.77" not in readme.read_text()

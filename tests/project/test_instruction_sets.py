@@ -8,7 +8,7 @@ comparisons moved to float64). This test re-runs the numerics tests in a subproc
 setting, so a failure that depends on the instruction set shows up on any x86-64 machine that has
 the set, not only on a user's. The set the suite itself runs under (the CPU's best, or the one
 ``ATEN_CPU_CAPABILITY`` names) is skipped here: the suite's own run of those tests is that run.
-``make test-isa`` runs the other sets directly.
+``make test-isa`` runs this test (marked ``isa``); ``make test`` leaves it out and CI (``.ci/run``) runs both.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def _capability(env: dict[str, str]) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.isa
 @pytest.mark.parametrize("isa", sorted(CAPABILITIES))
 def test_numerics_tests_pass_under_each_instruction_set(isa):
     if platform.machine().lower() not in ("x86_64", "amd64"):

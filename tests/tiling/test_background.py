@@ -178,7 +178,7 @@ def test_dark_background_slide_is_skipped_unless_allowed(method: str, tmp_path: 
     assert r.status == "skipped" and r.n_tiles == 0 and r.note.startswith(DARK_NOTE), r
     assert r.background_grey is not None and r.background_grey <= 6
     assert not (tmp_path / "out" / "fluo.zarr").exists()
-    assert "dark background" in rep.summary()
+    assert "dark background" in rep.summary() and "0 tiled, 0 reused, 1 skipped, 0 failed" in rep.summary()
     rep = tile_cohort([SlideJob("fluo", str(s.path))], tmp_path / "out2", TilingConfig(method=method, allow_dark_background=True),
                       workers=0, progress=False)
     assert rep.results[0].status == "ok" and rep.results[0].n_tiles > 0, rep.results[0]

@@ -170,7 +170,7 @@ def test_two_runs_on_one_folder_tile_each_slide_once(tmp_path: Path, cohort: Pat
     assert done[0] and done[1], f"the runs did not overlap: {done}"  # both did part of the work
     assert all(what != "failed" for log in logs for _, what in _lines(log))
     for (stdout, _), mine in zip(outs, done):
-        assert f"{len(mine)} ok" in stdout and f"{len(ids) - len(mine)} skipped" in stdout
+        assert f"{len(mine)} tiled" in stdout and f"{len(ids) - len(mine)} reused" in stdout
 
     report = pd.read_csv(out / "tiling_report.csv", keep_default_na=False)
     assert sorted(report["slide_id"]) == ids  # one row per slide

@@ -92,7 +92,15 @@ def test_predict_writes_mask_overlay_and_record(slide_dir: Path, tmp_path: Path)
         p = torch.nn.functional.avg_pool2d(torch.sigmoid(model(x[None, None])), 8)[0, 0].numpy()
     vh, vw = -(-im.valid[0] // 8), -(-im.valid[1] // 8)
     ref = (p[:vh, :vw] > 0.5).astype(np.uint8) * 255
-    assert mask.shape == ref.shape == overlay.shape[:2]
+    assert mask.shape == ref.shape
+    # the overlay is the image itself (not the 1/8 mask grid), tissue tinted green where the mask says so
+    assert overlay.shape[:2] == tuple(im.valid)
+    big = cv2.resize(mask, (overlay.shape[1], overlay.shape[0]), interpolation=cv2.INTER_NEAREST) > 0
+    rgb = stage.load_image(slide_dir / "s1.svs", mpp=2.0, with_label=False, keep_rgb=True).rgb[: im.valid[0], : im.valid[1]]
+    green_gain = overlay[..., 1].astype(int) - rgb[..., 1].astype(int)  # overlay is BGR: index 1 is green in both
+    if big.any():
+        assert np.median(green_gain[big]) > 0
+    assert (overlay[~big] == rgb[~big][:, ::-1]).mean() > 0.9  # outside the tissue: the image (but for the outline)
     # float32 chunked vs whole: a pixel can flip only where p is within float32 rounding of 0.5
     flips = mask != ref
     assert np.all(np.abs(p[:vh, :vw][flips] - 0.5) < 1e-5)
@@ -123,3 +131,22 @@ def test_training_is_reproducible_from_the_seed(slide_dir: Path, tmp_path: Path)
         a = torch.load(tmp_path / "a" / name, weights_only=True)["model"]
         c = torch.load(tmp_path / "c" / name, weights_only=True)["model"]
         assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_an_unreadable_training_slide_is_named_and_left_out_not_the_run(slide_dir: Path, tmp_path: Path) -> None:
+    entries = [stage.SlideEntry(s.slide_id, s.path, "train") for s in stage.slides_from_folder(slide_dir)]
+    bad = tmp_path / "broken.svs"
+    bad.write_bytes(b"not a slide" * 100)
+    nompp = tmp_path / "nompp.svs"
+    make_slide(nompp, size=(600, 500), seed=4, mpp=None)
+    entries[-1] = stage.SlideEntry(entries[-1].slide_id, entries[-1].path, "val")
+    entries += [stage.SlideEntry("broken", bad, "train"), stage.SlideEntry("nompp", nompp, "train")]
+    lines: list[str] = []
+    best = stage.train(entries, tmp_path / "run", mpp=8.0, epochs=1, log=lines.append)
+    assert best["epoch"] == 1
+    left = [ln for ln in lines if "left out" in ln]
+    assert len(left) == 2 and "training slide broken left out" in left[0]
+    # the tissue commands' flag for a slide without mpp is --slide-mpp, not --mpp
+    assert "nompp" in left[1] and "--slide-mpp" in left[1] and "`--mpp" not in left[1]
+    with pytest.raises(ValueError, match=r"none of the 1 validation slide\(s\) could be read: slide 'broken'"):
+        stage.train([entries[0], stage.SlideEntry("broken", bad, "val")], tmp_path / "run2", mpp=8.0, epochs=1, log=lines.append)

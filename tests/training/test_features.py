@@ -90,6 +90,28 @@ def test_missing_store_is_recorded_and_others_go_on(store_cohort, tmp_path) -> N
         read_features(features_path(tmp_path, "no_such_slide"))
 
 
+def test_a_slide_the_tiler_skipped_is_skipped_not_failed(store_cohort, tmp_path) -> None:
+    """A fluorescence slide left untiled by rule has no store: features says "skipped" with the tiler's reason."""
+    import pandas as pd
+
+    from wsi_pipeline.inference.features import LEFT_OUT_NOTE
+
+    df = read_manifest(store_cohort).head(2).copy()
+    tiles = tmp_path / "tiles"
+    tiles.mkdir()
+    for sid in df["slide_id"]:
+        (tiles / f"{sid}.zarr").symlink_to(store_cohort.parent / "tiles" / f"{sid}.zarr")
+    pd.DataFrame([{"slide_id": "dapi", "status": "skipped", "n_tiles": 0,
+                   "note": "skipped: dark background (fluorescence?)"}]).to_csv(tiles / "tiling_report.csv", index=False)
+    df = pd.concat([df, df.head(1).assign(slide_id="dapi")])
+    report = extract_features(df, tiles, tmp_path / "f", "standin", encoder=StandIn(), progress=False)
+    by_id = report.set_index("slide_id")
+    assert by_id.loc["dapi", "status"] == "skipped" and by_id.loc["dapi", "note"].startswith(LEFT_OUT_NOTE)
+    assert "dark background" in by_id.loc["dapi", "note"] and (by_id.drop("dapi")["status"] == "ok").all()
+    on_disk = pd.read_csv(tmp_path / "f" / "features_report.csv", keep_default_na=False).set_index("slide_id")
+    assert sorted(on_disk.index) == sorted(df["slide_id"]) and on_disk.loc["dapi", "status"] == "skipped"
+
+
 @pytest.mark.slow
 def test_cli_resnet18(store_cohort, tmp_path, float64) -> None:
     encoders = pytest.importorskip("wsi_pipeline.models.encoders")

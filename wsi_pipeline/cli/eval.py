@@ -101,9 +101,24 @@ def _run(args: argparse.Namespace) -> int:
           f"({rate:,.0f} slides/h, each model's scoring counted).")
     for s in summary.skipped_runs:
         print(f"  skipped {s}")
-    if summary.missing_stores:
-        print(f"  {len(summary.missing_stores)} slide(s) had no complete tile store and were skipped "
-              f"(e.g. {', '.join(summary.missing_stores[:3])}); run `wsi-pipeline tile` for them")
+    from wsi_pipeline.data.bags import skipped_by_tiler
+
+    left_out = skipped_by_tiler(config.data.tiles_dir)
+    by_tiler = [sid for sid in summary.missing_stores if sid in left_out]
+    missing = [sid for sid in summary.missing_stores if sid not in left_out]
+    if by_tiler:
+        print(f"  {len(by_tiler)} slide(s) were left out by the tiler (see tiling_report.csv): "
+              + "; ".join(f"{sid} ({left_out[sid]})" for sid in by_tiler[:3]) + (" ..." if len(by_tiler) > 3 else ""))
+    if missing:
+        print(f"  {len(missing)} slide(s) had no complete tile store and were skipped "
+              f"(e.g. {', '.join(missing[:3])}); run `wsi-pipeline tile` for them")
+    if summary.n_slides == 0:
+        why = [f"{len(by_tiler)} left out by the tiler" if by_tiler else "", f"{len(missing)} without a tile store" if missing else "",
+               f"{len(summary.failed_slides)} failed" if summary.failed_slides else ""]
+        print(f"wsi-pipeline eval: error: no test or external slide could be scored ({', '.join(w for w in why if w) or 'none listed'}); "
+              "nothing was evaluated. Give the manifest test slides that tiled (`wsi-pipeline manifest split --redraw` after "
+              "tiling draws splits among them)", file=sys.stderr)
+        return 1
     _print_table(read_metrics_json(out / "metrics.json"))
     for sid, why in summary.failed_slides.items():
         print(f"wsi-pipeline eval: slide {sid} was not scored: {why}", file=sys.stderr)

@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--weights",
         default=None,
         metavar="FILE",
-        help="weights file: a torchvision checkpoint for a ResNet; for a foundation preset the file its model card "
+        help="weights file: a torchvision checkpoint for a ResNet, or `imagenet` for torchvision's ImageNet checkpoint (`wsi-pipeline weights fetch`); for a foundation preset the file its model card "
              "publishes (pytorch_model.bin, model.safetensors or .pth), loaded strictly, never downloaded; without it "
              "the encoder is randomly initialised (seed 0)",
     )
@@ -50,7 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.inference.features import extract_features
+    from wsi_pipeline.inference.features import LEFT_OUT_NOTE, extract_features
     from wsi_pipeline.manifests.schema import read_manifest
     cluster = cluster_from_args(args)
     df = read_manifest(args.manifest)
@@ -69,8 +69,11 @@ def run(args: argparse.Namespace) -> int:
         bf16=args.bf16,
     )
     counts = report["status"].value_counts().to_dict()
-    print(f"features: {counts.get('ok', 0)} written, {counts.get('skipped', 0)} up to date, "
-          f"{counts.get('failed', 0)} failed -> {args.out}")
+    left = report["note"].fillna("").astype(str).str.startswith(LEFT_OUT_NOTE)
+    print(f"features: {counts.get('ok', 0)} written, {counts.get('skipped', 0) - int(left.sum())} up to date, "
+          f"{int(left.sum())} skipped (left out by the tiler), {counts.get('failed', 0)} failed -> {args.out}")
+    for _, r in report[left].iterrows():
+        print(f"  skipped {r['slide_id']}: {r['note']}")
     for _, r in report[report["status"] == "failed"].iterrows():
         print(f"  failed {r['slide_id']}: {r['error']}")
     return failure_status(bool(counts.get("failed", 0)), args)

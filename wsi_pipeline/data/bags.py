@@ -119,11 +119,13 @@ def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.Pat
 
 
 def skipped_by_tiler(tiles_dir: str | os.PathLike) -> dict[str, str]:
-    """Slides the tiler skipped on purpose (``skipped`` with a ``skipped: ...`` note, no store), with the note.
+    """Slides the tiler left without a usable store, with why: skipped on purpose, or failed.
 
-    Read from ``<tiles_dir>/tiling_report.csv``; empty when there is no report. Such a slide (a
-    fluorescence slide under the brightfield rules, say) has nothing to train on, like a slide
-    with 0 tiles.
+    Read from ``<tiles_dir>/tiling_report.csv``; empty when there is no report. A slide skipped on
+    purpose (``skipped`` with a ``skipped: ...`` note and no store: a fluorescence slide under the
+    brightfield rules, say) or one whose tiling ``failed`` (an unreadable file; its store absent or
+    incomplete) has nothing to train on, like a slide with 0 tiles: it is left out with them
+    (:func:`drop_empty`), not reported as "run `wsi-pipeline tile`", which has just been run.
     """
     report = Path(tiles_dir) / "tiling_report.csv"
     if not report.is_file():
@@ -131,8 +133,15 @@ def skipped_by_tiler(tiles_dir: str | os.PathLike) -> dict[str, str]:
     df = pd.read_csv(report, dtype=str, keep_default_na=False)
     if not {"slide_id", "status", "note"} <= set(df.columns):
         return {}
-    rows = df[(df["status"] == "skipped") & df["note"].str.startswith("skipped:")]
-    return {str(r.slide_id): str(r.note) for r in rows.itertuples() if not store_path(tiles_dir, str(r.slide_id)).exists()}
+    out: dict[str, str] = {}
+    for r in df.itertuples():
+        store = store_path(tiles_dir, str(r.slide_id))
+        if r.status == "skipped" and str(r.note).startswith("skipped:") and not store.exists():
+            out[str(r.slide_id)] = str(r.note)
+        elif r.status == "failed" and (not store.exists() or marked_complete(store) is None):
+            error = str(getattr(r, "error", "") or "").strip()
+            out[str(r.slide_id)] = "failed in tiling" + (f": {error[:200]}" if error else "")
+    return out
 
 
 def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
@@ -251,10 +260,12 @@ def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> 
         (kept if s.slide_id not in skipped and len(open_store(s.store)) > 0 else empty).append(s)
     if empty:
         ids = [s.slide_id for s in empty]
-        msg = (f"{len(ids)} {split} slide(s) have 0 tiles in their store, or were skipped by the tiler, and are left "
-               f"out: {_first(ids)} (all tiles failed the foreground rule, or e.g. a dark fluorescence background; see "
-               "tiling_report.csv and the QC images, and retile with other settings, e.g. `wsi-pipeline tile "
-               "--min-foreground 0.3` or `--allow-dark-background`)")
+        failed = [sid for sid in ids if skipped.get(sid, "").startswith("failed")]
+        msg = (f"{len(ids)} {split} slide(s) have 0 tiles in their store, or were skipped by the tiler or failed in "
+               f"tiling, and are left out: {_first(ids)} (all tiles failed the foreground rule, or e.g. a dark "
+               "fluorescence background; see tiling_report.csv and the QC images, and retile with other settings, e.g. "
+               "`wsi-pipeline tile --min-foreground 0.3` or `--allow-dark-background`)"
+               + (f"; failed in tiling: {_first([f'{sid} ({skipped[sid]})' for sid in failed], 3)}" if failed else ""))
         if strict:
             raise ValueError(msg + "; --strict makes this an error")
         log.warning(msg)

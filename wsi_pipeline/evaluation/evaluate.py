@@ -74,6 +74,7 @@ from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, pred
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.inference.protocols import SlidePrediction
+from wsi_pipeline.inference.method_models import random_encoder_note
 from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
@@ -97,6 +98,8 @@ class EvalSummary:
     #: slides that could not be scored (a damaged tile store), with why; the others were scored
     failed_slides: dict[str, str] = field(default_factory=dict)
     skipped_runs: list[str] = field(default_factory=list)
+    #: one line per method whose encoder started from random weights (also logged and in the report)
+    random_encoders: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -176,6 +179,10 @@ def evaluate_pipeline(
         check_output_dir(out, ("heatmaps",), what="results folder")  # before any model is loaded
     sets = _sets_to_score(config)  # the manifest is checked first: a bad one names itself, not "train first"
     runs = _finished_runs(config, methods, summary)
+    summary.random_encoders = [n for n in (random_encoder_note(m) for m in {m.name: m for m, _, _ in runs}.values()) if n]
+    if distributed.is_main():
+        for note in summary.random_encoders:
+            log.warning(note)
     protocols = parse_protocols(config.eval.protocols)
     dev = str(distributed.device_for(resolve_device(device)))
     choice = _choose_heatmap_run(runs, heatmap_method)
@@ -531,5 +538,6 @@ def _write_results(config: Any, out: Path, got: _Collected, protocols: list[Eval
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,
         protocols=[p.name for p in protocols], validation=choice.val_scores,
         heatmap_run=hm_run if heatmaps else None, heatmap_chosen_on_validation=bool(choice.best_val and not heatmap_method),
-        stain=stain_table,
+        stain=stain_table, notes=summary.random_encoders,
+        histories={f"{m} seed {sd}": config.run_dir(m, sd) / "history.csv" for m, sd in summary.models},
     ))

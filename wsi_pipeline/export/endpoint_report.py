@@ -19,7 +19,8 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
-from wsi_pipeline.export.report import COLOURS, REPORT_CSS, png_data_uri, best_on_validation
+from wsi_pipeline.export.gallery import png_data_uri
+from wsi_pipeline.export.report import COLOURS, REPORT_CSS, best_on_validation
 from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["km_svg", "write_endpoint_report"]

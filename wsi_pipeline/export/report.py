@@ -21,9 +21,7 @@ the one table whose methods keep the pipeline's order instead.
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -32,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from PIL import Image
 
 from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS, headline_metric, metric_order
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
+from wsi_pipeline.export.curves import curves_html, read_histories
+from wsi_pipeline.export.gallery import gallery_html
 from wsi_pipeline.export.paper_table import paper_table_html
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.types import ValidationScore
@@ -53,6 +52,8 @@ td.m{text-align:left;font-weight:600}.ci{color:#777;font-size:11px}.note{color:#
 .card img{max-width:480px;display:block}
 tr.best td{background:#fff8d6}.side{display:flex;flex-wrap:wrap;gap:24px;align-items:flex-start}
 .side>.loc{flex:0 0 auto;max-width:400px}.side>.gal{flex:1 1 500px}.gal .card{max-width:410px}.gal .card img{max-width:400px}
+.cbar{display:flex;align-items:center;gap:8px;font-size:13px;margin:6px 0}.cbar .ramp{display:inline-block;width:240px;height:14px;border:1px solid #888}
+.warn{color:#8a4b00;background:#fff4e0;border-left:4px solid #e69500;padding:6px 10px;font-size:13px}
 """
 
 
@@ -149,7 +150,7 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
                     cells.append(f"<td>{txt}{ci}{sd}</td>")
             body.append(f'<tr><td class="m">{html.escape(meth)} <span class="ci">({n_seeds[meth]} seed{"s" * (n_seeds[meth] != 1)})</span></td>{"".join(cells)}</tr>')
         parts.append(
-            f"<h3>EvalProtocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
+            f"<h3>Protocol <code>{html.escape(prot)}</code></h3><table><tr><th rowspan=2>method</th>{head1}</tr>"
             f"<tr>{head2}</tr>{''.join(body)}</table>"
         )
     return "\n".join(parts)
@@ -342,38 +343,6 @@ def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str, order:
     return "<div class=grid>" + "".join(f"<div>{s}</div>" for s in out) + "</div>" if out else ""
 
 
-def png_data_uri(path: Path, max_side: int = 480) -> str:
-    img = Image.open(path).convert("RGB")
-    img.thumbnail((max_side, max_side))
-    buf = io.BytesIO()
-    img.save(buf, format="PNG", compress_level=6)
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _gallery(gallery: Sequence[dict], report_dir: Path, k: int) -> str:
-    if not gallery:
-        return '<p class="note">No heatmaps were written (no attention, or heatmaps disabled).</p>'
-    items = sorted(gallery, key=lambda g: float(np.max(g["probs"])))
-    least, most = items[:k], items[::-1][:k]
-    if len(items) <= 2 * k:  # small cohort: show each slide once, most confident first
-        most, least = items[::-1][: (len(items) + 1) // 2], items[: len(items) // 2]
-
-    def card(g: dict) -> str:
-        p = np.asarray(g["probs"])
-        rel = os.path.relpath(g["png"], report_dir)
-        loc = g.get("localisation")
-        cap = (f"<b>{html.escape(g['slide_id'])}</b> ({html.escape(g['cohort'])}) label {g['label'] if g['label'] is not None else '–'}, "
-               f"pred {int(p.argmax())}, p = {p.max():.3f}"
-               + ("" if loc is None or (isinstance(loc, float) and math.isnan(loc)) else f", localisation AUC {loc:.3f}")
-               + (", lesions outlined" if g.get("outline") else ""))
-        return f'<div class=card><a href="{html.escape(rel)}"><img src="{png_data_uri(Path(g["png"]))}" alt="{html.escape(g["slide_id"])}"></a>{cap}</div>'
-
-    return (
-        "<h3>Most confident</h3><div class=grid>" + "".join(card(g) for g in most) + "</div>"
-        "<h3>Least confident</h3><div class=grid>" + "".join(card(g) for g in least) + "</div>"
-    )
-
-
 def _intro_note(models: Sequence[tuple[str, int]]) -> str:
     """The page's opening note: when and by what version it was made, the models, how to read the tables."""
     now = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -382,7 +351,7 @@ def _intro_note(models: Sequence[tuple[str, int]]) -> str:
     return (
         f'<p class="note">Generated {now} by wsi-pipeline {html.escape(str(__version__))}. '
         f"{len(models)} model(s): {html.escape(', '.join(f'{m} seed {s}' for m, s in models))}. "
-        "Each model is its run's <code>best.pt</code> (chosen on validation). EvalProtocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
+        "Each model is its run's <code>best.pt</code> (chosen on validation). Protocol <code>sub&lt;k&gt;x&lt;R&gt;</code> "
         "(the papers'): each repeat of k random tiles per slide is scored over all slides, and a model's value is the mean "
         "of its R per-repeat values (every repeat's value is in <code>metrics.json</code>); <code>ens&lt;k&gt;x&lt;R&gt;</code>: "
         "the metric of each slide's probabilities averaged over the R repeats (an ensemble, not the papers' number). "
@@ -440,6 +409,8 @@ def write_report(
     heatmap_run: tuple[str, int] | None = None,
     heatmap_chosen_on_validation: bool = False,
     stain: pd.DataFrame | None = None,
+    notes: Sequence[str] = (),
+    histories: Mapping[str, str | os.PathLike] | None = None,
 ) -> Path:
     """Write ``report.html`` atomically.
 
@@ -457,6 +428,9 @@ def write_report(
     heatmap_chosen_on_validation : whether ``heatmap_run`` was chosen on validation (stated in the page).
     stain : per method and slide ``method, slide_id, cohort, stain_normalised, stain_problem`` (the
         results' ``stain.csv``): a section with the count normalised and every slide that fell back.
+    notes : warnings shown under the title (e.g. "encoder randomly initialised"), one per line.
+    histories : ``{"method seed k": path of the run's history.csv}``: training curves (loss and
+        validation metrics per epoch).
     """
     path = Path(path)
     records = read_metrics_json(metrics_path)
@@ -473,6 +447,7 @@ def write_report(
     body = [
         f"<h1>wsi-pipeline evaluation: {html.escape(pipeline)}</h1>",
         _intro_note(models),
+        *(f'<p class="warn">Warning: {html.escape(n)}</p>' for n in notes),
         "<h2>Summary</h2>",
         _summary(records, methods, prots[0] if prots else "all", n_classes, validation, best, heatmap_run),
         "<h2>Results in the papers' layout</h2>",
@@ -482,8 +457,12 @@ def write_report(
     body.append("<h2>Heatmaps and localisation</h2>")
     if heatmap_model:
         body.append(_heatmap_note(heatmap_model, heatmap_chosen_on_validation, bool(validation)))
-    body.append(f'<div class=side>{loc_table}<div class=gal>{_gallery(gallery, path.parent, gallery_size)}</div></div>')
+    body.append(f'<div class=side>{loc_table}<div class=gal>{gallery_html(gallery, path.parent, gallery_size)}</div></div>')
     body += ["<h2>Metrics</h2>", _metric_tables(records, prots, n_classes, methods)]
+    curves = curves_html(read_histories(histories or {}))
+    if curves:
+        body += ["<h2>Training curves</h2>", '<p class="note">Per epoch, from each run\'s <code>history.csv</code>: the '
+                 "training loss and the validation values best.pt was chosen on.</p>", curves]
     if stain is not None and len(stain):
         body += ["<h2>Stain normalisation</h2>", _stain_section(stain)]
     if len(pred):

@@ -40,7 +40,7 @@ import pandas as pd
 
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.io_atomic import atomic_path
-from wsi_pipeline.jobs.slide_jobs import run_slides
+from wsi_pipeline.jobs.slide_jobs import run_slides, write_report_csv
 from wsi_pipeline.slide_ids import slide_output_path
 from wsi_pipeline.output_dirs import check_output_dir
 from wsi_pipeline.types import TileStoreLike
@@ -63,7 +63,9 @@ log = logging.getLogger(__name__)
 #: Per-slide status table written beside the feature files.
 REPORT_NAME = "features_report.csv"
 #: Its columns.
-REPORT_COLUMNS: tuple[str, ...] = ("slide_id", "status", "n_tiles", "seconds", "error")
+REPORT_COLUMNS: tuple[str, ...] = ("slide_id", "status", "n_tiles", "seconds", "error", "note")
+#: ``note`` of a slide the tiler left without a store (skipped by a rule, or failed): ``skipped``, not ``failed``.
+LEFT_OUT_NOTE = "left out by the tiler"
 
 
 def features_path(out_dir: str | os.PathLike, slide_id: str) -> Path:
@@ -326,6 +328,9 @@ def extract_features(
     out = Path(out_dir)
     check_output_dir(out, what="features folder")
     dev = resolve_device(device)
+    from wsi_pipeline.models.imagenet import resolve_weights
+
+    weights = resolve_weights(encoder_name, weights)
     if encoder is None:
         from wsi_pipeline.models import build_encoder
 
@@ -333,7 +338,8 @@ def extract_features(
             torch.manual_seed(seed)
             encoder = build_encoder(encoder_name, weights=weights)
         if weights is None:
-            log.warning("no --weights given: %s is randomly initialised (seed %d)", encoder_name, seed)
+            log.warning("encoder randomly initialised: no --weights given, so %s is random (seed %d); its features are "
+                        "not a useful baseline (--weights imagenet for a ResNet, or a model file)", encoder_name, seed)
     encoder = encoder.to(dev).eval()
     digest = weights_sha256(encoder)
     base = getattr(encoder, "base_weights", None)
@@ -346,8 +352,16 @@ def extract_features(
     else:
         file_digest = ""
 
+    from wsi_pipeline.data.bags import skipped_by_tiler
+
     slide_ids = [str(s) for s in manifest_df["slide_id"]]
     _report_orphans(out, slide_ids)
+    # a slide the tiler skipped by rule (fluorescence under brightfield rules) or failed on has no store:
+    # it is reported as skipped, with the tiler's reason, not as a features failure
+    left_out = skipped_by_tiler(tiles_dir)
+    left_rows = [{"slide_id": sid, "status": "skipped", "n_tiles": 0, "seconds": 0.0, "error": "",
+                  "note": f"{LEFT_OUT_NOTE}: {left_out[sid]}"} for sid in slide_ids if sid in left_out]
+    slide_ids = [sid for sid in slide_ids if sid not in left_out]
     rows = run_slides(
         slide_ids, _slide_features,
         (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain, file_digest, bool(bf16)),
@@ -361,6 +375,9 @@ def extract_features(
             reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
     if reasons:
         log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
+    if left_rows:
+        rows = [*rows, *left_rows]
+        write_report_csv(out / REPORT_NAME, rows, REPORT_COLUMNS)
     return pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
 
 

@@ -19,6 +19,7 @@ from wsi_pipeline.config.pipeline import MethodConfig, patchgd_mapping, with_pat
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
+    "random_encoder_note",
     "FROZEN_INIT_SEED",
     "build_method_encoder",
     "build_models",
@@ -76,6 +77,17 @@ def frozen_encoder(method: MethodConfig, weights: str | None = None) -> nn.Modul
     return enc
 
 
+def random_encoder_note(method: MethodConfig) -> str | None:
+    """The warning for a method whose encoder starts from random weights (None when it has a weights file)."""
+    if method.encoder.weights:
+        return None
+    fix = ("`weights: imagenet` (torchvision's ImageNet checkpoint; `wsi-pipeline weights fetch "
+           f"{method.encoder.name}` once) or a weights file" if method.encoder.name in ("resnet18", "resnet34", "resnet50")
+           else "the weights file its model card publishes")
+    return (f"{method.name}: encoder randomly initialised ({method.encoder.name} without weights); "
+            f"for a pretrained start set encoder.weights to {fix}")
+
+
 def frozen_features_dir(method: MethodConfig, features_root: str) -> str:
     """Feature folder of a frozen method: its ``features_dir``, else ``<features_root>/<encoder>[-<weights stem>]``
     (``timm:<architecture>`` becomes ``timm-<architecture>``)."""
@@ -100,8 +112,12 @@ def encoder_checkpoint(method: MethodConfig, encoder: nn.Module, tile_size: int 
     from wsi_pipeline.models.finetune import trained_state
     from wsi_pipeline.models.foundation import file_sha256, preprocessing_record
 
+    from wsi_pipeline.models.imagenet import resolve_weights
+
     base = getattr(encoder, "base_weights", None)
     weights = method.encoder.weights
+    if weights is not None and not base:
+        weights = str(resolve_weights(method.encoder.name, weights))
     info: dict[str, Any] = {
         "name": method.encoder.name,
         "weights_file": None if weights is None else str(weights),

@@ -137,6 +137,26 @@ def parse_cluster_option(text: str) -> tuple[str, Any]:
     return key, load_yaml(value, f"--cluster-option {text!r}")
 
 
+#: Dask's loggers: the scheduler's, the workers' and the nannies' start-up lines come from these.
+DASK_LOGGERS = ("distributed", "distributed.scheduler", "distributed.worker", "distributed.nanny", "distributed.core",
+                "distributed.http.proxy", "bokeh")
+
+
+def quiet_dask_logs() -> None:
+    """Show only Dask's warnings unless our package logs INFO (``-v``).
+
+    Set through the environment before ``distributed`` is imported, so the worker processes a local
+    cluster starts (which read their logging settings from it) are quiet too, and on the loggers of
+    this process.
+    """
+    if logging.getLogger("wsi_pipeline").getEffectiveLevel() <= logging.INFO:
+        return
+    os.environ.setdefault("DASK_LOGGING__DISTRIBUTED", "warning")
+    for name in DASK_LOGGERS:
+        if logging.getLogger(name).getEffectiveLevel() < logging.WARNING:
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def default_workers() -> int:
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -150,7 +170,11 @@ def dask_client(spec: ClusterSpec, *, workers: int | None = None, retries: int =
 
     ``workers`` is the runner's worker count, used by ``local`` without ``:N``. ``retries`` sets
     how often a slide whose worker died is run again (the scheduler's ``allowed-failures``).
+
+    Dask's own INFO lines (scheduler and worker start-up, ~30 per local cluster) are hidden unless
+    our package logs INFO (``-v``): :func:`quiet_dask_logs`.
     """
+    quiet_dask_logs()
     import dask
     from distributed import Client, LocalCluster
 

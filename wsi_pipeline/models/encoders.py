@@ -309,7 +309,8 @@ def build_encoder(name: str, weights: str | Path | None = None, **kw) -> nn.Modu
         or ``timm:<architecture>``.
     weights
         Optional weights file: a torchvision checkpoint for the ResNets (classifier keys
-        ignored); for a foundation encoder the file its model card publishes (``.bin``, ``.pth``,
+        ignored), or ``"imagenet"`` for torchvision's ImageNet checkpoint from its cache
+        (:mod:`wsi_pipeline.models.imagenet`); for a foundation encoder the file its model card publishes (``.bin``, ``.pth``,
         ``.safetensors``), loaded strictly (:func:`wsi_pipeline.models.foundation.build_foundation_encoder`).
     **kw
         Passed to the architecture (e.g. ``zero_init_residual=True``; for ``timm:`` names
@@ -323,7 +324,9 @@ def build_encoder(name: str, weights: str | Path | None = None, **kw) -> nn.Modu
         preset's embedding width for a foundation encoder).
     """
     from wsi_pipeline.models.foundation import TIMM_PREFIX, build_foundation_encoder
+    from wsi_pipeline.models.imagenet import resolve_weights
 
+    weights = resolve_weights(name, weights)
     if name.startswith(TIMM_PREFIX):
         return build_foundation_encoder(name, weights, **kw)
     factory = ENCODERS.get(name)

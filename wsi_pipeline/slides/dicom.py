@@ -23,7 +23,7 @@ import numpy as np
 from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.slides.mpp import parse_mpp
 
-__all__ = ["SUPPORTED_LAYOUTS", "WsiDicomSlide", "describe_dicom", "dicom_files", "is_dicom_file"]
+__all__ = ["SUPPORTED_LAYOUTS", "WsiDicomSlide", "describe_dicom", "dicom_files", "dicom_series", "is_dicom_file", "series_uid"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +49,45 @@ def is_dicom_file(path: str | os.PathLike) -> bool:
         return False
 
 
-def dicom_files(path: str | os.PathLike) -> list[Path]:
-    """The instances of the slide that ``path`` belongs to: every ``.dcm`` file of its folder (sorted).
+def series_uid(path: str | os.PathLike) -> str | None:
+    """The ``SeriesInstanceUID`` of a DICOM file (its header only), or None when it cannot be read."""
+    try:
+        import pydicom
 
-    ``path`` is a ``.dcm`` file or a folder of them. A file without the ``.dcm`` ending is taken alone.
+        ds = pydicom.dcmread(str(path), stop_before_pixels=True, specific_tags=["SeriesInstanceUID"])
+    except Exception:  # any parse failure: the file is then a slide of its own, refused by name when opened
+        return None
+    uid = getattr(ds, "SeriesInstanceUID", None)
+    return str(uid) if uid else None
+
+
+def dicom_series(files: list[Path]) -> list[list[Path]]:
+    """``files`` grouped into slides by ``SeriesInstanceUID`` (a slide's levels share one), each group sorted,
+    groups in the order of their first file; the files whose header cannot be read form one group (the
+    folder's slide as before series were read; its reader then names the problem)."""
+    groups: dict[str, list[Path]] = {}
+    for f in sorted(files):
+        groups.setdefault(series_uid(f) or "", []).append(f)
+    return sorted(groups.values(), key=lambda g: str(g[0]))
+
+
+def dicom_files(path: str | os.PathLike) -> list[Path]:
+    """The instances of the slide that ``path`` belongs to (sorted).
+
+    ``path`` is a ``.dcm`` file or a folder of them. For a file: the ``.dcm`` files of its folder of
+    the same series (``SeriesInstanceUID``), so that a single-file slide beside other DICOM slides
+    is read alone; for a folder: all its ``.dcm`` files. A file without the ``.dcm`` ending is taken alone.
     """
     p = Path(path)
     folder = p if p.is_dir() else p.parent
     if p.is_file() and not p.name.lower().endswith(".dcm"):
         return [p]
-    return sorted(q for q in folder.iterdir() if q.is_file() and q.name.lower().endswith(".dcm") and not q.name.startswith("."))
+    files = sorted(q for q in folder.iterdir() if q.is_file() and q.name.lower().endswith(".dcm") and not q.name.startswith("."))
+    if p.is_file():
+        for group in dicom_series(files):
+            if p in group:
+                return group
+    return files
 
 
 def describe_dicom(path: str | os.PathLike) -> str:

@@ -9,8 +9,12 @@ Rules
   reads (CZI, iSyntax) are listed on purpose: tiling gives them a ``failed`` row, not silence.
 - Its slide id is the file name without that ending, the longest ending first, so the double
   endings ``.ome.tiff``/``.ome.tif`` are removed whole: ``a.ome.tiff`` -> ``a``, ``a.svs`` -> ``a``.
-- DICOM: the ``.dcm`` files of one folder are one slide (its levels are separate instances),
-  named after that folder; its path is the first ``.dcm`` file in sorted order.
+- DICOM: ``.dcm`` files are grouped into slides by their series (``SeriesInstanceUID``: a
+  slide's levels are separate instances of one series). A folder that holds one series and no
+  other slide files, below the folder searched, is one slide named after that folder; otherwise
+  (a single-file DICOM among other slides, several series in one folder, ``.dcm`` files directly in
+  the folder searched) each series is a slide named after its first file (``scan.dcm`` -> ``scan``).
+  A slide's path is its first ``.dcm`` file in sorted order.
 - Hidden files and folders (``.``-prefixed) and ``*.zarr`` folders (tile stores) are skipped;
   folder links are followed once (cycles skipped); a file link that leads nowhere (dangling, or a
   loop) is skipped with a warning naming it.
@@ -162,7 +166,13 @@ def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.Path
             names.append(f)
         dicom = [f for f in names if _ending(f) in DICOM_EXTENSIONS]
         if dicom:
-            found.append(SlideFile(slide_id(here / dicom[0]), here / dicom[0]))
+            from wsi_pipeline.slides.dicom import dicom_series
+
+            series = dicom_series([here / f for f in dicom])
+            own_folder = len(series) == 1 and len(dicom) == len(names) and here != base
+            for group in series:
+                sid = slide_id(group[0]) if own_folder else group[0].name[: -len(_ending(group[0].name) or "")]
+                found.append(SlideFile(sid, group[0]))
         found.extend(SlideFile(slide_id(f), here / f) for f in names if _ending(f) not in DICOM_EXTENSIONS)
     bad = [(s.path, why) for s in found if (why := slide_id_problem(s.slide_id)) is not None]
     if bad:

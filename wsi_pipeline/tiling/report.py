@@ -56,13 +56,16 @@ class CohortReport:
 
     def summary(self) -> str:
         empty = sum(r.status == "ok" and r.n_tiles == 0 for r in self.results)
-        parts = [f"{self.count('ok')} ok", f"{self.count('skipped')} skipped", f"{self.count('failed')} failed"]
+        # "skipped" in the report is either a complete store from an earlier run (reused) or a slide
+        # left untiled by a rule (a dark, fluorescence background): the summary says which
+        dark = sum(r.status == "skipped" and r.note.startswith(DARK_NOTE) for r in self.results)
+        reused = self.count("skipped") - dark
+        parts = [f"{self.count('ok')} tiled", f"{reused} reused", f"{dark} skipped", f"{self.count('failed')} failed"]
         text = f"tiling: {len(self.results)} slides: " + ", ".join(parts)
         if empty:
             text += f" ({empty} with 0 tiles)"
-        dark = sum(r.status == "skipped" and r.note.startswith(DARK_NOTE) for r in self.results)
         if dark:
-            text += f" ({dark} with a dark background, fluorescence?, not tiled)"
+            text += f" ({dark} skipped: a dark background, fluorescence?, not tiled)"
         text += f"; {self.n_tiles} tiles in {self.seconds:.1f} s"
         stored = [r for r in self.results if r.status in ("ok", "skipped") and r.store_bytes and r.slide_bytes]
         if stored:

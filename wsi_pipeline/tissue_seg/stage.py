@@ -134,7 +134,7 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     """
     import cv2
 
-    from wsi_pipeline.slides.mpp import resolve_mpp
+    from wsi_pipeline.slides.mpp import MissingMppError, resolve_mpp
     from wsi_pipeline.slides.opener import open_slide
     from wsi_pipeline.slides.scaled import read_scaled
 
@@ -143,8 +143,13 @@ def load_image(path: str | os.PathLike, *, mpp: float, size: tuple[int, int] | N
     if size is not None and (size[0] % MULTIPLE or size[1] % MULTIPLE or min(size) < MULTIPLE):
         raise ValueError(f"--size must be positive multiples of {MULTIPLE} px (height width), got {size}")
     with open_slide(path) as slide:
-        level0_mpp, _ = resolve_mpp(slide.mpp, run_mpp=None if slide.mpp else slide_mpp, path=str(path),
-                                    needed_for=f"reading at --mpp {mpp}")
+        try:
+            level0_mpp, _ = resolve_mpp(slide.mpp, run_mpp=None if slide.mpp else slide_mpp, path=str(path),
+                                        needed_for=f"reading at --mpp {mpp}")
+        except MissingMppError as e:  # the tissue commands' flag is --slide-mpp (their --mpp is the working resolution)
+            raise MissingMppError(f"{path}: the slide has no mpp (um per px) in its metadata, and reading it at --mpp {mpp} "
+                                  "um/px needs one; give it with --slide-mpp <um/px> (used for every slide that lacks one, "
+                                  "e.g. 0.25 for 40x, 0.5 for 20x)") from e
         down = mpp / level0_mpp
         if down < 1:
             raise ValueError(f"{path}: --mpp {mpp} is finer than the slide's level 0 ({level0_mpp:.4g} um/px)")
@@ -212,6 +217,26 @@ def _evaluate(big: ChunkedTissueUNet, images: Sequence[TissueImage]) -> tuple[fl
     return float(np.mean(losses)), float(np.mean(dices))
 
 
+def _readable_images(entries: Sequence[SlideEntry], cache: Path, kw: dict[str, Any], split: str,
+                     log: Callable[[str], None]) -> list[TissueImage]:
+    """The images of ``entries``; a slide that cannot be read is named with why and left out (not the whole run).
+
+    Raises
+    ------
+    ValueError : no slide of the split could be read (each one's reason listed).
+    """
+    images, failed = [], []
+    for s in entries:
+        try:
+            images.append(cached_image(s, cache, **kw))
+        except (OSError, ValueError) as e:
+            failed.append(f"slide {s.slide_id!r} ({s.path}): {e}")
+            log(f"{split} slide {s.slide_id} left out: it could not be read: {e}")
+    if not images:
+        raise ValueError(f"none of the {len(entries)} {split} slide(s) could be read: " + "; ".join(failed[:5]))
+    return images
+
+
 def train(
     slides: Sequence[SlideEntry],
     out: str | os.PathLike,
@@ -266,8 +291,8 @@ def train(
     big = ChunkedTissueUNet(model, ChunkRunner(device), max_elements)
     cache = out / "cache"
     kw: dict[str, Any] = {"mpp": mpp, "size": size, "slide_mpp": slide_mpp}
-    train_im = [cached_image(s, cache, **kw) for s in train_s]
-    val_im = [cached_image(s, cache, **kw) for s in val_s]
+    train_im = _readable_images(train_s, cache, kw, "training", log)
+    val_im = _readable_images(val_s, cache, kw, "validation", log)
     for epoch in range(start, epochs):
         t0 = time.perf_counter()
         order = np.random.default_rng([seed, epoch]).permutation(len(train_im))
@@ -325,6 +350,31 @@ def predict_mask(model: TissueUNet, grey: np.ndarray, valid: tuple[int, int] | N
     return (prob > threshold).astype(np.uint8), prob
 
 
+#: Longest side (px) of the QC overlay: the image at the model's resolution, shrunk to this when larger.
+OVERLAY_MAX_SIDE = 2048
+
+
+def tissue_overlay(rgb: np.ndarray, mask: np.ndarray, max_side: int = OVERLAY_MAX_SIDE) -> np.ndarray:
+    """The QC overlay: ``rgb`` (the image at the model's mpp, (H, W, 3) uint8) with ``mask`` (0/1 at 1/8 of it)
+    tinted green and outlined, at the image's own size (at most ``max_side`` px on the long side).
+
+    Drawn at the mask's size the overlay was a few dozen pixels wide for a small slide: too small to
+    see what was kept.
+    """
+    import cv2
+
+    h, w = rgb.shape[:2]
+    scale = min(1.0, max_side / max(h, w))
+    size = (max(1, round(w * scale)), max(1, round(h * scale)))
+    base = rgb if scale == 1.0 else cv2.resize(rgb, size, interpolation=cv2.INTER_AREA)
+    big = cv2.resize(mask.astype(np.uint8), size, interpolation=cv2.INTER_NEAREST).astype(bool)
+    out = base.copy()
+    out[big] = (0.55 * base[big] + 0.45 * np.array([0, 200, 0], np.float32)).astype(np.uint8)
+    contours, _ = cv2.findContours(big.astype(np.uint8), cv2.RETR_EXTERNAL, cv2.CHAIN_APPROX_NONE)
+    cv2.drawContours(out, contours, -1, (0, 110, 0), max(1, round(max(size) / 600)))
+    return out
+
+
 def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: str | os.PathLike, *,
             mpp: float | None = None, slide_mpp: float | None = None, device: str = "cpu",
             max_elements: int = DEFAULT_MAX_ELEMENTS, log: Callable[[str], None] = print) -> list[dict[str, Any]]:
@@ -339,10 +389,7 @@ def predict(model_path: str | os.PathLike, slides: Sequence[SlideEntry], out: st
     for s in slides:
         im = load_image(s.path, mpp=mpp, slide_mpp=slide_mpp, with_label=False, keep_rgb=True)
         mask, _ = predict_mask(model, im.grey, im.valid, max_elements=max_elements)
-        small = cv2.resize(im.rgb[: im.valid[0], : im.valid[1]], (mask.shape[1], mask.shape[0]), interpolation=cv2.INTER_AREA)
-        overlay = small.copy()
-        tint = np.array([0, 200, 0], np.float32)
-        overlay[mask == 1] = (0.55 * small[mask == 1] + 0.45 * tint).astype(np.uint8)
+        overlay = tissue_overlay(im.rgb[: im.valid[0], : im.valid[1]], mask)
         for suffix, arr in (("_mask.png", mask * 255), ("_overlay.png", overlay[..., ::-1])):
             with atomic_path(slide_output_path(out, s.slide_id, suffix)) as tmp:
                 if not cv2.imwrite(str(tmp), arr):

@@ -35,8 +35,8 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     if not slides:
         return out
     missing = [s.slide_id for s in slides if not features_path(out, s.slide_id).is_file()]
-    if missing:
-        log.warning(
+    if missing:  # the normal first run: information, not a warning
+        log.info(
             "method %s: %d of %d slides have no feature file in %s; extracting them now with the frozen %s encoder",
             method.name, len(missing), len(slides), out, method.encoder.name,
         )

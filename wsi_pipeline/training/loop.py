@@ -48,7 +48,7 @@ from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
-from wsi_pipeline.inference.method_models import build_models, encoder_checkpoint, frozen_features_dir, restore_encoder
+from wsi_pipeline.inference.method_models import build_models, encoder_checkpoint, frozen_features_dir, random_encoder_note, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.training.memory import MemoryPrediction, check_fits, predict_memory, write_memory_record
 from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
@@ -114,6 +114,10 @@ def train_pipeline(
                         "current config", run_dir, "; ".join(changed[:4]), " ..." if len(changed) > 4 else "")
         else:
             log.info("skipping %s: finished (remove its `done` file to train it again)", run_dir)
+    for method in {m.name: m for m, _, _ in plan.runs}.values():
+        note = random_encoder_note(method)
+        if note and ddp.is_main:
+            log.warning(note)
     for method in {m.name: m for m, _, _ in plan.runs}.values():  # before any compute: will it fit?
         plan.memory[method.name] = _predict_memory(config, method, plan, device, check=memory_check and ddp.is_main)
     features: dict[str, Path] = {}

@@ -14,7 +14,7 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, PipelineConfig, bag_statistics_warning
-from wsi_pipeline.data.bags import TARGET_COLUMNS, Slide, check_stores, check_tiling, drop_empty, slides_for_split
+from wsi_pipeline.data.bags import TARGET_COLUMNS, Slide, check_stores, check_tiling, drop_empty, skipped_by_tiler, slides_for_split
 from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs, fit_endpoint
@@ -142,7 +142,24 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         )
     if not val:
         log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
+    if config.task == "classification":
+        _warn_one_class(manifest_path, "val", [s.label for s in val],
+                        "val_auc is undefined (nan) every epoch and best.pt is chosen on the validation loss")
+        test = manifest[(manifest["split"] == "test") & manifest["label"].notna()]
+        left_out = skipped_by_tiler(config.data.tiles_dir)
+        test = test[~test["slide_id"].astype(str).isin(left_out)]
+        _warn_one_class(manifest_path, "test", [int(x) for x in test["label"]],
+                        "eval cannot compute AUC on it" + (f" ({len(left_out)} slide(s) left out by the tiler)" if left_out else ""))
     return manifest, train, val, tiling
+
+
+def _warn_one_class(manifest_path: Path, split: str, labels: Sequence[int], consequence: str) -> None:
+    """One WARNING, before any training, when a non-empty split holds fewer than two classes."""
+    classes = sorted(set(labels))
+    if labels and len(classes) < 2:
+        log.warning("%s: the %s split has %d slide(s), all of class %s: %s. Redraw label-stratified splits (`wsi-pipeline "
+                    "manifest split --manifest M.csv --redraw --out M.csv`, after tiling so that left-out slides are not "
+                    "drawn) or add slides of the other class", manifest_path, split, len(labels), classes[0], consequence)
 
 
 def _check_methods(config: PipelineConfig, methods: Sequence[MethodConfig]) -> None:
