@@ -33,7 +33,7 @@ def _manifest(tmp, task: str, folds: int, repeats: int):
         for s in range(int(rng.integers(1, 3))):
             rows.append({"slide_id": f"p{p:02d}_{s}", "path": f"/x/p{p:02d}_{s}.svs", "label": label, "split": "",
                          "cohort": "mine", "patient_id": f"P{p:02d}"})
-    rows.append({"slide_id": "ext0", "path": "/x/ext0.svs", "label": 1, "split": "test", "cohort": "mine", "patient_id": "E"})
+    rows.append({"slide_id": "ext0", "path": "/x/ext0.svs", "label": 1, "split": "test", "cohort": "ext", "patient_id": "E"})
     df = pd.DataFrame(rows)
     if task == "regression":
         df["target"] = df["label"] * 2.0 + rng.normal(0, 0.5, len(df)).round(3)
@@ -74,15 +74,17 @@ def _write_fold_results(config, runs, task: str, rng) -> None:
                     if task == "classification":
                         # informative but noisy probabilities, different per seed and fold
                         p1 = float(np.clip(0.3 + 0.35 * t["label"] + rng.normal(0, 0.25), 0.01, 0.99))
-                        rows.append(prediction_row(slide_id=t["slide_id"], cohort="mine", label=t["label"],
+                        rows.append(prediction_row(slide_id=t["slide_id"], cohort=t["cohort"], label=t["label"],
                                                    probs=[1 - p1, p1], prob_std=[0, 0], n_tiles=9, protocol="all",
                                                    n_repeats=1, method=method, seed=seed))
                     else:
-                        rows.append(endpoint_row(task="regression", slide_id=t["slide_id"], cohort="mine",
+                        rows.append(endpoint_row(task="regression", slide_id=t["slide_id"], cohort=t["cohort"],
                                                  target=t["target"], scores={"prediction": np.array([t["target"] + rng.normal(0, 1)])},
                                                  n_tiles=9, protocol="all", n_repeats=1, method=method, seed=seed))
         cols = None if task == "classification" else endpoint_columns("regression")
-        write_predictions(predictions_path(f"{config.results_dir}/{cfg.name}", "mine", "all"), rows, 2, columns=cols)
+        for cohort in ("mine", "ext"):  # one file per cohort, as `eval` writes them
+            write_predictions(predictions_path(f"{config.results_dir}/{cfg.name}", cohort, "all"),
+                              [r for r in rows if r["cohort"] == cohort], 2, columns=cols)
 
 
 def _by_hand(config, runs, task: str):
