@@ -39,6 +39,10 @@ def _manifest(tmp, task: str, folds: int, repeats: int):
         df["target"] = df["label"] * 2.0 + rng.normal(0, 0.5, len(df)).round(3)
         df["target"] = df.groupby("patient_id")["target"].transform("first")
         df["label"] = pd.NA
+    if task == "survival":
+        df["time"] = df.groupby("patient_id")["label"].transform(lambda v: float(rng.uniform(1, 60)))
+        df["event"] = df["label"]  # about 40 % events
+        df["label"] = pd.NA
     df = assign_crossval(df, folds, repeats=repeats, seed=2)
     m = tmp / "m.csv"
     for r, k, fold_df in crossval_manifests(df):
@@ -50,9 +54,9 @@ def _manifest(tmp, task: str, folds: int, repeats: int):
 def _config(tmp, manifest, task: str):
     methods = [{"name": name, "strategy": "frozen", "encoder": {"name": "resnet18"},
                 "aggregator": {"name": name.split("_")[0]}} for name in METHODS]
-    if task == "regression":
+    if task != "classification":
         for m in methods:
-            m["task"] = "regression"
+            m["task"] = task
     return config_from_dict({
         "name": "cv", "data": {"manifest": str(manifest), "tiles_dir": str(tmp / "tiles"),
                                "n_classes": 2 if task == "classification" else None},
@@ -77,11 +81,16 @@ def _write_fold_results(config, runs, task: str, rng) -> None:
                         rows.append(prediction_row(slide_id=t["slide_id"], cohort=t["cohort"], label=t["label"],
                                                    probs=[1 - p1, p1], prob_std=[0, 0], n_tiles=9, protocol="all",
                                                    n_repeats=1, method=method, seed=seed))
+                    elif task == "survival":
+                        risk = np.array([-t["time"] / 20 + rng.normal(0, 1)])
+                        rows.append(endpoint_row(task="survival", slide_id=t["slide_id"], cohort=t["cohort"],
+                                                 target=(t["time"], t["event"]), scores={"risk": risk}, n_tiles=9,
+                                                 protocol="all", n_repeats=1, method=method, seed=seed))
                     else:
                         rows.append(endpoint_row(task="regression", slide_id=t["slide_id"], cohort=t["cohort"],
                                                  target=t["target"], scores={"prediction": np.array([t["target"] + rng.normal(0, 1)])},
                                                  n_tiles=9, protocol="all", n_repeats=1, method=method, seed=seed))
-        cols = None if task == "classification" else endpoint_columns("regression")
+        cols = None if task == "classification" else endpoint_columns(task)
         for cohort in ("mine", "ext"):  # one file per cohort, as `eval` writes them
             write_predictions(predictions_path(f"{config.results_dir}/{cfg.name}", cohort, "all"),
                               [r for r in rows if r["cohort"] == cohort], 2, columns=cols)
@@ -96,8 +105,10 @@ def _by_hand(config, runs, task: str):
         ids = set(fold.loc[fold[f"cv_fold_r{run.repeat}"] == run.fold, "slide_id"])
         pred = pd.read_csv(predictions_path(f"{config.results_dir}/{cfg.name}", "mine", "all"))
         pred = pred[pred["slide_id"].isin(ids)]
-        value, target = ("prob_1", "label") if task == "classification" else ("prediction", "target")
-        g = pred.groupby(["method", "slide_id"]).agg(prob=(value, "mean"), label=(target, "first")).reset_index()
+        value, target = {"classification": ("prob_1", "label"), "regression": ("prediction", "target"),
+                         "survival": ("risk", "event")}[task]
+        extra = {"time": ("time", "first")} if task == "survival" else {}
+        g = pred.groupby(["method", "slide_id"]).agg(prob=(value, "mean"), label=(target, "first"), **extra).reset_index()
         out.append(g.assign(repeat=run.repeat, fold=run.fold))
     return pd.concat(out, ignore_index=True)
 
@@ -173,3 +184,32 @@ def test_a_fold_without_results_is_named(tmp_path):
     config = _config(tmp_path, manifest, "classification")
     with pytest.raises(FileNotFoundError, match=r"cv_fold0.*repeat 0 fold 0.*eval --config"):
         pool_crossval(config, fold_runs(manifest))
+
+
+def _harrell(time, event, risk) -> float:
+    """Harrell's C by its definition: pairs where i has the event before j's time; ties in risk count 1/2."""
+    num = den = 0.0
+    for i in range(len(time)):
+        for j in range(len(time)):
+            if event[i] and (time[j] > time[i]):
+                den += 1
+                num += 1.0 if risk[i] > risk[j] else 0.5 if risk[i] == risk[j] else 0.0
+    return num / den
+
+
+def test_survival_out_of_fold_risks_and_c_index(tmp_path):
+    manifest, df = _manifest(tmp_path, "survival", folds=3, repeats=1)
+    config = _config(tmp_path, manifest, "survival")
+    runs = fold_runs(manifest)
+    _write_fold_results(config, runs, "survival", np.random.default_rng(2))
+    out = pool_crossval(config, runs, n_boot=0)
+    oof = pd.read_csv(out / "oof_predictions.csv")
+    assert tuple(oof.columns) == (*OOF_COLUMNS, "time") and len(oof) == (len(df) - 1) * len(METHODS)
+    hand = _by_hand(config, runs, "survival")
+    table = pd.read_csv(out / "cv_table.csv").set_index(["method", "metric"])
+    for method in METHODS:
+        h = hand[hand["method"] == method]
+        per_fold = [_harrell(s["time"].to_numpy(), s["label"].to_numpy(), s["prob"].to_numpy()) for _, s in h.groupby("fold")]
+        assert table.loc[(method, "c_index"), "mean"] == pytest.approx(np.mean(per_fold), abs=1e-12)
+        pooled = _harrell(h["time"].to_numpy(), h["label"].to_numpy(), h["prob"].to_numpy())
+        assert table.loc[(method, "c_index"), "pooled"] == pytest.approx(pooled, abs=1e-12)

@@ -145,3 +145,23 @@ def test_split_folds_on_a_manifest_that_has_splits_draws_the_folds(tmp_path):
     vals = [set(read_manifest(tmp_path / f"m_fold{k}.csv").query("split == 'val'")["slide_id"]) for k in range(3)]
     assert sorted(s for v in vals for s in v) == sorted(cv)
     assert [r.tag for r in fold_runs(m)] == ["fold0", "fold1", "fold2"]
+
+
+def test_train_and_eval_without_folds_refuse_a_crossval_manifest(tmp_path, capsys):
+    import yaml
+
+    slides, labels_csv = _write_cohort(tmp_path, _labels(8))
+    m = tmp_path / "m.csv"
+    assert main(["manifest", "folder", "--slides", str(slides), "--labels", str(labels_csv), "--crossval", "3",
+                 "--out", str(m)]) == 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "c", "data": {"manifest": str(m), "tiles_dir": str(tmp_path / "tiles"), "n_classes": 2},
+        "methods": [{"name": "a", "strategy": "frozen", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}}],
+        "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results")}))
+    capsys.readouterr()
+    for command in ("train", "eval"):
+        assert main([command, "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert "is a cross-validation manifest" in err and f"{command} --config ... --folds" in err and "m_fold0.csv" in err
+    assert not (tmp_path / "runs").exists()

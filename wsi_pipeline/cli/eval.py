@@ -86,6 +86,9 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if getattr(args, "folds", False):
         return _run_folds(config, args)
+    from wsi_pipeline.manifests.folds import check_not_crossval
+
+    check_not_crossval(config.data.manifest, "eval")
     summary = evaluate_pipeline(
         config,
         methods=args.methods,
