@@ -7,6 +7,7 @@ from those files with scikit-learn and numpy.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -213,3 +214,44 @@ def test_survival_out_of_fold_risks_and_c_index(tmp_path):
         assert table.loc[(method, "c_index"), "mean"] == pytest.approx(np.mean(per_fold), abs=1e-12)
         pooled = _harrell(h["time"].to_numpy(), h["label"].to_numpy(), h["prob"].to_numpy())
         assert table.loc[(method, "c_index"), "pooled"] == pytest.approx(pooled, abs=1e-12)
+
+
+def test_three_classes_macro_metrics_and_the_extra_columns(tmp_path):
+    rng = np.random.default_rng(5)
+    df = pd.DataFrame({"slide_id": [f"s{i:02d}" for i in range(30)], "path": "/x", "label": np.arange(30) % 3,
+                       "split": "", "cohort": "mine"})
+    df = assign_crossval(df, 3, seed=0)
+    m = tmp_path / "m.csv"
+    for r, k, fold_df in crossval_manifests(df):
+        write_manifest(fold_df, crossval_manifest_path(m, k, r, 1))
+    write_manifest(df, m)
+    base = _config(tmp_path, m, "classification")
+    config = dataclasses.replace(base, data=dataclasses.replace(base.data, n_classes=3))
+    runs = fold_runs(m)
+    for run in runs:
+        cfg = fold_config(config, run)
+        fold = pd.read_csv(cfg.data.manifest)
+        rows = []
+        for method in METHODS:
+            for seed in SEEDS:
+                for _, t in fold[fold["split"] == "test"].iterrows():
+                    logits = rng.normal(0, 1, 3)
+                    logits[int(t["label"])] += 1.0
+                    p = np.exp(logits) / np.exp(logits).sum()
+                    rows.append(prediction_row(slide_id=t["slide_id"], cohort="mine", label=t["label"], probs=p,
+                                               prob_std=np.zeros(3), n_tiles=9, protocol="all", n_repeats=1,
+                                               method=method, seed=seed))
+        write_predictions(predictions_path(f"{config.results_dir}/{cfg.name}", "mine", "all"), rows, 3)
+    out = pool_crossval(config, runs, n_boot=0)
+    oof = pd.read_csv(out / "oof_predictions.csv")
+    assert tuple(oof.columns) == (*OOF_COLUMNS, "pred", "prob_0", "prob_1", "prob_2") and len(oof) == 30 * len(METHODS)
+    probs = oof[["prob_0", "prob_1", "prob_2"]].to_numpy()
+    np.testing.assert_allclose(oof["prob"], probs[np.arange(len(oof)), oof["pred"]], rtol=0, atol=1e-12)
+    table = pd.read_csv(out / "cv_table.csv").set_index(["method", "metric"])
+    for method in METHODS:
+        h = oof[oof["method"] == method]
+        pred = h[["prob_0", "prob_1", "prob_2"]].to_numpy().argmax(1)
+        assert table.loc[(method, "f1"), "pooled"] == pytest.approx(f1_score(h["label"], pred, average="macro"), abs=1e-12)
+        assert table.loc[(method, "accuracy"), "pooled"] == pytest.approx(accuracy_score(h["label"], pred), abs=1e-12)
+        assert table.loc[(method, "auc"), "pooled"] == pytest.approx(
+            roc_auc_score(h["label"], h[["prob_0", "prob_1", "prob_2"]].to_numpy(), multi_class="ovr"), abs=1e-9)
