@@ -36,6 +36,10 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
                        "test) stays test in every fold; the other cohorts' input splits are replaced; K >= 3")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="with --crossval: repeat the cross-validation R times with different cuts (seeded by --seed)")
+    p.add_argument("--tiles", metavar="DIR",
+                   help="the --out folder of `wsi-pipeline tile`: slides without usable tiles there (skipped or failed by "
+                   "the tiler, 0 tiles, no complete store) are left out of the manifest before splits are drawn, and "
+                   "counted; so draw splits after tiling (tile with --slides DIR first)")
 
 
 def _add_out(p: argparse.ArgumentParser) -> None:
@@ -182,6 +186,14 @@ def _drawn(df, args: argparse.Namespace):
     """``df`` with splits (and folds) drawn for labelled slides that have none."""
     from wsi_pipeline.manifests.assign import assign_splits, parse_fractions
 
+    if getattr(args, "tiles", None):
+        from wsi_pipeline.manifests.tiled import without_untiled
+
+        df, left = without_untiled(df, args.tiles)
+        if left:
+            shown = "; ".join(f"{sid} ({why})" for sid, why in list(left.items())[:5])
+            print(f"left out {len(left)} slide(s) without usable tiles in {args.tiles}, before drawing splits: {shown}"
+                  + (f" (and {len(left) - 5} more)" if len(left) > 5 else ""), file=sys.stderr)
     if getattr(args, "crossval", None) is not None:
         from wsi_pipeline.manifests.crossval import assign_crossval
 
