@@ -123,9 +123,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"  {len(missing)} slide(s) had no complete tile store and were skipped "
               f"(e.g. {', '.join(missing[:3])}); run `wsi-pipeline tile` for them")
     if summary.n_slides == 0:
-        why = [f"{len(by_tiler)} left out by the tiler" if by_tiler else "", f"{len(missing)} without a tile store" if missing else "",
+        reasons = [f"{len(by_tiler)} left out by the tiler" if by_tiler else "", f"{len(missing)} without a tile store" if missing else "",
                f"{len(summary.failed_slides)} failed" if summary.failed_slides else ""]
-        print(f"wsi-pipeline eval: error: no test or external slide could be scored ({', '.join(w for w in why if w) or 'none listed'}); "
+        print(f"wsi-pipeline eval: error: no test or external slide could be scored ({', '.join(w for w in reasons if w) or 'none listed'}); "
               "nothing was evaluated. Give the manifest test slides that tiled (`wsi-pipeline manifest split --redraw` after "
               "tiling draws splits among them)", file=sys.stderr)
         return 1
