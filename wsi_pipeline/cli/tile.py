@@ -140,6 +140,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: Ignore*, Exclude, Excluded, Background)")
     p.add_argument("--region-min-fraction", type=_fraction, default=0.5, metavar="F",
                    help="keep a tile when at least F of it lies inside the included, not excluded area")
+    p.add_argument("--points", default=None, metavar="FILE_OR_DIR",
+                   help="cut one tile of --tile-size px centred on each given point instead of the grid: a CSV "
+                        "slide_id,x,y[,class] for every slide (an 'image' column is taken as slide_id), or a folder of "
+                        "<slide_id>.csv files (x,y[,class]) or <slide_id>.geojson QuPath exports (Point: the point; "
+                        "Polygon: its centroid; class: the classification). x, y in level-0 px, pixel i covering [i, i+1): "
+                        "tile px (T//2, T//2) is the point's pixel (the centre for odd sizes such as 27). Level 0 only "
+                        "(no --mpp-target). The store records each tile's class (array point_class, an index into the "
+                        "attribute point_classes; -1 = none) and point (point_xy); grid is the T-px grid cell holding "
+                        "the point. By default every point inside the image gets its tile (no foreground rule, see "
+                        "--points-filter); tile QC (--qc) is never applied to point tiles")
+    p.add_argument("--points-edge", choices=LazyChoices("wsi_pipeline.config.choices", "POINT_EDGES"), default="pad",
+                   metavar="RULE",
+                   help="a point tile crossing the image edge, one of %(choices)s: pad (default) = the part outside the "
+                        "image is the slide's glass colour (its reader's background: white unless the slide says "
+                        "otherwise); skip = left out and counted (store attribute points.n_edge_skipped, report note). "
+                        "Points outside the image are always left out and counted")
+    p.add_argument("--points-filter", action="store_true",
+                   help="apply the foreground rule (--method, --min-foreground) to point tiles too and drop those below "
+                        "it (default: off, every point keeps its tile; the foreground fraction is stored either way)")
     p.add_argument("--no-qc", action="store_true", help="do not write QC images (tile QC itself is --qc)")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
     add_output_arguments(p)
@@ -169,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         qc_mode=args.qc, qc_params=qc_params, regions=args.regions, region_include=tuple(args.region_include),
         region_exclude=DEFAULT_REGION_EXCLUDE if args.region_exclude is None else tuple(args.region_exclude),
         region_min_fraction=args.region_min_fraction,
+        points=args.points, points_edge=args.points_edge, points_filter=args.points_filter,
         **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
     )
     if args.workers is not None and args.workers < 0:
