@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, POINT_EDGES, QC_ARTIFACTS, QC_MODES, TILING_METHODS, QCMode, TilingMethod
+from wsi_pipeline.config.choices import (
+    BACKENDS, COMPRESSIONS, POINT_EDGES, QC_ARTIFACTS, QC_MODES, TILING_METHODS, PointEdge, QCMode, TilingMethod,
+)
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES
 
@@ -248,6 +250,15 @@ class TilingConfig:
         return DEFAULT_MIN_FOREGROUND[self.method] if self.min_foreground is None else float(self.min_foreground)
 
 
+def _grey_max_value(value: Any, where: str) -> int | str | None:
+    """``data.tiling.grey_max``: a grey level 0..255 or ``"auto"``."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise ValueError(f"{where}: expected a grey level 0..255 or 'auto', got {value!r}")
+    return int(value)
+
+
 @dataclass(frozen=True)
 class StoreTiling:
     """The ``data.tiling`` section: what the pipeline expects of its tile stores; every field is optional.
@@ -265,6 +276,10 @@ class StoreTiling:
     mpp_target : read resolution in um/px.
     qc_mode : tile artifact QC of the tiler (``drop``, ``flag``, ``off``); the paper pipelines and the
         demo set ``off`` (the papers' tiles).
+    grey_min, grey_max : the greyscale method's grey band (``grey_max``: a level or ``"auto"``).
+    points, points_edge, points_filter : tiles centred on given points (``tile --points``): the
+        points file or folder (relative to the current directory), the edge rule and whether the
+        foreground rule applies. ``tile --config`` uses them; ``predict`` tiles new slides on the grid.
     """
 
     method: TilingMethod | None = None
@@ -272,6 +287,11 @@ class StoreTiling:
     min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
     mpp_target: float | None = field(default=None, metadata=spec(gt=0))
     qc_mode: QCMode | None = None
+    grey_min: int | None = field(default=None, metadata=spec(ge=0, le=255))
+    grey_max: int | str | None = field(default=None, metadata=spec(parse=_grey_max_value))
+    points: str | None = None
+    points_edge: PointEdge | None = None
+    points_filter: bool | None = None
 
 
 def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | None = None) -> TilingConfig:
