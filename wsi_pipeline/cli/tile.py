@@ -32,7 +32,7 @@ def _given(value: object) -> bool:
     return value is not None and not isinstance(value, _Default)
 
 
-def _value(value: object) -> object:
+def _value(value: Any) -> Any:
     return value.value if isinstance(value, _Default) else value
 
 
@@ -225,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
 
     drop = tuple(a.strip() for a in args.qc_drop.split(",") if a.strip())
     qc_params = QCParams(drop=drop, pen_fraction=args.qc_pen, focus_min=args.qc_focus_min)
-    settings = {name: _value(getattr(args, dest)) for name, dest in _TILING_FLAGS.items()}
+    settings: dict[str, Any] = {name: _value(getattr(args, dest)) for name, dest in _TILING_FLAGS.items()}
     source, out = args.slides if args.slides is not None else args.manifest, args.out
     if args.config is not None:
         from wsi_pipeline.config.pipeline import load_config
