@@ -39,7 +39,7 @@ def _reference(img: np.ndarray, x: float, y: float, T: int, fill: int = 255) -> 
 
 POINTS = [  # (x, y, class): inside, on the corners and edges, fractional, outside
     (30.0, 20.0, "epithelial"), (0.0, 0.0, "fibroblast"), (60.9, 46.2, "epithelial"), (3.4, 44.99, ""),
-    (59.0, 2.0, "inflammatory"), (13.5, 23.7, "epithelial"), (61.0, 10.0, "fibroblast"), (-0.5, 5.0, "others"),
+    (59.0, 2.0, "inflammatory"), (13.5, 23.7, "epithelial"), (61.5, 10.0, "fibroblast"), (-0.5, 5.0, "others"),
 ]
 
 
@@ -169,8 +169,10 @@ def test_bad_point_files_fail_the_slide_with_the_file_named(tmp_path: Path) -> N
 
 
 def test_origins_and_mask_fraction_rules() -> None:
-    w = point_origins(np.array([[0.0, 0.0], [9.99, 9.99], [10.0, 3.0], [-0.01, 3.0]]), 5, (10, 10), "pad")
-    assert w.index.tolist() == [0, 1] and w.origins.tolist() == [[-2, -2], [7, 7]] and w.n_outside == 2 and w.n_padded == 2
+    xy = np.array([[0.0, 0.0], [9.99, 9.99], [10.01, 3.0], [-0.01, 3.0], [10.0, 10.0]])
+    w = point_origins(xy, 5, (10, 10), "pad")
+    assert w.index.tolist() == [0, 1, 4] and w.n_outside == 2 and w.n_padded == 3
+    assert w.origins.tolist() == [[-2, -2], [7, 7], [7, 7]]  # on the far border (x = W): the last pixel
     s = point_origins(np.array([[2.0, 2.0], [1.0, 5.0]]), 5, (10, 10), "skip")
     assert s.index.tolist() == [0] and s.n_edge_skipped == 1
     mask = np.zeros((4, 4), bool)

@@ -1,8 +1,9 @@
 """Tiles centred on given points (``tile --points``): point files in, one tile per point out.
 
 **Point files** (:func:`read_points`), level-0 px of the full image, pixel ``i`` covering
-``[i, i + 1)`` (so a point at x = 148.78 lies in pixel 148; 1-based coordinates, as MATLAB
-writes them, need 1 subtracted first):
+``[i, i + 1)`` (so a point at x = 148.78 lies in pixel 148, and a point on the far border,
+x = W exactly, in the last pixel W - 1; 1-based pixel indices, as MATLAB writes them, need 1
+subtracted first):
 
 - one CSV for every slide with columns ``slide_id`` (or ``image``), ``x``, ``y`` and optionally
   ``class``; rows of other slides are ignored;
@@ -197,7 +198,10 @@ def point_origins(xy: np.ndarray, tile_size: int, dimensions: tuple[int, int], e
         raise ValueError(f"points edge={edge!r}; expected one of {POINT_EDGES}")
     T = int(tile_size)
     W, H = int(dimensions[0]), int(dimensions[1])
-    pix = np.floor(np.asarray(xy, np.float64).reshape(-1, 2)).astype(np.int64)
+    xy = np.asarray(xy, np.float64).reshape(-1, 2)
+    pix = np.floor(xy).astype(np.int64)
+    pix[:, 0][xy[:, 0] == W] = W - 1  # on the far border: the last pixel
+    pix[:, 1][xy[:, 1] == H] = H - 1
     inside_image = (pix[:, 0] >= 0) & (pix[:, 1] >= 0) & (pix[:, 0] < W) & (pix[:, 1] < H)
     origins = pix - T // 2
     whole = (origins[:, 0] >= 0) & (origins[:, 1] >= 0) & (origins[:, 0] + T <= W) & (origins[:, 1] + T <= H)
