@@ -1,6 +1,6 @@
-"""A folder of PNG images with point annotations through manifest folder -> tile --points -> train -> eval:
-point stores train (frozen and end to end) and evaluate, and their heatmap files place each tile
-at its point."""
+"""A folder of PNG images with point annotations through manifest folder -> tile --points -> train -> eval
+-> predict: point stores train (frozen and end to end) and evaluate, their heatmap files place each tile
+at its point, and predict reads a folder of new PNG images."""
 
 from __future__ import annotations
 
@@ -74,3 +74,13 @@ def test_point_stores_train_and_evaluate(tmp_path: Path, monkeypatch) -> None:
     np.testing.assert_array_equal(df[["x", "y"]].to_numpy(), test_store.coords)  # centred on the points
     np.testing.assert_array_equal(df[["col", "row"]].to_numpy(), test_store.grid)
     np.testing.assert_array_equal(test_store.coords + 13, np.floor(test_store.array("point_xy")).astype(np.int64))
+    # predict reads a folder of new images (no points: the model's 27 px tiles on the grid)
+    (tmp_path / "new").mkdir()
+    for i in (6, 7):  # tissue all over (the grid's tissue rule keeps whole tiles of it)
+        Image.fromarray(rng.integers(60, 200, (72, 80, 3), dtype=np.uint8)).save(tmp_path / "new" / f"new{i}.png")
+    assert main(["predict", "--model", str(tmp_path / "runs" / "pts" / "fz" / "seed0"), "--slides", str(tmp_path / "new"),
+                 "--out", str(tmp_path / "pred"), "--device", "cpu", "--no-heatmaps"]) == 0
+    pred = pd.read_csv(tmp_path / "pred" / "predictions.csv")
+    assert sorted(pred["slide_id"]) == ["new6", "new7"] and np.isfinite(pred["prob_1"]).all()
+    new6 = open_store(tmp_path / "pred" / "tiles" / "new6.zarr")
+    assert new6.attrs["tile_size"] == 27 and len(new6) == (72 // 27) * (80 // 27)
