@@ -84,7 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "no slides found, or an --out that cannot be created or written (checked before any work). Formats: "
             "whatever OpenSlide reads (SVS, NDPI, SCN, MRXS, BIF, DICOM, generic tiled TIFF, ...), through tiffslide "
             "OME-TIFF, and through wsidicom DICOM WSI (a folder of one slide's .dcm files, or one .dcm file); "
-            "plain images (PNG, JPEG, BMP through Pillow; plain striped or tiled TIFF) as one-level slides. "
+            "plain images (PNG, JPEG, BMP through Pillow; plain striped or tiled TIFF) as one-level slides (a "
+            "72-300 dpi resolution tag is ignored: give their mpp in a manifest mpp column or with --mpp; keep --out "
+            "and other outputs with PNG files outside an image folder). With --points, one tile centred on each given "
+            "point instead of the grid. "
             "With --config PIPELINE.yaml the pipeline's data.tiling settings are used (the tile flags given "
             "override them), and --manifest / --out default to its data.manifest / data.tiles_dir."
         ),
