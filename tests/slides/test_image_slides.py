@@ -176,7 +176,12 @@ def test_manifest_folder_and_tile_over_a_folder_of_pngs(tmp_path: Path, caplog: 
     for sid in imgs:
         said = [r for r in caplog.records if f"{sid}.png" in r.getMessage() and "96 dpi" in r.getMessage()]
         assert len(said) == 1
-    # --mpp fills in the slides whose tag was ignored (the store is rebuilt: its mpp depended on the fallback)
+    # rerun with --mpp: only the store whose mpp depended on the fallback (tag ignored, no manifest mpp) is rebuilt
+    assert main(["tile", "--manifest", str(manifest), "--out", str(out), "--tile-size", "32", "--workers", "0",
+                 "--method", "greyscale", "--qc", "off", "--min-foreground", "0", "--mpp", "0.5"]) == 0
+    again = pd.read_csv(out / "tiling_report.csv", keep_default_na=False).set_index("slide_id")
+    assert list(again["status"]) == ["skipped", "skipped", "ok"] and again.loc["img3", "mpp_source"] == "run-fallback"
+    # --mpp fills in the slides whose tag was ignored
     assert main(["tile", "--slides", str(tmp_path / "images"), "--out", str(tmp_path / "t2"), "--tile-size", "32",
                  "--workers", "0", "--method", "greyscale", "--qc", "off", "--mpp", "0.5"]) == 0
     r2 = pd.read_csv(tmp_path / "t2" / "tiling_report.csv", keep_default_na=False)
