@@ -28,7 +28,7 @@ name                   values                                       used by
 ``QC_ARTIFACTS``       pen, blur, fold                              ``tile --qc-drop``
 ``POINT_EDGES``        pad, skip                                    ``tile --points-edge``
 ``COMPRESSIONS``       zstd, none, jpeg                             ``tile --compression``
-``BACKENDS``           auto, openslide, tiffslide, wsidicom         ``tile --backend``
+``BACKENDS``           auto, openslide, tiffslide, wsidicom, pillow ``tile --backend``
 ``BACKBONE_SCALES``    full, paper                                  ``patchgd.backbone_scale``
 ``PARTIAL_WINDOWS``    step, drop                                   ``patchgd.partial_window``
 ``PATCHGD_PRESETS``    default, paper                               ``patchgd.preset``
