@@ -179,3 +179,13 @@ def test_origins_and_mask_fraction_rules() -> None:
     mask[1:3, 1:3] = True  # 2 level-0 px per mask px
     got = mask_fraction(mask, 2.0, np.array([[2, 2], [0, 0], [-2, -2], [6, 6]]), 4)
     np.testing.assert_allclose(got, [1.0, 0.25, 0.0, 0.0])
+
+
+def test_a_slide_without_points_gets_an_empty_complete_store(tmp_path: Path) -> None:
+    path = tmp_path / "s.png"
+    Image.fromarray(_image(6)).save(path)
+    pd.DataFrame({"slide_id": ["other"], "x": [3], "y": [3]}).to_csv(tmp_path / "p.csv", index=False)
+    rep = tile_cohort([SlideJob("s", str(path))], tmp_path / "out", _cfg(27, points=str(tmp_path / "p.csv")), workers=0, progress=False)
+    assert rep.ok and rep.results[0].n_tiles == 0 and rep.results[0].note.startswith("points: 0 of 0 tiled")
+    st = open_store(tmp_path / "out" / "s.zarr")
+    assert len(st) == 0 and st.array("point_class").shape == (0,) and st.array("point_xy").shape == (0, 2)
