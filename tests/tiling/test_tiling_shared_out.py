@@ -310,12 +310,12 @@ def test_no_slides_is_an_error_naming_the_folder_and_extensions(tmp_path: Path, 
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "notes.txt").write_text("x")
-    (empty / "photo.jpg").write_bytes(b"x")
+    (empty / "photo.gif").write_bytes(b"x")  # not an image ending read as a slide (.png .jpg .jpeg .bmp are)
     code = main(["tile", "--method", "greyscale", "--qc", "off", "--slides", str(empty), "--out", str(tmp_path / "out"), "--no-progress"])
     err = capsys.readouterr().err
     assert code == 2
     assert f"no slide files under {empty}" in err and ".svs" in err and ".ome.tiff" in err and ".dcm" in err
-    assert "notes.txt" in err and "photo.jpg" in err
+    assert "notes.txt" in err and "photo.gif" in err and ".png" in err
     _no_traceback(err)
     assert not (tmp_path / "out").exists()  # nothing written
 

@@ -1,5 +1,6 @@
-"""Slide reading: one interface (``base``) over the OpenSlide, tiffslide (``backends``) and DICOM
-(``dicom``) readers, chosen by :func:`open_slide` (``opener``); resolution (``mpp``) and file identity."""
+"""Slide reading: one interface (``base``) over the OpenSlide, tiffslide (``backends``), DICOM
+(``dicom``) and plain-image (``image``: PNG, JPEG, BMP through Pillow) readers, chosen by
+:func:`open_slide` (``opener``); resolution (``mpp``) and file identity."""
 
 from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.slides.fingerprint import slide_fingerprint

@@ -52,6 +52,10 @@ def store_identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dic
             identity["regions_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         except FileNotFoundError:
             identity["regions_sha256"] = None  # tiling the slide reports the missing file
+    if config.points is not None:  # the slide's own points: edited points rebuild the store
+        from wsi_pipeline.tiling.points import points_sha256
+
+        identity["points_sha256"] = points_sha256(config.points, job.slide_id)
     return json.loads(json.dumps(identity))  # as the store's attributes hold it (tuples become lists)
 
 
@@ -77,7 +81,8 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     if attrs.get("tiling_identity") != store_identity(job, config, fingerprint):
         return None
     # a store whose mpp came from the fallback (or that had none) depends on the fallback too
-    if attrs.get("mpp_source") in ("run-fallback", "none") and attrs.get("slide_mpp") != valid_mpp(config.mpp):
+    source = str(attrs.get("mpp_source", ""))
+    if (source in ("run-fallback", "none") or source.startswith("ignored")) and attrs.get("slide_mpp") != valid_mpp(config.mpp):
         return None
     return attrs
 
