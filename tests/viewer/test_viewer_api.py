@@ -1,0 +1,176 @@
+"""The viewer without a browser: the list, tiles against the reader, overlays against the data, clicks, errors."""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from PIL import Image
+
+from wsi_pipeline.cli.main import main
+from wsi_pipeline.data.store import open_store
+from wsi_pipeline.export.heatmap import colormap
+from wsi_pipeline.slides import open_slide
+from wsi_pipeline.viewer import Catalog, SlideEntry, build_catalog
+from wsi_pipeline.viewer.overlays import COLOURS, OUTLINE_PX, SlideOverlays
+from wsi_pipeline.viewer.tiles import TILE, DeepZoomTiles, SlideTiles, StoreTiles, max_zoom
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read()
+
+
+def test_list_names_every_slide_sorted_by_probability_and_marks_the_broken_one(server, cohort) -> None:
+    pred = pd.read_csv(cohort["pred"] / "predictions.csv")
+    expected = pred.assign(p=pred[["prob_0", "prob_1"]].max(axis=1)).sort_values("p", ascending=False)["slide_id"].tolist()
+    data = json.loads(_get(server.url + "api/slides?sort=prob&order=desc"))
+    ids = [r["slide_id"] for r in data["rows"]]
+    assert sorted(ids) == ["broken", "gone", "les", "pen"]  # every slide of the folder, the store-only one too
+    assert ids[: len(expected)] == expected  # slides without a probability come last
+    status = {r["slide_id"]: r["status"] for r in data["rows"]}
+    assert "not a readable whole-slide image" in status["broken"]
+    assert all(status[s] == "ok" for s in ("pen", "les", "gone"))
+    by_split = json.loads(_get(server.url + "api/slides?sort=split"))["rows"]
+    assert [r["split"] for r in by_split if r["split"]] == ["test", "train", "val"]
+    info = json.loads(_get(server.url + "api/slide/broken"))
+    assert "broken.svs" in info["error"]
+
+
+def test_list_pages_thousands_of_slides() -> None:
+    cat = Catalog()
+    rng = np.random.default_rng(0)
+    probs = rng.random(5000)
+    for i, p in enumerate(probs):
+        cat.entries[f"s{i:05d}"] = SlideEntry(f"s{i:05d}", prob=float(p))
+    total, rows = cat.page(sort="prob", descending=True, offset=100, limit=50)
+    assert total == 5000 and len(rows) == 50
+    np.testing.assert_allclose([r.prob for r in rows], np.sort(probs)[::-1][100:150])
+    total, rows = cat.page(query="s0499", limit=500)
+    assert total == 10 and {r.slide_id for r in rows} == {f"s0499{k}" for k in range(10)}
+
+
+@pytest.mark.parametrize("backend", ["openslide", "tiffslide"])
+def test_tiles_are_the_slide_at_every_zoom(cohort, backend: str) -> None:
+    """Level 0 tiles are the reader's pixels exactly; zoomed-out tiles are the level-0 pixels box-averaged."""
+    slide = open_slide(cohort["slides"] / "les.svs", backend)
+    src = DeepZoomTiles(slide) if backend == "openslide" else SlideTiles(slide)
+    try:
+        ref = open_slide(cohort["slides"] / "les.svs", backend)
+        zmax = max_zoom(slide.dimensions)
+        np.testing.assert_array_equal(src.tile(zmax, 2, 3), ref.read_region((512, 768), 0, (TILE, TILE)))
+        # zoom zmax - 2: 4 level-0 px per screen px; the reference: level 0 averaged over 4 x 4 blocks
+        full = ref.read_region((1024, 1024), 0, (4 * TILE, 4 * TILE)).astype(np.float64)
+        expect = full.reshape(TILE, 4, TILE, 4, 3).mean(axis=(1, 3))
+        got = src.tile(zmax - 2, 1, 1).astype(np.float64)
+        assert np.abs(got - expect).mean() < 4.0
+        # the whole slide in one tile at zoom 0, padded with the background
+        t0 = src.tile(0, 0, 0)
+        w, h = slide.dimensions
+        s = 1 << zmax
+        assert t0.shape == (TILE, TILE, 3)
+        assert (t0[-(TILE - -(-h // s)):, :] == slide.background).all()
+        with pytest.raises(ValueError, match="outside"):
+            src.tile(zmax, 100, 0)
+        ref.close()
+    finally:
+        src.close()
+
+
+def test_store_alone_gives_the_stored_tiles(cohort) -> None:
+    store = open_store(cohort["tiles"] / "gone.zarr")
+    src = StoreTiles(store)
+    assert src.dimensions == tuple(store.attrs["slide_dimensions"])
+    zmax = max_zoom(src.dimensions)
+    x, y = (int(v) for v in store.coords[0])
+    assert x % TILE == 0 and y % TILE == 0  # the tiler's grid is the viewer's at zoom max
+    np.testing.assert_array_equal(src.tile(zmax, x // TILE, y // TILE), store.read([0])[0])
+    np.testing.assert_array_equal(src.region(x + 10, y + 20, 50, 40), store.read([0])[0][20:60, 10:60])
+    assert src.tile(0, 0, 0).shape == (TILE, TILE, 3)
+
+
+def _overlays(cohort, sid: str) -> SlideOverlays:
+    store = open_store(cohort["tiles"] / f"{sid}.zarr")
+    dims = tuple(store.attrs["slide_dimensions"])
+    return SlideOverlays(dims, store=store, scores=cohort["pred"] / "heatmaps" / f"{sid}_scores.csv",
+                         lesion_mask=cohort["manifest"].parent / "masks" / f"{sid}.png", mask_downsample=16)
+
+
+def test_heatmap_top_tile_is_the_top_of_the_scale_and_dropped_tiles_are_red(cohort) -> None:
+    ov = _overlays(cohort, "pen")
+    scores = pd.read_csv(cohort["pred"] / "heatmaps" / "pen_scores.csv")
+    top = scores.loc[scores["attention"].idxmax()]
+    zmax = max_zoom(ov.dimensions)
+    tx, ty = int(top["x"]) // TILE, int(top["y"]) // TILE
+    img = ov.render("heatmap", zmax, tx, ty)
+    cx, cy = int(top["x"]) - tx * TILE + 128, int(top["y"]) - ty * TILE + 128
+    assert tuple(img[cy, cx]) == (*colormap(np.array(1.0)).tolist(), 255)
+    low = scores.loc[scores["attention"].idxmin()]
+    lx, ly = int(low["x"]) // TILE, int(low["y"]) // TILE
+    assert tuple(ov.render("heatmap", zmax, lx, ly)[128, 128, :3]) == tuple(colormap(np.array(0.0)).tolist())
+    # QC: the store records where it dropped tiles and why; their outlines are red, inside transparent
+    store = open_store(cohort["tiles"] / "pen.zarr")
+    dropped = store.array("qc_dropped_coords")
+    flags = store.array("qc_dropped_flags")
+    assert len(dropped) == store.attrs["qc"]["n_dropped"] > 0 and (flags & 1).any()  # pen
+    x, y = (int(v) for v in dropped[0])
+    q = ov.render("qc", zmax, x // TILE, y // TILE)
+    ox, oy = x % TILE, y % TILE
+    assert tuple(q[oy + 128, ox + 1]) == (*COLOURS["dropped"], 255)
+    assert tuple(q[oy + 128, ox + OUTLINE_PX + 2]) == (0, 0, 0, 0)
+    assert not ov.render("qc", zmax, x // TILE, y // TILE, reasons=("fold",))[oy + 128, ox + 1].any()
+    info = ov.tile_at(x + 5, y + 5)
+    assert info is not None and info["status"] == "dropped by QC" and "pen" in info["qc_flags"]
+    info = ov.tile_at(float(top["x"]) + 100, float(top["y"]) + 100)
+    assert info is not None and info["position"] == 1 and info["tile"] == int(top["tile"])
+    assert info["x"] == int(top["x"]) and "qc_focus" in info
+
+
+def test_lesion_overlay_follows_the_mask(cohort) -> None:
+    ov = _overlays(cohort, "les")
+    mask = np.asarray(Image.open(cohort["manifest"].parent / "masks" / "les.png")) > 127
+    zmax = max_zoom(ov.dimensions)
+    # zoom zmax - 4: 16 level-0 px per screen px = one mask px per screen px
+    img = ov.render("lesion", zmax - 4, 0, 0)
+    h, w = mask.shape
+    np.testing.assert_array_equal(img[:h, :w, 3] > 0, mask)
+    assert mask.any() and (img[:h, :w][mask][:, :3] == COLOURS["lesion"]).all()
+
+
+def test_crop_is_full_resolution(server, cohort) -> None:
+    png = _get(server.url + "crop/les?x=700&y=900&size=300")
+    got = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    with open_slide(cohort["slides"] / "les.svs") as s:
+        np.testing.assert_array_equal(got, s.read_region((700, 900), 0, (300, 300)))
+    with pytest.raises(urllib.error.HTTPError) as e:
+        _get(server.url + "api/slide/nosuch")
+    assert e.value.code == 404
+    e.value.close()
+
+
+def test_cli_errors_name_the_folder_and_the_port(tmp_path: Path, capsys, cohort) -> None:
+    assert main(["view", "--slides", str(tmp_path / "absent")]) == 2
+    assert "slides folder not found" in capsys.readouterr().err
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        assert main(["view", "--tiles", str(cohort["tiles"]), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"port {port}" in err and "already in use" in err
+    assert main(["view", "--tiles", str(cohort["tiles"]), "--port", "0", "--seconds", "0.5"]) == 0
+    assert "3 slides at http://127.0.0.1:" in capsys.readouterr().out
+
+
+def test_catalog_joins_sources(cohort) -> None:
+    cat = build_catalog(predictions=cohort["pred"])  # predictions alone: the slides it predicted
+    assert set(cat.entries) == {"pen", "les"} and cat.get("les").prob == pytest.approx(0.9)
+    with pytest.raises(FileNotFoundError, match="predictions folder not found"):
+        build_catalog(predictions=cohort["pred"] / "nope")
