@@ -174,3 +174,40 @@ def test_catalog_joins_sources(cohort) -> None:
     assert set(cat.entries) == {"pen", "les"} and cat.get("les").prob == pytest.approx(0.9)
     with pytest.raises(FileNotFoundError, match="predictions folder not found"):
         build_catalog(predictions=cohort["pred"] / "nope")
+
+
+def test_eval_results_list_one_method_averaged_over_seeds(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    rows = []
+    for method in ("transmil", "abmil"):
+        for seed in range(3):
+            for sid in ("a", "b", "c"):
+                p = float(rng.random())
+                rows.append({"slide_id": sid, "cohort": "x", "label": int(sid == "b"), "pred": int(p > 0.5),
+                             "prob_0": 1 - p, "prob_1": p, "method": method, "seed": seed})
+    df = pd.DataFrame(rows)
+    df.to_csv(tmp_path / "predictions_x_all.csv", index=False)
+    df.assign(prob_1=0.0).to_csv(tmp_path / "predictions_x_sub8x10.csv", index=False)  # not the 'all' protocol: ignored
+    for method in (None, "abmil"):
+        cat = build_catalog(predictions=tmp_path, method=method)
+        chosen = df[df["method"] == (method or "transmil")].groupby("slide_id")[["prob_0", "prob_1"]].mean()
+        for sid in ("a", "b", "c"):
+            e = cat.get(sid)
+            assert e.prob == pytest.approx(chosen.loc[sid].max())
+            assert e.pred == int(chosen.loc[sid].to_numpy().argmax()) and e.label == int(sid == "b")
+    with pytest.raises(ValueError, match="no method 'dtfd'"):
+        build_catalog(predictions=tmp_path, method="dtfd")
+
+
+def test_printed_view_command_parses_to_the_same_sources(tmp_path: Path) -> None:
+    import shlex
+
+    from wsi_pipeline.cli.main import build_parser
+    from wsi_pipeline.viewer import view_command
+
+    cmd = view_command(manifest=tmp_path / "a b" / "m.csv", predictions=tmp_path / "res", tiles=tmp_path / "tiles", port=9000)
+    argv = shlex.split(cmd)
+    assert argv[:2] == ["wsi-pipeline", "view"]
+    args = build_parser().parse_args(argv[1:])
+    assert (Path(args.manifest), Path(args.predictions), Path(args.tiles), args.port) == (
+        tmp_path / "a b" / "m.csv", tmp_path / "res", tmp_path / "tiles", 9000)

@@ -111,8 +111,8 @@ def test_heatmap_colour_at_the_top_tile_is_the_top_of_the_scale(page, cohort) ->
     img = _shot(page)
     assert np.abs(img[py, px] - colormap(np.array(1.0)).astype(np.int16)).max() <= 2
     if os.environ.get("WSI_VIEWER_DOCS") == "1":
-        _only(page, ["heatmap", "tiles", "tissue", "lesion"], opacity=60)
-        _go(page, 1280, 1024, zoom_below_max=3)
+        _only(page, ["heatmap", "tiles", "qc", "tissue", "lesion"], opacity=60)
+        _go(page, 1280, 1024, zoom_below_max=2)
         page.click("#map", position={"x": px - 300, "y": py - 10})
         page.wait_for_function("document.querySelector('#crop') && document.querySelector('#crop').complete")
         DOCS.mkdir(parents=True, exist_ok=True)

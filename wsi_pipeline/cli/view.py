@@ -8,23 +8,11 @@ import logging
 import sys
 import threading
 
-__all__ = ["command_for", "register", "run"]
+__all__ = ["register", "run"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8765
-
-
-def command_for(*, slides: str | None = None, predictions: str | None = None, tiles: str | None = None,
-                manifest: str | None = None, port: int = DEFAULT_PORT) -> str:
-    """The ``wsi-pipeline view`` command line for these sources (the demo prints it)."""
-    parts = ["wsi-pipeline view"]
-    for flag, value in (("--slides", slides), ("--manifest", manifest), ("--predictions", predictions), ("--tiles", tiles)):
-        if value is not None:
-            parts += [flag, str(value)]
-    if port != DEFAULT_PORT:
-        parts += ["--port", str(port)]
-    return " ".join(parts)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     src.add_argument("--predictions", metavar="DIR", help="`predict --out` folder (predictions.csv, heatmaps/, tiles/)")
     src.add_argument("--results", metavar="DIR", dest="predictions",
                      help="`eval` results folder (predictions_<cohort>_<protocol>.csv, heatmaps/); same as --predictions")
+    p.add_argument("--method", metavar="NAME", help="an eval results folder lists every method and seed: show this "
+                   "method's predictions, averaged over its seeds (default: the first method in the file)")
     p.add_argument("--tiles", metavar="DIR", help="folder of <slide_id>.zarr tile stores (kept and QC tiles, tissue "
                    "contours; slides whose file is gone are viewed from their store); default: <predictions>/tiles")
     p.add_argument("--annotations", metavar="DIR", help="folder of QuPath GeoJSON annotations, <slide_id>.geojson")
@@ -61,6 +51,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "shares the slides with everyone who can reach it, without a password: a warning says so")
     p.add_argument("--max-open", type=int, default=None, metavar="N",
                    help="slides kept open at once, least recently viewed closed first (default 16)")
+    p.add_argument("--backend", default="auto", metavar="READER",
+                   help="slide reader: auto (default: OpenSlide, then tiffslide, then wsidicom), openslide, tiffslide or "
+                        "wsidicom; slides OpenSlide reads are tiled by its DeepZoom generator, others by the reader")
     p.add_argument("--seconds", type=float, default=0.0, metavar="S",
                    help="stop serving after S seconds (default 0: until Ctrl-C)")
     p.set_defaults(func=run)
@@ -83,10 +76,10 @@ def run(args: argparse.Namespace) -> int:
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port {args.port}: expected 0..65535")
     catalog = build_catalog(slides=args.slides, manifest=args.manifest, predictions=args.predictions, tiles=args.tiles,
-                            annotations=args.annotations)
+                            annotations=args.annotations, method=args.method)
     if not _is_loopback(args.host):
         log.warning("serving on %s: anyone who can reach this address can see every listed slide (no password)", args.host)
-    server = make_server(catalog, host=args.host, port=args.port, max_open=args.max_open or MAX_OPEN)
+    server = make_server(catalog, host=args.host, port=args.port, max_open=args.max_open or MAX_OPEN, backend=args.backend)
     print(f"wsi-pipeline view: {len(catalog.entries)} slides at {server.url} (Ctrl-C to stop)", flush=True)
     timer = None
     if args.seconds > 0:

@@ -19,7 +19,7 @@ Stack, and why:
   slide with 100,000 tiles costs the browser no more than one with 100.
 """
 
-from wsi_pipeline.viewer.catalog import SORT_KEYS, Catalog, SlideEntry, build_catalog
+from wsi_pipeline.viewer.catalog import SORT_KEYS, Catalog, SlideEntry, build_catalog, view_command
 from wsi_pipeline.viewer.server import MAX_OPEN, ViewerServer, make_server
 
-__all__ = ["MAX_OPEN", "SORT_KEYS", "Catalog", "SlideEntry", "ViewerServer", "build_catalog", "make_server"]
+__all__ = ["MAX_OPEN", "SORT_KEYS", "Catalog", "SlideEntry", "ViewerServer", "build_catalog", "make_server", "view_command"]

@@ -21,16 +21,18 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from wsi_pipeline.slide_ids import slide_output_path, slide_id_problem
 from wsi_pipeline.slides.finder import find_slide_files
 
-__all__ = ["SORT_KEYS", "Catalog", "SlideEntry", "build_catalog"]
+__all__ = ["SORT_KEYS", "Catalog", "SlideEntry", "build_catalog", "view_command"]
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,9 @@ def _prediction_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: (0 if p.stem.endswith("_all") else 1, p.name))
 
 
-def _add_predictions(cat: Catalog, folder: Path) -> None:
+def _add_predictions(cat: Catalog, folder: Path, method: str | None = None) -> None:
+    """Predictions of each slide: a predict folder has one row per slide; an eval folder has one per method and
+    seed: the rows of ``method`` (default: the first method in the file) averaged over its seeds."""
     files = _prediction_files(folder)
     if not files:
         log.warning("predictions folder %s has no predictions.csv or predictions_*.csv; its heatmaps are used if any", folder)
@@ -196,20 +200,35 @@ def _add_predictions(cat: Catalog, folder: Path) -> None:
         df = pd.read_csv(f, dtype={"slide_id": str})
         if "slide_id" not in df.columns:
             raise ValueError(f"predictions file {f}: no column 'slide_id' (columns: {', '.join(map(str, df.columns))})")
+        if ("method" in df.columns and df["method"].nunique() > 1) or method is not None:
+            if "method" not in df.columns:
+                raise ValueError(f"predictions file {f} has no column 'method' to choose {method!r} from")
+            names = list(dict.fromkeys(df["method"].astype(str)))
+            chosen = method or names[0]
+            if chosen not in names:
+                raise ValueError(f"predictions file {f}: no method {chosen!r}; it has {', '.join(names)}")
+            df = df[df["method"].astype(str) == chosen]
+            cat.sources[-1] += f" (method {chosen})"
         prob_cols = [c for c in df.columns if str(c).startswith("prob_") and str(c)[5:].isdigit()]
-        for rec in df.to_dict("records"):
-            sid = str(rec["slide_id"])
+        numeric = [c for c in [*prob_cols, "risk"] if c in df.columns]
+        per_slide = df.groupby("slide_id", sort=False)
+        mean = per_slide[numeric].mean() if numeric else None
+        for sid, rows in per_slide:
+            sid = str(sid)
             if sid in seen or slide_id_problem(sid) is not None:
                 continue  # the first file (the 'all' protocol) wins
             seen.add(sid)
             e = cat.entry(sid)
-            e.pred = _clean(rec.get("pred"))
-            probs = [_clean(rec.get(c)) for c in prob_cols]
-            probs = [p for p in probs if isinstance(p, (int, float))]
-            e.prob = float(max(probs)) if probs else None
-            risk = _clean(rec.get("risk"))
-            e.risk = float(risk) if isinstance(risk, (int, float)) else None
-            lab = _clean(rec.get("label"))
+            probs = [float(mean.at[sid, c]) for c in prob_cols] if mean is not None else []
+            probs = [p for p in probs if not math.isnan(p)]
+            e.prob = max(probs) if probs else None
+            if probs and len(probs) == len(prob_cols):
+                e.pred = int(np.argmax(probs))  # the class of the largest mean probability
+            elif "pred" in rows.columns:
+                e.pred = _clean(rows["pred"].iloc[0])
+            if "risk" in numeric and mean is not None and not math.isnan(float(mean.at[sid, "risk"])):
+                e.risk = float(mean.at[sid, "risk"])
+            lab = _clean(rows["label"].iloc[0]) if "label" in rows.columns else None
             if lab is not None:
                 e.label = lab
     heat = folder / "heatmaps"
@@ -239,9 +258,11 @@ def build_catalog(
     predictions: str | os.PathLike | None = None,
     tiles: str | os.PathLike | None = None,
     annotations: str | os.PathLike | None = None,
+    method: str | None = None,
 ) -> Catalog:
     """Collect the slides of the given sources (see the module docstring).
 
+    ``method``: the model whose predictions an eval results folder lists (default: its first).
     Raises ``FileNotFoundError`` naming a folder or file that does not exist, and ``ValueError`` when the
     sources hold no slide at all.
     """
@@ -258,7 +279,7 @@ def build_catalog(
     if predictions is not None:
         pred_dir = _folder(predictions, "predictions")
         cat.sources.append(f"predictions {pred_dir}")
-        _add_predictions(cat, pred_dir)
+        _add_predictions(cat, pred_dir, method)
     if tiles is not None:
         cat.sources.append(f"tiles {tiles}")
         _add_tiles(cat, _folder(tiles, "tiles"), create=True)
@@ -275,3 +296,16 @@ def build_catalog(
         raise ValueError(f"no slides to view in {', '.join(cat.sources) or 'no source'}: give --slides, --manifest, "
                          "--predictions/--results or --tiles with at least one slide")
     return cat
+
+
+def view_command(*, slides: str | os.PathLike | None = None, manifest: str | os.PathLike | None = None,
+                 predictions: str | os.PathLike | None = None, tiles: str | os.PathLike | None = None,
+                 port: int | None = None) -> str:
+    """The ``wsi-pipeline view`` command line that lists these sources (printed by the demo)."""
+    parts = ["wsi-pipeline view"]
+    for flag, value in (("--slides", slides), ("--manifest", manifest), ("--predictions", predictions), ("--tiles", tiles)):
+        if value is not None:
+            parts += [flag, shlex.quote(str(value))]
+    if port is not None:
+        parts += ["--port", str(port)]
+    return " ".join(parts)

@@ -71,9 +71,10 @@ class _Open:
 class _Slides:
     """Open slides, least recently used closed first; open errors remembered per slide."""
 
-    def __init__(self, catalog: Catalog, max_open: int = MAX_OPEN) -> None:
+    def __init__(self, catalog: Catalog, max_open: int = MAX_OPEN, backend: str = "auto") -> None:
         self.catalog = catalog
         self.max_open = max_open
+        self.backend = backend
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self.errors: dict[str, str] = {}
         self._lock = threading.Lock()
@@ -88,7 +89,7 @@ class _Slides:
                 log.warning("slide %s: tile store %s not usable: %s", e.slide_id, e.store, err)
         source: TileSource
         if e.path is not None and e.path.exists():
-            slide = open_slide(e.path)
+            slide = open_slide(e.path, self.backend)
             source = DeepZoomTiles(slide) if slide.backend == "openslide" else SlideTiles(slide)
             kind = f"slide ({slide.backend})"
         elif store is not None:
@@ -131,6 +132,11 @@ class _Slides:
                     _, old = self._open.popitem(last=False)
                     old.source.close()
             return opened
+
+    @property
+    def n_open(self) -> int:
+        """Slides open now (at most ``max_open``)."""
+        return len(self._open)
 
     def status(self, slide_id: str) -> str:
         """"ok" or the open error (opens the slide when not yet tried)."""
@@ -236,10 +242,10 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(200, encode(np.ascontiguousarray(crop), "PNG"), "image/png")
         elif parts[0] == "geojson" and len(parts) == 3:
             entry = slides.catalog.get(parts[1])
-            path = {"tissue": entry.tissue, "annotations": entry.annotations}.get(parts[2])
-            if path is None:
+            geojson = {"tissue": entry.tissue, "annotations": entry.annotations}.get(parts[2])
+            if geojson is None:
                 raise KeyError(f"slide {parts[1]} has no {parts[2]} GeoJSON")
-            self._send(200, path.read_bytes(), "application/geo+json")
+            self._send(200, geojson.read_bytes(), "application/geo+json")
         else:
             raise KeyError(f"not found: {self.path}")
 
@@ -302,11 +308,14 @@ class ViewerServer(ThreadingHTTPServer):
 
 
 def make_server(catalog: Catalog, *, host: str = "127.0.0.1", port: int = 8765, max_open: int = MAX_OPEN,
-                on_bind: Callable[[str], None] | None = None) -> ViewerServer:
-    """Bind the viewer to ``host:port`` (``port=0``: any free port); raise ``OSError`` naming the port when it is taken."""
+                backend: str = "auto", on_bind: Callable[[str], None] | None = None) -> ViewerServer:
+    """Bind the viewer to ``host:port`` (``port=0``: any free port); raise ``OSError`` naming the port when it is taken.
+
+    ``backend``: the slide reader (:data:`wsi_pipeline.slides.BACKENDS`); slides OpenSlide opens are tiled by its
+    DeepZoom generator, the others through the reader's ``read_region``."""
     leaflet_dir()  # a missing viewer library fails here, not at the first page
     try:
-        server = ViewerServer((host, port), _Slides(catalog, max_open))
+        server = ViewerServer((host, port), _Slides(catalog, max_open, backend))
     except OSError as err:
         if err.errno == errno.EADDRINUSE:
             raise OSError(errno.EADDRINUSE, f"port {port} on {host} is already in use (another viewer or program); "
