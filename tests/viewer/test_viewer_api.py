@@ -211,3 +211,30 @@ def test_printed_view_command_parses_to_the_same_sources(tmp_path: Path) -> None
     args = build_parser().parse_args(argv[1:])
     assert (Path(args.manifest), Path(args.predictions), Path(args.tiles), args.port) == (
         tmp_path / "a b" / "m.csv", tmp_path / "res", tmp_path / "tiles", 9000)
+
+
+@pytest.mark.parametrize("backend", ["auto", "tiffslide"])
+def test_ome_tiff_pyramid_is_viewed(tmp_path: Path, backend: str) -> None:
+    """An OME-TIFF (pyramid in SubIFDs), through the server: OpenSlide's DeepZoom over its level 0, or tiffslide's
+    levels; level-0 tiles are the image, the zoom-0 tile its 8 x 8 box average (DeepZoom filters with Lanczos:
+    blocks of 64 px keep its ringing to the block edges)."""
+    import tifffile
+
+    from conftest import serving
+
+    rng = np.random.default_rng(0)
+    img = np.kron(rng.integers(0, 256, (16, 24, 3), dtype=np.uint8), np.ones((64, 64, 1), np.uint8))  # 1024 x 1536
+    path = tmp_path / "slides" / "o.ome.tif"
+    path.parent.mkdir()
+    with tifffile.TiffWriter(path, ome=True) as tw:
+        tw.write(img, tile=(256, 256), photometric="rgb", subifds=1, metadata={"axes": "YXS"})
+        tw.write(img[::2, ::2], tile=(256, 256), photometric="rgb", subfiletype=1)
+    with serving(build_catalog(slides=path.parent), backend=backend) as srv:
+        info = json.loads(_get(srv.url + "api/slide/o"))
+        assert info["dimensions"] == [1536, 1024] and info["max_zoom"] == 3
+        crop = np.asarray(Image.open(io.BytesIO(_get(srv.url + "crop/o?x=300&y=500&size=200"))).convert("RGB"))
+        np.testing.assert_array_equal(crop, img[500:700, 300:500])
+        src = srv.slides.get("o").source
+        np.testing.assert_array_equal(src.tile(3, 1, 2), img[512:768, 256:512])
+        expect = img.astype(np.float64).reshape(128, 8, 192, 8, 3).mean(axis=(1, 3))
+        assert np.abs(src.tile(0, 0, 0)[:128, :192] - expect).mean() < 3.0

@@ -110,6 +110,7 @@ def test_heatmap_colour_at_the_top_tile_is_the_top_of_the_scale(page, cohort) ->
     px, py = _go(page, top["x"] + top["size"] / 2, top["y"] + top["size"] / 2, zoom_below_max=1)
     img = _shot(page)
     assert np.abs(img[py, px] - colormap(np.array(1.0)).astype(np.int16)).max() <= 2
+    assert f"({len(scores)} tiles of 256 level-0 px)" in page.inner_text("#heatmap-grid")
     if os.environ.get("WSI_VIEWER_DOCS") == "1":
         _only(page, ["heatmap", "tiles", "qc", "tissue", "lesion"], opacity=60)
         _go(page, 1280, 1024, zoom_below_max=2)

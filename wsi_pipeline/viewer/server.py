@@ -274,6 +274,9 @@ class _Handler(BaseHTTPRequestHandler):
             qc_reasons=list(QC_REASONS), kinds=list(KINDS), scale=colormap(np.linspace(0.0, 1.0, 9)).tolist(),
             mpp=getattr(getattr(o.source, "slide", None), "mpp", None),
         )
+        if "heatmap" in info["overlays"]:
+            scores = o.overlays.scores()
+            info["heatmap_grid"] = {"tiles": len(scores), "size": sorted(set(scores["size"].round(1).tolist()))}
         return info
 
 

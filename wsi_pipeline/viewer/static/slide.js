@@ -103,7 +103,8 @@ function init(info) {
   if (info.overlays.includes("heatmap")) {
     const legend = document.getElementById("legend");
     const stops = info.scale.map((c, i) => "rgb(" + c.join(",") + ") " + (100 * i / (info.scale.length - 1)) + "%");
-    legend.append(el("div", {}, "attention rank in the slide"),
+    const grid = info.heatmap_grid;
+    legend.append(el("div", {id: "heatmap-grid"}, "attention rank in the slide (" + grid.tiles + " tiles of " + grid.size.join(", ") + " level-0 px)"),
                   Object.assign(el("div", {class: "bar"}), {style: "background: linear-gradient(to right, " + stops.join(", ") + ")"}));
     const ticks = el("div", {class: "ticks"});
     ticks.append(el("span", {}, "0 (lowest)"), el("span", {}, "1 (highest)"));
