@@ -238,3 +238,17 @@ def test_ome_tiff_pyramid_is_viewed(tmp_path: Path, backend: str) -> None:
         np.testing.assert_array_equal(src.tile(3, 1, 2), img[512:768, 256:512])
         expect = img.astype(np.float64).reshape(128, 8, 192, 8, 3).mean(axis=(1, 3))
         assert np.abs(src.tile(0, 0, 0)[:128, :192] - expect).mean() < 3.0
+
+
+def test_open_slides_are_capped_and_an_evicted_one_still_serves(catalog) -> None:
+    from conftest import serving
+
+    with serving(catalog, max_open=2) as srv:
+        held = srv.slides.get("pen").source  # a request in flight holds its slide
+        before = held.tile(0, 0, 0)
+        for sid in ("les", "gone", "les"):
+            srv.slides.get(sid)
+        assert srv.slides.n_open == 2
+        np.testing.assert_array_equal(held.tile(0, 0, 0), before)  # evicted, not closed under the reader
+        assert srv.slides.status("broken") == srv.slides.status("broken") != "ok"
+        assert srv.slides.status("pen") == "ok" and srv.slides.n_open == 2  # the list's check keeps nothing open

@@ -77,6 +77,7 @@ class _Slides:
         self.backend = backend
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self.errors: dict[str, str] = {}
+        self._checked: set[str] = set()  # ids that opened once (the list's status column)
         self._lock = threading.Lock()
         self._opening: dict[str, threading.Lock] = {}
 
@@ -104,6 +105,14 @@ class _Slides:
                            mask_downsample=e.mask_downsample)
         return _Open(source, ov, kind)
 
+    def _failed(self, slide_id: str, err: BaseException) -> str:
+        """Remember why ``slide_id`` does not open (asked again, the same answer without retrying); return it."""
+        msg = f"{type(err).__name__}: {err}"
+        log.warning("slide %s cannot be viewed: %s", slide_id, msg)
+        with self._lock:
+            self.errors[slide_id] = msg
+        return msg
+
     def get(self, slide_id: str) -> _Open:
         """The open slide (opened now if needed); raises the slide's open error again on later calls."""
         entry = self.catalog.get(slide_id)
@@ -121,16 +130,13 @@ class _Slides:
             try:
                 opened = self._load(entry)
             except Exception as err:  # any reader error marks this slide only
-                msg = f"{type(err).__name__}: {err}"
-                log.warning("slide %s cannot be viewed: %s", slide_id, msg)
-                with self._lock:
-                    self.errors[slide_id] = msg
-                raise ValueError(msg) from err
+                raise ValueError(self._failed(slide_id, err)) from err
             with self._lock:
                 self._open[slide_id] = opened
                 while len(self._open) > self.max_open:
-                    _, old = self._open.popitem(last=False)
-                    old.source.close()
+                    # dropped, not closed: a request still reading it keeps its reference, and the readers
+                    # close their files when the last reference goes (OpenSlide's and tifffile's finalisers)
+                    self._open.popitem(last=False)
             return opened
 
     @property
@@ -139,12 +145,21 @@ class _Slides:
         return len(self._open)
 
     def status(self, slide_id: str) -> str:
-        """"ok" or the open error (opens the slide when not yet tried)."""
+        """"ok" or the open error. A slide not yet tried is opened and closed again at once (the list checks
+        every slide of its page; the slides being viewed stay open)."""
+        with self._lock:
+            if slide_id in self._open or slide_id in self._checked:
+                return "ok"
+            if slide_id in self.errors:
+                return self.errors[slide_id]
         try:
-            self.get(slide_id)
-            return "ok"
-        except (KeyError, ValueError) as err:
-            return str(err)
+            opened = self._load(self.catalog.get(slide_id))
+        except Exception as err:  # any reader error marks this slide only
+            return self._failed(slide_id, err)
+        opened.source.close()
+        with self._lock:
+            self._checked.add(slide_id)
+        return "ok"
 
     def close(self) -> None:
         with self._lock:
