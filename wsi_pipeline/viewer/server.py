@@ -171,6 +171,8 @@ class _Slides:
 class _Handler(BaseHTTPRequestHandler):
     server: ViewerServer
     protocol_version = "HTTP/1.1"
+    #: seconds a kept-alive connection may sit idle before its thread ends (each connection's loop is bounded)
+    timeout = 60
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
