@@ -190,6 +190,7 @@ def test_eval_results_list_one_method_averaged_over_seeds(tmp_path: Path) -> Non
     df.assign(prob_1=0.0).to_csv(tmp_path / "predictions_x_sub8x10.csv", index=False)  # not the 'all' protocol: ignored
     for method in (None, "abmil"):
         cat = build_catalog(predictions=tmp_path, method=method)
+        assert cat.sources == [f"predictions {tmp_path} (method {method or 'transmil'}, mean over its seeds)"]
         chosen = df[df["method"] == (method or "transmil")].groupby("slide_id")[["prob_0", "prob_1"]].mean()
         for sid in ("a", "b", "c"):
             e = cat.get(sid)

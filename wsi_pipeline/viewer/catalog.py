@@ -208,7 +208,8 @@ def _add_predictions(cat: Catalog, folder: Path, method: str | None = None) -> N
             if chosen not in names:
                 raise ValueError(f"predictions file {f}: no method {chosen!r}; it has {', '.join(names)}")
             df = df[df["method"].astype(str) == chosen]
-            cat.sources[-1] += f" (method {chosen})"
+            if f is files[0]:  # the list says once which model it shows
+                cat.sources[-1] += f" (method {chosen}, mean over its seeds)"
         prob_cols = [c for c in df.columns if str(c).startswith("prob_") and str(c)[5:].isdigit()]
         numeric = [c for c in [*prob_cols, "risk"] if c in df.columns]
         per_slide = df.groupby("slide_id", sort=False)
