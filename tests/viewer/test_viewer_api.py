@@ -253,3 +253,16 @@ def test_open_slides_are_capped_and_an_evicted_one_still_serves(catalog) -> None
         np.testing.assert_array_equal(held.tile(0, 0, 0), before)  # evicted, not closed under the reader
         assert srv.slides.status("broken") == srv.slides.status("broken") != "ok"
         assert srv.slides.status("pen") == "ok" and srv.slides.n_open == 2  # the list's check keeps nothing open
+
+
+def test_survival_predictions_list_the_risk(tmp_path: Path) -> None:
+    rng = np.random.default_rng(2)
+    df = pd.DataFrame({"slide_id": [s for s in "abcd" for _ in range(2)], "risk": rng.normal(size=8),
+                       "time": 1.0, "event": 1, "method": "cox", "seed": [0, 1] * 4})
+    df.to_csv(tmp_path / "predictions_x_all.csv", index=False)
+    cat = build_catalog(predictions=tmp_path)
+    mean = df.groupby("slide_id")["risk"].mean()
+    _, rows = cat.page(sort="risk", descending=True)
+    assert [e.slide_id for e in rows] == mean.sort_values(ascending=False).index.tolist()
+    assert [e.risk for e in rows] == pytest.approx(mean.sort_values(ascending=False).tolist())
+    assert all(e.prob is None and e.pred is None for e in rows)
