@@ -23,7 +23,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check view bench-view clean
 
 install: $(STAMP)
 
@@ -83,6 +83,14 @@ predict: install
 demo: install
 	$(BIN)/wsi-pipeline demo $(ARGS)
 
+# the slide viewer on http://127.0.0.1:8765/ (ARGS="--port N"); any of SLIDES, MANIFEST, RESULTS (a predict or eval
+# output folder), TILES (tile stores); e.g. after `make demo`: make view MANIFEST=<cohort>/manifest.csv RESULTS=results/demo
+RESULTS ?=
+TILES   ?=
+view: install
+	@test -n "$(SLIDES)$(MANIFEST)$(RESULTS)$(TILES)" || { echo "usage: make view SLIDES=<folder> [MANIFEST=<csv>] [RESULTS=<predict/eval output folder>] [TILES=<tile stores>] [ARGS='--port 8765']"; exit 2; }
+	$(BIN)/wsi-pipeline view $(if $(SLIDES),--slides $(SLIDES)) $(if $(MANIFEST),--manifest $(MANIFEST)) $(if $(RESULTS),--predictions $(RESULTS)) $(if $(TILES),--tiles $(TILES)) $(ARGS)
+
 # the demo for several training seeds (same cohort and tiles): mean +- sd and min per method
 SEEDS ?= 0,1,2,3,4
 readme-table: install
@@ -134,6 +142,10 @@ bench-verify: install
 
 bench-loader: install
 	$(BIN)/python -m wsi_pipeline.bench.loader $(ARGS)
+
+# the viewer: time to first tile and per level-0 tile on a 28672 px slide, memory with 1000 slides listed
+bench-view: install
+	$(BIN)/python -m wsi_pipeline.bench.view $(ARGS)
 
 # the whole flow at real scale: 4 real-tissue mosaics of 28672 px, tile -> train (frozen, accumulate, bigl;
 # bags of 512) -> eval -> predict; time and peak memory per stage (needs ../shared/slides)

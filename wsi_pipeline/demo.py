@@ -335,4 +335,8 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     print(f"results:     {results}")
     print(f"report:      {results / 'report.html'}")
     print(f"heatmaps:    {results / 'heatmaps'}")
+    from wsi_pipeline.viewer import view_command
+
+    print(f"look at the slides, attention, tiles and QC in the browser:\n  "
+          f"{view_command(manifest=manifest, predictions=results, tiles=config.data.tiles_dir)}")
     return 0

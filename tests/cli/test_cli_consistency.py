@@ -327,7 +327,7 @@ def test_top_level_help_lists_commands_in_the_order_of_the_flow(capsys):
         main(["--help"])
     text = capsys.readouterr().out
     listed = re.findall(r"^ {4}(\w+) ", text, re.MULTILINE)
-    assert listed == ["manifest", "tile", "train", "eval", "predict", "features", "verify", "tissue", "demo"]
+    assert listed == ["manifest", "tile", "train", "eval", "predict", "features", "weights", "verify", "tissue", "view", "demo"]
 
 
 #: Each command with a path that does not exist (or a value it refuses), as a user would mistype it.
@@ -341,6 +341,8 @@ BAD_CALLS = {
     "verify": ["verify", "--tiles", "{missing}"],
     "tissue": ["tissue", "predict", "--slides", "{missing}", "--model", "{missing}.pt", "--out", "{tmp}/t"],
     "demo": ["demo", "--config", "{missing}.yaml"],
+    "view": ["view", "--slides", "{missing}"],
+    "weights": ["weights", "where", "resnet18", "--file", "{missing}"],
 }
 
 

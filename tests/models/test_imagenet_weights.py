@@ -77,3 +77,16 @@ def test_random_init_note_names_the_method_and_the_fix_and_is_silent_with_weight
     assert random_encoder_note(pre) is None
     vit_note = random_encoder_note(vit)
     assert vit_note and "model card" in vit_note and "imagenet" not in vit_note
+
+
+def test_weights_cli_checks_a_file_downloaded_by_hand(tmp_path, monkeypatch, capsys):
+    from wsi_pipeline.cli.main import main
+
+    path, _ = published_copy(tmp_path, "resnet18")
+    monkeypatch.setattr(imagenet_mod, "imagenet_file", lambda name: tmp_path / "cache" / path.name)
+    assert main(["weights", "where", "resnet18", "--file", str(path)]) == 0
+    assert "is the published checkpoint (sha256 checked)" in capsys.readouterr().out
+    other = tmp_path / "resnet18-00000000.pth"
+    path.rename(other)
+    assert main(["weights", "where", "resnet18", "--file", str(other)]) == 2
+    assert "is named" in capsys.readouterr().err

@@ -37,6 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("training",),  # stage: stores -> runs
     ("export",),  # stage: predictions, heatmaps, reports
     ("evaluation",),  # stage: runs -> results (writes through export)
+    ("viewer",),  # stage: the browser viewer of slides, stores and results (reads what export wrote)
     ("readme_table",),  # entry points
     ("demo", "bench"),
     ("cli",),

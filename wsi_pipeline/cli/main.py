@@ -61,7 +61,7 @@ def describe_error(err: BaseException) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + f"... ({len(text)} characters)"
 
 #: Commands in the order of the flow, then the side tools; ``--help`` lists them so (any other after).
-FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "weights", "verify", "tissue", "demo")
+FLOW = ("manifest", "tile", "train", "eval", "predict", "features", "weights", "verify", "tissue", "view", "demo")
 
 
 def build_parser() -> argparse.ArgumentParser:

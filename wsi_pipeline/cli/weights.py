@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "intact); where: print the path and whether it is there")
     p.add_argument("encoders", nargs="+", choices=sorted(IMAGENET_WEIGHTS), metavar="ENCODER",
                    help=f"encoder(s): {', '.join(sorted(IMAGENET_WEIGHTS))}")
+    p.add_argument("--file", metavar="PTH", default=None,
+                   help="with where: check this file (e.g. downloaded by hand) instead of the cache: it must carry the "
+                   "published name and its sha256 must begin with the digits in that name; then copy it into the cache")
     p.add_argument("--no-progress", action="store_true", help="no download progress bar")
     p.set_defaults(func=run)
 
@@ -32,6 +35,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.models.imagenet import check_published_hash, fetch_imagenet, imagenet_file
 
+    if args.file is not None:
+        from pathlib import Path
+
+        if args.action != "where" or len(args.encoders) != 1:
+            raise ValueError("--file checks one file: `wsi-pipeline weights where ENCODER --file PTH`")
+        given = Path(args.file)
+        if not given.is_file():
+            raise FileNotFoundError(f"--file {given}: no such file")
+        want = imagenet_file(args.encoders[0]).name
+        if given.name != want:
+            raise ValueError(f"--file {given}: the published checkpoint of {args.encoders[0]} is named {want}")
+        check_published_hash(given)
+        print(f"{args.encoders[0]}: {given} is the published checkpoint (sha256 checked); copy it to {imagenet_file(args.encoders[0])}")
+        return 0
     missing = 0
     for name in args.encoders:
         if args.action == "fetch":

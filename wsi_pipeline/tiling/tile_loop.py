@@ -141,6 +141,10 @@ class TileLoop:
             writer.add_array("qc_pen", qc.pen[rows, cols].astype(np.float32))
             writer.add_array("qc_fold", qc.fold[rows, cols].astype(np.float32))
             dropped = np.concatenate(self.dropped_flags) if self.dropped_flags else np.zeros(0, np.uint8)
+            # where QC dropped tiles and why (the viewer outlines them): level-0 (x, y) and qc_flags bits
+            writer.add_array("qc_dropped_coords", np.concatenate(self.dropped_coords).astype(np.int64)
+                             if self.dropped_coords else np.zeros((0, 2), np.int64))
+            writer.add_array("qc_dropped_flags", dropped.astype(np.uint8))
             self.qc_counts = {"flagged": flags_of(flags), "dropped": flags_of(dropped), "n_dropped": int(len(dropped))}
             writer.group.attrs.update({"qc": {**describe(qc.params, qc.mode), **self.qc_counts}})
         if plan.regions is not None:
