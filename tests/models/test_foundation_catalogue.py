@@ -321,3 +321,54 @@ def test_catalogue_presets_follow_the_design_names_and_cards() -> None:
             enc = fm.build_foundation_encoder(name)
         assert sum(p.numel() for p in enc.parameters()) == n, name
         assert fm.PRESETS[name].resize_policy in ("card", "ours") and fm.PRESETS[name].licence
+
+
+def test_readme_table_is_the_registry() -> None:
+    """The README's foundation table is generated from PRESETS: it names every preset, with its D, and equals the
+    generator's output (run ``python -m wsi_pipeline.models.preset_table --write README.md`` after changing a preset)."""
+    from pathlib import Path
+
+    from wsi_pipeline.models.preset_table import BEGIN, END, preset_table, replace_block
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme[readme.index(BEGIN) + len(BEGIN) + 1 : readme.index(END)]
+    assert block == preset_table()
+    rows = {line.split("|")[1].strip(" `"): line for line in block.splitlines()[2:]}
+    assert set(rows) == set(fm.PRESETS)
+    for name, p in fm.PRESETS.items():
+        assert f"| {p.embed_dim} (" in rows[name] and p.architecture in rows[name] and p.weights_files[0] in rows[name]
+    with pytest.raises(ValueError, match="markers are missing"):
+        replace_block("no markers here", "x")
+
+
+@pytest.mark.slow
+def test_features_cluster_with_a_foundation_preset_equals_the_local_run(store_cohort, tmp_path, monkeypatch) -> None:
+    """``features --encoder phikon --weights FILE --cluster local:2`` (a transformers-layout file, 2 blocks of the real
+    width): the Dask workers write the same feature files, bit for bit, as one process does."""
+    import h5py
+
+    from wsi_pipeline.cli.main import main
+    from wsi_pipeline.inference.features import features_path
+    from wsi_pipeline.manifests.schema import read_manifest
+
+    _at_depth(monkeypatch, "phikon", 2)
+    weights = tmp_path / "pytorch_model.bin"
+    torch.save(_write_layout("transformers_vit", NETS["phikon"], depth=2, seed=5), weights)
+    manifest = tmp_path / "m.csv"
+    read_manifest(store_cohort).head(2).to_csv(manifest, index=False)
+    base = ["features", "--manifest", str(manifest), "--tiles", str(store_cohort.parent / "tiles"), "--encoder", "phikon",
+            "--weights", str(weights), "--batch-size", "16", "--no-progress"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # Dask's workers run torch with one thread: the same reduction order
+    try:
+        assert main([*base, "--out", str(tmp_path / "local")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert main([*base, "--out", str(tmp_path / "dask"), "--cluster", "local:2"]) == 0
+    for sid in read_manifest(manifest)["slide_id"]:
+        with h5py.File(features_path(tmp_path / "local", sid), "r") as a, h5py.File(features_path(tmp_path / "dask", sid), "r") as b:
+            assert a.keys() == b.keys() and a["features"].shape[1] == 768 and len(a["features"]) > 0
+            for k in a:
+                assert (a[k][()] == b[k][()]).all(), (sid, k)
+            assert a.attrs["encoder"] == b.attrs["encoder"] == "phikon"
+            assert a.attrs["weights_file_sha256"] == b.attrs["weights_file_sha256"]

@@ -37,14 +37,15 @@ _HALF = ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
 _LUNIT = ((0.70322989, 0.53606487, 0.66096631), (0.21716536, 0.26081574, 0.20723464))
 _KAIKO_NOTE = "card: Resize(224) (bilinear) + CenterCrop(224); TRIDENT the same"
 _KAIKO_LICENCE = "kaiko non-commercial (other)"
-_KAIKO_SOURCE = "huggingface.co/1aurent/{}.kaiko_ai_towards_large_pathology_fms (timm conversion of kaiko-ai's)"
+#: kaiko.ai's weights converted to timm (the file TRIDENT and LazySlide load)
+_KAIKO_SOURCE = "huggingface.co/1aurent/{}.kaiko_ai_towards_large_pathology_fms"
 
 
-def _kaiko(name: str, arch: str, d: int, **extra: object) -> Preset:
+def _kaiko(name: str, arch: str, d: int, model: str, **extra: object) -> Preset:
     return Preset(
         name, arch, dict(img_size=224, num_classes=0, dynamic_img_size=True, **extra), embed_dim=d, mean=_HALF[0], std=_HALF[1],
         interpolation="bilinear", weights_files=("model.safetensors",), source=_KAIKO_SOURCE.format(arch),
-        licence=_KAIKO_LICENCE, resize_note=_KAIKO_NOTE, model=f"Kaiko {name.split('_')[1].upper()}",
+        licence=_KAIKO_LICENCE, resize_note=_KAIKO_NOTE, model=f"Kaiko {model}",
     )
 
 
@@ -73,10 +74,10 @@ CATALOGUE: dict[str, Preset] = {
             unconfirmed="mlp_ratio 5.33334 inferred from SwiGLUPacked and the 85.7 M parameters LazySlide lists; the "
                         "embedding (class token ++ patch mean, LazySlide's; TRIDENT's default is the class token)",
         ),
-        _kaiko("kaiko_vits8", "vit_small_patch8_224", 384),
-        _kaiko("kaiko_vits16", "vit_small_patch16_224", 384),
-        _kaiko("kaiko_vitb8", "vit_base_patch8_224", 768),
-        _kaiko("kaiko_vitb16", "vit_base_patch16_224", 768),
+        _kaiko("kaiko_vits8", "vit_small_patch8_224", 384, "ViT-S/8"),
+        _kaiko("kaiko_vits16", "vit_small_patch16_224", 384, "ViT-S/16"),
+        _kaiko("kaiko_vitb8", "vit_base_patch8_224", 768, "ViT-B/8"),
+        _kaiko("kaiko_vitb16", "vit_base_patch16_224", 768, "ViT-B/16"),
         # its file keeps DINOv2's 518 px position grid (37 x 37): timm resamples it to the tile's grid at every forward
         Preset(
             "kaiko_vitl14", "vit_large_patch14_reg4_dinov2", dict(img_size=518, num_classes=0, dynamic_img_size=True),
