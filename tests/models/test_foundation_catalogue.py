@@ -372,3 +372,27 @@ def test_features_cluster_with_a_foundation_preset_equals_the_local_run(store_co
                 assert (a[k][()] == b[k][()]).all(), (sid, k)
             assert a.attrs["encoder"] == b.attrs["encoder"] == "phikon"
             assert a.attrs["weights_file_sha256"] == b.attrs["weights_file_sha256"]
+
+
+def test_a_timm_that_cannot_build_on_the_meta_device_still_loads(tmp_path, monkeypatch) -> None:
+    """timm 0.9.16 reads tensor values while building a ViT, which fails on torch's meta device: the loader then
+    builds normally and loads the same weights (the same embedding as the fast path)."""
+    _at_depth(monkeypatch, "kaiko_vits16", 1)
+    torch.manual_seed(0)
+    ref = timm.create_model("vit_small_patch16_224", pretrained=False, num_classes=0, depth=1, dynamic_img_size=True)
+    path = tmp_path / "model.safetensors"
+    save_file(ref.state_dict(), str(path))
+    x = tiles_to_tensor(_tiles(2, 224))
+    with torch.no_grad():
+        fast = build_encoder("kaiko_vits16", weights=path).eval()(x)
+    create = fm._create
+
+    def old_timm(name, spec):
+        if torch.empty(0).device.type == "meta":
+            raise RuntimeError("Tensor.item() cannot be called on meta tensors")
+        return create(name, spec)
+
+    monkeypatch.setattr(fm, "_create", old_timm)
+    with torch.no_grad():
+        slow = build_encoder("kaiko_vits16", weights=path).eval()(x)
+    assert torch.equal(fast, slow)

@@ -434,9 +434,13 @@ def build_foundation_encoder(
         if not Path(weights).is_file():
             raise FileNotFoundError(f"weights of encoder {name!r}: file {weights} not found; the preset expects "
                                     f"{' or '.join(spec.weights_files)}{' from ' + spec.source if spec.source else ''}")
-        with torch.device("meta"):
-            model = _create(name, spec)
-        if not any(True for _ in model.buffers()):
+        try:
+            with torch.device("meta"):
+                model: nn.Module | None = _create(name, spec)
+        except RuntimeError as e:  # timm < 1.0 reads tensor values while it builds (.item() on meta): build normally
+            log.debug("building %s on the meta device failed (%s); initialising it instead", name, e)
+            model = None
+        if model is not None and not any(True for _ in model.buffers()):
             encoder = _wrap(name, model, spec)
             _load_strict(encoder, Path(weights), assign=True)
             return encoder
