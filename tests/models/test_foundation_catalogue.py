@@ -431,3 +431,14 @@ def test_against_transformers_itself_where_installed(tmp_path, monkeypatch, name
         expect = torch.cat([h[:, 0], h[:, 1:].mean(1)], -1) if preset.embedding == "cls_mean" else h[:, 0]
         got = build_encoder(name, weights=tmp_path / name / "model.safetensors").eval()(tiles_to_tensor(tiles))
     assert _cos(got, expect).min() >= COSINE
+
+
+def test_hoptimus_facts_and_both_published_files_named(tmp_path) -> None:
+    """H-optimus-0 publishes pytorch_model.bin on its main branch and model.safetensors in an open pull request: a
+    refusal names both; the H-optimus resize is ours (their cards resize nothing), H-optimus-1 is CC-BY-NC-ND-4.0."""
+    with pytest.raises(FileNotFoundError, match=r"expects pytorch_model.bin or model.safetensors from huggingface.co/bioptimus/H-optimus-0"):
+        build_encoder("hoptimus0", weights=tmp_path / "missing.bin")
+    h0, h1 = fm.PRESETS["hoptimus0"], fm.PRESETS["hoptimus1"]
+    assert h0.resize_policy == h1.resize_policy == "ours" and "TRIDENT" in h0.resize_note
+    assert h1.licence.startswith("CC-BY-NC-ND-4.0") and "not gated" in h0.licence
+    assert fm.PRESETS["uni_v1"].resize_policy == fm.PRESETS["gigapath"].resize_policy == "card"
