@@ -1,4 +1,5 @@
-"""``make bench-encoders``: the foundation-model presets at their real size, with random weights.
+"""``make bench-encoders``: the foundation-model presets (every one in the registry, a row each) at their real size,
+with random weights.
 
 Per preset, in its own process (so that its peak RSS is its own):
 
@@ -15,7 +16,7 @@ Per preset, in its own process (so that its peak RSS is its own):
   the bag (the encoder sees one chunk at a time), so the prediction adds only those tensors'
   bytes. A 1024-tile step of a ViT-g on this 2-core CPU would take hours (about 5 forwards per
   tile at ~600 GFLOP each), so every preset is measured at bag = 2 chunks of ``--chunk`` tiles
-  (4 for UNI, 2 for the larger ones), and the prediction is checked by measuring
+  (:data:`DEFAULT_CHUNK`: 8 for the ViT-S/B, 4 for UNI and the ViT-L, 2 for the larger ones), and the prediction is checked by measuring
   ``--sweep-model`` (a small ViT through the same code) at every bag size. The workers run with
   glibc handing blocks of 128 KiB or more back at once (:data:`MALLOC_FREE_ENV`), so that RSS
   follows the live tensors rather than the heap's retained free blocks;
@@ -44,7 +45,9 @@ from typing import Any
 __all__ = ["main"]
 
 #: Tiles per accumulation chunk in the RSS measurement, by preset (the giants at reduced chunk on this CPU).
-DEFAULT_CHUNK = {"uni_v1": 4, "uni_v2": 2, "virchow2": 2, "hoptimus0": 2, "hoptimus1": 2, "gigapath": 2}
+DEFAULT_CHUNK = {"uni_v1": 4, "uni_v2": 2, "virchow2": 2, "hoptimus0": 2, "hoptimus1": 2, "gigapath": 2, "virchow": 2,
+                 "h0_mini": 8, "kaiko_vits8": 8, "kaiko_vits16": 8, "kaiko_vitb8": 4, "kaiko_vitb16": 8, "kaiko_vitl14": 4,
+                 "lunit_vits8": 8, "lunit_vits16": 8, "gpfm": 4, "phikon": 8, "phikon_v2": 4, "midnight": 2}
 BAGS = (64, 256, 1024)
 TILE = 224
 #: glibc keeps freed heap blocks for reuse, so a process's RSS creeps up with the number of chunks

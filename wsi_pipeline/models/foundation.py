@@ -1,4 +1,5 @@
-"""Pathology foundation-model tile encoders (UNI, UNI2-h, Virchow2, H-optimus-0/1, Prov-GigaPath), and any timm model.
+"""Pathology foundation-model tile encoders (UNI, UNI2-h, Virchow/Virchow2, H-optimus-0/1, H0-mini, Prov-GigaPath,
+Kaiko, Lunit, GPFM, Phikon/Phikon-v2, Midnight), and any timm model.
 
 Each preset is defined as its model card defines it: the timm architecture and the keyword
 arguments its card passes to ``timm.create_model``, the input size, the normalisation, which
@@ -7,7 +8,10 @@ output is the embedding and the checkpoint file the card publishes. The network 
 our encoder cannot drift from the definition the weights were trained with. Weights come only
 from a local file (``.bin`` / ``.pth`` / ``.pt`` read with ``torch.load(weights_only=True)``,
 ``.safetensors`` with safetensors), loaded strictly; nothing is downloaded and no hub is asked.
-``timm:<architecture>`` builds any other timm model with keyword arguments from the YAML.
+Cards that publish transformers or DINOv2-hub keys are read through one key map per layout
+(:mod:`wsi_pipeline.models.layouts`). ``timm:<architecture>`` builds any other timm model with
+keyword arguments from the YAML. The six first presets are below; the others are in
+:mod:`wsi_pipeline.models.catalogue`; the README's table is generated from :data:`PRESETS`.
 
 =============  ===============================  =====  ======  ================================
 preset         timm architecture                px     D       embedding
@@ -27,11 +31,14 @@ step, so every path (features, training, validation, evaluation, prediction, Pat
 augmentation) feeds each preset what its card asks for without knowing which preset it runs:
 
 1. resize, only when the tile's side differs from the preset's input size (224 px tiles go in
-   untouched): ``torch.nn.functional.interpolate`` with the card's interpolation (bilinear for
-   UNI and UNI2-h, whose cards use torchvision's default ``Resize(224)``; bicubic for the
-   others), antialiased (the PIL-style filter torchvision applies to PIL images),
-   ``align_corners=False``; for Prov-GigaPath, whose card resizes to 256 px and crops the
-   central 224 px, the same (a 256 px tile is only cropped);
+   untouched): ``torch.nn.functional.interpolate`` antialiased (the PIL-style filter torchvision
+   applies to PIL images), ``align_corners=False``, with the preset's interpolation. Where the card's
+   transform resizes (``resize_policy="card"``) it is the card's: bilinear for UNI and UNI2-h (their
+   ``Resize(224)``), bicubic for Virchow2; for Prov-GigaPath, whose card resizes to 256 px and crops
+   the central 224 px, the same (a 256 px tile is only cropped). Where the card resizes nothing
+   (H-optimus-0/1 expect 224 px tiles at 0.5 um/px: ``resize_policy="ours"``) the bicubic resize is
+   our choice; the peers differ (TRIDENT and STAMP ``Resize(224)`` bilinear, LazySlide bicubic and
+   a centre crop); each preset's ``resize_note`` says which;
 2. the affine map from ImageNet normalisation to the preset's (exactly the identity, and skipped,
    for presets normalised with ImageNet statistics; for H-optimus the composition equals
    ``(x / 255 - mean) / std`` up to float rounding, a few units in the last place).
@@ -43,13 +50,13 @@ tensor equals normalising the resized tile (no clamping to 0..255 happens, unlik
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +64,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsi_pipeline.models.catalogue import CATALOGUE
 from wsi_pipeline.models.input_norm import IMAGENET_MEAN, IMAGENET_STD
+from wsi_pipeline.models.layouts import detect_layout, to_timm_layout
+from wsi_pipeline.models.preset import EMBEDDINGS, Preset
 
 __all__ = [
-    "EMBEDDINGS",
-    "INTERPOLATIONS",
     "PRESETS",
     "TIMM_PREFIX",
     "FoundationEncoder",
-    "Preset",
     "build_foundation_encoder",
     "file_sha256",
     "is_foundation_name",
@@ -79,60 +86,15 @@ log = logging.getLogger(__name__)
 
 #: ``encoder.name`` prefix for any timm architecture: ``timm:vit_small_patch16_224``.
 TIMM_PREFIX = "timm:"
-#: Which output is the embedding: the model's own pooled output (``forward_head(pre_logits=True)``:
-#: the class token for ``global_pool="token"``), or the class token concatenated with the mean of
-#: the patch tokens (register tokens left out), Virchow2's.
-EMBEDDINGS: tuple[str, ...] = ("pooled", "cls_mean")
-#: Resampling used when a tile's side differs from the preset's input size.
-INTERPOLATIONS: tuple[str, ...] = ("bilinear", "bicubic")
 #: The file extensions read, and how.
 WEIGHT_SUFFIXES: tuple[str, ...] = (".bin", ".pth", ".pt", ".safetensors")
 
 
-@dataclass(frozen=True)
-class Preset:
-    """A foundation model as its model card defines it.
-
-    Attributes
-    ----------
-    name : the preset's ``encoder.name``.
-    architecture : the timm model name.
-    timm_kwargs : keyword arguments for ``timm.create_model``; a ``*_layer`` given as a string
-        names a layer of ``timm.layers`` (``mlp_layer: SwiGLUPacked``), except ``act_layer`` and
-        ``norm_layer``, whose names timm resolves itself (``act_layer: silu``); ``num_classes`` is
-        always 0 (no classifier).
-    embed_dim : D, the embedding's width.
-    input_size : side in px the model takes; other tiles are resized (see the module docstring).
-    mean, std : per-channel normalisation of RGB in [0, 1].
-    embedding : one of :data:`EMBEDDINGS`.
-    interpolation : one of :data:`INTERPOLATIONS`.
-    crop_pct : the card's centre crop: resize to ``floor(input_size / crop_pct)`` then crop
-        ``input_size`` (1.0: resize straight to ``input_size``).
-    weights_files : the file name(s) the card publishes (named in refusals).
-    source : where the weights are published; licence : their licence, as the card states it.
-    """
-
-    name: str
-    architecture: str
-    timm_kwargs: Mapping[str, Any]
-    embed_dim: int | None
-    input_size: int = 224
-    mean: tuple[float, float, float] = IMAGENET_MEAN
-    std: tuple[float, float, float] = IMAGENET_STD
-    embedding: str = "pooled"
-    interpolation: str = "bicubic"
-    crop_pct: float = 1.0
-    weights_files: tuple[str, ...] = ("pytorch_model.bin",)
-    source: str = ""
-    licence: str = ""
-
-    def describe(self) -> str:
-        """One line for messages: ``uni_v1 (vit_large_patch16_224 from hf.co/MahmoodLab/UNI)``."""
-        return f"{self.name} ({self.architecture}{' from ' + self.source if self.source else ''})"
-
-
 _HOPTIMUS_MEAN = (0.707223, 0.578729, 0.703617)
 _HOPTIMUS_STD = (0.211883, 0.230117, 0.177517)
+#: H-optimus cards resize nothing (they expect 224 px tiles at 0.5 um/px); the resize of other sides is ours.
+_HOPTIMUS_RESIZE = ("card: none (224 px tiles at 0.5 um/px expected); ours: bicubic antialiased; TRIDENT and STAMP: "
+                    "Resize(224) bilinear; LazySlide: Resize(224) bicubic + CenterCrop(224)")
 
 #: The presets, by ``encoder.name``.
 PRESETS: dict[str, Preset] = {
@@ -141,33 +103,39 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "uni_v1", "vit_large_patch16_224",
             dict(img_size=224, patch_size=16, init_values=1e-5, num_classes=0, dynamic_img_size=True),
-            embed_dim=1024, interpolation="bilinear", source="huggingface.co/MahmoodLab/UNI", licence="CC-BY-NC-ND-4.0",
+            embed_dim=1024, interpolation="bilinear", source="huggingface.co/MahmoodLab/UNI", licence="CC-BY-NC-ND-4.0 (gated)",
+            resize_note="card: torchvision Resize(224) (bilinear); TRIDENT the same", model="UNI (Mahmood lab)",
         ),
         Preset(
             "uni_v2", "vit_giant_patch14_224",
             dict(img_size=224, patch_size=14, depth=24, num_heads=24, init_values=1e-5, embed_dim=1536,
                  mlp_ratio=2.66667 * 2, num_classes=0, no_embed_class=True, mlp_layer="SwiGLUPacked",
                  act_layer="silu", reg_tokens=8, dynamic_img_size=True),
-            embed_dim=1536, interpolation="bilinear", source="huggingface.co/MahmoodLab/UNI2-h", licence="CC-BY-NC-ND-4.0",
+            embed_dim=1536, interpolation="bilinear", source="huggingface.co/MahmoodLab/UNI2-h", licence="CC-BY-NC-ND-4.0 (gated)",
+            resize_note="card: torchvision Resize(224) (bilinear); TRIDENT the same", model="UNI2-h (Mahmood lab)",
         ),
         Preset(
             "virchow2", "vit_huge_patch14_224",
             dict(img_size=224, init_values=1e-5, num_classes=0, mlp_ratio=5.3375, reg_tokens=4, global_pool="",
                  dynamic_img_size=True, mlp_layer="SwiGLUPacked", act_layer="silu"),
             embed_dim=2560, embedding="cls_mean", weights_files=("pytorch_model.bin", "model.safetensors"),
-            source="huggingface.co/paige-ai/Virchow2", licence="CC-BY-NC-ND-4.0",
+            source="huggingface.co/paige-ai/Virchow2", licence="CC-BY-NC-ND-4.0 (gated)",
+            resize_note="card: Resize(224) bicubic + CenterCrop(224) (timm's data config); TRIDENT the same",
+            model="Virchow2 (Paige)",
         ),
         Preset(
             "hoptimus0", "vit_giant_patch14_reg4_dinov2",
             dict(img_size=224, init_values=1e-5, num_classes=0, dynamic_img_size=False, global_pool="token"),
             embed_dim=1536, mean=_HOPTIMUS_MEAN, std=_HOPTIMUS_STD, weights_files=("pytorch_model.bin", "model.safetensors"),
-            source="huggingface.co/bioptimus/H-optimus-0", licence="Apache-2.0",
+            source="huggingface.co/bioptimus/H-optimus-0", licence="Apache-2.0 (not gated)", resize_policy="ours",
+            resize_note=_HOPTIMUS_RESIZE, model="H-optimus-0 (Bioptimus)",
         ),
         Preset(
             "hoptimus1", "vit_giant_patch14_reg4_dinov2",
             dict(img_size=224, init_values=1e-5, num_classes=0, dynamic_img_size=False, global_pool="token"),
             embed_dim=1536, mean=_HOPTIMUS_MEAN, std=_HOPTIMUS_STD, weights_files=("pytorch_model.bin", "model.safetensors"),
-            source="huggingface.co/bioptimus/H-optimus-1", licence="Bioptimus terms on the model card (gated; non-commercial)",
+            source="huggingface.co/bioptimus/H-optimus-1", licence="CC-BY-NC-ND-4.0 (gated: access form)", resize_policy="ours",
+            resize_note=_HOPTIMUS_RESIZE, model="H-optimus-1 (Bioptimus)",
         ),
         Preset(
             "gigapath", "vit_giant_patch14_dinov2",
@@ -175,9 +143,11 @@ PRESETS: dict[str, Preset] = {
                  mlp_ratio=5.33334, num_classes=0),
             embed_dim=1536, crop_pct=224 / 256, source="huggingface.co/prov-gigapath/prov-gigapath",
             licence="Apache-2.0 (gated; see the model card's terms)",
+            resize_note="card: Resize(256) bicubic + CenterCrop(224); TRIDENT the same", model="Prov-GigaPath tile encoder",
         ),
     )
 }
+PRESETS.update(CATALOGUE)
 
 
 def is_foundation_name(name: str) -> bool:
@@ -237,6 +207,8 @@ def _timm_kwargs(preset: Preset) -> dict[str, Any]:
                 raise ValueError(f"encoder {preset.name!r}: {k}={v!r} is not a layer of timm.layers")
             v = getattr(timm.layers, v)
         out[k] = v
+    if preset.norm_eps is not None:  # the card's library's LayerNorm epsilon (transformers' ViT: 1e-12)
+        out["norm_layer"] = functools.partial(nn.LayerNorm, eps=preset.norm_eps)
     out["num_classes"] = 0
     return out
 
@@ -401,6 +373,11 @@ def _load_strict(encoder: FoundationEncoder, path: Path, *, assign: bool = False
     what = f"weights of encoder {preset.name!r}"
     state = load_state_file(path, what=what)
     own = encoder.model.state_dict()
+    # the published layout, or timm's own (e.g. our exports); a DINOv2 network also from DINOv2's own training code
+    accepted = {preset.layout, "timm"} | ({"dinov2_hub"} if preset.layout == "transformers_dinov2" else set())
+    found = detect_layout(state)
+    layout = found if found in accepted else preset.layout
+    state = to_timm_layout(state, layout, {k: v.shape for k, v in own.items()}, what=f"{what}: {path}")
     missing = [k for k in own if k not in state]
     unexpected = [k for k in state if k not in own]
     shapes = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}" for k in own
@@ -410,7 +387,8 @@ def _load_strict(encoder: FoundationEncoder, path: Path, *, assign: bool = False
             f"{path} is not a checkpoint of {preset.describe()}: missing keys: {_listed(missing)}; unexpected keys: "
             f"{_listed(unexpected)}; shape mismatches: {_listed(shapes, 4)}. The preset expects the file its model card "
             f"publishes ({' or '.join(preset.weights_files)}"
-            f"{' from ' + preset.source if preset.source else ''}), saved as a plain timm state dict"
+            f"{' from ' + preset.source if preset.source else ''}), "
+            f"{'a plain timm state dict' if preset.layout == 'timm' else 'with ' + preset.layout + ' keys (or timm keys)'}"
         )
     if assign:
         dtype = torch.get_default_dtype()
@@ -456,9 +434,13 @@ def build_foundation_encoder(
         if not Path(weights).is_file():
             raise FileNotFoundError(f"weights of encoder {name!r}: file {weights} not found; the preset expects "
                                     f"{' or '.join(spec.weights_files)}{' from ' + spec.source if spec.source else ''}")
-        with torch.device("meta"):
-            model = _create(name, spec)
-        if not any(True for _ in model.buffers()):
+        try:
+            with torch.device("meta"):
+                model: nn.Module | None = _create(name, spec)
+        except RuntimeError as e:  # timm < 1.0 reads tensor values while it builds (.item() on meta): build normally
+            log.debug("building %s on the meta device failed (%s); initialising it instead", name, e)
+            model = None
+        if model is not None and not any(True for _ in model.buffers()):
             encoder = _wrap(name, model, spec)
             _load_strict(encoder, Path(weights), assign=True)
             return encoder
