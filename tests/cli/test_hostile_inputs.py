@@ -618,3 +618,104 @@ def test_predict_exit_status_says_slides_failed(shared, small_slides, tmp_path, 
     assert "broken" in out.out + out.err
     assert pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"].tolist() == ["good"]
     assert main(argv + ["--allow-failures"]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 41: locks held for a whole run, full disks in torch's writer, no network, survival
+# inputs, replaced slides, named inputs read or refused, regions, bounded requests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_stale(monkeypatch):
+    """Locks go stale after 1 s without a refresh (heartbeat every 0.1 s): a run of a few seconds outlives it."""
+    import wsi_pipeline.tiling.locks as locks
+
+    monkeypatch.setattr(locks, "STALE_AFTER_S", 1.0)
+    monkeypatch.setattr(locks, "HEARTBEAT_S", 0.1)
+    return 1.0
+
+
+def test_a_lock_is_refreshed_without_a_with_block(tmp_path, short_stale):
+    import time
+
+    from wsi_pipeline.tiling.locks import LockDir
+
+    a, b = LockDir(tmp_path), LockDir(tmp_path)
+    assert a.try_acquire("s")
+    try:
+        time.sleep(3 * short_stale)  # three stale periods: only a heartbeat keeps it live
+        assert a.stale_reason("s") is None and not b.try_acquire("s")
+    finally:
+        a.release_all()
+    assert b.try_acquire("s")  # released: free at once
+    b.release_all()
+
+
+def test_a_training_run_longer_than_the_stale_time_is_not_taken_over(store_cohort, shared, tmp_path, monkeypatch,
+                                                                     short_stale, capsys, caplog):
+    """Run A trains for 3x the stale time; run B, started meanwhile, must leave the run folder to A."""
+    import time
+
+    import wsi_pipeline.training.loop as loop
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
+    real = loop._train_and_validate
+    second: dict = {}
+
+    def long_epoch(run, epoch):
+        if not second:
+            second["started"] = True
+            time.sleep(3 * short_stale)  # run A's epoch outlives the stale time
+            second["rc"] = main(["train", "--config", str(cfg), "--no-progress"])  # run B, while A holds the lock
+            second["err"] = capsys.readouterr().err
+        return real(run, epoch)
+
+    monkeypatch.setattr(loop, "_train_and_validate", long_epoch)
+    with caplog.at_level("WARNING"):
+        rc = main(["train", "--config", str(cfg), "--no-progress"])
+    assert rc == 0 and second["rc"] == 1, second
+    assert "another process is training it" in second["err"], second["err"]
+    assert not any("took over" in r.getMessage() for r in caplog.records)
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    assert (run / "done").exists() and (run / "best.pt").exists() and not (run / "training.lock").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"\x00\x01\x02"])
+def test_an_unreadable_training_lock_is_held_by_unknown_never_trained(content, store_cohort, shared, tmp_path, capsys):
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    run.mkdir(parents=True)
+    (run / "training.lock").write_bytes(content)
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    out = capsys.readouterr()
+    assert rc == 1, out
+    assert "trained 1 run" not in out.out and "seed0" in out.err and "unknown" in out.err, out
+    assert not (run / "best.pt").exists()
+
+
+def test_a_full_disk_inside_torchs_zip_writer_is_one_line_and_a_rerun_continues(store_cohort, shared, tmp_path,
+                                                                                monkeypatch, capsys):
+    """torch's writer turns an ENOSPC part way through into ``RuntimeError: [enforce fail at inline_container.cc]``."""
+    import wsi_pipeline.inference.checkpoint as ck
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 2})
+    real = ck._HashingWriter.write
+    written = {"n": 0, "saves": 0}
+
+    def fills_up(self, data):
+        written["n"] += len(data)
+        if written["n"] > 2000:  # the disk fills part way through a checkpoint
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(ck._HashingWriter, "write", fills_up)
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "No space left on device" in err and ".pt" in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1, err
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    assert not list(run.glob(".*.tmp-*")) and not list(run.glob("*.pt"))  # nothing half written
+    monkeypatch.undo()
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert (run / "done").exists()
