@@ -25,6 +25,7 @@ import wsi_pipeline
 from wsi_pipeline import cli as _cli_pkg
 from wsi_pipeline.cli._common import CommandParser, apply_output_level
 from wsi_pipeline import interrupt
+from wsi_pipeline.io_atomic import os_error_cause
 
 __all__ = ["USER_ERRORS", "build_parser", "describe_error", "main"]
 
@@ -46,6 +47,10 @@ _OS_ADVICE = {
     errno.EISDIR: "the path is a folder where a file was expected",
     errno.ELOOP: "too many levels of symbolic links (a link loop)",
 }
+
+
+#: A full disk, a used-up quota, a read-only file system: reported as one line however a library wrapped them.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def describe_error(err: BaseException) -> str:
@@ -104,6 +109,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose >= 2:
             logging.getLogger(__name__).exception("traceback of the error below (-vv)")
         print(f"wsi-pipeline {args.command}: error: {describe_error(err)}", file=sys.stderr)
+        return 2
+    except Exception as err:
+        # a library's own error over a file-system one (torch's zip writer over a full disk): the latter, one line
+        cause = os_error_cause(err)
+        if cause is None or cause.errno not in _DISK_ERRNOS:
+            raise
+        if args.verbose >= 2:
+            logging.getLogger(__name__).exception("traceback of the error below (-vv)")
+        print(f"wsi-pipeline {args.command}: error: {describe_error(cause)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         # finished work is kept by every stage (atomic writes, completion markers, last.pt)

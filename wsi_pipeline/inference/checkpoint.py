@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
+from wsi_pipeline.io_atomic import atomic_path, os_error_cause, write_text_atomic
 from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = [
@@ -107,8 +107,12 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
             with open(tmp, "wb") as f:
                 hashing = _HashingWriter(f)
                 torch.save(state, hashing)  # hashed as it is written: no second pass over the file
-        except OSError as e:  # a full disk: name the checkpoint, not a nameless stream
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        except (OSError, RuntimeError) as e:  # a full disk: name the checkpoint, not a nameless stream
+            # torch's zip writer reports a failed write part way as RuntimeError (inline_container.cc)
+            cause = os_error_cause(e)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
         digest = hashing.hexdigest()
         # the old checkpoint's hash stays valid until the new file has replaced it
         _write_hashes(side, path.name, [digest] + [h for h in _recorded(side) if h != digest][:1])
