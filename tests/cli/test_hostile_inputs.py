@@ -719,3 +719,187 @@ def test_a_full_disk_inside_torchs_zip_writer_is_one_line_and_a_rerun_continues(
     monkeypatch.undo()
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
     assert (run / "done").exists()
+
+
+@pytest.mark.parametrize("name", ["timm:hf-hub:timm/resnet18.a1_in1k", "timm:hf_hub:timm/resnet18", "timm:local-dir:/any/dir",
+                                  "timm:https://example.org/model", "timm:timm/resnet18", "timm:../x"])
+def test_timm_names_with_a_source_are_refused_naming_the_value(name, store_cohort, tmp_path, capsys):
+    from wsi_pipeline.config.schema import build
+    from wsi_pipeline.config.model import EncoderConfig
+
+    with pytest.raises(ValueError, match="network|folder|source") as e:
+        build(EncoderConfig, {"name": name})
+    assert name in str(e.value)
+    tiles = store_cohort.parent / "tiles"
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--out", str(tmp_path / "f"),
+               "--encoder", name, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and name in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def no_sockets(monkeypatch):
+    """Every attempt to reach the network is recorded and refused."""
+    import socket
+
+    tried: list = []
+
+    def refuse(self, address, *a, **k):
+        tried.append(address)
+        raise OSError(errno.ENETUNREACH, f"test: no network (tried {address})")
+
+    def refuse_lookup(host, *a, **k):
+        tried.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, f"test: no DNS (tried {host})")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse_lookup)
+    return tried
+
+
+def test_features_and_train_with_a_timm_encoder_open_no_socket(store_cohort, tmp_path, no_sockets, monkeypatch, capsys):
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    enc = {"name": "timm:test_vit", "input_size": 32, "timm_kwargs": {"img_size": 32}}
+    tiles = store_cohort.parent / "tiles"
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--out", str(tmp_path / "f"),
+               "--encoder", "timm:test_vit", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    cfg = _cfg(tmp_path, store_cohort, methods=[{"name": "m", "strategy": "frozen", "chunk_size": 16, "encoder": enc}],
+               train={"epochs": 1})
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0, capsys.readouterr().err
+    assert no_sockets == []
+    hub = "timm:hf-hub:timm/resnet18.a1_in1k"  # timm would ask the Hugging Face Hub for its config
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--out", str(tmp_path / "g"),
+               "--encoder", hub, "--no-progress"])
+    assert rc == 2 and hub in capsys.readouterr().err
+    assert no_sockets == []
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def _endpoint_cohort(store_cohort: Path, tmp_path: Path, **cols) -> Path:
+    """The store cohort's manifest with endpoint columns (``time``/``event`` or ``target``) added."""
+    df = pd.read_csv(store_cohort)
+    n = len(df)
+    for col, values in cols.items():
+        df[col] = values(n) if callable(values) else values
+    m = tmp_path / "m.csv"
+    df.to_csv(m, index=False)
+    (tmp_path / "tiles").symlink_to(store_cohort.parent / "tiles")
+    return m
+
+
+SURV = [{"name": "m", "strategy": "frozen", "chunk_size": 16, "task": "survival", "loss": "cox"}]
+REGR = [{"name": "m", "strategy": "frozen", "chunk_size": 16, "task": "regression", "loss": "mse"}]
+
+
+@pytest.mark.parametrize("col,bad", [("time", "inf"), ("time", "-inf"), ("target", "inf"), ("target", "-Infinity")])
+def test_non_finite_times_and_targets_are_refused_naming_the_slide(col, bad, store_cohort, tmp_path):
+    from wsi_pipeline.manifests.schema import ManifestError, read_manifest
+
+    value = bad
+    extra = {"time": lambda n: [float(i + 1) for i in range(n)], "event": lambda n: [i % 2 for i in range(n)]} \
+        if col == "time" else {"target": lambda n: [float(i) for i in range(n)]}
+    m = _endpoint_cohort(store_cohort, tmp_path, **extra)
+    df = pd.read_csv(m)
+    df[col] = df[col].astype(object)
+    df.loc[3, col] = value
+    df.to_csv(m, index=False)
+    sid = df.loc[3, "slide_id"]
+    with pytest.raises(ManifestError, match=rf"{col}.*{sid}.*finite|{col}.*finite.*{sid}") as e:
+        read_manifest(m)
+    assert str(m) in str(e.value)
+
+
+@pytest.mark.parametrize("events", [0, 1])
+def test_a_training_split_with_fewer_than_two_events_is_refused_before_training(events, store_cohort, shared, tmp_path, capsys):
+    df = pd.read_csv(store_cohort)
+    train = (df["split"] == "train").to_numpy()
+    event = np.zeros(len(df), dtype=int)
+    event[np.flatnonzero(train)[:events]] = 1
+    event[~train] = 1  # events outside the training split do not count
+    m = _endpoint_cohort(store_cohort, tmp_path, time=lambda n: [float(i + 1) for i in range(n)], event=event)
+    cfg = _cfg(tmp_path, m, shared, methods=SURV, train={"epochs": 1})
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "event" in err and f"{events} " in err and "Traceback" not in err, err
+    assert not list((tmp_path / "runs").rglob("*.pt")) if (tmp_path / "runs").exists() else True
+
+
+def test_a_regression_target_that_overflows_float32_is_refused_before_training(store_cohort, shared, tmp_path, capsys):
+    m = _endpoint_cohort(store_cohort, tmp_path, target=lambda n: [1e308 / 3 * (i % 3) for i in range(n)])
+    cfg = _cfg(tmp_path, m, shared, methods=REGR, train={"epochs": 1})
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "target" in err and "float32" in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.pt"))
+
+
+def test_a_replaced_slide_of_the_same_size_and_first_mib_is_tiled_again(tmp_path):
+    from wsi_pipeline.synthetic.slides import make_slide
+
+    d = tmp_path / "slides"
+    d.mkdir()
+    a = make_slide(d / "a.svs", size=2048, mpp=0.5, seed=1, tile_size=256, noise=20, quality=98).path
+    b = make_slide(tmp_path / "b.svs", size=2048, mpp=0.5, seed=2, tile_size=256, noise=20, quality=98).path
+    mib = 1 << 20
+    old = Path(a).read_bytes()
+    assert len(old) > 2 * mib
+    argv = ["tile", "--slides", str(d), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0", "--no-qc"]
+    assert main(argv) == 0
+    other = Path(b).read_bytes()[mib:len(old)]
+    new = old[:mib] + other + old[mib + len(other):]  # same size, same first MiB, the rest another slide's
+    assert len(new) == len(old) and new[:mib] == old[:mib] and new != old
+    Path(a).write_bytes(new)
+    main(argv)
+    row = pd.read_csv(tmp_path / "tiles" / "tiling_report.csv").set_index("slide_id").loc["a"]
+    assert row["status"] != "skipped", row.to_dict()
+
+
+def test_the_slide_identity_samples_the_whole_file(tmp_path):
+    from wsi_pipeline.slides.fingerprint import same_slide, slide_fingerprint
+
+    rng = np.random.default_rng(0)
+    data = bytearray(rng.integers(0, 256, 5 << 20, dtype=np.uint8).tobytes())
+    p = tmp_path / "x.bin"
+    p.write_bytes(bytes(data))
+    first = slide_fingerprint(p)
+    for at in (int(len(data) * 0.37), int(len(data) * 0.81), len(data) - 10):  # middle, late, the tail
+        changed = bytearray(data)
+        changed[at:at + 65536] = bytes(65536)
+        p.write_bytes(bytes(changed))
+        assert slide_fingerprint(p) != first and not same_slide(first, slide_fingerprint(p))
+    p.write_bytes(bytes(data))
+    assert slide_fingerprint(p) == first
+    legacy = "-".join(first.split("-")[:2])  # a store recorded by the head-only identity keeps matching
+    assert same_slide(legacy, first) and not same_slide(legacy, "1-" + first.split("-")[1] + "-x")
+
+
+def test_a_lesion_mask_that_is_not_an_image_fails_that_slide_by_name(store_cohort, shared, tmp_path, capsys, caplog):
+    """A FIFO, /dev/zero and a text file as masks fail their slides by name; a missing mask is named in a warning."""
+    m = _cohort_copy(store_cohort, tmp_path)
+    shutil.copytree(store_cohort.parent / "masks", tmp_path / "masks")
+    df = pd.read_csv(m)
+    test_ids = df.loc[df["split"] == "test", "slide_id"].tolist()
+    fifo = tmp_path / "mask.fifo"
+    os.mkfifo(fifo)
+    text = tmp_path / "passwd.png"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    bad = {test_ids[0]: str(fifo), test_ids[1]: "/dev/zero", test_ids[2]: str(text)}
+    for sid, path in bad.items():
+        df.loc[df["slide_id"] == sid, "lesion_mask"] = path
+    df.to_csv(m, index=False)
+    cfg = _cfg(tmp_path, m, shared, train={"epochs": 1}, runs=str(shared / "runs"), results_dir=str(tmp_path / "results"))
+    argv = ["eval", "--config", str(cfg), "--no-progress", "--bootstrap", "0", "--no-heatmaps"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    for sid, path in bad.items():
+        assert any(sid in ln and path in ln and "lesion_mask" in ln for ln in err.splitlines()), (sid, err)
+    df.loc[df["slide_id"] == test_ids[0], "lesion_mask"] = str(tmp_path / "no_such_mask.png")
+    df.loc[df["slide_id"].isin(test_ids[1:]), "lesion_mask"] = [f"masks/{s}.png" for s in test_ids[1:]]
+    df.to_csv(m, index=False)
+    with caplog.at_level("WARNING"):
+        assert main(argv) == 0
+    assert any(test_ids[0] in r.getMessage() and "no_such_mask.png" in r.getMessage() for r in caplog.records)

@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; return its exit status."""
+    from wsi_pipeline.models.offline import go_offline
+
+    go_offline()  # no command reaches the network: the model hubs' libraries are told so before any import
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
