@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from wsi_pipeline.io_atomic import atomic_path
@@ -125,7 +126,12 @@ def _numeric(df: pd.DataFrame, col: str, source: str, expected: str) -> pd.Serie
     if len(bad):
         raise ManifestError(f"{source}: {col} is not a number for slide(s) {_first(bad)}; found {_first(raw[bad.index])} "
                             f"(expected {expected})")
-    return value.astype("float64")
+    value = value.astype("float64")
+    infinite = df["slide_id"][np.isinf(value.to_numpy())]
+    if len(infinite):  # inf parses as a number: a follow-up time or target of inf would skew every metric silently
+        raise ManifestError(f"{source}: {col} is not finite for slide(s) {_first(infinite)}; found "
+                            f"{_first(raw[infinite.index])} (expected {expected}, finite)")
+    return value
 
 
 def _check_endpoints(df: pd.DataFrame, source: str) -> None:
