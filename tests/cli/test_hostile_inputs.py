@@ -903,3 +903,72 @@ def test_a_lesion_mask_that_is_not_an_image_fails_that_slide_by_name(store_cohor
     with caplog.at_level("WARNING"):
         assert main(argv) == 0
     assert any(test_ids[0] in r.getMessage() and "no_such_mask.png" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_copied_without_its_sidecar_still_verifies_itself(shared, tmp_path, small_slides, capsys):
+    """best.pt alone on another machine with 8 flipped bytes inside a tensor: refused, never predicted with."""
+    import torch
+
+    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+
+    p = save_checkpoint(tmp_path / "a" / "best.pt", {"models": {"w": torch.linspace(0, 1, 4096)}, "epoch": 3})
+    p.with_name("best.pt.sha256").unlink()  # copied alone
+    assert load_checkpoint(p)["epoch"] == 3  # verified by the digest inside it, no sidecar needed
+    raw = p.read_bytes()
+    _flip(p, raw.index(torch.linspace(0, 1, 4096)[2000:2002].numpy().tobytes()), 8)
+    with pytest.raises(ValueError, match=r"best\.pt.*(damaged|digest)"):
+        load_checkpoint(p)
+    # the same through predict, with a real run's best.pt copied alone
+    copy = tmp_path / "copy" / "best.pt"
+    copy.parent.mkdir()
+    shutil.copy(shared / "runs" / "t" / "m" / "seed0" / "best.pt", copy)
+    state = torch.load(copy, weights_only=True)
+    w = next(v for v in state["models"]["aggregator"].values() if v.numel() >= 64)
+    _flip(copy, copy.read_bytes().index(w.reshape(-1)[:8].numpy().tobytes()), 8)
+    argv = ["predict", "--model", str(copy), "--slides", str(small_slides), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "best.pt" in err and "Traceback" not in err, err
+
+
+def test_an_unverifiable_checkpoint_is_refused_unless_trusted(tmp_path):
+    import torch
+
+    from wsi_pipeline.inference import checkpoint as ck
+
+    p = tmp_path / "old.pt"
+    torch.save({"format": ck.FORMAT, "models": {"w": torch.ones(3)}, "epoch": 1}, p)  # no digest, no sidecar
+    with pytest.raises(ValueError, match=r"old\.pt.*(unverified|cannot be verified).*--trust-unverified"):
+        ck.load_checkpoint(p)
+    assert ck.load_checkpoint(p, trust_unverified=True)["epoch"] == 1
+
+
+def test_the_shipped_tissue_model_is_verified_without_a_warning(caplog):
+    from wsi_pipeline.tissue_seg.stage import load_tissue_model
+    from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
+
+    with caplog.at_level("WARNING"):
+        load_tissue_model(resolve_tissue_model(None))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
+
+
+def test_predict_takes_trust_unverified_for_an_old_checkpoint(shared, small_slides, tmp_path, capsys):
+    import torch
+
+    old = tmp_path / "old" / "best.pt"
+    old.parent.mkdir()
+    state = torch.load(shared / "runs" / "t" / "m" / "seed0" / "best.pt", weights_only=True)
+    state.pop("integrity", None)
+    torch.save(state, old)  # as an older version wrote it, copied without its .sha256
+    d = tmp_path / "one"
+    d.mkdir()
+    shutil.copy(small_slides / "s0.svs", d / "s0.svs")
+    argv = ["predict", "--model", str(old), "--slides", str(d), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    assert main(argv) == 2 and "--trust-unverified" in capsys.readouterr().err
+    assert main(argv + ["--trust-unverified"]) == 0
+    from wsi_pipeline.inference import checkpoint as ck
+
+    with pytest.raises(ValueError, match="cannot be verified"):  # the flag lasts one command
+        ck.load_checkpoint(old)

@@ -10,7 +10,7 @@ from typing import Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import (
-    add_failure_argument, failure_status,
+    add_failure_argument, add_trust_argument, failure_status,
     add_device_argument,
     add_heatmap_mode_argument,
     add_output_arguments,
@@ -54,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "<results_dir>/<name>_cv/ (report.html, cv_table.csv: mean ± std across folds)")
     add_output_arguments(p)
     add_failure_argument(p)
+    add_trust_argument(p)
     add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 

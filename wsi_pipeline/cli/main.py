@@ -106,6 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # progress lines reach a log file even at the default level; --quiet: warnings and errors only
     levels = apply_output_level(args)
     restore_sigint = interrupt.install()  # a Ctrl-C swallowed by a finalizer still stops the next unit of work
+    trusting = bool(getattr(args, "trust_unverified", False))
+    if trusting:
+        from wsi_pipeline.inference.checkpoint import trust_unverified
+
+        trust_unverified(True)
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
@@ -128,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               "continue where it stopped.", file=sys.stderr)
         return 130
     finally:
+        if trusting:
+            trust_unverified(False)
         restore_sigint()
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)
