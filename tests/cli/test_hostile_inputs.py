@@ -972,3 +972,39 @@ def test_predict_takes_trust_unverified_for_an_old_checkpoint(shared, small_slid
 
     with pytest.raises(ValueError, match="cannot be verified"):  # the flag lasts one command
         ck.load_checkpoint(old)
+
+
+def _garble_metadata(store: Path, how: str) -> None:
+    meta = store / "tiles" / "zarr.json"
+    if how == "not json":
+        meta.write_text('{"zarr_format": 3, "node_type": "arr')
+    else:  # valid JSON, a shape the chunks do not hold
+        raw = json.loads(meta.read_text())
+        raw["shape"][0] = raw["shape"][0] + 7
+        meta.write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("how", ["not json", "wrong shape"])
+def test_tile_and_verify_agree_on_garbled_array_metadata(how, tiled, small_slides, tmp_path, capsys):
+    tiles = _copy(tiled, tmp_path)
+    _garble_metadata(tiles / "s1.zarr", how)
+    assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 1
+    assert "s1" in capsys.readouterr().out
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(tiles), "--no-progress", "--workers", "0",
+               "--shard-tiles", "4", "--no-qc"])
+    assert rc == 0
+    report = pd.read_csv(tiles / "tiling_report.csv").set_index("slide_id")
+    assert report.loc["s1", "status"] == "ok" and report.loc["s0", "status"] == "skipped"  # rebuilt, not "complete"
+    assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 0
+
+
+def test_predict_over_stores_fails_only_the_damaged_one(shared, tiled, tmp_path, capsys):
+    tiles = _copy(tiled, tmp_path)
+    _garble_metadata(tiles / "s1.zarr", "not json")
+    model = shared / "runs" / "t" / "m" / "seed0"
+    argv = ["predict", "--model", str(model), "--slides", str(tiles), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert rc == 1 and "s1" in out.out + out.err and "Traceback" not in out.err, out.err
+    assert sorted(pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"]) == ["s0", "s2"]
