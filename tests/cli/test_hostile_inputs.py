@@ -1008,3 +1008,61 @@ def test_predict_over_stores_fails_only_the_damaged_one(shared, tiled, tmp_path,
     out = capsys.readouterr()
     assert rc == 1 and "s1" in out.out + out.err and "Traceback" not in out.err, out.err
     assert sorted(pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"]) == ["s0", "s2"]
+
+
+SQUARE = [[[0, 0], [100, 0], [100, 100], [0, 100], [0, 0]]]
+
+
+def _feature(coords, name="a", kind="Polygon") -> dict:
+    return {"type": "Feature", "geometry": {"type": kind, "coordinates": coords},
+            "properties": {"name": name, "classification": {"name": "Tumor"}}}
+
+
+@pytest.mark.parametrize("case,text,expected", [
+    ("nan", json.dumps({"type": "FeatureCollection", "features": [
+        _feature(SQUARE, "fine"), _feature([[[0, 0], [float("nan"), 0], [100, 100], [0, 0]]], "odd")]}),
+     r"feature 1.*odd.*finite|feature 1.*finite"),
+    ("inf", '{"type": "FeatureCollection", "features": [' + json.dumps(_feature(SQUARE)).replace("100, 0]", "1e999, 0]") + "]}",
+     r"feature 0.*finite"),
+    ("list of numbers", "[1, 2, 3]", r"item 0|not a GeoJSON|expected"),
+    ("string features", '{"type": "FeatureCollection", "features": ["a", "b"]}', r"feature 0.*str"),
+    ("string geometry", '{"type": "FeatureCollection", "features": [{"type": "Feature", "geometry": "x"}]}', r"feature 0.*geometry"),
+    ("deep", "[" * 100_000 + "]" * 100_000, r"nested|deep"),
+])
+def test_malformed_regions_are_refused_naming_file_and_feature(case, text, expected, tmp_path):
+    from wsi_pipeline.tiling.regions import read_regions
+
+    p = tmp_path / f"{case.replace(' ', '_')}.geojson"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=expected) as e:
+        read_regions(p)
+    assert str(p) in str(e.value) and len(str(e.value)) < 600
+
+
+def test_a_huge_regions_file_is_refused_before_parsing(tmp_path, monkeypatch):
+    import wsi_pipeline.tiling.regions as regions
+
+    monkeypatch.setattr(regions, "MAX_REGIONS_BYTES", 1000)
+    p = tmp_path / "big.geojson"
+    p.write_text(json.dumps({"type": "FeatureCollection", "features": [_feature(SQUARE, f"f{i}") for i in range(50)]}))
+    with pytest.raises(ValueError, match=r"big\.geojson.*larger than"):
+        regions.read_regions(p)
+
+
+def test_one_regions_file_is_parsed_once_per_run(small_slides, tmp_path, monkeypatch):
+    import wsi_pipeline.tiling.regions as regions
+
+    p = tmp_path / "all.geojson"
+    p.write_text(json.dumps({"type": "FeatureCollection", "features": [_feature([[[0, 0], [600, 0], [600, 600], [0, 600], [0, 0]]])]}))
+    parsed = []
+    real = json.loads
+
+    def counting(text, *a, **k):
+        parsed.append(len(text))
+        return real(text, *a, **k)
+
+    monkeypatch.setattr(regions.json, "loads", counting)
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0",
+               "--no-qc", "--regions", str(p)])
+    assert rc == 0
+    assert parsed.count(len(p.read_text())) == 1, parsed  # three slides, one parse of the regions file
