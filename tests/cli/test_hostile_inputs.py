@@ -1066,3 +1066,50 @@ def test_one_regions_file_is_parsed_once_per_run(small_slides, tmp_path, monkeyp
                "--no-qc", "--regions", str(p)])
     assert rc == 0
     assert parsed.count(len(p.read_text())) == 1, parsed  # three slides, one parse of the regions file
+
+
+@pytest.mark.parametrize("text", ["sub8x1000000000", "ens8x1000000000", "sub1000000000000x2"])
+def test_a_subsample_protocol_is_bounded_up_front(text, shared, tmp_path, capsys):
+    from wsi_pipeline.config.evaluation import parse_protocol
+
+    with pytest.raises(ValueError, match=rf"{text}.*(at most|too many)"):
+        parse_protocol(text)
+    argv = ["predict", "--model", str(shared / "runs" / "t" / "m" / "seed0"), "--slides", str(tmp_path), "--out",
+            str(tmp_path / "pred"), "--protocol", text, "--no-progress", "--device", "cpu"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and text in err and "Traceback" not in err, err
+
+
+def test_an_unwritable_tensorboard_folder_is_refused_in_the_preflight(store_cohort, shared, tmp_path, capsys, monkeypatch):
+    import wsi_pipeline.training.loop as loop
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1, "log": "tensorboard"})
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    run.mkdir(parents=True)
+    (run / "tensorboard").write_text("a file where the event folder goes")
+    computed = []
+    monkeypatch.setattr(loop, "train_run", lambda *a, **k: computed.append(1))
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tensorboard" in err and "Traceback" not in err, err
+    assert computed == []  # refused before any training
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path, capsys):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("name: caf\xe9\nmethods: []\n".encode("latin-1"))
+    rc = main(["train", "--config", str(p)])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(p) in err and "UTF-8" in err and "Traceback" not in err, err
+
+
+def test_long_warnings_are_summarised(tmp_path, capsys):
+    n = 5000
+    df = pd.DataFrame({"slide_id": [f"s{i}" for i in range(n)], "path": ["same.svs"] * n, "label": [i % 2 for i in range(n)],
+                       "split": [""] * n, "cohort": ["c"] * n})
+    df.to_csv(tmp_path / "m.csv", index=False)
+    assert main(["manifest", "split", "--manifest", str(tmp_path / "m.csv"), "--out", str(tmp_path / "o.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "s0" in err and str(n) in err, err[:500]
+    assert max(len(ln) for ln in err.splitlines()) < 1000

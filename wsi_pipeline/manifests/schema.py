@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -35,10 +36,14 @@ class ManifestError(ValueError):
     """A manifest that breaks the schema; the message names the file, the field and the rows."""
 
 
-def _first(values, k: int = 5) -> str:
+def first_few(values: Any, k: int = 5) -> str:
+    """The first ``k`` values, comma-separated, and how many more there are: a warning about 100k ids stays one short line."""
     values = list(values)
     more = f" (and {len(values) - k} more)" if len(values) > k else ""
     return ", ".join(map(str, values[:k])) + more
+
+
+_first = first_few
 
 
 def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes: int | None = None) -> pd.DataFrame:
