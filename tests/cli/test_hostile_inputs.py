@@ -1113,3 +1113,17 @@ def test_long_warnings_are_summarised(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "s0" in err and str(n) in err, err[:500]
     assert max(len(ln) for ln in err.splitlines()) < 1000
+
+
+def test_an_empty_tiling_lock_is_a_visible_warning_not_a_hidden_wait(small_slides, tmp_path, caplog):
+    out = tmp_path / "tiles"
+    (out / ".locks").mkdir(parents=True)
+    lock = out / ".locks" / "s0.lock"
+    lock.write_bytes(b"")
+    os.utime(lock, (os.path.getmtime(lock) - 2.5,) * 2)  # left by a run that died 2.5 s ago, not yet stale (4 s)
+    with caplog.at_level("WARNING"):
+        rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc",
+                   "--lock-stale-after", "4"])
+    assert rc == 0
+    assert any("s0" in r.getMessage() and "empty or unreadable" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING"), [r.getMessage() for r in caplog.records]
