@@ -1127,3 +1127,21 @@ def test_an_empty_tiling_lock_is_a_visible_warning_not_a_hidden_wait(small_slide
     assert rc == 0
     assert any("s0" in r.getMessage() and "empty or unreadable" in r.getMessage() for r in caplog.records
                if r.levelname == "WARNING"), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("kind", ["pickle", "truncated"])
+def test_bad_torchvision_weights_are_one_line_naming_the_file(kind, store_cohort, tmp_path, capsys):
+    import torch
+
+    from wsi_pipeline.models import build_encoder
+
+    p = tmp_path / "w.pth"
+    if kind == "pickle":
+        torch.save({"model": torch.nn.Linear(2, 2)}, p)  # a pickled module: weights_only refuses it
+    else:
+        torch.save(build_encoder("resnet18").state_dict(), p)
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(store_cohort.parent / "tiles"),
+               "--out", str(tmp_path / "f"), "--encoder", "resnet18", "--weights", str(p), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(p) in err and "Traceback" not in err, err
