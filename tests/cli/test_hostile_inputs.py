@@ -652,6 +652,7 @@ def test_a_lock_is_refreshed_without_a_with_block(tmp_path, short_stale):
     b.release_all()
 
 
+@pytest.mark.slow
 def test_a_training_run_longer_than_the_stale_time_is_not_taken_over(store_cohort, shared, tmp_path, monkeypatch,
                                                                      short_stale, capsys, caplog):
     """Run A trains for 3x the stale time; run B, started meanwhile, must leave the run folder to A."""
@@ -694,6 +695,7 @@ def test_an_unreadable_training_lock_is_held_by_unknown_never_trained(content, s
     assert not (run / "best.pt").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_inside_torchs_zip_writer_is_one_line_and_a_rerun_continues(store_cohort, shared, tmp_path,
                                                                                 monkeypatch, capsys):
     """torch's writer turns an ENOSPC part way through into ``RuntimeError: [enforce fail at inline_container.cc]``."""
@@ -758,6 +760,7 @@ def no_sockets(monkeypatch):
     return tried
 
 
+@pytest.mark.slow
 def test_features_and_train_with_a_timm_encoder_open_no_socket(store_cohort, tmp_path, no_sockets, monkeypatch, capsys):
     for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.delenv(var, raising=False)
@@ -876,6 +879,7 @@ def test_the_slide_identity_samples_the_whole_file(tmp_path):
     assert same_slide(legacy, first) and not same_slide(legacy, "1-" + first.split("-")[1] + "-x")
 
 
+@pytest.mark.slow
 def test_a_lesion_mask_that_is_not_an_image_fails_that_slide_by_name(store_cohort, shared, tmp_path, capsys, caplog):
     """A FIFO, /dev/zero and a text file as masks fail their slides by name; a missing mask is named in a warning."""
     m = _cohort_copy(store_cohort, tmp_path)
@@ -953,6 +957,7 @@ def test_the_shipped_tissue_model_is_verified_without_a_warning(caplog):
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
 
 
+@pytest.mark.slow
 def test_predict_takes_trust_unverified_for_an_old_checkpoint(shared, small_slides, tmp_path, capsys):
     import torch
 
@@ -998,6 +1003,7 @@ def test_tile_and_verify_agree_on_garbled_array_metadata(how, tiled, small_slide
     assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 0
 
 
+@pytest.mark.slow
 def test_predict_over_stores_fails_only_the_damaged_one(shared, tiled, tmp_path, capsys):
     tiles = _copy(tiled, tmp_path)
     _garble_metadata(tiles / "s1.zarr", "not json")
