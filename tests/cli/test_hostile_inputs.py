@@ -1151,3 +1151,16 @@ def test_bad_torchvision_weights_are_one_line_naming_the_file(kind, store_cohort
                "--out", str(tmp_path / "f"), "--encoder", "resnet18", "--weights", str(p), "--no-progress"])
     err = capsys.readouterr().err
     assert rc == 2 and str(p) in err and "Traceback" not in err, err
+
+
+def test_a_huge_bootstrap_is_refused_up_front(store_cohort, shared, tmp_path, capsys):
+    from wsi_pipeline.config.evaluation import EvalConfig
+    from wsi_pipeline.config.schema import build
+
+    with pytest.raises(ValueError, match="bootstrap"):
+        build(EvalConfig, {"bootstrap": 10**9})
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, runs=str(shared / "runs"), results_dir=str(tmp_path / "r"))
+    rc = main(["eval", "--config", str(cfg), "--bootstrap", str(10**9), "--no-progress", "--no-heatmaps"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--bootstrap" in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()

@@ -62,8 +62,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
 
-    if args.bootstrap is not None and args.bootstrap < 0:
-        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples")
+    from wsi_pipeline.config.evaluation import MAX_BOOTSTRAP
+
+    if args.bootstrap is not None and not 0 <= args.bootstrap <= MAX_BOOTSTRAP:
+        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples up to {MAX_BOOTSTRAP}")
     try:
         join_torchrun(args)
         return _run(args)

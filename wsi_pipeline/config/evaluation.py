@@ -25,6 +25,8 @@ PROTOCOL_SPELLING = "all, sub<k>x<R> (R draws of k tiles, metric per draw, e.g. 
 _NAME_RE = re.compile(r"(sub|ens)([0-9]+)x([0-9]+)")
 
 
+#: Most bootstrap resamples (``eval.bootstrap``, ``eval --bootstrap``): 1000 give the 95 % intervals.
+MAX_BOOTSTRAP = 100_000
 #: Largest ``R`` of ``sub<k>x<R>`` / ``ens<k>x<R>`` (repeats are kept per slide: memory grows with R).
 MAX_REPEATS = 10_000
 #: Largest ``k`` (tiles per subset; a whole slide at 20x has well under a million tiles).
@@ -160,7 +162,7 @@ class EvalConfig:
     val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
     protocols: tuple[EvalProtocol, ...] = field(default=(ALL, EvalProtocol(256, 100)), metadata=spec(parse=_config_protocols))
     seed: int = 0
-    bootstrap: int = field(default=1000, metadata=spec(ge=0))
+    bootstrap: int = field(default=1000, metadata=spec(ge=0, le=MAX_BOOTSTRAP))
     level: Level = "slide"
     patient_pool: PatientPool = "mean"
     horizons: tuple[float, ...] = ()
