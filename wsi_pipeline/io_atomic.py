@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-__all__ = ["atomic_path", "temp_path", "write_text_atomic", "write_bytes_atomic"]
+__all__ = ["atomic_path", "os_error_cause", "temp_path", "write_text_atomic", "write_bytes_atomic"]
 
 
 def temp_path(path: str | os.PathLike[str], *, suffix: str | None = None) -> Path:
@@ -64,3 +64,20 @@ def write_bytes_atomic(path: str | os.PathLike[str], data: bytes) -> Path:
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def os_error_cause(err: BaseException) -> OSError | None:
+    """The ``OSError`` (with an errno) that ``err`` is or was raised while handling, else None.
+
+    Libraries that write through a callback wrap the file system's error in their own: torch's
+    zip writer raises ``RuntimeError: [enforce fail at inline_container.cc]`` over the ``ENOSPC``
+    of a full disk. Walking ``__cause__`` / ``__context__`` finds the error a user can act on.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        e = e.__cause__ or e.__context__
+    return None

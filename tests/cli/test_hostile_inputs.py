@@ -618,3 +618,549 @@ def test_predict_exit_status_says_slides_failed(shared, small_slides, tmp_path, 
     assert "broken" in out.out + out.err
     assert pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"].tolist() == ["good"]
     assert main(argv + ["--allow-failures"]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 41: locks held for a whole run, full disks in torch's writer, no network, survival
+# inputs, replaced slides, named inputs read or refused, regions, bounded requests
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def short_stale(monkeypatch):
+    """Locks go stale after 1 s without a refresh (heartbeat every 0.1 s): a run of a few seconds outlives it."""
+    import wsi_pipeline.tiling.locks as locks
+
+    monkeypatch.setattr(locks, "STALE_AFTER_S", 1.0)
+    monkeypatch.setattr(locks, "HEARTBEAT_S", 0.1)
+    return 1.0
+
+
+def test_a_lock_is_refreshed_without_a_with_block(tmp_path, short_stale):
+    import time
+
+    from wsi_pipeline.tiling.locks import LockDir
+
+    a, b = LockDir(tmp_path), LockDir(tmp_path)
+    assert a.try_acquire("s")
+    try:
+        time.sleep(3 * short_stale)  # three stale periods: only a heartbeat keeps it live
+        assert a.stale_reason("s") is None and not b.try_acquire("s")
+    finally:
+        a.release_all()
+    assert b.try_acquire("s")  # released: free at once
+    b.release_all()
+
+
+@pytest.mark.slow
+def test_a_training_run_longer_than_the_stale_time_is_not_taken_over(store_cohort, shared, tmp_path, monkeypatch,
+                                                                     short_stale, capsys, caplog):
+    """Run A trains for 3x the stale time; run B, started meanwhile, must leave the run folder to A."""
+    import time
+
+    import wsi_pipeline.training.loop as loop
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
+    real = loop._train_and_validate
+    second: dict = {}
+
+    def long_epoch(run, epoch):
+        if not second:
+            second["started"] = True
+            time.sleep(3 * short_stale)  # run A's epoch outlives the stale time
+            second["rc"] = main(["train", "--config", str(cfg), "--no-progress"])  # run B, while A holds the lock
+            second["err"] = capsys.readouterr().err
+        return real(run, epoch)
+
+    monkeypatch.setattr(loop, "_train_and_validate", long_epoch)
+    with caplog.at_level("WARNING"):
+        rc = main(["train", "--config", str(cfg), "--no-progress"])
+    assert rc == 0 and second["rc"] == 1, second
+    assert "another process is training it" in second["err"], second["err"]
+    assert not any("took over" in r.getMessage() for r in caplog.records)
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    assert (run / "done").exists() and (run / "best.pt").exists() and not (run / "training.lock").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"{not json", b"\x00\x01\x02"])
+def test_an_unreadable_training_lock_is_held_by_unknown_never_trained(content, store_cohort, shared, tmp_path, capsys):
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    run.mkdir(parents=True)
+    (run / "training.lock").write_bytes(content)
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    out = capsys.readouterr()
+    assert rc == 1, out
+    assert "trained 1 run" not in out.out and "seed0" in out.err and "unknown" in out.err, out
+    assert not (run / "best.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_full_disk_inside_torchs_zip_writer_is_one_line_and_a_rerun_continues(store_cohort, shared, tmp_path,
+                                                                                monkeypatch, capsys):
+    """torch's writer turns an ENOSPC part way through into ``RuntimeError: [enforce fail at inline_container.cc]``."""
+    import wsi_pipeline.inference.checkpoint as ck
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 2})
+    real = ck._HashingWriter.write
+    written = {"n": 0, "saves": 0}
+
+    def fills_up(self, data):
+        written["n"] += len(data)
+        if written["n"] > 2000:  # the disk fills part way through a checkpoint
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, data)
+
+    monkeypatch.setattr(ck._HashingWriter, "write", fills_up)
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "No space left on device" in err and ".pt" in err and "Traceback" not in err, err
+    assert len([ln for ln in err.splitlines() if "error" in ln]) == 1, err
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    assert not list(run.glob(".*.tmp-*")) and not list(run.glob("*.pt"))  # nothing half written
+    monkeypatch.undo()
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert (run / "done").exists()
+
+
+@pytest.mark.parametrize("name", ["timm:hf-hub:timm/resnet18.a1_in1k", "timm:hf_hub:timm/resnet18", "timm:local-dir:/any/dir",
+                                  "timm:https://example.org/model", "timm:timm/resnet18", "timm:../x"])
+def test_timm_names_with_a_source_are_refused_naming_the_value(name, store_cohort, tmp_path, capsys):
+    from wsi_pipeline.config.schema import build
+    from wsi_pipeline.config.model import EncoderConfig
+
+    with pytest.raises(ValueError, match="network|folder|source") as e:
+        build(EncoderConfig, {"name": name})
+    assert name in str(e.value)
+    tiles = store_cohort.parent / "tiles"
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--out", str(tmp_path / "f"),
+               "--encoder", name, "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and name in err and "Traceback" not in err, err
+
+
+@pytest.fixture
+def no_sockets(monkeypatch):
+    """Every attempt to reach the network is recorded and refused."""
+    import socket
+
+    tried: list = []
+
+    def refuse(self, address, *a, **k):
+        tried.append(address)
+        raise OSError(errno.ENETUNREACH, f"test: no network (tried {address})")
+
+    def refuse_lookup(host, *a, **k):
+        tried.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, f"test: no DNS (tried {host})")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse_lookup)
+    return tried
+
+
+@pytest.mark.slow
+def test_features_and_train_with_a_timm_encoder_open_no_socket(store_cohort, tmp_path, no_sockets, monkeypatch, capsys):
+    for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+    enc = {"name": "timm:test_vit", "input_size": 32, "timm_kwargs": {"img_size": 32}}
+    tiles = store_cohort.parent / "tiles"
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--out", str(tmp_path / "f"),
+               "--encoder", "timm:test_vit", "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    cfg = _cfg(tmp_path, store_cohort, methods=[{"name": "m", "strategy": "frozen", "chunk_size": 16, "encoder": enc}],
+               train={"epochs": 1})
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0, capsys.readouterr().err
+    assert no_sockets == []
+    hub = "timm:hf-hub:timm/resnet18.a1_in1k"  # timm would ask the Hugging Face Hub for its config
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--out", str(tmp_path / "g"),
+               "--encoder", hub, "--no-progress"])
+    assert rc == 2 and hub in capsys.readouterr().err
+    assert no_sockets == []
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"
+
+
+def _endpoint_cohort(store_cohort: Path, tmp_path: Path, **cols) -> Path:
+    """The store cohort's manifest with endpoint columns (``time``/``event`` or ``target``) added."""
+    df = pd.read_csv(store_cohort)
+    n = len(df)
+    for col, values in cols.items():
+        df[col] = values(n) if callable(values) else values
+    m = tmp_path / "m.csv"
+    df.to_csv(m, index=False)
+    (tmp_path / "tiles").symlink_to(store_cohort.parent / "tiles")
+    return m
+
+
+SURV = [{"name": "m", "strategy": "frozen", "chunk_size": 16, "task": "survival", "loss": "cox"}]
+REGR = [{"name": "m", "strategy": "frozen", "chunk_size": 16, "task": "regression", "loss": "mse"}]
+
+
+@pytest.mark.parametrize("col,bad", [("time", "inf"), ("time", "-inf"), ("target", "inf"), ("target", "-Infinity")])
+def test_non_finite_times_and_targets_are_refused_naming_the_slide(col, bad, store_cohort, tmp_path):
+    from wsi_pipeline.manifests.schema import ManifestError, read_manifest
+
+    value = bad
+    extra = {"time": lambda n: [float(i + 1) for i in range(n)], "event": lambda n: [i % 2 for i in range(n)]} \
+        if col == "time" else {"target": lambda n: [float(i) for i in range(n)]}
+    m = _endpoint_cohort(store_cohort, tmp_path, **extra)
+    df = pd.read_csv(m)
+    df[col] = df[col].astype(object)
+    df.loc[3, col] = value
+    df.to_csv(m, index=False)
+    sid = df.loc[3, "slide_id"]
+    with pytest.raises(ManifestError, match=rf"{col}.*{sid}.*finite|{col}.*finite.*{sid}") as e:
+        read_manifest(m)
+    assert str(m) in str(e.value)
+
+
+@pytest.mark.parametrize("events", [0, 1])
+def test_a_training_split_with_fewer_than_two_events_is_refused_before_training(events, store_cohort, shared, tmp_path, capsys):
+    df = pd.read_csv(store_cohort)
+    train = (df["split"] == "train").to_numpy()
+    event = np.zeros(len(df), dtype=int)
+    event[np.flatnonzero(train)[:events]] = 1
+    event[~train] = 1  # events outside the training split do not count
+    m = _endpoint_cohort(store_cohort, tmp_path, time=lambda n: [float(i + 1) for i in range(n)], event=event)
+    cfg = _cfg(tmp_path, m, shared, methods=SURV, train={"epochs": 1})
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "event" in err and f"{events} " in err and "Traceback" not in err, err
+    assert not list((tmp_path / "runs").rglob("*.pt")) if (tmp_path / "runs").exists() else True
+
+
+def test_a_regression_target_that_overflows_float32_is_refused_before_training(store_cohort, shared, tmp_path, capsys):
+    m = _endpoint_cohort(store_cohort, tmp_path, target=lambda n: [1e308 / 3 * (i % 3) for i in range(n)])
+    cfg = _cfg(tmp_path, m, shared, methods=REGR, train={"epochs": 1})
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "target" in err and "float32" in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").rglob("*.pt"))
+
+
+def test_a_replaced_slide_of_the_same_size_and_first_mib_is_tiled_again(tmp_path):
+    from wsi_pipeline.synthetic.slides import make_slide
+
+    d = tmp_path / "slides"
+    d.mkdir()
+    a = make_slide(d / "a.svs", size=2048, mpp=0.5, seed=1, tile_size=256, noise=20, quality=98).path
+    b = make_slide(tmp_path / "b.svs", size=2048, mpp=0.5, seed=2, tile_size=256, noise=20, quality=98).path
+    mib = 1 << 20
+    old = Path(a).read_bytes()
+    assert len(old) > 2 * mib
+    argv = ["tile", "--slides", str(d), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0", "--no-qc"]
+    assert main(argv) == 0
+    other = Path(b).read_bytes()[mib:len(old)]
+    new = old[:mib] + other + old[mib + len(other):]  # same size, same first MiB, the rest another slide's
+    assert len(new) == len(old) and new[:mib] == old[:mib] and new != old
+    Path(a).write_bytes(new)
+    main(argv)
+    row = pd.read_csv(tmp_path / "tiles" / "tiling_report.csv").set_index("slide_id").loc["a"]
+    assert row["status"] != "skipped", row.to_dict()
+
+
+def test_the_slide_identity_samples_the_whole_file(tmp_path):
+    from wsi_pipeline.slides.fingerprint import same_slide, slide_fingerprint
+
+    rng = np.random.default_rng(0)
+    data = bytearray(rng.integers(0, 256, 5 << 20, dtype=np.uint8).tobytes())
+    p = tmp_path / "x.bin"
+    p.write_bytes(bytes(data))
+    first = slide_fingerprint(p)
+    for at in (int(len(data) * 0.37), int(len(data) * 0.81), len(data) - 10):  # middle, late, the tail
+        changed = bytearray(data)
+        changed[at:at + 65536] = bytes(65536)
+        p.write_bytes(bytes(changed))
+        assert slide_fingerprint(p) != first and not same_slide(first, slide_fingerprint(p))
+    p.write_bytes(bytes(data))
+    assert slide_fingerprint(p) == first
+    legacy = "-".join(first.split("-")[:2])  # a store recorded by the head-only identity keeps matching
+    assert same_slide(legacy, first) and not same_slide(legacy, "1-" + first.split("-")[1] + "-x")
+
+
+@pytest.mark.slow
+def test_a_lesion_mask_that_is_not_an_image_fails_that_slide_by_name(store_cohort, shared, tmp_path, capsys, caplog):
+    """A FIFO, /dev/zero and a text file as masks fail their slides by name; a missing mask is named in a warning."""
+    m = _cohort_copy(store_cohort, tmp_path)
+    shutil.copytree(store_cohort.parent / "masks", tmp_path / "masks")
+    df = pd.read_csv(m)
+    test_ids = df.loc[df["split"] == "test", "slide_id"].tolist()
+    fifo = tmp_path / "mask.fifo"
+    os.mkfifo(fifo)
+    text = tmp_path / "passwd.png"
+    text.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    bad = {test_ids[0]: str(fifo), test_ids[1]: "/dev/zero", test_ids[2]: str(text)}
+    for sid, path in bad.items():
+        df.loc[df["slide_id"] == sid, "lesion_mask"] = path
+    df.to_csv(m, index=False)
+    cfg = _cfg(tmp_path, m, shared, train={"epochs": 1}, runs=str(shared / "runs"), results_dir=str(tmp_path / "results"))
+    argv = ["eval", "--config", str(cfg), "--no-progress", "--bootstrap", "0", "--no-heatmaps"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 1 and "Traceback" not in err, err
+    for sid, path in bad.items():
+        assert any(sid in ln and path in ln and "lesion_mask" in ln for ln in err.splitlines()), (sid, err)
+    df.loc[df["slide_id"] == test_ids[0], "lesion_mask"] = str(tmp_path / "no_such_mask.png")
+    df.loc[df["slide_id"].isin(test_ids[1:]), "lesion_mask"] = [f"masks/{s}.png" for s in test_ids[1:]]
+    df.to_csv(m, index=False)
+    with caplog.at_level("WARNING"):
+        assert main(argv) == 0
+    assert any(test_ids[0] in r.getMessage() and "no_such_mask.png" in r.getMessage() for r in caplog.records)
+
+
+def test_a_checkpoint_copied_without_its_sidecar_still_verifies_itself(shared, tmp_path, small_slides, capsys):
+    """best.pt alone on another machine with 8 flipped bytes inside a tensor: refused, never predicted with."""
+    import torch
+
+    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+
+    p = save_checkpoint(tmp_path / "a" / "best.pt", {"models": {"w": torch.linspace(0, 1, 4096)}, "epoch": 3})
+    p.with_name("best.pt.sha256").unlink()  # copied alone
+    assert load_checkpoint(p)["epoch"] == 3  # verified by the digest inside it, no sidecar needed
+    raw = p.read_bytes()
+    _flip(p, raw.index(torch.linspace(0, 1, 4096)[2000:2002].numpy().tobytes()), 8)
+    with pytest.raises(ValueError, match=r"best\.pt.*(damaged|digest)"):
+        load_checkpoint(p)
+    # the same through predict, with a real run's best.pt copied alone
+    copy = tmp_path / "copy" / "best.pt"
+    copy.parent.mkdir()
+    shutil.copy(shared / "runs" / "t" / "m" / "seed0" / "best.pt", copy)
+    state = torch.load(copy, weights_only=True)
+    w = next(v for v in state["models"]["aggregator"].values() if v.numel() >= 64)
+    _flip(copy, copy.read_bytes().index(w.reshape(-1)[:8].numpy().tobytes()), 8)
+    argv = ["predict", "--model", str(copy), "--slides", str(small_slides), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "best.pt" in err and "Traceback" not in err, err
+
+
+def test_an_unverifiable_checkpoint_is_refused_unless_trusted(tmp_path):
+    import torch
+
+    from wsi_pipeline.inference import checkpoint as ck
+
+    p = tmp_path / "old.pt"
+    torch.save({"format": ck.FORMAT, "models": {"w": torch.ones(3)}, "epoch": 1}, p)  # no digest, no sidecar
+    with pytest.raises(ValueError, match=r"old\.pt.*(unverified|cannot be verified).*--trust-unverified"):
+        ck.load_checkpoint(p)
+    assert ck.load_checkpoint(p, trust_unverified=True)["epoch"] == 1
+
+
+def test_the_shipped_tissue_model_is_verified_without_a_warning(caplog):
+    from wsi_pipeline.tissue_seg.stage import load_tissue_model
+    from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
+
+    with caplog.at_level("WARNING"):
+        load_tissue_model(resolve_tissue_model(None))
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.records
+
+
+@pytest.mark.slow
+def test_predict_takes_trust_unverified_for_an_old_checkpoint(shared, small_slides, tmp_path, capsys):
+    import torch
+
+    old = tmp_path / "old" / "best.pt"
+    old.parent.mkdir()
+    state = torch.load(shared / "runs" / "t" / "m" / "seed0" / "best.pt", weights_only=True)
+    state.pop("integrity", None)
+    torch.save(state, old)  # as an older version wrote it, copied without its .sha256
+    d = tmp_path / "one"
+    d.mkdir()
+    shutil.copy(small_slides / "s0.svs", d / "s0.svs")
+    argv = ["predict", "--model", str(old), "--slides", str(d), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    assert main(argv) == 2 and "--trust-unverified" in capsys.readouterr().err
+    assert main(argv + ["--trust-unverified"]) == 0
+    from wsi_pipeline.inference import checkpoint as ck
+
+    with pytest.raises(ValueError, match="cannot be verified"):  # the flag lasts one command
+        ck.load_checkpoint(old)
+
+
+def _garble_metadata(store: Path, how: str) -> None:
+    meta = store / "tiles" / "zarr.json"
+    if how == "not json":
+        meta.write_text('{"zarr_format": 3, "node_type": "arr')
+    else:  # valid JSON, a shape the chunks do not hold
+        raw = json.loads(meta.read_text())
+        raw["shape"][0] = raw["shape"][0] + 7
+        meta.write_text(json.dumps(raw))
+
+
+@pytest.mark.parametrize("how", ["not json", "wrong shape"])
+def test_tile_and_verify_agree_on_garbled_array_metadata(how, tiled, small_slides, tmp_path, capsys):
+    tiles = _copy(tiled, tmp_path)
+    _garble_metadata(tiles / "s1.zarr", how)
+    assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 1
+    assert "s1" in capsys.readouterr().out
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(tiles), "--no-progress", "--workers", "0",
+               "--shard-tiles", "4", "--no-qc"])
+    assert rc == 0
+    report = pd.read_csv(tiles / "tiling_report.csv").set_index("slide_id")
+    assert report.loc["s1", "status"] == "ok" and report.loc["s0", "status"] == "skipped"  # rebuilt, not "complete"
+    assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 0
+
+
+@pytest.mark.slow
+def test_predict_over_stores_fails_only_the_damaged_one(shared, tiled, tmp_path, capsys):
+    tiles = _copy(tiled, tmp_path)
+    _garble_metadata(tiles / "s1.zarr", "not json")
+    model = shared / "runs" / "t" / "m" / "seed0"
+    argv = ["predict", "--model", str(model), "--slides", str(tiles), "--out", str(tmp_path / "pred"), "--no-progress",
+            "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
+    rc = main(argv)
+    out = capsys.readouterr()
+    assert rc == 1 and "s1" in out.out + out.err and "Traceback" not in out.err, out.err
+    assert sorted(pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"]) == ["s0", "s2"]
+
+
+SQUARE = [[[0, 0], [100, 0], [100, 100], [0, 100], [0, 0]]]
+
+
+def _feature(coords, name="a", kind="Polygon") -> dict:
+    return {"type": "Feature", "geometry": {"type": kind, "coordinates": coords},
+            "properties": {"name": name, "classification": {"name": "Tumor"}}}
+
+
+@pytest.mark.parametrize("case,text,expected", [
+    ("nan", json.dumps({"type": "FeatureCollection", "features": [
+        _feature(SQUARE, "fine"), _feature([[[0, 0], [float("nan"), 0], [100, 100], [0, 0]]], "odd")]}),
+     r"feature 1.*odd.*finite|feature 1.*finite"),
+    ("inf", '{"type": "FeatureCollection", "features": [' + json.dumps(_feature(SQUARE)).replace("100, 0]", "1e999, 0]") + "]}",
+     r"feature 0.*finite"),
+    ("list of numbers", "[1, 2, 3]", r"item 0|not a GeoJSON|expected"),
+    ("string features", '{"type": "FeatureCollection", "features": ["a", "b"]}', r"feature 0.*str"),
+    ("string geometry", '{"type": "FeatureCollection", "features": [{"type": "Feature", "geometry": "x"}]}', r"feature 0.*geometry"),
+    ("deep", "[" * 100_000 + "]" * 100_000, r"nested|deep"),
+])
+def test_malformed_regions_are_refused_naming_file_and_feature(case, text, expected, tmp_path):
+    from wsi_pipeline.tiling.regions import read_regions
+
+    p = tmp_path / f"{case.replace(' ', '_')}.geojson"
+    p.write_text(text)
+    with pytest.raises(ValueError, match=expected) as e:
+        read_regions(p)
+    assert str(p) in str(e.value) and len(str(e.value)) < 600
+
+
+def test_a_huge_regions_file_is_refused_before_parsing(tmp_path, monkeypatch):
+    import wsi_pipeline.tiling.regions as regions
+
+    monkeypatch.setattr(regions, "MAX_REGIONS_BYTES", 1000)
+    p = tmp_path / "big.geojson"
+    p.write_text(json.dumps({"type": "FeatureCollection", "features": [_feature(SQUARE, f"f{i}") for i in range(50)]}))
+    with pytest.raises(ValueError, match=r"big\.geojson.*larger than"):
+        regions.read_regions(p)
+
+
+def test_one_regions_file_is_parsed_once_per_run(small_slides, tmp_path, monkeypatch):
+    import wsi_pipeline.tiling.regions as regions
+
+    p = tmp_path / "all.geojson"
+    p.write_text(json.dumps({"type": "FeatureCollection", "features": [_feature([[[0, 0], [600, 0], [600, 600], [0, 600], [0, 0]]])]}))
+    parsed = []
+    real = json.loads
+
+    def counting(text, *a, **k):
+        parsed.append(len(text))
+        return real(text, *a, **k)
+
+    monkeypatch.setattr(regions.json, "loads", counting)
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0",
+               "--no-qc", "--regions", str(p)])
+    assert rc == 0
+    assert parsed.count(len(p.read_text())) == 1, parsed  # three slides, one parse of the regions file
+
+
+@pytest.mark.parametrize("text", ["sub8x1000000000", "ens8x1000000000", "sub1000000000000x2"])
+def test_a_subsample_protocol_is_bounded_up_front(text, shared, tmp_path, capsys):
+    from wsi_pipeline.config.evaluation import parse_protocol
+
+    with pytest.raises(ValueError, match=rf"{text}.*(at most|too many)"):
+        parse_protocol(text)
+    argv = ["predict", "--model", str(shared / "runs" / "t" / "m" / "seed0"), "--slides", str(tmp_path), "--out",
+            str(tmp_path / "pred"), "--protocol", text, "--no-progress", "--device", "cpu"]
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and text in err and "Traceback" not in err, err
+
+
+def test_an_unwritable_tensorboard_folder_is_refused_in_the_preflight(store_cohort, shared, tmp_path, capsys, monkeypatch):
+    import wsi_pipeline.training.loop as loop
+
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1, "log": "tensorboard"})
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    run.mkdir(parents=True)
+    (run / "tensorboard").write_text("a file where the event folder goes")
+    computed = []
+    monkeypatch.setattr(loop, "train_run", lambda *a, **k: computed.append(1))
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tensorboard" in err and "Traceback" not in err, err
+    assert computed == []  # refused before any training
+
+
+def test_a_config_that_is_not_utf8_is_named(tmp_path, capsys):
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("name: caf\xe9\nmethods: []\n".encode("latin-1"))
+    rc = main(["train", "--config", str(p)])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(p) in err and "UTF-8" in err and "Traceback" not in err, err
+
+
+def test_long_warnings_are_summarised(tmp_path, capsys):
+    n = 5000
+    df = pd.DataFrame({"slide_id": [f"s{i}" for i in range(n)], "path": ["same.svs"] * n, "label": [i % 2 for i in range(n)],
+                       "split": [""] * n, "cohort": ["c"] * n})
+    df.to_csv(tmp_path / "m.csv", index=False)
+    assert main(["manifest", "split", "--manifest", str(tmp_path / "m.csv"), "--out", str(tmp_path / "o.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "s0" in err and str(n) in err, err[:500]
+    assert max(len(ln) for ln in err.splitlines()) < 1000
+
+
+def test_an_empty_tiling_lock_is_a_visible_warning_not_a_hidden_wait(small_slides, tmp_path, caplog):
+    out = tmp_path / "tiles"
+    (out / ".locks").mkdir(parents=True)
+    lock = out / ".locks" / "s0.lock"
+    lock.write_bytes(b"")
+    os.utime(lock, (os.path.getmtime(lock) - 2.5,) * 2)  # left by a run that died 2.5 s ago, not yet stale (4 s)
+    with caplog.at_level("WARNING"):
+        rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc",
+                   "--lock-stale-after", "4"])
+    assert rc == 0
+    assert any("s0" in r.getMessage() and "empty or unreadable" in r.getMessage() for r in caplog.records
+               if r.levelname == "WARNING"), [r.getMessage() for r in caplog.records]
+
+
+@pytest.mark.parametrize("kind", ["pickle", "truncated"])
+def test_bad_torchvision_weights_are_one_line_naming_the_file(kind, store_cohort, tmp_path, capsys):
+    import torch
+
+    from wsi_pipeline.models import build_encoder
+
+    p = tmp_path / "w.pth"
+    if kind == "pickle":
+        torch.save({"model": torch.nn.Linear(2, 2)}, p)  # a pickled module: weights_only refuses it
+    else:
+        torch.save(build_encoder("resnet18").state_dict(), p)
+        p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    rc = main(["features", "--manifest", str(store_cohort), "--tiles", str(store_cohort.parent / "tiles"),
+               "--out", str(tmp_path / "f"), "--encoder", "resnet18", "--weights", str(p), "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(p) in err and "Traceback" not in err, err
+
+
+def test_a_huge_bootstrap_is_refused_up_front(store_cohort, shared, tmp_path, capsys):
+    from wsi_pipeline.config.evaluation import EvalConfig
+    from wsi_pipeline.config.schema import build
+
+    with pytest.raises(ValueError, match="bootstrap"):
+        build(EvalConfig, {"bootstrap": 10**9})
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, runs=str(shared / "runs"), results_dir=str(tmp_path / "r"))
+    rc = main(["eval", "--config", str(cfg), "--bootstrap", str(10**9), "--no-progress", "--no-heatmaps"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--bootstrap" in err and "Traceback" not in err, err
+    assert not (tmp_path / "r").exists()

@@ -117,6 +117,14 @@ def add_failure_argument(p: argparse.ArgumentParser, what: str = "slide") -> Non
                         "jobs notice")
 
 
+def add_trust_argument(p: argparse.ArgumentParser) -> None:
+    """Add ``--trust-unverified``: load a checkpoint that neither its own digest nor a ``.sha256`` beside it can verify."""
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="load a checkpoint that cannot be verified (saved by an older version: no digest inside it, no "
+                        ".sha256 file beside it) instead of refusing it; a checkpoint whose digest does not match is "
+                        "refused whatever this says")
+
+
 def failure_status(failed: bool, args: argparse.Namespace) -> int:
     """The exit status of a command that ran to its end: 1 when something ``failed`` (unless
     ``--allow-failures``), else 0."""

@@ -10,7 +10,7 @@ from typing import Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import (
-    add_failure_argument, failure_status,
+    add_failure_argument, add_trust_argument, failure_status,
     add_device_argument,
     add_heatmap_mode_argument,
     add_output_arguments,
@@ -61,6 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --folds: evaluate every fold again, even those whose results are newer than their runs")
     add_output_arguments(p)
     add_failure_argument(p)
+    add_trust_argument(p)
     add_cluster_arguments(p, shard=False)
     p.set_defaults(func=run)
 
@@ -68,8 +69,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
 
-    if args.bootstrap is not None and args.bootstrap < 0:
-        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples")
+    from wsi_pipeline.config.evaluation import MAX_BOOTSTRAP
+
+    if args.bootstrap is not None and not 0 <= args.bootstrap <= MAX_BOOTSTRAP:
+        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples up to {MAX_BOOTSTRAP}")
     try:
         join_torchrun(args)
         return _run(args)

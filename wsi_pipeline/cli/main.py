@@ -25,6 +25,7 @@ import wsi_pipeline
 from wsi_pipeline import cli as _cli_pkg
 from wsi_pipeline.cli._common import CommandParser, apply_output_level
 from wsi_pipeline import interrupt
+from wsi_pipeline.io_atomic import os_error_cause
 
 __all__ = ["USER_ERRORS", "build_parser", "describe_error", "main"]
 
@@ -46,6 +47,10 @@ _OS_ADVICE = {
     errno.EISDIR: "the path is a folder where a file was expected",
     errno.ELOOP: "too many levels of symbolic links (a link loop)",
 }
+
+
+#: A full disk, a used-up quota, a read-only file system: reported as one line however a library wrapped them.
+_DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
 
 
 def describe_error(err: BaseException) -> str:
@@ -88,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; return its exit status."""
+    from wsi_pipeline.models.offline import go_offline
+
+    go_offline()  # no command reaches the network: the model hubs' libraries are told so before any import
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
@@ -98,6 +106,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # progress lines reach a log file even at the default level; --quiet: warnings and errors only
     levels = apply_output_level(args)
     restore_sigint = interrupt.install()  # a Ctrl-C swallowed by a finalizer still stops the next unit of work
+    trusting = bool(getattr(args, "trust_unverified", False))
+    if trusting:
+        from wsi_pipeline.inference.checkpoint import trust_unverified
+
+        trust_unverified(True)
     try:
         return int(args.func(args) or 0)
     except USER_ERRORS as err:
@@ -105,12 +118,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger(__name__).exception("traceback of the error below (-vv)")
         print(f"wsi-pipeline {args.command}: error: {describe_error(err)}", file=sys.stderr)
         return 2
+    except Exception as err:
+        # a library's own error over a file-system one (torch's zip writer over a full disk): the latter, one line
+        cause = os_error_cause(err)
+        if cause is None or cause.errno not in _DISK_ERRNOS:
+            raise
+        if args.verbose >= 2:
+            logging.getLogger(__name__).exception("traceback of the error below (-vv)")
+        print(f"wsi-pipeline {args.command}: error: {describe_error(cause)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # finished work is kept by every stage (atomic writes, completion markers, last.pt)
         print(f"\nwsi-pipeline {args.command}: interrupted; finished work is kept. Run the same command again to "
               "continue where it stopped.", file=sys.stderr)
         return 130
     finally:
+        if trusting:
+            trust_unverified(False)
         restore_sigint()
         for name, level in levels.items():
             logging.getLogger(name).setLevel(level)

@@ -321,10 +321,12 @@ def _write_crossval(df, out) -> int:
 def _warn_duplicate_files(df) -> None:
     """Warn when two slide ids point to the same file (a leak when they fall in different splits)."""
     from wsi_pipeline.manifests.assign import duplicate_files
+    from wsi_pipeline.manifests.schema import first_few
 
     if "path" not in df.columns:
         return
     for ids in duplicate_files(df):
         splits = sorted(set(df.loc[df["slide_id"].isin(ids), "split"].astype(str)) - {""})
         leak = f"; they are in different splits ({', '.join(splits)}): a leak" if len(splits) > 1 else ""
-        print(f"warning: slide ids {', '.join(ids)} point to the same file (same path or content){leak}", file=sys.stderr)
+        print(f"warning: {len(ids)} slide ids ({first_few(ids)}) point to the same file (same path or content){leak}",
+              file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
-from wsi_pipeline.cli._common import add_failure_argument, failure_status, add_device_argument, add_heatmap_mode_argument, add_output_arguments
+from wsi_pipeline.cli._common import add_failure_argument, add_trust_argument, failure_status, add_device_argument, add_heatmap_mode_argument, add_output_arguments
 
 __all__ = ["register", "run"]
 
@@ -55,6 +55,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_heatmap_mode_argument(p)
     add_output_arguments(p)
     add_failure_argument(p)
+    add_trust_argument(p)
     add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from wsi_pipeline.cli._common import add_device_argument, add_output_arguments
+from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_trust_argument
 
 __all__ = ["register"]
 
@@ -94,6 +94,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    "um/px; OUT/<slide_id>_overlay.png (QC, tissue tinted green); OUT/<slide_id>_mask.json.")
     _add_inputs(q)
     q.add_argument("--model", required=True, metavar="PT", help="best.pt of `tissue train` or its run folder")
+    add_trust_argument(q)
     q.add_argument("--out", required=True, metavar="DIR", help="output folder")
     q.add_argument("--mpp", type=_positive, default=None, metavar="UM",
                    help="working resolution in um/px (default: the model's)")

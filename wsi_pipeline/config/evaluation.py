@@ -25,6 +25,14 @@ PROTOCOL_SPELLING = "all, sub<k>x<R> (R draws of k tiles, metric per draw, e.g. 
 _NAME_RE = re.compile(r"(sub|ens)([0-9]+)x([0-9]+)")
 
 
+#: Most bootstrap resamples (``eval.bootstrap``, ``eval --bootstrap``): 1000 give the 95 % intervals.
+MAX_BOOTSTRAP = 100_000
+#: Largest ``R`` of ``sub<k>x<R>`` / ``ens<k>x<R>`` (repeats are kept per slide: memory grows with R).
+MAX_REPEATS = 10_000
+#: Largest ``k`` (tiles per subset; a whole slide at 20x has well under a million tiles).
+MAX_SUBSET_TILES = 1_000_000
+
+
 @dataclass(frozen=True)
 class EvalProtocol:
     """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
@@ -42,6 +50,11 @@ class EvalProtocol:
     def __post_init__(self) -> None:
         if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
             raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
+        if self.k is not None and (int(self.k) > MAX_SUBSET_TILES or int(self.repeats) > MAX_REPEATS):
+            raise ValueError(
+                f"protocol {'ens' if self.ensemble else 'sub'}{self.k}x{self.repeats}: at most {MAX_SUBSET_TILES} tiles "
+                f"per subset and {MAX_REPEATS} repeats (each repeat is kept per slide; the papers use 100)"
+            )
 
     @property
     def is_all(self) -> bool:
@@ -149,7 +162,7 @@ class EvalConfig:
     val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
     protocols: tuple[EvalProtocol, ...] = field(default=(ALL, EvalProtocol(256, 100)), metadata=spec(parse=_config_protocols))
     seed: int = 0
-    bootstrap: int = field(default=1000, metadata=spec(ge=0))
+    bootstrap: int = field(default=1000, metadata=spec(ge=0, le=MAX_BOOTSTRAP))
     level: Level = "slide"
     patient_pool: PatientPool = "mean"
     horizons: tuple[float, ...] = ()

@@ -142,7 +142,13 @@ def read_yaml(path: str | os.PathLike, what: str = "pipeline config") -> dict[st
         raise FileNotFoundError(f"{what} not found: {path}; configs live in pipelines/*.yaml")
     if path.stat().st_size > MAX_YAML_BYTES:
         raise ValueError(f"{path}: {path.stat().st_size} bytes, larger than the {MAX_YAML_BYTES} bytes a YAML config may have")
-    raw = load_yaml(path.read_text(), str(path)) or {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} on line {line}); save the {what} "
+                         "as UTF-8") from None
+    raw = load_yaml(text, str(path)) or {}
     if not isinstance(raw, dict):
         raise TypeError(f"{path}: a {what} must be a mapping of sections; got {type(raw).__name__}")
     return raw

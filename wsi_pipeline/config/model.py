@@ -30,6 +30,10 @@ def _encoder_name(value: Any, where: str) -> str:
         raise ValueError(f"{where}={name!r}; expected one of {encoder_names()} or 'timm:<architecture>'")
     if name == TIMM_PREFIX:
         raise ValueError(f"{where}={name!r}: name the timm architecture after 'timm:', e.g. timm:vit_small_patch16_224")
+    if name.startswith(TIMM_PREFIX):
+        from wsi_pipeline.models.offline import check_timm_architecture
+
+        check_timm_architecture(name[len(TIMM_PREFIX):], where)
     return name
 
 

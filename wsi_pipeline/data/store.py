@@ -590,7 +590,7 @@ def complete_attrs(path: str | os.PathLike) -> dict[str, Any] | None:
     if attrs is None:
         return None
     try:
-        _check_files(Path(path), attrs)
+        TileStore(path)  # the check every reader makes (verify, train, eval): tile and they agree on "complete"
     except Exception:  # any unreadable or damaged store is simply not complete
         return None
     return attrs
@@ -632,17 +632,28 @@ class TileStore:
         register_codecs()  # a JPEG-compressed store needs its codec known to zarr before opening
         self.group = zarr.open_group(str(self.path), mode="r")
         self.attrs: dict[str, Any] = dict(self.group.attrs)
-        missing = [name for name in _ARRAYS if name not in self.group]
-        if missing:
-            raise StoreDamagedError(self.path, f"array(s) {missing} are missing")
-        _check_files(self.path, self.attrs)
-        self._tiles = self.group["tiles"]
+        try:  # an array's metadata (zarr.json) that does not parse is damage, named like any other
+            missing = [name for name in _ARRAYS if name not in self.group]
+            if missing:
+                raise StoreDamagedError(self.path, f"array(s) {missing} are missing")
+            _check_files(self.path, self.attrs)
+            self._tiles = self.group["tiles"]
+        except StoreDamagedError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise StoreDamagedError(self.path, f"an array's metadata does not read ({type(e).__name__}: {e})") from None
         try:
             self.coords = np.asarray(self.group["coords"][:])
             self.grid = np.asarray(self.group["grid"][:])
             self.foreground = np.asarray(self.group["foreground"][:])
-        except (ValueError, RuntimeError) as e:  # zarr's crc32c codec: "Stored and computed checksum do not match"
+        except (ValueError, RuntimeError, KeyError, TypeError) as e:  # zarr's crc32c codec: "Stored and computed checksum do not match"
             raise StoreDamagedError(self.path, f"a small array does not decode ({e})") from None
+        lengths = {"tiles": int(self._tiles.shape[0]), "coords": len(self.coords), "grid": len(self.grid),
+                   "foreground": len(self.foreground)}
+        if "n_tiles" in self.attrs:
+            lengths["n_tiles attribute"] = int(self.attrs["n_tiles"])
+        if len(set(lengths.values())) > 1:
+            raise StoreDamagedError(self.path, f"its arrays disagree on the number of tiles ({lengths})")
         self.tile_size = int(self._tiles.shape[1])
         #: tiles per shard file, 0 for the one-file-per-tile layout of older stores
         self.shard_tiles = _shard_tiles_of(self._tiles)

@@ -65,6 +65,7 @@ import torch
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
 from wsi_pipeline.inference.endpoint_metrics import PATIENT_PREFIX
 from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
+from wsi_pipeline.evaluation.localisation import LesionMaskError
 from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import label_of, score_slide
@@ -393,7 +394,7 @@ class _ScoreTask:
             row["score"] = score_slide(
                 model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
                 device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
-        except StoreDamagedError as e:  # this slide fails by name; the others are scored
+        except (StoreDamagedError, LesionMaskError) as e:  # this slide fails by name; the others are scored
             row.update(status="failed", error=str(e), damaged=True)
             return
         except (FileNotFoundError, ValueError) as e:

@@ -79,7 +79,10 @@ def check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) ->
     want = {k: v for k, v in want.items() if v is not None}
     odd = []
     for path in stores:
-        got = store_settings(path)
+        try:
+            got = store_settings(path)
+        except (ValueError, OSError):  # a damaged store fails that slide alone, by name, when it is scored
+            continue
         if got is None:
             continue
         diff = [f"{k} {got.get(k)} (model: {v})" for k, v in want.items()

@@ -30,8 +30,13 @@ Every checkpoint verifies itself: ``<name>.sha256`` beside it (``sha256sum`` for
 file's SHA-256, checked on every load, so flipped bytes are an error naming the file, never a model
 that silently predicts something else. Saving writes the new hash beside the old one first, then
 replaces the checkpoint, then leaves only the new hash: a kill at any point leaves a checkpoint
-whose hash is recorded. A checkpoint without the file (saved by an older version) loads with a
-warning that it is unverified.
+whose hash is recorded.
+
+The checkpoint also carries its own digest (``integrity``: the SHA-256 of every entry, tensors'
+bytes, dtypes and shapes included, :func:`state_digest`), verified on every load: a ``best.pt``
+copied alone to another machine (the usual way to share a model) is still checked. A file that
+can be verified neither way (saved by an older version, without its ``.sha256``) is refused unless
+the caller trusts it (``trust_unverified``; the commands' ``--trust-unverified``).
 :func:`load_trained_model` rebuilds the models of a run for evaluation and prediction.
 """
 
@@ -52,7 +57,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
+from wsi_pipeline.io_atomic import atomic_path, os_error_cause, write_text_atomic
 from wsi_pipeline.config.pipeline import MethodConfig
 
 __all__ = [
@@ -64,6 +69,8 @@ __all__ = [
     "load_trained_model",
     "restore_rng",
     "save_checkpoint",
+    "state_digest",
+    "trust_unverified",
     "verify_checkpoint",
 ]
 
@@ -100,20 +107,66 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
     path = Path(path)
     state = dict(state)
     state.setdefault("format", FORMAT)
+    state.pop(_DIGEST, None)
     _check_plain(state, "checkpoint")
+    state[_DIGEST] = {"scheme": _SCHEME, "sha256": state_digest(state)}
     side = _hash_file(path)
     with atomic_path(path) as tmp:
         try:
             with open(tmp, "wb") as f:
                 hashing = _HashingWriter(f)
                 torch.save(state, hashing)  # hashed as it is written: no second pass over the file
-        except OSError as e:  # a full disk: name the checkpoint, not a nameless stream
-            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        except (OSError, RuntimeError) as e:  # a full disk: name the checkpoint, not a nameless stream
+            # torch's zip writer reports a failed write part way as RuntimeError (inline_container.cc)
+            cause = os_error_cause(e)
+            if cause is None:
+                raise
+            raise OSError(cause.errno, cause.strerror or str(cause), str(path)) from e
         digest = hashing.hexdigest()
         # the old checkpoint's hash stays valid until the new file has replaced it
         _write_hashes(side, path.name, [digest] + [h for h in _recorded(side) if h != digest][:1])
     _write_hashes(side, path.name, [digest])
     return path
+
+
+#: The checkpoint's own digest entry, and the scheme of :func:`state_digest`.
+_DIGEST = "integrity"
+_SCHEME = "entries-sha256-v1"
+
+
+def state_digest(state: Mapping[str, Any]) -> str:
+    """SHA-256 (hex) over every entry of a checkpoint's ``state`` but its ``integrity`` record: each key path,
+    each plain value's ``repr`` and each tensor's dtype, shape and bytes, in a fixed order."""
+    h = hashlib.sha256()
+
+    def walk(obj: Any, where: str) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = obj.detach().cpu().contiguous()
+            h.update(f"{where}:tensor:{t.dtype}:{tuple(t.shape)}\n".encode())
+            if t.numel():
+                h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(obj, Mapping):
+            h.update(f"{where}:dict:{len(obj)}\n".encode())
+            for k in sorted(obj, key=lambda k: (type(k).__name__, str(k))):
+                walk(obj[k], f"{where}[{k!r}]")
+        elif isinstance(obj, (list, tuple)):
+            h.update(f"{where}:list:{len(obj)}\n".encode())
+            for i, v in enumerate(obj):
+                walk(v, f"{where}[{i}]")
+        else:
+            h.update(f"{where}={obj!r}\n".encode())
+
+    walk({k: v for k, v in state.items() if k != _DIGEST}, "")
+    return h.hexdigest()
+
+
+#: Loading a checkpoint that carries no digest and has no ``.sha256`` beside it (``--trust-unverified``).
+_trust = {"unverified": False}
+
+
+def trust_unverified(on: bool = True) -> None:
+    """Let :func:`load_checkpoint` read checkpoints that cannot be verified (for this process; ``--trust-unverified``)."""
+    _trust["unverified"] = bool(on)
 
 
 class _HashingWriter:
@@ -160,39 +213,46 @@ def _write_hashes(side: Path, name: str, hashes: list[str]) -> None:
     write_text_atomic(side, "".join(f"{h}  {name}\n" for h in hashes))
 
 
-def verify_checkpoint(path: str | os.PathLike) -> None:
+def verify_checkpoint(path: str | os.PathLike) -> bool:
     """Check ``path`` against the SHA-256 recorded beside it; ``ValueError`` naming the file on a mismatch.
 
-    A checkpoint without a ``.sha256`` file (saved by an older version) is logged as unverified.
+    Returns False when there is no ``.sha256`` file (then only the digest inside the checkpoint can
+    verify it, :func:`load_checkpoint`), True when the file matched.
     """
     path = Path(path)
     side = _hash_file(path)
     recorded = _recorded(side)
     if not recorded:
-        log.warning("%s has no %s (saved by an older version): its integrity is not verified", path, side.name)
-        return
+        return False
     found = file_sha256(path)
     if found not in recorded:
         raise ValueError(
             f"checkpoint {path} is damaged: its sha256 {found[:16]}... does not match the {recorded[0][:16]}... recorded "
             f"in {side.name} when it was saved; restore it from a backup or retrain the run"
         )
+    return True
 
 
-def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu") -> dict[str, Any]:
-    """Read a checkpoint with ``torch.load(weights_only=True)``.
+def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu",
+                    trust_unverified: bool | None = None) -> dict[str, Any]:
+    """Read a checkpoint with ``torch.load(weights_only=True)``, verified by the SHA-256 beside it and by
+    the digest inside it.
+
+    ``trust_unverified``: read a checkpoint that neither can verify (default: what
+    :func:`trust_unverified` set for the process, else no).
 
     Raises
     ------
     FileNotFoundError : no such file.
-    ValueError : the file does not match its recorded SHA-256 (:func:`verify_checkpoint`), carries a
-        pickled Python object (refused: loading it could run code), is not a torch file, or is not
-        a wsi-pipeline checkpoint; the message names the file.
+    ValueError : the file does not match its recorded SHA-256 (:func:`verify_checkpoint`) or its own
+        digest, cannot be verified at all (and is not trusted), carries a pickled Python object
+        (refused: loading it could run code), is not a torch file, or is not a wsi-pipeline
+        checkpoint; the message names the file.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    verify_checkpoint(path)
+    sidecar = verify_checkpoint(path)
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
@@ -213,7 +273,29 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     if not isinstance(state, dict) or state.get("format") != FORMAT:
         found = state.get("format") if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"{path} is not a wsi-pipeline checkpoint (format {found!r}, expected {FORMAT!r})")
+    _check_digest(path, state, sidecar, _trust["unverified"] if trust_unverified is None else trust_unverified)
     return state
+
+
+def _check_digest(path: Path, state: dict[str, Any], sidecar: bool, trusted: bool) -> None:
+    """Verify the digest a checkpoint carries; refuse one that nothing verifies unless ``trusted``."""
+    own = state.pop(_DIGEST, None)
+    if isinstance(own, Mapping) and own.get("scheme") == _SCHEME:
+        found = state_digest(state)
+        if found != own.get("sha256"):
+            raise ValueError(
+                f"checkpoint {path} is damaged: the digest of its contents {found[:16]}... does not match the "
+                f"{str(own.get('sha256'))[:16]}... stored inside it when it was saved; restore it from a backup or retrain"
+            )
+        return
+    if sidecar:
+        return
+    if not trusted:
+        raise ValueError(
+            f"checkpoint {path} cannot be verified: it carries no digest of its own (saved by an older version) and "
+            f"has no {_hash_file(path).name} beside it; copy that file with it, or load it anyway with --trust-unverified"
+        )
+    log.warning("%s is unverified (no digest inside, no %s beside it): loaded as trusted", path, _hash_file(path).name)
 
 
 def capture_rng() -> dict[str, Any]:

@@ -266,6 +266,14 @@ def fit_endpoint(method: MethodConfig, n_classes: int | None, targets: Sequence[
     opts = method.loss_options
     base: dict[str, Any] = dict(task=task, loss=loss, n_outputs=endpoint_outputs(method, n_classes), ties=opts.ties,
                 huber_delta=float(opts.huber_delta))
+    if task == "survival":
+        n_events = sum(int(e) == 1 for _, e in targets)
+        if n_events < 2:  # Cox's loss is 0 without events (it trains nothing), and one event ranks nothing
+            raise ValueError(
+                f"the training split has {n_events} observed event(s) (event = 1) among {len(targets)} bags; survival "
+                "training needs at least 2: a cohort whose every case is censored teaches the model nothing (check the "
+                "event column: 1 = event observed, 0 = censored)"
+            )
     if loss == "nll_discrete":
         times = np.asarray([float(t) for t, e in targets if int(e) == 1])
         base["edges"] = discrete_edges(times, int(opts.bins))
@@ -273,6 +281,13 @@ def fit_endpoint(method: MethodConfig, n_classes: int | None, targets: Sequence[
         y = np.asarray([float(v) for v in targets], dtype=np.float64)
         if len(y) < 2:
             raise ValueError(f"method {method.name!r}: regression needs at least 2 training targets; got {len(y)}")
-        sd = float(y.std(ddof=1))
-        base.update(target_mean=float(y.mean()), target_sd=sd if sd > 0 else 1.0)
+        with np.errstate(over="ignore", invalid="ignore"):
+            mean, sd = float(y.mean()), float(y.std(ddof=1))
+        limit = float(np.finfo(np.float32).max) / 1e3  # predictions are mapped back in float32: output * sd + mean
+        if not (np.isfinite(mean) and np.isfinite(sd)) or max(abs(mean), sd, float(np.abs(y).max())) > limit:
+            raise ValueError(
+                f"regression targets up to {float(np.abs(y).max()):.3g} (mean {mean:.3g}, sd {sd:.3g}) overflow float32, "
+                f"in which the model computes (limit {limit:.3g}); rescale the target column (other units, or its log)"
+            )
+        base.update(target_mean=mean, target_sd=sd if sd > 0 else 1.0)
     return Endpoint(**base)

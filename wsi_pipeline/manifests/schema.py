@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from wsi_pipeline.io_atomic import atomic_path
@@ -34,10 +36,14 @@ class ManifestError(ValueError):
     """A manifest that breaks the schema; the message names the file, the field and the rows."""
 
 
-def _first(values, k: int = 5) -> str:
+def first_few(values: Any, k: int = 5) -> str:
+    """The first ``k`` values, comma-separated, and how many more there are: a warning about 100k ids stays one short line."""
     values = list(values)
     more = f" (and {len(values) - k} more)" if len(values) > k else ""
     return ", ".join(map(str, values[:k])) + more
+
+
+_first = first_few
 
 
 def validate_manifest(df: pd.DataFrame, *, source: str = "<manifest>", n_classes: int | None = None) -> pd.DataFrame:
@@ -125,7 +131,12 @@ def _numeric(df: pd.DataFrame, col: str, source: str, expected: str) -> pd.Serie
     if len(bad):
         raise ManifestError(f"{source}: {col} is not a number for slide(s) {_first(bad)}; found {_first(raw[bad.index])} "
                             f"(expected {expected})")
-    return value.astype("float64")
+    value = value.astype("float64")
+    infinite = df["slide_id"][np.isinf(value.to_numpy())]
+    if len(infinite):  # inf parses as a number: a follow-up time or target of inf would skew every metric silently
+        raise ManifestError(f"{source}: {col} is not finite for slide(s) {_first(infinite)}; found "
+                            f"{_first(raw[infinite.index])} (expected {expected}, finite)")
+    return value
 
 
 def _check_endpoints(df: pd.DataFrame, source: str) -> None:

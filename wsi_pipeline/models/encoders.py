@@ -11,6 +11,7 @@ Every encoder maps ``[B, 3, H, W]`` to ``[B, num_features]`` (global average of 
 from __future__ import annotations
 
 import logging
+import pickle
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
@@ -217,7 +218,12 @@ def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"encoder weights {path} not found; pass the path of a torchvision ResNet .pth file")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:  # pickled objects, truncated files
+        text = str(e).strip().splitlines()
+        raise ValueError(f"encoder weights {path}: cannot read it ({type(e).__name__}: {text[0][:300] if text else ''}); "
+                         "expected a state dict saved with torch.save (weights only: pickled Python objects are refused)") from e
     if isinstance(state, Mapping):
         for wrapper in ("state_dict", "model"):
             if wrapper in state and isinstance(state[wrapper], Mapping):

@@ -451,6 +451,10 @@ def build_foundation_encoder(
 
 
 def _create(name: str, spec: Preset) -> nn.Module:
+    from wsi_pipeline.models.offline import check_timm_architecture, go_offline
+
+    go_offline()
+    check_timm_architecture(spec.architecture, "encoder.name")
     import timm
 
     try:

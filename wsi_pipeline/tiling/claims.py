@@ -51,6 +51,14 @@ def _current_store(job: SlideJob, out: Path, config: TilingConfig, since: float)
                        note="rebuilt by another run during this one", path=job.path)
 
 
+def _older_than(path: Path, seconds: float) -> bool:
+    """True when ``path`` exists and was last changed more than ``seconds`` ago."""
+    try:
+        return time.time() - path.stat().st_mtime > seconds
+    except OSError:
+        return False
+
+
 class SlideClaims:
     """Hands out this run's slides one at a time, each only while this process holds its lock.
 
@@ -78,8 +86,14 @@ class SlideClaims:
             if i not in self._told:
                 self._told.add(i)
                 info = self.locks.holder(job.slide_id)
-                logger.info("slide %s is being tiled by another run (%s); waiting for it", job.slide_id,
-                            info.describe() if info else "lock being written")
+                if info is None and _older_than(self.locks.path(job.slide_id), 2.0):  # empty or unreadable, not
+                    # just being written (a run that died creating it?): say so, the wait may be long
+                    logger.warning("slide %s: its lock %s is empty or unreadable; waiting until it is taken over as "
+                                   "stale (%g s after its last change), or delete it if no run is alive", job.slide_id,
+                                   self.locks.path(job.slide_id), self.locks.stale_after_s)
+                else:
+                    logger.info("slide %s is being tiled by another run (%s); waiting for it", job.slide_id,
+                                info.describe() if info else "lock being written")
             return False
         self.deferred.pop(i, None)
         # another run may have finished it between our first look and the lock

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from wsi_pipeline.data.store import complete_attrs
 from wsi_pipeline.slides import slide_fingerprint
+from wsi_pipeline.slides.fingerprint import same_slide
 from wsi_pipeline.tiling.params import output_params
 
 if TYPE_CHECKING:
@@ -78,6 +79,8 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     recorded = attrs.get("tiling_identity", {}).get("fingerprint")
     same_stat = recorded and attrs.get("slide_stat") == stat_key(slide)
     fingerprint = recorded if same_stat else slide_fingerprint(slide)
+    if recorded and fingerprint != recorded and same_slide(recorded, fingerprint):
+        fingerprint = recorded  # a store recorded before the spread blocks: compared by its own rule
     if attrs.get("tiling_identity") != store_identity(job, config, fingerprint):
         return None
     # a store whose mpp came from the fallback (or that had none) depends on the fallback too

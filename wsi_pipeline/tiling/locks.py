@@ -128,14 +128,22 @@ def _age(path: Path) -> float | None:
 class LockDir:
     """Named locks in one folder, held by this process, refreshed by a heartbeat thread.
 
+    The heartbeat starts with the first lock taken (:meth:`try_acquire`, :meth:`acquire_wait`) and
+    ends when the last is released, so a lock is refreshed for as long as it is held, however long
+    the run; using the object as a context manager releases what is still held on leaving.
+
     Parameters
     ----------
     folder : where the ``<name>.lock`` files live (created).
-    stale_after_s : seconds without a refresh after which a lock is stale.
-    heartbeat_s : seconds between refreshes of the locks this process holds.
+    stale_after_s : seconds without a refresh after which a lock is stale (default :data:`STALE_AFTER_S`).
+    heartbeat_s : seconds between refreshes of the locks this process holds (default :data:`HEARTBEAT_S`,
+        at most a quarter of ``stale_after_s``).
     """
 
-    def __init__(self, folder: str | os.PathLike, *, stale_after_s: float = STALE_AFTER_S, heartbeat_s: float = HEARTBEAT_S) -> None:
+    def __init__(self, folder: str | os.PathLike, *, stale_after_s: float | None = None, heartbeat_s: float | None = None) -> None:
+        # the module's values when not given, read now (a test may shorten them)
+        stale_after_s = STALE_AFTER_S if stale_after_s is None else stale_after_s
+        heartbeat_s = min(HEARTBEAT_S, stale_after_s / 4) if heartbeat_s is None else heartbeat_s
         if not 0 < heartbeat_s < stale_after_s:
             raise ValueError(f"heartbeat_s={heartbeat_s} must be > 0 and below stale_after_s={stale_after_s}")
         self.folder = Path(folder)
@@ -180,8 +188,7 @@ class LockDir:
             return True
         p = self.path(name)
         if _create(p, self.me):
-            with self._mutex:
-                self._held[name] = p
+            self._hold(name, p)
             return True
         reason = self.stale_reason(name)
         if reason is None:
@@ -199,9 +206,17 @@ class LockDir:
             if not _create(p, self.me):
                 return False
         logger.warning("took over the stale lock %s: %s", p, reason)
+        self._hold(name, p)
+        return True
+
+    def _hold(self, name: str, p: Path) -> None:
+        """Record ``name`` as held and make sure the heartbeat runs: no lock is held without it."""
         with self._mutex:
             self._held[name] = p
-        return True
+            if self._thread is None or not self._thread.is_alive() or self._stop.is_set():
+                self._stop = threading.Event()
+                self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lock-heartbeat", daemon=True)
+                self._thread.start()
 
     @contextlib.contextmanager
     def _takeover(self, name: str) -> Iterator[bool]:
@@ -246,6 +261,8 @@ class LockDir:
             if info is not None and info.token == self.me.token:
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
+            if not self._held:  # nothing left to refresh: the heartbeat ends (it starts again with the next lock)
+                self._stop.set()
 
     def release_all(self) -> None:
         for name in list(self._held):
@@ -262,6 +279,8 @@ class LockDir:
                 if info is None or info.token != self.me.token:
                     del self._held[name]
                     self.lost.append(name)
+                    if not self._held:
+                        self._stop.set()
                     logger.warning(
                         "lock %s was taken over by %s while this run held it (this run was paused for longer than %g s?)",
                         p, info.describe() if info else "another run", self.stale_after_s,
@@ -270,24 +289,23 @@ class LockDir:
                 with contextlib.suppress(FileNotFoundError):
                     os.utime(p)
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.heartbeat_s):
             try:
                 self.refresh()
             except OSError as err:  # a file-system hiccup must not end the heartbeat
                 logger.warning("lock heartbeat failed: %s", err)
 
     def __enter__(self) -> LockDir:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._beat, name="lock-heartbeat", daemon=True)
-        self._thread.start()
+        """``with LockDir(...) as locks``: every lock still held is released on leaving (the heartbeat
+        itself runs whenever a lock is held, with or without the block)."""
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
         self.release_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
 
 def die_with_parent() -> None:

@@ -23,8 +23,10 @@ centres, so it is within half a mask pixel of the mask's edge).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import json
 import os
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,13 +86,25 @@ def region_file(regions: str | os.PathLike, slide_id: str) -> Path:
                             "add its annotations or leave the slide out of this run")
 
 
+#: Largest regions file read (bytes); a QuPath export of a whole slide's cells stays far below it.
+MAX_REGIONS_BYTES = 512 << 20
+
+
 def geojson_features(obj: Any, path: Path, what: str = "regions") -> list[dict[str, Any]]:
     """The features of a parsed GeoJSON document (a FeatureCollection, a list of features, one feature or
-    one bare geometry); ValueError naming ``path`` (a ``what`` file) for anything else."""
+    one bare geometry); ValueError naming ``path`` (a ``what`` file) for anything else, a list item that
+    is not a Feature included."""
     if isinstance(obj, list):
-        return [f for f in obj if isinstance(f, dict)]
+        for i, f in enumerate(obj):
+            if not isinstance(f, dict):
+                raise ValueError(f"{what} file {path}: item {i} of its list is a {type(f).__name__} ({str(f)[:40]!r}), "
+                                 "not a GeoJSON Feature (QuPath: File > Export objects as GeoJSON)")
+        return obj
     if isinstance(obj, dict) and obj.get("type") == "FeatureCollection":
-        return list(obj.get("features") or [])
+        feats = obj.get("features") or []
+        if not isinstance(feats, list):
+            raise ValueError(f"{what} file {path}: its `features` is a {type(feats).__name__}, expected a list of Features")
+        return feats
     if isinstance(obj, dict) and obj.get("type") == "Feature":
         return [obj]
     if isinstance(obj, dict) and obj.get("type") in ("Polygon", "MultiPolygon", "Point", "MultiPoint"):
@@ -107,31 +121,68 @@ def classification_of(properties: dict[str, Any]) -> str:
 
 
 def read_regions(path: str | os.PathLike) -> tuple[list[Region], dict[str, int]]:
-    """The areal regions of a QuPath GeoJSON file and counts (``regions``, ``skipped`` non-areal features)."""
+    """The areal regions of a QuPath GeoJSON file and counts (``regions``, ``skipped`` non-areal features).
+
+    A file is parsed once per process while its size and modification time stay the same (one
+    regions file for a whole cohort is not re-read for every slide). ``ValueError`` naming the file
+    (and the feature) for a file larger than :data:`MAX_REGIONS_BYTES`, nested deeper than the
+    parser allows, not GeoJSON, or with coordinates that are not finite.
+    """
+    path = Path(path)
+    try:
+        st = path.stat()
+    except OSError as err:
+        raise ValueError(f"regions file {path} cannot be read: {err}") from err
+    regions, counts = _read_regions(str(path), int(st.st_size), int(st.st_mtime_ns))
+    return list(regions), dict(counts)
+
+
+@functools.lru_cache(maxsize=4)
+def _read_regions(file: str, size: int, mtime_ns: int) -> tuple[tuple[Region, ...], dict[str, int]]:
     import shapely
     from shapely.geometry import shape
 
-    path = Path(path)
+    path = Path(file)
+    if size > MAX_REGIONS_BYTES:
+        raise ValueError(f"regions file {path} is larger than {MAX_REGIONS_BYTES >> 20} MiB ({size / 2**20:.0f} MiB); "
+                         "export only the annotations that select tiles (QuPath: File > Export objects as GeoJSON, "
+                         "annotations only)")
     try:
-        obj = json.loads(path.read_text())
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"regions file {path} is nested deeper than any GeoJSON (the parser gives up); "
+                         "expected a FeatureCollection of Polygons") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"regions file {path} is not readable JSON: {err}") from err
     out: list[Region] = []
     skipped = 0
     for i, feat in enumerate(geojson_features(obj, path)):
+        if not isinstance(feat, dict):
+            raise ValueError(f"regions file {path}: feature {i} is a {type(feat).__name__} ({str(feat)[:40]!r}), "
+                             "not a GeoJSON Feature")
         geom = feat.get("geometry") or {}
+        if not isinstance(geom, dict):
+            raise ValueError(f"regions file {path}: feature {i} has a geometry that is a {type(geom).__name__} "
+                             f"({str(geom)[:40]!r}), not a GeoJSON geometry")
+        props = feat.get("properties") or {}
+        props = props if isinstance(props, dict) else {}
+        label = f"feature {i}" + (f" ({str(props.get('name'))[:60]!r})" if props.get("name") else "")
         if geom.get("type") not in ("Polygon", "MultiPolygon"):
             skipped += 1
             continue
         try:
-            g = shape(geom)
+            with warnings.catch_warnings():  # NaN coordinates warn in shapely; refused by name just below
+                warnings.simplefilter("ignore", RuntimeWarning)
+                g = shape(geom)
         except (ValueError, TypeError, AttributeError, IndexError) as err:
-            raise ValueError(f"regions file {path}: feature {i} has a malformed {geom.get('type')}: {err}") from err
+            raise ValueError(f"regions file {path}: {label} has a malformed {geom.get('type')}: {err}") from err
+        if not np.isfinite(shapely.get_coordinates(g)).all():
+            raise ValueError(f"regions file {path}: {label} has coordinates that are not finite (NaN or Infinity); "
+                             "expected level-0 pixel coordinates")
         if not g.is_valid:
             g = shapely.make_valid(g)
-        props = feat.get("properties") or {}
         out.append(Region(classification_of(props), str(props.get("name") or ""), g))
-    return out, {"regions": len(out), "skipped": skipped}
+    return tuple(out), {"regions": len(out), "skipped": skipped}
 
 
 def _matches(name: str, patterns: Sequence[str]) -> bool:

@@ -90,6 +90,8 @@ def preflight(
                     unfinished.append(run_dir)
                 else:
                     check_resumable(run_dir, run_config(config, method, seed))
+            if method.train.log == "tensorboard" and distributed.is_main():  # its event folder, before compute
+                check_output_dir(run_dir / "tensorboard", what="tensorboard folder (train.log: tensorboard)")
             runs.append((method, seed, run_dir))
     if unfinished:
         raise ValueError(

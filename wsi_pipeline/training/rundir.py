@@ -109,7 +109,8 @@ def resume(
 
 @contextlib.contextmanager
 def run_lock(run_dir: Path) -> Iterator[bool]:
-    """Hold ``run_dir/training.lock`` while the body runs; yields False (and holds nothing) when
+    """Hold ``run_dir/training.lock`` while the body runs, refreshed by the lock's heartbeat however long
+    the run (:class:`~wsi_pipeline.tiling.locks.LockDir`); yields False (and holds nothing) when
     another live process holds it. Under torchrun only rank 0 takes it; every rank gets its answer."""
     from wsi_pipeline.tiling.locks import LockDir
     from wsi_pipeline.training import distributed
@@ -130,16 +131,23 @@ def run_lock(run_dir: Path) -> Iterator[bool]:
 
 
 def run_holder(run_dir: Path) -> str | None:
-    """Who holds ``run_dir``'s training lock (host, pid, since), or None when no live process does."""
+    """Who holds ``run_dir``'s training lock (host, pid, since), or None when no live process does.
+
+    A lock file that is empty or unreadable (its writer crashed between creating and writing it)
+    counts as held by an unknown process until it goes stale, never as free."""
     from wsi_pipeline.tiling.locks import LockDir
 
-    if not (run_dir / f"{LOCK_NAME}.lock").exists():
+    path = run_dir / f"{LOCK_NAME}.lock"
+    if not path.exists():
         return None
     locks = LockDir(run_dir)
     if locks.stale_reason(LOCK_NAME) is not None:
         return None
     info = locks.holder(LOCK_NAME)
-    return info.describe() if info is not None else None
+    if info is None:
+        return (f"an unknown process: {path} is empty or unreadable; it is taken over once not refreshed for "
+                f"{locks.stale_after_s:g} s, or delete it if no run is alive")
+    return info.describe()
 
 
 def clean_temporary_files(run_dir: Path) -> list[Path]:
