@@ -151,3 +151,31 @@ def test_missing_and_malformed_regions_are_clear_errors(covered: Path, tmp_path:
     bad.write_text('{"type": "Feature", "geometry": {"type": "Polygon", "coordinates": [[[0, 0], [1]]]}}')
     with pytest.raises(ValueError, match="feature 0 has a malformed Polygon"):
         read_regions(bad)
+
+
+def test_qc_image_outlines_the_regions(covered: Path, tmp_path: Path) -> None:
+    """The regions are drawn on the QC image (blue), along their rings and nowhere else."""
+    import cv2
+
+    from wsi_pipeline.tiling.qc import render_qc
+
+    thumb = np.full((200, 300, 3), 230, np.uint8)
+    ring = np.array([[40.0, 30.0], [520.0, 60.0], [400.0, 340.0], [40.0, 30.0]])  # level-0 px, downsample 2
+    img = render_qc(thumb, 2.0, np.zeros((0, 2)), 32.0, outlines=[ring], min_side=1, min_tile_px=1)
+    assert img.shape[:2] == thumb.shape[:2]  # no zoom: image px = level-0 px / 2
+    blue = (img[..., 2] > 150) & (img[..., 0] < 120)
+    ys, xs = np.nonzero(blue)
+    # every blue px lies within 1.5 px of one of the ring's segments (in image px)
+    pts = ring / 2.0
+    def dist(p, a, b):
+        t = np.clip(np.dot(p - a, b - a) / np.dot(b - a, b - a), 0, 1)
+        return np.linalg.norm(p - (a + t * (b - a)))
+    d = [min(dist(np.array([x, y], float), pts[i], pts[i + 1]) for i in range(3)) for x, y in zip(xs, ys)]
+    assert len(d) > 300 and max(d) < 1.5
+    # through the tiler: the QC image of a slide tiled with --regions carries the outline and says so
+    folder = tmp_path / "ann"
+    folder.mkdir()
+    _geojson(folder / "s.geojson")
+    tile_slide(SlideJob("s", str(covered)), tmp_path / "out", TilingConfig(tile_size=T, regions=str(folder), qc_mode="off"))
+    qc = cv2.cvtColor(cv2.imread(str(tmp_path / "out" / "qc" / "s.png")), cv2.COLOR_BGR2RGB)
+    assert ((qc[..., 2] > 200) & (qc[..., 0] < 60) & (qc[..., 1] < 140)).sum() > 200

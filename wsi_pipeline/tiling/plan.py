@@ -19,7 +19,7 @@ from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_b
 from wsi_pipeline.tiling.density import clean_tissue, stained_mask
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.prescreen import likely_background, prescreen_candidates
-from wsi_pipeline.tiling.regions import RegionTiles, read_regions, region_file, region_tiles
+from wsi_pipeline.tiling.regions import RegionTiles, read_regions, region_file, region_outlines, region_tiles
 from wsi_pipeline.tiling.tissue import grey, otsu_tissue_mask
 
 if TYPE_CHECKING:
@@ -202,7 +202,7 @@ def _regions_of(config: TilingConfig, slide_id: str, grid: TileGrid, candidates:
     labels = np.full((grid.rows, grid.cols), -1, np.int16)
     fraction[rows, cols], labels[rows, cols] = frac, label
     info.update(counts, file=str(path), min_fraction=config.region_min_fraction, classes=classes)
-    return RegionTiles(fraction, labels, classes, info)
+    return RegionTiles(fraction, labels, classes, info, outlines=region_outlines(regions))
 
 
 def _grey_max_for(config: TilingConfig, background: Background, slide_id: str) -> tuple[int, str]:

@@ -32,6 +32,8 @@ def render_qc(
     max_side: int = 4096,
     others: Sequence[tuple[np.ndarray, tuple[int, int, int]]] = (),
     legend: str | None = None,
+    outlines: Sequence[np.ndarray] = (),
+    outline_colour: tuple[int, int, int] = (0, 90, 255),
 ) -> np.ndarray:
     """Outline tiles on a thumbnail.
 
@@ -46,6 +48,8 @@ def render_qc(
     max_side : the image never exceeds this side length (larger thumbnails are shrunk first).
     others : more (coords, colour) groups of tiles outlined after ``coords`` (e.g. flagged and dropped tiles).
     legend : a line of text written at the top left (white band).
+    outlines : polygons drawn before the tiles (e.g. the ``--regions`` annotations), float (K, 2) level-0 (x, y) px each.
+    outline_colour : their RGB (blue, apart from the tiles' green, orange and red).
 
     Returns
     -------
@@ -67,6 +71,9 @@ def render_qc(
         img = cv2.resize(img, (w * zoom, h * zoom), interpolation=cv2.INTER_LINEAR)
     scale = zoom / thumbnail_downsample
     side = extent * scale
+    rings = [np.round(np.asarray(r, np.float64).reshape(-1, 2) * scale).astype(np.int32) for r in outlines if len(r) >= 2]
+    if rings:
+        cv2.polylines(img, rings, True, tuple(int(v) for v in outline_colour), max(1, zoom), cv2.LINE_AA)
     for group, col in [(coords, colour), *others]:
         for x, y in np.asarray(group, np.float64).reshape(-1, 2) * scale:
             x0, y0 = int(round(x)), int(round(y))

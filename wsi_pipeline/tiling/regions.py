@@ -36,7 +36,7 @@ import numpy as np
 
 from wsi_pipeline.io_atomic import write_text_atomic
 
-__all__ = ["GEOJSON_SUFFIXES", "Region", "RegionTiles", "classification_of", "geojson_features", "read_regions", "region_file", "region_tiles", "write_region_csv",
+__all__ = ["GEOJSON_SUFFIXES", "Region", "RegionTiles", "classification_of", "geojson_features", "read_regions", "region_file", "region_outlines", "region_tiles", "write_region_csv",
            "write_tissue_geojson"]
 
 #: Endings of a slide's regions file inside a regions folder, tried in order.
@@ -62,12 +62,25 @@ class RegionTiles:
     label : int16 (rows, cols) index into ``classes``, -1 when no included region covers the tile.
     classes : the included classes' names.
     info : file, patterns and counts (store attribute ``regions``).
+    outlines : the regions' outer rings, float (K, 2) level-0 (x, y) px each (drawn on the QC image).
     """
 
     fraction: np.ndarray
     label: np.ndarray
     classes: list[str]
     info: dict[str, Any] = field(default_factory=dict)
+    outlines: list[np.ndarray] = field(default_factory=list)
+
+
+def region_outlines(regions: Sequence[Region]) -> list[np.ndarray]:
+    """The outer ring of every polygon of ``regions``, float64 (K, 2) level-0 (x, y) px each."""
+    rings = []
+    for r in regions:
+        for poly in getattr(r.geometry, "geoms", [r.geometry]):
+            exterior = getattr(poly, "exterior", None)
+            if exterior is not None and not exterior.is_empty:
+                rings.append(np.asarray(exterior.coords, np.float64)[:, :2])
+    return rings
 
 
 def region_file(regions: str | os.PathLike, slide_id: str) -> Path:

@@ -346,7 +346,11 @@ def _write_qc(out: Path, job: SlideJob, plan: TilePlan, loop: TileLoop, note: st
             c = loop.qc_counts
             legend += (f" | flagged {int(flagged.sum())} | QC dropped {c['n_dropped']} (" +
                        ", ".join(f"{k} {c['flagged'][k] + c['dropped'][k]}" for k in c["flagged"]) + ")")
-        img = render_qc(plan.overview, plan.overview_downsample, kept, plan.grid.extent, others=groups, legend=legend)
+        outlines = plan.regions.outlines if plan.regions is not None else []
+        if outlines:
+            legend += f" | regions outlined blue ({len(outlines)})"
+        img = render_qc(plan.overview, plan.overview_downsample, kept, plan.grid.extent, others=groups, legend=legend,
+                        outlines=outlines)
         write_png(qc_path(out, job.slide_id), img)
     except Exception as err:  # the store is complete; a QC failure is only noted
         logger.warning("QC image for %s failed: %s", job.slide_id, err)
