@@ -64,7 +64,7 @@ class LungMosaicCohort:
 
     source: str = ""
     n_slides: int = 48
-    grid: int = 16
+    grid: int = 8
     negative_class: str = "lung_n"
     positive_class: str = "lung_aca"
     lesion_fraction: tuple[float, float] = (0.01, 0.10)
