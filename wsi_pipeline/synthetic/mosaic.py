@@ -196,7 +196,7 @@ def make_mosaic_cohort(out_dir: str | os.PathLike, cohort: LungMosaicCohort, *, 
     n = cohort.n_slides
     labels = rng.permutation(np.arange(n) % 2)
     ids = [f"lung_{i:03d}" for i in range(n)]
-    split_of = stratified_split(ids, labels, fractions, seed=int(rng.integers(2**31)))
+    split_of = stratified_split(ids, labels.tolist(), fractions, seed=int(rng.integers(2**31)))
     n_tiles = cohort.grid * cohort.grid
     rows, placed = [], []
     for i, slide_id in enumerate(progress_bar(ids, desc="mosaic slides", unit="slide", enabled=progress)):
