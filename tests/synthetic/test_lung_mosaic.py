@@ -221,3 +221,18 @@ def test_demo_lung_mosaic_end_to_end_then_the_five_commands(tmp_path, monkeypatc
     assert main(["predict", "--model", "r5/lung_mosaic/abmil_e2e/seed0", "--slides", str(cohort / "slides"), "--out", "p",
                  "--no-progress"]) == 0
     assert len(pd.read_csv("p/predictions.csv")) == 4
+
+
+def test_demo_lung_mosaic_refuses_missing_or_foreign_options(tmp_path, capsys):
+    from wsi_pipeline.cli.main import main
+
+    assert main(["demo", "--cohort", "lung-mosaic", "--out", str(tmp_path / "o")]) == 2
+    assert "--source" in capsys.readouterr().err
+    assert main(["demo", "--cohort", "lung-mosaic", "--source", str(tmp_path / "absent"), "--out", str(tmp_path / "o")]) == 2
+    assert "absent" in capsys.readouterr().err
+    assert main(["demo", "--cohort", "lung-mosaic", "--source", str(tmp_path), "--external", "4"]) == 2
+    assert "--external" in capsys.readouterr().err
+    # a source folder without the class folders: named in the error, before any slide is written
+    assert main(["demo", "--cohort", "lung-mosaic", "--source", str(tmp_path), "--out", str(tmp_path / "o"), "--no-progress"]) == 2
+    assert "lung_n" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "cohort" / "manifest.csv").exists()
