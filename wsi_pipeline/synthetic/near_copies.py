@@ -17,8 +17,6 @@ rotated or flipped tile is exactly the rotated or flipped grey image, and a tile
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-
 import numpy as np
 
 __all__ = ["HASH_GRID", "dihedral", "dihedral_hashes", "group_near_copies", "invariant_hash", "min_hamming"]
@@ -86,10 +84,6 @@ def invariant_hash(tile: np.ndarray) -> int:
     return int(dihedral_hashes(tile).min())
 
 
-def _popcount(x: np.ndarray) -> np.ndarray:
-    return np.bitwise_count(x)
-
-
 def min_hamming(hashes_a: np.ndarray, hashes_b: np.ndarray) -> np.ndarray:
     """Hamming distance (bits) between each tile of ``a`` and each of ``b``, minimum over the 8 transforms of ``b``.
 
@@ -99,7 +93,7 @@ def min_hamming(hashes_a: np.ndarray, hashes_b: np.ndarray) -> np.ndarray:
     a = np.asarray(hashes_a, np.uint64)
     a = a[:, 0] if a.ndim == 2 else a
     b = np.asarray(hashes_b, np.uint64)
-    return _popcount(a[:, None, None] ^ b[None, :, :]).min(axis=2).astype(np.int64)
+    return np.bitwise_count(a[:, None, None] ^ b[None, :, :]).min(axis=2).astype(np.int64)
 
 
 def group_near_copies(hashes: np.ndarray, max_distance: int, *, chunk: int = 256) -> np.ndarray:
@@ -135,7 +129,3 @@ def group_near_copies(hashes: np.ndarray, max_distance: int, *, chunk: int = 256
     ids: dict[int, int] = {}
     return np.array([ids.setdefault(r, len(ids)) for r in roots], dtype=np.int64)
 
-
-def group_sizes(groups: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Tiles per group (int (g,)) of group ids from :func:`group_near_copies`."""
-    return np.bincount(np.asarray(groups, np.int64))
