@@ -34,11 +34,13 @@ from typing import Any
 import pandas as pd
 
 from wsi_pipeline.synthetic.cohort import DemoCohort  # defined beside the generator (bench.stain builds it too)
+from wsi_pipeline.synthetic.mosaic import LungMosaicCohort
 
 __all__ = [
     "SurvivalCohort",
     "c_index_table",
     "format_seed_study",
+    "mosaic_config",
     "parse_seeds",
     "results_table",
     "run_demo",
@@ -76,16 +78,17 @@ class _Timer:
         print(f"[demo] {name}: {seconds:.1f} s", flush=True)
 
 
-def make_cohort(folder: Path, cohort: DemoCohort | SurvivalCohort) -> Path:
+def make_cohort(folder: Path, cohort: DemoCohort | SurvivalCohort | LungMosaicCohort, *, progress: bool = True) -> Path:
     """Generate the internal and external cohorts under ``folder``; return the merged manifest
-    (with ``time`` and ``event`` for a :class:`SurvivalCohort`)."""
+    (with ``time`` and ``event`` for a :class:`SurvivalCohort`); or the mosaic cohort of real tiles
+    of a :class:`~wsi_pipeline.synthetic.mosaic.LungMosaicCohort`."""
     from wsi_pipeline.manifests.merge import merge_manifests
     from wsi_pipeline.manifests.schema import write_manifest
     from wsi_pipeline.synthetic.cohort import make_slide_cohort
 
     manifest = folder / "manifest.csv"
     spec_path = folder / "demo_cohort.json"
-    spec = asdict(cohort)
+    spec = json.loads(json.dumps(asdict(cohort)))  # as the JSON file holds it (tuples become lists)
     if manifest.is_file():
         found = json.loads(spec_path.read_text()) if spec_path.is_file() else None
         if found != spec:
@@ -97,6 +100,12 @@ def make_cohort(folder: Path, cohort: DemoCohort | SurvivalCohort) -> Path:
                 f"results folder (rm -rf {folder.parent} results/demo) to start over"
             )
         return manifest
+    if isinstance(cohort, LungMosaicCohort):
+        from wsi_pipeline.synthetic.mosaic import make_mosaic_cohort
+
+        folder.mkdir(parents=True, exist_ok=True)
+        spec_path.write_text(json.dumps(spec, indent=1))
+        return make_mosaic_cohort(folder, cohort, progress=progress)  # its manifest is written last
     survival = isinstance(cohort, SurvivalCohort)
     common = dict(size=cohort.size, seed=cohort.seed, lesion_contrast=cohort.lesion_contrast,
                   lesion_size=cohort.lesion_size, lesions=(1, 4) if survival else (2, 3), mimic_fraction=cohort.mimic_fraction,
@@ -267,15 +276,35 @@ def _summary_and_readme_check(results: Path, methods: list[str], seed: int) -> N
     print(compare_with_readme(summary, Path("README.md")))
 
 
-def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: DemoCohort | SurvivalCohort = DemoCohort(),
+def mosaic_config(template: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Write ``<out>/<template name>``: the pipeline YAML ``template`` with its cohort, tiles, features, runs and
+    results under ``out`` (``<out>/cohort/manifest.csv``, ``<out>/tiles``, ...); return its path."""
+    import yaml
+
+    from wsi_pipeline.io_atomic import write_text_atomic
+
+    src = Path(template)
+    raw = yaml.safe_load(src.read_text())
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), dict):
+        raise ValueError(f"{src}: expected a pipeline YAML with a data section")
+    base = Path(out)
+    raw["data"].update(manifest=str(base / "cohort" / "manifest.csv"), tiles_dir=str(base / "tiles"),
+                       features_dir=str(base / "features"))
+    raw["runs_dir"], raw["results_dir"] = str(base / "runs"), str(base / "results")
+    head = f"# Written by `wsi-pipeline demo --cohort lung-mosaic` from {src}: paths under {base}.\n"
+    return write_text_atomic(base / src.name, head + yaml.safe_dump(raw, sort_keys=False))
+
+
+def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *,
+             cohort: DemoCohort | SurvivalCohort | LungMosaicCohort = DemoCohort(),
              workers: int | None = None, device: str | None = None, overrides: tuple[str, ...] = (),
-             progress: bool = True, seeds: Sequence[int] | None = None) -> int:
+             progress: bool = True, seeds: Sequence[int] | None = None, make_only: bool = False) -> int:
     """Run the four stages of the demo; print the results table, the time per stage and the outputs.
 
     ``seeds`` (the seed study): train every method for each of these seeds instead of the
     config's, evaluate into ``<results_dir>/seed-study/<name>/`` and print and write the
-    :func:`format_seed_study` table (``seed_study.md``). Returns the exit status (0 when every
-    stage succeeded).
+    :func:`format_seed_study` table (``seed_study.md``). ``make_only``: stop once the cohort is
+    written. Returns the exit status (0 when every stage succeeded).
     """
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.tiling.cohort import tile_cohort
@@ -289,8 +318,11 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     timer = _Timer()
     manifest = Path(config.data.manifest)
     t0 = time.perf_counter()
-    make_cohort(manifest.parent, cohort)
+    make_cohort(manifest.parent, cohort, progress=progress)
     timer.stage("cohort", time.perf_counter() - t0)
+    if make_only:
+        print(f"cohort:      {manifest}\nconfig:      {config_path}")
+        return 0
 
     t0 = time.perf_counter()
     report = tile_cohort(manifest, config.data.tiles_dir, tiler_config(config.data.tiling), workers=workers, progress=progress)
@@ -320,7 +352,7 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *, cohort: 
     else:
         with pd.option_context("display.width", 200, "display.max_columns", 50):
             print("\n" + results_table(results / "metrics.json").to_string())
-    if seeds is None and config.task == "classification":
+    if seeds is None and config.task == "classification" and not isinstance(cohort, LungMosaicCohort):
         _summary_and_readme_check(results, [m.name for m in config.methods], config.seeds[0])
     if seeds is not None and config.task == "classification":
         from wsi_pipeline.export.metrics_json import read_metrics_json

@@ -22,7 +22,7 @@ import numpy as np
 from wsi_pipeline.synthetic.texture import HE_STAIN, Stain, paint_tissue
 from wsi_pipeline.io_atomic import atomic_path
 
-__all__ = ["SyntheticSlide", "make_slide", "BACKGROUND_GREY"]
+__all__ = ["SyntheticSlide", "make_slide", "BACKGROUND_GREY", "write_image_slide"]
 
 #: Grey level of the glass background (scanners white-balance to about 245-252).
 BACKGROUND_GREY = 250
@@ -301,11 +301,12 @@ def _svs_descriptions(path: Path, w: int, h: int, T: int, quality: int, mpp: flo
 
 def _write_svs(
     path: Path, tiles0: Iterator[np.ndarray], level1: np.ndarray | None, sizes: list[tuple[int, int]], *,
-    T: int, f: int, quality: int, mpp: float | None, glass_grey: int,
+    T: int, f: int, quality: int, mpp: float | None, glass_grey: int, lossless: bool = False,
 ) -> None:
     """Write the SVS file atomically: level 0 from ``tiles0``, the thumbnail, then the lower levels.
 
     ``level1`` is filled while ``tiles0`` is consumed; the lower levels are downsampled from it.
+    ``lossless``: level 0 compressed with Deflate (pixels read back exactly) instead of JPEG.
     """
     import cv2
     import tifffile
@@ -314,9 +315,10 @@ def _write_svs(
     head, desc0, resolution = _svs_descriptions(path, w, h, T, quality, mpp)
     # photometric "rgb" + JPEG: tifffile stores YCbCr 4:2:0 JPEG tiles (as scanners do) from RGB input
     jpeg: dict[str, Any] = {"compression": "jpeg", "compressionargs": {"level": int(quality)}, "photometric": "rgb"}
+    level0: dict[str, Any] = {"compression": "zlib", "photometric": "rgb"} if lossless else jpeg
     with atomic_path(path) as tmp, tifffile.TiffWriter(tmp, bigtiff=w * h * 3 > 2**31) as tw:
         tw.write(tiles0, shape=(h, w, 3), dtype=np.uint8, tile=(T, T), description=desc0,
-                 metadata=None, **resolution, **jpeg)
+                 metadata=None, **resolution, **level0)
         levels = [level1] if level1 is not None else []
         for lw, lh in sizes[2:]:
             levels.append(cv2.resize(levels[-1][: lh * f, : lw * f], (lw, lh), interpolation=cv2.INTER_AREA))
@@ -411,3 +413,44 @@ def make_slide(
         lesion_fraction=float(lesion.sum()) / t_area if t_area else 0.0,
         n_lesions=int(n_lesions) if lesion.any() else 0, level_dimensions=tuple(sizes),
     )
+
+
+def write_image_slide(
+    path: str | os.PathLike, image: np.ndarray, *, tile_size: int = 256, mpp: float | None = 0.5, quality: int = 90,
+    level_factor: int = 4, lossless: bool = True, glass_grey: int = BACKGROUND_GREY,
+) -> tuple[tuple[int, int], ...]:
+    """Write an RGB image held in memory as a pyramidal tiled TIFF in the Aperio SVS layout (as :func:`make_slide`).
+
+    Parameters
+    ----------
+    path : output file (``.svs``).
+    image : uint8 (H, W, 3) level 0.
+    tile_size : TIFF tile side in px (a multiple of 16).
+    mpp : um per level-0 px, written as the SVS ``MPP`` and as the TIFF resolution tags (pixels
+        per cm); None: no resolution metadata.
+    quality : JPEG quality of the lower levels (and of level 0 unless ``lossless``).
+    level_factor : downsample between pyramid levels (2 or 4).
+    lossless : level 0 Deflate-compressed, so a reader returns ``image`` exactly; False: JPEG.
+    glass_grey : fill of the partial tiles at the right and bottom edges.
+
+    Returns
+    -------
+    (width, height) per pyramid level.
+    """
+    import cv2
+
+    img = np.ascontiguousarray(np.asarray(image, np.uint8))
+    if img.ndim != 3 or img.shape[2] != 3:
+        raise ValueError(f"image of shape {img.shape}: expected (H, W, 3) uint8 RGB")
+    h, w = img.shape[:2]
+    w, h, T, _, glass_grey = _checked_geometry((w, h), tile_size, 16, level_factor, glass_grey)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sizes = _level_sizes(w, h, level_factor, max(64, T // 4))
+    level1 = None
+    if len(sizes) > 1:
+        lw, lh = sizes[1]
+        level1 = cv2.resize(img[: lh * level_factor, : lw * level_factor], (lw, lh), interpolation=cv2.INTER_AREA)
+    _write_svs(path, _tiles_of(img, T, glass_grey), level1, sizes, T=T, f=level_factor, quality=quality, mpp=mpp,
+               glass_grey=glass_grey, lossless=lossless)
+    return tuple(sizes)
