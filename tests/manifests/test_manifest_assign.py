@@ -149,4 +149,4 @@ def test_cli_warns_about_two_ids_for_one_file(tmp_path, capsys):
     (tmp_path / "slides" / "copy_of_a.svs").write_bytes((tmp_path / "slides" / "a.svs").read_bytes())
     assert main(["manifest", "folder", "--slides", str(tmp_path / "slides"), "--out", str(tmp_path / "m.csv")]) == 0
     err = capsys.readouterr().err
-    assert "a, copy_of_a point to the same file" in err
+    assert "2 slide ids (a, copy_of_a) point to the same file" in err

@@ -100,4 +100,4 @@ def test_two_links_to_one_dicom_folder_are_two_slides_and_the_builder_warns(tmp_
     got = find_slide_files(slides)
     assert [f.slide_id for f in got] == ["bone_a", "bone_b"]
     assert main(["manifest", "folder", "--slides", str(slides), "--out", str(tmp_path / "m.csv")]) == 0
-    assert "bone_a, bone_b point to the same file" in capsys.readouterr().err
+    assert "2 slide ids (bone_a, bone_b) point to the same file" in capsys.readouterr().err
