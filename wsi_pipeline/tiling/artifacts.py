@@ -1,16 +1,23 @@
 """Tile artifact QC: pen ink, out-of-focus tiles and folds.
 
-Ink and folds are large and coloured, so they are found on the overview (each pixel averages
-1/16 of a tile side) and a tile's share of them is the area-weighted mean over its footprint;
-focus needs the tile's own pixels and is measured on each decoded tile.
+Ink and folds are large and coloured, so they are found on an overview whose pixel has a fixed
+physical size, at least ``QCParams.overview_um`` um (:func:`qc_overview`; the tiler's overview,
+averaged further where it is finer; a slide without an mpp is taken to be at
+:data:`DEFAULT_QC_MPP` um/px), and a tile's share of them is the area-weighted mean over its
+footprint. At that scale an overview pixel averages several nuclei with the tissue around them,
+so haematoxylin-dense tissue (clusters of tumour or inflammatory nuclei) is never as dark or as
+saturated as marker ink, whatever the tile size or magnification. (Before, the overview pixel was
+1/16 of a tile side: one nucleus at 32 px tiles and 40x, and the "blue" and "black" ink rules
+dropped up to a third of the tissue tiles of real, ink-free H&E as pen.) Focus needs the tile's
+own pixels and is measured on each decoded tile, at no finer than :data:`FOCUS_UM` um/px.
 
-- **Pen** (:func:`pen_mask`): marker ink by colour in HSV (OpenCV's 0..180 hue, 0..255
+- **Pen** (:func:`ink_mask`): marker ink by colour in HSV (OpenCV's 0..180 hue, 0..255
   saturation and value), as histolab's pen filters do by RGB ranges: green (hue 70..190 degrees,
   saturation >= 25 %), blue (200..260 degrees, saturation >= 50 %: a haematoxylin
   counterstain is a paler blue), red (within 16 degrees of pure red, saturation >= 50 %: eosin is
   pink, 320..345 degrees, DAB brown, 20..40 degrees; over eosin, red ink is a dark, deeply
   saturated magenta-red: 300..20 degrees, saturation >= 70 %, value <= 120) and black (brightest channel <= 80 and
-  saturation <= 40 %: stained tissue averaged over an overview pixel is never that dark and grey).
+  saturation <= 40 %: stained tissue averaged over a ``overview_um`` pixel is never that dark and grey).
   A colour that covers more than 30 % of the slide's stained area is its stain (a blue special
   stain, the light green of a trichrome), not ink, and is not looked for on that slide. Limit:
   ink of the stain's own colour is then missed.
@@ -22,12 +29,16 @@ focus needs the tile's own pixels and is measured on each decoded tile.
   focus scores as high as dark tissue: 0.2..0.6 on in-focus generated and CMU-1 tiles), while a
   point spread of sigma >= 2 px removes the first band far more than the second (<= 0.08); the
   ``+ 4`` (grey levels^2) keeps scanner noise on flat tissue from reading as detail. Only tiles
-  holding stained tissue are judged (a tile of glass has no focus).
+  holding stained tissue are judged (a tile of glass has no focus). Tiles finer than
+  :data:`FOCUS_UM` um/px are averaged down to it first (:attr:`TileQC.focus_factor`): at 40x a
+  sharp scan's finest band is the optics', not the tissue's, and would read as blurred.
 - **Fold** (:func:`fold_mask`): tissue folded over itself is a double layer: twice the optical
   density in the same colour. An overview tissue pixel is folded when its density vector is at
   least ``fold_od_ratio`` times the slide's median tissue density and within 15 degrees of its
-  direction. Limit: dense tissue of the same colour as the rest (a solid sheet of cells in an
-  otherwise sparse section) reads as folded; folds are flagged, not dropped, by default.
+  direction, in a connected region of at least ``fold_min_area_um2`` (a fold runs along the
+  section: a long band, not a nest of cells). Limit: dense tissue of the same colour as the
+  rest (a solid sheet of cells in an otherwise sparse section) reads as folded; folds are
+  flagged, not dropped, by default.
 """
 
 from __future__ import annotations
@@ -40,8 +51,10 @@ import numpy as np
 
 from wsi_pipeline.config.choices import QC_ARTIFACTS
 from wsi_pipeline.config.tiling import QCParams
+from wsi_pipeline.tiling.grid import TileGrid
 
-__all__ = ["INK_MAX_SHARE", "QC_BITS", "TileQC", "describe", "flags_of", "focus_measure", "fold_mask", "ink_mask", "pen_colours"]
+__all__ = ["DEFAULT_QC_MPP", "FOCUS_UM", "INK_MAX_SHARE", "QC_BITS", "QCOverview", "TileQC", "describe", "flags_of",
+           "focus_factor", "focus_measure", "fold_mask", "ink_mask", "pen_colours", "qc_overview", "slide_qc"]
 
 #: Bit of each artifact in the store's ``qc_flags`` array.
 QC_BITS: dict[str, int] = {name: 1 << i for i, name in enumerate(QC_ARTIFACTS)}
@@ -55,6 +68,58 @@ FOCUS_BLOCKS = 4
 FLAT_BAND = 0.5
 #: Largest angle (degrees) between a folded pixel's density vector and the slide's median tissue density.
 _FOLD_MAX_ANGLE = 15.0
+#: um per level-0 px assumed for the QC scales of a slide without an mpp (20x).
+DEFAULT_QC_MPP = 0.5
+#: Tiles finer than this (um per tile px) are averaged down to it before their focus is measured.
+FOCUS_UM = 0.5
+
+
+@dataclass(frozen=True)
+class QCOverview:
+    """The overview ink and folds are judged on (:func:`qc_overview`).
+
+    Attributes
+    ----------
+    rgb : uint8 (h, w, 3).
+    downsample : level-0 px per pixel.
+    um : um per pixel (with :data:`DEFAULT_QC_MPP` where the slide's mpp is unknown).
+    """
+
+    rgb: np.ndarray
+    downsample: float
+    um: float
+
+
+def qc_overview(overview: np.ndarray, overview_downsample: float, mpp: float | None, overview_um: float) -> QCOverview:
+    """The tiler's overview averaged (``cv2.INTER_AREA``) to pixels of ``overview_um`` um, or as it is when
+    its pixels are that large already.
+
+    Parameters
+    ----------
+    overview : uint8 (H, W, 3) RGB, the slide at ``overview_downsample`` level-0 px per px.
+    mpp : um per level-0 px; None: :data:`DEFAULT_QC_MPP`.
+    overview_um : the QC pixel size, um.
+    """
+    import cv2
+
+    um0 = float(mpp) if mpp else DEFAULT_QC_MPP
+    um = overview_downsample * um0
+    h, w = overview.shape[:2]
+    if um >= overview_um * 0.999 or min(h, w) <= 1:
+        return QCOverview(overview, float(overview_downsample), um)
+    f = overview_um / um
+    size = (max(1, int(round(w / f))), max(1, int(round(h / f))))
+    small = cv2.resize(np.ascontiguousarray(overview), size, interpolation=cv2.INTER_AREA)
+    ds = overview_downsample * w / size[0]
+    return QCOverview(small, ds, ds * um0)
+
+
+def focus_factor(tile_mpp: float | None) -> float:
+    """How many tile px are averaged into one before the focus measure: ``FOCUS_UM / tile_mpp`` when the tiles
+    are finer than :data:`FOCUS_UM` um/px, else 1 (tiles of unknown mpp: 1)."""
+    if not tile_mpp or tile_mpp >= FOCUS_UM * 0.95:
+        return 1.0
+    return FOCUS_UM / float(tile_mpp)
 
 
 def pen_colours(rgb: np.ndarray) -> dict[str, np.ndarray]:
@@ -92,7 +157,7 @@ def ink_mask(rgb: np.ndarray, stained: np.ndarray | None = None, max_share: floa
 
 
 def fold_mask(overview: np.ndarray, tissue: np.ndarray, glass: np.ndarray | tuple[float, float, float] | None,
-              ratio: float) -> np.ndarray:
+              ratio: float, *, min_area_px: float = 0.0) -> np.ndarray:
     """Bool (H, W): tissue pixels of the overview that look folded (module docstring).
 
     Parameters
@@ -101,6 +166,7 @@ def fold_mask(overview: np.ndarray, tissue: np.ndarray, glass: np.ndarray | tupl
     tissue : bool (H, W) tissue mask.
     glass : the glass colour; None (no glass in view): the brightest 1 % of the overview per channel.
     ratio : density ratio to the slide's median tissue density.
+    min_area_px : folded regions (8-connected) smaller than this many overview px are not folds.
     """
     from wsi_pipeline.tiling.density import optical_density
 
@@ -117,15 +183,25 @@ def fold_mask(overview: np.ndarray, tissue: np.ndarray, glass: np.ndarray | tupl
     along = od @ unit  # density along the median's direction
     norm = np.linalg.norm(od, axis=-1)
     cos = np.divide(along, norm, out=np.zeros_like(along), where=norm > 0)
-    return tissue & (along >= ratio * norm_med) & (cos >= np.cos(np.radians(_FOLD_MAX_ANGLE)))
+    fold = tissue & (along >= ratio * norm_med) & (cos >= np.cos(np.radians(_FOLD_MAX_ANGLE)))
+    if min_area_px > 1 and fold.any():
+        import cv2
+
+        n, labels, stats, _ = cv2.connectedComponentsWithStats(fold.astype(np.uint8), connectivity=8)
+        small = stats[:, cv2.CC_STAT_AREA] < min_area_px
+        small[0] = False
+        fold &= ~small[labels]
+    return fold
 
 
-def focus_measure(tiles: np.ndarray | Sequence[np.ndarray], blocks: int = FOCUS_BLOCKS) -> np.ndarray:
+def focus_measure(tiles: np.ndarray | Sequence[np.ndarray], blocks: int = FOCUS_BLOCKS, factor: float = 1.0) -> np.ndarray:
     """float32 (k,): the focus measure of each uint8 (T, T, 3) RGB tile (module docstring); higher = sharper.
 
     The ratio is taken per block of a ``blocks`` x ``blocks`` grid over the tile; the tile's measure is
     the median over the blocks with any structure (second-band energy >= :data:`FLAT_BAND` grey
     levels^2: blank glass has none), so a few sharp blocks in a blurred tile do not decide it.
+    ``factor`` > 1: the grey tile is first averaged (``cv2.INTER_AREA``) to 1/factor of its side
+    (:func:`focus_factor`: the measure at :data:`FOCUS_UM` um/px).
     """
     import cv2
 
@@ -133,6 +209,9 @@ def focus_measure(tiles: np.ndarray | Sequence[np.ndarray], blocks: int = FOCUS_
     n = int(blocks)
     for i, t in enumerate(tiles):
         g = np.float32(cv2.cvtColor(np.ascontiguousarray(t), cv2.COLOR_RGB2GRAY))
+        if factor > 1.0 + 1e-6:
+            side = (max(8, int(round(g.shape[1] / factor))), max(8, int(round(g.shape[0] / factor))))
+            g = cv2.resize(g, side, interpolation=cv2.INTER_AREA)
         g1 = cv2.GaussianBlur(g, (5, 5), 1.0)  # kernels cut at 2 sigma
         d1 = cv2.subtract(g, g1)
         fine = cv2.resize(cv2.multiply(d1, d1), (n, n), interpolation=cv2.INTER_AREA).ravel()
@@ -159,6 +238,7 @@ class TileQC:
     stained : float (rows, cols) stained-tissue fraction (tiles under :data:`FOCUS_MIN_STAINED` are not judged for focus).
     params : the thresholds.
     mode : ``drop``, ``flag`` or ``off``.
+    focus_factor : tile px averaged into one before the focus measure (:func:`focus_factor`).
     """
 
     pen: np.ndarray
@@ -166,6 +246,11 @@ class TileQC:
     stained: np.ndarray
     params: QCParams
     mode: str
+    focus_factor: float = 1.0
+
+    def focus(self, tiles: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
+        """float32 (k,): :func:`focus_measure` of the tiles at this grid's focus scale."""
+        return focus_measure(tiles, factor=self.focus_factor)
 
     def flags(self, rows: np.ndarray, cols: np.ndarray, focus: np.ndarray) -> np.ndarray:
         """uint8 (k,) :data:`QC_BITS` of tiles (rows, cols) with focus measures ``focus`` (NaN: not measured)."""
@@ -189,6 +274,31 @@ class TileQC:
         return (flags & mask) != 0
 
 
+def slide_qc(qov: QCOverview, ink: np.ndarray, tissue: np.ndarray, tissue_downsample: float,
+             glass: tuple[float, float, float] | None, grid: TileGrid, params: QCParams, mode: str) -> TileQC:
+    """The :class:`TileQC` of a slide's grid.
+
+    Parameters
+    ----------
+    qov : the QC overview (:func:`qc_overview`); ``ink`` bool (h, w) its ink mask (:func:`ink_mask`).
+    tissue : bool (H, W) tissue mask at ``tissue_downsample`` level-0 px per px (the tiler's overview).
+    glass : the glass colour, or None (no glass in view).
+    grid : the tile grid; ``params``, ``mode``: the QC settings.
+    """
+    import cv2
+
+    h, w = qov.rgb.shape[:2]
+    if tissue.shape == (h, w):
+        tissue_q = tissue
+    else:
+        tissue_q = cv2.resize(tissue.astype(np.float32), (w, h), interpolation=cv2.INTER_AREA) >= 0.5
+    min_px = params.fold_min_area_um2 / (qov.um * qov.um)
+    fold = fold_mask(qov.rgb, tissue_q, glass, params.fold_od_ratio, min_area_px=min_px)
+    pen_f, fold_f = (grid.footprint_means(m.astype(np.float32), qov.downsample) for m in (ink, fold))
+    stained = grid.footprint_means(tissue.astype(np.float32), tissue_downsample)
+    return TileQC(pen_f, fold_f, stained, params=params, mode=mode, focus_factor=focus_factor(grid.mpp))
+
+
 def flags_of(flags: np.ndarray) -> dict[str, int]:
     """Count of tiles with each artifact's bit set in ``flags``."""
     return {name: int(((np.asarray(flags) & bit) != 0).sum()) for name, bit in QC_BITS.items()}
@@ -197,5 +307,7 @@ def flags_of(flags: np.ndarray) -> dict[str, int]:
 def describe(params: QCParams, mode: str) -> dict[str, Any]:
     """JSON-ready description of the QC settings (store attribute ``qc``)."""
     return {"mode": mode, "drop": list(params.drop), "pen_fraction": params.pen_fraction, "focus_min": params.focus_min,
-            "fold_fraction": params.fold_fraction, "fold_od_ratio": params.fold_od_ratio, "bits": dict(QC_BITS),
+            "fold_fraction": params.fold_fraction, "fold_od_ratio": params.fold_od_ratio,
+            "fold_min_area_um2": params.fold_min_area_um2, "overview_um": params.overview_um, "focus_um": FOCUS_UM,
+            "bits": dict(QC_BITS),
             "focus_measure": "E[(g - G1 g)^2] / (E[(G1 g - G3 g)^2] + 4), g = BT.601 luma of the tile, Gs = Gaussian sigma s px"}
