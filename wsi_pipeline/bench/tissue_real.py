@@ -6,9 +6,11 @@ Every ink-free real image under ``--realdata`` and ``--slides`` is tiled by
 and 512 px and, where the resolution is known, natively and at ``--mpp-target`` 0.25 / 0.5 / 1.0
 (a target finer than the image is not tiled: the tiler never upsamples). Sets:
 
-* ``crc``: CRCHistoPhenotypes, 100 H&E images of 500 x 500 px at 20x (0.5 um/px), each its own slide;
-* ``crc-x2``: the same images enlarged 2x (bicubic) and declared 0.25 um/px: the 40x geometry
-  (a nucleus spans twice the pixels; the images are softer than a real 40x scan);
+* ``crc``: CRCHistoPhenotypes, H&E images of 500 x 500 px at 20x (0.5 um/px), each its own slide:
+  the 97 free of tissue-marking dye (``crc-dye``: the 3 that carry it, :data:`CRC_DYED`, where
+  ``pen`` is right);
+* ``crc-x2``: every other one of those enlarged 2x (bicubic) and declared 0.25 um/px: the 40x
+  geometry (a nucleus spans twice the pixels; the images are softer than a real 40x scan);
 * ``lung``: LC25000 lung tiles (224 px, resolution unknown: native only) mosaicked 6 x 6 per slide;
 * ``cmu1``: ``CMU-1-Small-Region.svs`` (0.499 um/px);
 * ``lung-glass``: pale fields: blocks of 2 x 2 lung tiles laid on grey glass (216..235, the tile's own
@@ -30,6 +32,7 @@ recall: the share of tiles that are at least 20 % ink flagged ``pen`` (or not ke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -45,7 +48,7 @@ __all__ = ["RealImage", "main", "reference_tissue", "score_store"]
 
 TILE_SIZES = (32, 64, 128, 256, 512)
 MPP_TARGETS = (0.25, 0.5, 1.0)
-SETS = ("crc", "crc-x2", "lung", "cmu1", "lung-glass")
+SETS = ("crc", "crc-x2", "lung", "cmu1", "lung-glass", "crc-dye")
 #: A reference tissue tile is at least this stained (fraction of its pixels).
 TISSUE_MIN = 0.5
 #: A pixel is stained when its largest-channel optical density against the image's white reaches this.
@@ -53,6 +56,8 @@ STAINED_OD = 0.05
 #: Environment variable naming the folder of real pen-marked images (PNG + ``<name>.ink.png`` truth made by the bench).
 PEN_IMAGES_ENV = "WSI_PIPELINE_TESTDATA"
 DEFAULT_TESTDATA = Path.home() / ".cache" / "wsi-pipeline-testdata"
+#: QCParams fields set by ``--qc key=value`` (calibration runs); empty: the defaults.
+QC_OVERRIDES: dict[str, float] = {}
 
 
 @dataclass
@@ -74,10 +79,17 @@ def _read_rgb(path: Path) -> np.ndarray:
         return np.asarray(im.convert("RGB"))
 
 
-def _crc(root: Path, scale: int = 1) -> Iterator[RealImage]:
+#: CRC images carrying tissue-marking dye (black pigment: img11, img12; blue: img62), seen by eye: not ink-free.
+CRC_DYED = ("img11", "img12", "img62")
+#: ``crc-x2`` tiles every other image (the 40x geometry costs 4x the pixels).
+CRC_X2_STEP = 2
+
+
+def _crc(root: Path, scale: int = 1, dyed: bool = False, step: int = 1) -> Iterator[RealImage]:
     import cv2
 
-    for p in sorted((root / "crc-histophenotypes" / "images").glob("img*.png"), key=lambda q: int(q.stem[3:])):
+    paths = sorted((root / "crc-histophenotypes" / "images").glob("img*.png"), key=lambda q: int(q.stem[3:]))
+    for p in [q for q in paths if (q.stem in CRC_DYED) == dyed][::step]:
         rgb = _read_rgb(p)
         if scale != 1:
             rgb = cv2.resize(rgb, None, fx=scale, fy=scale, interpolation=cv2.INTER_CUBIC)
@@ -147,7 +159,9 @@ def real_sets(name: str, realdata: Path, slides: Path) -> Iterator[RealImage]:
     if name == "crc":
         return _crc(realdata)
     if name == "crc-x2":
-        return _crc(realdata, 2)
+        return _crc(realdata, 2, step=CRC_X2_STEP)
+    if name == "crc-dye":
+        return _crc(realdata, dyed=True)
     if name == "lung":
         return _lung(realdata)
     if name == "lung-glass":
@@ -184,9 +198,10 @@ def _resized(a: np.ndarray, factor: float) -> np.ndarray:
     return cv2.resize(a, size, interpolation=cv2.INTER_AREA)
 
 
-def score_store(store: Path, ref: np.ndarray, glass: np.ndarray | None = None) -> dict[str, int]:
+def score_store(store: Path, ref: np.ndarray, glass: np.ndarray | None = None, blur_drops: bool = True) -> dict[str, int]:
     """Counts of one tiled image: reference tissue tiles, of them flagged pen / blur / fold, dropped by the
-    default (pen or blur), not kept; kept tiles; glass tiles kept (``glass``: bool (rows, cols) truth)."""
+    default (pen or blur; blur only where ``blur_drops``: tiles large enough at the focus scale), not kept;
+    kept tiles; glass tiles kept (``glass``: bool (rows, cols) truth)."""
     from wsi_pipeline.config.tiling import QCParams
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.tiling.artifacts import QC_BITS
@@ -204,7 +219,7 @@ def score_store(store: Path, ref: np.ndarray, glass: np.ndarray | None = None) -
         except KeyError:
             pass
     tissue = ref >= TISSUE_MIN
-    drop_bits = sum(QC_BITS[a] for a in QCParams().drop)
+    drop_bits = sum(QC_BITS[a] for a in QCParams().drop if a != "blur" or blur_drops)
     out = {"tissue": int(tissue.sum()), "kept": int(kept.sum()), "not_kept": int((tissue & ~kept).sum())}
     for name, bit in QC_BITS.items():
         out[name] = int((tissue & kept & ((flags & bit) != 0)).sum())
@@ -215,12 +230,23 @@ def score_store(store: Path, ref: np.ndarray, glass: np.ndarray | None = None) -
     return out
 
 
+def _blur_drops(tile: int, tile_mpp: float | None) -> bool:
+    """Whether the default drops blurred tiles of this size (the package's rule where it has one)."""
+    try:
+        from wsi_pipeline.tiling.artifacts import FOCUS_DROP_MIN_PX, focus_factor  # type: ignore[attr-defined]
+    except ImportError:  # an older package: blur always dropped
+        return True
+    return bool(tile / focus_factor(tile_mpp) >= FOCUS_DROP_MIN_PX)
+
+
 def _tile(path: Path, slide_id: str, work: Path, tile: int, mpp_target: float | None) -> Path:
     from wsi_pipeline.config.tiling import TilingConfig
     from wsi_pipeline.tiling.job import SlideJob
     from wsi_pipeline.tiling.tiler import tile_slide
 
     cfg = TilingConfig(tile_size=tile, mpp_target=mpp_target, qc_mode="flag", qc=False)
+    if QC_OVERRIDES:
+        cfg = dataclasses.replace(cfg, qc_params=dataclasses.replace(cfg.qc_params, **QC_OVERRIDES))
     res = tile_slide(SlideJob(slide_id, str(path)), work, cfg, overwrite=True, background_write=False, threads=1)
     if res.status not in ("ok", "skipped"):
         print(f"  {slide_id} T={tile} mpp={mpp_target}: {res.status} {res.error}", flush=True)
@@ -281,9 +307,9 @@ def run_set(name: str, realdata: Path, slides: Path, cache: Path, tile_sizes: tu
                 if img.tissue is not None and img.glass is not None:
                     t_frac = _frac(_resized(img.tissue, factor), tile)
                     g_frac = _frac(_resized(img.glass, factor), tile)
-                    ref = np.where(t_frac >= 0.9, 1.0, 0.0)  # truth from the layout
+                    ref = np.where(t_frac >= 0.9, ref, 0.0)  # inside a tissue block (layout) and stained
                     glass = g_frac >= 0.999
-                _add(acc, score_store(store, ref, glass))
+                _add(acc, score_store(store, ref, glass, _blur_drops(tile, target or img.mpp)))
                 shutil.rmtree(store, ignore_errors=True)
             mpp = images[0].mpp if target is None else target
             row = {"set": name, "mpp": mpp, "target": target, "tile": tile, "slides": n_slides, **acc,
@@ -394,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated sets of {SETS}")
     p.add_argument("--tile-sizes", default=",".join(map(str, TILE_SIZES)), help="comma-separated tile sizes, px")
     p.add_argument("--mpp-targets", default=",".join(map(str, MPP_TARGETS)), help="comma-separated um/px (besides native)")
+    p.add_argument("--qc", action="append", default=[], metavar="KEY=VALUE",
+                   help="a QCParams field other than the default (calibration), e.g. overview_um=8; repeatable")
     p.add_argument("--limit", type=int, default=0, help="images per set (0: all)")
     p.add_argument("--pen-seeds", type=int, default=3, help="generated pen fields (0: none)")
     p.add_argument("--pen-images", type=Path, default=Path(os.environ.get(PEN_IMAGES_ENV, DEFAULT_TESTDATA)) / "pen",
@@ -402,13 +430,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache", type=Path, default=Path(".bench-cache/tissue_real"), help="slides written from the images")
     p.add_argument("--out", type=Path, default=Path("results/bench_tissue_real.json"))
     args = p.parse_args(argv)
+    for kv in args.qc:
+        key, _, value = kv.partition("=")
+        QC_OVERRIDES[key.strip()] = float(value)
     sizes = tuple(int(v) for v in args.tile_sizes.split(","))
     targets = tuple(float(v) for v in args.mpp_targets.split(",")) if args.mpp_targets else ()
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     print(HEADER, flush=True)
     for name in filter(None, args.sets.split(",")):
-        if name in ("crc", "crc-x2", "lung", "lung-glass") and not args.realdata.is_dir():
+        if name in ("crc", "crc-x2", "crc-dye", "lung", "lung-glass") and not args.realdata.is_dir():
             print(f"{name}: skipped, {args.realdata} is absent", flush=True)
             continue
         rows += run_set(name, args.realdata, args.slides, args.cache / name, sizes, targets, args.limit)

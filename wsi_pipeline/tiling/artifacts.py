@@ -12,15 +12,17 @@ dropped up to a third of the tissue tiles of real, ink-free H&E as pen.) Focus n
 own pixels and is measured on each decoded tile, at no finer than :data:`FOCUS_UM` um/px.
 
 - **Pen** (:func:`ink_mask`): marker ink by colour in HSV (OpenCV's 0..180 hue, 0..255
-  saturation and value), as histolab's pen filters do by RGB ranges: green (hue 70..190 degrees,
-  saturation >= 25 %), blue (200..260 degrees, saturation >= 50 %: a haematoxylin
-  counterstain is a paler blue), red (within 16 degrees of pure red, saturation >= 50 %: eosin is
+  saturation and value), as histolab's pen filters do by RGB ranges: green to teal (hue 70..200 degrees,
+  saturation >= 25 %), blue (200..240 degrees, saturation >= 50 %: a haematoxylin
+  counterstain is a paler blue, and dense haematoxylin is violet, 250..280 degrees: it absorbs
+  green more than red, marker blue the reverse), red (within 16 degrees of pure red, saturation >= 50 %: eosin is
   pink, 320..345 degrees, DAB brown, 20..40 degrees; over eosin, red ink is a dark, deeply
   saturated magenta-red: 300..20 degrees, saturation >= 70 %, value <= 120) and black (brightest channel <= 80 and
   saturation <= 40 %: stained tissue averaged over a ``overview_um`` pixel is never that dark and grey).
   A colour that covers more than 30 % of the slide's stained area is its stain (a blue special
   stain, the light green of a trichrome), not ink, and is not looked for on that slide. Limit:
-  ink of the stain's own colour is then missed.
+  ink of the stain's own colour is then missed. Regions of one ink colour smaller than
+  :data:`INK_MIN_AREA_UM2` are not ink (a marker stroke is 0.3..2 mm wide).
 - **Blur** (:func:`focus_measure`): the ratio of the tile's finest detail to its next band,
   ``E[(g - G1 g)^2] / (E[(G1 g - G3 g)^2] + 4)`` on the grey tile ``g`` (BT.601 luma), with
   ``Gs`` a Gaussian of sigma ``s`` px at the tile resolution (the second band is taken at half
@@ -31,7 +33,9 @@ own pixels and is measured on each decoded tile, at no finer than :data:`FOCUS_U
   ``+ 4`` (grey levels^2) keeps scanner noise on flat tissue from reading as detail. Only tiles
   holding stained tissue are judged (a tile of glass has no focus). Tiles finer than
   :data:`FOCUS_UM` um/px are averaged down to it first (:attr:`TileQC.focus_factor`): at 40x a
-  sharp scan's finest band is the optics', not the tissue's, and would read as blurred.
+  sharp scan's finest band is the optics', not the tissue's, and would read as blurred. Tiles
+  smaller than :data:`FOCUS_DROP_MIN_PX` px at that scale are flagged ``blur`` but not dropped
+  for it (too few px for a trustworthy verdict).
 - **Fold** (:func:`fold_mask`): tissue folded over itself is a double layer: twice the optical
   density in the same colour. An overview tissue pixel is folded when its density vector is at
   least ``fold_od_ratio`` times the slide's median tissue density and within 15 degrees of its
@@ -47,14 +51,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import logging
+
 import numpy as np
 
 from wsi_pipeline.config.choices import QC_ARTIFACTS
 from wsi_pipeline.config.tiling import QCParams
 from wsi_pipeline.tiling.grid import TileGrid
 
-__all__ = ["DEFAULT_QC_MPP", "FOCUS_UM", "INK_MAX_SHARE", "QC_BITS", "QCOverview", "TileQC", "describe", "flags_of",
-           "focus_factor", "focus_measure", "fold_mask", "ink_mask", "pen_colours", "qc_overview", "slide_qc"]
+__all__ = ["DEFAULT_QC_MPP", "FOCUS_DROP_MIN_PX", "FOCUS_UM", "INK_MAX_SHARE", "INK_MIN_AREA_UM2", "QC_BITS", "QC_LOSS_WARN", "QCOverview", "TileQC", "describe", "flags_of",
+           "focus_factor", "focus_measure", "fold_mask", "ink_mask", "pen_colours", "qc_loss_note", "qc_overview", "slide_qc"]
+
+logger = logging.getLogger(__name__)
 
 #: Bit of each artifact in the store's ``qc_flags`` array.
 QC_BITS: dict[str, int] = {name: 1 << i for i, name in enumerate(QC_ARTIFACTS)}
@@ -70,8 +78,14 @@ FLAT_BAND = 0.5
 _FOLD_MAX_ANGLE = 15.0
 #: um per level-0 px assumed for the QC scales of a slide without an mpp (20x).
 DEFAULT_QC_MPP = 0.5
+#: Ink regions (one colour, 8-connected) smaller than this (um^2, a 50 um square) are not ink: a marker
+#: stroke is 0.3..2 mm wide; a dark cluster of nuclei is smaller.
+INK_MIN_AREA_UM2 = 2500.0
 #: Tiles finer than this (um per tile px) are averaged down to it before their focus is measured.
 FOCUS_UM = 0.5
+#: Tiles with fewer px than this per side at the focus scale are flagged ``blur``, not dropped: on real,
+#: in-focus H&E the measure of 32 px tiles (blocks of 8 px) reads up to 7 % of them as blurred.
+FOCUS_DROP_MIN_PX = 64
 
 
 @dataclass(frozen=True)
@@ -129,29 +143,40 @@ def pen_colours(rgb: np.ndarray) -> dict[str, np.ndarray]:
     hsv = cv2.cvtColor(np.ascontiguousarray(rgb), cv2.COLOR_RGB2HSV)
     h, s, v = (hsv[..., i].astype(np.int16) for i in range(3))
     return {
-        "green": (h >= 35) & (h <= 95) & (s >= 64),
-        "blue": (h >= 100) & (h <= 130) & (s >= 128),
+        "green": (h >= 35) & (h < 100) & (s >= 64),  # green to teal (70..200 degrees): no stain is cyan
+        # blue ink absorbs red more than green (hue <= 240 degrees); haematoxylin is violet (red above green)
+        "blue": (h >= 100) & (h <= 120) & (s >= 128),
         # red ink, and red ink over eosin (dark, deeply saturated magenta-red: no stain is both)
         "red": (((h <= 8) | (h >= 172)) & (s >= 128)) | (((h <= 10) | (h >= 150)) & (s >= 180) & (v <= 120)),
         "black": (v <= 80) & (s <= 102),
     }
 
 
-def ink_mask(rgb: np.ndarray, stained: np.ndarray | None = None, max_share: float = INK_MAX_SHARE) -> tuple[np.ndarray, dict[str, Any]]:
+def ink_mask(rgb: np.ndarray, stained: np.ndarray | None = None, max_share: float = INK_MAX_SHARE, *,
+             um_per_px: float | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Bool (H, W) marker ink on a uint8 (H, W, 3) RGB overview, and which colours were looked for.
 
     A colour that covers more than ``max_share`` of the ``stained`` (light-absorbing) pixels is the
     slide's stain, not ink (a blue special stain, a green trichrome): it is not reported as ink on
-    that slide (``info["stain_colours"]``).
+    that slide (``info["stain_colours"]``). With ``um_per_px`` (the overview's pixel size), regions of
+    one ink colour (8-connected) smaller than :data:`INK_MIN_AREA_UM2` are not ink.
     """
+    import cv2
+
     colours = pen_colours(rgb)
     ink = np.zeros(rgb.shape[:2], bool)
     skipped = []
     n = int(stained.sum()) if stained is not None else 0
+    min_px = INK_MIN_AREA_UM2 / (um_per_px * um_per_px) if um_per_px else 0.0
     for name, m in colours.items():
         if n and float((m & stained).sum()) > max_share * n:
             skipped.append(name)
             continue
+        if min_px > 1 and m.any():
+            _, labels, stats, _ = cv2.connectedComponentsWithStats(m.astype(np.uint8), connectivity=8)
+            small = stats[:, cv2.CC_STAT_AREA] < min_px
+            small[0] = False
+            m = m & ~small[labels]
         ink |= m
     return ink, {"ink_fraction": float(ink.mean()), "stain_colours": skipped}
 
@@ -239,6 +264,7 @@ class TileQC:
     params : the thresholds.
     mode : ``drop``, ``flag`` or ``off``.
     focus_factor : tile px averaged into one before the focus measure (:func:`focus_factor`).
+    focus_px : the tile's side at the focus scale (px); under :data:`FOCUS_DROP_MIN_PX` blur is only flagged.
     """
 
     pen: np.ndarray
@@ -247,6 +273,7 @@ class TileQC:
     params: QCParams
     mode: str
     focus_factor: float = 1.0
+    focus_px: float = float(FOCUS_DROP_MIN_PX)
 
     def focus(self, tiles: np.ndarray | Sequence[np.ndarray]) -> np.ndarray:
         """float32 (k,): :func:`focus_measure` of the tiles at this grid's focus scale."""
@@ -267,10 +294,13 @@ class TileQC:
         return self.stained[rows, cols] >= FOCUS_MIN_STAINED
 
     def dropped(self, flags: np.ndarray) -> np.ndarray:
-        """Bool (k,): tiles ``qc_mode="drop"`` removes (any of ``params.drop`` set)."""
+        """Bool (k,): tiles ``qc_mode="drop"`` removes (any of ``params.drop`` set; blur only on tiles of at
+        least :data:`FOCUS_DROP_MIN_PX` px at the focus scale)."""
         if self.mode != "drop":
             return np.zeros(len(flags), bool)
-        mask = sum(QC_BITS[a] for a in self.params.drop)
+        # a tile too small for a trustworthy focus measure is flagged blur, never dropped for it
+        drop = [a for a in self.params.drop if a != "blur" or self.focus_px >= FOCUS_DROP_MIN_PX]
+        mask = sum(QC_BITS[a] for a in drop)
         return (flags & mask) != 0
 
 
@@ -296,7 +326,32 @@ def slide_qc(qov: QCOverview, ink: np.ndarray, tissue: np.ndarray, tissue_downsa
     fold = fold_mask(qov.rgb, tissue_q, glass, params.fold_od_ratio, min_area_px=min_px)
     pen_f, fold_f = (grid.footprint_means(m.astype(np.float32), qov.downsample) for m in (ink, fold))
     stained = grid.footprint_means(tissue.astype(np.float32), tissue_downsample)
-    return TileQC(pen_f, fold_f, stained, params=params, mode=mode, focus_factor=focus_factor(grid.mpp))
+    k = focus_factor(grid.mpp)
+    return TileQC(pen_f, fold_f, stained, params=params, mode=mode, focus_factor=k, focus_px=grid.tile_size / k)
+
+
+#: A slide losing more than this share of its tissue tiles to QC is warned about (:func:`qc_loss_note`).
+QC_LOSS_WARN = 0.10
+
+
+def qc_loss_note(slide_id: str, counts: dict[str, Any], n_kept: int, drop: Sequence[str]) -> str:
+    """A warning (logged) and report note when QC dropped more than :data:`QC_LOSS_WARN` of a slide's tissue
+    tiles (kept + dropped), naming the detectors and the flags that keep their tiles; "" otherwise.
+
+    ``counts``: the tile loop's ``{"dropped": {artifact: n}, "n_dropped": n}``.
+    """
+    n_dropped = int(counts.get("n_dropped", 0))
+    total = n_kept + n_dropped
+    if total == 0 or n_dropped <= QC_LOSS_WARN * total:
+        return ""
+    by = {a: int(counts["dropped"].get(a, 0)) for a in drop if counts["dropped"].get(a, 0)}
+    parts = ", ".join(f"{a} {100.0 * n / total:.0f} %" for a, n in sorted(by.items(), key=lambda kv: -kv[1]))
+    keep = [a for a in drop if a not in by]
+    hint = (f"--qc-drop {','.join(keep)}" if keep else "--qc-drop ''") + f" stops dropping {', '.join(by)}"
+    note = (f"QC dropped {n_dropped} of {total} tissue tiles ({100.0 * n_dropped / total:.0f} %: {parts}); "
+            f"check qc/{slide_id}.png; {hint}, --qc flag only flags")
+    logger.warning("slide %s: %s", slide_id, note)
+    return note
 
 
 def flags_of(flags: np.ndarray) -> dict[str, int]:

@@ -184,7 +184,7 @@ def _density_mask(overview: np.ndarray, ds_over: float, qov: QCOverview, backgro
     (:mod:`~wsi_pipeline.tiling.density`); ink is found on the QC overview ``qov`` and is not tissue."""
     stained, info = stained_mask(overview, background, config.tissue)
     stained_q = stained if qov.rgb is overview else stained_mask(qov.rgb, background, config.tissue)[0]
-    ink_q, ink_info = ink_mask(qov.rgb, stained_q)
+    ink_q, ink_info = ink_mask(qov.rgb, stained_q, um_per_px=qov.um)
     ink = ink_q if qov.rgb is overview else _resample(ink_q, qov.downsample, overview.shape[:2], ds_over)
     tissue = clean_tissue(stained & ~ink, config.tissue, tile_px=tile_px) & ~ink
     info.update(ink_info, tissue_fraction=float(tissue.mean()))
