@@ -57,7 +57,7 @@ STAINED_OD = 0.05
 PEN_IMAGES_ENV = "WSI_PIPELINE_TESTDATA"
 DEFAULT_TESTDATA = Path.home() / ".cache" / "wsi-pipeline-testdata"
 #: QCParams fields set by ``--qc key=value`` (calibration runs); empty: the defaults.
-QC_OVERRIDES: dict[str, float] = {}
+QC_OVERRIDES: dict[str, Any] = {}
 
 
 @dataclass
@@ -171,10 +171,12 @@ def real_sets(name: str, realdata: Path, slides: Path) -> Iterator[RealImage]:
     raise ValueError(f"set {name!r}; expected one of {SETS}")
 
 
-def reference_tissue(rgb: np.ndarray, tile: int) -> np.ndarray:
+def reference_tissue(rgb: np.ndarray, tile: int, white: np.ndarray | None = None) -> np.ndarray:
     """float (rows, cols): each grid tile's stained fraction (largest-channel optical density >= :data:`STAINED_OD`
-    against the image's 99.5th-percentile brightness per channel), from the tile's own pixels."""
-    white = np.maximum(np.percentile(rgb.reshape(-1, 3), 99.5, axis=0), 1.0)
+    against ``white``, by default the image's 99.5th-percentile brightness per channel), from the tile's own pixels."""
+    if white is None:
+        white = np.percentile(rgb.reshape(-1, 3), 99.5, axis=0)
+    white = np.maximum(np.asarray(white, np.float32), 1.0)
     od = np.log10(white / np.maximum(rgb.astype(np.float32), 1.0)).max(axis=-1)
     stained = (od >= STAINED_OD).astype(np.float32)
     rows, cols = rgb.shape[0] // tile, rgb.shape[1] // tile
@@ -232,11 +234,12 @@ def score_store(store: Path, ref: np.ndarray, glass: np.ndarray | None = None, b
 
 def _blur_drops(tile: int, tile_mpp: float | None) -> bool:
     """Whether the default drops blurred tiles of this size (the package's rule where it has one)."""
-    try:
-        from wsi_pipeline.tiling.artifacts import FOCUS_DROP_MIN_PX, focus_factor  # type: ignore[attr-defined]
-    except ImportError:  # an older package: blur always dropped
+    from wsi_pipeline.tiling import artifacts
+
+    min_px, factor = getattr(artifacts, "FOCUS_DROP_MIN_PX", None), getattr(artifacts, "focus_factor", None)
+    if min_px is None or factor is None:  # an older package (the before table): blur always dropped
         return True
-    return bool(tile / focus_factor(tile_mpp) >= FOCUS_DROP_MIN_PX)
+    return bool(tile / factor(tile_mpp) >= min_px)
 
 
 def _tile(path: Path, slide_id: str, work: Path, tile: int, mpp_target: float | None) -> Path:
@@ -302,8 +305,12 @@ def run_set(name: str, realdata: Path, slides: Path, cache: Path, tile_sizes: tu
                 n_slides += 1
                 path = _cached_slide(cache, img)
                 store = _tile(path, img.slide_id, work, tile, target)
-                ref = reference_tissue(rgb, tile)
                 glass = None
+                white = None
+                if img.glass is not None:  # the layout's glass (not the padding) is the white
+                    on_glass = rgb[_resized(img.glass, factor) & (rgb.min(axis=-1) < 253)]
+                    white = np.median(on_glass.reshape(-1, 3), axis=0) if on_glass.size else None
+                ref = reference_tissue(rgb, tile, white)
                 if img.tissue is not None and img.glass is not None:
                     t_frac = _frac(_resized(img.tissue, factor), tile)
                     g_frac = _frac(_resized(img.glass, factor), tile)
