@@ -156,3 +156,15 @@ def test_qc_loss_note_names_slide_detector_and_flag() -> None:
     assert "s1" in note and "35 of 200" in note and "pen 15 %" in note and "--qc flag" in note and "--qc-drop" in note
     assert qc_loss_note("s1", {"dropped": {"pen": 10}, "n_dropped": 10}, 190, ("pen", "blur")) == ""
     assert QC_BITS["pen"] == 1
+
+
+def test_run_summary_gives_the_share_qc_dropped_per_detector(tmp_path: Path) -> None:
+    from wsi_pipeline.tiling.job import SlideResult
+    from wsi_pipeline.tiling.report import CohortReport
+
+    a = SlideResult("a", "ok", n_tiles=90, qc_dropped=10, qc_pen=6, qc_blur=4, qc_fold=3)
+    b = SlideResult("b", "ok", n_tiles=100)
+    text = CohortReport([a, b], tmp_path / "r.csv", 1.0).summary()
+    # 200 tissue tiles (kept + dropped): 10 dropped = 5 %, pen 6 = 3 %, blur 4 = 2 %, fold 3 = 1.5 %
+    assert "QC dropped 10 of 200 tissue tiles (5.0 %; found: pen 3.0 %, blur 2.0 %, fold 1.5 %)" in text, text
+    assert "QC dropped" not in CohortReport([b], tmp_path / "r.csv", 1.0).summary()
