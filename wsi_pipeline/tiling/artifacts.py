@@ -22,7 +22,10 @@ own pixels and is measured on each decoded tile, at no finer than :data:`FOCUS_U
   A colour that covers more than 30 % of the slide's stained area is its stain (a blue special
   stain, the light green of a trichrome), not ink, and is not looked for on that slide. Limit:
   ink of the stain's own colour is then missed. Regions of one ink colour smaller than
-  :data:`INK_MIN_AREA_UM2` are not ink (a marker stroke is 0.3..2 mm wide).
+  :data:`INK_MIN_AREA_UM2` are not ink (a marker stroke is 0.3..2 mm wide). The ink found at this
+  scale then grows into the ink-coloured pixels of the tiler's finer overview connected to it
+  (:func:`grow_ink`), so the mixed edges of a thin stroke count again, while an ink-coloured
+  nucleus cluster not touching ink stays tissue.
 - **Blur** (:func:`focus_measure`): the ratio of the tile's finest detail to its next band,
   ``E[(g - G1 g)^2] / (E[(G1 g - G3 g)^2] + 4)`` on the grey tile ``g`` (BT.601 luma), with
   ``Gs`` a Gaussian of sigma ``s`` px at the tile resolution (the second band is taken at half
@@ -60,7 +63,7 @@ from wsi_pipeline.config.tiling import QCParams
 from wsi_pipeline.tiling.grid import TileGrid
 
 __all__ = ["DEFAULT_QC_MPP", "FOCUS_DROP_MIN_PX", "FOCUS_UM", "INK_MAX_SHARE", "INK_MIN_AREA_UM2", "QC_BITS", "QC_LOSS_WARN", "QCOverview", "TileQC", "describe", "flags_of",
-           "focus_factor", "focus_measure", "fold_mask", "ink_mask", "pen_colours", "qc_loss_note", "qc_overview", "slide_qc"]
+           "focus_factor", "focus_measure", "fold_mask", "grow_ink", "ink_mask", "pen_colours", "qc_loss_note", "qc_overview", "slide_qc"]
 
 logger = logging.getLogger(__name__)
 
@@ -179,6 +182,27 @@ def ink_mask(rgb: np.ndarray, stained: np.ndarray | None = None, max_share: floa
             m = m & ~small[labels]
         ink |= m
     return ink, {"ink_fraction": float(ink.mean()), "stain_colours": skipped}
+
+
+def grow_ink(seeds: np.ndarray, rgb: np.ndarray, skip: Sequence[str] = ()) -> np.ndarray:
+    """Bool (H, W): the ink found on the QC overview (``seeds``, resampled onto ``rgb``'s grid) grown into the
+    pixels of a finer overview ``rgb`` that are ink-coloured (:func:`pen_colours`, less the slide's stain colours
+    ``skip``) and connected (8-connected) to a seed. A thin stroke's edges, mixed with tissue on the coarse
+    overview, are ink again; ink-coloured pixels not touching ink found at the coarse scale (a dense nucleus)
+    stay tissue."""
+    import cv2
+
+    if not seeds.any():
+        return seeds
+    cand = seeds.copy()
+    for name, m in pen_colours(rgb).items():
+        if name not in skip:
+            cand |= m
+    n, labels = cv2.connectedComponents(cand.astype(np.uint8), connectivity=8)
+    hit = np.zeros(n, bool)
+    hit[np.unique(labels[seeds])] = True
+    hit[0] = False
+    return hit[labels]
 
 
 def fold_mask(overview: np.ndarray, tissue: np.ndarray, glass: np.ndarray | tuple[float, float, float] | None,
@@ -310,7 +334,8 @@ def slide_qc(qov: QCOverview, ink: np.ndarray, tissue: np.ndarray, tissue_downsa
 
     Parameters
     ----------
-    qov : the QC overview (:func:`qc_overview`); ``ink`` bool (h, w) its ink mask (:func:`ink_mask`).
+    qov : the QC overview (:func:`qc_overview`).
+    ink : bool (H, W) ink (:func:`ink_mask` on ``qov``, grown by :func:`grow_ink`) on the tissue's grid.
     tissue : bool (H, W) tissue mask at ``tissue_downsample`` level-0 px per px (the tiler's overview).
     glass : the glass colour, or None (no glass in view).
     grid : the tile grid; ``params``, ``mode``: the QC settings.
@@ -324,7 +349,8 @@ def slide_qc(qov: QCOverview, ink: np.ndarray, tissue: np.ndarray, tissue_downsa
         tissue_q = cv2.resize(tissue.astype(np.float32), (w, h), interpolation=cv2.INTER_AREA) >= 0.5
     min_px = params.fold_min_area_um2 / (qov.um * qov.um)
     fold = fold_mask(qov.rgb, tissue_q, glass, params.fold_od_ratio, min_area_px=min_px)
-    pen_f, fold_f = (grid.footprint_means(m.astype(np.float32), qov.downsample) for m in (ink, fold))
+    pen_f = grid.footprint_means(ink.astype(np.float32), tissue_downsample)
+    fold_f = grid.footprint_means(fold.astype(np.float32), qov.downsample)
     stained = grid.footprint_means(tissue.astype(np.float32), tissue_downsample)
     k = focus_factor(grid.mpp)
     return TileQC(pen_f, fold_f, stained, params=params, mode=mode, focus_factor=k, focus_px=grid.tile_size / k)

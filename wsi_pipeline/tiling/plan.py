@@ -14,7 +14,7 @@ import numpy as np
 
 from wsi_pipeline.slides import read_scaled, resolve_mpp
 from wsi_pipeline.slides.base import Slide
-from wsi_pipeline.tiling.artifacts import QCOverview, TileQC, ink_mask, qc_overview, slide_qc
+from wsi_pipeline.tiling.artifacts import QCOverview, TileQC, grow_ink, ink_mask, qc_overview, slide_qc
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.density import clean_tissue, stained_mask
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
@@ -180,15 +180,17 @@ def _resample(mask: np.ndarray, downsample: float, shape: tuple[int, int], to_do
 
 def _density_mask(overview: np.ndarray, ds_over: float, qov: QCOverview, background: Background, config: TilingConfig,
                   tile_px: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(tissue mask, ink mask on ``qov``, description) of the ``tissue`` method on the overview
-    (:mod:`~wsi_pipeline.tiling.density`); ink is found on the QC overview ``qov`` and is not tissue."""
+    """(tissue mask, ink mask, description) of the ``tissue`` method on the overview
+    (:mod:`~wsi_pipeline.tiling.density`); ink is found on the QC overview ``qov``, grown into the overview's
+    ink-coloured pixels connected to it (:func:`~wsi_pipeline.tiling.artifacts.grow_ink`), and is not tissue."""
     stained, info = stained_mask(overview, background, config.tissue)
     stained_q = stained if qov.rgb is overview else stained_mask(qov.rgb, background, config.tissue)[0]
     ink_q, ink_info = ink_mask(qov.rgb, stained_q, um_per_px=qov.um)
     ink = ink_q if qov.rgb is overview else _resample(ink_q, qov.downsample, overview.shape[:2], ds_over)
+    ink = grow_ink(ink, overview, ink_info["stain_colours"])
     tissue = clean_tissue(stained & ~ink, config.tissue, tile_px=tile_px) & ~ink
     info.update(ink_info, tissue_fraction=float(tissue.mean()))
-    return tissue, ink_q, info
+    return tissue, ink, info
 
 
 def _regions_of(config: TilingConfig, slide_id: str, grid: TileGrid, candidates: np.ndarray) -> RegionTiles:
