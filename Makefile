@@ -23,7 +23,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check view bench-view clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-encoders bench-loader scale-check view bench-view clean
 
 install: $(STAMP)
 
@@ -129,10 +129,13 @@ bench-scale: install
 
 # tissue detection against painted truth (DETECT_ARGS), then the tissue U-Net's whole-image training step (ARGS)
 DETECT_ARGS ?=
-bench-tissue: bench-tissue-detection bench-tissue-step
+bench-tissue: bench-tissue-detection bench-tissue-real bench-tissue-step
 
 bench-tissue-detection: install
 	$(BIN)/python -m wsi_pipeline.bench.tissue_detection $(DETECT_ARGS)
+
+bench-tissue-real: install
+	$(BIN)/python -m wsi_pipeline.bench.tissue_real $(REAL_ARGS)
 
 bench-tissue-step: install
 	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
