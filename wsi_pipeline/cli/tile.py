@@ -89,7 +89,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     mpp = p.add_mutually_exclusive_group()
     mpp.add_argument("--mpp", type=_positive, default=None, metavar="UM",
                      help="um/px of level 0 for slides that have none (neither in their metadata nor in a manifest mpp "
-                          "column); slides with their own mpp keep it. The report's mpp_source column says which was used")
+                          "column); slides with their own mpp keep it. A resolution tag that is not a microscope's (a TIFF/PNG/JPEG/BMP "
+                          "dpi such as 72 or 300, i.e. above 20 um/px) is ignored with a warning, so such images take this "
+                          "value. The report's mpp_source column says which was used (ignored-dpi:<dpi> when none was)")
     mpp.add_argument("--mpp-force", type=_positive, default=None, metavar="UM",
                      help="um/px of level 0 for every slide, overriding the slides' metadata and any manifest mpp column "
                           "(for scanners that write wrong values)")
@@ -103,7 +105,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: 1024); 0 = one file per tile (the older layout, 100-1000x more files)")
     p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.opener", "BACKENDS"), default="auto",
                    metavar="READER", help="slide reader, one of %(choices)s; auto tries OpenSlide, then tiffslide "
-                                          "(for a DICOM file: OpenSlide, then wsidicom)")
+                                          "(for a DICOM file: OpenSlide, then wsidicom; a .png/.jpg/.jpeg/.bmp image is "
+                                          "read by Pillow as a one-level slide)")
     p.add_argument("--no-prescreen", action="store_true",
                    help="decode and test every tile whole, instead of skipping tiles a low-resolution bound proves "
                         "to be background and deciding probable glass from its top rows first "

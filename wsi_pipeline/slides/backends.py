@@ -133,6 +133,7 @@ class TiffSlideSlide(Slide):
         self._describe_handle(self._ts, "tiffslide")
         if self.mpp is None:  # tiffslide does not read OME-XML's pixel size
             self.mpp = ome_mpp(getattr(self._ts, "ts_tifffile", None))
+            self.mpp_source = "ome" if self.mpp is not None else "none"
 
     def level_is_exact(self, level: int) -> bool:
         """Every level: tiffslide addresses level pixels directly."""

@@ -48,7 +48,11 @@ class Slide(ABC):
     level_count : number of pyramid levels.
     level_dimensions : (width, height) of each level in px.
     level_downsamples : level-0 px per level px, per level (level 0 is 1.0).
-    mpp : microns per level-0 pixel (mean of x and y) from the slide's properties, or None.
+    mpp : microns per level-0 pixel (mean of x and y) from the slide's properties, or None (also
+        when the only value is a resolution tag that is not a microscope's, e.g. 72 dpi:
+        :func:`~wsi_pipeline.slides.mpp.screen_tag_mpp`).
+    mpp_source : where :attr:`mpp` came from: ``vendor:<name>``, ``tiff-tag``, ``ome``, ``dicom``,
+        ``image-tag``, ``none``, or ``ignored-dpi:<dpi>`` (a tag that was ignored).
     properties : the slide's metadata as ``str -> str``.
     background : RGB fill of transparent or out-of-bounds areas.
     """
@@ -60,6 +64,7 @@ class Slide(ABC):
     level_dimensions: tuple[tuple[int, int], ...]
     level_downsamples: tuple[float, ...]
     mpp: float | None
+    mpp_source: str = "none"
     properties: dict[str, str]
     background: tuple[int, int, int]
 
@@ -74,6 +79,9 @@ class Slide(ABC):
             self.level_downsamples = tuple(float(d) for d in handle.level_downsamples)
             self.properties = {str(k): str(v) for k, v in handle.properties.items() if v is not None}
             self.mpp = parse_mpp(self.properties, (f"{vendor}.mpp-x", f"{vendor}.mpp-y"))
+            maker = self.properties.get(f"{vendor}.vendor", "")
+            self.mpp_source = "none" if self.mpp is None else (
+                "tiff-tag" if maker in ("", "generic-tiff", "generic", "None") else f"vendor:{maker}")
             self.background = _parse_colour(self.properties.get(f"{vendor}.background-color", "FFFFFF"))
         except BaseException:
             handle.close()

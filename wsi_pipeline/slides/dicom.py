@@ -125,6 +125,7 @@ class WsiDicomSlide(Slide):
             pass
         self.properties = props
         self.mpp = parse_mpp(props, ("wsidicom.mpp-x", "wsidicom.mpp-y"))
+        self.mpp_source = "dicom" if self.mpp is not None else "none"
         self.background = (255, 255, 255)
 
     def _read(self, x: int, y: int, level: int, w: int, h: int) -> np.ndarray:

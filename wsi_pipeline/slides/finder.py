@@ -7,6 +7,8 @@ Rules
 -----
 - A slide file ends (case-insensitively) in one of :data:`SLIDE_EXTENSIONS`. Formats no backend
   reads (CZI, iSyntax) are listed on purpose: tiling gives them a ``failed`` row, not silence.
+  Plain images (``.png .jpg .jpeg .bmp``; plain TIFFs end in ``.tif``/``.tiff``) are single-level
+  slides (:mod:`wsi_pipeline.slides.image`).
 - Its slide id is the file name without that ending, the longest ending first, so the double
   endings ``.ome.tiff``/``.ome.tif`` are removed whole: ``a.ome.tiff`` -> ``a``, ``a.svs`` -> ``a``.
 - DICOM: the ``.dcm`` files of one folder are one slide (its levels are separate instances),
@@ -48,7 +50,7 @@ DICOM_EXTENSIONS: tuple[str, ...] = (".dcm",)
 #: File endings taken as slides, in the order error messages list them.
 _LISTED: tuple[str, ...] = (
     ".svs", ".tif", ".tiff", ".ome.tif", ".ome.tiff", ".ndpi", ".vms", ".vmu", ".scn", ".mrxs", ".bif", ".svslide",
-    ".qptiff", ".czi", ".isyntax",
+    ".qptiff", ".czi", ".isyntax", ".png", ".jpg", ".jpeg", ".bmp",
 ) + DICOM_EXTENSIONS
 #: File endings taken as slides, lower case, longest first (so double endings win over their tail).
 SLIDE_EXTENSIONS: tuple[str, ...] = tuple(sorted(_LISTED, key=len, reverse=True))

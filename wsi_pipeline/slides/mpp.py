@@ -7,18 +7,42 @@ Precedence, per slide (:func:`resolve_mpp`):
 3. ``slide``: the slide's own metadata;
 4. ``run-fallback``: the run's ``--mpp``, only for slides that have no mpp of their own;
 5. ``none``: no mpp (an error where one is needed).
+
+The slide's own value (3) is screened first (:func:`screen_tag_mpp`): a resolution tag that is not a
+microscope's (a TIFF, PNG, JPEG or BMP dots-per-inch tag such as 72, 96, 150 or 300 dpi, i.e. a
+level-0 mpp above :data:`MAX_MICROSCOPE_MPP`) is never taken as the slide's mpp. It is ignored with
+one warning per slide (naming the slide and the value), and the slide's ``mpp_source`` becomes
+``ignored-dpi:<dpi>``; a run then records that value as its ``mpp_source`` when no other source
+gives an mpp. Where the slide's own value came from (:attr:`~wsi_pipeline.slides.base.Slide.mpp_source`):
+``vendor:<name>`` (a scanner format's metadata, e.g. ``vendor:aperio``), ``tiff-tag`` (a generic
+TIFF's resolution tags), ``ome`` (OME-XML), ``dicom``, ``image-tag`` (a PNG/JPEG/BMP resolution
+tag), ``none``, or ``ignored-dpi:<dpi>``.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["MPP_SOURCES", "MissingMppError", "ome_mpp", "ome_mpp_of_file", "parse_mpp", "resolve_mpp"]
+__all__ = [
+    "MAX_MICROSCOPE_MPP", "MPP_SOURCES", "MissingMppError", "ome_mpp", "ome_mpp_of_file", "parse_mpp", "resolve_mpp",
+    "screen_tag_mpp",
+]
+
+logger = logging.getLogger(__name__)
+
+#: The coarsest level-0 resolution (um/px) read from a file's own tags that is taken as a microscope's.
+#: A 2x objective scans at about 5 um/px; screen and print resolutions (72-600 dpi) are 42-353 um/px.
+MAX_MICROSCOPE_MPP = 20.0
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
 
 #: Values of ``mpp_source`` in store attributes and ``tiling_report.csv``, in precedence order.
 MPP_SOURCES: tuple[str, ...] = ("run-forced", "manifest", "slide", "run-fallback", "none")
@@ -80,6 +104,36 @@ def resolve_mpp(
             f"`--mpp-force <um/px>` overrides every slide's mpp, including correct ones"
         )
     return None, "none"
+
+
+def screen_tag_mpp(mpp: float | None, source: str, slide: str) -> tuple[float | None, str]:
+    """The slide's own mpp and its source, with a resolution tag that is not a microscope's ignored.
+
+    Parameters
+    ----------
+    mpp : um per level-0 px read from the file's own metadata (None when absent).
+    source : where it came from (e.g. ``"tiff-tag"``, ``"image-tag"``, ``"vendor:aperio"``).
+    slide : the slide's path or name, for the warning.
+
+    Returns
+    -------
+    ``(mpp, source)`` unchanged when mpp is None or at most :data:`MAX_MICROSCOPE_MPP`; else
+    ``(None, "ignored-dpi:<dpi>")`` with dpi = 25400 / mpp (72 dpi is 352.8 um/px), after one
+    warning per slide and process naming the slide and the value.
+    """
+    if mpp is None or mpp <= MAX_MICROSCOPE_MPP:
+        return mpp, source if mpp is not None else "none"
+    dpi = f"{round(25400.0 / mpp, 1):g}"
+    with _warned_lock:
+        first = slide not in _warned
+        _warned.add(slide)
+    if first:
+        logger.warning(
+            "slide %s: its resolution tag (%s) says %g um/px (%s dpi), which is a screen or print resolution, not a "
+            "microscope's (above %g um/px); ignored. Give the slide's mpp in a manifest `mpp` column, with --mpp "
+            "(slides without one) or --mpp-force", slide, source, mpp, dpi, MAX_MICROSCOPE_MPP,
+        )
+    return None, f"ignored-dpi:{dpi}"
 
 
 #: OME length units -> micrometres.

@@ -1,8 +1,11 @@
 """Open a whole-slide image with the backend that reads it.
 
 ``backend="auto"`` tries OpenSlide first and falls back to tiffslide (OME-TIFF and other TIFFs
-OpenSlide rejects), or for a DICOM file to wsidicom (:mod:`wsi_pipeline.slides.dicom`); when none
-opens the file, the error (:class:`SlideOpenError`) keeps every reason.
+OpenSlide rejects, e.g. striped plain TIFFs), or for a DICOM file to wsidicom
+(:mod:`wsi_pipeline.slides.dicom`); a PNG, JPEG or BMP file (by its ending) is read by Pillow
+(:mod:`wsi_pipeline.slides.image`) as a single-level slide. When none opens the file, the error
+(:class:`SlideOpenError`) keeps every reason. Every slide's own mpp is screened: a resolution tag
+that is not a microscope's (72 dpi and the like) is ignored (:func:`~wsi_pipeline.slides.mpp.screen_tag_mpp`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,15 @@ from pathlib import Path
 
 from wsi_pipeline.slides.backends import OpenSlideSlide, TiffSlideSlide, error_reason
 from wsi_pipeline.slides.base import Slide
-from wsi_pipeline.slides.mpp import ome_mpp_of_file
+from wsi_pipeline.slides.image import IMAGE_EXTENSIONS, ImageSlide
+from wsi_pipeline.slides.mpp import ome_mpp_of_file, screen_tag_mpp
 
 __all__ = ["BACKENDS", "SlideOpenError", "open_slide"]
 
 logger = logging.getLogger(__name__)
 
 #: Accepted values of ``backend``.
-BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide", "wsidicom")
+BACKENDS: tuple[str, ...] = ("auto", "openslide", "tiffslide", "wsidicom", "pillow")
 
 
 class SlideOpenError(ValueError):
@@ -38,7 +42,9 @@ def _open_wsidicom(path: Path) -> Slide:
     return WsiDicomSlide(path)
 
 
-_OPENERS: dict[str, Callable[[Path], Slide]] = {"openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide, "wsidicom": _open_wsidicom}
+_OPENERS: dict[str, Callable[[Path], Slide]] = {
+    "openslide": OpenSlideSlide, "tiffslide": TiffSlideSlide, "wsidicom": _open_wsidicom, "pillow": ImageSlide,
+}
 
 
 def _open_logging_warnings(name: str, p: Path) -> Slide:
@@ -59,8 +65,9 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     Parameters
     ----------
     path : the slide file (for DICOM, any ``.dcm`` file of the slide's series, or their folder).
-    backend : ``"auto"`` (OpenSlide, then tiffslide; for DICOM OpenSlide, then wsidicom),
-        ``"openslide"``, ``"tiffslide"`` or ``"wsidicom"``.
+    backend : ``"auto"`` (OpenSlide, then tiffslide; for DICOM OpenSlide, then wsidicom; for a
+        ``.png``/``.jpg``/``.jpeg``/``.bmp`` file Pillow), ``"openslide"``, ``"tiffslide"``,
+        ``"wsidicom"`` or ``"pillow"``.
 
     Returns
     -------
@@ -86,7 +93,14 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
     if p.stat().st_size == 0:
         raise ValueError(f"slide file is empty (0 bytes): {p}; the copy or download is incomplete, replace the file")
     dicom = is_dicom_file(p)
-    names = (("openslide", "wsidicom") if dicom else ("openslide", "tiffslide")) if backend == "auto" else (backend,)
+    if backend != "auto":
+        names: tuple[str, ...] = (backend,)
+    elif dicom:
+        names = ("openslide", "wsidicom")
+    elif p.suffix.lower() in IMAGE_EXTENSIONS:
+        names = ("pillow",)
+    else:
+        names = ("openslide", "tiffslide")
     reasons: dict[str, str] = {}
     for name in names:
         try:
@@ -103,6 +117,8 @@ def open_slide(path: str | os.PathLike[str], backend: str = "auto") -> Slide:
             continue
         if slide.mpp is None and p.is_file() and p.suffix.lower() in (".tif", ".tiff"):
             slide.mpp = ome_mpp_of_file(p)  # OpenSlide reads an OME-TIFF as a generic TIFF, without its pixel size
+            slide.mpp_source = "ome" if slide.mpp is not None else "none"
+        slide.mpp, slide.mpp_source = screen_tag_mpp(slide.mpp, slide.mpp_source, str(p))
         return slide
     detail = "; ".join(f"{k}: {v}" for k, v in reasons.items())
     hint = "" if backend == "auto" else " (try --backend auto)"

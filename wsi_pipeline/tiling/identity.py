@@ -77,7 +77,8 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     if attrs.get("tiling_identity") != store_identity(job, config, fingerprint):
         return None
     # a store whose mpp came from the fallback (or that had none) depends on the fallback too
-    if attrs.get("mpp_source") in ("run-fallback", "none") and attrs.get("slide_mpp") != valid_mpp(config.mpp):
+    source = str(attrs.get("mpp_source", ""))
+    if (source in ("run-fallback", "none") or source.startswith("ignored")) and attrs.get("slide_mpp") != valid_mpp(config.mpp):
         return None
     return attrs
 

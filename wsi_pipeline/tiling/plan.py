@@ -102,6 +102,8 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         slide.mpp, manifest_mpp=job.mpp, run_mpp=config.mpp, force_mpp=config.mpp_force,
         slide_id=job.slide_id, path=str(slide.path), needed_for=needed,
     )
+    if mpp_source == "none" and slide.mpp_source.startswith("ignored"):
+        mpp_source = slide.mpp_source  # e.g. "ignored-dpi:72": the file had a tag, not a microscope's
     mpp_note = ""
     if mpp is not None and slide.mpp is not None and mpp_source != "slide" and abs(mpp / slide.mpp - 1) > 0.01:
         mpp_note = f"mpp {mpp:g} um/px ({mpp_source}) replaces the slide's own {slide.mpp:g}"

@@ -217,6 +217,7 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
         "slide_mpp": plan.mpp,
         "mpp_source": plan.mpp_source,
         "metadata_mpp": slide.mpp,
+        "metadata_mpp_source": slide.mpp_source,
         "manifest_mpp": valid_mpp(job.mpp),
         "backend": slide.backend,
         "level_reader": slide.level_reader(grid.level),
