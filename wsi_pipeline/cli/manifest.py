@@ -21,9 +21,21 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
                    help="fractions of patients (slides when there is no patient_id) drawn into train, val and test "
                    "for labelled slides without a split; label-stratified, patient-grouped")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the drawn splits")
-    p.add_argument("--folds", type=int, metavar="K",
-                   help="K-fold cross-validation: draw the test split, cut the rest into K label-stratified folds, "
-                   "write OUT with a 'fold' column and one manifest per fold, OUT_fold<k>.csv (fold k = val)")
+    folds = p.add_mutually_exclusive_group()
+    folds.add_argument("--folds", type=int, metavar="K",
+                       help="K folds with a fixed test split: draw the test split, cut the rest into K label-stratified "
+                       "folds, write OUT with a 'fold' column and one manifest per fold, OUT_fold<k>.csv (fold k = val). "
+                       "On a manifest whose slides all have a split already, its test split is kept and its train and "
+                       "val slides are cut into the folds")
+    folds.add_argument("--crossval", type=int, metavar="K",
+                       help="K-fold cross-validation in which every labelled slide is tested once (--split is not used): "
+                       "label-stratified (survival: event-stratified), patient-grouped folds (scikit-learn's "
+                       "StratifiedGroupKFold); fold k = test, fold k+1 (mod K) = val, the others train. Writes "
+                       "OUT_fold<k>.csv (OUT_r<r>_fold<k>.csv with --repeats) and OUT with columns cv_fold_r<r> (each "
+                       "slide's test fold per repeat). Slides pinned to test (e.g. an external cohort) stay test in "
+                       "every fold; input train/val splits are replaced; K >= 3")
+    p.add_argument("--repeats", type=int, default=1, metavar="R",
+                   help="with --crossval: repeat the cross-validation R times with different cuts (seeded by --seed)")
 
 
 def _add_out(p: argparse.ArgumentParser) -> None:
@@ -170,6 +182,15 @@ def _drawn(df, args: argparse.Namespace):
     """``df`` with splits (and folds) drawn for labelled slides that have none."""
     from wsi_pipeline.manifests.assign import assign_splits, parse_fractions
 
+    if getattr(args, "crossval", None) is not None:
+        from wsi_pipeline.manifests.crossval import assign_crossval
+
+        return assign_crossval(df, args.crossval, repeats=args.repeats, seed=args.seed)
+    if getattr(args, "repeats", 1) != 1:
+        raise ValueError(f"--repeats {args.repeats} needs --crossval K (repeats of the cross-validation)")
+    from wsi_pipeline.manifests.crossval import crossval_columns
+
+    df = df.drop(columns=crossval_columns(df.columns))  # an earlier cross-validation no longer describes the splits
     return assign_splits(df, parse_fractions(args.split), seed=args.seed, folds=args.folds)
 
 
@@ -235,6 +256,10 @@ def run(args: argparse.Namespace) -> int:
             for w in caught:
                 print(f"warning: {w.message}", file=sys.stderr)
     _warn_duplicate_files(df)
+    from wsi_pipeline.manifests.crossval import crossval_columns
+
+    if crossval_columns(df.columns):
+        return _write_crossval(df, args.out)
     path = write_manifest(df, args.out)
     print(f"wrote {path}")
     print(summary_table(df))
@@ -250,6 +275,34 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {fold_path} (fold {k}: {n_val} val slides)")
         print(f"cross-validate with `wsi-pipeline train --config X.yaml --set data.manifest={out} --folds`, then "
               "the same with `eval`: one report with mean ± std across folds")
+    return 0
+
+
+def _write_crossval(df, out) -> int:
+    """Write the per-fold manifests of a cross-validation, then the main manifest (last: it marks the set complete)."""
+    from wsi_pipeline.manifests.crossval import crossval_columns, crossval_manifest_path, crossval_manifests
+    from wsi_pipeline.manifests.schema import write_manifest
+
+    cols = crossval_columns(df.columns)
+    repeats = len(cols)
+    for r, k, fold_df in crossval_manifests(df):
+        fold_path = write_manifest(fold_df, crossval_manifest_path(out, k, r, repeats))
+        n = fold_df["split"].value_counts()
+        print(f"wrote {fold_path} (repeat {r}, fold {k}: {n.get('train', 0)} train, {n.get('val', 0)} val, "
+              f"{n.get('test', 0)} test slides)")
+    path = write_manifest(df, out)
+    print(f"wrote {path}")
+    print(summary_table(df))
+    n_folds = int(df[cols[0]].max()) + 1
+    n_cv = int((df[cols[0]] >= 0).sum())
+    import pandas as pd
+
+    cv = df[df[cols[0]] >= 0]
+    label = cv["label"].astype("string").fillna("none") if cv["label"].notna().any() else pd.Series("all", index=cv.index)
+    print(f"slides per test fold (repeat 0) and label:\n{pd.crosstab(cv[cols[0]].rename('fold'), label.rename('label'))}")
+    print(f"{n_folds}-fold cross-validation x {repeats} repeat(s): each of {n_cv} slides is tested once per repeat. "
+          f"Run `wsi-pipeline train --config X.yaml --set data.manifest={path} --folds`, then the same with `eval`: "
+          "one table pooled over the out-of-fold predictions")
     return 0
 
 

@@ -51,8 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="train even when a method's predicted peak memory (logged before training, recorded with the "
                         "measured peak in <run>/memory.json) exceeds the memory available")
     p.add_argument("--folds", action="store_true",
-                   help="cross-validation: train every fold of the manifest (its 'fold' column and M_fold<k>.csv files, "
-                   "written by `wsi-pipeline manifest ... --folds K`), fold k as pipeline <name>_fold<k>")
+                   help="train every fold of the manifest, fold k as pipeline <name>_fold<k>: the fixed-test folds of "
+                   "`wsi-pipeline manifest ... --folds K` (its 'fold' column, M_fold<k>.csv) or every repeat and fold of "
+                   "a cross-validation from `manifest ... --crossval K [--repeats R]` (columns cv_fold_r<r>; "
+                   "M_r<r>_fold<k>.csv and pipelines <name>_r<r>_fold<k> when R > 1); finished runs are skipped")
     p.set_defaults(func=run)
 
 
@@ -75,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
         config = load_config(args.config, args.overrides)
         configs = [config]
         if getattr(args, "folds", False):
-            from wsi_pipeline.manifests.folds import fold_config, fold_numbers
+            from wsi_pipeline.manifests.folds import fold_config, fold_runs
 
-            configs = [fold_config(config, k) for k in fold_numbers(config.data.manifest)]
+            configs = [fold_config(config, k) for k in fold_runs(config.data.manifest)]
         runs = []
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             for cfg in configs:

@@ -13,7 +13,10 @@ on them.
 
 Folds: with ``folds=K`` the test split is drawn first with its fraction; the remaining patients
 are cut into K label-stratified groups; fold ``k`` validates on group ``k`` and trains on the
-others, so every non-test slide validates exactly once across the folds.
+others, so every non-test slide validates exactly once across the folds. When every labelled slide
+already has a split (a manifest drawn before), its test split is kept and its train and val slides
+are cut into the folds. (Cross-validation in which every slide is *tested* once:
+:mod:`wsi_pipeline.manifests.crossval`.)
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ import pandas as pd
 
 from wsi_pipeline.manifests.splits import normalise_fractions, stratified_split
 
-__all__ = ["parse_fractions", "assign_splits", "fold_manifests", "duplicate_files"]
+__all__ = ["parse_fractions", "assign_splits", "fold_manifests", "duplicate_files", "patient_of", "has_target",
+           "pinned_splits"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ def parse_fractions(text: str) -> dict[str, float]:
     return normalise_fractions(dict(zip(SPLIT_NAMES, values)), what=f"--split {text!r}")
 
 
-def _patients(df: pd.DataFrame) -> pd.Series:
+def patient_of(df: pd.DataFrame) -> pd.Series:
     """Patient of each row: the ``patient_id`` column where set, else the slide itself."""
     slide = df["slide_id"].astype("string")
     if "patient_id" not in df.columns:
@@ -60,7 +64,7 @@ def _patients(df: pd.DataFrame) -> pd.Series:
     return patient.mask(patient == "", "slide:" + slide)
 
 
-def _has_target(df: pd.DataFrame) -> pd.Series:
+def has_target(df: pd.DataFrame) -> pd.Series:
     """Rows with a label, a survival target (time and event) or a regression target."""
     has = df["label"].notna()
     if "time" in df.columns and "event" in df.columns:
@@ -68,6 +72,25 @@ def _has_target(df: pd.DataFrame) -> pd.Series:
     if "target" in df.columns:
         has |= df["target"].notna()
     return has
+
+
+def pinned_splits(df: pd.DataFrame, patients: pd.Series | None = None) -> pd.Series:
+    """The ``split`` column as stripped strings, a patient's unsplit slides following its pinned ones.
+
+    Raises
+    ------
+    ValueError
+        A patient whose slides are pinned to two different splits.
+    """
+    patients = patient_of(df) if patients is None else patients
+    split = df["split"].astype("string").fillna("").str.strip() if "split" in df.columns else pd.Series("", index=df.index, dtype="string")
+    pinned = split != ""
+    pinned_of = split[pinned].groupby(patients[pinned].to_numpy()).unique()
+    clash = {p: sorted(map(str, s)) for p, s in pinned_of.items() if len(s) > 1}
+    if clash:
+        raise ValueError(f"patients with slides in several splits: {dict(list(clash.items())[:5])}; a patient belongs to one split")
+    follow = patients.map({p: str(s[0]) for p, s in pinned_of.items()}).astype("string").fillna("")
+    return split.mask(~pinned & (follow != ""), follow)
 
 
 def _patient_strata(df: pd.DataFrame, patients: pd.Series) -> dict[str, int]:
@@ -102,19 +125,22 @@ def assign_splits(
     if folds is not None and folds < 2:
         raise ValueError(f"folds={folds}: cross-validation needs at least 2 folds")
     out = df.copy()
-    split = out["split"].astype("string").fillna("").str.strip() if "split" in out.columns else pd.Series("", index=out.index, dtype="string")
-    labelled = _has_target(out)
-    patients = _patients(out)
-    pinned = split != ""
-    # a patient with a pinned slide keeps all its slides in that split
-    pinned_of = split[pinned].groupby(patients[pinned].to_numpy()).unique()
-    clash = {p: sorted(map(str, s)) for p, s in pinned_of.items() if len(s) > 1}
-    if clash:
-        raise ValueError(f"patients with slides in several splits: {dict(list(clash.items())[:5])}; a patient belongs to one split")
-    follow = patients.map({p: str(s[0]) for p, s in pinned_of.items()}).astype("string").fillna("")
-    fill = ~pinned & (follow != "")
-    split = split.mask(fill, follow)
+    labelled = has_target(out)
+    patients = patient_of(out)
+    split = pinned_splits(out, patients)
     todo = labelled & (split == "")
+    if folds is not None and not todo.any() and labelled.any():
+        # every labelled slide already has a split (e.g. a manifest drawn before): keep its test split
+        # and cut the train and val slides into the folds, instead of writing no fold at all
+        redraw = labelled & split.isin(["train", "val"])
+        if not redraw.any():
+            raise ValueError(f"folds={folds}: every labelled slide is pinned to the test split; there is nothing to "
+                             "cut into folds (use --redraw to draw the test split and the folds anew)")
+        log.info("folds=%d: the %d train/val slide(s) are cut into folds; the %d test slide(s) keep their split",
+                 folds, int(redraw.sum()), int((labelled & (split == "test")).sum()))
+        split = split.mask(redraw, "")
+        todo = redraw
+        fr = {"train": 1.0, "val": 0.0, "test": 0.0}
     if todo.any():
         sub = out[todo]
         pats = patients[todo]

@@ -7,19 +7,49 @@ manifest per fold, ``M_fold<k>.csv``, in which fold ``k`` is ``val`` and the oth
 ``P`` is the same pipeline on ``M_fold<k>.csv``, named ``P_fold<k>``, so its runs go to
 ``<runs_dir>/P_fold<k>/`` and its results to ``<results_dir>/P_fold<k>/``; the pooled table
 across folds goes to ``<results_dir>/P_cv/``.
+
+A cross-validation manifest (``manifest ... --crossval K [--repeats R]``, columns ``cv_fold_r<r>``;
+:mod:`wsi_pipeline.manifests.crossval`) is found by its columns: its runs are :class:`FoldRun` items
+of every repeat and fold, named ``P_fold<k>`` (one repeat) or ``P_r<r>_fold<k>``, on the manifests
+``M_fold<k>.csv`` or ``M_r<r>_fold<k>.csv`` (fold k = test).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from wsi_pipeline.config.pipeline import PipelineConfig
+from wsi_pipeline.manifests.crossval import crossval_columns, crossval_manifest_path
 
-__all__ = ["fold_config", "fold_manifest_path", "fold_numbers", "cv_name"]
+__all__ = ["FoldRun", "fold_config", "fold_manifest_path", "fold_numbers", "fold_runs", "cv_name"]
+
+
+@dataclass(frozen=True)
+class FoldRun:
+    """One fold of a manifest's folds: ``fold`` of ``repeat`` (of ``repeats``).
+
+    ``crossval``: True for a cross-validation manifest (fold = test split), False for the
+    fixed-test folds of ``--folds`` (fold = validation split, one repeat).
+    """
+
+    fold: int
+    repeat: int = 0
+    repeats: int = 1
+    crossval: bool = False
+
+    @property
+    def tag(self) -> str:
+        """``fold<k>`` (one repeat) or ``r<r>_fold<k>``: the suffix of the fold's manifest and pipeline names."""
+        return f"fold{self.fold}" if self.repeats == 1 else f"r{self.repeat}_fold{self.fold}"
+
+    def manifest(self, manifest: str | os.PathLike) -> Path:
+        """This fold's manifest beside ``manifest``."""
+        return crossval_manifest_path(manifest, self.fold, self.repeat, self.repeats)
 
 
 def fold_manifest_path(manifest: str | os.PathLike, k: int) -> Path:
@@ -52,10 +82,43 @@ def fold_numbers(manifest: str | os.PathLike) -> list[int]:
     return folds
 
 
-def fold_config(config: PipelineConfig, k: int) -> PipelineConfig:
-    """``config`` for fold ``k``: its manifest ``M_fold<k>.csv`` and its name ``<name>_fold<k>``."""
-    data = dataclasses.replace(config.data, manifest=str(fold_manifest_path(config.data.manifest, k)))
-    return dataclasses.replace(config, name=f"{config.name}_fold{int(k)}", data=data)
+def fold_runs(manifest: str | os.PathLike) -> list[FoldRun]:
+    """Every fold (and repeat) of ``manifest``: its cross-validation columns ``cv_fold_r<r>`` when
+    it has them, else its fixed-test ``fold`` column (:func:`fold_numbers`).
+
+    Raises
+    ------
+    FileNotFoundError : the manifest, or one of its per-fold manifests, is missing.
+    ValueError : the manifest has neither kind of fold column, or a column without folds.
+    """
+    path = Path(manifest)
+    if not path.is_file():
+        raise FileNotFoundError(f"manifest not found: {path}")
+    header = pd.read_csv(path, nrows=0).columns
+    cols = crossval_columns(header)
+    if not cols:
+        return [FoldRun(k) for k in fold_numbers(path)]
+    df = pd.read_csv(path, usecols=cols)
+    fix = f"draw them with `wsi-pipeline manifest split --manifest {path} --crossval K --out {path}`"
+    runs = []
+    for r, col in enumerate(cols):
+        folds = sorted({int(f) for f in df[col].dropna() if int(f) >= 0})
+        if not folds:
+            raise ValueError(f"{path}: the column {col!r} holds no fold >= 0; {fix}")
+        runs += [FoldRun(k, r, len(cols), crossval=True) for k in folds]
+    missing = [str(run.manifest(path)) for run in runs if not run.manifest(path).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path}: per-fold manifest(s) missing: {', '.join(missing[:5])}"
+                                f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}; {fix}")
+    return runs
+
+
+def fold_config(config: PipelineConfig, k: int | FoldRun) -> PipelineConfig:
+    """``config`` for fold ``k``: its manifest ``M_<tag>.csv`` and its name ``<name>_<tag>``, where the
+    tag is ``fold<k>`` (fixed-test folds, or cross-validation with one repeat) or ``r<r>_fold<k>``."""
+    run = k if isinstance(k, FoldRun) else FoldRun(int(k))
+    data = dataclasses.replace(config.data, manifest=str(run.manifest(config.data.manifest)))
+    return dataclasses.replace(config, name=f"{config.name}_{run.tag}", data=data)
 
 
 def cv_name(config: PipelineConfig) -> str:
