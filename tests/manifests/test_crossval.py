@@ -91,15 +91,18 @@ def test_crossval_is_seeded_independent_of_row_order_and_keeps_pinned_tests():
     b = assign_crossval(df.sample(frac=1.0, random_state=3), 3, seed=1).set_index("slide_id")["cv_fold_r0"]
     assert a.reindex(b.index).tolist() == b.tolist()
     assert not assign_crossval(df, 3, seed=2).set_index("slide_id")["cv_fold_r0"].equals(a)
-    # an external test slide stays test in every fold (with its patient's other slides); train/val are redrawn
+    # an external cohort (all its slides pinned to test) stays test in every fold; the internal cohort's
+    # drawn splits (test included) are replaced by the folds
     df.loc[df["slide_id"] == "p00_s0", "split"] = "test"
     df.loc[df["slide_id"] == "p01_s0", "split"] = "train"
-    out = assign_crossval(df, 3, seed=0)
-    p00 = out["patient_id"] == "P00"
-    assert (out.loc[p00, "cv_fold_r0"] == -1).all()
-    assert out.loc[out["slide_id"] == "p01_s0", "cv_fold_r0"].item() >= 0
+    ext = pd.DataFrame({"slide_id": ["e0", "e1"], "label": [0, 1], "patient_id": ["E0", "E1"], "path": "/x",
+                        "split": "test", "cohort": "external"})
+    out = assign_crossval(pd.concat([df, ext], ignore_index=True), 3, seed=0)
+    is_ext = out["cohort"] == "external"
+    assert (out.loc[is_ext, "cv_fold_r0"] == -1).all()
+    assert (out.loc[~is_ext & out["label"].notna(), "cv_fold_r0"] >= 0).all()
     for _, _, m in crossval_manifests(out):
-        assert (m.loc[p00, "split"] == "test").all()
+        assert (m.loc[is_ext, "split"] == "test").all()
 
 
 def test_survival_crossval_is_event_stratified():
@@ -142,3 +145,23 @@ def test_split_folds_on_a_manifest_that_has_splits_draws_the_folds(tmp_path):
     vals = [set(read_manifest(tmp_path / f"m_fold{k}.csv").query("split == 'val'")["slide_id"]) for k in range(3)]
     assert sorted(s for v in vals for s in v) == sorted(cv)
     assert [r.tag for r in fold_runs(m)] == ["fold0", "fold1", "fold2"]
+
+
+def test_train_and_eval_without_folds_refuse_a_crossval_manifest(tmp_path, capsys):
+    import yaml
+
+    slides, labels_csv = _write_cohort(tmp_path, _labels(8))
+    m = tmp_path / "m.csv"
+    assert main(["manifest", "folder", "--slides", str(slides), "--labels", str(labels_csv), "--crossval", "3",
+                 "--out", str(m)]) == 0
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "name": "c", "data": {"manifest": str(m), "tiles_dir": str(tmp_path / "tiles"), "n_classes": 2},
+        "methods": [{"name": "a", "strategy": "frozen", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}}],
+        "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results")}))
+    capsys.readouterr()
+    for command in ("train", "eval"):
+        assert main([command, "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert "is a cross-validation manifest" in err and f"{command} --config ... --folds" in err and "m_fold0.csv" in err
+    assert not (tmp_path / "runs").exists()

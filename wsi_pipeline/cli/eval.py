@@ -50,8 +50,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="output folder (default: <results_dir>/<pipeline name>; with --folds the folder that holds "
                    "<name>_fold<k>/ and <name>_cv/)")
     p.add_argument("--folds", action="store_true",
-                   help="cross-validation: evaluate every fold trained with `train --folds`, then pool them into "
-                   "<results_dir>/<name>_cv/ (report.html, cv_table.csv: mean ± std across folds)")
+                   help="evaluate every fold trained with `train --folds` (a fold whose results are newer than its "
+                   "runs is not evaluated again), then pool them into <results_dir>/<name>_cv/. Fixed-test folds "
+                   "(`manifest --folds K`): report.html and cv_table.csv, mean ± std across folds of each fold's "
+                   "test metrics. Cross-validation (`manifest --crossval K [--repeats R]`): the out-of-fold "
+                   "predictions of the all-tiles protocol, oof_predictions.csv (slide_id, repeat, fold, method, "
+                   "label, prob), cv_table.csv (per method and metric: mean ± standard error over repeats, sd over "
+                   "folds, the pooled out-of-fold value with a bootstrap interval) and report.html")
+    p.add_argument("--reevaluate", action="store_true",
+                   help="with --folds: evaluate every fold again, even those whose results are newer than their runs")
     add_output_arguments(p)
     add_failure_argument(p)
     add_cluster_arguments(p, shard=False)
@@ -79,6 +86,9 @@ def _run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     if getattr(args, "folds", False):
         return _run_folds(config, args)
+    from wsi_pipeline.manifests.folds import check_not_crossval
+
+    check_not_crossval(config.data.manifest, "eval")
     summary = evaluate_pipeline(
         config,
         methods=args.methods,
@@ -117,33 +127,82 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_folds(config: Any, args: argparse.Namespace) -> int:
-    """Evaluate each fold as its own pipeline, then pool the folds (mean ± std across folds)."""
+    """Evaluate each fold as its own pipeline, then pool the folds: mean ± std across fixed-test folds, or the
+    out-of-fold predictions of a cross-validation."""
+    import dataclasses
     from pathlib import Path
 
-    from wsi_pipeline.evaluation.folds import pool_folds
+    from wsi_pipeline.config.evaluation import ALL
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.export.metrics_json import read_metrics_json
-    from wsi_pipeline.manifests.folds import fold_config, fold_numbers
+    from wsi_pipeline.manifests.folds import fold_config, fold_runs
 
-    folds = fold_numbers(config.data.manifest)
+    runs = fold_runs(config.data.manifest)
+    crossval = runs[0].crossval
+    if crossval and not any(p.is_all for p in config.eval.protocols):
+        # the out-of-fold predictions are the all-tiles protocol's
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, protocols=(ALL, *config.eval.protocols)))
     root = Path(args.results) if args.results else Path(config.results_dir)
-    for k in folds:
-        cfg = fold_config(config, k)
-        print(f"fold {k} ({len(folds)} folds): evaluating {cfg.name}")
+    for i, run in enumerate(runs):
+        cfg = fold_config(config, run)
+        where = f"repeat {run.repeat} fold {run.fold}" if run.repeats > 1 else f"fold {run.fold}"
+        if not args.reevaluate and _evaluated(cfg, root / cfg.name, args.methods):
+            print(f"{where} ({i + 1}/{len(runs)}): {cfg.name} already evaluated (results newer than its runs; "
+                  "--reevaluate to redo)")
+            continue
+        print(f"{where} ({i + 1}/{len(runs)}): evaluating {cfg.name}")
         evaluate_pipeline(
             cfg, methods=args.methods, device=args.device, batch_size=args.batch_size,
             heatmaps=not args.no_heatmaps, heatmap_method=args.heatmap_method, heatmap_mode=args.heatmap_mode,
-            n_boot=args.bootstrap, results_dir=root / cfg.name, progress=not args.no_progress,
+            # cross-validation: intervals come from the pooled out-of-fold predictions, not from each small fold
+            n_boot=0 if crossval else args.bootstrap, results_dir=root / cfg.name, progress=not args.no_progress,
             cluster=cluster_from_args(args), retries=args.retries,
         )
     from wsi_pipeline.training import distributed
 
     if not distributed.is_main():  # rank 0 pools and prints
         return 0
+    if crossval:
+        return _pool_crossval(config, runs, root, args)
+    from wsi_pipeline.evaluation.folds import pool_folds
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+
+    folds = [r.fold for r in runs]
     out = pool_folds(config, folds, results_dir=root)
     print(f"\nMean ± std across {len(folds)} folds:")
     _print_table(read_metrics_json(out / "metrics_folds.json"))
     print(f"\nCross-validation results in {out}/ (report.html, cv_table.csv, metrics_folds.json)")
+    return 0
+
+
+def _evaluated(cfg: Any, out: Any, methods: Any) -> bool:
+    """Whether fold pipeline ``cfg`` has results in ``out`` newer than every finished run they cover."""
+    from wsi_pipeline.evaluation.sets import trained_runs
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+
+    metrics = out / "metrics.json"
+    if not metrics.is_file():
+        return False
+    runs, _ = trained_runs(cfg, methods)
+    if not runs:
+        return False
+    done = {m.method for m in read_metrics_json(metrics)}
+    newest = max((d / "done").stat().st_mtime for _, _, d in runs)
+    return all(m.name in done for m, _, _ in runs) and metrics.stat().st_mtime > newest
+
+
+def _pool_crossval(config: Any, runs: list, root: Any, args: argparse.Namespace) -> int:
+    """Pool the out-of-fold predictions of every repeat and fold; print the table and where it is."""
+    import pandas as pd
+
+    from wsi_pipeline.evaluation.crossval import format_table, pool_crossval
+
+    out = pool_crossval(config, runs, results_dir=root, methods=args.methods, n_boot=args.bootstrap)
+    table = pd.read_csv(out / "cv_table.csv")
+    n_folds, n_rep = int(table["n_folds"].max()), int(table["n_repeats"].max())
+    print(f"\n{n_folds}-fold cross-validation x {n_rep} repeat(s), out-of-fold predictions of the all-tiles protocol "
+          f"(mean ± standard error over {'repeats' if n_rep > 1 else 'folds'}):")
+    print(format_table(table, config.task))
+    print(f"\nCross-validation results in {out}/ (report.html, cv_table.csv, oof_predictions.csv, cv_folds.csv)")
     return 0
 
 

@@ -32,8 +32,8 @@ def _add_split_options(p: argparse.ArgumentParser) -> None:
                        "label-stratified (survival: event-stratified), patient-grouped folds (scikit-learn's "
                        "StratifiedGroupKFold); fold k = test, fold k+1 (mod K) = val, the others train. Writes "
                        "OUT_fold<k>.csv (OUT_r<r>_fold<k>.csv with --repeats) and OUT with columns cv_fold_r<r> (each "
-                       "slide's test fold per repeat). Slides pinned to test (e.g. an external cohort) stay test in "
-                       "every fold; input train/val splits are replaced; K >= 3")
+                       "slide's test fold per repeat). An external cohort (a cohort whose labelled slides are all pinned to "
+                       "test) stays test in every fold; the other cohorts' input splits are replaced; K >= 3")
     p.add_argument("--repeats", type=int, default=1, metavar="R",
                    help="with --crossval: repeat the cross-validation R times with different cuts (seeded by --seed)")
 

@@ -3,11 +3,43 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
-from wsi_pipeline.cli._common import add_failure_argument, failure_status, LazyChoices, add_output_arguments
+from wsi_pipeline.cli._common import add_failure_argument, add_set_argument, failure_status, LazyChoices, add_output_arguments
 
-__all__ = ["register", "run"]
+if TYPE_CHECKING:
+    from wsi_pipeline.config.tiling import StoreTiling
+
+__all__ = ["pipeline_tiling", "register", "run"]
+
+
+class _Default:
+    """A flag's default, told apart from the same value given on the command line: with ``--config``, only
+    the flags given override the pipeline's ``data.tiling``."""
+
+    def __init__(self, value: object) -> None:
+        self.value = value
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
+def _given(value: object) -> bool:
+    return value is not None and not isinstance(value, _Default)
+
+
+def _value(value: Any) -> Any:
+    return value.value if isinstance(value, _Default) else value
+
+
+#: TilingConfig fields that data.tiling may set, and the flags (argparse dests) that override them.
+_TILING_FLAGS = {"method": "method", "tile_size": "tile_size", "min_foreground": "min_foreground", "mpp_target": "mpp_target",
+                 "qc_mode": "qc", "grey_min": "grey_min", "grey_max": "grey_max", "points": "points",
+                 "points_edge": "points_edge", "points_filter": "points_filter"}
 
 
 def _fraction(text: str) -> float:
@@ -51,15 +83,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Exit status 1 when any slide failed (after all others were tiled); 2 when the arguments are unusable: "
             "no slides found, or an --out that cannot be created or written (checked before any work). Formats: "
             "whatever OpenSlide reads (SVS, NDPI, SCN, MRXS, BIF, DICOM, generic tiled TIFF, ...), through tiffslide "
-            "OME-TIFF, and through wsidicom DICOM WSI (a folder of one slide's .dcm files, or one .dcm file)."
+            "OME-TIFF, and through wsidicom DICOM WSI (a folder of one slide's .dcm files, or one .dcm file); "
+            "plain images (PNG, JPEG, BMP through Pillow; plain striped or tiled TIFF) as one-level slides. "
+            "With --config PIPELINE.yaml the pipeline's data.tiling settings are used (the tile flags given "
+            "override them), and --manifest / --out default to its data.manifest / data.tiles_dir."
         ),
     )
-    src = p.add_mutually_exclusive_group(required=True)
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="pipeline YAML file (as train takes it, with --set): tile with its data.tiling settings (method, "
+                        "tile_size, min_foreground, mpp_target, qc_mode, grey_min, grey_max, points, points_edge, "
+                        "points_filter); the tile flags given on the command line override them, the others keep "
+                        "data.tiling's values (then the tiler's defaults). --manifest defaults to data.manifest and --out "
+                        "to data.tiles_dir")
+    add_set_argument(p)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--slides", metavar="DIR", help="folder of slides, scanned recursively (or one slide file); slide_id = file name without extension "
                           "(a.ome.tiff -> a), a DICOM folder's name; the same ids as `manifest folder` and `predict`")
-    src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp)")
-    p.add_argument("--out", required=True, metavar="DIR", help="output folder for the tile stores, QC images and report")
-    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.config.choices", "TILING_METHODS"), default="tissue",
+    src.add_argument("--manifest", metavar="CSV", help="manifest CSV (columns slide_id, path, optional mpp) (with --config: "
+                     "default data.manifest)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="output folder for the tile stores, QC images and report (required; with --config: default data.tiles_dir)")
+    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.config.choices", "TILING_METHODS"), default=_Default("tissue"),
                    metavar="METHOD",
                    help="foreground test, one of %(choices)s: tissue (default) = stained tissue by optical density against "
                         "each slide's own glass colour, estimated from its thumbnail (any brightfield stain: H&E, IHC, special "
@@ -71,12 +115,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "input scaled to the slide's glass level and its mask kept within the tissue rule's stained area")
     p.add_argument("--tissue-model", default=None, metavar="PATH",
                    help="unet method: best.pt of `wsi-pipeline tissue train` (default: the model shipped with the package)")
-    p.add_argument("--tile-size", type=int, default=256, metavar="PX", help="tile side in px at the tile resolution")
+    p.add_argument("--tile-size", type=int, default=_Default(256), metavar="PX",
+                   help="tile side in px at the tile resolution (any size >= 8; odd sizes such as 27 too)")
     p.add_argument("--min-foreground", type=_fraction, default=None, metavar="F",
                    help="keep a tile when its foreground (greyscale) or tissue (tissue, otsu, unet) fraction is >= F "
                         "(default: 0.6 for greyscale, 0.5 for the others)")
-    p.add_argument("--grey-min", type=int, default=3, metavar="G", help="darkest grey value counted as foreground (greyscale method)")
-    p.add_argument("--grey-max", type=_grey_max, default=230, metavar="G",
+    p.add_argument("--grey-min", type=int, default=_Default(3), metavar="G", help="darkest grey value counted as foreground (greyscale method)")
+    p.add_argument("--grey-max", type=_grey_max, default=_Default(230), metavar="G",
                    help="brightest grey value counted as foreground (greyscale method); 'auto': each slide's glass grey "
                         "level, estimated from its thumbnail, minus 10 (230 when a slide shows no glass). The glass level "
                         "is in the report's background_grey column; a warning says when it lies inside the foreground band")
@@ -111,7 +156,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="decode and test every tile whole, instead of skipping tiles a low-resolution bound proves "
                         "to be background and deciding probable glass from its top rows first "
                         "(same result, slower; for checking)")
-    p.add_argument("--qc", choices=LazyChoices("wsi_pipeline.config.choices", "QC_MODES"), default="drop", metavar="MODE",
+    p.add_argument("--qc", choices=LazyChoices("wsi_pipeline.config.choices", "QC_MODES"), default=_Default("drop"), metavar="MODE",
                    help="tile artifact QC, one of %(choices)s: drop = drop the tiles with the artifacts of --qc-drop and flag "
                         "the others; flag = record every artifact, drop nothing; off = no QC (the paper's tiles). Artifacts: "
                         "pen = marker ink (green, blue, red, black; by colour on the thumbnail) on >= --qc-pen of the tile; "
@@ -140,6 +185,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(default: Ignore*, Exclude, Excluded, Background)")
     p.add_argument("--region-min-fraction", type=_fraction, default=0.5, metavar="F",
                    help="keep a tile when at least F of it lies inside the included, not excluded area")
+    p.add_argument("--points", default=None, metavar="FILE_OR_DIR",
+                   help="cut one tile of --tile-size px centred on each given point instead of the grid: a CSV "
+                        "slide_id,x,y[,class] for every slide (an 'image' column is taken as slide_id), or a folder of "
+                        "<slide_id>.csv files (x,y[,class]) or <slide_id>.geojson QuPath exports (Point: the point; "
+                        "Polygon: its centroid; class: the classification). x, y in level-0 px, pixel i covering [i, i+1): "
+                        "tile px (T//2, T//2) is the point's pixel (the centre for odd sizes such as 27). Level 0 only "
+                        "(no --mpp-target). The store records each tile's class (array point_class, an index into the "
+                        "attribute point_classes; -1 = none) and point (point_xy); grid is the T-px grid cell holding "
+                        "the point. By default every point inside the image gets its tile (no foreground rule, see "
+                        "--points-filter); tile QC (--qc) is never applied to point tiles")
+    p.add_argument("--points-edge", choices=LazyChoices("wsi_pipeline.config.choices", "POINT_EDGES"), default=_Default("pad"),
+                   metavar="RULE",
+                   help="a point tile crossing the image edge, one of %(choices)s: pad (default) = the part outside the "
+                        "image is the slide's glass colour (its reader's background: white unless the slide says "
+                        "otherwise); skip = left out and counted (store attribute points.n_edge_skipped, report note). "
+                        "Points outside the image are always left out and counted")
+    p.add_argument("--points-filter", action="store_true", default=_Default(False),
+                   help="apply the foreground rule (--method, --min-foreground) to point tiles too and drop those below "
+                        "it (default: off, every point keeps its tile; the foreground fraction is stored either way)")
     p.add_argument("--no-qc", action="store_true", help="do not write QC images (tile QC itself is --qc)")
     p.add_argument("--overwrite", action="store_true", help="rebuild every store, even complete and current ones")
     add_output_arguments(p)
@@ -161,12 +225,27 @@ def run(args: argparse.Namespace) -> int:
 
     drop = tuple(a.strip() for a in args.qc_drop.split(",") if a.strip())
     qc_params = QCParams(drop=drop, pen_fraction=args.qc_pen, focus_min=args.qc_focus_min)
+    settings: dict[str, Any] = {name: _value(getattr(args, dest)) for name, dest in _TILING_FLAGS.items()}
+    source, out = args.slides if args.slides is not None else args.manifest, args.out
+    if args.config is not None:
+        from wsi_pipeline.config.pipeline import load_config
+
+        pipeline = load_config(args.config, args.overrides)
+        given = {name for name, dest in _TILING_FLAGS.items() if _given(getattr(args, dest))}
+        settings.update({k: v for k, v in pipeline_tiling(pipeline.data.tiling).items() if k not in given})
+        source = source if source is not None else str(pipeline.data.manifest)
+        out = out if out is not None else str(pipeline.data.tiles_dir)
+    elif args.overrides:
+        raise ValueError("--set changes a pipeline config: give it with --config PIPELINE.yaml")
+    if source is None:
+        raise ValueError("give the slides: --slides DIR or --manifest CSV (or --config PIPELINE.yaml with data.manifest)")
+    if out is None:
+        raise ValueError("give the output folder: --out DIR (or --config PIPELINE.yaml with data.tiles_dir)")
     config = TilingConfig(
-        method=args.method, tile_size=args.tile_size, min_foreground=args.min_foreground,
-        grey_min=args.grey_min, grey_max=args.grey_max, mpp_target=args.mpp_target, mpp=args.mpp, mpp_force=args.mpp_force,
+        **settings, mpp=args.mpp, mpp_force=args.mpp_force,
         compression=args.compression, backend=args.backend, prescreen=not args.no_prescreen, qc=not args.no_qc,
         allow_dark_background=args.allow_dark_background, tissue_model=args.tissue_model,
-        qc_mode=args.qc, qc_params=qc_params, regions=args.regions, region_include=tuple(args.region_include),
+        qc_params=qc_params, regions=args.regions, region_include=tuple(args.region_include),
         region_exclude=DEFAULT_REGION_EXCLUDE if args.region_exclude is None else tuple(args.region_exclude),
         region_min_fraction=args.region_min_fraction,
         **({} if args.shard_tiles is None else {"shard_tiles": args.shard_tiles}),
@@ -174,9 +253,24 @@ def run(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 0:
         raise ValueError(f"--workers {args.workers} must be >= 0")
     cluster, shard = cluster_from_args(args), shard_from_args(args)
-    source = args.slides if args.slides is not None else args.manifest
-    report = tile_cohort(source, args.out, config, workers=args.workers, overwrite=args.overwrite,
+    report = tile_cohort(source, out, config, workers=args.workers, overwrite=args.overwrite,
                          progress=not args.no_progress, lock_stale_s=args.lock_stale_after,
                          cluster=cluster, retries=args.retries, shard=shard)
     print(report.summary())
     return failure_status(not report.ok, args)
+
+
+def pipeline_tiling(tiling: StoreTiling) -> dict[str, Any]:
+    """The tiler settings a pipeline's ``data.tiling`` sets (the fields it leaves empty are left out), through
+    :func:`~wsi_pipeline.config.tiling.tiler_config`, the bridge ``predict`` uses too; ``points`` (which that
+    bridge never takes from a model's saved settings) is taken as written."""
+    import dataclasses
+
+    from wsi_pipeline.config.tiling import tiler_config
+
+    built = tiler_config(tiling)
+    out = {name: getattr(built, name) for name in _TILING_FLAGS if name != "points" and getattr(tiling, name, None) is not None}
+    if tiling.points is not None:
+        out["points"] = str(tiling.points)
+    assert set(out) <= {f.name for f in dataclasses.fields(built)}
+    return out

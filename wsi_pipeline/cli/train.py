@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
             from wsi_pipeline.manifests.folds import fold_config, fold_runs
 
             configs = [fold_config(config, k) for k in fold_runs(config.data.manifest)]
+        else:
+            from wsi_pipeline.manifests.folds import check_not_crossval
+
+            check_not_crossval(config.data.manifest, "train")
         runs = []
         with logging_redirect_tqdm():  # log lines go above the progress bars, not through them
             for cfg in configs:

@@ -26,6 +26,7 @@ name                   values                                       used by
 ``TILING_METHODS``     tissue, greyscale, otsu, unet                ``tile --method``, ``data.tiling``
 ``QC_MODES``           drop, flag, off                              ``tile --qc``
 ``QC_ARTIFACTS``       pen, blur, fold                              ``tile --qc-drop``
+``POINT_EDGES``        pad, skip                                    ``tile --points-edge``
 ``COMPRESSIONS``       zstd, none, jpeg                             ``tile --compression``
 ``BACKENDS``           auto, openslide, tiffslide, wsidicom         ``tile --backend``
 ``BACKBONE_SCALES``    full, paper                                  ``patchgd.backbone_scale``
@@ -48,7 +49,7 @@ from wsi_pipeline.slides.opener import BACKENDS
 
 __all__ = [
     "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",
-    "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
+    "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "POINT_EDGES", "PointEdge", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
     "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
     "QCMode", "Schedule", "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
@@ -111,6 +112,9 @@ QC_MODES: tuple[str, ...] = typing.get_args(QCMode)
 #: The artifacts tile QC detects.
 QCArtifact = Literal["pen", "blur", "fold"]
 QC_ARTIFACTS: tuple[str, ...] = typing.get_args(QCArtifact)
+#: A point tile crossing the image edge: padded with the slide's glass colour, or skipped and counted.
+PointEdge = Literal["pad", "skip"]
+POINT_EDGES: tuple[str, ...] = typing.get_args(PointEdge)
 
 BackboneScale = Literal["full", "paper"]
 BACKBONE_SCALES: tuple[str, ...] = typing.get_args(BackboneScale)

@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, QC_ARTIFACTS, QC_MODES, TILING_METHODS, QCMode, TilingMethod
+from wsi_pipeline.config.choices import (
+    BACKENDS, COMPRESSIONS, POINT_EDGES, QC_ARTIFACTS, QC_MODES, TILING_METHODS, PointEdge, QCMode, TilingMethod,
+)
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES
 
@@ -154,6 +156,14 @@ class TilingConfig:
     region_exclude : classification names whose regions exclude tiles.
     region_min_fraction : keep a tile when at least this fraction of it lies inside the included,
         not excluded area.
+    points : a points file (CSV ``slide_id,x,y[,class]``) or a folder of ``<slide_id>.csv`` /
+        ``<slide_id>.geojson`` files: one tile centred on each point instead of the grid
+        (:mod:`wsi_pipeline.tiling.points`); level 0 only (no ``mpp_target``).
+    points_edge : a point tile crossing the image edge: ``"pad"`` with the slide's glass colour
+        (default) or ``"skip"`` (left out and counted).
+    points_filter : apply the foreground rule (``method``, ``min_foreground``) to point tiles; by
+        default (False) every point inside the image keeps its tile (the foreground fraction is
+        still stored). Tile QC (pen, blur, fold) is never applied to point tiles.
     """
 
     method: str = TILING_METHODS[0]
@@ -183,6 +193,9 @@ class TilingConfig:
     region_include: tuple[str, ...] = ()
     region_exclude: tuple[str, ...] = DEFAULT_REGION_EXCLUDE
     region_min_fraction: float = 0.5
+    points: str | None = None
+    points_edge: str = "pad"
+    points_filter: bool = False
 
     def __post_init__(self) -> None:
         if self.method not in TILING_METHODS:
@@ -222,11 +235,28 @@ class TilingConfig:
             raise ValueError(f"qc_params.drop={self.qc_params.drop!r}: unknown artifact(s) {bad}; expected some of {QC_ARTIFACTS}")
         if not 0 <= self.region_min_fraction <= 1:
             raise ValueError(f"region_min_fraction={self.region_min_fraction} must be a fraction in [0, 1]")
+        if self.points_edge not in POINT_EDGES:
+            raise ValueError(f"points_edge={self.points_edge!r}; expected one of {POINT_EDGES}")
+        if self.points is not None and self.mpp_target is not None:
+            raise ValueError(f"points={self.points!r} with mpp_target={self.mpp_target}: point tiles are cut at the native "
+                             "resolution (level 0); leave out --mpp-target")
+        if self.points is not None and self.regions is not None:
+            raise ValueError(f"points={self.points!r} with regions={self.regions!r}: give one of them (points choose the "
+                             "tiles themselves)")
 
     @property
     def threshold(self) -> float:
         """The keep threshold in effect."""
         return DEFAULT_MIN_FOREGROUND[self.method] if self.min_foreground is None else float(self.min_foreground)
+
+
+def _grey_max_value(value: Any, where: str) -> int | str | None:
+    """``data.tiling.grey_max``: a grey level 0..255 or ``"auto"``."""
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise ValueError(f"{where}: expected a grey level 0..255 or 'auto', got {value!r}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -246,6 +276,10 @@ class StoreTiling:
     mpp_target : read resolution in um/px.
     qc_mode : tile artifact QC of the tiler (``drop``, ``flag``, ``off``); the paper pipelines and the
         demo set ``off`` (the papers' tiles).
+    grey_min, grey_max : the greyscale method's grey band (``grey_max``: a level or ``"auto"``).
+    points, points_edge, points_filter : tiles centred on given points (``tile --points``): the
+        points file or folder (relative to the current directory), the edge rule and whether the
+        foreground rule applies. ``tile --config`` uses them; ``predict`` tiles new slides on the grid.
     """
 
     method: TilingMethod | None = None
@@ -253,6 +287,11 @@ class StoreTiling:
     min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
     mpp_target: float | None = field(default=None, metadata=spec(gt=0))
     qc_mode: QCMode | None = None
+    grey_min: int | None = field(default=None, metadata=spec(ge=0, le=255))
+    grey_max: int | str | None = field(default=None, metadata=spec(parse=_grey_max_value))
+    points: str | None = None
+    points_edge: PointEdge | None = None
+    points_filter: bool | None = None
 
 
 def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | None = None) -> TilingConfig:
@@ -262,7 +301,7 @@ def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | 
 
     A store records how its tiles were made, not where they were written or how they were
     compressed, so ``backend``, ``compression`` and ``mpp`` are never taken from ``settings``; nor
-    ``regions`` (annotations belong to their own slides).
+    ``regions`` or ``points`` (annotations belong to their own slides).
     """
     if settings is None:
         raw: dict[str, Any] = {}
@@ -273,7 +312,7 @@ def tiler_config(settings: StoreTiling | Mapping[str, Any] | None, mpp: float | 
     else:
         raw = {f.name: getattr(settings, f.name) for f in dataclasses.fields(settings)}
     # regions are drawn per slide: a new slide has none of the training slides' annotations
-    names = {f.name for f in dataclasses.fields(TilingConfig)} - {"mpp", "backend", "compression", "regions"}
+    names = {f.name for f in dataclasses.fields(TilingConfig)} - {"mpp", "backend", "compression", "regions", "points"}
     kw = {k: v for k, v in raw.items() if k in names and v is not None}
     if not kw.get("method"):
         kw.pop("method", None)

@@ -32,7 +32,7 @@ from wsi_pipeline.export.metrics_json import (
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.manifests.folds import cv_name, fold_config
 
-__all__ = ["fold_records", "pool_folds"]
+__all__ = ["cv_page", "fold_records", "pool_folds"]
 
 #: Metrics shown in the pooled table: those the evaluation computes for labels, survival and regression
 #: (the ones a pipeline's records hold are shown), and their patient-level versions.
@@ -98,9 +98,13 @@ def pool_folds(config: PipelineConfig, folds: Sequence[int], *, results_dir: str
         f"{', '.join(html.escape(fold_config(config, k).name) for k in folds)}.</p>\n"
         f"{table.to_html(border=0, na_rep='-')}\n<h2>Per fold</h2>\n{per_fold.to_html(border=0, na_rep='-')}\n"
     )
-    page = ("<!doctype html><html><head><meta charset='utf-8'><title>"
-            f"{html.escape(config.name)} cross-validation</title><style>body{{font-family:sans-serif;margin:2em}}"
+    write_text_atomic(out / "report.html", cv_page(f"{config.name} cross-validation", body))
+    return out
+
+
+def cv_page(title: str, body: str) -> str:
+    """A self-contained HTML page of a cross-validation report: ``title`` (escaped here) and the ``body`` HTML."""
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>"
+            f"{html.escape(title)}</title><style>body{{font-family:sans-serif;margin:2em}}"
             "table{border-collapse:collapse}td,th{padding:3px 8px;border-bottom:1px solid #ddd;text-align:right}"
             f"</style></head><body>\n{body}</body></html>\n")
-    write_text_atomic(out / "report.html", page)
-    return out

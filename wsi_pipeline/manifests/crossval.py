@@ -15,10 +15,11 @@ What is written:
   fold ``k``, with ``split`` set to test / val / train as above.
 
 Which slides are cross-validated: every slide with a label (or a survival / regression target)
-except those pinned to ``test`` in the input (an external test set: such slides, and their
-patients' other slides, stay ``test`` in every fold, so every fold's model scores them too). Input
-``train``/``val`` splits are ignored (the folds decide those); unlabelled slides stay without a
-split. Folds are fixed by the seed and do not depend on the order of the input rows.
+except those of an *external cohort*, a ``cohort`` whose labelled slides are all pinned to
+``test`` (as ``eval`` defines it: such slides stay ``test`` in every fold, so every fold's model
+scores them too). Input ``train``/``val``/``test`` splits of the other cohorts are replaced by the
+folds; unlabelled slides stay without a split. Folds are fixed by the seed and do not depend on
+the order of the input rows.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int
     Returns
     -------
     The frame with ``split`` set to ``""`` for the cross-validated slides (their split depends on
-    the fold), ``test`` pinned slides kept, and one ``cv_fold_r<r>`` column per repeat
+    the fold), external cohorts' ``test`` kept, and one ``cv_fold_r<r>`` column per repeat
     (``0..K-1``, ``-1`` outside the cross-validation).
 
     Raises
@@ -99,13 +100,17 @@ def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int
     out = df.drop(columns=old)
     patients = patient_of(out)
     split = pinned_splits(out, patients)
-    cv = has_target(out) & (split != "test")
-    ignored = int((cv & split.isin(["train", "val"])).sum())
-    if ignored:
-        log.info("cross-validation: the input split of %d train/val slide(s) is replaced by the folds", ignored)
-    n_test = int((split == "test").sum())
-    if n_test:
-        log.info("cross-validation: %d slide(s) pinned to test stay test in every fold", n_test)
+    labelled = has_target(out)
+    cohort = out["cohort"].astype("string").fillna("") if "cohort" in out.columns else pd.Series("", index=out.index)
+    internal = set(cohort[labelled & (split != "test")])
+    external = (split == "test") & ~cohort.isin(internal)
+    cv = labelled & ~external
+    replaced = int((cv & (split != "")).sum())
+    if replaced:
+        log.info("cross-validation: the input split of %d slide(s) is replaced by the folds", replaced)
+    if external.any():
+        log.info("cross-validation: %d slide(s) of external cohort(s) %s stay test in every fold", int(external.sum()),
+                 ", ".join(sorted(set(cohort[external]))))
     sub = out[cv]
     groups = patients[cv].astype(str).to_numpy()
     n_groups = len(set(groups))

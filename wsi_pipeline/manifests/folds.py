@@ -26,7 +26,7 @@ import pandas as pd
 from wsi_pipeline.config.pipeline import PipelineConfig
 from wsi_pipeline.manifests.crossval import crossval_columns, crossval_manifest_path
 
-__all__ = ["FoldRun", "fold_config", "fold_manifest_path", "fold_numbers", "fold_runs", "cv_name"]
+__all__ = ["FoldRun", "check_not_crossval", "fold_config", "fold_manifest_path", "fold_numbers", "fold_runs", "cv_name"]
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,24 @@ def fold_runs(manifest: str | os.PathLike) -> list[FoldRun]:
         raise FileNotFoundError(f"{path}: per-fold manifest(s) missing: {', '.join(missing[:5])}"
                                 f"{f' (and {len(missing) - 5} more)' if len(missing) > 5 else ''}; {fix}")
     return runs
+
+
+def check_not_crossval(manifest: str | os.PathLike, command: str) -> None:
+    """Refuse to run ``command`` on a cross-validation manifest without ``--folds``: its slides have no
+    split of their own (each fold's manifest gives them one).
+
+    Raises
+    ------
+    ValueError : naming the manifest, its columns and the two ways on.
+    """
+    path = Path(manifest)
+    if not path.is_file():
+        return  # the command's own checks name a missing manifest
+    cols = crossval_columns(pd.read_csv(path, nrows=0).columns)
+    if cols:
+        raise ValueError(f"{path} is a cross-validation manifest (columns {', '.join(cols)}): its slides are split "
+                         f"per fold; run `wsi-pipeline {command} --config ... --folds` for every repeat and fold, or set "
+                         f"data.manifest to one fold's manifest ({crossval_manifest_path(path, 0, 0, len(cols)).name})")
 
 
 def fold_config(config: PipelineConfig, k: int | FoldRun) -> PipelineConfig:

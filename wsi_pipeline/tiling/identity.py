@@ -52,6 +52,10 @@ def store_identity(job: SlideJob, config: TilingConfig, fingerprint: str) -> dic
             identity["regions_sha256"] = hashlib.sha256(path.read_bytes()).hexdigest()
         except FileNotFoundError:
             identity["regions_sha256"] = None  # tiling the slide reports the missing file
+    if config.points is not None:  # the slide's own points: edited points rebuild the store
+        from wsi_pipeline.tiling.points import points_sha256
+
+        identity["points_sha256"] = points_sha256(config.points, job.slide_id)
     return json.loads(json.dumps(identity))  # as the store's attributes hold it (tuples become lists)
 
 

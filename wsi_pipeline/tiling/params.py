@@ -35,6 +35,8 @@ def output_params(config: TilingConfig) -> dict[str, Any]:
     if config.regions is not None:
         p.update(region_include=list(config.region_include), region_exclude=list(config.region_exclude),
                  region_min_fraction=float(config.region_min_fraction))
+    if config.points is not None:
+        p.update(points=True, points_edge=config.points_edge, points_filter=bool(config.points_filter))
     if config.method == "greyscale":
         p.update(grey_min=int(config.grey_min), grey_max=config.grey_max if config.grey_max == "auto" else int(config.grey_max))
         if config.grey_max == "auto":

@@ -34,7 +34,7 @@ import numpy as np
 
 from wsi_pipeline.io_atomic import write_text_atomic
 
-__all__ = ["GEOJSON_SUFFIXES", "Region", "RegionTiles", "read_regions", "region_file", "region_tiles", "write_region_csv",
+__all__ = ["GEOJSON_SUFFIXES", "Region", "RegionTiles", "classification_of", "geojson_features", "read_regions", "region_file", "region_tiles", "write_region_csv",
            "write_tissue_geojson"]
 
 #: Endings of a slide's regions file inside a regions folder, tried in order.
@@ -84,17 +84,26 @@ def region_file(regions: str | os.PathLike, slide_id: str) -> Path:
                             "add its annotations or leave the slide out of this run")
 
 
-def _features(obj: Any, path: Path) -> list[dict[str, Any]]:
+def geojson_features(obj: Any, path: Path, what: str = "regions") -> list[dict[str, Any]]:
+    """The features of a parsed GeoJSON document (a FeatureCollection, a list of features, one feature or
+    one bare geometry); ValueError naming ``path`` (a ``what`` file) for anything else."""
     if isinstance(obj, list):
         return [f for f in obj if isinstance(f, dict)]
     if isinstance(obj, dict) and obj.get("type") == "FeatureCollection":
         return list(obj.get("features") or [])
     if isinstance(obj, dict) and obj.get("type") == "Feature":
         return [obj]
-    if isinstance(obj, dict) and obj.get("type") in ("Polygon", "MultiPolygon"):
+    if isinstance(obj, dict) and obj.get("type") in ("Polygon", "MultiPolygon", "Point", "MultiPoint"):
         return [{"type": "Feature", "geometry": obj, "properties": {}}]
-    raise ValueError(f"regions file {path}: expected a GeoJSON FeatureCollection, Feature or list of features "
+    raise ValueError(f"{what} file {path}: expected a GeoJSON FeatureCollection, Feature or list of features "
                      f"(QuPath: File > Export objects as GeoJSON), got {type(obj).__name__} {str(obj)[:80]!r}")
+
+
+def classification_of(properties: dict[str, Any]) -> str:
+    """A QuPath feature's class name: ``properties.classification.name`` (older exports: a string); "" when unclassified."""
+    cls = properties.get("classification") or {}
+    name = cls.get("name", "") if isinstance(cls, dict) else str(cls)
+    return str(name or "")
 
 
 def read_regions(path: str | os.PathLike) -> tuple[list[Region], dict[str, int]]:
@@ -109,7 +118,7 @@ def read_regions(path: str | os.PathLike) -> tuple[list[Region], dict[str, int]]
         raise ValueError(f"regions file {path} is not readable JSON: {err}") from err
     out: list[Region] = []
     skipped = 0
-    for i, feat in enumerate(_features(obj, path)):
+    for i, feat in enumerate(geojson_features(obj, path)):
         geom = feat.get("geometry") or {}
         if geom.get("type") not in ("Polygon", "MultiPolygon"):
             skipped += 1
@@ -121,9 +130,7 @@ def read_regions(path: str | os.PathLike) -> tuple[list[Region], dict[str, int]]
         if not g.is_valid:
             g = shapely.make_valid(g)
         props = feat.get("properties") or {}
-        cls = props.get("classification") or {}
-        name = cls.get("name", "") if isinstance(cls, dict) else str(cls)
-        out.append(Region(str(name or ""), str(props.get("name") or ""), g))
+        out.append(Region(classification_of(props), str(props.get("name") or ""), g))
     return out, {"regions": len(out), "skipped": skipped}
 
 

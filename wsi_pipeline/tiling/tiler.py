@@ -167,6 +167,8 @@ def _tile_open_slide(
         logger.warning("slide %s: dark background (grey %.0f), fluorescence? skipped; --allow-dark-background tiles it",
                        job.slide_id, background.grey)
         return 0, grid.mpp, f"{DARK_NOTE}; background grey {background.grey:.0f}; --allow-dark-background tiles it anyway"
+    if config.points is not None:
+        return _tile_points(slide, job, out, config, identity, plan, progress, res)
     budget = 1 if not background_write else max(1, int(threads) if threads is not None else available_cores())
     read, direct, thread_safe = level_source(slide, grid, IN_FLIGHT_PER_THREAD * budget)
     n_threads = budget if thread_safe else 1  # threads decoding and testing
@@ -200,6 +202,62 @@ def _tile_open_slide(
     if config.qc:
         note = _write_qc(out, job, plan, loop, note)
     return loop.n_kept, grid.mpp, note
+
+
+def _tile_points(slide: Slide, job: SlideJob, out: Path, config: TilingConfig, identity: dict[str, Any], plan: TilePlan,
+                 progress: Callable[[int], None] | None, res: SlideResult | None) -> tuple[int, float | None, str]:
+    """Tile an open slide on its points (:mod:`~wsi_pipeline.tiling.points`): one level-0 tile per point, in
+    file order; returns (tiles kept, um per tile px, note)."""
+    from wsi_pipeline.tiling.points import class_codes, describe_points, mask_fraction, point_origins, read_points
+    from wsi_pipeline.tiling.tissue import tiles_foreground
+
+    T = int(config.tile_size)
+    pts = read_points(config.points, job.slide_id)  # type: ignore[arg-type]  # set: the caller checked
+    where = point_origins(pts.xy, T, slide.dimensions, config.points_edge)
+    tiles = np.empty((len(where.index), T, T, 3), np.uint8)
+    for i, (x, y) in enumerate(where.origins.tolist()):  # the glass colour outside the image (Slide.read_level)
+        tiles[i] = slide.read_level(0, (x, y), (T, T))
+    if config.method == "greyscale" or plan.mask is None:
+        fg = tiles_foreground(tiles, config.grey_min, plan.grey_max)
+    else:  # the method's tissue mask over each tile's footprint
+        fg = mask_fraction(plan.mask[0], plan.mask[1], where.origins, T)
+    keep = fg >= config.threshold - 1e-9 if config.points_filter else np.ones(len(tiles), bool)
+    codes, names = class_codes(pts.classes)
+    info = describe_points(pts, where, config.points_edge, int((~keep).sum()), not config.points_filter)
+    attrs = _store_attrs(slide, job, config, plan, identity, None)
+    attrs.update(points=info, point_classes=names, n_candidates=int(len(where.index)), tile_origin="points")
+    writer = StoreWriter(store_path(out, job.slide_id), tile_size=T, capacity=max(1, int(keep.sum())), attrs=attrs,
+                         compression=config.compression, shard_tiles=config.shard_tiles)
+    try:
+        writer.append(np.ascontiguousarray(tiles[keep]), where.origins[keep], where.grid[keep], fg[keep])
+        writer.add_array("point_class", codes[where.index][keep])
+        writer.add_array("point_xy", pts.xy[where.index][keep])
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+    n = int(keep.sum())
+    if progress is not None:
+        progress(n)
+    if res is not None:
+        res.store_bytes = store_bytes(marked_complete(writer.path) or {})
+        res.slide_bytes = Path(job.path).stat().st_size
+    parts = [f"points: {n} of {info['n_points']} tiled"]
+    for key, what in (("n_outside", "outside the image"), ("n_edge_skipped", "skipped at the edge"),
+                      ("n_padded", "padded at the edge"), ("n_filtered", "below the foreground rule")):
+        if info[key]:
+            parts.append(f"{info[key]} {what}")
+    note = ", ".join(parts)
+    if plan.mpp_note:
+        note += "; " + plan.mpp_note
+    if config.qc:
+        try:
+            img = render_qc(plan.overview, plan.overview_downsample, where.origins[keep], float(T), legend=f"point tiles {n}")
+            write_png(qc_path(out, job.slide_id), img)
+        except Exception as err:  # the store is complete; a QC failure is only noted
+            logger.warning("QC image for %s failed: %s", job.slide_id, err)
+            note += f"; QC image failed: {err}"
+    return n, plan.grid.mpp, note
 
 
 def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePlan, identity: dict[str, Any],
