@@ -11,31 +11,34 @@ import pytest
 import yaml
 from sklearn.metrics import accuracy_score, roc_auc_score
 
-from wsi_pipeline.bench.real import DATASET_KEYS, dataset_config, fold_table, instance_truth
+from wsi_pipeline.bench.real import DATASET_KEYS, dataset_config, instance_truth, method_table
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_fold_table_matches_per_fold_sklearn_and_the_pooled_auc() -> None:
+def test_method_table_reads_the_crossval_table_per_method() -> None:
+    from wsi_pipeline.evaluation.crossval import cv_table
+
     rng = np.random.default_rng(0)
     rows = []
-    for r in range(2):
+    for method in ("a", "b"):
         for k in range(3):
             for i in range(8):
                 label = int(i % 2)
-                rows.append({"slide_id": f"s{k}_{i}", "repeat": r, "fold": k, "method": "m", "label": label,
+                rows.append({"slide_id": f"s{k}_{i}", "repeat": 0, "fold": k, "method": method, "label": label,
                              "prob": float(np.clip(0.3 * label + rng.uniform(0, 0.7), 0, 1))})
     oof = pd.DataFrame(rows)
-    got = fold_table(oof).iloc[0]
-    aucs, accs = [], []
-    for (_, _), f in oof.groupby(["repeat", "fold"]):
-        aucs.append(roc_auc_score(f["label"], f["prob"]))
-        accs.append(accuracy_score(f["label"], f["prob"] >= 0.5))
-    assert got["n_folds"] == 6 and got["n_slides"] == 24
-    assert got["auc"] == pytest.approx(np.mean(aucs)) and got["accuracy"] == pytest.approx(np.mean(accs))
-    assert got["auc_se"] == pytest.approx(np.std(aucs, ddof=1) / np.sqrt(6))
-    pooled = np.mean([roc_auc_score(d["label"], d["prob"]) for _, d in oof.groupby("repeat")])
-    assert got["pooled_auc"] == pytest.approx(pooled)
+    got = method_table(cv_table(oof, "classification", 2, n_boot=50)).set_index("method")
+    for method, d in oof.groupby("method"):
+        aucs = [roc_auc_score(f["label"], f["prob"]) for _, f in d.groupby("fold")]
+        accs = [accuracy_score(f["label"], f["prob"] >= 0.5) for _, f in d.groupby("fold")]
+        assert got.loc[method, "auc"] == pytest.approx(np.mean(aucs))
+        assert got.loc[method, "accuracy"] == pytest.approx(np.mean(accs))
+        assert got.loc[method, "auc_se"] == pytest.approx(np.std(aucs, ddof=1) / np.sqrt(3))
+        assert got.loc[method, "pooled_auc"] == pytest.approx(roc_auc_score(d["label"], d["prob"]))
+        lo, hi = got.loc[method, "pooled_auc_ci"]
+        assert lo <= got.loc[method, "pooled_auc"] <= hi
+        assert got.loc[method, "n_folds"] == 3
 
 
 def test_instance_truth_of_points_and_grid_tiles() -> None:

@@ -13,9 +13,10 @@ instance constructions:
 
 Each construction runs as shell commands in ``--work`` (subprocesses, ``nice``): ``manifest folder
 --crossval K [--repeats R] --seed S``, ``tile``, ``train --folds``, ``eval --folds``; their wall and
-CPU times (user + system of the child processes) are recorded. From ``oof_predictions.csv`` the
-bench computes, per method, the paper's layout (mean +- standard error over folds of accuracy and
-AUC, and over repeats when R > 1) and the pooled out-of-fold AUC; and **attention against the
+CPU times (user + system of the child processes) are recorded. From ``results/<name>_cv/`` the
+bench reads, per method, ``eval --folds``'s ``cv_table.csv`` (the paper's layout: mean +- standard
+error over folds of accuracy and AUC, over repeats when R > 1; the pooled out-of-fold AUC with its
+bootstrap interval); and computes **attention against the
 instance truth**: for every positive test image, each instance's attention score from the
 fold's trained model against "this patch holds an epithelial nucleus" (points) or "this tile
 contains an annotated epithelial nucleus centre" (grid), as a ROC AUC per image (scikit-learn),
@@ -46,7 +47,7 @@ import yaml
 
 from wsi_pipeline.io_atomic import write_text_atomic
 
-__all__ = ["PAPER", "attention_truth", "fold_table", "instance_truth", "main"]
+__all__ = ["PAPER", "attention_truth", "instance_truth", "main", "method_table", "summarise"]
 
 log = logging.getLogger(__name__)
 
@@ -106,29 +107,19 @@ def run_cli(args: list[str], cwd: Path, log_file: Path) -> dict[str, float]:
     return {"wall_s": wall, "cpu_s": cpu}
 
 
-def fold_table(oof: pd.DataFrame) -> pd.DataFrame:
-    """Per method: mean +- standard error over folds (all repeats together) of accuracy and AUC, and the pooled out-of-fold AUC.
-
-    ``oof``: columns ``slide_id, repeat, fold, method, label, prob`` (``oof_predictions.csv``).
-    The pooled AUC is computed per repeat over all its out-of-fold predictions, then averaged.
-    A fold whose test split holds one class only has no AUC and is left out of the AUC mean.
-    """
-    from sklearn.metrics import accuracy_score, roc_auc_score
-
+def method_table(cv_table: pd.DataFrame) -> pd.DataFrame:
+    """Per method, from ``eval --folds``'s ``cv_table.csv``: accuracy and AUC as mean +- standard error
+    (over folds with one repeat, over repeats with several: ``se_over``), the pooled out-of-fold AUC
+    and its bootstrap 95 % interval."""
     rows = []
-    for method, d in oof.groupby("method", sort=False):
-        per_fold = []
-        for (_, _), f in d.groupby(["repeat", "fold"]):
-            auc = roc_auc_score(f["label"], f["prob"]) if f["label"].nunique() == 2 else np.nan
-            per_fold.append({"accuracy": accuracy_score(f["label"], (f["prob"] >= 0.5).astype(int)), "auc": auc})
-        pf = pd.DataFrame(per_fold)
-        pooled = [roc_auc_score(r["label"], r["prob"]) for _, r in d.groupby("repeat")]
-        row: dict[str, Any] = {"method": method, "n_folds": len(pf), "n_slides": d["slide_id"].nunique()}
+    for method, d in cv_table.groupby("method", sort=False):
+        by = d.set_index("metric")
+        row: dict[str, Any] = {"method": method}
         for m in ("accuracy", "auc"):
-            v = pf[m].dropna().to_numpy()
-            row[m] = float(v.mean())
-            row[f"{m}_se"] = float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan")
-        row["pooled_auc"] = float(np.mean(pooled))
+            row[m], row[f"{m}_se"] = float(by.loc[m, "mean"]), float(by.loc[m, "se"])
+        row["pooled_auc"] = float(by.loc["auc", "pooled"])
+        row["pooled_auc_ci"] = (float(by.loc["auc", "ci_low"]), float(by.loc["auc", "ci_high"]))
+        row["n_folds"], row["n_repeats"] = int(by.loc["auc", "n_folds"]), int(by.loc["auc", "n_repeats"])
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -242,39 +233,49 @@ def run_construction(construction: str, args: argparse.Namespace, data_dir: Path
         times["manifest"] = run_cli(["manifest", "folder", "--slides", str(data_dir / "images"), "--labels", str(labels),
                                      *cv, "--out", str(manifest)], folder, logf)
     if construction == "points":
-        tile = ["tile", "--manifest", str(manifest), "--out", str(folder / "tiles"), "--points", str(points),
-                "--tile-size", str(tile_size), "--no-progress"]
+        tile = ["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"), "--points",
+                str(points), "--no-progress"]
     else:
         tile = ["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"), "--no-progress"]
     times["tile"] = run_cli(tile, folder, logf)
     times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress"], folder, logf)
     times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress"], folder, logf)
-    oof = pd.read_csv(folder / "results" / f"{name}_cv" / "oof_predictions.csv")
-    table = fold_table(oof)
+    res = summarise(folder, name, construction, data_dir)
+    res.update({"config": str(cfg), "folds": args.folds, "repeats": args.repeats, "times": times,
+                "epochs": args.epochs or yaml.safe_load(Path(template).read_text())["train"]["epochs"]})
+    return res
+
+
+def summarise(folder: Path, name: str, construction: str, data_dir: Path) -> dict[str, Any]:
+    """The table of one construction's finished cross-validation in ``folder`` (``results/<name>_cv/cv_table.csv``)
+    with the attention-vs-instance-truth AUCs of its trained models."""
+    table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
     nuclei = pd.read_csv(data_dir / "nuclei.csv")
-    folds = _fold_manifests(manifest)
+    folds = _fold_manifests(folder / "manifest.csv")
+    tile_size = CONSTRUCTIONS[construction][1]
     att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", nuclei, construction, tile_size)
     table = table.merge(att, on="method", how="left")
-    return {"construction": construction, "config": str(cfg), "folds": args.folds, "repeats": args.repeats,
-            "epochs": args.epochs or yaml.safe_load(Path(template).read_text())["train"]["epochs"],
-            "times": times, "table": table.to_dict(orient="records")}
+    return {"construction": construction, "table": table.to_dict(orient="records")}
 
 
 def markdown(results: list[dict[str, Any]], machine: str) -> str:
     """The tables of docs/real-data.md."""
     lines = []
     for res in results:
-        t = res["times"]
-        lines.append(f"### Construction {res['construction']} ({res['folds']}-fold x {res['repeats']} repeat(s), "
-                     f"{res['epochs']} epochs)\n")
-        lines.append("| method | accuracy | AUC | pooled OOF AUC | attention AUC vs epithelial | paper accuracy | paper AUC |")
+        t = res.get("times", {})
+        lines.append(f"### Construction {res['construction']} ({res.get('folds', '?')}-fold x {res.get('repeats', '?')} "
+                     f"repeat(s), {res.get('epochs', '?')} epochs)\n")
+        lines.append("| method | accuracy | AUC | pooled OOF AUC (95 % CI) | attention AUC vs epithelial | paper accuracy | paper AUC |")
         lines.append("|---|---|---|---|---|---|---|")
         for r in res["table"]:
             paper = PAPER.get(r["method"], {})
             att = "" if pd.isna(r.get("attention_auc")) else f"{r['attention_auc']:.3f} ± {r['attention_auc_se']:.3f}"
+            lo, hi = r["pooled_auc_ci"]
             lines.append(f"| {r['method']} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {r['auc']:.3f} ± {r['auc_se']:.3f} | "
-                         f"{r['pooled_auc']:.3f} | {att} | {paper.get('accuracy', '')} | {paper.get('auc', '')} |")
+                         f"{r['pooled_auc']:.3f} ({lo:.3f}-{hi:.3f}) | {att} | {paper.get('accuracy', '')} | {paper.get('auc', '')} |")
         lines.append("")
+        if not t:
+            continue
         lines.append("| step | wall (s) | CPU (s) |")
         lines.append("|---|---|---|")
         for step, v in t.items():
