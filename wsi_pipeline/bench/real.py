@@ -155,6 +155,7 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
     after ranking within each image, and the share of positive tiles.
     """
     import torch
+    from scipy.stats import rankdata
     from sklearn.metrics import roc_auc_score
 
     from wsi_pipeline.data.store import open_store, store_path
@@ -180,7 +181,7 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
                     z = tm.encoder(tiles_to_tensor(store.read()))
                     att = tm.aggregator(z).attention.double().numpy()
                 per.setdefault(method, []).append(float(roc_auc_score(truth, att)))
-                rank = att.argsort().argsort() / max(len(att) - 1, 1)
+                rank = (rankdata(att) - 1) / max(len(att) - 1, 1)  # ties share their mean rank (mean pooling: all 0.5)
                 pooled.setdefault(method, []).append((truth, rank))
     rows = []
     for method, aucs in per.items():
