@@ -35,7 +35,8 @@ PAPER = {
 
 
 def test_the_paper_pipelines_replace_the_per_row_files():
-    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "demo_survival", "foundation", "lung_mosaic", "own_cohort", "patchgd_paper",
+    assert sorted(p.stem for p in ALL_YAML) == sorted([*PAPER_FILES, "demo", "demo_survival", "foundation", "ilse_colon", "ilse_colon_grid",
+                                                       "lung_mosaic", "own_cohort", "patchgd_paper",
                                                        "train_example"])
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,7 +20,9 @@ with dask_client(parse_cluster("local:1")) as client:
 
 
 def _info_lines(mode: str) -> int:
-    run = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=180)
+    # a cluster started earlier in this process set DASK_LOGGING__DISTRIBUTED=warning for its workers: start clean
+    env = {k: v for k, v in os.environ.items() if k != "DASK_LOGGING__DISTRIBUTED"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT, mode], capture_output=True, text=True, timeout=180, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     return sum(" INFO " in f" {line} " or line.startswith("INFO") for line in run.stderr.splitlines())
 

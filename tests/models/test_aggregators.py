@@ -292,3 +292,62 @@ def test_transmil_cls_attention_equals_exact_row() -> None:
     torch.testing.assert_close(out.attention, expected, atol=1e-9, rtol=0)
     # and the exact row sums to one with the CLS self-weight
     assert abs(float((expected.sum() + full[0, :, 0, 0].mean()).detach()) - 1) < 1e-9
+
+
+# ---------------------------------------------------------------- mean and max pooling
+def _projected(model, z: torch.Tensor) -> torch.Tensor:
+    """h = relu(W z + b), written out (eval mode: dropout is the identity)."""
+    return torch.relu(z @ model.project[0].weight.T + model.project[0].bias)
+
+
+def test_mean_pool_matches_formula_uniform_attention_and_permutation() -> None:
+    torch.manual_seed(6)
+    model = build_aggregator("mean", D, 3, hidden=16).double().eval()
+    z = torch.randn(13, D, dtype=torch.float64)
+    out = model(z)
+    h = _projected(model, z)
+    expect = h.sum(0) / 13 @ model.classifier.weight.T + model.classifier.bias
+    torch.testing.assert_close(out.logits, expect)
+    torch.testing.assert_close(out.attention, torch.full((13,), 1 / 13, dtype=torch.float64))
+    assert out.attention_raw is None
+    perm = torch.randperm(13)
+    torch.testing.assert_close(model(z[perm]).logits, out.logits)
+
+
+def test_max_pool_matches_formula_and_scores_the_winning_instances() -> None:
+    torch.manual_seed(7)
+    model = build_aggregator("max", D, 2, hidden=32).double().eval()
+    z = torch.randn(9, D, dtype=torch.float64, requires_grad=True)
+    out = model(z)
+    h = _projected(model, z).detach().numpy()
+    # reference with numpy: elementwise max over instances, each instance's share of the argmaxes
+    import numpy as np
+
+    pooled = h.max(axis=0)
+    winners = h.argmax(axis=0)
+    share = np.array([(winners == i).sum() for i in range(9)]) / 32
+    expect = pooled @ model.classifier.weight.detach().numpy().T + model.classifier.bias.detach().numpy()
+    np.testing.assert_allclose(out.logits.detach().numpy(), expect, rtol=1e-12)
+    np.testing.assert_allclose(out.attention.detach().numpy(), share, rtol=1e-12)
+    assert abs(float(out.attention.sum()) - 1) < 1e-12
+    # only the instances that win a dimension receive gradient
+    out.logits[1].backward()
+    grad_rows = z.grad.abs().sum(1).numpy()
+    assert np.all(grad_rows[share == 0] == 0)
+    perm = torch.randperm(9)
+    out_p = model(z.detach()[perm])
+    torch.testing.assert_close(out_p.logits, out.logits.detach())
+    torch.testing.assert_close(out_p.attention, out.attention.detach()[perm])
+
+
+@pytest.mark.parametrize("name", ["mean", "max"])
+def test_pooling_single_instance_and_bad_options(name: str) -> None:
+    model = build_aggregator(name, D, 2).double().eval()
+    z = torch.randn(1, D, dtype=torch.float64)
+    out = model(z)
+    torch.testing.assert_close(out.logits, model.classifier(model.project(z)[0]))
+    assert float(out.attention) == 1.0
+    with pytest.raises(ValueError, match="dropout=1.5"):
+        build_aggregator(name, D, 2, dropout=1.5)
+    with pytest.raises(TypeError, match="bad option"):
+        build_aggregator(name, D, 2, gated=True)

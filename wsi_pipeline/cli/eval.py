@@ -125,6 +125,8 @@ def _run(args: argparse.Namespace) -> int:
     if missing:
         print(f"  {len(missing)} slide(s) had no complete tile store and were skipped "
               f"(e.g. {', '.join(missing[:3])}); run `wsi-pipeline tile` for them")
+    for sid, why in summary.failed_slides.items():
+        print(f"wsi-pipeline eval: slide {sid} was not scored: {why}", file=sys.stderr)
     if summary.n_slides == 0:
         reasons = [f"{len(by_tiler)} left out by the tiler" if by_tiler else "", f"{len(missing)} without a tile store" if missing else "",
                f"{len(summary.failed_slides)} failed" if summary.failed_slides else ""]
@@ -133,8 +135,6 @@ def _run(args: argparse.Namespace) -> int:
               "tiling draws splits among them)", file=sys.stderr)
         return 1
     _print_table(read_metrics_json(out / "metrics.json"))
-    for sid, why in summary.failed_slides.items():
-        print(f"wsi-pipeline eval: slide {sid} was not scored: {why}", file=sys.stderr)
     print(f"\nResults in {out}/")
     print(f"  report       {out / 'report.html'}")
     print(f"  metrics      {out / 'metrics.json'}")

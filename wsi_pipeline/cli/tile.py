@@ -162,10 +162,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--qc", choices=LazyChoices("wsi_pipeline.config.choices", "QC_MODES"), default=_Default("drop"), metavar="MODE",
                    help="tile artifact QC, one of %(choices)s: drop = drop the tiles with the artifacts of --qc-drop and flag "
                         "the others; flag = record every artifact, drop nothing; off = no QC (the paper's tiles). Artifacts: "
-                        "pen = marker ink (green, blue, red, black; by colour on the thumbnail) on >= --qc-pen of the tile; "
+                        "pen = marker ink (green, blue, red, black; by colour on an overview of 16 um px) on >= --qc-pen of the tile; "
                         "blur = focus measure E[(g-G1 g)^2] / (E[(G1 g-G3 g)^2] + 4) of the tile's grey image below "
-                        "--qc-focus-min (G_s: Gaussian of sigma s px); fold = folded tissue (twice the slide's median optical "
-                        "density, same colour) on >= 25 %% of the tile. Per-tile arrays qc_flags, qc_focus, qc_pen, qc_fold in the "
+                        "--qc-focus-min (G_s: Gaussian of sigma s px, at <= 0.5 um/px); fold = folded tissue (2.5x the slide's median "
+                        "optical density, same colour, over >= 0.02 mm^2) on >= 25 %% of the tile. A slide losing > 10 %% of its tissue "
+                        "tiles to QC is warned about. Per-tile arrays qc_flags, qc_focus, qc_pen, qc_fold in the "
                         "store; counts per slide in tiling_report.csv (qc_dropped, qc_pen, qc_blur, qc_fold) and the QC image "
                         "(flagged tiles orange, dropped red)")
     p.add_argument("--qc-drop", default="pen,blur", metavar="LIST",

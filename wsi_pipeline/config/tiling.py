@@ -65,13 +65,19 @@ class QCParams:
         double layer: optical density at least ``fold_od_ratio`` times the slide's median tissue
         density, in the same colour direction).
     fold_od_ratio : see ``fold_fraction``.
+    fold_min_area_um2 : folded regions smaller than this (um^2) are not folds (a fold runs along the section).
+    overview_um : um per pixel of the overview ink and folds are judged on (at least: a coarser tiler overview
+        is used as it is); a fixed physical scale, so the verdict does not depend on the tile size or the
+        magnification. Slides without an mpp are taken to be at 0.5 um/px.
     """
 
     drop: tuple[str, ...] = ("pen", "blur")
     pen_fraction: float = 0.1
     focus_min: float = 0.12
     fold_fraction: float = 0.25
-    fold_od_ratio: float = 1.7
+    fold_od_ratio: float = 2.5
+    fold_min_area_um2: float = 20_000.0
+    overview_um: float = 16.0
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ __all__ = [
     "Bottleneck",
     "ResNet",
     "build_encoder",
+    "is_resnet",
     "load_torchvision_weights",
 ]
 
@@ -275,6 +276,23 @@ def _register_presets() -> None:
 _register_presets()
 
 
+@ENCODERS.register("ilse_cnn")
+def ilse_cnn(weights: str | Path | None = None, **kw) -> nn.Module:
+    """The two-convolution instance network of Ilse et al. 2018 for 27-32 px patches, 512 features
+    (:mod:`wsi_pipeline.models.small_cnn`); ``weights``: a file of its own state dict."""
+    from wsi_pipeline.models.small_cnn import IlseCNN, load_state_file
+
+    model = IlseCNN(**kw)
+    if weights is not None:
+        load_state_file(model, weights)
+    return model
+
+
+def is_resnet(name: str) -> bool:
+    """True for the ResNet encoders (``resnet18``, ``resnet34``, ``resnet50``): the CNNs Big-Layers converts."""
+    return name in _RESNETS
+
+
 class EncoderNames:
     """The encoder names ``--encoder`` and ``encoder.name`` accept: the registry's, and ``timm:<architecture>``.
 
@@ -310,7 +328,8 @@ def build_encoder(name: str, weights: str | Path | None = None, **kw) -> nn.Modu
     Parameters
     ----------
     name
-        One of ``ENCODERS.names()`` (``resnet18``, ``resnet34``, ``resnet50``, and the foundation
+        One of ``ENCODERS.names()`` (``resnet18``, ``resnet34``, ``resnet50``, ``ilse_cnn`` (a small
+        network for 27-32 px patches, :mod:`wsi_pipeline.models.small_cnn`), and the foundation
         presets ``uni_v1``, ``uni_v2``, ``virchow2``, ``hoptimus0``, ``hoptimus1``, ``gigapath``)
         or ``timm:<architecture>``.
     weights

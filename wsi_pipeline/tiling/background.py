@@ -17,9 +17,16 @@ tiler's overview at 16 px per tile side):
    (standard deviation of grey over its 5 x 5 neighbourhood <= :data:`GLASS_MAX_STD`). Glass
    averaged over a thumbnail pixel is flat to a grey level or so whatever its level (scanners
    put it anywhere between about 210 and 255); tissue, even pale, unevenly counterstained
-   stroma, carries the texture of nuclei and fibres. When glass pixels make up at least
-   :data:`MIN_GLASS_FRACTION` of the thumbnail, the background is ``bright`` and its level is
-   their median grey.
+   stroma, carries the texture of nuclei and fibres. Scanner padding (the area outside the
+   scanned region, or a label area blanked by the scanner) is flat too, but written at a
+   saturated level: every channel >= :data:`PADDING_MIN` (or <= 255 - that). It is left out of
+   the estimate whenever real glass (unsaturated glass pixels, at least
+   :data:`MIN_GLASS_FRACTION` of the thumbnail) is in view, so grey-pink glass at 235 beside white
+   padding at 255 is estimated at 235, not 255 (with the padding's level, real glass would read
+   as faint stain). Limit: an unsaturated border (a white frame at 248 beside glass at 235) is
+   not told from the glass: pale tissue is just as flat and neutral at this scale. When
+   glass pixels make up at least :data:`MIN_GLASS_FRACTION` of the thumbnail, the background is
+   ``bright`` and its level is their median grey.
 3. **None**: neither: the field is covered by tissue and shows no glass (a crop inside the
    tissue); the level is unknown (None).
 """
@@ -36,6 +43,7 @@ __all__ = [
     "GLASS_MAX_STD",
     "GLASS_MIN_GREY",
     "MIN_GLASS_FRACTION",
+    "PADDING_MIN",
     "Background",
     "auto_grey_max",
     "estimate_background",
@@ -52,6 +60,8 @@ GLASS_MIN_GREY = 150
 GLASS_MAX_STD = 2.0
 #: Smallest fraction of the thumbnail's pixels that must be glass for glass to be reported.
 MIN_GLASS_FRACTION = 0.02
+#: A glass pixel with every channel at least this (or at most 255 minus this) is scanner padding.
+PADDING_MIN = 253
 
 
 @dataclass(frozen=True)
@@ -128,12 +138,21 @@ def estimate_background(rgb: np.ndarray) -> Background:
     if median < DARK_MAX_GREY:
         dark = g[g <= median]
         return Background("dark", float(np.median(dark)), float(dark.size / g.size))
-    glass = glass_pixels(rgb)
+    glass = _real_glass(rgb, glass_pixels(rgb))
     fraction = float(glass.mean())
     if fraction >= MIN_GLASS_FRACTION:
         rgb_glass = np.median(rgb[glass].reshape(-1, 3).astype(np.float64), axis=0)
         return Background("bright", float(np.median(g[glass])), fraction, tuple(float(v) for v in rgb_glass))
     return Background("none", None, 0.0)
+
+
+def _real_glass(rgb: np.ndarray, glass: np.ndarray) -> np.ndarray:
+    """The glass pixels less scanner padding when unsaturated glass is in view (module docstring, rule 2)."""
+    padding = glass & ((rgb.min(axis=-1) >= PADDING_MIN) | (rgb.max(axis=-1) <= 255 - PADDING_MIN))
+    real = glass & ~padding
+    if real.mean() < MIN_GLASS_FRACTION:
+        return glass  # no unsaturated glass: the saturated level is the glass (a scanner white-balanced to 255)
+    return real
 
 
 def auto_grey_max(background: Background, margin: float) -> int | None:

@@ -20,7 +20,7 @@ import numpy as np
 
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.base import Slide
-from wsi_pipeline.tiling.artifacts import TileQC, focus_measure
+from wsi_pipeline.tiling.artifacts import TileQC
 from wsi_pipeline.tiling.grid import TileGrid
 from wsi_pipeline.tiling.tissue import strip_foreground, tiles_foreground
 
@@ -146,7 +146,7 @@ def _apply_qc(qc: TileQC | None, row: int, run: np.ndarray, keep: np.ndarray, ke
     focus = np.full(len(cols), np.nan, np.float32)  # not measured: a tile with too little stained tissue is not judged
     judged = np.flatnonzero(qc.judged(np.full(len(cols), row), cols))
     if judged.size:
-        focus[judged] = focus_measure([kept_tiles[i] for i in judged.tolist()])
+        focus[judged] = qc.focus([kept_tiles[i] for i in judged.tolist()])
     flags = qc.flags(np.full(len(cols), row), cols, focus)
     drop = qc.dropped(flags)
     dropped = np.zeros(len(run), bool)

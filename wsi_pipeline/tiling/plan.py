@@ -14,7 +14,7 @@ import numpy as np
 
 from wsi_pipeline.slides import read_scaled, resolve_mpp
 from wsi_pipeline.slides.base import Slide
-from wsi_pipeline.tiling.artifacts import TileQC, fold_mask, ink_mask
+from wsi_pipeline.tiling.artifacts import QCOverview, TileQC, grow_ink, ink_mask, qc_overview, slide_qc
 from wsi_pipeline.tiling.background import Background, auto_grey_max, estimate_background
 from wsi_pipeline.tiling.density import clean_tissue, stained_mask
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
@@ -125,7 +125,8 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
     plan.grey_max, plan.grey_note = _grey_max_for(config, background, job.slide_id)
     tissue = None
     if config.method in ("tissue", "unet") or config.qc_mode != "off":
-        tissue, ink, plan.tissue_info = _density_mask(overview, background, config, grid.extent / ds_over)
+        qov = qc_overview(overview, ds_over, mpp, config.qc_params.overview_um)  # ink and folds: a fixed physical scale
+        tissue, ink, plan.tissue_info = _density_mask(overview, ds_over, qov, background, config, grid.extent / ds_over)
     if config.method == "tissue":
         plan.otsu_fg = grid.footprint_means(tissue.astype(np.float32), ds_over)  # type: ignore[union-attr]
         plan.candidates = plan.otsu_fg >= thr - 1e-9
@@ -158,9 +159,7 @@ def plan_tiles(slide: Slide, job: SlideJob, config: TilingConfig) -> TilePlan:
         plan.mask = ((g >= config.grey_min) & (g <= plan.grey_max), ds_over)
     if config.qc_mode != "off" and tissue is not None and not background.is_dark:  # brightfield QC; dark slides: none
         glass = background.rgb if background.kind == "bright" else None
-        fold = fold_mask(overview, tissue, glass, config.qc_params.fold_od_ratio)
-        means = [grid.footprint_means(m.astype(np.float32), ds_over) for m in (ink, fold, tissue)]
-        plan.qc = TileQC(*means, params=config.qc_params, mode=config.qc_mode)
+        plan.qc = slide_qc(qov, ink, tissue, ds_over, glass, grid, config.qc_params, config.qc_mode)
     if config.regions is not None:
         plan.regions = _regions_of(config, job.slide_id, grid, plan.candidates)
         plan.candidates = plan.candidates & (plan.regions.fraction >= config.region_min_fraction - 1e-6)
@@ -181,11 +180,16 @@ def _resample(mask: np.ndarray, downsample: float, shape: tuple[int, int], to_do
     return out
 
 
-def _density_mask(overview: np.ndarray, background: Background, config: TilingConfig,
+def _density_mask(overview: np.ndarray, ds_over: float, qov: QCOverview, background: Background, config: TilingConfig,
                   tile_px: float) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
-    """(tissue mask, ink mask, description) of the ``tissue`` method on the overview (:mod:`~wsi_pipeline.tiling.density`)."""
+    """(tissue mask, ink mask, description) of the ``tissue`` method on the overview
+    (:mod:`~wsi_pipeline.tiling.density`); ink is found on the QC overview ``qov``, grown into the overview's
+    ink-coloured pixels connected to it (:func:`~wsi_pipeline.tiling.artifacts.grow_ink`), and is not tissue."""
     stained, info = stained_mask(overview, background, config.tissue)
-    ink, ink_info = ink_mask(overview, stained)
+    stained_q = stained if qov.rgb is overview else stained_mask(qov.rgb, background, config.tissue)[0]
+    ink_q, ink_info = ink_mask(qov.rgb, stained_q, um_per_px=qov.um)
+    ink = ink_q if qov.rgb is overview else _resample(ink_q, qov.downsample, overview.shape[:2], ds_over)
+    ink = grow_ink(ink, overview, ink_info["stain_colours"])
     tissue = clean_tissue(stained & ~ink, config.tissue, tile_px=tile_px) & ~ink
     info.update(ink_info, tissue_fraction=float(tissue.mean()))
     return tissue, ink, info

@@ -72,12 +72,24 @@ class CohortReport:
             sb, lb, n = (sum(getattr(r, k) for r in stored) for k in ("store_bytes", "slide_bytes", "n_tiles"))
             text += (f"; stores {sb / 2**20:.0f} MiB for {lb / 2**20:.0f} MiB of slides ({sb / lb:.2f}x, "
                      f"{sb / max(n, 1) / 1024:.0f} KiB per tile)")
+        text += _qc_share(self.results)
         text += f"; report: {self.report_path}"
         if not self.ok:
             failed = [r.slide_id for r in self.results if r.status == "failed"]
             more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
             text += f"\nfailed: {', '.join(failed[:5])}{more} (see the error column)"
         return text
+
+
+def _qc_share(results: Sequence[SlideResult]) -> str:
+    """``; QC dropped d of n tissue tiles (x %), pen a %, blur b %, fold c %`` over the tiled slides, or ""."""
+    done = [r for r in results if r.status == "ok"]
+    total = sum(r.n_tiles + r.qc_dropped for r in done)
+    if not total or not any(r.qc_pen or r.qc_blur or r.qc_fold or r.qc_dropped for r in done):
+        return ""
+    dropped = sum(r.qc_dropped for r in done)
+    per = ", ".join(f"{k} {100.0 * sum(getattr(r, 'qc_' + k) for r in done) / total:.1f} %" for k in ("pen", "blur", "fold"))
+    return f"; QC dropped {dropped} of {total} tissue tiles ({100.0 * dropped / total:.1f} %; found: {per})"
 
 
 def unfinished_result(job: SlideJob, final: bool) -> SlideResult:

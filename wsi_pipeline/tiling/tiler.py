@@ -38,6 +38,7 @@ import wsi_pipeline
 from wsi_pipeline.slides import MissingMppError, open_slide, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.base import Slide
+from wsi_pipeline.tiling.artifacts import qc_loss_note
 from wsi_pipeline.tiling.decode import IN_FLIGHT_PER_THREAD, available_cores, level_source
 from wsi_pipeline.tiling.identity import clean_stale, stat_key, store_identity, store_matches, valid_mpp
 from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
@@ -194,6 +195,9 @@ def _tile_open_slide(
         res.store_bytes = store_bytes(marked_complete(writer.path) or {})
         res.slide_bytes = Path(job.path).stat().st_size
     note = _slide_note(loop.n_kept, plan)
+    if loop.qc_counts is not None:
+        loss = qc_loss_note(job.slide_id, loop.qc_counts, loop.n_kept, config.qc_params.drop)
+        note = (note + "; " if note and loss else note) + loss
     if res is not None and loop.qc_counts is not None:
         res.qc_dropped = loop.qc_counts["n_dropped"]
         for name in ("pen", "blur", "fold"):

@@ -440,6 +440,14 @@ class BiglStrategy(Strategy):
                 f"{method.encoder.name!r} has none (its first layer is a patch embedding, its memory grows with the "
                 "tiles embedded at once). Train it with strategy 'accumulate', whose memory is set by chunk_size"
             )
+        from wsi_pipeline.models.encoders import is_resnet
+
+        if not is_resnet(method.encoder.name):
+            raise ValueError(
+                f"method {method.name!r}: strategy 'bigl' converts ResNets (resnet18/34/50) to Big-Layers; encoder "
+                f"{method.encoder.name!r} is not one (a small patch network's activations fit in memory whole): train it "
+                "end to end with strategy 'full' or 'accumulate'"
+            )
 
     def _prep_device(self) -> torch.device:
         """Always the host: the tiles stay there until the first Big-Layer takes its chunks."""

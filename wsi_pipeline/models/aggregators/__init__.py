@@ -1,5 +1,8 @@
 """MIL aggregators: one bag of instance embeddings [n, D] -> :class:`MILOutput` (logits [C], attention [n]).
 
+Registered: ``abmil`` (gated or plain attention), ``dtfd``, ``transmil``, and the fixed pooling
+operators ``mean`` and ``max`` (:mod:`wsi_pipeline.models.aggregators.pooling`).
+
 Every aggregator is built by name with :func:`build_aggregator` (names from :data:`AGGREGATORS`)
 and has ``forward(z: Tensor [n, D], **kw) -> MILOutput``. Keywords an aggregator does not use
 are ignored; ``label`` lets DTFD compute its tier-1 ``aux_loss``.
@@ -14,16 +17,19 @@ from torch import nn
 from wsi_pipeline.models.aggregators.abmil import ABMIL
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.aggregators.dtfd import DTFD
+from wsi_pipeline.models.aggregators.pooling import MaxPoolMIL, MeanPoolMIL
 from wsi_pipeline.models.aggregators.transmil import TransMIL
 from wsi_pipeline.models.registry import Registry
 
-__all__ = ["AGGREGATORS", "MILOutput", "build_aggregator", "ABMIL", "DTFD", "TransMIL"]
+__all__ = ["AGGREGATORS", "MILOutput", "build_aggregator", "ABMIL", "DTFD", "MaxPoolMIL", "MeanPoolMIL", "TransMIL"]
 
 #: Aggregator factories by name: ``factory(in_dim, n_classes, **options) -> nn.Module``.
 AGGREGATORS: Registry = Registry("aggregator")
 AGGREGATORS.register("abmil")(ABMIL)
 AGGREGATORS.register("dtfd")(DTFD)
 AGGREGATORS.register("transmil")(TransMIL)
+AGGREGATORS.register("mean")(MeanPoolMIL)
+AGGREGATORS.register("max")(MaxPoolMIL)
 
 
 def build_aggregator(name: str, in_dim: int, n_classes: int, **options: Any) -> nn.Module:

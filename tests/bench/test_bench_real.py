@@ -1,0 +1,67 @@
+"""bench-real's tables: the fold table against scikit-learn per fold, the instance truth of both
+constructions against hand-placed nuclei, and the dataset config that changes only four keys."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import yaml
+from sklearn.metrics import accuracy_score, roc_auc_score
+
+from wsi_pipeline.bench.real import DATASET_KEYS, dataset_config, instance_truth, method_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_method_table_reads_the_crossval_table_per_method() -> None:
+    from wsi_pipeline.evaluation.crossval import cv_table
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for method in ("a", "b"):
+        for k in range(3):
+            for i in range(8):
+                label = int(i % 2)
+                rows.append({"slide_id": f"s{k}_{i}", "repeat": 0, "fold": k, "method": method, "label": label,
+                             "prob": float(np.clip(0.3 * label + rng.uniform(0, 0.7), 0, 1))})
+    oof = pd.DataFrame(rows)
+    got = method_table(cv_table(oof, "classification", 2, n_boot=50)).set_index("method")
+    for method, d in oof.groupby("method"):
+        aucs = [roc_auc_score(f["label"], f["prob"]) for _, f in d.groupby("fold")]
+        accs = [accuracy_score(f["label"], f["prob"] >= 0.5) for _, f in d.groupby("fold")]
+        assert got.loc[method, "auc"] == pytest.approx(np.mean(aucs))
+        assert got.loc[method, "accuracy"] == pytest.approx(np.mean(accs))
+        assert got.loc[method, "auc_se"] == pytest.approx(np.std(aucs, ddof=1) / np.sqrt(3))
+        assert got.loc[method, "pooled_auc"] == pytest.approx(roc_auc_score(d["label"], d["prob"]))
+        lo, hi = got.loc[method, "pooled_auc_ci"]
+        assert lo <= got.loc[method, "pooled_auc"] <= hi
+        assert got.loc[method, "n_folds"] == 3
+
+
+def test_instance_truth_of_points_and_grid_tiles() -> None:
+    nuclei = pd.DataFrame({"x": [20.4, 50.0, 90.0], "y": [30.6, 10.0, 90.0],
+                           "class": ["epithelial", "fibroblast", "epithelial"]})
+    # points: 27 px patches centred on the rounded nucleus centres (top-left = round(c) - 13)
+    coords = np.array([[round(x) - 13, round(y) - 13] for x, y in zip(nuclei["x"], nuclei["y"])])
+    assert instance_truth(coords, 27, nuclei, "points").tolist() == [True, False, True]
+    # grid: 32 px tiles; an epithelial centre inside [x0, x0 + 32) x [y0, y0 + 32)
+    grid = np.array([[0, 0], [32, 0], [64, 64], [0, 32], [32, 32]])
+    assert instance_truth(grid, 32, nuclei, "grid").tolist() == [True, False, True, False, False]
+
+
+@pytest.mark.parametrize("template", ["pipelines/ilse_colon.yaml", "pipelines/ilse_colon_grid.yaml"])
+def test_dataset_config_changes_only_the_four_keys(tmp_path, template) -> None:
+    out = dataset_config(ROOT / template, tmp_path / "c.yaml", tmp_path / "d", "other")
+    a, b = yaml.safe_load((ROOT / template).read_text()), yaml.safe_load(out.read_text())
+    assert b["name"] == "other" and b["data"]["manifest"] == str(tmp_path / "d" / "manifest.csv")
+    for key in DATASET_KEYS:
+        node_a, node_b = a, b
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node_a, node_b = node_a[p], node_b[p]
+        node_a.pop(leaf)
+        node_b.pop(leaf)
+    assert a == b

@@ -1,0 +1,100 @@
+"""The small instance encoder (Ilse et al. 2018's two-convolution network): its function against a
+reference written with torch.nn.functional from the paper's layer list, sizes, weights files,
+exact gradient accumulation, and Big-Layers' refusal."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from wsi_pipeline.config.model import EncoderConfig
+from wsi_pipeline.config.schema import build
+from wsi_pipeline.models import ENCODERS, build_aggregator, build_encoder
+from wsi_pipeline.training.accumulate import accumulate_step, default_loss
+
+
+def paper_reference(model, x: torch.Tensor) -> torch.Tensor:
+    """The paper's network at 27 px, layer by layer: conv4-36, ReLU, maxpool 2; conv3-48, ReLU,
+    maxpool 2; fc-512, ReLU; fc-512, ReLU (dropout off: eval mode)."""
+    c1, c2 = model.features[0], model.features[3]
+    f1, f2 = model.fc[0], model.fc[3]
+    h = F.max_pool2d(F.relu(F.conv2d(x, c1.weight, c1.bias)), 2)
+    h = F.max_pool2d(F.relu(F.conv2d(h, c2.weight, c2.bias)), 2)
+    assert h.shape[1:] == (48, 5, 5)
+    h = F.relu(F.linear(h.flatten(1), f1.weight, f1.bias))
+    return F.relu(F.linear(h, f2.weight, f2.bias))
+
+
+def test_registered_with_the_papers_sizes() -> None:
+    assert "ilse_cnn" in ENCODERS.names()
+    model = build_encoder("ilse_cnn")
+    assert model.num_features == 512
+    # parameters of the layer list: conv 3->36 (4x4), conv 36->48 (3x3), fc 1200->512, fc 512->512
+    expect = (36 * 3 * 16 + 36) + (48 * 36 * 9 + 48) + (1200 * 512 + 512) + (512 * 512 + 512)
+    assert sum(p.numel() for p in model.parameters()) == expect
+    assert not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("size", [27, 28])
+def test_equals_the_papers_network_where_its_pooling_gives_5x5(size: int) -> None:
+    torch.manual_seed(0)
+    model = build_encoder("ilse_cnn").double().eval()
+    x = torch.randn(6, 3, size, size, dtype=torch.float64)
+    torch.testing.assert_close(model(x), paper_reference(model, x))
+
+
+@pytest.mark.parametrize("size", [16, 32, 40])
+def test_other_sizes_embed_and_too_small_is_refused(size: int) -> None:
+    model = build_encoder("ilse_cnn").eval()
+    with torch.no_grad():
+        z = model(torch.randn(3, 3, size, size))
+    assert z.shape == (3, 512) and torch.isfinite(z).all() and (z >= 0).all()
+    with pytest.raises(ValueError, match=r"too small; the network needs at least 16 x 16 px"):
+        model(torch.randn(1, 3, 15, 27))
+
+
+def test_weights_file_round_trip_and_mismatch(tmp_path) -> None:
+    torch.manual_seed(1)
+    a = build_encoder("ilse_cnn").eval()
+    path = tmp_path / "ilse.pt"
+    torch.save(a.state_dict(), path)
+    b = build_encoder("ilse_cnn", weights=path).eval()
+    x = torch.randn(2, 3, 27, 27)
+    assert torch.equal(a(x), b(x))
+    torch.save(build_encoder("ilse_cnn", embed_dim=64).state_dict(), tmp_path / "small.pt")
+    with pytest.raises(ValueError, match=r"shape mismatches \['fc.0.weight: file \(64, 1200\) vs model \(512, 1200\)'"):
+        build_encoder("ilse_cnn", weights=tmp_path / "small.pt")
+    with pytest.raises(FileNotFoundError, match="nope.pt not found"):
+        build_encoder("ilse_cnn", weights=tmp_path / "nope.pt")
+
+
+@pytest.mark.parametrize("agg_name", ["abmil", "mean", "max"])
+def test_accumulation_with_ilse_cnn_is_exact(float64, agg_name: str) -> None:
+    """accumulate_step's gradient == autograd through the whole bag at once (dropout off in both)."""
+    torch.manual_seed(2)
+    enc = build_encoder("ilse_cnn", dropout=0.0).train()
+    agg = build_aggregator(agg_name, 512, 2, dropout=0.0).train()
+    tiles = torch.randn(10, 3, 27, 27)
+    ref_loss = default_loss(agg(enc(tiles)), 1)
+    ref_loss.backward()
+    ref = [p.grad.clone() for m in (enc, agg) for p in m.parameters()]
+    for chunk in (1, 3):
+        for m in (enc, agg):
+            m.zero_grad(set_to_none=True)
+        loss = accumulate_step(enc, agg, tiles, 1, chunk)
+        assert abs(loss - float(ref_loss.detach())) < 1e-12
+        got = [p.grad for m in (enc, agg) for p in m.parameters()]
+        for g, r in zip(got, ref):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    assert any(float(p.grad.abs().sum()) > 0 for p in enc.parameters())
+
+
+def test_bigl_refuses_ilse_cnn_and_other_strategies_accept_it() -> None:
+    from wsi_pipeline.training.strategies import check_strategy
+
+    enc = build(EncoderConfig, {"name": "ilse_cnn"}, "encoder")
+    with pytest.raises(ValueError, match="strategy 'bigl' converts ResNets .* encoder 'ilse_cnn' is not one .* 'full' or 'accumulate'"):
+        check_strategy(SimpleNamespace(name="m", strategy="bigl", encoder=enc))

@@ -1,0 +1,337 @@
+"""``make bench-real``: the colon benchmark of Ilse et al. 2018 on its real images, through the CLI.
+
+Data: ``crc-histophenotypes`` (100 H&E images of 500 x 500 px, ``images.csv`` with
+``has_epithelial`` and ``nuclei.csv`` with the annotated nucleus centres; README in
+``../shared/realdata``). One bag per image, label = the image holds epithelial nuclei. Two
+instance constructions:
+
+* ``points`` (the paper's): 27 x 27 px patches centred on every annotated nucleus,
+  ``pipelines/ilse_colon.yaml``, tiles by ``tile --points``;
+* ``grid`` (what a user would do): 32 px grid tiles from the tissue, no annotations,
+  ``pipelines/ilse_colon_grid.yaml`` with only its four dataset keys changed, tiles by
+  ``tile --config``: the same commands the held-out check runs.
+
+Each construction runs as shell commands in ``--work`` (subprocesses, ``nice``): ``manifest folder
+--crossval K [--repeats R] --seed S``, ``tile``, ``train --folds``, ``eval --folds``; their wall and
+CPU times (user + system of the child processes) are recorded. From ``results/<name>_cv/`` the
+bench reads, per method, ``eval --folds``'s ``cv_table.csv`` (the paper's layout: mean +- standard
+error over folds of accuracy and AUC, over repeats when R > 1; the pooled out-of-fold AUC with its
+bootstrap interval); and computes **attention against the
+instance truth**: for every positive test image, each instance's attention score from the
+fold's trained model against "this patch holds an epithelial nucleus" (points) or "this tile
+contains an annotated epithelial nucleus centre" (grid), as a ROC AUC per image (scikit-learn),
+averaged over images.
+
+    python -m wsi_pipeline.bench.real --data ../shared/realdata/crc-histophenotypes --work runs/bench_real
+    python -m wsi_pipeline.bench.real ... --folds 5 --repeats 1 --constructions grid --epochs 10
+
+Writes ``<work>/bench_real.json`` and ``<work>/bench_real.md`` (the tables of docs/real-data.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from wsi_pipeline.io_atomic import write_text_atomic
+
+__all__ = ["PAPER", "attention_truth", "instance_truth", "main", "method_table", "summarise"]
+
+log = logging.getLogger(__name__)
+
+#: The paper's colon table (Ilse et al. 2018, mean +- s.e. over 5 x 10-fold CV) as the realdata README gives it.
+PAPER = {"attention": {"auc": 0.97, "accuracy": 0.90}, "gated_attention": {"auc": 0.97, "accuracy": 0.90}}
+#: Nominal resolution of the colon images (20x), the labels file's ``mpp`` column (um/px).
+COLON_MPP = 0.5
+CONSTRUCTIONS = {"points": ("pipelines/ilse_colon.yaml", 27), "grid": ("pipelines/ilse_colon_grid.yaml", 32)}
+#: The four dataset-specific keys of a pipeline YAML; the bench changes only these.
+DATASET_KEYS = ("name", "data.manifest", "data.tiles_dir", "data.features_dir")
+
+
+def write_inputs(data_dir: Path, work: Path) -> tuple[Path, Path]:
+    """``labels.csv`` (slide_id, label, mpp) and ``points.csv`` (slide_id, x, y, class) from the data set's files."""
+    images = pd.read_csv(data_dir / "images.csv")
+    labels = pd.DataFrame({"slide_id": images["image"], "label": images["has_epithelial"].astype(int), "mpp": COLON_MPP})
+    nuclei = pd.read_csv(data_dir / "nuclei.csv")
+    points = pd.DataFrame({"slide_id": nuclei["image"], "x": nuclei["x"], "y": nuclei["y"], "class": nuclei["class"]})
+    work.mkdir(parents=True, exist_ok=True)
+    lp, pp = work / "labels.csv", work / "points.csv"
+    write_text_atomic(lp, labels.to_csv(index=False))
+    write_text_atomic(pp, points.to_csv(index=False))
+    return lp, pp
+
+
+def dataset_config(template: Path, out: Path, folder: Path, name: str, overrides: dict[str, Any] | None = None) -> Path:
+    """``template`` with only its four dataset keys set (under ``folder``), plus ``overrides`` (dotted keys) if asked."""
+    raw = yaml.safe_load(template.read_text())
+    raw["name"] = name
+    raw["data"]["manifest"] = str(folder / "manifest.csv")
+    raw["data"]["tiles_dir"] = str(folder / "tiles")
+    raw["data"]["features_dir"] = str(folder / "features")
+    for key, value in (overrides or {}).items():
+        node = raw
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    write_text_atomic(out, yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
+def run_cli(args: list[str], cwd: Path, log_file: Path) -> dict[str, float]:
+    """Run ``wsi-pipeline ARGS`` in ``cwd`` under ``nice -n 10``; return its wall and CPU seconds (raises on failure)."""
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "wsi_pipeline.cli.main", *args]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    with open(log_file, "a") as fh:
+        fh.write(f"\n$ {' '.join(cmd)}\n")
+        fh.flush()
+        rc = subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=os.environ.copy()).returncode
+    wall = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if rc != 0:
+        raise RuntimeError(f"`wsi-pipeline {' '.join(args)}` failed with exit status {rc}; see {log_file}")
+    return {"wall_s": wall, "cpu_s": cpu}
+
+
+def method_table(cv_table: pd.DataFrame) -> pd.DataFrame:
+    """Per method, from ``eval --folds``'s ``cv_table.csv``: accuracy and AUC as mean +- standard error
+    (over folds with one repeat, over repeats with several: ``se_over``), the pooled out-of-fold AUC
+    and its bootstrap 95 % interval."""
+    rows = []
+    for method, d in cv_table.groupby("method", sort=False):
+        by = d.set_index("metric")
+        row: dict[str, Any] = {"method": method}
+        for m in ("accuracy", "auc"):
+            row[m], row[f"{m}_se"] = float(by.loc[m, "mean"]), float(by.loc[m, "se"])
+        row["pooled_auc"] = float(by.loc["auc", "pooled"])
+        row["pooled_auc_ci"] = (float(by.loc["auc", "ci_low"]), float(by.loc["auc", "ci_high"]))
+        row["n_folds"], row["n_repeats"] = int(by.loc["auc", "n_folds"]), int(by.loc["auc", "n_repeats"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def instance_truth(coords: np.ndarray, tile_size: int, nuclei: pd.DataFrame, construction: str) -> np.ndarray:
+    """Per tile: True where it holds an epithelial nucleus.
+
+    ``points``: the tile is centred on a nucleus (the annotated point nearest the tile centre)
+    and that nucleus is epithelial. ``grid``: an epithelial nucleus centre lies inside the tile
+    (``x0 <= x < x0 + T``, same for y). ``coords``: (N, 2) top-left corners, level-0 px;
+    ``nuclei``: the image's rows of ``nuclei.csv`` (x, y, class).
+    """
+    c = np.asarray(coords, dtype=np.float64).reshape(-1, 2)
+    xy = nuclei[["x", "y"]].to_numpy(np.float64)
+    epi = (nuclei["class"] == "epithelial").to_numpy()
+    if construction == "points":
+        centre = c + (tile_size - 1) / 2.0
+        d = ((centre[:, None, :] - xy[None, :, :]) ** 2).sum(-1)
+        return epi[d.argmin(1)]
+    ex = xy[epi]
+    inside = ((ex[None, :, 0] >= c[:, None, 0]) & (ex[None, :, 0] < c[:, None, 0] + tile_size)
+              & (ex[None, :, 1] >= c[:, None, 1]) & (ex[None, :, 1] < c[:, None, 1] + tile_size))
+    return inside.any(1)
+
+
+def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], manifest_of: dict[tuple[int, int], Path],
+                    tiles_dir: Path, nuclei: pd.DataFrame, construction: str, tile_size: int) -> pd.DataFrame:
+    """Per method: AUC of the attention scores against the instance truth, in each positive test image.
+
+    For every (repeat, fold), the fold's trained model (``best.pt``) embeds each positive test
+    image's tiles and returns one attention score per tile (:class:`MILOutput.attention`). Returns
+    the mean AUC over images, its standard error, the AUC of the scores pooled over all images
+    after ranking within each image, and the share of positive tiles.
+    """
+    import torch
+    from scipy.stats import rankdata
+    from sklearn.metrics import roc_auc_score
+
+    from wsi_pipeline.data.store import open_store, store_path
+    from wsi_pipeline.data.tensors import tiles_to_tensor
+    from wsi_pipeline.inference.checkpoint import load_trained_model
+
+    per: dict[str, list[float]] = {}
+    pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
+    by_image = {k: g for k, g in nuclei.groupby("image")}
+    for key in folds:
+        man = pd.read_csv(manifest_of[key])
+        test = man[(man["split"] == "test") & (man["label"] == 1)]["slide_id"].tolist()
+        fold_name = _fold_name(name, key)
+        for run in sorted((runs_root / fold_name).glob("*/seed*")):
+            method = run.parent.name
+            tm = load_trained_model(run, which="best")
+            for sid in test:
+                store = open_store(store_path(tiles_dir, sid))
+                truth = instance_truth(store.coords, tile_size, by_image[sid], construction)
+                if truth.all() or not truth.any():
+                    continue
+                with torch.no_grad():
+                    z = tm.encoder(tiles_to_tensor(store.read()))
+                    att = tm.aggregator(z).attention.double().numpy()
+                per.setdefault(method, []).append(float(roc_auc_score(truth, att)))
+                rank = (rankdata(att) - 1) / max(len(att) - 1, 1)  # ties share their mean rank (mean pooling: all 0.5)
+                pooled.setdefault(method, []).append((truth, rank))
+    rows = []
+    for method, aucs in per.items():
+        t = np.concatenate([p[0] for p in pooled[method]])
+        r = np.concatenate([p[1] for p in pooled[method]])
+        v = np.asarray(aucs)
+        rows.append({"method": method, "attention_auc": float(v.mean()),
+                     "attention_auc_se": float(v.std(ddof=1) / np.sqrt(len(v))) if len(v) > 1 else float("nan"),
+                     "attention_auc_pooled_rank": float(roc_auc_score(t, r)), "n_images": len(v),
+                     "positive_tile_share": float(t.mean())})
+    return pd.DataFrame(rows)
+
+
+def _fold_name(name: str, key: tuple[int, int]) -> str:
+    """The pipeline name of (repeat, fold): ``<name>_fold<k>`` with one repeat, ``<name>_r<r>_fold<k>`` with several."""
+    r, k = key
+    return f"{name}_fold{k}" if r < 0 else f"{name}_r{r}_fold{k}"
+
+
+def _fold_manifests(manifest: Path) -> dict[tuple[int, int], Path]:
+    """The per-fold manifests beside ``manifest`` (``M_fold<k>.csv`` or ``M_r<r>_fold<k>.csv``): (repeat or -1, fold) -> path."""
+    out: dict[tuple[int, int], Path] = {}
+    for p in manifest.parent.glob(f"{manifest.stem}_*fold*.csv"):
+        tail = p.stem[len(manifest.stem) + 1:]
+        parts = tail.split("_")
+        try:
+            if len(parts) == 1 and parts[0].startswith("fold"):
+                out[(-1, int(parts[0][4:]))] = p
+            elif len(parts) == 2 and parts[0].startswith("r") and parts[1].startswith("fold"):
+                out[(int(parts[0][1:]), int(parts[1][4:]))] = p
+        except ValueError:
+            continue
+    return dict(sorted(out.items()))
+
+
+def run_construction(construction: str, args: argparse.Namespace, data_dir: Path, work: Path, labels: Path,
+                     points: Path) -> dict[str, Any]:
+    """All commands of one construction in ``work/<construction>``; returns times and tables."""
+    template, tile_size = CONSTRUCTIONS[construction]
+    folder = work / construction
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"colon_{construction}"
+    overrides = {"train.epochs": args.epochs} if args.epochs else {}
+    cfg = dataset_config(Path(template).resolve(), folder / f"{name}.yaml", folder, name, overrides)
+    logf = folder / "commands.log"
+    times: dict[str, dict[str, float]] = {}
+    manifest = folder / "manifest.csv"
+    cv = ["--crossval", str(args.folds), "--seed", str(args.seed)] + (["--repeats", str(args.repeats)] if args.repeats > 1 else [])
+    if not manifest.is_file():
+        times["manifest"] = run_cli(["manifest", "folder", "--slides", str(data_dir / "images"), "--labels", str(labels),
+                                     *cv, "--out", str(manifest)], folder, logf)
+    if construction == "points":
+        tile = ["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"), "--points",
+                str(points), "--no-progress"]
+    else:
+        tile = ["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"), "--no-progress"]
+    times["tile"] = run_cli(tile, folder, logf)
+    times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress"], folder, logf)
+    times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress"], folder, logf)
+    res = summarise(folder, name, construction, data_dir)
+    res.update({"config": str(cfg), "folds": args.folds, "repeats": args.repeats, "times": times,
+                "epochs": args.epochs or yaml.safe_load(Path(template).read_text())["train"]["epochs"]})
+    return res
+
+
+def summarise(folder: Path, name: str, construction: str, data_dir: Path) -> dict[str, Any]:
+    """The table of one construction's finished cross-validation in ``folder`` (``results/<name>_cv/cv_table.csv``)
+    with the attention-vs-instance-truth AUCs of its trained models."""
+    table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
+    nuclei = pd.read_csv(data_dir / "nuclei.csv")
+    folds = _fold_manifests(folder / "manifest.csv")
+    tile_size = CONSTRUCTIONS[construction][1]
+    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", nuclei, construction, tile_size)
+    table = table.merge(att, on="method", how="left")
+    return {"construction": construction, "table": table.to_dict(orient="records")}
+
+
+def markdown(results: list[dict[str, Any]], machine: str) -> str:
+    """The tables of docs/real-data.md."""
+    lines = []
+    for res in results:
+        t = res.get("times", {})
+        lines.append(f"### Construction {res['construction']} ({res.get('folds', '?')}-fold x {res.get('repeats', '?')} "
+                     f"repeat(s), {res.get('epochs', '?')} epochs)\n")
+        lines.append("| method | accuracy | AUC | pooled OOF AUC (95 % CI) | attention AUC vs epithelial | paper accuracy | paper AUC |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for r in res["table"]:
+            paper = PAPER.get(r["method"], {})
+            att = "" if pd.isna(r.get("attention_auc")) else f"{r['attention_auc']:.3f} ± {r['attention_auc_se']:.3f}"
+            lo, hi = r["pooled_auc_ci"]
+            lines.append(f"| {r['method']} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {r['auc']:.3f} ± {r['auc_se']:.3f} | "
+                         f"{r['pooled_auc']:.3f} ({lo:.3f}-{hi:.3f}) | {att} | {paper.get('accuracy', '')} | {paper.get('auc', '')} |")
+        lines.append("")
+        if not t:
+            continue
+        lines.append("| step | wall (s) | CPU (s) |")
+        lines.append("|---|---|---|")
+        for step, v in t.items():
+            lines.append(f"| {step} | {v['wall_s']:.0f} | {v['cpu_s']:.0f} |")
+        tot_w = sum(v["wall_s"] for v in t.values())
+        tot_c = sum(v["cpu_s"] for v in t.values())
+        lines.append(f"| total | {tot_w:.0f} | {tot_c:.0f} |\n")
+    lines.append(f"Machine: {machine}")
+    return "\n".join(lines) + "\n"
+
+
+def machine_line() -> str:
+    """CPU model, core count and the load average when the bench ended."""
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at the end"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.real", description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=Path("../shared/realdata/crc-histophenotypes"),
+                   help="the crc-histophenotypes folder (images/, images.csv, nuclei.csv)")
+    p.add_argument("--work", type=Path, default=Path("runs/bench_real"), help="working folder (manifests, tiles, runs, results)")
+    p.add_argument("--constructions", default="points,grid", help="comma-separated: points (the paper's), grid (a user's)")
+    p.add_argument("--folds", type=int, default=5, help="cross-validation folds K (the paper: 10)")
+    p.add_argument("--repeats", type=int, default=1, help="repeats R of the cross-validation (the paper: 5)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the folds")
+    p.add_argument("--epochs", type=int, default=None, help="override train.epochs of the pipelines (default: theirs)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data_dir = args.data.resolve()
+    if not (data_dir / "images.csv").is_file():
+        print(f"bench-real: {data_dir} has no images.csv; point --data at ../shared/realdata/crc-histophenotypes", file=sys.stderr)
+        return 2
+    work = args.work.resolve()
+    labels, points = write_inputs(data_dir, work)
+    results = []
+    for c in [s.strip() for s in args.constructions.split(",") if s.strip()]:
+        if c not in CONSTRUCTIONS:
+            print(f"bench-real: unknown construction {c!r}; choose from {sorted(CONSTRUCTIONS)}", file=sys.stderr)
+            return 2
+        log.info("construction %s ...", c)
+        results.append(run_construction(c, args, data_dir, work, labels, points))
+        write_text_atomic(work / "bench_real.json", json.dumps(results, indent=1, default=float))
+    text = markdown(results, machine_line())
+    write_text_atomic(work / "bench_real.md", text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
