@@ -60,11 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     sub = parser.add_subparsers(dest="cohort_builder", metavar="<source>", required=True)
 
+    from wsi_pipeline.slides.finder import describe_extensions
+
     p = sub.add_parser(
         "folder", help="every slide under a folder, labels from an optional CSV",
-        description="List every slide file under DIR (recursively; .svs .tif .tiff .ndpi .vms .vmu .scn .mrxs "
-        ".svslide .bif .czi, DICOM folders), slide_id = file name without extension, labels joined from an "
-        "optional CSV; unlabelled slides are kept (for `predict`).",
+        description=f"List every slide file under DIR (recursively; the endings {describe_extensions()}, any case), "
+        "slide_id = file name without its ending, labels joined from an optional CSV; unlabelled slides are kept "
+        "(for `predict`).",
     )
     p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for slide files")
     p.add_argument("--labels", metavar="CSV", help="optional CSV with columns slide_id,label[,patient_id][,split][,mpp] "
