@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from wsi_pipeline.config.schema import Checked
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,7 +18,7 @@ STAIN_NORMALISERS: tuple[str, ...] = ("none", "macenko", "reinhard")
 
 
 @dataclass(frozen=True)
-class StainConfig:
+class StainConfig(Checked):
     """Stain normalisation (``data.stain``), fitted once at training time and stored with the model.
 
     Attributes
@@ -32,6 +34,7 @@ class StainConfig:
     max_tiles: int = 32
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.max_tiles < 1:
             raise ValueError(f"data.stain.max_tiles={self.max_tiles}; expected >= 1 tiles per slide")
         if not self.target:
@@ -39,7 +42,7 @@ class StainConfig:
 
 
 @dataclass(frozen=True)
-class DataConfig:
+class DataConfig(Checked):
     """Where the cohort lives.
 
     Attributes
@@ -67,6 +70,7 @@ class DataConfig:
     stain: StainConfig = field(default_factory=StainConfig)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.n_classes is not None and self.n_classes < 2:
             raise ValueError(f"data.n_classes={self.n_classes}; expected >= 2 (binary tasks use 2)")
         if self.bags == "patient" and self.stain.normalise != "none":

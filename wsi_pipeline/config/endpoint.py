@@ -13,6 +13,8 @@ applies to one loss (the others ignore it): ``ties`` to ``cox``, ``bins`` to ``n
 
 from __future__ import annotations
 
+from wsi_pipeline.config.schema import Checked
+
 from dataclasses import dataclass
 
 from wsi_pipeline.config.choices import TASK_LOSSES, Ties
@@ -21,7 +23,7 @@ __all__ = ["LossOptions", "check_task_loss", "default_loss"]
 
 
 @dataclass(frozen=True)
-class LossOptions:
+class LossOptions(Checked):
     """Options of the survival and regression losses.
 
     Attributes
@@ -40,6 +42,7 @@ class LossOptions:
     huber_delta: float = 1.0
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.bins < 2:
             raise ValueError(f"loss_options.bins={self.bins}; expected >= 2 time intervals")
         if not self.huber_delta > 0:

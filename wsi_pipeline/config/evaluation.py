@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import Level, PatientPool
-from wsi_pipeline.config.schema import spec
+from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.config.io import short_repr
 
 __all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "EvalProtocol", "parse_protocol", "parse_protocols", "saved_protocol"]
@@ -34,7 +34,7 @@ MAX_SUBSET_TILES = 1_000_000
 
 
 @dataclass(frozen=True)
-class EvalProtocol:
+class EvalProtocol(Checked):
     """How a slide is scored: all tiles (``k is None``) or ``repeats`` random subsets of ``k`` tiles.
 
     ``ensemble`` False (the papers' protocol, ``sub<k>x<R>``): metrics per repeat, mean over repeats.
@@ -48,6 +48,7 @@ class EvalProtocol:
     ensemble: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
             raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
         if self.k is not None and (int(self.k) > MAX_SUBSET_TILES or int(self.repeats) > MAX_REPEATS):
@@ -140,7 +141,7 @@ def _config_protocols(value: Any, where: str) -> tuple[EvalProtocol, ...]:
 
 
 @dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(Checked):
     """Validation during training and the evaluation stage's protocols.
 
     Attributes
@@ -168,6 +169,7 @@ class EvalConfig:
     horizons: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         bad = [h for h in self.horizons if not h > 0]
         if bad:
             raise ValueError(f"eval.horizons={list(self.horizons)}; expected times > 0 (in the manifest's time unit)")

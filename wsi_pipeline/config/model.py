@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wsi_pipeline.config.choices import BNMode, encoder_names, model_names
-from wsi_pipeline.config.schema import coerce, positive, spec
+from wsi_pipeline.config.schema import Checked, coerce, positive, spec
 
 __all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "is_foundation_encoder"]
 
@@ -38,7 +38,7 @@ def _encoder_name(value: Any, where: str) -> str:
 
 
 @dataclass(frozen=True)
-class LoRAConfig:
+class LoRAConfig(Checked):
     """Low-rank adapters on a ViT's attention projections (``encoder.lora``).
 
     Each targeted linear layer ``y = W x + b`` becomes ``y = W x + b + (alpha / rank) B A x`` with
@@ -53,6 +53,7 @@ class LoRAConfig:
     targets: tuple[Literal["qkv", "proj"], ...] = ("qkv", "proj")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         positive("encoder.lora.rank", self.rank)
         positive("encoder.lora.alpha", self.alpha)
         if not self.targets:
@@ -60,7 +61,7 @@ class LoRAConfig:
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(Checked):
     """Tile encoder: a name from ``wsi_pipeline.models.ENCODERS``, optional weights file, BatchNorm mode.
 
     ``bn``: ``frozen`` (running statistics, exact for every strategy), ``chunk`` (batch
@@ -115,6 +116,7 @@ class EncoderConfig:
     checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.calibrate_bn < 0:
             raise ValueError(f"encoder.calibrate_bn={self.calibrate_bn}; expected a number of tiles >= 0 (0 = off)")
         if self.recalibrate_bn and self.calibrate_bn <= 0:
@@ -156,7 +158,7 @@ class EncoderConfig:
 
 
 @dataclass(frozen=True)
-class AggregatorConfig:
+class AggregatorConfig(Checked):
     """MIL aggregator (or PatchGD head): a registered name and its keyword options."""
 
     name: str = field(default="abmil", metadata=spec(choices=model_names))
@@ -164,7 +166,7 @@ class AggregatorConfig:
 
 
 @dataclass(frozen=True)
-class BiglConfig:
+class BiglConfig(Checked):
     """Big-Layers: residual stages run as Big-Layers after the stem, and the device chunk size in elements.
 
     ``device_budget_gb``: device memory a training step may use, in GB (10^9 bytes). The step is
@@ -189,6 +191,7 @@ class BiglConfig:
     device_budget_gb: float | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.stages < 0:
             raise ValueError(f"bigl.stages={self.stages}; expected >= 0")
         positive("bigl.max_elements", self.max_elements)

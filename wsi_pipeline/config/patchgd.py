@@ -16,7 +16,7 @@ from wsi_pipeline.config.choices import (
     head_names,
 )
 from wsi_pipeline.config.patchgd_presets import preset_patchgd_options
-from wsi_pipeline.config.schema import build, spec
+from wsi_pipeline.config.schema import Checked, build, spec
 
 __all__ = ["PatchGDConfig"]
 
@@ -24,7 +24,7 @@ _COUNT = spec(ge=1)  # a positive integer (or null where the type allows it)
 
 
 @dataclass(frozen=True)
-class PatchGDConfig:
+class PatchGDConfig(Checked):
     """The ``patchgd:`` options of a method config.
 
     Attributes

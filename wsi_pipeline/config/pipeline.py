@@ -52,7 +52,7 @@ from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfi
 from wsi_pipeline.config.overrides import apply_overrides, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
-from wsi_pipeline.config.schema import build, positive, spec
+from wsi_pipeline.config.schema import Checked, build, positive, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
 
@@ -91,7 +91,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
 @dataclass(frozen=True)
-class MethodConfig:
+class MethodConfig(Checked):
     """One method of the pipeline: how a bag's loss and gradients are computed.
 
     Attributes
@@ -132,6 +132,7 @@ class MethodConfig:
     loss_options: LossOptions = field(default_factory=LossOptions)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not _NAME_RE.match(self.name):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
         positive(f"methods.{self.name}.chunk_size", self.chunk_size)
@@ -139,7 +140,7 @@ class MethodConfig:
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
+class PipelineConfig(Checked):
     """A whole pipeline config (see the module docstring for the YAML form)."""
 
     name: str
@@ -152,6 +153,7 @@ class PipelineConfig:
     results_dir: str = "results"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not _NAME_RE.match(self.name):
             raise ValueError(f"pipeline name {self.name!r} must be a folder name (letters, digits, _ . -)")
         if not self.methods:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 from wsi_pipeline.config.io import short_repr
 
-__all__ = ["build", "coerce", "positive", "spec", "type_name"]
+__all__ = ["Checked", "build", "check_fields", "coerce", "positive", "spec", "type_name"]
 
 Choices = Sequence[Any] | Callable[[], Sequence[Any]]
 T = TypeVar("T")
@@ -146,6 +146,29 @@ def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}={short_repr(value)}; expected a value >= {meta['ge']}")
     if "le" in meta and not value <= meta["le"]:
         raise ValueError(f"{where}={short_repr(value)}; expected a value <= {meta['le']}")
+
+
+def check_fields(obj: Any) -> None:
+    """Check every field of dataclass instance ``obj`` against its :func:`spec` choices and bounds.
+
+    The same check :func:`build` applies to YAML, run on the constructed object, so a section made
+    directly in code (``StoreTiling(tile_size=-1)``) is refused as one read from a file is; the error
+    names ``Class.field``.
+    """
+    cls_name = type(obj).__name__
+    for f in dataclasses.fields(obj):
+        if f.metadata:
+            _check(getattr(obj, f.name), f.metadata, f"{cls_name}.{f.name}")
+
+
+class Checked:
+    """Base of every config dataclass: :func:`check_fields` runs after construction.
+
+    A subclass with its own ``__post_init__`` calls ``super().__post_init__()`` first.
+    """
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 def build(cls: type[T], raw: Any, where: str = "") -> T:

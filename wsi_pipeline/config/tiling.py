@@ -14,7 +14,7 @@ from typing import Any
 from wsi_pipeline.config.choices import (
     BACKENDS, COMPRESSIONS, POINT_EDGES, QC_ARTIFACTS, QC_MODES, TILING_METHODS, PointEdge, QCMode, TilingMethod,
 )
-from wsi_pipeline.config.schema import spec
+from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES
 
 __all__ = [
@@ -29,7 +29,7 @@ DEFAULT_REGION_EXCLUDE: tuple[str, ...] = ("Ignore*", "Exclude", "Excluded", "Ba
 
 
 @dataclass(frozen=True)
-class TissueParams:
+class TissueParams(Checked):
     """The ``tissue`` method (:mod:`wsi_pipeline.tiling.density`): stained tissue by optical density
     against each slide's own glass. Sizes are in overview px (the overview has 16 px per tile side).
 
@@ -51,7 +51,7 @@ class TissueParams:
 
 
 @dataclass(frozen=True)
-class QCParams:
+class QCParams(Checked):
     """Tile artifact QC (:mod:`wsi_pipeline.tiling.artifacts`): thresholds and what ``--qc drop`` drops.
 
     Attributes
@@ -81,7 +81,7 @@ class QCParams:
 
 
 @dataclass(frozen=True)
-class OtsuParams:
+class OtsuParams(Checked):
     """Otsu tissue-mask settings; sizes in um / um^2 (independent of the mask resolution).
 
     Attributes
@@ -114,7 +114,7 @@ class OtsuParams:
 
 
 @dataclass(frozen=True)
-class TilingConfig:
+class TilingConfig(Checked):
     """Tiling settings (all lengths in px at the tile resolution unless stated).
 
     Attributes
@@ -204,6 +204,7 @@ class TilingConfig:
     points_filter: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.method not in TILING_METHODS:
             raise ValueError(f"method={self.method!r}; expected one of {sorted(TILING_METHODS)}")
         if self.compression not in COMPRESSIONS:
@@ -266,7 +267,7 @@ def _grey_max_value(value: Any, where: str) -> int | str | None:
 
 
 @dataclass(frozen=True)
-class StoreTiling:
+class StoreTiling(Checked):
     """The ``data.tiling`` section: what the pipeline expects of its tile stores; every field is optional.
 
     The fields are :class:`TilingConfig`'s of the same names. The stores record the settings that

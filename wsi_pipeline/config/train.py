@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import Schedule, SelectMetric, TrainLog
-from wsi_pipeline.config.schema import build, coerce, positive, spec
+from wsi_pipeline.config.schema import Checked, build, coerce, positive, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
 
@@ -16,7 +16,7 @@ __all__ = ["AugmentConfig", "DemonConfig", "TrainConfig"]
 
 
 @dataclass(frozen=True)
-class DemonConfig:
+class DemonConfig(Checked):
     """DEMON momentum decay (see :class:`wsi_pipeline.training.optim.DemonAdam`).
 
     In YAML, ``demon: false`` / ``demon: true`` / ``demon: {beta_init: 0.9}``.
@@ -26,6 +26,7 @@ class DemonConfig:
     beta_init: float = 0.9
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not 0.0 <= self.beta_init < 1.0:
             raise ValueError(f"train.demon.beta_init={self.beta_init}; expected a value in [0, 1)")
 
@@ -41,7 +42,7 @@ def _parse_demon(value: Any, where: str) -> DemonConfig:
 
 
 @dataclass(frozen=True)
-class AugmentConfig:
+class AugmentConfig(Checked):
     """Per-slide augmentation: one random draw of parameters per bag, applied to all its tiles.
 
     Attributes
@@ -80,6 +81,7 @@ class AugmentConfig:
     stain_mix: float = 0.5
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("hed_scale", "hed_shift"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"train.augment.{name}={getattr(self, name)}; expected a strength in [0, 1)")
@@ -95,7 +97,7 @@ class AugmentConfig:
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Checked):
     """Training hyper-parameters (the ``train`` section; a method's ``train`` overrides any of them).
 
     Attributes
@@ -143,6 +145,7 @@ class TrainConfig:
     log: TrainLog = "none"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("epochs", "bag_size", "batch_bags", "accumulate_batches"):
             positive(f"train.{name}", getattr(self, name))
         positive("train.lr", self.lr)
