@@ -2,7 +2,8 @@
 
 The blocks run in one child process (each registers components under new names, which must not leak into the
 registries of this test session), in page order, each in a fresh namespace; the child reports, per block, the
-traceback or nothing, and its wall time. A block added to the page later is collected here without editing this file.
+traceback or nothing. A block added to the page later is collected here without editing this file. Keep each
+example to a second or two (toy sizes): the suite's time is the budget, not an assertion (no timed tests).
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "extending.md"
-#: A worked example must stay quick to run (s, wall time in the child, imports included for the first).
-MAX_SECONDS = 10.0
 
 _RUNNER = """
 import json, sys, time, traceback
@@ -83,4 +82,3 @@ def results() -> list[dict]:
 def test_every_python_block_runs(results: list[dict], i: int) -> None:
     heading, _ = BLOCKS[i]
     assert results[i]["error"] is None, f"docs/extending.md, block {i} under '{heading}':\n{results[i]['error']}"
-    assert results[i]["seconds"] < MAX_SECONDS, f"block {i} under '{heading}' took {results[i]['seconds']:.1f} s"
