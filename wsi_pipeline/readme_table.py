@@ -1,14 +1,15 @@
-"""The README's demo results, generated from what the demo printed so that they cannot go stale.
+"""The demo's results in README.md and docs/demo.md, generated from what the demo printed so that they cannot go stale.
 
-``make demo`` writes ``results/demo/summary.md`` (:func:`demo_summary`): the README's four
-columns for seed 0 and all tiles, then the subsample protocols. ``make demo-study`` writes
+``make demo`` writes ``results/demo/summary.md`` (:func:`demo_summary`): the headline table (four
+columns for seed 0 and all tiles), then the subsample protocols. ``make demo-study`` writes
 ``results/seed-study/demo/seed_study.md``. ``make readme-table`` (``python -m
-wsi_pipeline.readme_table``) copies both into README.md between the markers
+wsi_pipeline.readme_table``) copies the headline table (:func:`headline`) into README.md and both
+tables with the seed study's into docs/demo.md, each between the markers
 ``<!-- demo-table:start -->`` and ``<!-- demo-table:end -->``; at its end ``make demo`` compares
-its own table with the README's and prints one line saying whether they agree
+its own tables with those the README shows and prints one line saying whether they agree
 (:func:`compare_with_readme`). The survival demo's C-index table (``make demo-survival``:
-``results/seed-study/demo_survival/c_index.md``) goes between ``<!-- survival-table:start -->`` and
-``<!-- survival-table:end -->`` when it exists (:func:`update_block`).
+``results/seed-study/demo_survival/c_index.md``) goes into docs/demo.md between
+``<!-- survival-table:start -->`` and ``<!-- survival-table:end -->`` when it exists (:func:`update_block`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["START", "END", "SURVIVAL_START", "SURVIVAL_END", "demo_summary", "parse_tables", "compare_with_readme",
-           "update_block", "update_readme", "main", "STUDY_START", "STUDY_END"]
+           "update_block", "update_readme", "main", "STUDY_START", "STUDY_END", "headline"]
 
 START = "<!-- demo-table:start -->"
 END = "<!-- demo-table:end -->"
@@ -79,6 +80,11 @@ def demo_summary(records: Iterable[Any], methods: Sequence[str], seed: int = 0) 
     return "\n".join(lines) + "\n"
 
 
+def headline(summary: str) -> str:
+    """The first table of a :func:`demo_summary` (seed 0, all tiles): what the README's quickstart shows."""
+    return summary.split("\n\n", 1)[0].rstrip("\n") + "\n"
+
+
 def parse_tables(text: str) -> list[dict[tuple[str, str], str]]:
     """Every markdown table in ``text``, in order, as ``(method, column heading) -> cell``."""
     tables: list[dict[tuple[str, str], str]] = []
@@ -109,9 +115,11 @@ def compare_with_readme(summary: str, readme_path: str | Path) -> str:
     block = _block(path.read_text()) if path.is_file() else None
     if block is None:
         return f"README demo table: none found in {path} (markers {START} ... {END})"
-    # the summary's tables come first in the block (the seed study's follow and are not compared)
-    now = parse_tables(summary)
-    readme = parse_tables(block)[: len(now)]
+    # the summary's tables come first in the block (the seed study's follow and are not compared); a file may
+    # show only the first (the README's headline), and then only that one is compared
+    shown = parse_tables(block)
+    now = parse_tables(summary)[: max(1, len(shown))]
+    readme = shown[: len(now)]
     readme += [{}] * (len(now) - len(readme))
     diff = [f"{m} {h}: README {old.get((m, h), 'missing')}, now {v}"
             for new_t, old in zip(now, readme) for (m, h), v in new_t.items() if old.get((m, h)) != v]
@@ -169,7 +177,8 @@ def update_block(readme_path: str | Path, body: str, start: str = SURVIVAL_START
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``make readme-table``: copy the demo's (and the seed study's) tables into README.md."""
+    """``make readme-table``: copy the demo's headline table into README.md, and all its tables (with the seed study's
+    and the survival demo's) into docs/demo.md."""
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m wsi_pipeline.readme_table", description=main.__doc__)
@@ -178,19 +187,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="the seed study's table, added after it when present (default: %(default)s)")
     p.add_argument("--survival", default="results/seed-study/demo_survival/c_index.md",
                    help="the survival demo's C-index table, copied when present (default: %(default)s)")
-    p.add_argument("--readme", default="README.md", help="the README to update (default: %(default)s)")
+    p.add_argument("--readme", default="README.md", help="the README, whose headline table is updated (default: %(default)s)")
+    p.add_argument("--docs", default="docs/demo.md",
+                   help="the demo's page, whose tables and survival table are updated (default: %(default)s)")
     args = p.parse_args(argv)
     survival = Path(args.survival)
     if survival.is_file():
-        changed = update_block(args.readme, survival.read_text())
-        print(f"{args.readme}: survival table {'updated' if changed else 'already current'}")
+        changed = update_block(args.docs, survival.read_text())
+        print(f"{args.docs}: survival table {'updated' if changed else 'already current'}")
     summary = Path(args.summary)
     if not summary.is_file():
         print(f"error: {summary} not found; run `make demo` first", file=sys.stderr)
         return 2
     study = Path(args.study)
-    changed = update_readme(args.readme, summary.read_text(), study.read_text() if study.is_file() else None)
-    print(f"{args.readme}: demo table {'updated' if changed else 'already current'}"
+    text = summary.read_text()
+    changed = update_block(args.readme, headline(text), START, END)
+    print(f"{args.readme}: demo table {'updated' if changed else 'already current'}")
+    changed = update_readme(args.docs, text, study.read_text() if study.is_file() else None)
+    print(f"{args.docs}: demo tables {'updated' if changed else 'already current'}"
           f"{'' if study.is_file() else f' (no seed study at {study})'}")
     return 0
 
