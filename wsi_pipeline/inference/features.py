@@ -180,7 +180,7 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
             f.attrs["complete"] = True
 
 
-def _embed_store(store: TileStoreLike, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
+def _embed_store(store: TileStoreLike, encoder: Any, device: torch.device | str, batch_size: int, bf16: bool = False) -> np.ndarray:
     """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``), optionally
     under bfloat16 autocast: float32 [N, D].
 
@@ -277,7 +277,7 @@ def extract_features(
     tiles_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     encoder_name: str = "resnet18",
-    weights: str | os.PathLike | None = None,
+    weights: str | Path | None = None,
     *,
     encoder: Any = None,
     batch_size: int = 64,

@@ -130,7 +130,11 @@ class _Pool:
         """Wait up to ``RETRY_S`` for a message or a death, handle what came, give idle workers work."""
         busy = [w for w in self.workers if w.index is not None]
         handles: list[Any] = [w.conn for w in busy] + [w.proc.sentinel for w in busy]
-        ready = wait(handles, timeout=RETRY_S) if handles else (time.sleep(RETRY_S / 4) or [])
+        ready: list[Any] = []
+        if handles:
+            ready = wait(handles, timeout=RETRY_S)
+        else:
+            time.sleep(RETRY_S / 4)
         for w in busy:
             if w.conn in ready:
                 self._drain(w)
