@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "wsi_pipeline"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("",),  # wsi_pipeline/__init__.py: the version only
     ("types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs"),  # helpers without our own imports; shared Protocols
+    ("failures",),  # the bad-slide policy: which errors fail one slide, which stop the run
     ("slides",),  # readers, mpp, slide finder
     ("models",),  # encoders, aggregators, heads, registries
     ("bigl",),  # Big-Layers (converts models)
@@ -43,7 +44,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "failures", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 
