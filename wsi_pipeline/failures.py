@@ -19,6 +19,9 @@ One rule for every per-slide stage (``tile``, ``features``, ``eval``, ``predict`
   :data:`STOP_ERRNOS` however a library wrapped it (a full disk or quota, a read-only file system:
   every later slide would fail alike; the command prints one line saying what to do).
 
+:class:`ConfigTypeError` is the one ``TypeError`` that is a user's mistake (a wrong-typed config value), so
+the command line can print it as one line and every other ``TypeError`` as the bug it is.
+
 :func:`slide_failures` applies the rule around one slide's work. The per-slide job runner
 (:func:`wsi_pipeline.jobs.slide_jobs.run_one`, used by ``features``, ``eval`` and ``predict``) and the
 tiler (:func:`wsi_pipeline.tiling.tiler.tile_slide`) go through it.
@@ -33,9 +36,14 @@ from contextlib import contextmanager
 from wsi_pipeline.io_atomic import os_error_cause
 
 __all__ = [
-    "READER_LIBRARIES", "STOP_ERRNOS", "describe_failure", "disk_unwritable", "is_slide_error", "slide_failures",
+    "READER_LIBRARIES", "STOP_ERRNOS", "ConfigTypeError", "describe_failure", "disk_unwritable", "is_slide_error", "slide_failures",
     "stops_the_run",
 ]
+
+class ConfigTypeError(TypeError):
+    """A value of the wrong type in a user's config (YAML, ``--set``, a method's options): a user error that the
+    command line prints as one line, unlike a ``TypeError`` from our code (a bug, printed with its traceback)."""
+
 
 #: OSError numbers that stop a run at once instead of failing each remaining slide in turn.
 STOP_ERRNOS: tuple[int, ...] = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
