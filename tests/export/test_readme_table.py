@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from wsi_pipeline.export.metrics_json import MetricRecord
-from wsi_pipeline.readme_table import END, START, compare_with_readme, demo_summary, parse_tables, update_readme
+from tools.readme_table import END, START, compare_with_readme, parse_tables, update_readme
+from wsi_pipeline.export.demo_table import demo_summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +71,7 @@ def test_the_repository_readme_has_the_generated_block():
 
 
 def test_make_readme_table_writes_the_headline_to_the_readme_and_all_tables_to_the_docs(tmp_path):
-    from wsi_pipeline.readme_table import headline, main
+    from tools.readme_table import headline, main
 
     summary = demo_summary(_records(), ["frozen", "e2e"])
     (tmp_path / "summary.md").write_text(summary)
@@ -89,7 +90,7 @@ def test_make_readme_table_writes_the_headline_to_the_readme_and_all_tables_to_t
 
 
 def test_survival_table_goes_between_its_markers(tmp_path):
-    from wsi_pipeline.readme_table import SURVIVAL_END, SURVIVAL_START, update_block
+    from tools.readme_table import SURVIVAL_END, SURVIVAL_START, update_block
 
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{SURVIVAL_START}\nold\n{SURVIVAL_END}\nrest\n")
@@ -112,3 +113,23 @@ def test_a_demo_without_a_new_seed_study_keeps_the_readmes_study_table(tmp_path)
     assert text.count("Seed study") == 1
     update_readme(readme, summary, study.replace("0.77", "0.66"))
     assert "0.66 +- 0.05" in readme.read_text() and "0.77" not in readme.read_text()
+
+
+def test_check_compares_without_writing_and_runs_from_the_repository_root(tmp_path):
+    """`make demo` ends with `python -m tools.readme_table --check`: one line, the README untouched."""
+    import subprocess
+    import sys
+
+    from tools.readme_table import main
+
+    summary = tmp_path / "summary.md"
+    summary.write_text(demo_summary(_records(), ["frozen", "e2e"]))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{START}\nold\n{END}\n")
+    before = readme.read_bytes()
+    assert main(["--check", "--summary", str(summary), "--readme", str(readme)]) == 0
+    assert readme.read_bytes() == before
+    out = subprocess.run([sys.executable, "-m", "tools.readme_table", "--check", "--summary", str(summary), "--readme",
+                          str(readme)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("README demo table differs"), out.stderr
+    assert main(["--check", "--summary", str(tmp_path / "none.md"), "--readme", str(readme)]) == 0

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.registry import Registry
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = [
     "HEADS",
@@ -77,7 +78,7 @@ def build_head(name: str, in_dim: int, n_classes: int, **options: Any) -> GridHe
     valid = _options_of(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise TypeError(f"patchgd head {name!r}: unknown option(s) {unknown}; valid options are {sorted(valid)}")
+        raise ConfigTypeError(f"patchgd head {name!r}: unknown option(s) {unknown}; valid options are {sorted(valid)}")
     return cls(in_dim, n_classes, **options)
 
 

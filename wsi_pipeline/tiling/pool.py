@@ -110,12 +110,17 @@ class _Pool:
                 self.assign(self.start())
 
     def _drain(self, w: _Worker) -> None:
-        """Take ``w``'s messages: progress, and a finished slide (then give it the next one)."""
+        """Take ``w``'s messages: progress, and a finished slide (then give it the next one); raise the error
+        that stopped it (a bug)."""
+        error: BaseException | None = None
         try:
             while w.conn.poll():
                 kind, payload = w.conn.recv()
                 if kind == "progress":
                     self.add_tiles(int(payload))
+                elif kind == "error":  # a bug or memory in the worker stops the run (wsi_pipeline.failures)
+                    error = payload
+                    break
                 elif kind == "done" and w.index is not None:
                     r: SlideResult = payload
                     i, w.index = w.index, None
@@ -125,6 +130,8 @@ class _Pool:
                     self.assign(w)
         except (EOFError, OSError):
             self.bury(w)
+        if error is not None:
+            raise error
 
     def step(self) -> None:
         """Wait up to ``RETRY_S`` for a message or a death, handle what came, give idle workers work."""
