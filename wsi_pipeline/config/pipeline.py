@@ -47,9 +47,9 @@ from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, S
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
-from wsi_pipeline.config.io import short_repr, config_to_dict, read_yaml, write_yaml
+from wsi_pipeline.config.io import short_repr, config_to_dict, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfig
-from wsi_pipeline.config.overrides import apply_overrides, deep_merge
+from wsi_pipeline.config.overrides import apply_overrides, build_config, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 from wsi_pipeline.config.schema import Checked, build, positive, spec
@@ -237,14 +237,16 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
     return build(PipelineConfig, {**raw, "methods": methods})
 
 
-def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> PipelineConfig:
-    """Read, override and validate a pipeline YAML file.
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), values: Mapping[str, Any] | None = None) -> PipelineConfig:
+    """Read, override and validate a pipeline YAML file (:func:`~wsi_pipeline.config.overrides.build_config`).
 
     Parameters
     ----------
     path : the YAML file; ``name`` defaults to its stem.
     overrides : ``section.key=value`` strings (``--set`` on the command line,
         :mod:`wsi_pipeline.config.overrides`).
+    values : ``{key path: value}`` set before ``overrides`` (a command's own flags, e.g.
+        ``{"eval.bootstrap": 0}`` for ``eval --bootstrap 0``).
 
     Raises
     ------
@@ -253,13 +255,8 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
         of the wrong type (named with the expected type), an out-of-range value; the message is
         prefixed with the file name.
     """
-    path = Path(path)
-    raw = read_yaml(path)
-    try:
-        apply_overrides(raw, overrides)
-        return config_from_dict(raw, default_name=path.stem)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"{path}: {e}") from e
+    stem = Path(path).stem
+    return build_config(path, lambda raw: config_from_dict(raw, default_name=stem), values=values, overrides=overrides)
 
 
 def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
