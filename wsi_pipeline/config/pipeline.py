@@ -52,7 +52,7 @@ from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfi
 from wsi_pipeline.config.overrides import apply_overrides, build_config, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
-from wsi_pipeline.config.schema import Checked, build, positive, spec
+from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
 
@@ -85,6 +85,7 @@ __all__ = [
     "method_by_name",
     "save_config",
     "upgrade_saved_config",
+    "with_eval",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -121,7 +122,7 @@ class MethodConfig(Checked):
     strategy: StrategyName
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata=spec(gt=0))
     bigl: BiglConfig = field(default_factory=BiglConfig)
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None
@@ -135,7 +136,6 @@ class MethodConfig(Checked):
         super().__post_init__()
         if not _NAME_RE.match(self.name):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
-        positive(f"methods.{self.name}.chunk_size", self.chunk_size)
         object.__setattr__(self, "loss", check_task_loss(self.task, self.loss, f"methods.{self.name}"))
 
 
@@ -164,6 +164,10 @@ class PipelineConfig(Checked):
             raise ValueError(f"duplicate method name(s) {dup}; each method needs its own name")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={list(self.seeds)}; expected a non-empty list of distinct integers")
+        for key, asked in (("eval.methods", list(self.eval.methods)), ("eval.heatmap_method", [self.eval.heatmap_method])):
+            unknown = [n for n in asked if n is not None and n not in names]
+            if unknown:
+                raise ValueError(f"{key}: {unknown[0]!r} is not a method of pipeline {self.name!r}; its methods: {names}")
         tasks = {m.task for m in self.methods}
         if len(tasks) > 1:
             by = {t: [m.name for m in self.methods if m.task == t] for t in sorted(tasks)}
@@ -259,10 +263,15 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), val
     return build_config(path, lambda raw: config_from_dict(raw, default_name=stem), values=values, overrides=overrides)
 
 
+#: ``eval`` keys added when the evaluation stage's flags moved into :class:`EvalConfig` (absent from older saved configs).
+_LATER_EVAL_KEYS = ("methods", "device", "batch_size", "heatmaps", "heatmap_method", "heatmap_mode", "results")
+
+
 def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A run config as saved in a checkpoint or ``config.yaml`` by an earlier version, in today's form
     (protocols written as mappings become their names; a method without ``val_protocol`` gets the
-    pipeline's ``eval.val_protocol``); today's form is returned unchanged (a copy).
+    pipeline's ``eval.val_protocol``; ``eval`` keys added since get their defaults); today's form is
+    returned unchanged (a copy).
 
     For reading saved runs only: a pipeline YAML is held to today's spelling.
     """
@@ -274,6 +283,8 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             ev["val_protocol"] = saved_protocol(ev["val_protocol"])
         if isinstance(ev.get("protocols"), list):
             ev["protocols"] = [saved_protocol(p) for p in ev["protocols"]]
+        # keys the eval section gained later (the evaluation stage's settings, e.g. eval.batch_size): their defaults
+        ev = {**{k: v for k, v in config_to_dict(EvalConfig()).items() if k in _LATER_EVAL_KEYS}, **ev}
         out["eval"] = ev
     if isinstance(out.get("methods"), list):  # before methods had their own val_protocol: the pipeline's
         default = saved_protocol(ev.get("val_protocol", "all")) if isinstance(ev, Mapping) else "all"
@@ -284,6 +295,22 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
 def save_config(config: PipelineConfig, path: str | os.PathLike) -> Path:
     """Write the resolved config as YAML, atomically (:func:`wsi_pipeline.io_atomic.write_text_atomic`)."""
     return write_yaml(config, path)
+
+
+def with_eval(config: PipelineConfig, **changes: Any) -> PipelineConfig:
+    """``config`` with the :class:`EvalConfig` fields named in ``changes`` replaced (a None value keeps
+    the config's), checked as a section and against the pipeline (``eval.methods`` must be its methods).
+
+    For callers that set evaluation settings in code: ``with_eval(cfg, device="cpu", bootstrap=0)``.
+    """
+    given = {k: v for k, v in changes.items() if v is not None}
+    if not given:
+        return config
+    if "methods" in given:
+        given["methods"] = tuple(given["methods"])
+    if "results" in given:
+        given["results"] = str(given["results"])
+    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **given))
 
 
 def method_by_name(config: PipelineConfig, name: str) -> MethodConfig:

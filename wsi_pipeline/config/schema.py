@@ -9,7 +9,12 @@ keys, values of the wrong type and values outside a field's choices or range rai
   its dataclass form (e.g. a protocol written ``sub256x100``);
 - ``choices``: the allowed values, or a function returning them (a registry's names), checked
   after the type;
-- ``gt`` / ``ge`` / ``le``: numeric bounds (None values pass).
+- ``gt`` / ``ge`` / ``lt`` / ``le``: numeric bounds (None values pass);
+- ``check``: a function ``(value, where) -> Any`` raising ``ValueError`` naming ``where`` for a value
+  no bound or choice list describes (e.g. a device name, ``cuda:<index>``).
+
+The choices, bounds and ``check`` of a field are applied to values read from YAML by :func:`build`
+and to every directly constructed section by :class:`Checked`: the one place a value is checked.
 
 Annotations understood: ``bool``, ``int``, ``float`` (ints and YAML-1.1 strings such as ``1e-4``
 accepted), ``str``, ``Literal[...]``, ``X | None``, ``tuple[X, ...]``, ``tuple[X, Y]``,
@@ -37,11 +42,13 @@ def spec(
     choices: Choices | None = None,
     gt: float | None = None,
     ge: float | None = None,
+    lt: float | None = None,
     le: float | None = None,
+    check: Callable[[Any, str], Any] | None = None,
 ) -> dict[str, Any]:
-    """Field metadata for :func:`build`: ``field(default=..., metadata=spec(gt=0))``."""
+    """Field metadata for :func:`build` and :class:`Checked`: ``field(default=..., metadata=spec(gt=0))``."""
     out: dict[str, Any] = {}
-    for key, value in (("parse", parse), ("choices", choices), ("gt", gt), ("ge", ge), ("le", le)):
+    for key, value in (("parse", parse), ("choices", choices), ("gt", gt), ("ge", ge), ("lt", lt), ("le", le), ("check", check)):
         if value is not None:
             out[key] = value
     return out
@@ -132,7 +139,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
-    """The ``choices`` and bounds of a field's :func:`spec` (None passes)."""
+    """The ``choices``, bounds and ``check`` of a field's :func:`spec` (None passes)."""
     if value is None:
         return
     choices = meta.get("choices")
@@ -144,8 +151,12 @@ def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}={short_repr(value)}; expected a value > {meta['gt']}")
     if "ge" in meta and not value >= meta["ge"]:
         raise ValueError(f"{where}={short_repr(value)}; expected a value >= {meta['ge']}")
+    if "lt" in meta and not value < meta["lt"]:
+        raise ValueError(f"{where}={short_repr(value)}; expected a value < {meta['lt']}")
     if "le" in meta and not value <= meta["le"]:
         raise ValueError(f"{where}={short_repr(value)}; expected a value <= {meta['le']}")
+    if "check" in meta:
+        meta["check"](value, where)
 
 
 def check_fields(obj: Any) -> None:
