@@ -44,7 +44,7 @@ def deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, An
     return out
 
 
-def _list_index(node: list, key: str, item: str) -> int:
+def _list_index(node: list[Any], key: str, item: str) -> int:
     if key.lstrip("-").isdigit():
         idx = int(key)
         if not -len(node) <= idx < len(node):

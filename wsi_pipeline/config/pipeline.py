@@ -292,7 +292,7 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_config(config: PipelineConfig, path: str | os.PathLike) -> Path:
+def save_config(config: PipelineConfig, path: str | os.PathLike[str]) -> Path:
     """Write the resolved config as YAML, atomically (:func:`wsi_pipeline.io_atomic.write_text_atomic`)."""
     return write_yaml(config, path)
 

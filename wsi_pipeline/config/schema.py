@@ -27,7 +27,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 from wsi_pipeline.config.io import short_repr
 
 __all__ = ["Checked", "build", "check_fields", "coerce", "positive", "spec", "type_name"]
@@ -107,7 +107,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise wrong
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else build(tp, value, where)
     if tp is Any:
         return value
@@ -189,10 +189,11 @@ def build(cls: type[T], raw: Any, where: str = "") -> T:
     required key or a value outside its choices or bounds; ``TypeError`` for a value of the wrong
     type (naming the field's path and the expected type).
     """
+    declared = dataclasses.fields(cast(Any, cls))  # cls is a dataclass (T stays the caller's type)
     if not isinstance(raw, Mapping):
-        raise TypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {short_repr(raw)}")
+        raise TypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in declared]}, got {type(raw).__name__} {short_repr(raw)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in declared}
     section = where or "top level"
     for key in raw:
         if key not in fields:

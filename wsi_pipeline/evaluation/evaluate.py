@@ -73,7 +73,7 @@ from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs,
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
-from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
+from wsi_pipeline.config.evaluation import EvalConfig, EvalProtocol, parse_protocols
 from wsi_pipeline.inference.protocols import SlidePrediction
 from wsi_pipeline.inference.method_models import random_encoder_note
 from wsi_pipeline.jobs.slide_jobs import run_slides
@@ -216,7 +216,7 @@ def evaluate_pipeline(
     return summary
 
 
-def _finished_runs(config: Any, methods: Sequence[str] | None, summary: EvalSummary) -> list[tuple[Any, int, Path]]:
+def _finished_runs(config: PipelineConfig, methods: Sequence[str] | None, summary: EvalSummary) -> list[tuple[Any, int, Path]]:
     """The finished runs to evaluate (unfinished ones are logged and listed in ``summary.skipped_runs``)."""
     runs, skipped = trained_runs(config, methods)
     summary.skipped_runs = skipped
@@ -230,7 +230,7 @@ def _finished_runs(config: Any, methods: Sequence[str] | None, summary: EvalSumm
     return runs
 
 
-def _sets_to_score(config: Any) -> list[EvalSet]:
+def _sets_to_score(config: PipelineConfig) -> list[EvalSet]:
     """The manifest's internal test sets and external cohorts (:func:`~wsi_pipeline.evaluation.sets.evaluation_sets`)."""
     from wsi_pipeline.manifests.schema import read_manifest
 
@@ -259,7 +259,7 @@ def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: s
     return _HeatmapChoice(hm_run, val_scores, best_val)
 
 
-def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[EvalProtocol],
+def _evaluate_run(config: PipelineConfig, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[EvalProtocol],
                   got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
                   heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
@@ -308,7 +308,7 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
     return out
 
 
-def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -> Any:
+def _survival_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
     """The training split's :class:`~wsi_pipeline.inference.endpoint_metrics.SurvivalReference`: its censoring
     distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
     every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
@@ -372,7 +372,7 @@ class _ScoreTask:
     the model it is given (``broadcast``: sent once to each Dask worker). Pure, so it can run on a
     worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``."""
 
-    config: Any
+    config: PipelineConfig
     protocols: list[EvalProtocol]
     title: str
     batch_size: int
@@ -418,7 +418,7 @@ class _SetScorer:
     """
 
     def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[EvalProtocol], got: _Collected,
-                 endpoint: Any = None, ref: Any = None, eval_cfg: Any = None) -> None:
+                 endpoint: Any = None, ref: Any = None, eval_cfg: EvalConfig | None = None) -> None:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
         self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
         self.task = endpoint.task if endpoint is not None else "classification"
@@ -505,7 +505,7 @@ class _SetScorer:
             got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(self.loc))))
 
 
-def _write_results(config: Any, out: Path, got: _Collected, protocols: list[EvalProtocol], choice: _HeatmapChoice,
+def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols: list[EvalProtocol], choice: _HeatmapChoice,
                    summary: EvalSummary, *, heatmaps: bool, heatmap_method: str | None) -> None:
     """Write the predictions files, ``metrics.json``, the resolved ``config.yaml`` and ``report.html``."""
     from wsi_pipeline.config.pipeline import save_config
