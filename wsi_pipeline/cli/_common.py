@@ -89,7 +89,7 @@ class LazyChoices(Sequence[str]):
             self._names = tuple(self._obj.names() if hasattr(self._obj, "names") else self._obj)
         return self._names
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: Any) -> Any:
         return self._load()[i]
 
     def __len__(self) -> int:
@@ -284,7 +284,7 @@ def name_the_flag(e: Exception, args: argparse.Namespace) -> Exception:
     ``... (given as --bootstrap)``); ``e`` itself otherwise."""
     text = str(e)
     for dest, (flag, key) in config_flags(args).items():
-        if getattr(args, dest, None) is not None and f"{key}=" in text:
+        if getattr(args, dest, None) is not None and re.search(rf"{re.escape(key)}(?![\w.])", text):
             return type(e)(f"{text} (given as {flag})")
     return e
 

@@ -7,7 +7,7 @@ import math
 import sys
 from collections import defaultdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import (
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "eval",
         help="evaluate trained models on the internal test split and external cohorts",
@@ -219,7 +219,7 @@ _SHOWN = ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc", "c_ind
           "rmse", "mae", "pearson", "patient_auc", "patient_c_index", "patient_rmse")
 
 
-def _print_table(records: list) -> None:
+def _print_table(records: list[Any]) -> None:
     cells: dict[tuple[str, str, str], dict[str, str]] = defaultdict(dict)
     look = {(r.method, r.seed, r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
     for r in records:

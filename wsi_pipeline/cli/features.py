@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 __all__ = ["register", "run", "settings"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "features",
         help="embed tile stores with a frozen encoder into one .h5 per slide",

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["register", "run", "settings"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "predict",
         help="predict new, unlabelled slides with a trained model (predictions CSV + heatmaps)",

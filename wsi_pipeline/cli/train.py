@@ -11,7 +11,7 @@ from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, 
 __all__ = ["register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "train",
         help="train the methods of a pipeline config (frozen, full, accumulate, bigl, patchgd)",

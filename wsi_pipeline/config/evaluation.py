@@ -97,7 +97,8 @@ def parse_protocol(value: Any, where: str = "protocol") -> EvalProtocol:
     try:
         return EvalProtocol(int(m.group(2)), int(m.group(3)), ensemble=m.group(1) == "ens")
     except ValueError as e:  # k or R outside its bounds: say which protocol, as written
-        raise ValueError(f"{where}={short_repr(value)}: {e} ({PROTOCOL_SPELLING})") from None
+        raise ValueError(f"{where}={short_repr(value)}: {e}; a protocol takes 1 to at most {MAX_SUBSET_TILES} tiles per "
+                         f"subset and 1 to at most {MAX_REPEATS} repeats (each repeat is kept per slide; the papers use 100)") from None
 
 
 def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> list[EvalProtocol]:
