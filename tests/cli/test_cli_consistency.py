@@ -227,7 +227,7 @@ def _yaml_accepts(tmp_path: Path, device: str) -> bool:
 
 
 def _device_is_checked_by_config(args: argparse.Namespace, device: str) -> bool:
-    """For a command whose --device sets a config value (eval.device, features.device, predict.device): whether
+    """For a command whose --device sets a config value (eval.device, features.device, ...): whether
     the command's config accepts ``device`` (a refusal names the flag); True for the others (argparse checked it)."""
     from wsi_pipeline.cli._common import name_the_flag, config_flags, flag_values
     from wsi_pipeline.config.evaluation import EvalConfig
@@ -237,8 +237,11 @@ def _device_is_checked_by_config(args: argparse.Namespace, device: str) -> bool:
 
     if "device" not in config_flags(args):
         return True
-    section, key = config_flags(args)["device"][1].split(".")
-    cls = {"eval": EvalConfig, "features": FeaturesConfig, "predict": PredictConfig}[section]
+    from wsi_pipeline.config.tissue import TissuePredictConfig, TissueTrainConfig
+
+    section, key = config_flags(args)["device"][1].rsplit(".", 1)
+    cls = {"eval": EvalConfig, "features": FeaturesConfig, "predict": PredictConfig, "tissue.train": TissueTrainConfig,
+           "tissue.predict": TissuePredictConfig}[section]
     try:
         build(cls, {key: flag_values(args)[f"{section}.{key}"]}, section)
     except ValueError as e:

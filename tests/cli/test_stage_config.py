@@ -172,3 +172,22 @@ def test_predict_keywords_are_predict_slides_parameters():
     from wsi_pipeline.evaluation.predict import predict_slides
 
     assert set(PredictConfig().keywords()) <= set(inspect.signature(predict_slides).parameters)
+
+
+def test_tissue_settings_from_yaml_flags_and_set(tmp_path):
+    from wsi_pipeline.cli.tissue import settings
+    from wsi_pipeline.config.tissue import TissuePredictConfig, TissueTrainConfig
+
+    path = tmp_path / "t.yaml"
+    path.write_text(yaml.safe_dump({"tissue": {"train": {"epochs": 3, "lr": 0.01}, "predict": {"mpp": 4.0}}}))
+    train = ["tissue", "train", "--slides", "s", "--out", "o"]
+    assert settings(_parse(*train)) == TissueTrainConfig()
+    got = settings(_parse(*train, "--config", str(path), "--size", "64", "96", "--epochs", "5", "--set", "channels=4"))
+    assert got == TissueTrainConfig(epochs=5, lr=0.01, size=(64, 96), channels=4)
+    predict = ["tissue", "predict", "--slides", "s", "--model", "m", "--out", "o"]
+    assert settings(_parse(*predict, "--config", str(path), "--device", "cuda:1")) == TissuePredictConfig(mpp=4.0, device="cuda:1")
+    for argv, said in ((train + ["--lr", "0"], r"tissue\.train\.lr=0\.0; expected a value > 0 \(given as --lr\)"),
+                       (train + ["--val-fraction", "1"], r"tissue\.train\.val_fraction=1\.0; expected a value < 1"),
+                       (predict + ["--slide-mpp", "-2"], r"tissue\.predict\.slide_mpp=-2\.0; expected a value > 0")):
+        with pytest.raises(ValueError, match=said):
+            settings(_parse(*argv))
