@@ -191,3 +191,12 @@ def test_tissue_settings_from_yaml_flags_and_set(tmp_path):
                        (predict + ["--slide-mpp", "-2"], r"tissue\.predict\.slide_mpp=-2\.0; expected a value > 0")):
         with pytest.raises(ValueError, match=said):
             settings(_parse(*argv))
+
+
+def test_heatmap_modes_of_the_config_are_the_renderers():
+    from wsi_pipeline.config.choices import HEATMAP_MODES
+    from wsi_pipeline.export.heatmap import MODES
+
+    assert HEATMAP_MODES == MODES
+    for command in (["eval", "--config", "c.yaml"], PREDICT_ARGS):
+        assert _parse(*command, "--heatmap-mode", "minmax").heatmap_mode == "minmax"
