@@ -200,3 +200,16 @@ def test_heatmap_modes_of_the_config_are_the_renderers():
     assert HEATMAP_MODES == MODES
     for command in (["eval", "--config", "c.yaml"], PREDICT_ARGS):
         assert _parse(*command, "--heatmap-mode", "minmax").heatmap_mode == "minmax"
+
+
+def test_eval_methods_of_the_pipeline_stay_in_a_run_config_of_one_method(tmp_path):
+    """A run's saved config holds one method and the pipeline's eval section: it still builds."""
+    import dataclasses as dc
+
+    from wsi_pipeline.config.pipeline import load_config
+
+    cfg = load_config(_pipeline(tmp_path, methods=["a", "b"], heatmap_method="b"))
+    one = dc.replace(cfg, methods=cfg.methods[:1])  # as training/rundir.run_config makes it
+    assert one.eval.methods == ("a", "b")
+    with pytest.raises(ValueError, match=r"eval\.methods: 'b' is not a method"):
+        one.check_eval_methods()

@@ -17,6 +17,7 @@ from wsi_pipeline.cli._common import (
     add_heatmap_mode_argument,
     add_output_arguments,
     add_set_argument,
+    name_the_flag,
     pipeline_from_args,
 )
 
@@ -80,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
 
     config = pipeline_from_args(args)  # a bad flag or key is refused before torchrun is joined
+    try:
+        config.check_eval_methods()
+    except ValueError as e:
+        raise ValueError(f"{args.config}: {name_the_flag(e, args)}") from e
     try:
         join_torchrun(args)
         return _run(config, args)

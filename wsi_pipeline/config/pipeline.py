@@ -164,10 +164,6 @@ class PipelineConfig(Checked):
             raise ValueError(f"duplicate method name(s) {dup}; each method needs its own name")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={list(self.seeds)}; expected a non-empty list of distinct integers")
-        for key, asked in (("eval.methods", list(self.eval.methods)), ("eval.heatmap_method", [self.eval.heatmap_method])):
-            unknown = [n for n in asked if n is not None and n not in names]
-            if unknown:
-                raise ValueError(f"{key}: {unknown[0]!r} is not a method of pipeline {self.name!r}; its methods: {names}")
         tasks = {m.task for m in self.methods}
         if len(tasks) > 1:
             by = {t: [m.name for m in self.methods if m.task == t] for t in sorted(tasks)}
@@ -180,6 +176,18 @@ class PipelineConfig(Checked):
                                  f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
         if self.task == "classification" and self.data.n_classes is None:
             raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+
+    def check_eval_methods(self) -> None:
+        """``ValueError`` unless ``eval.methods`` and ``eval.heatmap_method`` name methods of this pipeline.
+
+        Checked by the evaluation stage (and :func:`with_eval`), not on construction: a run's saved
+        config holds one method but the pipeline's ``eval`` section.
+        """
+        names = [m.name for m in self.methods]
+        for key, asked in (("eval.methods", list(self.eval.methods)), ("eval.heatmap_method", [self.eval.heatmap_method])):
+            unknown = [n for n in asked if n is not None and n not in names]
+            if unknown:
+                raise ValueError(f"{key}: {unknown[0]!r} is not a method of pipeline {self.name!r}; its methods: {names}")
 
     @property
     def task(self) -> str:
@@ -299,18 +307,19 @@ def save_config(config: PipelineConfig, path: str | os.PathLike[str]) -> Path:
 
 def with_eval(config: PipelineConfig, **changes: Any) -> PipelineConfig:
     """``config`` with the :class:`EvalConfig` fields named in ``changes`` replaced (a None value keeps
-    the config's), checked as a section and against the pipeline (``eval.methods`` must be its methods).
+    the config's), checked as a section and against the pipeline (:meth:`PipelineConfig.check_eval_methods`).
 
     For callers that set evaluation settings in code: ``with_eval(cfg, device="cpu", bootstrap=0)``.
     """
     given = {k: v for k, v in changes.items() if v is not None}
-    if not given:
-        return config
-    if "methods" in given:
-        given["methods"] = tuple(given["methods"])
-    if "results" in given:
-        given["results"] = str(given["results"])
-    return dataclasses.replace(config, eval=dataclasses.replace(config.eval, **given))
+    if given:
+        if "methods" in given:
+            given["methods"] = tuple(given["methods"])
+        if "results" in given:
+            given["results"] = str(given["results"])
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, **given))
+    config.check_eval_methods()
+    return config
 
 
 def method_by_name(config: PipelineConfig, name: str) -> MethodConfig:
