@@ -106,10 +106,10 @@ class EncoderConfig(Checked):
     timm_kwargs: dict[str, Any] = field(default_factory=dict)
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
-    input_size: int | None = None
+    input_size: int | None = field(default=None, metadata=spec(gt=0))
     embedding: Literal["pooled", "cls_mean"] | None = None
-    freeze_blocks: int = 0
-    layer_decay: float | None = None
+    freeze_blocks: int = field(default=0, metadata=spec(ge=0))
+    layer_decay: float | None = field(default=None, metadata=spec(gt=0, le=1))
     lora: LoRAConfig | None = None
     checkpointing: bool | None = None
 
@@ -132,12 +132,6 @@ class EncoderConfig(Checked):
                 f"encoder.{sorted(vit_only)[0]} is set for encoder {self.name!r}; partial fine-tuning and activation "
                 "checkpointing apply to foundation-model (timm) encoders only"
             )
-        if self.freeze_blocks < 0:
-            raise ValueError(f"encoder.freeze_blocks={self.freeze_blocks}; expected a number of blocks >= 0")
-        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
-            raise ValueError(f"encoder.layer_decay={self.layer_decay}; expected a factor in (0, 1] (e.g. 0.75)")
-        if self.input_size is not None:
-            positive("encoder.input_size", self.input_size)
         if self.std is not None and not all(x > 0 for x in self.std):
             raise ValueError(f"encoder.std={list(self.std)}; expected three values > 0")
 
