@@ -213,3 +213,19 @@ def test_eval_methods_of_the_pipeline_stay_in_a_run_config_of_one_method(tmp_pat
     assert one.eval.methods == ("a", "b")
     with pytest.raises(ValueError, match=r"eval\.methods: 'b' is not a method"):
         one.check_eval_methods()
+
+
+def test_the_evaluation_stage_settings_do_not_change_a_trained_run(tmp_path):
+    """A run folder saved with one set of eval stage settings is the same run under others (nothing to resume
+    differently), while a setting of training itself still counts as a change."""
+    from wsi_pipeline.config.pipeline import load_config, save_config, with_eval
+    from wsi_pipeline.training.rundir import changed_since_finished
+
+    cfg = load_config(_pipeline(tmp_path))
+    run = tmp_path / "run"
+    save_config(cfg, run / "config.yaml")
+    other = with_eval(cfg, methods=["a"], batch_size=8, heatmaps=False, heatmap_method="a", heatmap_mode="raw",
+                      results=tmp_path / "elsewhere", device="cpu")
+    assert changed_since_finished(run, other) == []
+    lr = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=0.5))
+    assert any("train.lr" in d for d in changed_since_finished(run, lr))
