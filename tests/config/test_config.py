@@ -164,7 +164,9 @@ def test_protocol_spelling(tmp_path):
                        ("subsample256x100", r"eval.protocols\[0\]='subsample256x100'"), ("most", r"eval.protocols\[0\]='most'")):
         with pytest.raises(ValueError, match=where + r".*; expected all, sub<k>x<R> .* or ens<k>x<R>"):
             load_config(write(tmp_path, minimal(eval={"protocols": [bad]})))
-    with pytest.raises(ValueError, match=r"eval.val_protocol='sub0x3'; k and R must be >= 1"):
+    with pytest.raises(ValueError, match=r"eval.val_protocol='sub0x3': EvalProtocol.k=0; expected a value >= 1"):
         load_config(write(tmp_path, minimal(eval={"val_protocol": "sub0x3"})))
+    with pytest.raises(ValueError, match=r"eval.protocols\[0\]='sub8x20000': EvalProtocol.repeats=20000; expected a value <= 10000"):
+        load_config(write(tmp_path, minimal(eval={"protocols": ["sub8x20000"]})))
     with pytest.raises(TypeError, match=r"eval.protocols must be a non-empty list"):
         load_config(write(tmp_path, minimal(eval={"protocols": "all"})))

@@ -13,10 +13,15 @@ import importlib
 import logging
 import re
 import typing
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from wsi_pipeline.devices import DEVICES, check_device
+
+if TYPE_CHECKING:
+    from wsi_pipeline.config.pipeline import PipelineConfig
+
+T = TypeVar("T")
 
 __all__ = [
     "CommandParser",
@@ -27,6 +32,13 @@ __all__ = [
     "add_output_arguments",
     "add_set_argument",
     "apply_output_level",
+    "add_config_flag",
+    "config_flags",
+    "config_from_args",
+    "flag_values",
+    "name_the_flag",
+    "pipeline_from_args",
+    "section_keys",
     "failure_status",
     "override",
 ]
@@ -77,7 +89,7 @@ class LazyChoices(Sequence[str]):
             self._names = tuple(self._obj.names() if hasattr(self._obj, "names") else self._obj)
         return self._names
 
-    def __getitem__(self, i):
+    def __getitem__(self, i: Any) -> Any:
         return self._load()[i]
 
     def __len__(self) -> int:
@@ -160,33 +172,55 @@ def apply_output_level(args: argparse.Namespace) -> dict[str, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-def add_set_argument(p: argparse.ArgumentParser) -> None:
-    """Add ``--set SECTION.KEY=VALUE`` (repeatable; into ``args.overrides``, read by ``load_config``)."""
+def add_set_argument(p: argparse.ArgumentParser, sections: Callable[[], Mapping[str, tuple[str, ...]]] | None = None,
+                     example: str = "train.epochs=2") -> None:
+    """Add ``--set SECTION.KEY=VALUE`` (repeatable; into ``args.overrides``, read by :func:`config_from_args`).
+
+    ``sections`` lists the sections (and their keys) a short ``key=value`` may belong to (default:
+    the pipeline config's, :func:`_sections`); ``example`` is shown in the help.
+    """
     p.add_argument(
-        "--set", dest="overrides", action="append", type=override, default=[], metavar="SECTION.KEY=VALUE",
-        help="override a value of the pipeline config (repeatable), e.g. --set train.epochs=2 "
-             "--set methods.abmil_e2e.chunk_size=32 (in `methods`, a method's name or index); VALUE is read as YAML. "
-             "A key that only one section has may omit the section (epochs=2 is train.epochs=2)",
+        "--set", dest="overrides", action="append", type=_Override(sections), default=[], metavar="SECTION.KEY=VALUE",
+        help=f"override a value of the config (repeatable), e.g. --set {example}"
+             + (" --set methods.abmil_e2e.chunk_size=32 (in `methods`, a method's name or index)" if sections is None else "")
+             + "; VALUE is read as YAML. A key that only one section has may omit the section"
+             + (" (epochs=2 is train.epochs=2)" if sections is None else ""),
     )
+
+
+def section_keys(cls: type) -> dict[str, tuple[str, ...]]:
+    """``{name: keys}`` of the fields of dataclass ``cls``: a section's own keys when it is a dataclass, else ``()``."""
+    hints = typing.get_type_hints(cls)
+    out: dict[str, tuple[str, ...]] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        out[f.name] = tuple(g.name for g in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
+    return out
 
 
 def _sections() -> dict[str, tuple[str, ...]]:
     """Top-level keys of a pipeline config, each with its keys when it is a section (a dataclass)."""
     from wsi_pipeline.config.pipeline import PipelineConfig
 
-    hints = typing.get_type_hints(PipelineConfig)
-    out: dict[str, tuple[str, ...]] = {}
-    for f in dataclasses.fields(PipelineConfig):
-        tp = hints[f.name]
-        out[f.name] = tuple(g.name for g in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else ()
-    return out
+    return section_keys(PipelineConfig)
 
 
-def override(text: str) -> str:
-    """One ``--set`` value in the ``section.key=value`` form of :func:`wsi_pipeline.config.pipeline.apply_overrides`.
+class _Override:
+    """The argparse ``type=`` of ``--set``: :func:`override` against the sections a command reads."""
 
-    The short form ``key=value`` is rewritten to ``section.key=value`` when exactly one section
-    has ``key``; otherwise a usage error names the full form.
+    def __init__(self, sections: Callable[[], Mapping[str, tuple[str, ...]]] | None) -> None:
+        self.sections = sections
+        self.__name__ = "override"  # argparse names the type in its messages
+
+    def __call__(self, text: str) -> str:
+        return override(text, self.sections() if self.sections is not None else None)
+
+
+def override(text: str, sections: Mapping[str, tuple[str, ...]] | None = None) -> str:
+    """One ``--set`` value in the ``section.key=value`` form of :func:`wsi_pipeline.config.overrides.apply_overrides`.
+
+    The short form ``key=value`` is rewritten to ``section.key=value`` when exactly one section of
+    ``sections`` (default: the pipeline config's) has ``key``; otherwise a usage error names the full form.
     """
     if "=" not in text:
         raise argparse.ArgumentTypeError(f"{text!r}: expected SECTION.KEY=VALUE, e.g. train.epochs=2")
@@ -194,7 +228,8 @@ def override(text: str) -> str:
     key = key.strip()
     if "." in key:
         return text
-    sections = _sections()
+    if sections is None:
+        sections = _sections()
     if key in sections:
         return text
     owners = [s for s, keys in sections.items() if key in keys]
@@ -205,7 +240,90 @@ def override(text: str) -> str:
             f"{text!r}: {key!r} is in several sections; write one of {', '.join(f'{s}.{key}={value}' for s in owners)}")
     raise argparse.ArgumentTypeError(
         f"{text!r}: no section has a key {key!r}; write SECTION.KEY=VALUE with a section of "
-        f"{', '.join(s for s, keys in sections.items() if keys or s == 'methods')}, e.g. train.epochs=2")
+        f"{', '.join(s for s, keys in sections.items() if keys or s == 'methods')}, e.g. "
+        f"{next((f'{s}.{keys[0]}=...' for s, keys in sections.items() if keys), 'train.epochs=2')}")
+
+
+# ------------------------------------------------------------------------------------------------
+# --config FILE: the one builder of every stage's settings
+# ------------------------------------------------------------------------------------------------
+
+
+def add_config_flag(p: argparse.ArgumentParser, *names: str, key: str, **kwargs: Any) -> argparse.Action:
+    """Add a flag that sets the config value at key path ``key`` (``--bootstrap`` sets ``eval.bootstrap``).
+
+    The flag's default is None (``store_true`` / ``store_false`` flags too), so a flag left out leaves
+    the config's value; :func:`config_from_args` sets the given ones before ``--set``, and names the
+    flag in an error about its value. Returns the argparse action.
+    """
+    kwargs.setdefault("default", None)
+    action = p.add_argument(*names, **kwargs)
+    flags = dict(p.get_default("config_flags") or {})
+    flags[action.dest] = (action.option_strings[0], key)
+    p.set_defaults(config_flags=flags)
+    return action
+
+
+def config_flags(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """``{dest: (flag, key path)}`` of the command's :func:`add_config_flag` flags."""
+    return dict(getattr(args, "config_flags", None) or {})
+
+
+def flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """``{key path: value}`` of the command's :func:`add_config_flag` flags that were given (not None)."""
+    out: dict[str, Any] = {}
+    for dest, (_, key) in config_flags(args).items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            out[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def name_the_flag(e: Exception, args: argparse.Namespace) -> Exception:
+    """``e`` with the flag named when its message is about a value a flag set (``eval.bootstrap=-1`` ->
+    ``... (given as --bootstrap)``); ``e`` itself otherwise."""
+    text = str(e)
+    for dest, (flag, key) in config_flags(args).items():
+        if getattr(args, dest, None) is not None and re.search(rf"{re.escape(key)}(?![\w.])", text):
+            return type(e)(f"{text} (given as {flag})")
+    return e
+
+
+def config_from_args(args: argparse.Namespace, make: Callable[[dict[str, Any]], T], *, what: str = "config") -> T:
+    """A command's typed settings, the same way in every command: ``--config FILE`` (or none), the flags
+    added with :func:`add_config_flag`, then ``--set``, then ``make`` (which builds and checks the
+    dataclass): :func:`wsi_pipeline.config.overrides.build_config`.
+
+    ``tile`` may call it with ``make=lambda raw: <its settings built from section_of(raw, "data.tiling")>``
+    and its flags added by :func:`add_config_flag` with ``key="data.tiling.<name>"``.
+    """
+    from wsi_pipeline.config.overrides import build_config
+
+    try:
+        return build_config(getattr(args, "config", None), make, values=flag_values(args),
+                            overrides=getattr(args, "overrides", ()) or (), what=what)
+    except (ValueError, TypeError) as e:
+        named = name_the_flag(e, args)
+        if named is e:
+            raise
+        raise named from e
+
+
+def pipeline_from_args(args: argparse.Namespace) -> PipelineConfig:
+    """The pipeline config of ``train`` / ``eval``: :func:`config_from_args` with the whole YAML checked as a
+    :class:`~wsi_pipeline.config.pipeline.PipelineConfig` (:func:`~wsi_pipeline.config.pipeline.load_config`;
+    ``name`` defaults to the file's stem)."""
+    from wsi_pipeline.config import pipeline
+
+    if getattr(args, "config", None) is None:
+        raise ValueError("give the pipeline config: --config PIPELINE.yaml")
+    try:
+        return pipeline.load_config(args.config, getattr(args, "overrides", ()) or (), values=flag_values(args))
+    except (ValueError, TypeError) as e:
+        named = name_the_flag(e, args)
+        if named is e:
+            raise
+        raise named from e
 
 
 # ------------------------------------------------------------------------------------------------
@@ -223,8 +341,12 @@ def _device(text: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from e
 
 
-def add_device_argument(p: argparse.ArgumentParser, default: str | None = "auto", note: str = "") -> None:
-    """Add ``--device`` with the names of :data:`wsi_pipeline.devices.DEVICES` (``note`` ends its help)."""
+def add_device_argument(p: argparse.ArgumentParser, default: str | None = "auto", note: str = "", key: str | None = None) -> None:
+    """Add ``--device`` with the names of :data:`wsi_pipeline.devices.DEVICES` (``note`` ends its help); with
+    ``key``, a flag that sets that config value (:func:`add_config_flag`; checked by the config)."""
+    if key is not None:
+        add_config_flag(p, "--device", key=key, metavar="DEVICE", help=DEVICE_HELP + f"; {key}" + (f" ({note})" if note else ""))
+        return
     p.add_argument("--device", type=_device, default=default, metavar="DEVICE",
                    help=DEVICE_HELP + (f"; {note}" if note else ""))
 
@@ -234,9 +356,10 @@ def add_device_argument(p: argparse.ArgumentParser, default: str | None = "auto"
 # ------------------------------------------------------------------------------------------------
 
 
-def add_heatmap_mode_argument(p: argparse.ArgumentParser) -> None:
-    """Add ``--heatmap-mode`` with the modes of :data:`wsi_pipeline.export.heatmap.MODES`."""
-    p.add_argument("--heatmap-mode", default="rank", choices=LazyChoices("wsi_pipeline.export.heatmap", "MODES"),
-                   metavar="MODE",
-                   help="colour normalisation of the heatmaps, one of %(choices)s: per-slide rank, per-slide min-max, "
-                        "or the raw scores")
+def add_heatmap_mode_argument(p: argparse.ArgumentParser, section: str) -> None:
+    """Add ``--heatmap-mode``, which sets ``<section>.heatmap_mode`` (the config checks it; the modes of
+    :data:`wsi_pipeline.config.choices.HEATMAP_MODES` are listed in ``--help``)."""
+    add_config_flag(p, "--heatmap-mode", key=f"{section}.heatmap_mode",
+                    choices=LazyChoices("wsi_pipeline.config.choices", "HEATMAP_MODES"), metavar="MODE",
+                   help="colour normalisation of the heatmaps, one of %(choices)s: per-slide rank (the default), "
+                        f"per-slide min-max, or the raw scores ({section}.heatmap_mode)")

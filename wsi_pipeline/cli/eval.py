@@ -6,21 +6,29 @@ import argparse
 import math
 import sys
 from collections import defaultdict
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
 from wsi_pipeline.cli._common import (
     add_failure_argument, add_trust_argument, failure_status,
     add_device_argument,
+    add_config_flag,
     add_heatmap_mode_argument,
     add_output_arguments,
     add_set_argument,
+    name_the_flag,
+    pipeline_from_args,
 )
+
+if TYPE_CHECKING:
+    from wsi_pipeline.config.pipeline import PipelineConfig
+    from wsi_pipeline.manifests.folds import FoldRun
 
 __all__ = ["register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "eval",
         help="evaluate trained models on the internal test split and external cohorts",
@@ -35,20 +43,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", required=True, metavar="YAML", help="pipeline YAML, e.g. pipelines/demo.yaml")
     add_set_argument(p)
-    p.add_argument("--method", dest="methods", action="append", default=None, metavar="NAME",
-                   help="evaluate only this method (repeatable; default: every method of the config)")
-    add_device_argument(p)
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="tiles per encoder call (default: each method's chunk_size)")
-    p.add_argument("--bootstrap", type=int, default=None, metavar="N",
-                   help="bootstrap resamples for the 95%% intervals; 0 turns them off (default: the config's eval.bootstrap, 1000)")
-    p.add_argument("--no-heatmaps", action="store_true", help="skip heatmaps, per-tile scores and GeoJSON")
-    p.add_argument("--heatmap-method", default=None, metavar="NAME",
-                   help="method whose seed best on validation draws the heatmaps (default: the run best on validation)")
-    add_heatmap_mode_argument(p)
-    p.add_argument("--results", default=None, metavar="DIR",
-                   help="output folder (default: <results_dir>/<pipeline name>; with --folds the folder that holds "
-                   "<name>_fold<k>/ and <name>_cv/)")
+    add_config_flag(p, "--method", key="eval.methods", dest="methods", action="append", metavar="NAME",
+                    help="evaluate only this method (repeatable; eval.methods; default: every method of the config)")
+    add_device_argument(p, note="default: the config's, auto", key="eval.device")
+    add_config_flag(p, "--batch-size", key="eval.batch_size", type=int, metavar="N",
+                    help="tiles per encoder call (eval.batch_size; default: each method's chunk_size)")
+    add_config_flag(p, "--bootstrap", key="eval.bootstrap", type=int, metavar="N",
+                    help="bootstrap resamples for the 95%% intervals; 0 turns them off (eval.bootstrap; default: the "
+                         "config's, 1000)")
+    add_config_flag(p, "--no-heatmaps", key="eval.heatmaps", dest="heatmaps", action="store_false",
+                    help="skip heatmaps, per-tile scores and GeoJSON (eval.heatmaps: false)")
+    add_config_flag(p, "--heatmap-method", key="eval.heatmap_method", metavar="NAME",
+                    help="method whose seed best on validation draws the heatmaps (eval.heatmap_method; default: the run "
+                         "best on validation)")
+    add_heatmap_mode_argument(p, "eval")
+    add_config_flag(p, "--results", key="eval.results", metavar="DIR",
+                    help="output folder (eval.results; default: <results_dir>/<pipeline name>; with --folds the folder "
+                         "that holds <name>_fold<k>/ and <name>_cv/)")
     p.add_argument("--folds", action="store_true",
                    help="evaluate every fold trained with `train --folds` (a fold whose results are newer than its "
                    "runs is not evaluated again), then pool them into <results_dir>/<name>_cv/. Fixed-test folds "
@@ -69,43 +80,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
 
-    from wsi_pipeline.config.evaluation import MAX_BOOTSTRAP
-
-    if args.bootstrap is not None and not 0 <= args.bootstrap <= MAX_BOOTSTRAP:
-        raise ValueError(f"--bootstrap {args.bootstrap}; expected 0 (off) or a number of resamples up to {MAX_BOOTSTRAP}")
+    config = pipeline_from_args(args)  # a bad flag or key is refused before torchrun is joined
+    try:
+        config.check_eval_methods()
+    except ValueError as e:
+        raise ValueError(f"{args.config}: {name_the_flag(e, args)}") from e
     try:
         join_torchrun(args)
-        return _run(args)
+        return _run(config, args)
     finally:
         distributed.shutdown()
 
 
-def _run(args: argparse.Namespace) -> int:
-    from wsi_pipeline.config.pipeline import load_config
+def _run(config: PipelineConfig, args: argparse.Namespace) -> int:
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.training import distributed
 
-    config = load_config(args.config, args.overrides)
     if getattr(args, "folds", False):
         return _run_folds(config, args)
     from wsi_pipeline.manifests.folds import check_not_crossval
 
     check_not_crossval(config.data.manifest, "eval")
-    summary = evaluate_pipeline(
-        config,
-        methods=args.methods,
-        device=args.device,
-        batch_size=args.batch_size,
-        heatmaps=not args.no_heatmaps,
-        heatmap_method=args.heatmap_method,
-        heatmap_mode=args.heatmap_mode,
-        n_boot=args.bootstrap,
-        results_dir=args.results,
-        progress=not args.no_progress,
-        cluster=cluster_from_args(args),
-        retries=args.retries,
-    )
+    summary = evaluate_pipeline(config, progress=not args.no_progress, cluster=cluster_from_args(args), retries=args.retries)
     if not distributed.is_main():
         return 0
     out = summary.results_dir
@@ -139,18 +136,19 @@ def _run(args: argparse.Namespace) -> int:
     print(f"  report       {out / 'report.html'}")
     print(f"  metrics      {out / 'metrics.json'}")
     print(f"  predictions  {out}/predictions_<cohort>_<protocol>.csv ({sum(1 for f in summary.files if f.name.startswith('predictions_'))} files)")
-    if not args.no_heatmaps:
+    if config.eval.heatmaps:
         print(f"  heatmaps     {out / 'heatmaps'}/<slide_id>.png, .geojson (QuPath), _scores.csv")
     return failure_status(bool(summary.failed_slides), args)
 
 
-def _run_folds(config: Any, args: argparse.Namespace) -> int:
+def _run_folds(config: PipelineConfig, args: argparse.Namespace) -> int:
     """Evaluate each fold as its own pipeline, then pool the folds: mean ± std across fixed-test folds, or the
     out-of-fold predictions of a cross-validation."""
     import dataclasses
     from pathlib import Path
 
     from wsi_pipeline.config.evaluation import ALL
+    from wsi_pipeline.config.pipeline import with_eval
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.manifests.folds import fold_config, fold_runs
 
@@ -159,22 +157,19 @@ def _run_folds(config: Any, args: argparse.Namespace) -> int:
     if crossval and not any(p.is_all for p in config.eval.protocols):
         # the out-of-fold predictions are the all-tiles protocol's
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, protocols=(ALL, *config.eval.protocols)))
-    root = Path(args.results) if args.results else Path(config.results_dir)
+    root = Path(config.eval.results) if config.eval.results is not None else Path(config.results_dir)
+    methods = list(config.eval.methods) or None
     for i, run in enumerate(runs):
         cfg = fold_config(config, run)
         where = f"repeat {run.repeat} fold {run.fold}" if run.repeats > 1 else f"fold {run.fold}"
-        if not args.reevaluate and _evaluated(cfg, root / cfg.name, args.methods):
+        if not args.reevaluate and _evaluated(cfg, root / cfg.name, methods):
             print(f"{where} ({i + 1}/{len(runs)}): {cfg.name} already evaluated (results newer than its runs; "
                   "--reevaluate to redo)")
             continue
         print(f"{where} ({i + 1}/{len(runs)}): evaluating {cfg.name}")
-        evaluate_pipeline(
-            cfg, methods=args.methods, device=args.device, batch_size=args.batch_size,
-            heatmaps=not args.no_heatmaps, heatmap_method=args.heatmap_method, heatmap_mode=args.heatmap_mode,
-            # cross-validation: intervals come from the pooled out-of-fold predictions, not from each small fold
-            n_boot=0 if crossval else args.bootstrap, results_dir=root / cfg.name, progress=not args.no_progress,
-            cluster=cluster_from_args(args), retries=args.retries,
-        )
+        # cross-validation: intervals come from the pooled out-of-fold predictions, not from each small fold
+        cfg = with_eval(cfg, results=root / cfg.name, bootstrap=0 if crossval else None)
+        evaluate_pipeline(cfg, progress=not args.no_progress, cluster=cluster_from_args(args), retries=args.retries)
     from wsi_pipeline.training import distributed
 
     if not distributed.is_main():  # rank 0 pools and prints
@@ -192,7 +187,7 @@ def _run_folds(config: Any, args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluated(cfg: Any, out: Any, methods: Any) -> bool:
+def _evaluated(cfg: PipelineConfig, out: Path, methods: list[str] | None) -> bool:
     """Whether fold pipeline ``cfg`` has results in ``out`` newer than every finished run they cover."""
     from wsi_pipeline.evaluation.sets import trained_runs
     from wsi_pipeline.export.metrics_json import read_metrics_json
@@ -208,13 +203,13 @@ def _evaluated(cfg: Any, out: Any, methods: Any) -> bool:
     return all(m.name in done for m, _, _ in runs) and metrics.stat().st_mtime > newest
 
 
-def _pool_crossval(config: Any, runs: list, root: Any, args: argparse.Namespace) -> int:
+def _pool_crossval(config: PipelineConfig, runs: list[FoldRun], root: Path, args: argparse.Namespace) -> int:
     """Pool the out-of-fold predictions of every repeat and fold; print the table and where it is."""
     import pandas as pd
 
     from wsi_pipeline.evaluation.crossval import format_table, pool_crossval
 
-    out = pool_crossval(config, runs, results_dir=root, methods=args.methods, n_boot=args.bootstrap)
+    out = pool_crossval(config, runs, results_dir=root, methods=list(config.eval.methods) or None, n_boot=config.eval.bootstrap)
     table = pd.read_csv(out / "cv_table.csv")
     n_folds, n_rep = int(table["n_folds"].max()), int(table["n_repeats"].max())
     print(f"\n{n_folds}-fold cross-validation x {n_rep} repeat(s), out-of-fold predictions of the all-tiles protocol "
@@ -229,7 +224,7 @@ _SHOWN = ("auc", "qwk", "accuracy", "auc_repeat_std", "localisation_auc", "c_ind
           "rmse", "mae", "pearson", "patient_auc", "patient_c_index", "patient_rmse")
 
 
-def _print_table(records: list) -> None:
+def _print_table(records: list[Any]) -> None:
     cells: dict[tuple[str, str, str], dict[str, str]] = defaultdict(dict)
     look = {(r.method, r.seed, r.cohort, r.split, r.protocol, r.metric): r.value for r in records}
     for r in records:

@@ -3,14 +3,27 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args
-from wsi_pipeline.cli._common import add_failure_argument, failure_status, LazyChoices, add_device_argument, add_output_arguments
+from wsi_pipeline.cli._common import (
+    LazyChoices,
+    add_device_argument,
+    add_failure_argument,
+    add_output_arguments,
+    add_config_flag,
+    add_set_argument,
+    config_from_args,
+    failure_status,
+)
 
-__all__ = ["register", "run"]
+if TYPE_CHECKING:
+    from wsi_pipeline.config.features import FeaturesConfig
+
+__all__ = ["register", "run", "settings"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "features",
         help="embed tile stores with a frozen encoder into one .h5 per slide",
@@ -19,29 +32,36 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "<out>/<slide_id>.h5 with `features` [N, D] float32, `coords` [N, 2] (level-0 px) and attributes "
             "naming the encoder, the sha256 of its weights (and of its weights file), its preprocessing (resize "
             "to the model's input size, normalisation) and the store's fingerprint. Up-to-date files are "
-            "skipped; a per-slide status table goes to <out>/features_report.csv."
+            "skipped; a per-slide status table goes to <out>/features_report.csv. The settings (encoder, weights, "
+            "batch size, bf16, device) may come from the `features:` section of a YAML file (--config) and --set "
+            "features.KEY=VALUE; a flag given sets its key."
         ),
     )
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="YAML file whose `features:` section holds the settings, e.g. {encoder: uni_v1, batch_size: 128} "
+                        "(other sections are ignored)")
+    add_set_argument(p, sections=_sections, example="features.batch_size=128")
     p.add_argument("--manifest", required=True, metavar="CSV", help="manifest CSV; its slide_id column selects the stores")
     p.add_argument("--tiles", required=True, metavar="DIR", help="folder of tile stores written by `wsi-pipeline tile`")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder for the .h5 feature files (created)")
-    p.add_argument("--encoder", default="resnet18", choices=LazyChoices("wsi_pipeline.models", "encoder_choices"), metavar="NAME",
-                   help="tile encoder, one of %(choices)s: our ResNets, the foundation-model presets (UNI, UNI2-h, "
-                        "Virchow2, H-optimus-0/1, Prov-GigaPath tile encoder; README 'Foundation models'), or any timm "
-                        "architecture as timm:<name> (default resnet18)")
-    p.add_argument(
-        "--weights",
-        default=None,
-        metavar="FILE",
-        help="weights file: a torchvision checkpoint for a ResNet, or `imagenet` for torchvision's ImageNet checkpoint (`wsi-pipeline weights fetch`); for a foundation preset the file its model card "
-             "publishes (pytorch_model.bin, model.safetensors or .pth), loaded strictly, never downloaded; without it "
-             "the encoder is randomly initialised (seed 0)",
+    add_config_flag(p, "--encoder", key="features.encoder", choices=LazyChoices("wsi_pipeline.models", "encoder_choices"),
+                    metavar="NAME",
+                    help="tile encoder, one of %(choices)s: our ResNets, the foundation-model presets (UNI, UNI2-h, "
+                         "Virchow2, H-optimus-0/1, Prov-GigaPath tile encoder; README 'Foundation models'), or any timm "
+                         "architecture as timm:<name> (features.encoder; default resnet18)")
+    add_config_flag(
+        p, "--weights", key="features.weights", metavar="FILE",
+        help="weights file: a torchvision checkpoint for a ResNet, or `imagenet` for torchvision's ImageNet checkpoint "
+             "(`wsi-pipeline weights fetch`); for a foundation preset the file its model card publishes "
+             "(pytorch_model.bin, model.safetensors or .pth), loaded strictly, never downloaded; without it the encoder "
+             "is randomly initialised (seed 0) (features.weights)",
     )
-    p.add_argument("--batch-size", type=int, default=64, metavar="N", help="tiles per forward pass")
-    p.add_argument("--bf16", action="store_true",
-                   help="embed under bfloat16 autocast (fast on recent GPUs; features are stored as float32 and the "
-                        "precision is recorded, so float32 and bf16 files never mix)")
-    add_device_argument(p)
+    add_config_flag(p, "--batch-size", key="features.batch_size", type=int, metavar="N",
+                    help="tiles per forward pass (features.batch_size; default: 64)")
+    add_config_flag(p, "--bf16", key="features.bf16", action="store_true",
+                    help="embed under bfloat16 autocast (fast on recent GPUs; features are stored as float32 and the "
+                         "precision is recorded, so float32 and bf16 files never mix) (features.bf16)")
+    add_device_argument(p, note="default: auto", key="features.device")
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
     add_output_arguments(p)
     add_failure_argument(p)
@@ -49,24 +69,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _sections() -> dict[str, tuple[str, ...]]:
+    from wsi_pipeline.cli._common import section_keys
+    from wsi_pipeline.config.features import FeaturesConfig
+
+    return {"features": tuple(section_keys(FeaturesConfig))}
+
+
+def settings(args: argparse.Namespace) -> FeaturesConfig:
+    """The command's :class:`~wsi_pipeline.config.features.FeaturesConfig`: --config's ``features:`` section, the flags, --set."""
+    from wsi_pipeline.config.features import FeaturesConfig
+    from wsi_pipeline.config.overrides import section_of
+    from wsi_pipeline.config.schema import build
+
+    return config_from_args(args, lambda raw: build(FeaturesConfig, section_of(raw, "features"), "features"))
+
+
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.inference.features import LEFT_OUT_NOTE, extract_features
     from wsi_pipeline.manifests.schema import read_manifest
+
+    config = settings(args)
     cluster = cluster_from_args(args)
     df = read_manifest(args.manifest)
     report = extract_features(
         df,
         args.tiles,
         args.out,
-        args.encoder,
-        args.weights,
-        batch_size=args.batch_size,
-        device=args.device,
+        config.encoder,
+        config.weights,
+        batch_size=config.batch_size,
+        device=config.device,
         overwrite=args.overwrite,
         progress=not args.no_progress,
         cluster=cluster,
         retries=args.retries,
-        bf16=args.bf16,
+        bf16=config.bf16,
     )
     counts = report["status"].value_counts().to_dict()
     left = report["note"].fillna("").astype(str).str.startswith(LEFT_OUT_NOTE)

@@ -3,14 +3,29 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, join_torchrun
-from wsi_pipeline.cli._common import add_failure_argument, add_trust_argument, failure_status, add_device_argument, add_heatmap_mode_argument, add_output_arguments
+from wsi_pipeline.cli._common import (
+    add_config_flag,
+    add_device_argument,
+    add_failure_argument,
+    add_heatmap_mode_argument,
+    add_output_arguments,
+    add_set_argument,
+    add_trust_argument,
+    config_from_args,
+    failure_status,
+    section_keys,
+)
 
-__all__ = ["register", "run"]
+if TYPE_CHECKING:
+    from wsi_pipeline.config.predict import PredictConfig
+
+__all__ = ["register", "run", "settings"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "predict",
         help="predict new, unlabelled slides with a trained model (predictions CSV + heatmaps)",
@@ -25,39 +40,64 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "in its checkpoint to every slide, from the slide's own stain estimate (columns stain_normalised and "
             "stain_problem: a slide whose stain cannot be estimated is predicted unnormalised). Under torchrun (torchrun --nproc_per_node=G -m wsi_pipeline.cli.main predict ...) "
             "the ranks tile the folder together, each scores a shard of the slides, and rank 0 writes the same "
-            "files one process writes."
+            "files one process writes. The settings (protocols, workers, device, batch size, mpp, seed, heatmaps) may "
+            "come from the `predict:` section of a YAML file (--config) and --set predict.KEY=VALUE; a flag given "
+            "sets its key."
         ),
     )
+    p.add_argument("--config", default=None, metavar="YAML",
+                   help="YAML file whose `predict:` section holds the settings, e.g. {protocols: [all, sub256x100], "
+                        "mpp: 0.25} (other sections are ignored)")
+    add_set_argument(p, sections=_sections, example="predict.seed=3")
     p.add_argument("--model", required=True, metavar="RUN_OR_CHECKPOINT",
                    help="a run folder (runs/<pipeline>/<method>/seed<k>; its best.pt is used) or a .pt checkpoint")
     p.add_argument("--slides", required=True, metavar="DIR",
                    help="folder of slide files (searched recursively; found and named as `tile --slides` and "
                         "`manifest folder` do: a.ome.tiff -> a) or of .zarr stores")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; tiles go to <out>/tiles)")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
-                   help="tiling processes (default: one per core); 0 = in this process")
-    add_device_argument(p)
-    p.add_argument("--protocol", dest="protocols", action="append", default=None, metavar="P",
-                   help="scoring protocol: all (default), sub<k>x<R> such as sub256x100 (R draws of k tiles) or ens<k>x<R> (repeatable)")
-    p.add_argument("--batch-size", type=int, default=None, metavar="N",
-                   help="tiles per encoder call (default: the method's chunk_size)")
-    p.add_argument("--mpp", type=float, default=None, metavar="UM",
-                   help="level-0 resolution in um/px to assume for slides whose files do not record it")
-    p.add_argument("--seed", type=int, default=0, metavar="N", help="seed of the random tile subsets of subsample protocols")
-    p.add_argument("--no-heatmaps", action="store_true", help="predictions only")
-    p.add_argument("--encoder-weights", default=None, metavar="FILE",
-                   help="the base weights file of a fine-tuned foundation encoder (its checkpoint keeps only the trained "
-                        "tensors: LoRA adapters, unfrozen blocks) when it is no longer where the training config says; "
-                        "a file whose sha256 differs from the one recorded at training is refused")
-    p.add_argument("--allow-other-tiling", action="store_true",
-                   help="score a folder of .zarr stores tiled with other settings than the model's training stores "
-                   "(another tile size, resolution, method or threshold) with a warning instead of refusing it")
-    add_heatmap_mode_argument(p)
+    add_config_flag(p, "--workers", key="predict.workers", type=int, metavar="N",
+                    help="tiling processes (predict.workers; default: one per core); 0 = in this process")
+    add_device_argument(p, note="default: auto", key="predict.device")
+    add_config_flag(p, "--protocol", key="predict.protocols", dest="protocols", action="append", metavar="P",
+                    help="scoring protocol: all (default), sub<k>x<R> such as sub256x100 (R draws of k tiles) or "
+                         "ens<k>x<R> (repeatable; predict.protocols)")
+    add_config_flag(p, "--batch-size", key="predict.batch_size", type=int, metavar="N",
+                    help="tiles per encoder call (predict.batch_size; default: the method's chunk_size)")
+    add_config_flag(p, "--mpp", key="predict.mpp", type=float, metavar="UM",
+                    help="level-0 resolution in um/px to assume for slides whose files do not record it (predict.mpp)")
+    add_config_flag(p, "--seed", key="predict.seed", type=int, metavar="N",
+                    help="seed of the random tile subsets of subsample protocols (predict.seed; default: 0)")
+    add_config_flag(p, "--no-heatmaps", key="predict.heatmaps", dest="heatmaps", action="store_false",
+                    help="predictions only (predict.heatmaps: false)")
+    add_config_flag(p, "--encoder-weights", key="predict.encoder_weights", metavar="FILE",
+                    help="the base weights file of a fine-tuned foundation encoder (its checkpoint keeps only the trained "
+                         "tensors: LoRA adapters, unfrozen blocks) when it is no longer where the training config says; "
+                         "a file whose sha256 differs from the one recorded at training is refused (predict.encoder_weights)")
+    add_config_flag(p, "--allow-other-tiling", key="predict.allow_other_tiling", action="store_true",
+                    help="score a folder of .zarr stores tiled with other settings than the model's training stores "
+                         "(another tile size, resolution, method or threshold) with a warning instead of refusing it "
+                         "(predict.allow_other_tiling)")
+    add_heatmap_mode_argument(p, "predict")
     add_output_arguments(p)
     add_failure_argument(p)
     add_trust_argument(p)
     add_cluster_arguments(p, shard=False)  # --cluster runs the tiling on Dask; embedding stays in this process
     p.set_defaults(func=run)
+
+
+def _sections() -> dict[str, tuple[str, ...]]:
+    from wsi_pipeline.config.predict import PredictConfig
+
+    return {"predict": tuple(section_keys(PredictConfig))}
+
+
+def settings(args: argparse.Namespace) -> PredictConfig:
+    """The command's :class:`~wsi_pipeline.config.predict.PredictConfig`: --config's ``predict:`` section, the flags, --set."""
+    from wsi_pipeline.config.overrides import section_of
+    from wsi_pipeline.config.predict import PredictConfig
+    from wsi_pipeline.config.schema import build
+
+    return config_from_args(args, lambda raw: build(PredictConfig, section_of(raw, "predict"), "predict"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,18 +106,12 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.training import distributed
 
-    if args.workers is not None and args.workers < 0:
-        raise ValueError(f"--workers {args.workers} must be >= 0")
+    config = settings(args)  # a bad value is refused before torchrun is joined
     try:
         main = join_torchrun(args)
         cluster = cluster_from_args(args)
-        s = predict_slides(
-            args.model, args.slides, args.out,
-            protocols=args.protocols or ["all"], device=args.device, workers=args.workers, batch_size=args.batch_size,
-            mpp=args.mpp, heatmaps=not args.no_heatmaps, heatmap_mode=args.heatmap_mode, seed=args.seed,
-            progress=not args.no_progress, allow_other_tiling=args.allow_other_tiling, cluster=cluster, retries=args.retries,
-            encoder_weights=args.encoder_weights,
-        )
+        s = predict_slides(args.model, args.slides, args.out, **config.keywords(), progress=not args.no_progress,
+                           cluster=cluster, retries=args.retries)
     finally:
         distributed.shutdown()
     if not main:

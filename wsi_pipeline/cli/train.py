@@ -6,12 +6,12 @@ import argparse
 import logging
 import sys
 
-from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
+from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument, pipeline_from_args
 
 __all__ = ["register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "train",
         help="train the methods of a pipeline config (frozen, full, accumulate, bigl, patchgd)",
@@ -60,7 +60,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.training import distributed
-    from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     # a training run is long: report each epoch unless the user asked for less (--quiet; -v gives debug)
@@ -74,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     try:
-        config = load_config(args.config, args.overrides)
+        config = pipeline_from_args(args)  # --device, --method, --seed choose where and what to train, not how
         configs = [config]
         if getattr(args, "folds", False):
             from wsi_pipeline.manifests.folds import fold_config, fold_runs

@@ -10,7 +10,7 @@ from wsi_pipeline.cli._common import add_output_arguments
 __all__ = ["register", "run"]
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "verify",
         help="check every tile store of a folder: files present, sizes, every tile's checksum",

@@ -20,6 +20,8 @@ name                   values                                       used by
 ``TIES``               efron, breslow                               ``methods[].loss_options.ties``
 ``LEVELS``             slide, patient                               ``eval.level``
 ``PATIENT_POOLS``      mean, max                                    ``eval.patient_pool``
+``HEATMAP_MODES``      rank, minmax, raw                            ``eval.heatmap_mode``,
+                                                                    ``predict.heatmap_mode``
 ``BAG_UNITS``          slide, patient                               ``data.bags``
 ``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      ``methods[].strategy``
 ``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
@@ -48,7 +50,7 @@ from wsi_pipeline.devices import DEVICES
 from wsi_pipeline.slides.opener import BACKENDS
 
 __all__ = [
-    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "LEVELS", "LOSSES",
+    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "HEATMAP_MODES", "HeatmapMode", "LEVELS", "LOSSES",
     "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "POINT_EDGES", "PointEdge", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
     "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
@@ -95,6 +97,10 @@ Level = Literal["slide", "patient"]
 LEVELS: tuple[str, ...] = typing.get_args(Level)
 PatientPool = Literal["mean", "max"]
 PATIENT_POOLS: tuple[str, ...] = typing.get_args(PatientPool)
+#: Colour normalisation of heatmaps: per-slide rank, per-slide min-max, raw scores
+#: (``wsi_pipeline.export.heatmap.MODES`` holds the same names).
+HeatmapMode = Literal["rank", "minmax", "raw"]
+HEATMAP_MODES: tuple[str, ...] = typing.get_args(HeatmapMode)
 #: What one bag holds in training and evaluation: one slide's tiles, or all tiles of a patient's slides.
 BagUnit = Literal["slide", "patient"]
 BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from wsi_pipeline.config.schema import Checked
+from wsi_pipeline.config.schema import Checked, spec
 
 from dataclasses import dataclass, field
 from typing import Literal
@@ -31,12 +31,10 @@ class StainConfig(Checked):
 
     normalise: StainNormalise = "none"
     target: str = "train"
-    max_tiles: int = 32
+    max_tiles: int = field(default=32, metadata=spec(ge=1))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_tiles < 1:
-            raise ValueError(f"data.stain.max_tiles={self.max_tiles}; expected >= 1 tiles per slide")
         if not self.target:
             raise ValueError("data.stain.target is empty; expected `train` or a slide_id")
 
@@ -63,7 +61,7 @@ class DataConfig(Checked):
 
     manifest: str
     tiles_dir: str
-    n_classes: int | None = None
+    n_classes: int | None = field(default=None, metadata=spec(ge=2))
     features_dir: str = "features"
     tiling: StoreTiling = field(default_factory=StoreTiling)
     bags: BagUnit = "slide"
@@ -71,8 +69,6 @@ class DataConfig(Checked):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.n_classes is not None and self.n_classes < 2:
-            raise ValueError(f"data.n_classes={self.n_classes}; expected >= 2 (binary tasks use 2)")
         if self.bags == "patient" and self.stain.normalise != "none":
             # a patient bag mixes slides, each with its own stain estimate; one normaliser per bag would be wrong
             raise ValueError(f"data.bags=patient with data.stain.normalise={self.stain.normalise!r} is not supported: "

@@ -14,12 +14,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import Level, PatientPool
-from wsi_pipeline.config.schema import Checked, spec
+from wsi_pipeline.config.choices import HeatmapMode, Level, PatientPool
 from wsi_pipeline.config.io import short_repr
+from wsi_pipeline.config.schema import Checked, spec
+from wsi_pipeline.devices import check_device
 from wsi_pipeline.failures import ConfigTypeError
 
-__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "EvalProtocol", "parse_protocol", "parse_protocols", "saved_protocol"]
+__all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "EvalProtocol", "parse_protocol", "parse_protocol_tuple", "parse_protocols", "saved_protocol"]
 
 #: How a protocol is written, for messages and ``--help``.
 PROTOCOL_SPELLING = "all, sub<k>x<R> (R draws of k tiles, metric per draw, e.g. sub256x100) or ens<k>x<R> (mean probability over the draws)"
@@ -44,19 +45,11 @@ class EvalProtocol(Checked):
     (``predictions_<cohort>_<name>.csv``), in ``metrics.json`` and in saved configs.
     """
 
-    k: int | None = None
-    repeats: int = 1
+    #: tiles per subset (None: all tiles); at most :data:`MAX_SUBSET_TILES`.
+    k: int | None = field(default=None, metadata=spec(ge=1, le=MAX_SUBSET_TILES))
+    #: random subsets per slide (each is kept per slide; the papers use 100); at most :data:`MAX_REPEATS`.
+    repeats: int = field(default=1, metadata=spec(ge=1, le=MAX_REPEATS))
     ensemble: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.k is not None and (int(self.k) < 1 or int(self.repeats) < 1):
-            raise ValueError(f"subsample protocol needs k >= 1 and repeats >= 1; got k={self.k}, repeats={self.repeats}")
-        if self.k is not None and (int(self.k) > MAX_SUBSET_TILES or int(self.repeats) > MAX_REPEATS):
-            raise ValueError(
-                f"protocol {'ens' if self.ensemble else 'sub'}{self.k}x{self.repeats}: at most {MAX_SUBSET_TILES} tiles "
-                f"per subset and {MAX_REPEATS} repeats (each repeat is kept per slide; the papers use 100)"
-            )
 
     @property
     def is_all(self) -> bool:
@@ -102,10 +95,11 @@ def parse_protocol(value: Any, where: str = "protocol") -> EvalProtocol:
     m = _NAME_RE.fullmatch(value) if isinstance(value, str) else None
     if m is None:
         raise ValueError(f"{where}={short_repr(value)}; expected {PROTOCOL_SPELLING}")
-    k, repeats = int(m.group(2)), int(m.group(3))
-    if k < 1 or repeats < 1:
-        raise ValueError(f"{where}={short_repr(value)}; k and R must be >= 1 ({PROTOCOL_SPELLING})")
-    return EvalProtocol(k, repeats, ensemble=m.group(1) == "ens")
+    try:
+        return EvalProtocol(int(m.group(2)), int(m.group(3)), ensemble=m.group(1) == "ens")
+    except ValueError as e:  # k or R outside its bounds: say which protocol, as written
+        raise ValueError(f"{where}={short_repr(value)}: {e}; a protocol takes 1 to at most {MAX_SUBSET_TILES} tiles per "
+                         f"subset and 1 to at most {MAX_REPEATS} repeats (each repeat is kept per slide; the papers use 100)") from None
 
 
 def parse_protocols(values: Sequence[Any] | None, where: str = "protocols") -> list[EvalProtocol]:
@@ -135,7 +129,8 @@ def saved_protocol(value: Any) -> Any:
     return value
 
 
-def _config_protocols(value: Any, where: str) -> tuple[EvalProtocol, ...]:
+def parse_protocol_tuple(value: Any, where: str) -> tuple[EvalProtocol, ...]:
+    """A non-empty list of protocol names (``eval.protocols``, ``predict.protocols``) as a tuple of :class:`EvalProtocol`."""
     if not isinstance(value, (list, tuple)) or not value:
         raise ConfigTypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {short_repr(value)}")
     return tuple(parse_protocol(v, f"{where}[{i}]") for i, v in enumerate(value))
@@ -143,7 +138,10 @@ def _config_protocols(value: Any, where: str) -> tuple[EvalProtocol, ...]:
 
 @dataclass(frozen=True)
 class EvalConfig(Checked):
-    """Validation during training and the evaluation stage's protocols.
+    """Validation during training, and every setting of the evaluation stage (``wsi-pipeline eval``).
+
+    Each ``eval`` flag sets one of these (``--bootstrap N`` is ``--set eval.bootstrap=N``), so the
+    stage reads one typed config: :func:`wsi_pipeline.evaluation.evaluate.evaluate_pipeline`.
 
     Attributes
     ----------
@@ -159,15 +157,34 @@ class EvalConfig(Checked):
         predicted values) or ``max``.
     horizons : survival: times (in the manifest's ``time`` unit) of the time-dependent AUC; empty
         (default) means the 25th, 50th and 75th percentiles of the training split's event times.
+    methods : evaluate only these methods (``--method``, repeatable); empty (default): every method.
+        Each must be a method of the pipeline.
+    device : ``auto`` (CUDA, then Apple MPS, then CPU), ``cpu``, ``cuda``, ``cuda:<i>`` or ``mps``
+        (``--device``; :data:`wsi_pipeline.devices.DEVICES`).
+    batch_size : tiles per encoder call (``--batch-size``); None (default): each method's ``chunk_size``.
+    heatmaps : write heatmaps, per-tile scores and GeoJSON for one model (``--no-heatmaps``: false).
+    heatmap_method : the method whose seed best on validation draws the heatmaps (``--heatmap-method``);
+        None (default): the run best on validation.
+    heatmap_mode : colour normalisation of the heatmaps: ``rank`` (per slide), ``minmax`` (per slide)
+        or ``raw`` scores (``--heatmap-mode``).
+    results : output folder (``--results``); None (default): ``<results_dir>/<name>``. With
+        ``eval --folds``, the folder that holds ``<name>_fold<k>/`` and ``<name>_cv/``.
     """
 
     val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
-    protocols: tuple[EvalProtocol, ...] = field(default=(ALL, EvalProtocol(256, 100)), metadata=spec(parse=_config_protocols))
+    protocols: tuple[EvalProtocol, ...] = field(default=(ALL, EvalProtocol(256, 100)), metadata=spec(parse=parse_protocol_tuple))
     seed: int = 0
     bootstrap: int = field(default=1000, metadata=spec(ge=0, le=MAX_BOOTSTRAP))
     level: Level = "slide"
     patient_pool: PatientPool = "mean"
     horizons: tuple[float, ...] = ()
+    methods: tuple[str, ...] = ()
+    device: str = field(default="auto", metadata=spec(check=check_device))
+    batch_size: int | None = field(default=None, metadata=spec(gt=0))
+    heatmaps: bool = True
+    heatmap_method: str | None = None
+    heatmap_mode: HeatmapMode = "rank"
+    results: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()

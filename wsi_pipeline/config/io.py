@@ -48,7 +48,7 @@ def reprlib_repr(value: Any) -> str:
     return r.repr(value)
 
 
-class _BoundedLoader(yaml.SafeLoader):
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # PyYAML ships no types here
     """``yaml.SafeLoader`` that counts aliases and refuses duplicate keys."""
 
     def __init__(self, stream: str, source: str) -> None:
@@ -132,7 +132,7 @@ def load_yaml(text: str, source: str = "<yaml>") -> Any:
         loader.dispose()
 
 
-def read_yaml(path: str | os.PathLike, what: str = "pipeline config") -> dict[str, Any]:
+def read_yaml(path: str | os.PathLike[str], what: str = "pipeline config") -> dict[str, Any]:
     """The mapping in YAML file ``path`` (:func:`load_yaml`; an empty file is ``{}``).
 
     Raises ``FileNotFoundError`` (no such file), ``ValueError`` (not valid YAML, or beyond
@@ -176,6 +176,6 @@ def config_to_dict(config: Any) -> Any:
     return _to_raw(config)
 
 
-def write_yaml(config: Any, path: str | os.PathLike) -> Path:
+def write_yaml(config: Any, path: str | os.PathLike[str]) -> Path:
     """Write ``config`` (a config dataclass or plain containers) as YAML, atomically; return ``path``."""
     return write_text_atomic(path, yaml.safe_dump(config_to_dict(config), sort_keys=False))

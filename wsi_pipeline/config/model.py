@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wsi_pipeline.config.choices import BNMode, encoder_names, model_names
-from wsi_pipeline.config.schema import Checked, coerce, positive, spec
+from wsi_pipeline.config.schema import Checked, positive, spec
 
-__all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "is_foundation_encoder"]
+__all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "check_encoder_name", "is_foundation_encoder"]
 
 #: ``encoder.name`` prefix of any timm architecture (``wsi_pipeline.models.foundation.TIMM_PREFIX``).
 TIMM_PREFIX = "timm:"
@@ -23,10 +23,10 @@ def is_foundation_encoder(name: str) -> bool:
     return is_foundation_name(name)
 
 
-def _encoder_name(value: Any, where: str) -> str:
-    """``encoder.name``: a registered encoder or ``timm:<architecture>``."""
-    name = coerce(value, str, where)
-    if name not in encoder_names() and not name.startswith(TIMM_PREFIX):
+def check_encoder_name(name: Any, where: str) -> str:
+    """``name`` when it is a registered encoder or ``timm:<architecture>`` (``encoder.name``, ``features.encoder``);
+    ``ValueError`` naming ``where`` otherwise."""
+    if not isinstance(name, str) or (name not in encoder_names() and not name.startswith(TIMM_PREFIX)):
         raise ValueError(f"{where}={name!r}; expected one of {encoder_names()} or 'timm:<architecture>'")
     if name == TIMM_PREFIX:
         raise ValueError(f"{where}={name!r}: name the timm architecture after 'timm:', e.g. timm:vit_small_patch16_224")
@@ -48,14 +48,12 @@ class LoRAConfig(Checked):
     ``targets``: the attention's ``qkv`` and output ``proj`` (names of ``timm`` attention layers).
     """
 
-    rank: int = 8
-    alpha: float = 16.0
+    rank: int = field(default=8, metadata=spec(gt=0))
+    alpha: float = field(default=16.0, metadata=spec(gt=0))
     targets: tuple[Literal["qkv", "proj"], ...] = ("qkv", "proj")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        positive("encoder.lora.rank", self.rank)
-        positive("encoder.lora.alpha", self.alpha)
         if not self.targets:
             raise ValueError("encoder.lora.targets is empty; name at least one of 'qkv', 'proj'")
 
@@ -100,25 +98,23 @@ class EncoderConfig(Checked):
     with them emits a :class:`BagStatisticsWarning` (see :func:`bag_statistics_warning`).
     """
 
-    name: str = field(default="resnet18", metadata=spec(parse=_encoder_name))
+    name: str = field(default="resnet18", metadata=spec(check=check_encoder_name))
     weights: str | None = None
     bn: BNMode = "frozen"
-    calibrate_bn: int = 0
+    calibrate_bn: int = field(default=0, metadata=spec(ge=0))
     recalibrate_bn: bool = False
     timm_kwargs: dict[str, Any] = field(default_factory=dict)
     mean: tuple[float, float, float] | None = None
     std: tuple[float, float, float] | None = None
-    input_size: int | None = None
+    input_size: int | None = field(default=None, metadata=spec(gt=0))
     embedding: Literal["pooled", "cls_mean"] | None = None
-    freeze_blocks: int = 0
-    layer_decay: float | None = None
+    freeze_blocks: int = field(default=0, metadata=spec(ge=0))
+    layer_decay: float | None = field(default=None, metadata=spec(gt=0, le=1))
     lora: LoRAConfig | None = None
     checkpointing: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.calibrate_bn < 0:
-            raise ValueError(f"encoder.calibrate_bn={self.calibrate_bn}; expected a number of tiles >= 0 (0 = off)")
         if self.recalibrate_bn and self.calibrate_bn <= 0:
             raise ValueError("encoder.recalibrate_bn needs encoder.calibrate_bn > 0 (the number of tiles to calibrate on)")
         timm_only = {k: getattr(self, k) for k in ("mean", "std", "input_size", "embedding") if getattr(self, k) is not None}
@@ -136,12 +132,6 @@ class EncoderConfig(Checked):
                 f"encoder.{sorted(vit_only)[0]} is set for encoder {self.name!r}; partial fine-tuning and activation "
                 "checkpointing apply to foundation-model (timm) encoders only"
             )
-        if self.freeze_blocks < 0:
-            raise ValueError(f"encoder.freeze_blocks={self.freeze_blocks}; expected a number of blocks >= 0")
-        if self.layer_decay is not None and not 0.0 < self.layer_decay <= 1.0:
-            raise ValueError(f"encoder.layer_decay={self.layer_decay}; expected a factor in (0, 1] (e.g. 0.75)")
-        if self.input_size is not None:
-            positive("encoder.input_size", self.input_size)
         if self.std is not None and not all(x > 0 for x in self.std):
             raise ValueError(f"encoder.std={list(self.std)}; expected three values > 0")
 
@@ -185,17 +175,12 @@ class BiglConfig(Checked):
     on the CPU.
     """
 
-    stages: int = 1
-    max_elements: int = 2**27
-    embed_budget_mib: float | None = None
+    stages: int = field(default=1, metadata=spec(ge=0))
+    max_elements: int = field(default=2**27, metadata=spec(gt=0))
+    embed_budget_mib: float | None = field(default=None, metadata=spec(ge=0))
     device_budget_gb: float | Literal["auto"] | None = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.stages < 0:
-            raise ValueError(f"bigl.stages={self.stages}; expected >= 0")
-        positive("bigl.max_elements", self.max_elements)
         if isinstance(self.device_budget_gb, (int, float)) and not isinstance(self.device_budget_gb, bool):
             positive("bigl.device_budget_gb", self.device_budget_gb)
-        if self.embed_budget_mib is not None and not self.embed_budget_mib >= 0:
-            raise ValueError(f"bigl.embed_budget_mib={self.embed_budget_mib}; expected MiB >= 0 or null (device default)")

@@ -47,12 +47,12 @@ from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, S
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
-from wsi_pipeline.config.io import short_repr, config_to_dict, read_yaml, write_yaml
+from wsi_pipeline.config.io import short_repr, config_to_dict, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfig
-from wsi_pipeline.config.overrides import apply_overrides, deep_merge
+from wsi_pipeline.config.overrides import apply_overrides, build_config, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
-from wsi_pipeline.config.schema import Checked, build, positive, spec
+from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
 from wsi_pipeline.failures import ConfigTypeError
@@ -86,6 +86,7 @@ __all__ = [
     "method_by_name",
     "save_config",
     "upgrade_saved_config",
+    "with_eval",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -122,7 +123,7 @@ class MethodConfig(Checked):
     strategy: StrategyName
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
-    chunk_size: int = 64
+    chunk_size: int = field(default=64, metadata=spec(gt=0))
     bigl: BiglConfig = field(default_factory=BiglConfig)
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None
@@ -136,7 +137,6 @@ class MethodConfig(Checked):
         super().__post_init__()
         if not _NAME_RE.match(self.name):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
-        positive(f"methods.{self.name}.chunk_size", self.chunk_size)
         object.__setattr__(self, "loss", check_task_loss(self.task, self.loss, f"methods.{self.name}"))
 
 
@@ -177,6 +177,18 @@ class PipelineConfig(Checked):
                                  f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
         if self.task == "classification" and self.data.n_classes is None:
             raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+
+    def check_eval_methods(self) -> None:
+        """``ValueError`` unless ``eval.methods`` and ``eval.heatmap_method`` name methods of this pipeline.
+
+        Checked by the evaluation stage (and :func:`with_eval`), not on construction: a run's saved
+        config holds one method but the pipeline's ``eval`` section.
+        """
+        names = [m.name for m in self.methods]
+        for key, asked in (("eval.methods", list(self.eval.methods)), ("eval.heatmap_method", [self.eval.heatmap_method])):
+            unknown = [n for n in asked if n is not None and n not in names]
+            if unknown:
+                raise ValueError(f"{key}: {unknown[0]!r} is not a method of pipeline {self.name!r}; its methods: {names}")
 
     @property
     def task(self) -> str:
@@ -238,14 +250,16 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
     return build(PipelineConfig, {**raw, "methods": methods})
 
 
-def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> PipelineConfig:
-    """Read, override and validate a pipeline YAML file.
+def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), values: Mapping[str, Any] | None = None) -> PipelineConfig:
+    """Read, override and validate a pipeline YAML file (:func:`~wsi_pipeline.config.overrides.build_config`).
 
     Parameters
     ----------
     path : the YAML file; ``name`` defaults to its stem.
     overrides : ``section.key=value`` strings (``--set`` on the command line,
         :mod:`wsi_pipeline.config.overrides`).
+    values : ``{key path: value}`` set before ``overrides`` (a command's own flags, e.g.
+        ``{"eval.bootstrap": 0}`` for ``eval --bootstrap 0``).
 
     Raises
     ------
@@ -254,19 +268,19 @@ def load_config(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Pipel
         of the wrong type (named with the expected type), an out-of-range value; the message is
         prefixed with the file name.
     """
-    path = Path(path)
-    raw = read_yaml(path)
-    try:
-        apply_overrides(raw, overrides)
-        return config_from_dict(raw, default_name=path.stem)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"{path}: {e}") from e
+    stem = Path(path).stem
+    return build_config(path, lambda raw: config_from_dict(raw, default_name=stem), values=values, overrides=overrides)
+
+
+#: ``eval`` keys added when the evaluation stage's flags moved into :class:`EvalConfig` (absent from older saved configs).
+_LATER_EVAL_KEYS = ("methods", "device", "batch_size", "heatmaps", "heatmap_method", "heatmap_mode", "results")
 
 
 def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """A run config as saved in a checkpoint or ``config.yaml`` by an earlier version, in today's form
     (protocols written as mappings become their names; a method without ``val_protocol`` gets the
-    pipeline's ``eval.val_protocol``); today's form is returned unchanged (a copy).
+    pipeline's ``eval.val_protocol``; ``eval`` keys added since get their defaults); today's form is
+    returned unchanged (a copy).
 
     For reading saved runs only: a pipeline YAML is held to today's spelling.
     """
@@ -278,6 +292,8 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
             ev["val_protocol"] = saved_protocol(ev["val_protocol"])
         if isinstance(ev.get("protocols"), list):
             ev["protocols"] = [saved_protocol(p) for p in ev["protocols"]]
+        # keys the eval section gained later (the evaluation stage's settings, e.g. eval.batch_size): their defaults
+        ev = {**{k: v for k, v in config_to_dict(EvalConfig()).items() if k in _LATER_EVAL_KEYS}, **ev}
         out["eval"] = ev
     if isinstance(out.get("methods"), list):  # before methods had their own val_protocol: the pipeline's
         default = saved_protocol(ev.get("val_protocol", "all")) if isinstance(ev, Mapping) else "all"
@@ -285,9 +301,26 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def save_config(config: PipelineConfig, path: str | os.PathLike) -> Path:
+def save_config(config: PipelineConfig, path: str | os.PathLike[str]) -> Path:
     """Write the resolved config as YAML, atomically (:func:`wsi_pipeline.io_atomic.write_text_atomic`)."""
     return write_yaml(config, path)
+
+
+def with_eval(config: PipelineConfig, **changes: Any) -> PipelineConfig:
+    """``config`` with the :class:`EvalConfig` fields named in ``changes`` replaced (a None value keeps
+    the config's), checked as a section and against the pipeline (:meth:`PipelineConfig.check_eval_methods`).
+
+    For callers that set evaluation settings in code: ``with_eval(cfg, device="cpu", bootstrap=0)``.
+    """
+    given = {k: v for k, v in changes.items() if v is not None}
+    if given:
+        if "methods" in given:
+            given["methods"] = tuple(given["methods"])
+        if "results" in given:
+            given["results"] = str(given["results"])
+        config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, **given))
+    config.check_eval_methods()
+    return config
 
 
 def method_by_name(config: PipelineConfig, name: str) -> MethodConfig:

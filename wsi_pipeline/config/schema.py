@@ -9,7 +9,12 @@ keys, values of the wrong type and values outside a field's choices or range rai
   its dataclass form (e.g. a protocol written ``sub256x100``);
 - ``choices``: the allowed values, or a function returning them (a registry's names), checked
   after the type;
-- ``gt`` / ``ge`` / ``le``: numeric bounds (None values pass).
+- ``gt`` / ``ge`` / ``lt`` / ``le``: numeric bounds (None values pass);
+- ``check``: a function ``(value, where) -> Any`` raising ``ValueError`` naming ``where`` for a value
+  no bound or choice list describes (e.g. a device name, ``cuda:<index>``).
+
+The choices, bounds and ``check`` of a field are applied to values read from YAML by :func:`build`
+and to every directly constructed section by :class:`Checked`: the one place a value is checked.
 
 Annotations understood: ``bool``, ``int``, ``float`` (ints and YAML-1.1 strings such as ``1e-4``
 accepted), ``str``, ``Literal[...]``, ``X | None``, ``tuple[X, ...]``, ``tuple[X, Y]``,
@@ -22,7 +27,7 @@ import dataclasses
 import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 from wsi_pipeline.config.io import short_repr
 from wsi_pipeline.failures import ConfigTypeError
 
@@ -38,11 +43,13 @@ def spec(
     choices: Choices | None = None,
     gt: float | None = None,
     ge: float | None = None,
+    lt: float | None = None,
     le: float | None = None,
+    check: Callable[[Any, str], Any] | None = None,
 ) -> dict[str, Any]:
-    """Field metadata for :func:`build`: ``field(default=..., metadata=spec(gt=0))``."""
+    """Field metadata for :func:`build` and :class:`Checked`: ``field(default=..., metadata=spec(gt=0))``."""
     out: dict[str, Any] = {}
-    for key, value in (("parse", parse), ("choices", choices), ("gt", gt), ("ge", ge), ("le", le)):
+    for key, value in (("parse", parse), ("choices", choices), ("gt", gt), ("ge", ge), ("lt", lt), ("le", le), ("check", check)):
         if value is not None:
             out[key] = value
     return out
@@ -101,7 +108,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise wrong
         return dict(value)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return value if isinstance(value, tp) else build(tp, value, where)
     if tp is Any:
         return value
@@ -133,7 +140,7 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
-    """The ``choices`` and bounds of a field's :func:`spec` (None passes)."""
+    """The ``choices``, bounds and ``check`` of a field's :func:`spec` (None passes)."""
     if value is None:
         return
     choices = meta.get("choices")
@@ -145,8 +152,12 @@ def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
         raise ValueError(f"{where}={short_repr(value)}; expected a value > {meta['gt']}")
     if "ge" in meta and not value >= meta["ge"]:
         raise ValueError(f"{where}={short_repr(value)}; expected a value >= {meta['ge']}")
+    if "lt" in meta and not value < meta["lt"]:
+        raise ValueError(f"{where}={short_repr(value)}; expected a value < {meta['lt']}")
     if "le" in meta and not value <= meta["le"]:
         raise ValueError(f"{where}={short_repr(value)}; expected a value <= {meta['le']}")
+    if "check" in meta:
+        meta["check"](value, where)
 
 
 def check_fields(obj: Any) -> None:
@@ -179,10 +190,11 @@ def build(cls: type[T], raw: Any, where: str = "") -> T:
     required key or a value outside its choices or bounds; ``TypeError`` for a value of the wrong
     type (naming the field's path and the expected type).
     """
+    declared = dataclasses.fields(cast(Any, cls))  # cls is a dataclass (T stays the caller's type)
     if not isinstance(raw, Mapping):
-        raise ConfigTypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {short_repr(raw)}")
+        raise ConfigTypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in declared]}, got {type(raw).__name__} {short_repr(raw)}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {f.name: f for f in declared}
     section = where or "top level"
     for key in raw:
         if key not in fields:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import Schedule, SelectMetric, TrainLog
-from wsi_pipeline.config.schema import Checked, build, coerce, positive, spec
+from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
 from wsi_pipeline.failures import ConfigTypeError
@@ -24,12 +24,7 @@ class DemonConfig(Checked):
     """
 
     enabled: bool = False
-    beta_init: float = 0.9
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not 0.0 <= self.beta_init < 1.0:
-            raise ValueError(f"train.demon.beta_init={self.beta_init}; expected a value in [0, 1)")
+    beta_init: float = field(default=0.9, metadata=spec(ge=0.0, lt=1.0))
 
 
 def _parse_demon(value: Any, where: str) -> DemonConfig:
@@ -65,33 +60,25 @@ class AugmentConfig(Checked):
     """
 
     enabled: bool = False
-    blur_p: float = 0.5
+    blur_p: float = field(default=0.5, metadata=spec(ge=0.0, le=1.0))
     blur_sigma: tuple[float, float] = (0.1, 1.5)
-    blur_kernel: int = 5
-    jitter_p: float = 0.8
+    blur_kernel: int = field(default=5, metadata=spec(ge=1))
+    jitter_p: float = field(default=0.8, metadata=spec(ge=0.0, le=1.0))
     brightness: float = 0.1
     contrast: float = 0.1
     saturation: float = 0.1
     hue: float = 0.02
     flips: bool = True
     rotation: bool = True
-    hed_p: float = 0.0
-    hed_scale: float = 0.05
-    hed_shift: float = 0.05
-    stain_mix_p: float = 0.0
-    stain_mix: float = 0.5
+    hed_p: float = field(default=0.0, metadata=spec(ge=0.0, le=1.0))
+    hed_scale: float = field(default=0.05, metadata=spec(ge=0.0, lt=1.0))
+    hed_shift: float = field(default=0.05, metadata=spec(ge=0.0, lt=1.0))
+    stain_mix_p: float = field(default=0.0, metadata=spec(ge=0.0, le=1.0))
+    stain_mix: float = field(default=0.5, metadata=spec(ge=0.0, le=1.0))
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("hed_scale", "hed_shift"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"train.augment.{name}={getattr(self, name)}; expected a strength in [0, 1)")
-        if not 0.0 <= self.stain_mix <= 1.0:
-            raise ValueError(f"train.augment.stain_mix={self.stain_mix}; expected a mixing weight in [0, 1]")
-        for name in ("blur_p", "jitter_p", "hed_p", "stain_mix_p"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"train.augment.{name}={getattr(self, name)}; expected a probability in [0, 1]")
-        if self.blur_kernel < 1 or self.blur_kernel % 2 == 0:
+        if self.blur_kernel % 2 == 0:
             raise ValueError(f"train.augment.blur_kernel={self.blur_kernel}; expected an odd number of px >= 1")
         if not 0 < self.blur_sigma[0] <= self.blur_sigma[1]:
             raise ValueError(f"train.augment.blur_sigma={list(self.blur_sigma)}; expected [low, high] with 0 < low <= high")
@@ -126,41 +113,29 @@ class TrainConfig(Checked):
         ``tensorboard`` package: ``pip install 'wsi-pipeline[tensorboard]'``).
     """
 
-    epochs: int = 20
-    lr: float = 1e-4
-    weight_decay: float = 1e-4
-    bag_size: int = 256
-    batch_bags: int = 2
-    accumulate_batches: int = 1
+    epochs: int = field(default=20, metadata=spec(gt=0))
+    lr: float = field(default=1e-4, metadata=spec(gt=0))
+    weight_decay: float = field(default=1e-4, metadata=spec(ge=0))
+    bag_size: int = field(default=256, metadata=spec(gt=0))
+    batch_bags: int = field(default=2, metadata=spec(gt=0))
+    accumulate_batches: int = field(default=1, metadata=spec(gt=0))
     schedule: Schedule = "cosine"
-    gamma: float = 0.955
-    min_lr: float = 0.0
-    warmup_epochs: int = 0
+    gamma: float = field(default=0.955, metadata=spec(gt=0, le=1))
+    min_lr: float = field(default=0.0, metadata=spec(ge=0))
+    warmup_epochs: int = field(default=0, metadata=spec(ge=0))
     demon: DemonConfig = field(default_factory=DemonConfig, metadata=spec(parse=_parse_demon))
-    clip_grad_norm: float | None = None
+    clip_grad_norm: float | None = field(default=None, metadata=spec(gt=0))
     select_metric: SelectMetric = "auto"
-    early_stopping_patience: int | None = None
-    device: str = field(default="auto", metadata=spec(parse=lambda value, where: check_device(coerce(value, str, where), where)))
+    early_stopping_patience: int | None = field(default=None, metadata=spec(gt=0))
+    device: str = field(default="auto", metadata=spec(check=check_device))
     bf16: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)
     log: TrainLog = "none"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("epochs", "bag_size", "batch_bags", "accumulate_batches"):
-            positive(f"train.{name}", getattr(self, name))
-        positive("train.lr", self.lr)
-        if self.weight_decay < 0 or self.min_lr < 0 or self.warmup_epochs < 0:
-            raise ValueError("train.weight_decay, train.min_lr and train.warmup_epochs must be >= 0")
-        if not 0.0 < self.gamma <= 1.0:
-            raise ValueError(f"train.gamma={self.gamma}; expected a per-epoch decay factor in (0, 1]")
         if self.warmup_epochs >= self.epochs:
             raise ValueError(f"train.warmup_epochs={self.warmup_epochs} must be smaller than train.epochs={self.epochs}")
-        if self.clip_grad_norm is not None:
-            positive("train.clip_grad_norm", self.clip_grad_norm)
-        if self.early_stopping_patience is not None:
-            positive("train.early_stopping_patience", self.early_stopping_patience)
-        check_device(self.device, "train.device")
 
     @property
     def bags_per_step(self) -> int:

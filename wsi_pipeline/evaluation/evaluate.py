@@ -74,14 +74,14 @@ from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.failures import slide_failures
-from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
+from wsi_pipeline.config.evaluation import EvalConfig, EvalProtocol, parse_protocols
 from wsi_pipeline.inference.protocols import SlidePrediction
 from wsi_pipeline.inference.method_models import random_encoder_note
 from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
 from wsi_pipeline.output_dirs import check_output_dir
-from wsi_pipeline.config.pipeline import MethodConfig
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, with_eval
 
 __all__ = ["EvalSummary", "evaluate_pipeline"]
 
@@ -132,50 +132,52 @@ class _Collected:
 
 
 def evaluate_pipeline(
-    config: Any,
+    config: PipelineConfig,
     *,
-    methods: Sequence[str] | None = None,
-    device: str = "auto",
-    batch_size: int | None = None,
-    heatmaps: bool = True,
-    heatmap_method: str | None = None,
-    heatmap_mode: str = "rank",
-    n_boot: int | None = None,
-    results_dir: str | os.PathLike | None = None,
     progress: bool = True,
     cluster: Any = None,
     retries: int | None = None,
+    methods: Sequence[str] | None = None,
+    device: str | None = None,
+    batch_size: int | None = None,
+    heatmaps: bool | None = None,
+    heatmap_method: str | None = None,
+    heatmap_mode: str | None = None,
+    n_boot: int | None = None,
+    results_dir: str | os.PathLike[str] | None = None,
 ) -> EvalSummary:
     """Evaluate every finished run of a pipeline and write ``results/<pipeline>/`` (module docstring).
 
     Parameters
     ----------
-    config : a :class:`~wsi_pipeline.config.pipeline.PipelineConfig`.
-    methods : evaluate only these methods (default: all of the config's).
-    device : ``auto``, ``cpu``, ``cuda``...
-    batch_size : tiles per encoder call (default: each method's ``chunk_size``).
-    heatmaps : write per-slide heatmaps, scores CSV and GeoJSON for one model.
-    heatmap_method : method whose seed best on validation makes the heatmaps (default: the
-        method and seed best on validation across all runs; see the module docstring).
-    heatmap_mode : ``rank`` (default), ``minmax`` or ``raw``.
-    n_boot : bootstrap resamples for the 95 % intervals (0: no intervals); None = ``eval.bootstrap``.
-    results_dir : default ``<config.results_dir>/<config.name>``.
+    config : the pipeline; its ``eval`` section (:class:`~wsi_pipeline.config.evaluation.EvalConfig`)
+        holds every setting of the stage: which methods, device, batch size, heatmaps (which method,
+        colour mode), bootstrap resamples, output folder.
     progress : tqdm bars over slides.
-    Under torchrun (``torchrun --nproc_per_node=G -m wsi_pipeline.cli.main eval ...``) each rank
-    scores a shard of every set's slides on its own device; rank 0 writes the results.
     cluster, retries : score the slides on a Dask cluster (``local[:N]``, ``tcp://HOST:PORT``, ``slurm``,
         a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a ``distributed.Client``), one task per
         slide, each model sent once to every worker; the workers must see the stores and the results
         folder (heatmaps are written by them). The metrics and predictions are computed here from
         the returned scores, as without a cluster.
+    methods, device, batch_size, heatmaps, heatmap_method, heatmap_mode, n_boot, results_dir : kept for
+        callers written before ``eval`` held them: each given one replaces ``eval.methods``, ``eval.device``,
+        ``eval.batch_size``, ``eval.heatmaps``, ``eval.heatmap_method``, ``eval.heatmap_mode``,
+        ``eval.bootstrap``, ``eval.results`` (:func:`~wsi_pipeline.config.pipeline.with_eval`, checked there).
+
+    Under torchrun (``torchrun --nproc_per_node=G -m wsi_pipeline.cli.main eval ...``) each rank
+    scores a shard of every set's slides on its own device; rank 0 writes the results.
 
     Raises
     ------
     FileNotFoundError : no finished run (train first) or no manifest.
     ValueError : the manifest has no test slides and no external cohort.
     """
+    config = with_eval(config, methods=methods, device=device, batch_size=batch_size, heatmaps=heatmaps,
+                       heatmap_method=heatmap_method, heatmap_mode=heatmap_mode, bootstrap=n_boot, results=results_dir)
+    ev = config.eval
+    methods, batch_size, heatmaps, heatmap_method, heatmap_mode = list(ev.methods) or None, ev.batch_size, ev.heatmaps, ev.heatmap_method, ev.heatmap_mode
     t0 = time.perf_counter()
-    out = Path(results_dir) if results_dir is not None else Path(config.results_dir) / config.name
+    out = Path(ev.results) if ev.results is not None else Path(config.results_dir) / config.name
     summary = EvalSummary(results_dir=out)
     if distributed.is_main():
         check_output_dir(out, ("heatmaps",), what="results folder")  # before any model is loaded
@@ -186,7 +188,7 @@ def evaluate_pipeline(
         for note in summary.random_encoders:
             log.warning(note)
     protocols = parse_protocols(config.eval.protocols)
-    dev = str(distributed.device_for(resolve_device(device)))
+    dev = str(distributed.device_for(resolve_device(ev.device)))
     choice = _choose_heatmap_run(runs, heatmap_method)
     if heatmaps and config.data.bags == "patient":
         log.info("data.bags: patient: no heatmaps (a patient's bag spans several slides; draw them with data.bags: slide)")
@@ -199,8 +201,7 @@ def evaluate_pipeline(
                       cluster=cluster, retries=retries)
     if not distributed.is_main():  # rank 0 writes the results
         return summary
-    if n_boot is None:
-        n_boot = int(config.eval.bootstrap)
+    n_boot = ev.bootstrap
     if n_boot > 0:
         if got.probs_by:
             got.records += bootstrap_records(got.probs_by, int(config.data.n_classes), n_boot, seed=int(config.eval.seed),
@@ -216,7 +217,7 @@ def evaluate_pipeline(
     return summary
 
 
-def _finished_runs(config: Any, methods: Sequence[str] | None, summary: EvalSummary) -> list[tuple[Any, int, Path]]:
+def _finished_runs(config: PipelineConfig, methods: Sequence[str] | None, summary: EvalSummary) -> list[tuple[Any, int, Path]]:
     """The finished runs to evaluate (unfinished ones are logged and listed in ``summary.skipped_runs``)."""
     runs, skipped = trained_runs(config, methods)
     summary.skipped_runs = skipped
@@ -230,7 +231,7 @@ def _finished_runs(config: Any, methods: Sequence[str] | None, summary: EvalSumm
     return runs
 
 
-def _sets_to_score(config: Any) -> list[EvalSet]:
+def _sets_to_score(config: PipelineConfig) -> list[EvalSet]:
     """The manifest's internal test sets and external cohorts (:func:`~wsi_pipeline.evaluation.sets.evaluation_sets`)."""
     from wsi_pipeline.manifests.schema import read_manifest
 
@@ -259,7 +260,7 @@ def _choose_heatmap_run(runs: Sequence[tuple[Any, int, Path]], heatmap_method: s
     return _HeatmapChoice(hm_run, val_scores, best_val)
 
 
-def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[EvalProtocol],
+def _evaluate_run(config: PipelineConfig, method: MethodConfig, seed: int, run_dir: Path, sets: Sequence[EvalSet], protocols: list[EvalProtocol],
                   got: _Collected, summary: EvalSummary, *, device: str, batch_size: int | None, heatmap_dir: Path | None,
                   heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
@@ -308,7 +309,7 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
     return out
 
 
-def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -> Any:
+def _survival_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
     """The training split's :class:`~wsi_pipeline.inference.endpoint_metrics.SurvivalReference`: its censoring
     distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
     every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
@@ -373,7 +374,7 @@ class _ScoreTask:
     worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``, a bad
     slide ``failed`` (:func:`_bad_slide_row`); a bug stops the run (:mod:`wsi_pipeline.failures`)."""
 
-    config: Any
+    config: PipelineConfig
     protocols: list[EvalProtocol]
     title: str
     batch_size: int
@@ -428,7 +429,7 @@ class _SetScorer:
     """
 
     def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[EvalProtocol], got: _Collected,
-                 endpoint: Any = None, ref: Any = None, eval_cfg: Any = None) -> None:
+                 endpoint: Any = None, ref: Any = None, eval_cfg: EvalConfig | None = None) -> None:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
         self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
         self.task = endpoint.task if endpoint is not None else "classification"
@@ -513,7 +514,7 @@ class _SetScorer:
             got.records.append(MetricRecord(self.method, self.seed, es.cohort, es.split, "all", "localisation_n_slides", float(len(self.loc))))
 
 
-def _write_results(config: Any, out: Path, got: _Collected, protocols: list[EvalProtocol], choice: _HeatmapChoice,
+def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols: list[EvalProtocol], choice: _HeatmapChoice,
                    summary: EvalSummary, *, heatmaps: bool, heatmap_method: str | None) -> None:
     """Write the predictions files, ``metrics.json``, the resolved ``config.yaml`` and ``report.html``."""
     from wsi_pipeline.config.pipeline import save_config

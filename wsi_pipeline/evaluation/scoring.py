@@ -17,6 +17,7 @@ import torch
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.evaluation.localisation import lesion_fraction, lesion_outline, localisation_auc
 from wsi_pipeline.config.evaluation import EvalProtocol
+from wsi_pipeline.config.pipeline import PipelineConfig
 from wsi_pipeline.inference.protocols import SlidePrediction, predict_protocols
 
 __all__ = ["SlideScore", "score_slide"]
@@ -28,7 +29,7 @@ def label_of(v: Any) -> int | None:
     return None if v is None or pd.isna(v) else int(v)
 
 
-def saved_frozen_features(model: Any, config: Any, store: TileStore) -> torch.Tensor | None:
+def saved_frozen_features(model: Any, config: PipelineConfig, store: TileStore) -> torch.Tensor | None:
     """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
     if getattr(model.method, "strategy", None) != "frozen":
         return None
@@ -68,7 +69,7 @@ class SlideScore:
 
 def score_slide(
     model: Any,
-    config: Any,
+    config: PipelineConfig,
     store: TileStore,
     row: pd.Series,
     protocols: list[EvalProtocol],

@@ -20,6 +20,7 @@ from typing import Any
 
 import pandas as pd
 
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
 from wsi_pipeline.types import ValidationScore
 
 __all__ = ["EXTERNAL", "EvalSet", "evaluation_sets", "trained_runs", "validation_scores"]
@@ -53,7 +54,7 @@ def evaluation_sets(manifest: pd.DataFrame) -> list[EvalSet]:
     return sets
 
 
-def trained_runs(config: Any, methods: Sequence[str] | None = None) -> tuple[list[tuple[Any, int, Path]], list[str]]:
+def trained_runs(config: PipelineConfig, methods: Sequence[str] | None = None) -> tuple[list[tuple[MethodConfig, int, Path]], list[str]]:
     """``([(method, seed, run_dir)], [skipped reasons])`` for every finished run of the config's methods."""
     wanted = list(methods) if methods else [m.name for m in config.methods]
     known = {m.name: m for m in config.methods}

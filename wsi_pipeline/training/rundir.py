@@ -38,8 +38,9 @@ DONE = "done"
 #: The lock held in a run folder by the process training it (``training.lock``).
 LOCK_NAME = "training"
 
-#: Settings a resumed run may change: where it runs and where runs and results are kept.
-_RESUME_FREE = ("device", "runs_dir", "results_dir")
+#: Settings a resumed run may change: where it runs and where runs and results are kept, and the evaluation
+#: stage's own settings (eval.methods, batch_size, heatmaps, heatmap_method, heatmap_mode, results).
+_RESUME_FREE = ("device", "runs_dir", "results_dir", "methods", "batch_size", "heatmaps", "heatmap_method", "heatmap_mode", "results")
 
 
 def run_config(config: PipelineConfig, method: MethodConfig, seed: int) -> PipelineConfig:
