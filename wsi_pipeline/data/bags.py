@@ -90,19 +90,18 @@ class Bag:
     prepared: Any = None
 
 
-#: The manifest columns a task's targets come from.
-TARGET_COLUMNS: dict[str, tuple[str, ...]] = {"classification": ("label",), "survival": ("time", "event"), "regression": ("target",)}
-
-
 def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike, *, task: str = "classification") -> list[Slide]:
     """Labelled slides of ``split`` (``train``/``val``/``test``) in manifest order.
 
-    Rows of the split without the task's target (:data:`TARGET_COLUMNS`: ``label``; ``time`` and
+    Rows of the split without the task's target (its ``target_columns``: ``label``; ``time`` and
     ``event``; ``target``) are left out (they cannot be trained or validated on).
 
     Raises ``ValueError`` naming the columns when the manifest has none of the task's columns.
     """
-    cols = TARGET_COLUMNS[task]
+    from wsi_pipeline.tasks import get_task
+
+    kind = get_task(task)
+    cols = kind.target_columns
     missing = [c for c in cols if c not in manifest.columns]
     if missing:
         raise ValueError(f"task {task!r} needs the manifest column(s) {list(cols)}; missing {missing}")
@@ -112,8 +111,7 @@ def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.Pat
     out = []
     for r, patient in zip(rows.itertuples(), patients):
         sid = str(r.slide_id)
-        target = None if task == "classification" else tuple(float(getattr(r, c)) for c in cols)
-        label = int(r.label) if task == "classification" else -1
+        label, target = kind.slide_fields([getattr(r, c) for c in cols])
         out.append(Slide(sid, label, store_path(tiles_dir, sid), target, str(patient or "") or sid))
     return out
 
