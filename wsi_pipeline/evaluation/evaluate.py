@@ -346,15 +346,6 @@ def _row_slide_id(mrow: pd.Series) -> str:
     return str(mrow["slide_id"])
 
 
-def _target(mrow: pd.Series) -> tuple[float, ...] | None:
-    """The slide's survival ``(time, event)`` or regression ``(value,)`` target; None when it has neither."""
-    if "time" in mrow and "event" in mrow and not pd.isna(mrow["time"]) and not pd.isna(mrow["event"]):
-        return float(mrow["time"]), float(mrow["event"])
-    if "target" in mrow and not pd.isna(mrow["target"]):
-        return (float(mrow["target"]),)
-    return None
-
-
 def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, scorer: _SetScorer, *, desc: str,
                     progress: bool) -> None:
     """Under torchrun: every rank scores its shard of the slides (``rank, rank + G, ...``); the rows are
@@ -402,7 +393,7 @@ class _ScoreTask:
             row.update(status="skipped", error=str(e))
             return
         row["label"] = label_of(mrow["label"])
-        row["target"] = _target(mrow)
+        row["target"] = get_task(self.config.task).manifest_target(mrow)
         patient = mrow.get("patient_id")
         row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])
 

@@ -194,9 +194,13 @@ class Task(ABC):
         """A patient's target from its slides' (the patient's own, so the first)."""
         return targets[0]
 
-    def target_is_known(self, row: Any) -> bool:
-        """Whether a manifest row (mapping, Series or named tuple) has every target column."""
-        return all((v := _value(row, c)) is not None and not pd.isna(v) for c in self.target_columns)
+    def manifest_target(self, row: Any) -> tuple[float, ...] | None:
+        """The values of :attr:`target_columns` in a manifest row (mapping, Series or named tuple) as floats;
+        None when any is missing or empty."""
+        values = [_value(row, c) for c in self.target_columns]
+        if any(v is None or pd.isna(v) for v in values):
+            return None
+        return tuple(float(v) for v in values)
 
     # ---- outputs and training ----------------------------------------------------------
 
