@@ -194,6 +194,11 @@ class Task(ABC):
         """A patient's target from its slides' (the patient's own, so the first)."""
         return targets[0]
 
+    @abstractmethod
+    def random_targets(self, rng: np.random.Generator, n: int, n_classes: int | None = None) -> list[Any]:
+        """``n`` plausible targets drawn with ``rng`` (the form :attr:`Slide.y <wsi_pipeline.data.bags.Slide.y>`
+        holds), for the contract tests every registered task runs through."""
+
     def manifest_target(self, row: Any) -> tuple[float, ...] | None:
         """The values of :attr:`target_columns` in a manifest row (mapping, Series or named tuple) as floats;
         None when any is missing or empty."""
@@ -253,7 +258,7 @@ class Task(ABC):
 
     def validation(self, endpoint: Endpoint, targets: Sequence[Any], scores: Mapping[str, np.ndarray]) -> dict[str, float]:
         """Validation values besides ``loss`` of one repeat's scores (the rest of :attr:`validation_metrics`)."""
-        m = self.metrics(targets, scores)
+        m = self.metrics(targets, scores, n_classes=endpoint.n_outputs if self.has_classes else None)
         return {k: m[k] for k in self.validation_metrics if k != "loss"}
 
     def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:

@@ -56,6 +56,10 @@ class Classification(Task):
     def pool_target(self, targets: Sequence[Any]) -> Any:
         return max(int(t) for t in targets)
 
+    def random_targets(self, rng: np.random.Generator, n: int, n_classes: int | None = None) -> list[Any]:
+        c = int(n_classes or 2)
+        return [int(v) for v in rng.permutation(np.arange(n) % c)]  # every class present once n >= C
+
     def n_outputs(self, loss: str, options: Any, n_classes: int | None) -> int:
         if n_classes is None:
             raise ValueError("classifies: data.n_classes is needed")

@@ -34,6 +34,9 @@ class Regression(Task):
     cv_metrics = ("rmse", "mae", "pearson")
     cv_headline = "rmse"
 
+    def random_targets(self, rng: np.random.Generator, n: int, n_classes: int | None = None) -> list[Any]:
+        return [float(v) for v in rng.normal(10.0, 3.0, n)]
+
     def fit(self, loss: str, options: Any, n_classes: int | None, targets: Sequence[Any]) -> Endpoint:
         y = np.asarray([float(v) for v in targets], dtype=np.float64)
         if len(y) < 2:

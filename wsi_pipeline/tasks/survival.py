@@ -50,6 +50,10 @@ class Survival(Task):
     cv_metrics = ("c_index",)
     cv_headline = "c_index"
 
+    def random_targets(self, rng: np.random.Generator, n: int, n_classes: int | None = None) -> list[Any]:
+        events = rng.permutation(np.arange(n) % 3 != 0)  # two thirds observed
+        return [(float(t), int(e)) for t, e in zip(np.round(rng.uniform(1.0, 60.0, n), 1), events)]
+
     def n_outputs(self, loss: str, options: Any, n_classes: int | None) -> int:
         return int(options.bins) if loss == "nll_discrete" else 1
 
