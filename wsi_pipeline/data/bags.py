@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -328,7 +328,7 @@ class TileReader:
             if slide.parts:
                 from wsi_pipeline.data.patient_bags import PatientStore
 
-                store = PatientStore(slide.slide_id, [p.store for p in slide.parts])
+                store: Any = PatientStore(slide.slide_id, [p.store for p in slide.parts])
             else:
                 store = open_store(slide.store)
             if self.stain is not None:
@@ -370,7 +370,7 @@ class FeatureReader:
         paths = self.paths[i]
         if isinstance(paths, (list, tuple)):
             return np.concatenate([np.asarray(self._read(p)[0], dtype=np.float32) for p in paths])
-        return np.asarray(self._read(paths)[0], dtype=np.float32)
+        return np.asarray(self._read(cast(Path, paths))[0], dtype=np.float32)
 
     def n_tiles(self) -> list[int]:
         """Feature rows (tiles) per slide."""

@@ -336,8 +336,10 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
         feats = saved_frozen_features(model, config, store)
         pred = predict_protocols(model.encoder, model.aggregator, store if feats is None else (feats, store.grid), [ALL],
                                  slide_id=s.slide_id, batch_size=batch_size, device=device, with_attention=False)["all"]
-        times.append(s.target[0])
-        events.append(s.target[1])
+        if s.target is None:  # slides_for_split keeps only slides with a time and an event
+            continue
+        times.append(float(s.target[0]))
+        events.append(int(s.target[1]))
         risks.append(float(model.endpoint.scores(pred.repeat_logits)["risk"].mean()))
     return survival_reference(times, events, horizons=config.eval.horizons, risk=risks, endpoint=model.endpoint)
 
@@ -377,7 +379,7 @@ class _ScoreTask:
             if "slides" in mrow.index:  # a patient bag (data.bags: patient)
                 from wsi_pipeline.data.patient_bags import PatientStore
 
-                store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
+                store: Any = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
             else:
                 store = open_store(store_path(tiles, row["slide_id"]))
             if len(store) == 0:

@@ -142,10 +142,13 @@ def endpoint_validation_metrics(endpoint: Any, targets: Sequence[Any], preds: Se
     if not preds:
         return {m: math.nan for m in endpoint.definition.validation_metrics}
     reps = prot.repeats if prot.per_repeat else 1
+    logits = [p.repeat_logits for p in preds]
+    if any(z is None for z in logits):
+        raise ValueError("endpoint_validation_metrics: a slide prediction has no repeat_logits (the model's outputs); "
+                         "score the slides with slide_predictions")
     per = []
     for r in range(reps):
-        z = np.stack([p.repeat_logits[r if len(p.repeat_logits) > 1 else 0] if prot.per_repeat
-                      else p.repeat_logits.mean(0) for p in preds])
+        z = np.stack([lg[r if len(lg) > 1 else 0] if prot.per_repeat else lg.mean(0) for lg in logits if lg is not None])
         outputs = [_Out(torch.as_tensor(row)) for row in z]
         with torch.no_grad():
             loss = float(endpoint.group_loss(outputs, list(targets)))

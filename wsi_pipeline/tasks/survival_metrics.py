@@ -69,7 +69,7 @@ def kaplan_meier(time: np.ndarray, event: np.ndarray, *, reverse: bool = False) 
     """
     t, e = _arrays(time, event)
     times, inverse = np.unique(t, return_inverse=True)
-    n_event = np.bincount(inverse, weights=e, minlength=len(times))
+    n_event: np.ndarray = np.bincount(inverse, weights=e, minlength=len(times))
     n_total = np.bincount(inverse, minlength=len(times)).astype(np.float64)
     at_risk = n_total[::-1].cumsum()[::-1]
     if reverse:

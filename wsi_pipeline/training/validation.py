@@ -85,5 +85,5 @@ def validate(
         )
     preds = distributed.gather_in_order(mine, preds)
     if strategy.endpoint.definition.has_classes:
-        return validation_metrics(labels, preds, method.val_protocol, config.data.n_classes)
+        return validation_metrics(labels, preds, method.val_protocol, strategy.endpoint.n_outputs)  # = data.n_classes
     return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)
