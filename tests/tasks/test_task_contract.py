@@ -322,3 +322,43 @@ def test_the_example_matches_its_independent_computation(example_registered: Non
     np.testing.assert_allclose(task.scores(endpoint, z)["expected_grade"], p.sum(1), rtol=1e-12)
     assert task.prediction_columns(None) == ["slide_id", "cohort", "grade", "expected_grade", "n_tiles", "protocol",
                                              "n_repeats", "expected_grade_std", "method", "seed", "patient_id"]
+
+
+@pytest.mark.slow
+def test_the_example_trains_and_evaluates_through_the_pipeline(example_registered: None, tmp_path: Path,
+                                                               store_cohort: Path) -> None:
+    """A registered task needs nothing else: ``train`` records its validation values, ``eval`` writes its
+    predictions columns and its metrics, equal to scikit-learn's on the written predictions."""
+    import yaml
+    from pipeline_helpers import make_config
+
+    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
+    from wsi_pipeline.export.metrics_json import read_metrics_json
+    from wsi_pipeline.export.predictions import predictions_path
+    from wsi_pipeline.manifests.schema import read_manifest, write_manifest
+    from wsi_pipeline.training.loop import train_pipeline
+
+    df = read_manifest(store_cohort)
+    df["grade"] = [i % 4 for i in range(len(df))]
+    manifest = write_manifest(df, tmp_path / "graded.csv")
+    (tmp_path / "tiles").symlink_to(store_cohort.parent / "tiles")
+    path = make_config(tmp_path, manifest, [{"name": "m", "strategy": "frozen", "chunk_size": 32, "task": "ordinal"}],
+                       train={"epochs": 1}, results_dir=str(tmp_path / "results"), eval={"protocols": ["all"], "bootstrap": 0})
+    raw = yaml.safe_load(path.read_text())
+    del raw["data"]["n_classes"]  # a task without classes needs none
+    path.write_text(yaml.safe_dump(raw))
+
+    cfg = load_config(path)
+    train_pipeline(cfg, progress=False)
+    history = pd.read_csv(cfg.run_dir("m", 0) / "history.csv")
+    assert {"val_loss", "val_mae", "val_qwk"} <= set(history.columns)
+    summary = evaluate_pipeline(cfg, device="cpu", heatmaps=False, progress=False)
+    test = df[df["split"] == "test"]
+    preds = read_predictions(predictions_path(summary.results_dir, str(test["cohort"].iloc[0]), "all"))
+    assert list(preds.columns) == get_task("ordinal").prediction_columns(None)
+    records = {r.metric: r.value for r in read_metrics_json(summary.results_dir / "metrics.json")
+               if r.seed == 0 and r.split == "test" and r.repeat is None}
+    y, p = preds["grade"].to_numpy(int), preds["expected_grade"].to_numpy(float)
+    assert records["mae"] == pytest.approx(mean_absolute_error(y, p), rel=1e-5)  # the CSV holds 6 significant digits
+    assert (summary.results_dir / "report.html").is_file()
