@@ -125,9 +125,8 @@ def _n_classes(task: Task) -> int | None:
 
 
 def _reference(task: Task, endpoint: Endpoint, targets: list[Any], scores: dict[str, np.ndarray]) -> Any:
-    if not task.uses_training_reference:
-        return None
-    return survival_reference([t for t, _ in targets], [e for _, e in targets], risk=scores[task.score_key], endpoint=endpoint)
+    """What the task's metrics take from a training split (here the same slides), as evaluation builds it."""
+    return task.training_reference(endpoint, targets, list(np.ravel(scores[task.score_key]))) if task.uses_training_reference else None
 
 
 def _as_tuple(target: Any) -> tuple[Any, ...]:

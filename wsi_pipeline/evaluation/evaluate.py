@@ -270,7 +270,7 @@ def _evaluate_run(config: Any, method: MethodConfig, seed: int, run_dir: Path, s
     summary.models.append((method.name, seed))
     log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
     bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)
-    ref = _survival_reference(config, model, bs, device) if model.endpoint.definition.uses_training_reference else None
+    ref = _training_reference(config, model, bs, device) if model.endpoint.definition.uses_training_reference else None
     task = _ScoreTask(config, protocols, title=f"attention, {method.name} seed {seed}", batch_size=bs, device=device,
                       heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
     for es in sets:
@@ -308,13 +308,13 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
     return out
 
 
-def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -> Any:
-    """The training split's :class:`~wsi_pipeline.tasks.endpoint_metrics.SurvivalReference`: its censoring
-    distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
-    every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
+def _training_reference(config: Any, model: Any, batch_size: int, device: str) -> Any:
+    """What the task's metrics take from the training split (:meth:`~wsi_pipeline.tasks.base.Task.training_reference`),
+    from its targets and the model's scores of its slides (all tiles). Survival: the
+    :class:`~wsi_pipeline.tasks.endpoint_metrics.SurvivalReference` (censoring distribution, horizons, the median
+    training risk that splits every cohort into low and high risk, a Cox model's Breslow baseline)."""
     from wsi_pipeline.data.bags import slides_for_split
     from wsi_pipeline.evaluation.scoring import saved_frozen_features
-    from wsi_pipeline.tasks.endpoint_metrics import survival_reference
     from wsi_pipeline.config.evaluation import ALL
     from wsi_pipeline.inference.protocols import predict_protocols
     from wsi_pipeline.manifests.schema import read_manifest
@@ -325,7 +325,8 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
         from wsi_pipeline.data.patient_bags import PatientStore, patient_units
 
         train = patient_units(train)
-    times, events, risks = [], [], []
+    kind = model.endpoint.definition
+    targets, scores = [], []
     for s in train:
         try:
             store = PatientStore(s.slide_id, [p.store for p in s.parts]) if s.parts else open_store(s.store)
@@ -336,12 +337,9 @@ def _survival_reference(config: Any, model: Any, batch_size: int, device: str) -
         feats = saved_frozen_features(model, config, store)
         pred = predict_protocols(model.encoder, model.aggregator, store if feats is None else (feats, store.grid), [ALL],
                                  slide_id=s.slide_id, batch_size=batch_size, device=device, with_attention=False)["all"]
-        if s.target is None:  # slides_for_split keeps only slides with a time and an event
-            continue
-        times.append(float(s.target[0]))
-        events.append(int(s.target[1]))
-        risks.append(float(model.endpoint.scores(pred.repeat_logits)["risk"].mean()))
-    return survival_reference(times, events, horizons=config.eval.horizons, risk=risks, endpoint=model.endpoint)
+        targets.append(s.y)
+        scores.append(float(model.endpoint.scores(pred.repeat_logits)[kind.score_key].mean()))
+    return kind.training_reference(model.endpoint, targets, scores, horizons=config.eval.horizons)
 
 
 def _row_slide_id(mrow: pd.Series) -> str:

@@ -248,6 +248,12 @@ class Task(ABC):
                 ref: Any = None, only: str | None = None) -> dict[str, float]:
         """Every metric of one repeat's ``scores`` ``{name: (N, ...)}`` against ``targets`` (``only``: that one)."""
 
+    def training_reference(self, endpoint: Endpoint, targets: Sequence[Any], scores: Sequence[float], *,
+                           horizons: Sequence[float] = ()) -> Any:
+        """What :meth:`metrics` takes from the training split (``ref``), from its ``targets`` and the model's
+        :attr:`score_key` per training slide; evaluation computes it when :attr:`uses_training_reference`."""
+        return None
+
     def metric_bounds(self, metric: str) -> tuple[float, float]:
         """The range of a metric (bootstrap intervals are clipped to it)."""
         if metric in ("qwk", "pearson", "spearman"):

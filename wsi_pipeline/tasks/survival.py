@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.tasks.base import Endpoint, Task, register_task
-from wsi_pipeline.tasks.endpoint_metrics import survival_metric_names, survival_metrics
+from wsi_pipeline.tasks.endpoint_metrics import survival_metric_names, survival_metrics, survival_reference
 from wsi_pipeline.tasks.losses import cox_partial_nll, discrete_bin, discrete_edges, discrete_time_nll
 from wsi_pipeline.tasks.survival_metrics import harrell_c
 
@@ -110,6 +110,11 @@ class Survival(Task):
             raise ValueError("survival metrics need the training split's reference (censoring, horizons)")
         t, e = _time_event(targets)
         return survival_metrics(t, e, scores["risk"], ref, scores.get("survival"), only=only)
+
+    def training_reference(self, endpoint: Endpoint, targets: Sequence[Any], scores: Sequence[float], *,
+                           horizons: Sequence[float] = ()) -> Any:
+        t, e = _time_event(targets)
+        return survival_reference(t, e, horizons=horizons, risk=scores, endpoint=endpoint)
 
     def validation(self, endpoint: Endpoint, targets: Sequence[Any], scores: Mapping[str, np.ndarray]) -> dict[str, float]:
         t, e = _time_event(targets)
