@@ -226,6 +226,15 @@ def test_manifest_row_to_training_target(task: Task) -> None:
     assert task.manifest_target(pd.Series({"slide_id": "s"})) is None
 
 
+def test_a_target_that_is_not_a_number_is_refused_naming_file_column_and_slide(task: Task) -> None:
+    column = task.target_columns[0]
+    good = pd.DataFrame({"slide_id": ["a", "b"], column: [1, None]})
+    task.check_manifest(good, "m.csv")  # an empty cell is a slide without a target
+    bad = pd.DataFrame({"slide_id": ["a", "b", "c"], column: [1, "high", float("inf")]})
+    with pytest.raises(ValueError, match=rf"m\.csv: column '{column}' .*\['high', inf\].*\['b', 'c'\]; expected a finite number"):
+        task.check_manifest(bad, "m.csv")
+
+
 def test_a_registered_task_is_a_config_choice(example_registered: None, tmp_path: Path) -> None:
     """The example is a ``methods[].task`` of a pipeline (its default loss filled in) and its slides are read
     from its own manifest column; an unregistered name is refused naming the registered ones."""

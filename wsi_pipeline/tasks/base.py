@@ -207,6 +207,20 @@ class Task(ABC):
             return None
         return tuple(float(v) for v in values)
 
+    def check_manifest(self, manifest: pd.DataFrame, source: str) -> None:
+        """Raise ``ValueError`` naming ``source``, the column and the first slides when a target column present in
+        ``manifest`` holds a value that is not a finite number (empty cells are slides without a target)."""
+        for c in self.target_columns:
+            if c not in manifest.columns:
+                continue
+            given = manifest[c].notna()
+            values = pd.to_numeric(manifest[c], errors="coerce").astype(float)
+            bad = given & ~np.isfinite(values)
+            if bad.any():
+                ids = manifest.loc[bad, "slide_id"].astype(str).tolist() if "slide_id" in manifest.columns else []
+                raise ValueError(f"{source}: column {c!r} (task {self.name!r}) holds {manifest.loc[bad, c].tolist()[:3]} "
+                                 f"for slide(s) {ids[:3]}; expected a finite number")
+
     # ---- outputs and training ----------------------------------------------------------
 
     def n_outputs(self, loss: str, options: Any, n_classes: int | None) -> int:

@@ -120,6 +120,7 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
             f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
         )
     manifest = read_manifest(manifest_path, n_classes=config.label_classes)
+    get_task(config.task).check_manifest(manifest, str(manifest_path))
     try:
         train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
         val = slides_for_split(manifest, "val", config.data.tiles_dir, task=config.task)
