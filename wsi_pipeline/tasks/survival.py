@@ -113,8 +113,8 @@ class Survival(Task):
 
     def training_reference(self, endpoint: Endpoint, targets: Sequence[Any], scores: Sequence[float], *,
                            horizons: Sequence[float] = ()) -> Any:
-        t, e = _time_event(targets)
-        return survival_reference(t, e, horizons=horizons, risk=scores, endpoint=endpoint)
+        return survival_reference([float(v[0]) for v in targets], [int(v[1]) for v in targets], horizons=horizons,
+                                  risk=scores, endpoint=endpoint)
 
     def validation(self, endpoint: Endpoint, targets: Sequence[Any], scores: Mapping[str, np.ndarray]) -> dict[str, float]:
         t, e = _time_event(targets)
