@@ -11,10 +11,9 @@ from sklearn.metrics import (
 )
 
 from wsi_pipeline.config.pipeline import SELECT_METRICS
-from wsi_pipeline.inference.metrics import (
+from wsi_pipeline.tasks.metrics import (
     METRICS,
     VALIDATION_METRICS,
-    ENDPOINT_VALIDATION_METRICS,
     bootstrap_interval,
     compute_metrics,
     compute_repeat_metrics,
@@ -88,6 +87,8 @@ def test_selection_metric_follows_the_papers():
 def test_one_selection_rule_for_every_config_choice():
     """Every ``train.select_metric`` choice goes through the one rule: loss is lower-is-better,
     the computed metrics higher-is-better, auto the task's headline (QWK graded, AUC binary)."""
+    from wsi_pipeline.inference.metrics import ENDPOINT_VALIDATION_METRICS
+
     endpoint = {m for names in ENDPOINT_VALIDATION_METRICS.values() for m in names} - {"loss"}
     assert set(SELECT_METRICS) == {"auto", "loss", *METRICS, *endpoint}
     for n_classes in (2, 3, 6):

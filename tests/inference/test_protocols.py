@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.inference.metrics import compute_metrics
+from wsi_pipeline.tasks.metrics import compute_metrics
 from wsi_pipeline.config.evaluation import ALL, EvalProtocol, parse_protocol, parse_protocols
 from wsi_pipeline.inference.protocols import embed_slide, predict_protocols, predict_slide, protocol_rng, repeat_probs, subset_indices
 from wsi_pipeline.inference.protocol_metrics import validate_model

@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from wsi_pipeline.inference import survival_metrics as sm
-from wsi_pipeline.inference.endpoint_metrics import regression_metrics, survival_reference
+from wsi_pipeline.tasks import survival_metrics as sm
+from wsi_pipeline.tasks.endpoint_metrics import regression_metrics, survival_reference
 from wsi_pipeline.inference.endpoints import Endpoint, breslow_baseline
 
 import lifelines  # the test extra's references

@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("slides",),  # readers, mpp, slide finder
     ("models",),  # encoders, aggregators, heads, registries
     ("bigl",),  # Big-Layers (converts models)
+    ("tasks",),  # what a method predicts: the Task registry, its losses, scores and metrics
     ("data",),  # tile stores, bags, augmentation, stain statistics
     ("config",),  # the pipeline schema and its builder (choices come from the registries, the store, the readers)
     ("jobs",),  # where per-slide work runs (local pool, Dask)
@@ -47,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "failures", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "failures", "slides", "models", "bigl", "tasks", "config", "data", "jobs", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 

@@ -6,6 +6,9 @@ import argparse
 
 from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
 
+#: The tasks the demo has a synthetic cohort for, with their pipeline config.
+DEMO_CONFIGS: dict[str, str] = {"classification": "pipelines/demo.yaml", "survival": "pipelines/demo_survival.yaml"}
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -35,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "3584 px slides of 256 tiles, four times the training time)")
     p.add_argument("--make-only", action="store_true",
                    help="write the cohort (and, for lung-mosaic, its pipeline YAML) and stop: no tiling, training or evaluation")
-    p.add_argument("--task", choices=("classification", "survival"), default="classification",
+    p.add_argument("--task", choices=tuple(DEMO_CONFIGS), default="classification",
                    help="classification (default: label = lesions present; pipelines/demo.yaml) or survival (hazard rising "
                         "with lesion burden, 25 %% censored; pipelines/demo_survival.yaml, frozen baseline vs end-to-end "
                         "Cox; prints the C-index table)")
@@ -77,12 +80,12 @@ def run(args: argparse.Namespace) -> int:
         return _run_mosaic(args)
     if args.source is not None:
         raise ValueError("--source is for --cohort lung-mosaic; the synthetic cohort is generated")
-    survival = args.task == "survival"
-    kind = SurvivalCohort if survival else DemoCohort
+    kind = {"classification": DemoCohort, "survival": SurvivalCohort}[args.task]
+    default_config = DEMO_CONFIGS[args.task]
     internal = args.internal if args.internal is not None else kind.n_internal
     cohort = kind(n_internal=internal, n_external=16 if args.external is None else args.external,
                   size=896 if args.size is None else args.size, seed=args.seed)
-    config = args.config or ("pipelines/demo_survival.yaml" if survival else "pipelines/demo.yaml")
+    config = args.config or default_config
     return run_demo(config, cohort=cohort, workers=args.workers, device=args.device, overrides=tuple(args.overrides),
                     progress=not args.no_progress, seeds=args.seeds, make_only=args.make_only)
 
@@ -97,7 +100,9 @@ def _run_mosaic(args: argparse.Namespace) -> int:
     if args.source is None:
         raise ValueError("--cohort lung-mosaic needs --source DIR, the folder with lung_n/ and lung_aca/ "
                          "(e.g. ../shared/realdata/lc25000-lung)")
-    if args.task != "classification":
+    from wsi_pipeline.tasks import get_task
+
+    if not get_task(args.task).has_classes:
         raise ValueError(f"--cohort lung-mosaic is a classification cohort; --task {args.task} is not available for it")
     for flag, value in (("--external", args.external), ("--size", args.size)):
         if value is not None:

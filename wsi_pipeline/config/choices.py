@@ -55,7 +55,7 @@ __all__ = [
     "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
     "QCMode", "Schedule", "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
-    "head_names", "model_names",
+    "head_names", "model_names", "task_names",
 ]
 
 Schedule = Literal["cosine", "exponential", "linear", "none"]
@@ -78,7 +78,8 @@ SelectMetric = Literal[
 ]
 SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)
 
-#: What a method predicts: a slide class, a survival risk, a number.
+#: What a method predicts: a slide class, a survival risk, a number (the built-in tasks; ``methods[].task``
+#: takes any registered task, :func:`task_names`).
 Task = Literal["classification", "survival", "regression"]
 TASKS: tuple[str, ...] = typing.get_args(Task)
 #: Training losses; ``TASK_LOSSES`` maps a task to the losses it takes (the first is its default).
@@ -149,6 +150,13 @@ def head_names() -> list[str]:
     from wsi_pipeline.models.heads import HEADS
 
     return HEADS.names()
+
+
+def task_names() -> list[str]:
+    """Registered tasks (``methods[].task``): :data:`wsi_pipeline.tasks.TASKS`."""
+    from wsi_pipeline.tasks import task_names as names  # the task registry imports scikit-learn: only when asked
+
+    return names()
 
 
 def model_names() -> list[str]:

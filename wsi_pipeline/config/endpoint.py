@@ -13,11 +13,11 @@ applies to one loss (the others ignore it): ``ties`` to ``cox``, ``bins`` to ``n
 
 from __future__ import annotations
 
-from wsi_pipeline.config.schema import Checked
-
 from dataclasses import dataclass
 
-from wsi_pipeline.config.choices import TASK_LOSSES, Ties
+from wsi_pipeline.config.schema import Checked
+
+from wsi_pipeline.config.choices import Ties
 
 __all__ = ["LossOptions", "check_task_loss", "default_loss"]
 
@@ -51,7 +51,9 @@ class LossOptions(Checked):
 
 def default_loss(task: str) -> str:
     """The loss a task trains with when ``loss`` is not given."""
-    return TASK_LOSSES[task][0]
+    from wsi_pipeline.tasks import get_task  # the task registry imports scikit-learn: only when asked
+
+    return get_task(task).losses[0]
 
 
 def check_task_loss(task: str, loss: str | None, where: str) -> str:
@@ -59,8 +61,11 @@ def check_task_loss(task: str, loss: str | None, where: str) -> str:
 
     Raises ``ValueError`` naming ``where`` when the loss belongs to another task.
     """
+    from wsi_pipeline.tasks import get_task
+
+    losses = get_task(task).losses
     if loss is None:
-        return default_loss(task)
-    if loss not in TASK_LOSSES[task]:
-        raise ValueError(f"{where}.loss={loss!r} does not fit task {task!r}; expected one of {list(TASK_LOSSES[task])}")
+        return losses[0]
+    if loss not in losses:
+        raise ValueError(f"{where}.loss={loss!r} does not fit task {task!r}; expected one of {list(losses)}")
     return loss

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, SELECT_METRICS, LossName, StrategyName, Task, head_names
+from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName, head_names, task_names
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
@@ -129,8 +129,8 @@ class MethodConfig(Checked):
     features_dir: str | None = None
     train: TrainConfig = field(default_factory=TrainConfig)
     val_protocol: EvalProtocol = field(default=ALL, metadata=spec(parse=parse_protocol))
-    task: Task = "classification"
-    loss: LossName | None = None
+    task: str = field(default="classification", metadata=spec(choices=task_names))
+    loss: str | None = None
     loss_options: LossOptions = field(default_factory=LossOptions)
 
     def __post_init__(self) -> None:
@@ -167,7 +167,9 @@ class PipelineConfig(Checked):
             raise ValueError(f"seeds={list(self.seeds)}; expected a non-empty list of distinct integers")
         tasks = {m.task for m in self.methods}
         if len(tasks) > 1:
-            by = {t: [m.name for m in self.methods if m.task == t] for t in sorted(tasks)}
+            by: dict[str, list[str]] = {t: [] for t in sorted(tasks)}
+            for m in self.methods:
+                by[m.task].append(m.name)
             raise ValueError(f"methods have different tasks {by}; every method of a pipeline has one task "
                              "(their results are compared in one table): put the others in a pipeline of their own")
         if self.data.bags == "patient":
@@ -175,7 +177,9 @@ class PipelineConfig(Checked):
             if grid:
                 raise ValueError(f"data.bags: patient puts several slides in one bag, whose tile grids do not join; "
                                  f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
-        if self.task == "classification" and self.data.n_classes is None:
+        from wsi_pipeline.tasks import get_task
+
+        if get_task(self.task).has_classes and self.data.n_classes is None:
             raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
 
     def check_eval_methods(self) -> None:
@@ -198,7 +202,9 @@ class PipelineConfig(Checked):
     @property
     def label_classes(self) -> int | None:
         """``data.n_classes`` for a classification pipeline (manifest labels are checked against it), else None."""
-        return self.data.n_classes if self.task == "classification" else None
+        from wsi_pipeline.tasks import get_task
+
+        return self.data.n_classes if get_task(self.task).has_classes else None
 
     def run_dir(self, method: str, seed: int) -> Path:
         """``<runs_dir>/<pipeline>/<method>/seed<seed>``."""

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -90,19 +90,18 @@ class Bag:
     prepared: Any = None
 
 
-#: The manifest columns a task's targets come from.
-TARGET_COLUMNS: dict[str, tuple[str, ...]] = {"classification": ("label",), "survival": ("time", "event"), "regression": ("target",)}
-
-
 def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.PathLike, *, task: str = "classification") -> list[Slide]:
     """Labelled slides of ``split`` (``train``/``val``/``test``) in manifest order.
 
-    Rows of the split without the task's target (:data:`TARGET_COLUMNS`: ``label``; ``time`` and
+    Rows of the split without the task's target (its ``target_columns``: ``label``; ``time`` and
     ``event``; ``target``) are left out (they cannot be trained or validated on).
 
     Raises ``ValueError`` naming the columns when the manifest has none of the task's columns.
     """
-    cols = TARGET_COLUMNS[task]
+    from wsi_pipeline.tasks import get_task
+
+    kind = get_task(task)
+    cols = kind.target_columns
     missing = [c for c in cols if c not in manifest.columns]
     if missing:
         raise ValueError(f"task {task!r} needs the manifest column(s) {list(cols)}; missing {missing}")
@@ -112,8 +111,7 @@ def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.Pat
     out = []
     for r, patient in zip(rows.itertuples(), patients):
         sid = str(r.slide_id)
-        target = None if task == "classification" else tuple(float(getattr(r, c)) for c in cols)
-        label = int(r.label) if task == "classification" else -1
+        label, target = kind.slide_fields([getattr(r, c) for c in cols])
         out.append(Slide(sid, label, store_path(tiles_dir, sid), target, str(patient or "") or sid))
     return out
 
@@ -330,7 +328,7 @@ class TileReader:
             if slide.parts:
                 from wsi_pipeline.data.patient_bags import PatientStore
 
-                store = PatientStore(slide.slide_id, [p.store for p in slide.parts])
+                store: Any = PatientStore(slide.slide_id, [p.store for p in slide.parts])
             else:
                 store = open_store(slide.store)
             if self.stain is not None:
@@ -372,7 +370,7 @@ class FeatureReader:
         paths = self.paths[i]
         if isinstance(paths, (list, tuple)):
             return np.concatenate([np.asarray(self._read(p)[0], dtype=np.float32) for p in paths])
-        return np.asarray(self._read(paths)[0], dtype=np.float32)
+        return np.asarray(self._read(cast(Path, paths))[0], dtype=np.float32)
 
     def n_tiles(self) -> list[int]:
         """Feature rows (tiles) per slide."""

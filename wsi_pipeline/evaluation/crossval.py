@@ -57,6 +57,7 @@ from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.manifests.crossval import CV_COLUMN
 from wsi_pipeline.manifests.folds import FoldRun, cv_name, fold_config
 from wsi_pipeline.manifests.schema import read_manifest
+from wsi_pipeline.tasks import get_task, task_names
 
 __all__ = ["OOF_COLUMNS", "TASK_METRICS", "HEADLINE", "oof_predictions", "set_metrics", "per_fold_values", "cv_table",
            "pool_crossval", "format_table"]
@@ -65,18 +66,10 @@ log = logging.getLogger(__name__)
 
 #: The first columns of ``oof_predictions.csv`` (the contract).
 OOF_COLUMNS: tuple[str, ...] = ("slide_id", "repeat", "fold", "method", "label", "prob")
-#: Metrics of the pooled table per task, in table order.
-TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "classification": ("accuracy", "precision", "recall", "f1", "auc"),
-    "survival": ("c_index",),
-    "regression": ("rmse", "mae", "pearson"),
-}
-#: The metric given a bootstrap interval, per task.
-HEADLINE: dict[str, str] = {"classification": "auc", "survival": "c_index", "regression": "rmse"}
-
-
-def _prob_columns(n_classes: int) -> list[str]:
-    return [f"prob_{c}" for c in range(n_classes)]
+#: Metrics of the pooled table per task, in table order (each task's ``cv_metrics``).
+TASK_METRICS: dict[str, tuple[str, ...]] = {n: get_task(n).cv_metrics for n in task_names()}
+#: The metric given a bootstrap interval, per task (each task's ``cv_headline``).
+HEADLINE: dict[str, str] = {n: get_task(n).cv_headline for n in task_names()}
 
 
 def _fold_predictions(config: PipelineConfig, run: FoldRun, root: Path, methods: Sequence[str] | None) -> pd.DataFrame:
@@ -106,12 +99,9 @@ def _fold_predictions(config: PipelineConfig, run: FoldRun, root: Path, methods:
     if missing:
         log.warning("repeat %d fold %d: %d test slide(s) have no prediction (e.g. %s); they are left out of the "
                     "out-of-fold predictions", run.repeat, run.fold, len(missing), ", ".join(missing[:3]))
-    task = config.task
-    if task == "classification":
-        value_cols = _prob_columns(int(config.data.n_classes or 2))
-    else:
-        value_cols = ["risk"] if task == "survival" else ["prediction"]
-    target_cols = {"classification": ["label"], "survival": ["event", "time"], "regression": ["target"]}[task]
+    kind = get_task(config.task)
+    value_cols = kind.oof_value_columns(config.label_classes)
+    target_cols = list(kind.target_columns)
     # seed mean per slide and method (targets are the same in every seed's row)
     out = pred.groupby(["method", "slide_id"], sort=True).agg(
         {**{c: "mean" for c in value_cols}, **{c: "first" for c in target_cols}}).reset_index()
@@ -130,25 +120,9 @@ def oof_predictions(config: PipelineConfig, runs: Sequence[FoldRun], *, results_
     """
     root = Path(results_dir)
     raw = pd.concat([_fold_predictions(config, run, root, methods) for run in runs], ignore_index=True)
-    task = config.task
     df = raw[["slide_id", "repeat", "fold", "method"]].copy()
-    if task == "classification":
-        n_classes = int(config.data.n_classes or 2)
-        probs = raw[_prob_columns(n_classes)].to_numpy(dtype=np.float64)
-        df["label"] = raw["label"].astype("Int64")
-        pred = probs.argmax(axis=1)  # ties to the lower class, as the predictions CSVs
-        df["prob"] = probs[:, 1] if n_classes == 2 else probs[np.arange(len(probs)), pred]
-        if n_classes > 2:
-            df["pred"] = pred
-            for c in range(n_classes):
-                df[f"prob_{c}"] = probs[:, c]
-    elif task == "survival":
-        df["label"] = raw["event"].astype("Int64")
-        df["prob"] = raw["risk"].astype(float)
-        df["time"] = raw["time"].astype(float)
-    else:
-        df["label"] = raw["target"].astype(float)
-        df["prob"] = raw["prediction"].astype(float)
+    for name, column in get_task(config.task).oof_columns(raw, config.label_classes).items():
+        df[name] = column
     dup = df.duplicated(["slide_id", "repeat", "method"])
     if dup.any():
         raise ValueError(f"slide(s) {df.loc[dup, 'slide_id'].unique().tolist()[:5]} are tested in two folds of one "
@@ -164,32 +138,7 @@ def set_metrics(task: str, rows: pd.DataFrame, n_classes: int | None = None) -> 
     (``nan`` with one class present). Survival: Harrell's c-index of the risk. Regression: RMSE,
     MAE and Pearson's r.
     """
-    from sklearn.metrics import precision_recall_fscore_support
-
-    if task == "classification":
-        from wsi_pipeline.inference.metrics import compute_metrics
-
-        c = int(n_classes or 2)
-        y = rows["label"].to_numpy(dtype=np.int64)
-        if c == 2:
-            p1 = rows["prob"].to_numpy(dtype=np.float64)
-            probs = np.stack([1.0 - p1, p1], axis=1)
-        else:
-            probs = rows[_prob_columns(c)].to_numpy(dtype=np.float64)
-        base = compute_metrics(y, probs, c)
-        prec, rec, f1, _ = precision_recall_fscore_support(
-            y, probs.argmax(axis=1), average="binary" if c == 2 else "macro", labels=None if c == 2 else np.arange(c),
-            zero_division=0)
-        return {"accuracy": base["accuracy"], "precision": float(prec), "recall": float(rec), "f1": float(f1),
-                "auc": base["auc"]}
-    if task == "survival":
-        from wsi_pipeline.inference.survival_metrics import harrell_c
-
-        return {"c_index": harrell_c(rows["time"].to_numpy(float), rows["label"].to_numpy(int), rows["prob"].to_numpy(float))}
-    from wsi_pipeline.inference.endpoint_metrics import regression_metrics
-
-    m = regression_metrics(rows["label"].to_numpy(float), rows["prob"].to_numpy(float))
-    return {k: m[k] for k in TASK_METRICS["regression"]}
+    return get_task(task).cv_metric_values(rows, n_classes)
 
 
 def _sd(values: np.ndarray) -> float:
@@ -214,22 +163,7 @@ def per_fold_values(oof: pd.DataFrame, task: str, n_classes: int | None = None) 
 def _headline_fn(task: str, rows: pd.DataFrame, n_classes: int | None) -> Any:
     """``f(row_indices) -> value`` of the task's :data:`HEADLINE` metric on those OOF rows (the bootstrap's inner
     call: arrays taken out of the frame once, one scikit-learn or numpy call per resample)."""
-    y = rows["label"].to_numpy(dtype=np.float64)
-    p = rows["prob"].to_numpy(dtype=np.float64)
-    if task == "classification" and int(n_classes or 2) > 2:
-        probs = rows[_prob_columns(int(n_classes or 2))]
-        return lambda idx: set_metrics(task, rows.iloc[idx].assign(**{c: probs[c].to_numpy()[idx] for c in probs}),
-                                       n_classes)["auc"]
-    if task == "classification":
-        from sklearn.metrics import roc_auc_score
-
-        return lambda idx: float(roc_auc_score(y[idx], p[idx])) if len(np.unique(y[idx])) == 2 else math.nan
-    if task == "survival":
-        from wsi_pipeline.inference.survival_metrics import harrell_c
-
-        t = rows["time"].to_numpy(dtype=np.float64)
-        return lambda idx: harrell_c(t[idx], y[idx].astype(int), p[idx])
-    return lambda idx: float(np.sqrt(np.mean((y[idx] - p[idx]) ** 2)))
+    return get_task(task).cv_headline_fn(rows, n_classes)
 
 
 def _resampled(idx: np.ndarray, payload: tuple[Any, list[np.ndarray]]) -> float:
@@ -240,7 +174,7 @@ def _resampled(idx: np.ndarray, payload: tuple[Any, list[np.ndarray]]) -> float:
 
 def cv_table(oof: pd.DataFrame, task: str, n_classes: int | None = None, *, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
     """The pooled table (module docstring) of OOF rows from :func:`oof_predictions`."""
-    from wsi_pipeline.inference.metrics import resample_interval
+    from wsi_pipeline.tasks.metrics import resample_interval
 
     metrics = TASK_METRICS[task]
     folds = per_fold_values(oof, task, n_classes)
@@ -290,7 +224,7 @@ def _report(config: PipelineConfig, table: pd.DataFrame, folds: pd.DataFrame, oo
     se_over = "repeats" if n_rep > 1 else "folds"
     per_fold = folds.set_index(["method", "repeat", "fold"])[list(TASK_METRICS[task])].round(3)
     roc = ""
-    if task == "classification" and oof.get("prob_0") is None:  # binary
+    if get_task(task).has_classes and oof.get("prob_0") is None:  # binary classes: ROC curves
         from sklearn.metrics import roc_curve
 
         from wsi_pipeline.export.report import roc_svg

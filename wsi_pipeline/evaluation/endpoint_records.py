@@ -2,7 +2,7 @@
 
 Slide scores come per repeat (R repeats of a ``sub<k>x<R>`` protocol; one otherwise) as arrays:
 ``probs`` (N, C) for classification, ``risk`` (N,) (and ``survival`` (N, K) for discrete-time
-models) for survival, ``prediction`` (N,) for regression (:meth:`~wsi_pipeline.inference.endpoints.Endpoint.scores`).
+models) for survival, ``prediction`` (N,) for regression (:meth:`~wsi_pipeline.tasks.base.Endpoint.scores`).
 
 - ``all`` / ``ens<k>x<R>``: the metrics of each slide's scores averaged over repeats;
 - ``sub<k>x<R>``: the metrics of every repeat, their mean as the model's score, ``<metric>_repeat_std``
@@ -14,7 +14,7 @@ of the last class), per repeat; its target is its slides' (survival and regressi
 the patient's, checked in the manifest; for classes the highest label of its slides). Patient
 records carry the metric name with the prefix ``patient_`` (``patient_c_index``, ``patient_auc``).
 Bootstrap intervals resample slides (patients at patient level) with
-:func:`~wsi_pipeline.inference.metrics.resample_interval`, the one resampling loop.
+:func:`~wsi_pipeline.tasks.metrics.resample_interval`, the one resampling loop.
 """
 
 from __future__ import annotations
@@ -26,14 +26,9 @@ from typing import Any
 import numpy as np
 
 from wsi_pipeline.export.metrics_json import MetricRecord
-from wsi_pipeline.inference.endpoint_metrics import (
-    REGRESSION_METRICS,
-    SurvivalReference,
-    endpoint_metric_names,
-    regression_metrics,
-    survival_metrics,
-)
-from wsi_pipeline.inference.metrics import METRICS, compute_metrics, resample_interval, summarise_repeats
+from wsi_pipeline.tasks import get_task
+from wsi_pipeline.tasks.endpoint_metrics import SurvivalReference
+from wsi_pipeline.tasks.metrics import resample_interval, summarise_repeats
 
 __all__ = [
     "Scores",
@@ -50,12 +45,8 @@ Scores = list[dict[str, np.ndarray]]
 
 
 def metric_names(task: str, ref: SurvivalReference | None = None) -> tuple[str, ...]:
-    """The metrics recorded (and bootstrapped) for a task."""
-    if task == "classification":
-        return METRICS
-    if task == "regression":
-        return REGRESSION_METRICS
-    return endpoint_metric_names("survival", ref.horizons if ref is not None else ())
+    """The metrics recorded (and bootstrapped) for a task (:meth:`~wsi_pipeline.tasks.base.Task.metric_names`)."""
+    return get_task(task).metric_names(ref)
 
 
 def stack_repeats(per_slide: Sequence[dict[str, np.ndarray]], repeats: int) -> Scores:
@@ -73,16 +64,9 @@ def _mean_over_repeats(scores: Scores) -> Scores:
 
 def cohort_metrics(task: str, targets: Sequence[Any], scores: dict[str, np.ndarray], *, n_classes: int | None = None,
                    ref: SurvivalReference | None = None, only: str | None = None) -> dict[str, float]:
-    """Every metric of one repeat's scores (module docstring) against ``targets`` (survival: ``only`` that one)."""
-    if task == "classification":
-        return compute_metrics(np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))
-    if task == "regression":
-        return regression_metrics(np.asarray(targets, dtype=np.float64), scores["prediction"])
-    if ref is None:
-        raise ValueError("survival metrics need the training split's reference (censoring, horizons)")
-    t = np.asarray([float(v[0]) for v in targets])
-    e = np.asarray([int(v[1]) for v in targets])
-    return survival_metrics(t, e, scores["risk"], ref, scores.get("survival"), only=only)
+    """Every metric of one repeat's scores (module docstring) against ``targets`` (survival: ``only`` that one):
+    :meth:`~wsi_pipeline.tasks.base.Task.metrics`."""
+    return get_task(task).metrics(targets, scores, n_classes=n_classes, ref=ref, only=only)
 
 
 def level_records(
@@ -128,8 +112,7 @@ def level_bootstrap(
             return cohort_metrics(task, [targets[i] for i in idx], sub, n_classes=n_classes, ref=ref, only=metric).get(metric, math.nan)
 
         stacks = [[(s, ref) for s in scores] for _, scores, ref in items]
-        bounds = (-1.0, 1.0) if metric in ("qwk", "pearson", "spearman") else (0.0, 1.0) if metric not in (
-            "mae", "rmse", "logrank_chi2") else (0.0, math.inf)
+        bounds = get_task(task).metric_bounds(metric)
         lo, hi = resample_interval(n, stacks, fn, n_boot=n_boot, seed=seed, bounds=bounds)
         out.append(MetricRecord(method, "mean", cohort, split, protocol, f"{prefix}{metric}_ci_low", lo))
         out.append(MetricRecord(method, "mean", cohort, split, protocol, f"{prefix}{metric}_ci_high", hi))
@@ -141,13 +124,12 @@ def pool_patients(patients: Sequence[str], targets: Sequence[Any], scores: Score
     """Patients' targets and per-repeat scores from their slides' (module docstring), patients in order of first slide."""
     order = list(dict.fromkeys(patients))
     rows = {p: [i for i, q in enumerate(patients) if q == p] for p in order}
-    if task == "classification":
-        pt = [max(int(targets[i]) for i in rows[p]) for p in order]
-    else:
-        pt = [targets[rows[p][0]] for p in order]
+    kind = get_task(task)
+    pt = [kind.pool_target([targets[i] for i in rows[p]]) for p in order]
     pooled: Scores = []
     for s in scores:
-        key = s["probs"][:, -1] if "probs" in s else s["risk"] if "risk" in s else s["prediction"]
+        key = s[kind.score_key]
+        key = key[:, -1] if key.ndim > 1 else key
         one: dict[str, np.ndarray] = {}
         for name, v in s.items():
             if how == "max":

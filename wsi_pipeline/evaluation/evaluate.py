@@ -63,7 +63,7 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
-from wsi_pipeline.inference.endpoint_metrics import PATIENT_PREFIX
+from wsi_pipeline.tasks.endpoint_metrics import PATIENT_PREFIX
 from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.localisation import LesionMaskError
 from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
@@ -71,6 +71,7 @@ from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import label_of, score_slide
 from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
+from wsi_pipeline.tasks import get_task
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.failures import slide_failures
@@ -271,7 +272,7 @@ def _evaluate_run(config: PipelineConfig, method: MethodConfig, seed: int, run_d
     summary.models.append((method.name, seed))
     log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
     bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)
-    ref = _survival_reference(config, model, bs, device) if model.endpoint.task == "survival" else None
+    ref = _training_reference(config, model, bs, device) if model.endpoint.definition.uses_training_reference else None
     task = _ScoreTask(config, protocols, title=f"attention, {method.name} seed {seed}", batch_size=bs, device=device,
                       heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
     for es in sets:
@@ -309,24 +310,25 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
     return out
 
 
-def _survival_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
-    """The training split's :class:`~wsi_pipeline.inference.endpoint_metrics.SurvivalReference`: its censoring
-    distribution, the horizons, and the model's risks of the training slides (all tiles), whose median splits
-    every cohort into low and high risk and whose Breslow baseline gives a Cox model's survival curves."""
+def _training_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
+    """What the task's metrics take from the training split (:meth:`~wsi_pipeline.tasks.base.Task.training_reference`),
+    from its targets and the model's scores of its slides (all tiles). Survival: the
+    :class:`~wsi_pipeline.tasks.endpoint_metrics.SurvivalReference` (censoring distribution, horizons, the median
+    training risk that splits every cohort into low and high risk, a Cox model's Breslow baseline)."""
     from wsi_pipeline.data.bags import slides_for_split
     from wsi_pipeline.evaluation.scoring import saved_frozen_features
-    from wsi_pipeline.inference.endpoint_metrics import survival_reference
     from wsi_pipeline.config.evaluation import ALL
     from wsi_pipeline.inference.protocols import predict_protocols
     from wsi_pipeline.manifests.schema import read_manifest
 
     manifest = read_manifest(config.data.manifest)
-    train = slides_for_split(manifest, "train", config.data.tiles_dir, task="survival")
+    train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
     if config.data.bags == "patient":
         from wsi_pipeline.data.patient_bags import PatientStore, patient_units
 
         train = patient_units(train)
-    times, events, risks = [], [], []
+    kind = model.endpoint.definition
+    targets, scores = [], []
     for s in train:
         try:
             store = PatientStore(s.slide_id, [p.store for p in s.parts]) if s.parts else open_store(s.store)
@@ -337,23 +339,13 @@ def _survival_reference(config: PipelineConfig, model: Any, batch_size: int, dev
         feats = saved_frozen_features(model, config, store)
         pred = predict_protocols(model.encoder, model.aggregator, store if feats is None else (feats, store.grid), [ALL],
                                  slide_id=s.slide_id, batch_size=batch_size, device=device, with_attention=False)["all"]
-        times.append(s.target[0])
-        events.append(s.target[1])
-        risks.append(float(model.endpoint.scores(pred.repeat_logits)["risk"].mean()))
-    return survival_reference(times, events, horizons=config.eval.horizons, risk=risks, endpoint=model.endpoint)
+        targets.append(s.y)
+        scores.append(float(model.endpoint.scores(pred.repeat_logits)[kind.score_key].mean()))
+    return kind.training_reference(model.endpoint, targets, scores, horizons=config.eval.horizons)
 
 
 def _row_slide_id(mrow: pd.Series) -> str:
     return str(mrow["slide_id"])
-
-
-def _target(mrow: pd.Series) -> tuple[float, ...] | None:
-    """The slide's survival ``(time, event)`` or regression ``(value,)`` target; None when it has neither."""
-    if "time" in mrow and "event" in mrow and not pd.isna(mrow["time"]) and not pd.isna(mrow["event"]):
-        return float(mrow["time"]), float(mrow["event"])
-    if "target" in mrow and not pd.isna(mrow["target"]):
-        return (float(mrow["target"]),)
-    return None
 
 
 def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, scorer: _SetScorer, *, desc: str,
@@ -388,7 +380,7 @@ class _ScoreTask:
         if row["status"] != "ok":
             return
         row["label"] = label_of(mrow["label"])
-        row["target"] = _target(mrow)
+        row["target"] = get_task(self.config.task).manifest_target(mrow)
         patient = mrow.get("patient_id")
         row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])
 
@@ -433,6 +425,7 @@ class _SetScorer:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
         self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
         self.task = endpoint.task if endpoint is not None else "classification"
+        self.kind = get_task(self.task)
         self.labels: list[Any] = []
         self.patients: list[str] = []
         self.preds: dict[str, list[SlidePrediction]] = {p.name: [] for p in protocols}
@@ -453,14 +446,12 @@ class _SetScorer:
             return
         sid, res, es = row["slide_id"], row["score"], self.es
         patient = row.get("patient_id") or sid
-        lab = row["label"] if self.task == "classification" else row.get("target")
-        if lab is not None and self.task != "classification":
-            lab = lab if self.task == "survival" else lab[0]
+        lab = self.kind.target_of(row["label"], row.get("target"))
         if res.stain_normalised is not None:
             self.got.stain[(self.method, sid)] = {"method": self.method, "slide_id": sid, "cohort": es.cohort,
                                                   "stain_normalised": res.stain_normalised, "stain_problem": res.stain_problem}
         for pname, pred in res.preds.items():
-            if self.task == "classification":
+            if self.kind.has_classes:
                 self.got.rows[(es.cohort, pname)].append(prediction_row(
                     slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
                     n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed,
@@ -482,7 +473,7 @@ class _SetScorer:
         if res.localisation is not None and not math.isnan(res.localisation):
             self.loc.append(res.localisation)
         if res.heatmap is not None:
-            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab if self.task == "classification" else None,
+            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab if self.kind.has_classes else None,
                                      "png": res.heatmap, "probs": res.preds[self.protocols[0].name].probs,
                                      "localisation": res.localisation, "outline": res.outlined})
 
@@ -493,7 +484,7 @@ class _SetScorer:
         for p in self.protocols:
             repeats = p.repeats if p.per_repeat else 1
             stacked = stack_repeats(self.scores[p.name], repeats) if self.scores[p.name] else [{}] * repeats
-            if self.task == "classification":
+            if self.kind.has_classes:
                 y = np.asarray(self.labels, dtype=np.int64)
                 recs, P = protocol_records(self.method, self.seed, es, p, y, self.preds[p.name], int(n_classes or 2))
                 got.records += recs
@@ -535,7 +526,7 @@ def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
-    if config.task != "classification":
+    if not get_task(config.task).has_classes:
         from wsi_pipeline.export.endpoint_report import write_endpoint_report
 
         summary.files.append(write_endpoint_report(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -42,7 +42,7 @@ TABLE_METRICS: tuple[str, ...] = (
 )
 
 
-def fold_records(metrics_by_fold: dict[int, Sequence[MetricRecord]]) -> list[MetricRecord]:
+def fold_records(metrics_by_fold: Mapping[int, Sequence[MetricRecord]]) -> list[MetricRecord]:
     """One record per fold and (method, cohort, split, protocol, metric): the fold's seed mean, with
     the fold number in the ``seed`` field. Per-repeat records and seed std are left out."""
     out: list[MetricRecord] = []

@@ -220,7 +220,7 @@ def predict_slides(
         return summary
     out.mkdir(parents=True, exist_ok=True)
     endpoint = model.endpoint
-    columns = endpoint_columns(endpoint.task, endpoint.edges) if endpoint is not None and endpoint.task != "classification" else None
+    columns = endpoint_columns(endpoint.task, endpoint.edges) if endpoint is not None and not endpoint.definition.has_classes else None
     summary.predictions = write_predictions(out / "predictions.csv", summary.rows, model.n_classes,
                                             extra_columns=PREDICT_EXTRA_COLUMNS, columns=columns)
     _write_predict_info(out / "predict_info.json", model, prots, src, tiles_dir, stain_ref, summary)
@@ -299,7 +299,7 @@ class _SlidePredictor:
         # the model's stored normalisation (score_slide attached it): whether this slide got it, or why not
         stain.update(stain_normalised=res.stain_normalised, stain_problem=res.stain_problem or None)
         endpoint = model.endpoint
-        if endpoint is not None and endpoint.task != "classification":
+        if endpoint is not None and not endpoint.definition.has_classes:
             row["predictions"] = [{**endpoint_row(
                 task=endpoint.task, slide_id=sid, cohort=self.cohort, target=None, scores=endpoint.scores(pred.repeat_logits),
                 n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed,

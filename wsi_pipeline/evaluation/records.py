@@ -8,7 +8,7 @@ import numpy as np
 
 from wsi_pipeline.evaluation.sets import EvalSet
 from wsi_pipeline.export.metrics_json import MetricRecord
-from wsi_pipeline.inference.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
+from wsi_pipeline.tasks.metrics import METRICS, bootstrap_interval, compute_metrics, compute_repeat_metrics
 from wsi_pipeline.config.evaluation import EvalProtocol
 from wsi_pipeline.inference.protocols import SlidePrediction, repeat_probs
 from wsi_pipeline.progress import progress_bar
@@ -47,8 +47,8 @@ def bootstrap_records(
     """95 % bootstrap intervals of each method's seed-mean metric (same resampled slides for every seed).
 
     Per-repeat protocols (probabilities (R, N, C)): each resample scores the first
-    :data:`~wsi_pipeline.inference.metrics.BOOTSTRAP_MAX_REPEATS` repeats and averages them (see
-    :func:`~wsi_pipeline.inference.metrics.bootstrap_interval`).
+    :data:`~wsi_pipeline.tasks.metrics.BOOTSTRAP_MAX_REPEATS` repeats and averages them (see
+    :func:`~wsi_pipeline.tasks.metrics.bootstrap_interval`).
     """
     out = []
     items: Any = probs_by.items()

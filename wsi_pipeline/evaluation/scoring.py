@@ -153,6 +153,8 @@ def _draw_heatmap(heatmap_dir: Path, row: pd.Series, store: TileStore, extent: f
     """Write the slide's heatmap PNG, scores CSV and GeoJSON; (the PNG, whether lesion outlines were drawn)."""
     from wsi_pipeline.export.slide_outputs import write_slide_outputs
 
+    if pred.attention is None:  # nothing to draw
+        return None, False
     outline = lesion_outline(row, store, extent, level0, thumb.shape[:2])
     outs = write_slide_outputs(
         heatmap_dir, str(row["slide_id"]), thumbnail=thumb, level0_size=level0, coords=store.coords, grid=store.grid,

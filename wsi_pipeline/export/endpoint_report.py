@@ -59,7 +59,7 @@ def _table(records: Sequence[MetricRecord], metrics: Sequence[str], protocols: S
 
 
 def _kaplan_meier_steps(time: np.ndarray, event: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    from wsi_pipeline.inference.survival_metrics import kaplan_meier
+    from wsi_pipeline.tasks.survival_metrics import kaplan_meier
 
     t, s = kaplan_meier(time, event)
     return np.r_[0.0, t], np.r_[1.0, s]
@@ -136,21 +136,19 @@ def write_endpoint_report(path: str | os.PathLike, *, pipeline: str, task: str, 
                           validation: Mapping[tuple[str, int], tuple] | None = None,
                           heatmap_run: tuple[str, int] | None = None) -> Path:
     """Write the report (module docstring) atomically; returns its path."""
-    from wsi_pipeline.inference.endpoint_metrics import PATIENT_PREFIX, REGRESSION_METRICS
+    from wsi_pipeline.tasks import get_task
+    from wsi_pipeline.tasks.endpoint_metrics import PATIENT_PREFIX
 
     path = Path(path)
     records = read_metrics_json(metrics_path)
-    if task == "survival":
-        td = [m for m in dict.fromkeys(r.metric for r in records) if m.startswith("td_auc_") and not m.endswith(("_low", "_high", "_std"))]
-        metrics = ["c_index", "uno_c_index", *td, "ibs", "logrank_p", "n_slides", "n_events"]
-    else:
-        metrics = [*REGRESSION_METRICS, "n_slides"]
+    kind = get_task(task)
+    metrics = kind.report_metrics([r.metric for r in records])
     body = [f"<h1>wsi-pipeline evaluation: {html.escape(pipeline)} ({html.escape(task)})</h1>",
             '<p class="note">Mean ± sd over seeds; under it the bootstrap 95 % interval of the seed mean.</p>',
             "<h2>Slides</h2>", _table(records, metrics, protocols)]
     if any(r.metric.startswith(PATIENT_PREFIX) for r in records):
         body += ["<h2>Patients</h2>", _table(records, [PATIENT_PREFIX + m for m in metrics], protocols)]
-    if task == "survival":
+    if kind.risk_groups:
         body += [f"<h2>Kaplan-Meier curves by predicted risk group (protocol <code>{html.escape(protocols[0])}</code>)</h2>",
                  '<p class="note">High risk: above the median risk of the training slides (the same threshold for every '
                  "cohort); the model of each method best on validation.</p>",

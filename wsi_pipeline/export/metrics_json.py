@@ -17,7 +17,7 @@ Per-seed records (no ``repeat`` key) carry the model's metrics:
 
 Records with seed ``"mean"`` and ``"std"`` aggregate the per-seed values (not the per-repeat
 ones) of one (method, cohort, split, protocol, metric) with
-:func:`~wsi_pipeline.inference.metrics.mean_std` (sample std; ``null`` with one seed): for
+:func:`~wsi_pipeline.tasks.metrics.mean_std` (sample std; ``null`` with one seed): for
 ``sub<k>x<R>`` the mean +- std over seeds of the per-seed repeat means, as the papers' tables.
 Undefined values (``nan``) are written as ``null``, which keeps the file strict JSON. To read the
 headline numbers, take the records without a ``repeat`` key.
@@ -86,7 +86,7 @@ def aggregate_seeds(records: Iterable[MetricRecord]) -> list[MetricRecord]:
     Records that already have seed ``"mean"``/``"std"`` and per-repeat records are left out of
     the groups. Returns the new aggregate records only (two per group).
     """
-    from wsi_pipeline.inference.metrics import mean_std
+    from wsi_pipeline.tasks.metrics import mean_std
 
     groups: dict[tuple[str, str, str, str, str], list[float]] = defaultdict(list)
     for r in records:

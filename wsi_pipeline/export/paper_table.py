@@ -15,7 +15,7 @@ import math
 from collections.abc import Sequence
 
 from wsi_pipeline.export.metrics_json import MetricRecord
-from wsi_pipeline.inference.metrics import headline_metric
+from wsi_pipeline.tasks.metrics import headline_metric
 
 __all__ = ["paper_table_html"]
 

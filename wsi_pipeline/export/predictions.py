@@ -24,7 +24,6 @@ prediction_std, method, seed, patient_id``.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,36 +34,25 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.io_atomic import atomic_path
+from wsi_pipeline.tasks import get_task
+from wsi_pipeline.tasks.classification import class_prediction_columns
+from wsi_pipeline.tasks.survival import survival_column  # noqa: F401  (the old import path)
 
 __all__ = [
     "endpoint_columns", "endpoint_row", "prediction_columns", "prediction_row", "predictions_path", "write_predictions",
-    "read_predictions", "survival_column",
+    "read_predictions",
 ]
 
 
 def prediction_columns(n_classes: int) -> list[str]:
-    """The column names of a predictions CSV for ``n_classes`` classes, in order."""
-    return (
-        ["slide_id", "cohort", "label", "pred"]
-        + [f"prob_{c}" for c in range(n_classes)]
-        + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed", "patient_id"]
-    )
-
-
-def survival_column(end: float) -> str:
-    """``survival_at_<t>``: the column of the survival after the interval ending at ``end`` (``inf`` for the last)."""
-    return f"survival_at_{float(end):g}"
+    """The column names of a classification predictions CSV for ``n_classes`` classes, in order."""
+    return class_prediction_columns(n_classes)
 
 
 def endpoint_columns(task: str, edges: Sequence[float] = ()) -> list[str]:
-    """The columns of a survival or regression predictions CSV (module docstring); ``edges``: the
+    """The columns of a predictions CSV of a task without classes (module docstring); ``edges``: the
     discrete-time model's inner interval edges (adds the survival curve's columns)."""
-    tail = ["n_tiles", "protocol", "n_repeats"]
-    if task == "survival":
-        curve = [survival_column(e) for e in (*edges, math.inf)] if edges else []
-        return ["slide_id", "cohort", "time", "event", "risk", "risk_group", *curve, *tail, "risk_std", "method", "seed",
-                "patient_id"]
-    return ["slide_id", "cohort", "target", "prediction", *tail, "prediction_std", "method", "seed", "patient_id"]
+    return get_task(task).prediction_columns(None, edges)
 
 
 def endpoint_row(
@@ -72,26 +60,12 @@ def endpoint_row(
     n_repeats: int, method: str, seed: int | str | None, patient_id: str = "", threshold: float | None = None,
     edges: Sequence[float] = (),
 ) -> dict[str, Any]:
-    """One survival or regression CSV row; ``scores`` are the endpoint's per-repeat scores
-    (:meth:`~wsi_pipeline.inference.endpoints.Endpoint.scores`), averaged here over repeats."""
-    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort}
-    if task == "survival":
-        risk = np.asarray(scores["risk"], dtype=np.float64)
-        time, event = target if target is not None else (None, None)
-        row.update(time=time, event=None if event is None else int(event), risk=float(risk.mean()),
-                   risk_group="" if threshold is None else ("high" if risk.mean() > threshold else "low"))
-        if "survival" in scores:
-            curve = np.asarray(scores["survival"], dtype=np.float64).mean(0)
-            row.update({survival_column(e): float(v) for e, v in zip((*edges, math.inf), curve)})
-        spread = float(risk.std())
-        std_key = "risk_std"
-    else:
-        pred = np.asarray(scores["prediction"], dtype=np.float64)
-        row.update(target=None if target is None else float(target), prediction=float(pred.mean()))
-        spread = float(pred.std())
-        std_key = "prediction_std"
-    row.update({"n_tiles": int(n_tiles), "protocol": str(protocol), "n_repeats": int(n_repeats), std_key: spread,
-                "method": str(method), "seed": "" if seed is None else seed, "patient_id": patient_id})
+    """One predictions CSV row of the task's scores (the task's per-repeat scores,
+    :meth:`~wsi_pipeline.tasks.base.Task.scores`, averaged over repeats: :meth:`~wsi_pipeline.tasks.base.Task.prediction_row`)."""
+    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort,
+                           **get_task(task).prediction_row(target=target, scores=scores, edges=edges, threshold=threshold)}
+    row.update({"n_tiles": int(n_tiles), "protocol": str(protocol), "n_repeats": int(n_repeats), "method": str(method),
+                "seed": "" if seed is None else seed, "patient_id": patient_id})
     return row
 
 

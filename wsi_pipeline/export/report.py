@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from wsi_pipeline.inference.metrics import BOOTSTRAP_MAX_REPEATS, headline_metric, metric_order
+from wsi_pipeline.tasks.metrics import BOOTSTRAP_MAX_REPEATS, headline_metric, metric_order
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json
 from wsi_pipeline.export.curves import curves_html, read_histories
 from wsi_pipeline.export.gallery import gallery_html
@@ -328,7 +328,7 @@ def _roc_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Seque
 
 
 def _confusion_section(pred: pd.DataFrame, n_classes: int, protocol: str, order: Sequence[str] | None = None) -> str:
-    from wsi_pipeline.inference.metrics import confusion
+    from wsi_pipeline.tasks.metrics import confusion
 
     df = pred[(pred["protocol"] == protocol) & pred["label"].notna()]
     out = []

@@ -16,7 +16,7 @@ A checkpoint is a dict::
     best        {"metric": name, "value": float, "epoch": int}
     stain_reference   the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), optional
     endpoint    the task, loss and what they learnt from the training split (discrete-time bin edges,
-                regression standardisation): :meth:`wsi_pipeline.inference.endpoints.Endpoint.to_state`;
+                regression standardisation): :meth:`wsi_pipeline.tasks.base.Endpoint.to_state`;
                 absent in checkpoints written before endpoints (classification)
     stain_normalise   the stain normalisation's name (``none``, ``macenko``, ``reinhard``)
     stain       the fitted normalisation (:meth:`wsi_pipeline.data.stain_slides.StainContext.state`:
@@ -351,7 +351,7 @@ class TrainedModel:
     checkpoint : the file loaded; ``epoch`` and ``seed`` of the run.
     stain_reference : the training tiles' stain summary (:func:`wsi_pipeline.data.stain_stats.stain_reference`),
         or None for checkpoints written without one.
-    endpoint : what the model predicts (:class:`~wsi_pipeline.inference.endpoints.Endpoint`).
+    endpoint : what the model predicts (:class:`~wsi_pipeline.tasks.base.Endpoint`).
     stain : the fitted stain normalisation (a :class:`~wsi_pipeline.data.stain_slides.StainContext`,
         restored exactly from the checkpoint), applied unchanged to every slide ``eval`` and
         ``predict`` score; None when the run did not normalise (nor a checkpoint written before it could).
@@ -394,7 +394,8 @@ def load_trained_model(
         must be the one recorded at training, else ``ValueError``).
     """
     from wsi_pipeline.config.pipeline import config_from_dict, upgrade_saved_config
-    from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
+    from wsi_pipeline.inference.endpoints import plain_endpoint
+    from wsi_pipeline.tasks import Endpoint
     from wsi_pipeline.inference.method_models import build_models, restore_encoder
 
     path = Path(run_or_checkpoint)
@@ -414,7 +415,7 @@ def load_trained_model(
     if state.get("endpoint"):
         endpoint = Endpoint.from_state(state["endpoint"])
     else:
-        endpoint = Endpoint(task=method.task, loss=method.loss, n_outputs=endpoint_outputs(method, n_classes))
+        endpoint = plain_endpoint(method, n_classes)
     models = state["models"]
     build = method
     partial = bool(info) and info.get("stored") == "trained"

@@ -6,7 +6,7 @@ device=None, batch_size=64, seed=0, progress=False, slide_ids=None) -> dict[str,
 ``slides`` holds, per slide, a :class:`~wsi_pipeline.data.store.TileStore`, a store path, or
 precomputed embeddings (a Tensor [N, D], or a tuple ``(z, grid)``) when the encoder is frozen
 (then ``encoder`` may be None). The result has the keys of
-:func:`~wsi_pipeline.inference.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
+:func:`~wsi_pipeline.tasks.metrics.compute_metrics` plus ``loss`` (mean cross-entropy of
 the slide probabilities, natural log); for a per-repeat protocol every value is the mean over
 repeats (the checkpoint criterion the paper uses) and ``<metric>_repeat_std`` is added. Both
 modules are put in eval mode for the call and their previous train/eval mode is restored
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from wsi_pipeline.data.store import TileStore, open_store
-from wsi_pipeline.inference.metrics import compute_metrics, compute_repeat_metrics
+from wsi_pipeline.tasks.metrics import compute_metrics, compute_repeat_metrics
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocol
 from wsi_pipeline.inference.protocols import (
     SlidePrediction, embed_slide, predict_slide, protocol_rng, repeat_probs, slide_embedding, subset_indices,
@@ -127,38 +127,33 @@ def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], 
 
 def endpoint_validation_metrics(endpoint: Any, targets: Sequence[Any], preds: Sequence[SlidePrediction],
                                 protocol: EvalProtocol | str) -> dict[str, float]:
-    """Validation values of a survival or regression model (:data:`~wsi_pipeline.inference.metrics.ENDPOINT_VALIDATION_METRICS`).
+    """Validation values of a survival or regression model (the task's ``validation_metrics``).
 
     Survival: ``c_index`` (Harrell's) and ``loss`` (the training loss over all validation slides:
     Cox with every slide in one risk set, or the mean discrete-time NLL); regression: ``rmse``,
     ``mae``, ``pearson``, ``spearman`` and ``loss`` (the training loss, standardised units). For a
     per-repeat protocol each is the mean over repeats of its value on that repeat's outputs.
     """
-    from wsi_pipeline.inference.endpoint_metrics import regression_metrics
-    from wsi_pipeline.inference.metrics import ENDPOINT_VALIDATION_METRICS, summarise_repeats
-    from wsi_pipeline.inference.survival_metrics import harrell_c
+    from wsi_pipeline.tasks.metrics import summarise_repeats
 
     prot = parse_protocol(protocol)
     if len(preds) != len(targets):
         raise ValueError(f"endpoint_validation_metrics: {len(preds)} predictions but {len(targets)} targets")
     if not preds:
-        return {m: math.nan for m in ENDPOINT_VALIDATION_METRICS[endpoint.task]}
+        return {m: math.nan for m in endpoint.definition.validation_metrics}
     reps = prot.repeats if prot.per_repeat else 1
+    logits = [p.repeat_logits for p in preds]
+    if any(z is None for z in logits):
+        raise ValueError("endpoint_validation_metrics: a slide prediction has no repeat_logits (the model's outputs); "
+                         "score the slides with slide_predictions")
     per = []
     for r in range(reps):
-        z = np.stack([p.repeat_logits[r if len(p.repeat_logits) > 1 else 0] if prot.per_repeat
-                      else p.repeat_logits.mean(0) for p in preds])
+        z = np.stack([lg[r if len(lg) > 1 else 0] if prot.per_repeat else lg.mean(0) for lg in logits if lg is not None])
         outputs = [_Out(torch.as_tensor(row)) for row in z]
         with torch.no_grad():
             loss = float(endpoint.group_loss(outputs, list(targets)))
-        scores = endpoint.scores(z)
-        if endpoint.task == "survival":
-            t = np.asarray([float(v[0]) for v in targets])
-            e = np.asarray([int(v[1]) for v in targets])
-            per.append({"loss": loss, "c_index": harrell_c(t, e, scores["risk"])})
-        else:
-            per.append({"loss": loss, **regression_metrics(np.asarray(targets, dtype=np.float64), scores["prediction"])})
-    names = ENDPOINT_VALIDATION_METRICS[endpoint.task]
+        per.append({"loss": loss, **endpoint.definition.validation(endpoint, list(targets), endpoint.scores(z))})
+    names = endpoint.definition.validation_metrics
     if not prot.per_repeat:
         return {m: per[0][m] for m in names}
     rm = summarise_repeats(per, names)
@@ -207,7 +202,7 @@ def validate_model(
     Returns
     -------
     dict: ``qwk``, ``accuracy``, ``balanced_accuracy``, ``auc``, ``n_slides`` (see
-    :func:`~wsi_pipeline.inference.metrics.compute_metrics`) and ``loss`` (mean cross-entropy
+    :func:`~wsi_pipeline.tasks.metrics.compute_metrics`) and ``loss`` (mean cross-entropy
     of the slide probabilities, natural log, probabilities clipped at 1e-7). For ``all`` and an
     ensemble protocol they are computed on the (mean) slide probabilities; for a per-repeat
     protocol (``sub<k>x<R>``, the papers' validation with the test sampling) each is the mean over

@@ -107,7 +107,7 @@ class SlidePrediction:
     repeat_probs : float64 (n_repeats, C), the class probabilities of each repeat, in repeat
         order (what the per-repeat score is computed from; see :func:`repeat_probs`).
     repeat_logits : float64 (n_repeats, C), the aggregator's raw outputs of each repeat (what
-        survival and regression scores are computed from, :meth:`~wsi_pipeline.inference.endpoints.Endpoint.scores`).
+        survival and regression scores are computed from, :meth:`~wsi_pipeline.tasks.base.Endpoint.scores`).
     """
 
     probs: np.ndarray

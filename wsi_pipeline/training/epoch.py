@@ -28,7 +28,7 @@ import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.data.bags import Bag, FeatureReader, TileReader, epoch_plan, iter_bags
-from wsi_pipeline.inference.endpoints import Endpoint
+from wsi_pipeline.tasks import Endpoint
 from wsi_pipeline.training.monitor import StepInfo
 from wsi_pipeline.training import distributed
 from wsi_pipeline import interrupt

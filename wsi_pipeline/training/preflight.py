@@ -14,10 +14,11 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, PipelineConfig, bag_statistics_warning
-from wsi_pipeline.data.bags import TARGET_COLUMNS, Slide, check_stores, check_tiling, drop_empty, skipped_by_tiler, slides_for_split
+from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, skipped_by_tiler, slides_for_split
 from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs, fit_endpoint
+from wsi_pipeline.inference.endpoints import endpoint_outputs, fit_endpoint
+from wsi_pipeline.tasks import Endpoint, get_task
 from wsi_pipeline.inference.method_models import build_models
 from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
 from wsi_pipeline.training.strategies import check_strategy
@@ -119,12 +120,14 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
             f"the current directory {os.getcwd()}); build a manifest with `wsi-pipeline manifest` or fix the path"
         )
     manifest = read_manifest(manifest_path, n_classes=config.label_classes)
+    get_task(config.task).check_manifest(manifest, str(manifest_path))
     try:
         train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
         val = slides_for_split(manifest, "val", config.data.tiles_dir, task=config.task)
     except ValueError as e:
         raise ValueError(f"{manifest_path}: {e}") from e
-    cols = list(TARGET_COLUMNS[config.task])
+    task = get_task(config.task)
+    cols = list(task.target_columns)
     unlabelled = manifest[manifest["split"].isin(("train", "val")) & manifest[cols].isna().any(axis=1)]["slide_id"].tolist()
     if unlabelled:
         what = (f"{manifest_path}: {len(unlabelled)} train/val slide(s) have no label ({', '.join(cols)}): "
@@ -137,14 +140,14 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
     val = drop_empty(val, split="val", strict=strict)
     tiling = check_tiling(train + val, config.data.tiling)
     if not train:
-        what = {"classification": "labelled", "survival": "time/event", "regression": "target"}[config.task]
+        what = task.target_noun
         raise ValueError(
             f"{manifest_path}: no slides with a {what} value and split=train; set the split column (train/val/test) "
             "or make splits with `wsi-pipeline manifest`"
         )
     if not val:
         log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
-    if config.task == "classification":
+    if task.has_classes:
         _warn_one_class(manifest_path, "val", [s.label for s in val],
                         "val_auc is undefined (nan) every epoch and best.pt is chosen on the validation loss")
         test = manifest[(manifest["split"] == "test") & manifest["label"].notna()]

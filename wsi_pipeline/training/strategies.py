@@ -49,7 +49,8 @@ from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_B
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.types import TileStoreLike
-from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
+from wsi_pipeline.inference.endpoints import plain_endpoint
+from wsi_pipeline.tasks import Endpoint, get_task
 from wsi_pipeline.inference.method_models import embed_budget, build_models, patchgd_method
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
@@ -87,9 +88,9 @@ class Strategy:
         extracts before training (:mod:`wsi_pipeline.training.frozen_features`).
     applies_augment : False when ``train.augment`` is not applied (the loop warns).
     bn_modes : accepted ``encoder.bn`` values.
-    tasks : the tasks (``methods[].task``) the strategy trains.
+    classes_only : True when the strategy trains only tasks with classes (``classification``), not any registered task.
     encoder, aggregator : the models (``aggregator`` is the head for PatchGD).
-    endpoint : what the models predict and the loss (:class:`~wsi_pipeline.inference.endpoints.Endpoint`).
+    endpoint : what the models predict and the loss (:class:`~wsi_pipeline.tasks.base.Endpoint`).
 
     A loss that couples the bags of a step (``loss: cox``) is trained by :meth:`group_step`
     (three passes, :mod:`wsi_pipeline.training.coupled`): supported by ``frozen``, ``full``,
@@ -103,14 +104,14 @@ class Strategy:
     uses_features: ClassVar[bool] = False
     applies_augment: ClassVar[bool] = True
     bn_modes: ClassVar[tuple[str, ...]] = BN_MODES
-    tasks: ClassVar[tuple[str, ...]] = ("classification", "survival", "regression")
+    classes_only: ClassVar[bool] = False
     augment: SlideAugment | None = None
     #: the fitted stain normalisation (a :class:`~wsi_pipeline.data.stain_slides.StainContext`), or None
     stain: Any = None
 
     def __init__(self, method: MethodConfig, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         self.method = method
-        self.endpoint = endpoint or Endpoint(task=method.task, loss=method.loss, n_outputs=endpoint_outputs(method, n_classes))
+        self.endpoint = endpoint or plain_endpoint(method, n_classes)
         self.n_classes = int(self.endpoint.n_outputs)
         self.device = torch.device(device)
         self.encoder, self.aggregator = build_models(method, self.endpoint.n_outputs, device=self.device)
@@ -124,10 +125,11 @@ class Strategy:
                 f"{cls.name!r}; use one of {list(cls.bn_modes)}"
             )
         task = getattr(method, "task", "classification")
-        if task not in cls.tasks:
-            raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains {' and '.join(cls.tasks)} only, not "
+        kind = get_task(task)
+        if cls.classes_only and not kind.has_classes:
+            raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains classification only, not "
                              f"task {task!r}; use frozen, full, accumulate or bigl")
-        if task != "classification" and method.aggregator.name == "dtfd":
+        if not kind.has_classes and method.aggregator.name == "dtfd":
             raise ValueError(f"method {method.name!r}: the dtfd aggregator trains classification only (its tier-1 loss "
                              f"is a cross-entropy on the slide's class); use abmil or transmil for task {task!r}")
         if getattr(method, "loss", None) == "cox":
@@ -508,7 +510,7 @@ class PatchGDStrategy(Strategy):
     steps_optimizer = True
     applies_augment = False
     bn_modes = PATCHGD_BN_MODES
-    tasks = ("classification",)
+    classes_only = True
 
     def __init__(self, method: MethodConfig, n_classes: int | None, device: torch.device, endpoint: Endpoint | None = None) -> None:
         super().__init__(method, n_classes, device, endpoint)

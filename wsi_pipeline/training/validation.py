@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, TrainConfig
-from wsi_pipeline.inference.metrics import ENDPOINT_VALIDATION_METRICS, VALIDATION_METRICS, selection_rule
+from wsi_pipeline.tasks import get_task
+from wsi_pipeline.tasks.metrics import VALIDATION_METRICS, selection_rule
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.strategies import Strategy
 
@@ -21,7 +22,7 @@ VAL_METRICS = VALIDATION_METRICS
 
 def validation_columns(task: str) -> tuple[str, ...]:
     """The validation values a run of ``task`` records per epoch (``val_<name>`` columns)."""
-    return VAL_METRICS if task == "classification" else ENDPOINT_VALIDATION_METRICS[task]
+    return get_task(task).validation_metrics
 
 
 def selection(train_cfg: TrainConfig, n_classes: int | None, task: str = "classification") -> tuple[str, bool]:
@@ -83,6 +84,6 @@ def validate(
             device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine, progress=progress,
         )
     preds = distributed.gather_in_order(mine, preds)
-    if strategy.endpoint.task != "classification":
-        return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)
-    return validation_metrics(labels, preds, method.val_protocol, config.data.n_classes)
+    if strategy.endpoint.definition.has_classes:
+        return validation_metrics(labels, preds, method.val_protocol, strategy.endpoint.n_outputs)  # = data.n_classes
+    return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)

@@ -1,0 +1,157 @@
+"""The ``classification`` task: a slide's class (manifest ``label``, 0 .. C-1) with a cross-entropy loss.
+
+Outputs: C logits (``data.n_classes``); scores ``probs`` (R, C), their softmax; metrics
+:func:`~wsi_pipeline.tasks.metrics.compute_metrics` (``qwk``, ``accuracy``, ``balanced_accuracy``,
+``auc``); a patient's class is the highest of its slides'. The predictions CSV:
+``slide_id, cohort, label, pred, prob_0 .. prob_{C-1}, n_tiles, protocol, n_repeats, prob_std, method,
+seed, patient_id``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from wsi_pipeline.tasks.base import Endpoint, Task, register_task
+from wsi_pipeline.tasks.metrics import METRICS, VALIDATION_METRICS, compute_metrics, headline_metric
+
+__all__ = ["Classification", "class_prediction_columns", "prob_columns"]
+
+
+def prob_columns(n_classes: int) -> list[str]:
+    """``prob_0 .. prob_{C-1}``."""
+    return [f"prob_{c}" for c in range(n_classes)]
+
+
+def class_prediction_columns(n_classes: int) -> list[str]:
+    """The column names of a classification predictions CSV for ``n_classes`` classes, in order."""
+    return (["slide_id", "cohort", "label", "pred", *prob_columns(n_classes)]
+            + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed", "patient_id"])
+
+
+@register_task("classification")
+class Classification(Task):
+    """A slide's class (module docstring)."""
+
+    losses = ("cross_entropy",)
+    target_columns = ("label",)
+    target_noun = "labelled"
+    has_classes = True
+    score_key = "probs"
+    validation_metrics = VALIDATION_METRICS
+    cv_metrics = ("accuracy", "precision", "recall", "f1", "auc")
+    cv_headline = "auc"
+
+    def slide_fields(self, values: Sequence[Any]) -> tuple[int, tuple[float, ...] | None]:
+        return int(values[0]), None
+
+    def target_of(self, label: Any, target: tuple[float, ...] | None) -> Any:
+        return label
+
+    def pool_target(self, targets: Sequence[Any]) -> Any:
+        return max(int(t) for t in targets)
+
+    def random_targets(self, rng: np.random.Generator, n: int, n_classes: int | None = None) -> list[Any]:
+        c = int(n_classes or 2)
+        return [int(v) for v in rng.permutation(np.arange(n) % c)]  # every class present once n >= C
+
+    def n_outputs(self, loss: str, options: Any, n_classes: int | None) -> int:
+        if n_classes is None:
+            raise ValueError("classifies: data.n_classes is needed")
+        return int(n_classes)
+
+    def bag_loss(self, endpoint: Endpoint, output: Any, target: Any) -> Any:
+        import torch
+        import torch.nn.functional as F
+
+        logits = output.logits
+        y = torch.as_tensor(target, dtype=torch.long, device=logits.device).reshape(1)
+        loss = F.cross_entropy(logits.reshape(1, -1), y)
+        aux = getattr(output, "aux_loss", None)
+        return loss if aux is None else loss + aux
+
+    def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:
+        z = np.asarray(logits, dtype=np.float64).reshape(-1, endpoint.n_outputs)
+        e = np.exp(z - z.max(1, keepdims=True))
+        return {"probs": e / e.sum(1, keepdims=True)}
+
+    def metric_names(self, ref: Any = None) -> tuple[str, ...]:
+        return METRICS
+
+    def metrics(self, targets: Sequence[Any], scores: Mapping[str, np.ndarray], *, n_classes: int | None = None,
+                ref: Any = None, only: str | None = None) -> dict[str, float]:
+        return compute_metrics(np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))
+
+    def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:
+        if name == "loss":
+            return "loss", False
+        if name == "auto":
+            return headline_metric(int(n_classes or 2)), True
+        if name not in METRICS:
+            raise ValueError(f"selection metric {name!r} unknown; choose 'auto', 'loss' or one of {list(METRICS)}")
+        return name, True
+
+    def prediction_columns(self, n_classes: int | None, edges: Sequence[float] = ()) -> list[str]:
+        return class_prediction_columns(int(n_classes or 2))
+
+    def prediction_row(self, *, target: Any, scores: Mapping[str, np.ndarray], edges: Sequence[float] = (),
+                       threshold: float | None = None) -> dict[str, Any]:
+        probs = np.asarray(scores["probs"], dtype=np.float64)
+        p, s = probs.mean(0), probs.std(0)
+        pred = int(np.argmax(p))
+        lab = None if target is None or pd.isna(target) else int(target)
+        return {"label": lab, "pred": pred, **{f"prob_{c}": float(v) for c, v in enumerate(p)},
+                "prob_std": float(s[pred]) if s.size else 0.0}
+
+    def report_metrics(self, recorded: Sequence[str]) -> list[str]:
+        return [*METRICS, "n_slides"]
+
+    def oof_value_columns(self, n_classes: int | None) -> list[str]:
+        return prob_columns(int(n_classes or 2))
+
+    def oof_columns(self, raw: pd.DataFrame, n_classes: int | None) -> dict[str, Any]:
+        c = int(n_classes or 2)
+        probs = raw[prob_columns(c)].to_numpy(dtype=np.float64)
+        pred = probs.argmax(axis=1)  # ties to the lower class, as the predictions CSVs
+        out: dict[str, Any] = {"label": raw["label"].astype("Int64"),
+                               "prob": probs[:, 1] if c == 2 else probs[np.arange(len(probs)), pred]}
+        if c > 2:
+            out["pred"] = pred
+            out.update({f"prob_{k}": probs[:, k] for k in range(c)})
+        return out
+
+    def cv_metric_values(self, rows: pd.DataFrame, n_classes: int | None) -> dict[str, float]:
+        """Accuracy of the arg-max class; precision, recall and F1 of class 1 (binary) or macro-averaged
+        (more classes), ``zero_division=0``; ROC AUC as the evaluation computes it."""
+        from sklearn.metrics import precision_recall_fscore_support
+
+        c = int(n_classes or 2)
+        y = rows["label"].to_numpy(dtype=np.int64)
+        if c == 2:
+            p1 = rows["prob"].to_numpy(dtype=np.float64)
+            probs = np.stack([1.0 - p1, p1], axis=1)
+        else:
+            probs = rows[prob_columns(c)].to_numpy(dtype=np.float64)
+        base = compute_metrics(y, probs, c)
+        prec, rec, f1, _ = precision_recall_fscore_support(
+            y, probs.argmax(axis=1), average="binary" if c == 2 else "macro", labels=None if c == 2 else np.arange(c),
+            zero_division=0)
+        return {"accuracy": base["accuracy"], "precision": float(prec), "recall": float(rec), "f1": float(f1),
+                "auc": base["auc"]}
+
+    def cv_headline_fn(self, rows: pd.DataFrame, n_classes: int | None) -> Callable[[np.ndarray], float]:
+        c = int(n_classes or 2)
+        if c > 2:
+            probs = rows[prob_columns(c)]
+            return lambda idx: self.cv_metric_values(
+                rows.iloc[idx].assign(**{k: probs[k].to_numpy()[idx] for k in probs}), n_classes)["auc"]
+        from sklearn.metrics import roc_auc_score
+
+        y = rows["label"].to_numpy(dtype=np.float64)
+        p = rows["prob"].to_numpy(dtype=np.float64)
+        return lambda idx: float(roc_auc_score(y[idx], p[idx])) if len(np.unique(y[idx])) == 2 else math.nan
