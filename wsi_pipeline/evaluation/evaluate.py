@@ -205,7 +205,7 @@ def evaluate_pipeline(
     n_boot = ev.bootstrap
     if n_boot > 0:
         if got.probs_by:
-            got.records += bootstrap_records(got.probs_by, int(config.data.n_classes), n_boot, seed=int(config.eval.seed),
+            got.records += bootstrap_records(got.probs_by, _n_classes(config), n_boot, seed=int(config.eval.seed),
                                              progress=progress)
         for (method, cohort, split, pname, prefix), by_seed in got.levels.items():
             got.records += level_bootstrap(method, cohort, split, pname, config.task, by_seed, n_boot=n_boot,
@@ -310,6 +310,14 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
     return out
 
 
+def _n_classes(config: PipelineConfig) -> int:
+    """``data.n_classes`` of a pipeline whose task has classes (the config requires it there)."""
+    n = config.data.n_classes
+    if n is None:
+        raise ValueError(f"pipeline {config.name!r}: data.n_classes is not set; a task with classes needs it")
+    return n
+
+
 def _training_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
     """What the task's metrics take from the training split (:meth:`~wsi_pipeline.tasks.base.Task.training_reference`),
     from its targets and the model's scores of its slides (all tiles). Survival: the
@@ -389,7 +397,7 @@ class _ScoreTask:
         if "slides" in mrow.index:  # a patient bag (data.bags: patient)
             from wsi_pipeline.data.patient_bags import PatientStore
 
-            store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
+            store: Any = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
         else:
             store = open_store(store_path(tiles, row["slide_id"]))
         if len(store) == 0:
@@ -534,7 +542,7 @@ def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols
             metrics_path=out / "metrics.json", gallery=got.gallery, protocols=[p.name for p in protocols],
             validation=choice.val_scores, heatmap_run=hm_run if heatmaps else None))
         return
-    n_classes = int(config.data.n_classes)
+    n_classes = _n_classes(config)
     summary.files.append(write_report(
         out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,

@@ -353,14 +353,14 @@ def extract_features(
 
 
 def _frozen_encoder(encoder_name: str, weights: str | os.PathLike | None, encoder: Any, seed: int,
-                    device: str) -> tuple[Any, str, str]:
+                    device: Any) -> tuple[Any, str, str]:
     """``(encoder on device in eval mode, weights_sha256, weights_file_sha256)``: ``encoder`` as given, else
     ``encoder_name`` built with ``weights`` (random from ``seed`` without, with a warning)."""
     import torch
 
     from wsi_pipeline.models.imagenet import resolve_weights
 
-    weights = resolve_weights(encoder_name, weights)
+    weights = resolve_weights(encoder_name, None if weights is None else Path(weights) if not isinstance(weights, str) else weights)
     if encoder is None:
         from wsi_pipeline.models import build_encoder
 
