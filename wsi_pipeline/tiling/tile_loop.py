@@ -52,7 +52,7 @@ class TileLoop:
                                           and grid.level_step == (float(T), float(T)))
         # with several decoding threads they compress the kept tiles too; the writer thread only writes
         encode = self.writer.tile_encoder if self.n_threads > 1 else None
-        kw = dict(config=self.config, grey_max=self.plan.grey_max, otsu_fg=self.plan.otsu_fg, encode=encode, qc=self.plan.qc)
+        kw = dict(config=self.config, grey_band=self.plan.grey_band or (0, 255), otsu_fg=self.plan.otsu_fg, encode=encode, qc=self.plan.qc)
         if stored_grid:
             top_rows = rows_to_reject(T, self.config.threshold)
             top_first = self.plan.top_first if top_rows < T else None
