@@ -21,9 +21,8 @@ from wsi_pipeline.config.pipeline import (
     upgrade_saved_config,
 )
 from wsi_pipeline.config.store_settings import StoreSettings
-from wsi_pipeline.config.tiling import (
-    DEFAULT_MIN_FOREGROUND, GreyscaleParams, OtsuParams, TilingConfig, TissueParams, tiler_config,
-)
+from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, TilingConfig, tiler_config
+from wsi_pipeline.config.tiling_params import GreyscaleParams, OtsuParams, TissueParams
 
 
 def test_choice_lists_are_the_literals_and_the_registries():

@@ -24,7 +24,8 @@ from wsi_pipeline.tiling.background import auto_grey_max, estimate_background
 from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob
-from wsi_pipeline.config.tiling import GreyscaleParams, TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.tissue import otsu_tissue_mask
 
 #: IHC look: pale blue haematoxylin counterstain, blue nuclei, DAB-brown positive nuclei.

@@ -16,8 +16,8 @@ import pytest
 
 from wsi_pipeline.config.schema import spec
 from wsi_pipeline.config.store_settings import StoreSettings
-from wsi_pipeline.config.tiling import DetectorParams, TilingConfig, tiler_config
-from wsi_pipeline.config.tiling_params import DETECTOR_PARAMS
+from wsi_pipeline.config.tiling import TilingConfig, tiler_config
+from wsi_pipeline.config.tiling_params import DETECTOR_PARAMS, DetectorParams
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.slides import open_slide
 from wsi_pipeline.synthetic.slides import make_slide

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from wsi_pipeline.config.store_settings import SCHEMA_VERSION, SLIDE_KEYS, StoreSettings
-from wsi_pipeline.config.tiling import GreyscaleParams, QCParams, TilingConfig, tiler_config
+from wsi_pipeline.config.tiling import TilingConfig, tiler_config
+from wsi_pipeline.config.tiling_params import GreyscaleParams, QCParams
 from wsi_pipeline.data.bags import store_settings
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.slides import open_slide

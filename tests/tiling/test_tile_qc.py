@@ -23,7 +23,8 @@ from wsi_pipeline.tiling.background import estimate_background
 from wsi_pipeline.tiling.density import density_tissue_mask
 from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.tiling.job import SlideJob
-from wsi_pipeline.config.tiling import GreyscaleParams, TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 
 FOCUS_MIN = QCParams().focus_min
 

@@ -21,7 +21,8 @@ from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import SlideJob
-from wsi_pipeline.config.tiling import GreyscaleParams, TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.plan import plan_tiles
 from wsi_pipeline.tiling.tiler import tile_slide
 

@@ -27,7 +27,8 @@ from wsi_pipeline.synthetic.slides import make_slide
 from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import SlideJob
-from wsi_pipeline.config.tiling import GreyscaleParams, TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.tiler import tile_slide
 
 T = 128

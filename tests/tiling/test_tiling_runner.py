@@ -24,7 +24,8 @@ from wsi_pipeline.tiling.sources import jobs_from_folder
 from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import StoreDamagedError, is_complete, open_store
 from wsi_pipeline.tiling.job import SlideJob
-from wsi_pipeline.config.tiling import GreyscaleParams, TilingConfig
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.tiler import tile_slide
 
 REPO = Path(__file__).resolve().parents[2]

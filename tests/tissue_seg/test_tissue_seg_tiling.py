@@ -14,7 +14,8 @@ from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.tiling.job import SlideJob
-from wsi_pipeline.config.tiling import TilingConfig, UNetParams
+from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import UNetParams
 from wsi_pipeline.tissue_seg import stage
 from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
 from wsi_pipeline.tissue_seg.labels import paper_labels

@@ -144,7 +144,7 @@ class StoreSettings(Checked):
         if "points" in kw and isinstance(kw["points"], bool):
             kw.pop("points")
         built = build(cls, kw, where)
-        detector = {k: raw[k] for k in keys if k in raw and k not in own}
+        detector = {k: raw[k] for k in keys if raw.get(k) is not None and k not in own}
         if recorded and built.method is None and built.tile_size is None:
             raise ValueError(f"{where}: no tiling settings recorded (method, tile_size) in {short_repr(dict(raw))}")
         _check_detector(built.method, detector, where)

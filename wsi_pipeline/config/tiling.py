@@ -14,17 +14,16 @@ from typing import Any
 
 from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, POINT_EDGES, QC_MODES, TILING_METHODS, PointEdge, QCMode
 from wsi_pipeline.config.schema import Checked, build, spec
-from wsi_pipeline.config.store_settings import StoreSettings, StoreTiling
-from wsi_pipeline.config.tiling_params import (
-    DEFAULT_REGION_EXCLUDE, DETECTOR_PARAMS, MIN_TILE_SIZE, DetectorParams, GreyscaleParams, OtsuParams, QCParams,
-    TissueParams, UNetParams, detector_names,
+from wsi_pipeline.config.store_settings import StoreSettings
+from wsi_pipeline.config.store_settings import StoreTiling as StoreTiling  # importable here as before
+from wsi_pipeline.config.tiling_params import DEFAULT_REGION_EXCLUDE, DETECTOR_PARAMS, MIN_TILE_SIZE, QCParams, detector_names
+from wsi_pipeline.config.tiling_params import (  # importable here as before; their home is tiling_params
+    DetectorParams as DetectorParams, GreyscaleParams as GreyscaleParams, OtsuParams as OtsuParams,
+    TissueParams as TissueParams, UNetParams as UNetParams,
 )
 from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES
 
-__all__ = [
-    "DEFAULT_MIN_FOREGROUND", "DEFAULT_REGION_EXCLUDE", "DETECTOR_PARAMS", "DetectorParams", "GreyscaleParams",
-    "OtsuParams", "QCParams", "StoreSettings", "StoreTiling", "TilingConfig", "TissueParams", "UNetParams", "tiler_config",
-]
+__all__ = ["DEFAULT_MIN_FOREGROUND", "TilingConfig", "tiler_config"]
 
 #: The built-in detectors' default keep thresholds (fraction of the tile); ``DetectorParams.min_foreground``.
 DEFAULT_MIN_FOREGROUND: dict[str, float] = {n: DETECTOR_PARAMS.get(n).min_foreground for n in TILING_METHODS}

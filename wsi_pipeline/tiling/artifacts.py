@@ -59,7 +59,7 @@ import logging
 import numpy as np
 
 from wsi_pipeline.config.choices import QC_ARTIFACTS
-from wsi_pipeline.config.tiling import QCParams
+from wsi_pipeline.config.tiling_params import QCParams
 from wsi_pipeline.tiling.grid import TileGrid
 
 __all__ = ["DEFAULT_QC_MPP", "FOCUS_DROP_MIN_PX", "FOCUS_UM", "INK_MAX_SHARE", "INK_MIN_AREA_UM2", "QC_BITS", "QC_LOSS_WARN", "QCOverview", "TileQC", "describe", "flags_of",

@@ -17,7 +17,7 @@ from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import QCOverview, TileQC, grow_ink, ink_mask, qc_overview, slide_qc
 from wsi_pipeline.tiling.background import Background, estimate_background
 from wsi_pipeline.tiling.density import clean_tissue, stained_mask
-from wsi_pipeline.tiling.detectors import PAPER_GREY_MAX, DetectorMask, MaskView, detector_for, resample_mask
+from wsi_pipeline.tiling.detectors import DetectorMask, MaskView, detector_for, resample_mask
 from wsi_pipeline.tiling.grid import TileGrid, make_grid
 from wsi_pipeline.tiling.regions import RegionTiles, read_regions, region_file, region_outlines, region_tiles
 
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from wsi_pipeline.config.tiling import TilingConfig
     from wsi_pipeline.tiling.job import SlideJob
 
-__all__ = ["PAPER_GREY_MAX", "TilePlan", "plan_tiles"]
+__all__ = ["TilePlan", "plan_tiles"]
 
 logger = logging.getLogger(__name__)
 
