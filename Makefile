@@ -39,11 +39,11 @@ $(STAMP): pyproject.toml $(SPEC_STAMP)
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-# ruff with the rules in pyproject.toml ([tool.ruff]) over the package and the tests
+# ruff with the rules in pyproject.toml ([tool.ruff]) over the package, the workbench (benchmarks/, tools/) and the tests
 lint: install
-	$(BIN)/ruff check wsi_pipeline tests
+	$(BIN)/ruff check wsi_pipeline benchmarks tools tests
 
-# mypy over the package, configured in pyproject.toml ([tool.mypy])
+# mypy over the package and the workbench (benchmarks/, tools/), configured in pyproject.toml ([tool.mypy])
 typecheck: install
 	$(BIN)/mypy
 
@@ -80,8 +80,10 @@ predict: install
 	@test -n "$(SLIDES)" -a -n "$(MODEL)" || { echo "usage: make predict SLIDES=<folder> MODEL=<run folder or checkpoint> [PRED_OUT=predictions]"; exit 2; }
 	$(BIN)/wsi-pipeline predict --model $(MODEL) --slides $(SLIDES) --out $(PRED_OUT) $(ARGS)
 
+# the demo, then one line saying whether the README's demo table agrees with its results/demo/summary.md
 demo: install
 	$(BIN)/wsi-pipeline demo $(ARGS)
+	@$(BIN)/python -m tools.readme_table --check
 
 # the slide viewer on http://127.0.0.1:8765/ (ARGS="--port N"); any of SLIDES, MANIFEST, RESULTS (a predict or eval
 # output folder), TILES (tile stores); e.g. after `make demo`: make view MANIFEST=<cohort>/manifest.csv RESULTS=results/demo
@@ -94,7 +96,7 @@ view: install
 # the demo for several training seeds (same cohort and tiles): mean +- sd and min per method
 SEEDS ?= 0,1,2,3,4
 readme-table: install
-	$(BIN)/python -m wsi_pipeline.readme_table $(ARGS)
+	$(BIN)/python -m tools.readme_table $(ARGS)
 
 demo-study: install
 	$(BIN)/wsi-pipeline demo --seeds $(SEEDS) $(ARGS)
@@ -106,66 +108,66 @@ demo-survival: install
 bench: bench-tile bench-bigl bench-accumulate bench-eval
 
 bench-tile: install
-	$(BIN)/python -m wsi_pipeline.bench.tile $(ARGS)
+	$(BIN)/python -m benchmarks.tile $(ARGS)
 
 bench-bigl: install
-	$(BIN)/python -m wsi_pipeline.bench.bigl $(ARGS)
+	$(BIN)/python -m benchmarks.bigl $(ARGS)
 
 bench-accumulate: install
-	$(BIN)/python -m wsi_pipeline.bench.accumulate $(ARGS)
+	$(BIN)/python -m benchmarks.accumulate $(ARGS)
 
 bench-eval: install
-	$(BIN)/python -m wsi_pipeline.bench.eval $(ARGS)
+	$(BIN)/python -m benchmarks.eval $(ARGS)
 
 # stain normalisation / augmentation against two stain shifts (about an hour on 2 cores); ARGS="--timing" for the per-tile cost
 bench-stain: install
-	$(BIN)/python -m wsi_pipeline.bench.stain $(ARGS)
+	$(BIN)/python -m benchmarks.stain $(ARGS)
 
 # the attention-MIL paper's colon benchmark on its real images (../shared/realdata/crc-histophenotypes):
 # both instance constructions through the CLI, 5-fold CV by default (docs/real-data.md);
 # e.g. ARGS="--folds 10 --repeats 5" for the paper's protocol
 REAL_DATA ?= ../shared/realdata/crc-histophenotypes
 bench-real: install
-	nice -n 10 $(BIN)/python -m wsi_pipeline.bench.real --data $(REAL_DATA) --work runs/bench_real $(ARGS)
+	nice -n 10 $(BIN)/python -m benchmarks.real --data $(REAL_DATA) --work runs/bench_real $(ARGS)
 
 bench-decode: install
-	$(BIN)/python -m wsi_pipeline.bench.decode $(ARGS)
+	$(BIN)/python -m benchmarks.decode $(ARGS)
 
 bench-scale: install
-	$(BIN)/python -m wsi_pipeline.bench.scale $(ARGS)
+	$(BIN)/python -m benchmarks.scale $(ARGS)
 
 # tissue detection against painted truth (DETECT_ARGS), then the tissue U-Net's whole-image training step (ARGS)
 DETECT_ARGS ?=
 bench-tissue: bench-tissue-detection bench-tissue-real bench-tissue-step
 
 bench-tissue-detection: install
-	$(BIN)/python -m wsi_pipeline.bench.tissue_detection $(DETECT_ARGS)
+	$(BIN)/python -m benchmarks.tissue_detection $(DETECT_ARGS)
 
 bench-tissue-real: install
-	$(BIN)/python -m wsi_pipeline.bench.tissue_real $(REAL_ARGS)
+	$(BIN)/python -m benchmarks.tissue_real $(REAL_ARGS)
 
 bench-tissue-step: install
-	$(BIN)/python -m wsi_pipeline.bench.tissue $(ARGS)
+	$(BIN)/python -m benchmarks.tissue $(ARGS)
 
 bench-verify: install
-	$(BIN)/python -m wsi_pipeline.bench.verify $(ARGS)
+	$(BIN)/python -m benchmarks.verify $(ARGS)
 
 bench-loader: install
-	$(BIN)/python -m wsi_pipeline.bench.loader $(ARGS)
+	$(BIN)/python -m benchmarks.loader $(ARGS)
 
 # the viewer: time to first tile and per level-0 tile on a 28672 px slide, memory with 1000 slides listed
 bench-view: install
-	$(BIN)/python -m wsi_pipeline.bench.view $(ARGS)
+	$(BIN)/python -m benchmarks.view $(ARGS)
 
 # the whole flow at real scale: 4 real-tissue mosaics of 28672 px, tile -> train (frozen, accumulate, bigl;
 # bags of 512) -> eval -> predict; time and peak memory per stage (needs ../shared/slides)
 scale-check: install
-	$(BIN)/python -m wsi_pipeline.bench.scale_check $(ARGS)
+	$(BIN)/python -m benchmarks.scale_check $(ARGS)
 
 # the foundation-model presets at real size (random weights): parameters, GFLOPs, frozen tiles/s,
 # peak RSS of an accumulated step, predicted GPU time; ~15 min on a 2-core CPU
 bench-encoders: install
-	$(BIN)/python -m wsi_pipeline.bench.encoders $(ARGS)
+	$(BIN)/python -m benchmarks.encoders $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache

@@ -264,16 +264,16 @@ def format_seed_study(table: pd.DataFrame, seeds: Sequence[int]) -> str:
 
 
 
-def _summary_and_readme_check(results: Path, methods: list[str], seed: int) -> None:
-    """Write ``summary.md`` (the README's table for this run) and say whether README.md agrees."""
+def _write_summary(results: Path, methods: list[str], seed: int) -> None:
+    """Write ``summary.md`` (the README's table for this run); ``make demo`` then says whether README.md agrees
+    (``python -m tools.readme_table --check``, in the repository: the README is not part of the package)."""
+    from wsi_pipeline.export.demo_table import demo_summary
     from wsi_pipeline.export.metrics_json import read_metrics_json
     from wsi_pipeline.io_atomic import write_text_atomic
-    from wsi_pipeline.readme_table import compare_with_readme, demo_summary
 
     summary = demo_summary(read_metrics_json(results / "metrics.json"), methods, seed)
     path = write_text_atomic(results / "summary.md", summary)
     print(f"\n{summary}(written to {path})")
-    print(compare_with_readme(summary, Path("README.md")))
 
 
 def mosaic_config(template: str | os.PathLike, out: str | os.PathLike) -> Path:
@@ -353,7 +353,7 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *,
         with pd.option_context("display.width", 200, "display.max_columns", 50):
             print("\n" + results_table(results / "metrics.json").to_string())
     if seeds is None and config.task == "classification" and not isinstance(cohort, LungMosaicCohort):
-        _summary_and_readme_check(results, [m.name for m in config.methods], config.seeds[0])
+        _write_summary(results, [m.name for m in config.methods], config.seeds[0])
     if seeds is not None and config.task == "classification":
         from wsi_pipeline.export.metrics_json import read_metrics_json
         from wsi_pipeline.io_atomic import write_text_atomic

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from sklearn.metrics import accuracy_score, roc_auc_score
 
-from wsi_pipeline.bench.real import DATASET_KEYS, dataset_config, instance_truth, method_table
+from benchmarks.real import DATASET_KEYS, dataset_config, instance_truth, method_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from wsi_pipeline.bench.memory import SavedTensorMeter
+from benchmarks.memory import SavedTensorMeter
 
 
 def test_meter_counts_saved_tensors_until_the_graph_is_freed():

@@ -428,7 +428,7 @@ def test_budget_holds_and_device_residency_does_not_grow_with_input():
 
 # ---------------------------------------------------------------- the benchmark's fit
 def test_power_law_fit_recovers_known_curve():
-    from wsi_pipeline.bench.bigl import fit_power_law
+    from benchmarks.bigl import fit_power_law
 
     a, b, c = 3e-7, 1.3, 0.05
     areas = [s * s for s in (256, 384, 512, 768, 1024, 1536)]

@@ -365,14 +365,14 @@ def test_every_command_has_a_bad_call():
     assert set(BAD_CALLS) == {c.split()[0] for c in _parsers() if c}
 
 
-def test_the_slide_endings_in_help_and_readme_are_the_finders():
-    """`manifest folder --help` and the README list exactly the endings the finder looks for."""
+def test_the_slide_endings_in_help_and_docs_are_the_finders():
+    """`manifest folder --help` and docs/formats.md list exactly the endings the finder looks for."""
     from pathlib import Path
 
     from wsi_pipeline.slides.finder import SLIDE_EXTENSIONS
 
     helptext = " ".join((_parsers()["manifest folder"].description or "").split())
-    readme = " ".join((Path(__file__).resolve().parents[2] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).resolve().parents[2] / "docs" / "formats.md").read_text().split())
     for ext in SLIDE_EXTENSIONS:
         assert f" {ext} " in f" {helptext.replace(',', ' ')} ", ext
         assert re.search(r"[ `]" + re.escape(ext) + r"[ `]", readme), ext

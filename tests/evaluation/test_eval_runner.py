@@ -8,6 +8,7 @@ saved model computes, follows the schemas, and orders its work correctly.
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -326,3 +327,71 @@ def test_trained_end_to_end_abmil_localises_planted_lesions(tmp_path):
     recs = json.loads((summary.results_dir / "metrics.json").read_text())["records"]
     loc = {(r["seed"], r["cohort"]): r["value"] for r in recs if r["metric"] == "localisation_auc"}
     assert loc[(0, "synthetic")] >= 0.8, loc
+
+
+def _damaged_tiles(src: Path, dest: Path, damaged: str) -> Path:
+    """A copy of the tile stores in ``src`` with every tile shard of ``damaged`` overwritten (checksums fail)."""
+    import shutil
+
+    shutil.copytree(src, dest)
+    for shard in (dest / f"{damaged}.zarr" / "tiles").glob("c*"):
+        if shard.is_file():
+            shard.write_bytes(b"\x00" * shard.stat().st_size)
+    return dest
+
+
+def _bug_for(slide_id: str, real):
+    def scored(model, config, store, *args, **kwargs):
+        if str(store.path.name).startswith(slide_id):
+            raise TypeError("unsupported operand type(s) for /: 'NoneType' and 'int'")
+        return real(model, config, store, *args, **kwargs)
+    return scored
+
+
+def test_bad_slide_policy_in_eval(evaluated, tmp_path, monkeypatch):
+    """wsi_pipeline.failures in eval: a damaged store fails that slide by name and the others are scored; a
+    TypeError inside the per-slide scoring (a bug) stops the run."""
+    import wsi_pipeline.evaluation.evaluate as runner_mod
+    from wsi_pipeline.config.pipeline import config_from_dict
+
+    raw = _raw_config(evaluated["tmp"], evaluated["cfg"].data.manifest, [0])
+    raw["data"]["tiles_dir"] = str(_damaged_tiles(Path(evaluated["cfg"].data.tiles_dir), tmp_path / "tiles", "ext_001"))
+    raw["eval"]["protocols"] = ["all"]
+    raw["results_dir"] = str(tmp_path / "results")
+    cfg = config_from_dict(raw)
+    summary = evaluate_pipeline(cfg, device="cpu", n_boot=0, heatmaps=False, progress=False)
+    assert list(summary.failed_slides) == ["ext_001"] and "checksum" in summary.failed_slides["ext_001"]
+    pred = pd.read_csv(summary.results_dir / "predictions_ext_all.csv")
+    assert sorted(pred.slide_id) == ["ext_000", "ext_002", "ext_003"]  # the slides after the damaged one too
+
+    monkeypatch.setattr(runner_mod, "score_slide", _bug_for("ext_001", runner_mod.score_slide))
+    raw["data"]["tiles_dir"] = evaluated["cfg"].data.tiles_dir
+    raw["results_dir"] = str(tmp_path / "results2")
+    with pytest.raises(TypeError, match="unsupported operand"):
+        evaluate_pipeline(config_from_dict(raw), device="cpu", n_boot=0, heatmaps=False, progress=False)
+
+
+def test_bad_slide_policy_in_predict(evaluated, tmp_path, monkeypatch):
+    """wsi_pipeline.failures in predict: a damaged store is a failed slide named in the summary and the next
+    slide is predicted; a TypeError inside the per-slide scoring (a bug) stops the run."""
+    import shutil
+
+    import wsi_pipeline.evaluation.predict as predict_mod
+
+    tiles = Path(evaluated["cfg"].data.tiles_dir)
+    stores = tmp_path / "stores"
+    stores.mkdir()
+    for sid in ("ext_000", "ext_001", "ext_002"):
+        shutil.copytree(tiles / f"{sid}.zarr", stores / f"{sid}.zarr")
+    _damaged_tiles(stores, tmp_path / "bad", "ext_001")
+    model = evaluated["cfg"].run_dir(METHOD, 0)
+    summary = predict_slides(model, tmp_path / "bad", tmp_path / "pred", protocols=["all"], device="cpu", heatmaps=False,
+                             progress=False)
+    assert [sid for sid, _ in summary.failed] == ["ext_001"]
+    assert summary.failed[0][1].startswith("StoreDamagedError") and "checksum" in summary.failed[0][1]
+    assert pd.read_csv(tmp_path / "pred" / "predictions.csv")["slide_id"].tolist() == ["ext_000", "ext_002"]
+
+    monkeypatch.setattr(predict_mod, "score_slide", _bug_for("ext_001", predict_mod.score_slide))
+    with pytest.raises(TypeError, match="unsupported operand"):
+        predict_slides(model, stores, tmp_path / "pred2", protocols=["all"], device="cpu", heatmaps=False, progress=False)
+    assert not (tmp_path / "pred2" / "predictions.csv").exists()

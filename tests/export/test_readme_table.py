@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from wsi_pipeline.export.metrics_json import MetricRecord
-from wsi_pipeline.readme_table import END, START, compare_with_readme, demo_summary, parse_tables, update_readme
+from tools.readme_table import END, START, compare_with_readme, parse_tables, update_readme
+from wsi_pipeline.export.demo_table import demo_summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,12 +59,38 @@ def test_readme_is_updated_between_its_markers_and_compared(tmp_path):
 
 
 def test_the_repository_readme_has_the_generated_block():
-    text = (REPO / "README.md").read_text()
-    assert text.count(START) == 1 and text.count(END) == 1 and text.index(START) < text.index(END)
+    """The README shows one table, the headline; docs/demo.md shows them all: the README's equals the page's first."""
+    blocks = []
+    for page in (REPO / "README.md", REPO / "docs" / "demo.md"):
+        text = page.read_text()
+        assert text.count(START) == 1 and text.count(END) == 1 and text.index(START) < text.index(END), page
+        blocks.append(parse_tables(text[text.index(START):text.index(END)]))
+    readme, docs = blocks
+    assert len(readme) == 1 and len(docs) >= 2
+    assert readme[0] == docs[0] and readme[0]
+
+
+def test_make_readme_table_writes_the_headline_to_the_readme_and_all_tables_to_the_docs(tmp_path):
+    from tools.readme_table import headline, main
+
+    summary = demo_summary(_records(), ["frozen", "e2e"])
+    (tmp_path / "summary.md").write_text(summary)
+    (tmp_path / "study.md").write_text("| method | internal AUC |\n|---|---|\n| `frozen` | 0.77 +- 0.05 (min 0.72) |\n")
+    readme, docs = tmp_path / "README.md", tmp_path / "demo.md"
+    readme.write_text(f"# x\n{START}\nold\n{END}\n")
+    docs.write_text(f"# demo\n{START}\nold\n{END}\n")
+    assert main(["--summary", str(tmp_path / "summary.md"), "--study", str(tmp_path / "study.md"), "--survival",
+                 str(tmp_path / "none.md"), "--readme", str(readme), "--docs", str(docs)]) == 0
+    assert readme.read_text() == f"# x\n{START}\n{headline(summary)}{END}\n"
+    assert len(parse_tables(readme.read_text())) == 1 and len(parse_tables(docs.read_text())) == 3
+    # both agree with the run; a README showing only the headline is compared on the headline alone
+    assert compare_with_readme(summary, readme) == compare_with_readme(summary, docs) == "README demo table: agrees with this run"
+    changed = summary.replace("| 0.85 (sd 0.12) |", "| 0.50 (sd 0.12) |")
+    assert changed != summary and "agrees" in compare_with_readme(changed, readme) and "differs" in compare_with_readme(changed, docs)
 
 
 def test_survival_table_goes_between_its_markers(tmp_path):
-    from wsi_pipeline.readme_table import SURVIVAL_END, SURVIVAL_START, update_block
+    from tools.readme_table import SURVIVAL_END, SURVIVAL_START, update_block
 
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{SURVIVAL_START}\nold\n{SURVIVAL_END}\nrest\n")
@@ -86,3 +113,23 @@ def test_a_demo_without_a_new_seed_study_keeps_the_readmes_study_table(tmp_path)
     assert text.count("Seed study") == 1
     update_readme(readme, summary, study.replace("0.77", "0.66"))
     assert "0.66 +- 0.05" in readme.read_text() and "0.77" not in readme.read_text()
+
+
+def test_check_compares_without_writing_and_runs_from_the_repository_root(tmp_path):
+    """`make demo` ends with `python -m tools.readme_table --check`: one line, the README untouched."""
+    import subprocess
+    import sys
+
+    from tools.readme_table import main
+
+    summary = tmp_path / "summary.md"
+    summary.write_text(demo_summary(_records(), ["frozen", "e2e"]))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n{START}\nold\n{END}\n")
+    before = readme.read_bytes()
+    assert main(["--check", "--summary", str(summary), "--readme", str(readme)]) == 0
+    assert readme.read_bytes() == before
+    out = subprocess.run([sys.executable, "-m", "tools.readme_table", "--check", "--summary", str(summary), "--readme",
+                          str(readme)], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("README demo table differs"), out.stderr
+    assert main(["--check", "--summary", str(tmp_path / "none.md"), "--readme", str(readme)]) == 0

@@ -323,14 +323,15 @@ def test_catalogue_presets_follow_the_design_names_and_cards() -> None:
         assert fm.PRESETS[name].resize_policy in ("card", "ours") and fm.PRESETS[name].licence
 
 
-def test_readme_table_is_the_registry() -> None:
-    """The README's foundation table is generated from PRESETS: it names every preset, with its D, and equals the
-    generator's output (run ``python -m wsi_pipeline.models.preset_table --write README.md`` after changing a preset)."""
+def test_docs_table_is_the_registry() -> None:
+    """The foundation table of docs/foundation-models.md is generated from PRESETS: it names every preset, with its D,
+    and equals the generator's output (run ``python -m wsi_pipeline.models.preset_table --write
+    docs/foundation-models.md`` after changing a preset)."""
     from pathlib import Path
 
     from wsi_pipeline.models.preset_table import BEGIN, END, preset_table, replace_block
 
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "docs" / "foundation-models.md").read_text()
     block = readme[readme.index(BEGIN) + len(BEGIN) + 1 : readme.index(END)]
     assert block == preset_table()
     rows = {line.split("|")[1].strip(" `"): line for line in block.splitlines()[2:]}

@@ -17,12 +17,17 @@ import pytest
 
 T = TypeVar("T")
 
-PACKAGE = Path(__file__).resolve().parents[2] / "wsi_pipeline"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "wsi_pipeline"
+#: The workbench: run from the repository (``python -m benchmarks.tile``), never installed; it may import the
+#: package, the package never imports it.
+WORKBENCH = ("benchmarks", "tools")
 
 #: Lowest first. Blocks, then stages in the order of the flow, then entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("",),  # wsi_pipeline/__init__.py: the version only
     ("types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs"),  # helpers without our own imports; shared Protocols
+    ("failures",),  # the bad-slide policy: which errors fail one slide, which stop the run
     ("slides",),  # readers, mpp, slide finder
     ("models",),  # encoders, aggregators, heads, registries
     ("bigl",),  # Big-Layers (converts models)
@@ -38,12 +43,11 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("export",),  # stage: predictions, heatmaps, reports
     ("evaluation",),  # stage: runs -> results (writes through export)
     ("viewer",),  # stage: the browser viewer of slides, stores and results (reads what export wrote)
-    ("readme_table",),  # entry points
-    ("demo", "bench"),
+    ("demo",),  # entry points: the demo (a newcomer's first run), then the command line
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "failures", "slides", "models", "bigl", "config", "data", "jobs", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 
@@ -337,3 +341,55 @@ def reexports(root: Path = PACKAGE) -> list[str]:
 def test_a_module_exports_only_its_own_names() -> None:
     found = reexports()
     assert not found, "import these names from their home instead:\n" + "\n".join(found)
+
+
+def workbench_imports(root: Path = PACKAGE, workbench: tuple[str, ...] = WORKBENCH) -> list[str]:
+    """Imports of the workbench folders (``benchmarks``, ``tools``) from the package, in any spelling that reaches them."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            names += [a.value for a in ast.walk(node) if isinstance(node, ast.Call) and isinstance(a, ast.Constant)
+                      and isinstance(a.value, str) and a.value.split(".")[0] in workbench and "." in a.value]
+            found += [f"{path.relative_to(root.parent)}:{node.lineno}: {n}" for n in names if n.split(".")[0] in workbench]
+    return found
+
+
+def test_the_package_never_imports_the_workbench() -> None:
+    found = workbench_imports()
+    assert not found, "the installed package cannot import benchmarks/ or tools/ (they are not installed):\n" + "\n".join(found)
+
+
+def test_the_workbench_is_outside_the_package_and_not_installed() -> None:
+    import tomllib
+
+    for folder in WORKBENCH:
+        assert (REPO / folder / "__init__.py").is_file() and not (PACKAGE / folder).exists(), folder
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert project["tool"]["setuptools"]["packages"]["find"]["include"] == ["wsi_pipeline*"]
+    assert set(WORKBENCH) <= set(project["tool"]["mypy"]["files"])  # still type-checked
+    assert all(f" {folder} " in (REPO / "Makefile").read_text() for folder in WORKBENCH)  # and linted
+
+
+def test_the_workbench_check_catches_an_import(tmp_path: Path) -> None:
+    root = tmp_path / "wsi_pipeline"
+    _write(root, "__init__.py", "")
+    _write(root, "demo.py", "import json\nfrom wsi_pipeline import io_atomic\n")
+    assert workbench_imports(root) == []
+    _write(root, "demo.py", "def f():\n    from benchmarks.memory import SavedTensorMeter\n")
+    _write(root, "cli/run.py", "import importlib\nimportlib.import_module('tools.readme_table')\n")
+    assert workbench_imports(root) == ["wsi_pipeline/cli/run.py:2: tools.readme_table",
+                                       "wsi_pipeline/demo.py:2: benchmarks.memory"]
+
+
+def test_the_workbench_imports_only_the_public_package() -> None:
+    """The benchmarks may import the package, only its public names (no ``from x import _private``)."""
+    found = []
+    for folder in WORKBENCH:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("wsi_pipeline"):
+                    found += [f"{path.relative_to(REPO)}:{node.lineno}: {a.name}" for a in node.names
+                              if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not found, "private names of the package used by the workbench:\n" + "\n".join(found)

@@ -2,7 +2,7 @@
 writes exactly the store the OpenSlide read path writes.
 
 References computed here, independently of the package: OpenSlide (the library itself) reads the
-read level whole; the tile formula of README "Tiling" cuts (and, off a level's resolution, resizes
+read level whole; the tile formula of docs/tiling.md cuts (and, off a level's resolution, resizes
 with cv2.INTER_AREA) each tile; cv2's grey test decides which tiles are kept. The stored tiles the
 direct path decodes are counted against the stored tiles under the candidate tiles' sources.
 """

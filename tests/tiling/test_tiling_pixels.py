@@ -2,7 +2,7 @@
 have non-integer downsamples (Aperio-like: level sizes floor(W / 2^k)), for both backends, and do not
 change with the keep threshold, the pre-screen or the worker count.
 
-The reference is written here from the formula's statement (README "Tiling"), not from the package:
+The reference is written here from the formula's statement (docs/tiling.md, "The tile formula"), not from the package:
 level L has sx = W0 / WL, sy = H0 / HL; with a target, D = target / mpp and L is the coarsest level
 with (sx + sy) / 2 <= D * 1.05; within 5 % of D the level is used as is (T x T sources, step T),
 otherwise sources are round(T * D / s) level px, stepping T * D / s, resized with cv2.INTER_AREA;

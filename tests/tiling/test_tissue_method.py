@@ -14,7 +14,7 @@ import cv2
 import numpy as np
 import pytest
 
-from wsi_pipeline.bench.tissue_detection import score_tiles, truth_labels
+from benchmarks.tissue_detection import score_tiles, truth_labels
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.synthetic.fields import FieldSpec, IHC_STAIN, field_spec, make_field, tile_truth, write_field
 from wsi_pipeline.tiling.background import estimate_background

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from wsi_pipeline.bench.memory import SavedTensorMeter
+from benchmarks.memory import SavedTensorMeter
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.models.aggregators.dtfd import DISTILL_MODES
 from wsi_pipeline.training.accumulate import accumulate_step, default_loss, full_step

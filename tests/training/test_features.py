@@ -165,3 +165,43 @@ def test_re_extraction_says_why_and_orphan_files_are_reported(store_cohort, tmp_
     orphan = [t for t in text if "not in this manifest" in t]
     assert len(orphan) == 1 and str(df["slide_id"].iloc[2]) in orphan[0]
     assert str(df["slide_id"].iloc[2]) not in set(report["slide_id"])  # ignored, not rebuilt or listed
+
+
+def test_bad_slide_policy_a_damaged_store_fails_its_slide_and_a_bug_stops_the_run(store_cohort, tmp_path,
+                                                                                monkeypatch) -> None:
+    """wsi_pipeline.failures: a store whose tiles do not decode is a failed row and the next slide is embedded;
+    a TypeError inside the per-slide work (a bug) stops the run instead of failing each slide."""
+    import shutil
+
+    import pandas as pd
+
+    from wsi_pipeline.data.store import StoreDamagedError
+    from wsi_pipeline.inference import features as features_mod
+
+    df = read_manifest(store_cohort).head(3)
+    ids = list(df["slide_id"])
+    tiles = tmp_path / "tiles"
+    tiles.mkdir()
+    for sid in ids:
+        shutil.copytree(store_cohort.parent / "tiles" / f"{sid}.zarr", tiles / f"{sid}.zarr")
+    for chunk in (tiles / f"{ids[1]}.zarr" / "tiles").glob("c*"):  # every tile shard of the middle slide damaged
+        if chunk.is_file():
+            chunk.write_bytes(b"\x00" * 16)
+    report = extract_features(df, tiles, tmp_path / "f", "standin", encoder=StandIn(), progress=False)
+    assert list(report["status"]) == ["ok", "failed", "ok"]
+    assert report["error"].iloc[1].startswith(StoreDamagedError.__name__)
+    on_disk = pd.read_csv(tmp_path / "f" / "features_report.csv", keep_default_na=False)
+    assert list(on_disk["status"]) == ["ok", "failed", "ok"]
+
+    real = features_mod._embed_store
+
+    def buggy(store, *args, **kwargs):
+        if store.slide_id == ids[1]:
+            raise TypeError("unsupported operand type(s) for *: 'NoneType' and 'int'")
+        return real(store, *args, **kwargs)
+
+    monkeypatch.setattr(features_mod, "_embed_store", buggy)
+    with pytest.raises(TypeError, match="unsupported operand"):
+        extract_features(df, store_cohort.parent / "tiles", tmp_path / "g", "standin", encoder=StandIn(), progress=False)
+    on_disk = pd.read_csv(tmp_path / "g" / "features_report.csv", keep_default_na=False)
+    assert list(on_disk["slide_id"]) == ids[:1] and list(on_disk["status"]) == ["ok"]  # the rows before the bug

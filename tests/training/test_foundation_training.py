@@ -101,7 +101,7 @@ def test_checkpointing_is_on_for_trained_vits_and_keeps_the_function(float64) ->
 def test_checkpointing_bounds_saved_activations_by_block_inputs(float64) -> None:
     """With checkpointing, what a chunk keeps for backward grows with depth only by each block's input
     (tokens x width), not by the blocks' internal activations (attention maps, MLP hidden states)."""
-    from wsi_pipeline.bench.memory import SavedTensorMeter
+    from benchmarks.memory import SavedTensorMeter
 
     def peak(depth: int, ckpt: bool) -> int:
         torch.manual_seed(0)

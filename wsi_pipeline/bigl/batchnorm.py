@@ -78,6 +78,8 @@ class Moments:
         if self.n == 0:
             self.mean, self.m2 = mean_b, m2_b
         else:
+            if self.mean is None or self.m2 is None:
+                raise RuntimeError(f"internal error: moments over {self.n} values without a mean and M2")
             n_a = self.n
             tot = n_a + m
             delta = mean_b - self.mean
@@ -95,6 +97,8 @@ def batch_stats(layer: BigBatchNorm2d, x: torch.Tensor) -> tuple[torch.Tensor, t
         return ()
 
     layer.runner.run(f"{layer.qualname}/stats", _plan(layer, x, 1, 0), _load_x(x), compute)
+    if acc.mean is None or acc.m2 is None:
+        raise ValueError(f"{layer.qualname}: batch statistics of an empty input, shape {tuple(x.shape)}")
     return acc.mean, acc.m2, acc.n
 
 
@@ -123,11 +127,20 @@ def finish_stats(bn: nn.BatchNorm2d, name: str, mean: torch.Tensor, m2: torch.Te
             "use a batch or image with more than one value per channel"
         )
     invstd = torch.rsqrt(m2 / count + bn.eps)
-    if bn.running_mean is not None and bn.training:
-        bn.running_mean.mul_(1 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
-        unbiased = (m2 / (count - 1)).to(bn.running_var.dtype)
-        bn.running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
+    running_mean, running_var = bn.running_mean, bn.running_var  # both or neither (track_running_stats)
+    if running_mean is not None and running_var is not None and bn.training:
+        running_mean.mul_(1 - factor).add_(mean.to(running_mean.dtype), alpha=factor)
+        unbiased = (m2 / (count - 1)).to(running_var.dtype)
+        running_var.mul_(1 - factor).add_(unbiased, alpha=factor)
     return invstd
+
+
+def _summed(sums: dict[str, torch.Tensor | None], key: str, layer: BigBatchNorm2d, x: torch.Tensor) -> torch.Tensor:
+    """A backward sum every chunk added to (an error when no chunk ran: an empty input)."""
+    s = sums[key]
+    if s is None:
+        raise ValueError(f"{layer.qualname}: backward of an empty input, shape {tuple(x.shape)}")
+    return s
 
 
 class _BigBatchNorm2dFn(torch.autograd.Function):
@@ -140,6 +153,8 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
                 mean, m2, count = batch_stats(layer, x)
                 invstd = finish_stats(layer, layer.qualname, mean, m2, count, factor, list(x.shape))
             else:
+                if layer.running_mean is None or layer.running_var is None:
+                    raise ValueError(f"{layer.qualname}: running statistics are not tracked; expected batch statistics")
                 acc = math_dtype(x.dtype)
                 mean = layer.running_mean.to(acc)
                 invstd = torch.rsqrt(layer.running_var.to(acc) + eps)
@@ -177,11 +192,12 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
             xc, gc = _up(xc), _up(gc)
             s_dy = gc.sum(dim=_DIMS)
             s_dy_xmu = (gc * (xc - mean4)).sum(dim=_DIMS)
-            if sums["dy"] is None:
+            acc_dy, acc_dy_xmu = sums["dy"], sums["dy_xmu"]
+            if acc_dy is None or acc_dy_xmu is None:
                 sums["dy"], sums["dy_xmu"] = s_dy, s_dy_xmu
-            else:
-                sums["dy"] += s_dy
-                sums["dy_xmu"] += s_dy_xmu
+            else:  # in place: the tensors in `sums`
+                acc_dy += s_dy
+                acc_dy_xmu += s_dy_xmu
 
         gx = runner.host_empty(x.shape, x.dtype) if need_x else None
         if ctx.use_batch_stats:
@@ -191,10 +207,10 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
                 return ()
 
             runner.run(f"{layer.qualname}/backward-sums", _plan(layer, x, 2, 0), _load_x_dy(x, dy), reduce)
-            if need_x:
+            if gx is not None:  # (exactly when need_x)
                 k_dy = _per_channel(gamma_invstd)
-                mean_dy = _per_channel(sums["dy"] / count)
-                k_xmu = _per_channel(invstd * invstd * sums["dy_xmu"] / count)
+                mean_dy = _per_channel(_summed(sums, "dy", layer, x) / count)
+                k_xmu = _per_channel(invstd * invstd * _summed(sums, "dy_xmu", layer, x) / count)
 
                 def dx(i: int, ch: RowChunk, ins):
                     xc, gc = _up(ins[0]), _up(ins[1])
@@ -213,9 +229,9 @@ class _BigBatchNorm2dFn(torch.autograd.Function):
                 return ((_up(gc) * k_dy).to(x.dtype),) if need_x else ()
 
             runner.run(f"{layer.qualname}/backward", _plan(layer, x, 2, 1 if need_x else 0), _load_x_dy(x, dy), dx_eval,
-                       _rows(gx) if need_x else None)
-        g_w = (sums["dy_xmu"] * invstd).to(weight.dtype) if (need_w and weight is not None) else None
-        g_b = sums["dy"].to(ctx.bias_dtype) if (need_b and ctx.bias_dtype is not None) else None
+                       _rows(gx) if gx is not None else None)
+        g_w = (_summed(sums, "dy_xmu", layer, x) * invstd).to(weight.dtype) if (need_w and weight is not None) else None
+        g_b = _summed(sums, "dy", layer, x).to(ctx.bias_dtype) if (need_b and ctx.bias_dtype is not None) else None
         return gx, g_w, g_b, None, None, None
 
 

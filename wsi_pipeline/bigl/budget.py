@@ -48,14 +48,15 @@ path a GPU takes.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from wsi_pipeline.bigl.batchnorm import uses_batch_stats
-from wsi_pipeline.bigl.units import UnitGeometry, resnet_units
+from wsi_pipeline.bigl.units import Unit, UnitGeometry, resnet_units
 from wsi_pipeline.models.encoders import ResNet
 
 __all__ = ["StepPlan", "UnitMemory", "unit_memory", "plan_step", "manual_plan", "default_budget_bytes", "resolve_budget", "GB"]
@@ -268,6 +269,83 @@ def _state_bytes(model: nn.Module) -> int:
     return STATE_FACTOR * sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@dataclass(frozen=True)
+class _UnitCosts:
+    """Per unit, run as a fused run: working elements of its smallest chunk step (one output row
+    of one sample; ``0`` rows for an empty unit), of the smallest chunk step and of the chunk step
+    checkpoints leave room for, and the passes over its input (all; backward only)."""
+
+    row_min: list[int]
+    sample_min: list[int]
+    sample_pref: list[int]
+    reads: list[int]
+    grad_reads: list[int]
+
+
+def _unit_costs(units: list[Unit], shape: tuple[int, ...], grad: bool, max_elements: int) -> _UnitCosts:
+    # geometry of every unit for this input, for the minimum chunk of each
+    n, c, h, w = shape
+    geos = []
+    for u in units:
+        g = UnitGeometry(u, c, h, w)
+        geos.append(g)
+        c, h, w = g.c_out, g.h_out, g.w_out
+    row_min = [g.row_elements(1) if g.sample_elements() > 0 else 0 for g in geos]
+    # passes over its input of each unit as a fused run: 1 + (batch-statistics BatchNorms on its
+    # longest chain) forward, as many backward (statistics / sums passes, then the pass itself)
+    levels = [max(sum(op.kind == "bn" and uses_batch_stats(op.bn) for op in ops) for ops in (u.main, u.shortcut or []))
+              for u in units]
+    grad_reads = [1 + lv for lv in levels] if grad else [0] * len(units)
+    reads = [1 + lv + g for lv, g in zip(levels, grad_reads)]
+    sample_min = [min(g.sample_elements(), g.row_elements(1)) for g in geos]
+    # the chunk step checkpoints leave room for: PREFERRED_ROWS output rows (or one sample) of
+    # every run, so that halo rows stay a small share; one row where that does not fit
+    sample_pref = [min(g.sample_elements(), g.row_elements(min(PREFERRED_ROWS, g.h_out)), max_elements) for g in geos]
+    return _UnitCosts(row_min, sample_min, sample_pref, reads, grad_reads)
+
+
+class _Option(NamedTuple):
+    """A plan with ``k`` units offloaded: host-checkpoint bytes moved, checkpoint places and bytes,
+    chunk elements and the estimated device peak (bytes)."""
+
+    moved: int
+    k: int
+    places: tuple[str, ...]
+    ckpts: tuple[int, ...]
+    chunk: int
+    estimate: int
+
+
+def _offload_option(k: int, mem: list[UnitMemory], costs: _UnitCosts, *, image: int, budget: int, state: int,
+                    work_f: int, esize: int, grad: bool, max_elements: int) -> _Option | None:
+    """The checkpoint places for ``k`` units as fused runs (module docstring, rules 2-3; None: it does not fit)."""
+    rest = mem[k:]
+    device_part = sum(m.saved for m in rest) + (work_f * max(m.largest for m in rest) if rest else mem[-1].output)
+    ckpts = [image] + [m.output for m in mem[: k - 1]]
+    reads, grad_reads = costs.reads, costs.grad_reads
+    # what a checkpoint costs on the host: read by every pass of the run it feeds, written
+    # once, its gradient written once and read by every backward pass of the run before
+    cost = [reads[0] * ckpts[0]] + [(reads[j] + 1 + (grad_reads[j - 1] + 1 if grad else 0)) * b
+                                    for j, b in enumerate(ckpts[1:], start=1)]
+    option = None
+    for reserve in (max(costs.sample_min[:k]), max(max(costs.sample_pref[:k]), max(costs.sample_min[:k]))):
+        free = budget - state - device_part - reserve * esize
+        if free < 0:
+            break
+        places = ["host"] * len(ckpts)
+        for j in sorted(range(len(ckpts)), key=lambda j: (-cost[j], j)):
+            if ckpts[j] <= free:
+                places[j] = "device"
+                free -= ckpts[j]
+        moved = sum(c for c, p in zip(cost, places) if p == "host")
+        chunk = min(max_elements, free // esize + reserve)
+        resident = sum(b for b, p in zip(ckpts, places) if p == "device")
+        option = _Option(moved, k, tuple(places), tuple(ckpts), int(chunk), state + device_part + resident + chunk * esize)
+        if moved == 0:
+            break  # nothing but the image crosses the bus: small chunks only cost halo recomputation
+    return option
+
+
 def plan_step(
     model: ResNet,
     shape: tuple[int, ...],
@@ -311,66 +389,29 @@ def plan_step(
     state = _state_bytes(model) if grad else sum(p.numel() * p.element_size() for p in model.parameters())
     work_f = 2 if grad else 3
     plain = state + x_host + sum(m.saved for m in mem) + work_f * max(m.largest for m in mem)
-    common = dict(shape=shape, dtype=str(dtype).replace("torch.", ""), transfer_dtype=str(act).replace("torch.", ""),
-                  budget=budget, units=names, plain_estimate=plain, grad=grad)
+    plain_plan = StepPlan(shape=shape, dtype=str(dtype).replace("torch.", ""), transfer_dtype=str(act).replace("torch.", ""),
+                          budget=budget, units=names, offloaded=0, places=(), checkpoint_bytes=(image,), chunk_elements=0,
+                          plain_estimate=plain, estimate=plain, grad=grad)
     if budget is None or plain <= budget:
-        return StepPlan(offloaded=0, places=(), checkpoint_bytes=(image,), chunk_elements=0, estimate=plain, **common)
-    # geometry of every unit for this input, for the minimum chunk of each
-    n, c, h, w = shape
-    geos = []
-    for u in units:
-        g = UnitGeometry(u, c, h, w)
-        geos.append(g)
-        c, h, w = g.c_out, g.h_out, g.w_out
-    row_min = [g.row_elements(1) if g.sample_elements() > 0 else 0 for g in geos]
-    # passes over its input of each unit as a fused run: 1 + (batch-statistics BatchNorms on its
-    # longest chain) forward, as many backward (statistics / sums passes, then the pass itself)
-    levels = [max(sum(op.kind == "bn" and uses_batch_stats(op.module) for op in ops) for ops in (u.main, u.shortcut or []))
-              for u in units]
-    grad_reads = [1 + lv for lv in levels] if grad else [0] * len(units)
-    reads = [1 + lv + g for lv, g in zip(levels, grad_reads)]
-    sample_min = [min(g.sample_elements(), g.row_elements(1)) for g in geos]
-    # the chunk step checkpoints leave room for: PREFERRED_ROWS output rows (or one sample) of
-    # every run, so that halo rows stay a small share; one row where that does not fit
-    sample_pref = [min(g.sample_elements(), g.row_elements(min(PREFERRED_ROWS, g.h_out)), max_elements) for g in geos]
-    best: tuple | None = None
+        return plain_plan
+    costs = _unit_costs(units, shape, grad, max_elements)
+    best: _Option | None = None
     for k in range(1, len(units) + 1):
-        rest = mem[k:]
-        device_part = sum(m.saved for m in rest) + (work_f * max(m.largest for m in rest) if rest else mem[-1].output)
-        ckpts = [image] + [m.output for m in mem[: k - 1]]
-        # what a checkpoint costs on the host: read by every pass of the run it feeds, written
-        # once, its gradient written once and read by every backward pass of the run before
-        cost = [reads[0] * ckpts[0]] + [(reads[j] + 1 + (grad_reads[j - 1] + 1 if grad else 0)) * b
-                                        for j, b in enumerate(ckpts[1:], start=1)]
-        option = None
-        for reserve in (max(sample_min[:k]), max(max(sample_pref[:k]), max(sample_min[:k]))):
-            free = budget - state - device_part - reserve * esize
-            if free < 0:
-                break
-            places = ["host"] * len(ckpts)
-            for j in sorted(range(len(ckpts)), key=lambda j: (-cost[j], j)):
-                if ckpts[j] <= free:
-                    places[j] = "device"
-                    free -= ckpts[j]
-            moved = sum(c for c, p in zip(cost, places) if p == "host")
-            chunk = min(max_elements, free // esize + reserve)
-            resident = sum(b for b, p in zip(ckpts, places) if p == "device")
-            option = (moved, k, tuple(places), tuple(ckpts), int(chunk), state + device_part + resident + chunk * esize)
-            if moved == 0:
-                break  # nothing but the image crosses the bus: small chunks only cost halo recomputation
-        if option is not None and (best is None or option[0] < best[0]):
+        option = _offload_option(k, mem, costs, image=image, budget=budget, state=state, work_f=work_f, esize=esize,
+                                 grad=grad, max_elements=max_elements)
+        if option is not None and (best is None or option.moved < best.moved):
             best = option
-        if best is not None and best[0] == 0:
+        if best is not None and best.moved == 0:
             break
     if best is not None:
-        _, k, places, ckpts, chunk, estimate = best
-        short = [(u, m) for u, m in zip(names[:k], sample_min[:k]) if m > max_elements]
+        short = [(name, m) for name, m in zip(names[: best.k], costs.sample_min[: best.k]) if m > max_elements]
         if short:
-            u, m = max(short, key=lambda um: um[1])
-            raise ValueError(f"max_elements={max_elements} is too small for the fused run {u}: one output row of one sample "
+            name, m = max(short, key=lambda um: um[1])
+            raise ValueError(f"max_elements={max_elements} is too small for the fused run {name}: one output row of one sample "
                              f"needs {m} working elements; use max_elements >= {m}")
-        return StepPlan(offloaded=k, places=places, checkpoint_bytes=ckpts, chunk_elements=chunk, estimate=estimate, **common)
-    need = state + mem[-1].output + max(row_min) * esize
+        return replace(plain_plan, offloaded=best.k, places=best.places, checkpoint_bytes=best.ckpts,
+                       chunk_elements=best.chunk, estimate=best.estimate)
+    need = state + mem[-1].output + max(costs.row_min) * esize
     raise ValueError(
         f"device budget {budget / GB:.3f} GB is too small for a step on input {list(shape)}: even with every unit "
         f"offloaded and every checkpoint in host memory it needs about {need / GB:.3f} GB; raise bigl.device_budget_gb"

@@ -35,17 +35,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Hashable, Sequence
+from typing import TypeVar
 
 import torch
 
 from wsi_pipeline.bigl import instrument
-from wsi_pipeline.bigl.plan import RowChunk
+from wsi_pipeline.bigl.plan import Chunk
 
 __all__ = ["ChunkRunner", "HostBuffers"]
 
-Load = Callable[[int, RowChunk], Sequence[torch.Tensor]]
-Compute = Callable[[int, RowChunk, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
-Store = Callable[[int, RowChunk], Sequence[torch.Tensor]]
+#: the chunk type of one pass (RowChunk for single layers, UnitChunk for fused runs)
+C = TypeVar("C", bound=Chunk)
+Load = Callable[[int, C], Sequence[torch.Tensor]]
+Compute = Callable[[int, C, Sequence[torch.Tensor]], Sequence[torch.Tensor]]
+Store = Callable[[int, C], Sequence[torch.Tensor]]
 
 
 def _empty_host(shape: Sequence[int], dtype: torch.dtype, pinned: bool, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -127,9 +130,9 @@ class ChunkRunner:
             return torch.autocast(self.device.type, enabled=False)
         return contextlib.nullcontext()
 
-    def run(self, layer: str, chunks: Sequence[RowChunk], load: Load, compute: Compute, store: Store | None = None, *,
+    def run(self, layer: str, chunks: Sequence[C], load: Load[C], compute: Compute[C], store: Store[C] | None = None, *,
             resident_in: Sequence[bool] = (), resident_out: Sequence[bool] = (),
-            signature: Callable[[int, RowChunk], Hashable] | None = None) -> None:
+            signature: Callable[[int, C], Hashable] | None = None) -> None:
         """Run every chunk step of one pass of one layer.
 
         Parameters
@@ -164,12 +167,12 @@ class ChunkRunner:
             with torch.cuda.device(self.device):
                 self._run_cuda(layer, chunks, load, compute, store, watch)
         else:
-            replay = signature is not None and self.device.type == "meta"
+            replay = signature if self.device.type == "meta" else None
             seen: dict[Hashable, tuple[int, list[tuple[int, int]]]] = {}
             pending = self._send_cpu(layer, 0, chunks[0], load, watch)
             for i, ch in enumerate(chunks):
                 ins = pending
-                sig = signature(i, ch) if replay else None
+                sig = replay(i, ch) if replay is not None else None
                 if sig is not None and sig in seen:
                     pending = self._send_cpu(layer, i + 1, chunks[i + 1], load, watch) if i + 1 < len(chunks) else ()
                     self._replay(layer, i, ch, ins, seen[sig], watch)
@@ -200,7 +203,7 @@ class ChunkRunner:
                     instrument.chunk_done(layer, i, moved, ch.samples, ch.o1 - ch.o0, ch.full, moved_bytes)
                 del ins, outs, sent
 
-    def _replay(self, layer: str, i: int, ch: RowChunk, ins, cached: tuple[int, list[tuple[int, int]]], watch: bool) -> None:
+    def _replay(self, layer: str, i: int, ch: Chunk, ins: Sequence[torch.Tensor], cached: tuple[int, list[tuple[int, int]]], watch: bool) -> None:
         """Report a dry-run chunk like an earlier one of the same shapes (its uploads were reported on loading)."""
         flops, outs = cached
         instrument.add_flops(flops)
@@ -216,7 +219,7 @@ class ChunkRunner:
     def _resident(flags: tuple[bool, ...], k: int) -> bool:
         return k < len(flags) and bool(flags[k])
 
-    def _send_cpu(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool) -> tuple[torch.Tensor, ...]:
+    def _send_cpu(self, layer: str, i: int, ch: C, load: Load[C], watch: bool) -> tuple[torch.Tensor, ...]:
         ins = tuple(load(i, ch))
         if watch:
             for k, t in enumerate(ins):
@@ -233,7 +236,7 @@ class ChunkRunner:
             )
 
     # ---- CUDA: pinned buffers, copy streams, events -------------------------------------
-    def _send_cuda(self, layer: str, i: int, ch: RowChunk, load: Load, watch: bool):
+    def _send_cuda(self, layer: str, i: int, ch: C, load: Load[C], watch: bool) -> tuple[tuple[torch.Tensor, ...], torch.cuda.Event]:
         srcs = []
         loaded = tuple(load(i, ch))
         for k, t in enumerate(loaded):
@@ -264,13 +267,16 @@ class ChunkRunner:
                     instrument.track("h2d", layer, i, d)
         return tuple(ins), ready
 
-    def _run_cuda(self, layer, chunks, load, compute, store, watch) -> None:
+    def _run_cuda(self, layer: str, chunks: Sequence[C], load: Load[C], compute: Compute[C], store: Store[C] | None,
+                  watch: bool) -> None:
         cur = torch.cuda.current_stream(self.device)
         # results bound for pageable host memory: (event, pinned staging buffer, destination),
         # copied on the host once their DMA is done, while the device works on later chunks
         landing: list[tuple[int, torch.cuda.Event, torch.Tensor, torch.Tensor]] = []
-        pending = self._send_cuda(layer, 0, chunks[0], load, watch)
+        pending: tuple[tuple[torch.Tensor, ...], torch.cuda.Event] | None = self._send_cuda(layer, 0, chunks[0], load, watch)
         for i, ch in enumerate(chunks):
+            if pending is None:
+                raise RuntimeError(f"internal error in Big-Layer {layer}: chunk {i} of {len(chunks)} was never sent")
             ins, ready = pending
             cur.wait_event(ready)
             for t in ins:

@@ -8,14 +8,15 @@ the parameters' dtype.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from wsi_pipeline.bigl.plan import RowChunk, Window, grad_write_plan, plan_rows
+from wsi_pipeline.bigl.plan import Chunk, RowChunk, Window, grad_write_plan, plan_rows
 from wsi_pipeline.bigl.precision import autocast_dtype
 from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
@@ -29,6 +30,10 @@ def pad_rows(x: torch.Tensor, top: int, bottom: int, value: float = 0.0) -> torc
     return F.pad(x, (0, 0, top, bottom), value=value)
 
 
+@overload
+def _cast(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
+@overload
+def _cast(t: None, dtype: torch.dtype | None) -> None: ...
 def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
     return t if t is None or dtype is None or t.dtype == dtype else t.to(dtype)
 
@@ -37,7 +42,7 @@ class GradStitcher:
     """Stitches chunked input gradients: halo rows shared with the next chunk stay on the
     device and are added to that chunk's gradient, the rest is written to the host once."""
 
-    def __init__(self, chunks: list[RowChunk], h: int) -> None:
+    def __init__(self, chunks: Sequence[Chunk], h: int) -> None:
         self.writes, self.gaps = grad_write_plan(chunks, h)
         self._carry: torch.Tensor | None = None
 
@@ -58,7 +63,7 @@ class GradStitcher:
         self._carry = g[:, :, keep:]
         return g[:, :, :keep]
 
-    def dest(self, i: int, ch: RowChunk, host_grad: torch.Tensor) -> torch.Tensor:
+    def dest(self, i: int, ch: Chunk, host_grad: torch.Tensor) -> torch.Tensor:
         """Host view receiving chunk ``i``'s written rows."""
         return host_grad[ch.n0 : ch.n1, :, ch.a : self.writes[i].end]
 
@@ -152,8 +157,8 @@ class _BigConv2dFn(torch.autograd.Function):
                 g_in = g_in.to(torch.promote_types(cast, x.dtype))
             return (stitch.take(i, g_in).to(x.dtype),)
 
-        def store(i: int, ch: RowChunk):
-            return (stitch.dest(i, ch, gx),) if need_x else ()
+        def store(i: int, ch: RowChunk) -> tuple[torch.Tensor, ...]:
+            return (stitch.dest(i, ch, gx),) if gx is not None else ()  # gx exists exactly when need_x
 
         runner.run(f"{layer.qualname}/backward", chunks, load, compute, store)
         return gx, acc["w"], acc["b"], None, None
@@ -180,20 +185,21 @@ class BigConv2d(nn.Conv2d):
     runner: ChunkRunner
     max_elements: int
     qualname: str
+    #: always numeric here (``from_conv`` turns ``"valid"`` into ``(0, 0)`` and rejects other strings)
+    padding: tuple[int, ...]
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, runner: ChunkRunner, max_elements: int, qualname: str = "conv") -> BigConv2d:
         """Wrap ``conv`` (its Parameters are shared, not copied)."""
         if conv.padding_mode != "zeros":
             raise ValueError(f"{qualname}: padding_mode={conv.padding_mode!r} is not supported by Big-Layers; use 'zeros'")
-        if isinstance(conv.padding, str):
-            if conv.padding != "valid":
-                raise ValueError(f"{qualname}: padding={conv.padding!r} is not supported by Big-Layers; give the padding in px")
+        if isinstance(conv.padding, str) and conv.padding != "valid":
+            raise ValueError(f"{qualname}: padding={conv.padding!r} is not supported by Big-Layers; give the padding in px")
         big = cls.__new__(cls)
         nn.Module.__init__(big)
         for attr in ("in_channels", "out_channels", "kernel_size", "stride", "dilation", "transposed", "output_padding", "groups", "padding_mode"):
             setattr(big, attr, getattr(conv, attr))
-        big.padding = (0, 0) if conv.padding == "valid" else tuple(conv.padding)
+        big.padding = (0, 0) if isinstance(conv.padding, str) else tuple(conv.padding)
         big._reversed_padding_repeated_twice = getattr(conv, "_reversed_padding_repeated_twice", [0, 0, 0, 0])
         big.weight = conv.weight
         if conv.bias is None:

@@ -3,6 +3,8 @@ plan), or, with a device budget, only what does not fit (:mod:`wsi_pipeline.bigl
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
 
@@ -72,6 +74,10 @@ class BigBlock(nn.Module):
     ``relu(bn_k(conv_k(...relu(bn1(conv1(x)))...)) + shortcut(x))`` on host tensors.
     """
 
+    # children set by name from the wrapped block (declared for the type checker)
+    relu: nn.Module
+    downsample: nn.Module | None
+
     def __init__(self, block: nn.Module, conv: _Converter, name: str) -> None:
         super().__init__()
         for child, m in block.named_children():
@@ -125,6 +131,12 @@ class BigResNet(nn.Module):
     """
 
     host_input = True
+    # the stages, added by name in __init__, and the wrapped encoder (not a submodule)
+    layer1: nn.Module
+    layer2: nn.Module
+    layer3: nn.Module
+    layer4: nn.Module
+    _plain: ResNet
 
     def __init__(self, model: ResNet, stages: int, runner: ChunkRunner, max_elements: int, pointwise: str) -> None:
         super().__init__()
@@ -177,6 +189,13 @@ class BigResNet(nn.Module):
         return torch.flatten(self.avgpool(self.forward_features(x)), 1)
 
 
+@overload
+def bigify(model: nn.Module, stages: int, max_elements: int, device: torch.device | str | None = None, *,
+           pointwise: str = "host", pin_memory: bool = True, device_budget_gb: None = None) -> BigResNet: ...
+@overload
+def bigify(model: nn.Module, stages: int, max_elements: int, device: torch.device | str | None = None, *,
+           pointwise: str = "host", pin_memory: bool = True,
+           device_budget_gb: float | str | None = None) -> BigResNet | BudgetResNet: ...
 def bigify(
     model: nn.Module,
     stages: int,

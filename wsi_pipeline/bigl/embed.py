@@ -104,6 +104,10 @@ class EmbeddingEncoder(nn.Module):
         ``"plain"`` or ``"bigl"``: what the last call used (for logs and tests).
     """
 
+    # not submodules (their state is this module's, under the same names); set in __init__
+    _plain: ResNet
+    _big: BigResNet | None
+
     def __init__(
         self,
         plain: ResNet,
@@ -161,10 +165,11 @@ class EmbeddingEncoder(nn.Module):
 
     def big_model(self) -> BigResNet:
         """The Big-Layers version (built on the parameters' device on first use)."""
-        if self._big is None:
-            object.__setattr__(self, "_big", bigify(self._plain, self.stages, self.max_elements, device=self.device(),
-                                                    pointwise=self.pointwise))
-        return self._big
+        big = self._big
+        if big is None:
+            big = bigify(self._plain, self.stages, self.max_elements, device=self.device(), pointwise=self.pointwise)
+            object.__setattr__(self, "_big", big)
+        return big
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Images ``[B, 3, H, W]`` -> features ``[B, num_features]`` on the parameters' device."""

@@ -34,8 +34,9 @@ in the autocast dtype, BatchNorm keeps its input's dtype with float32 statistics
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ from wsi_pipeline.bigl.batchnorm import Moments, finish_stats, momentum_factor, 
 from wsi_pipeline.bigl.conv import GradStitcher, pad_rows
 from wsi_pipeline.bigl.precision import math_dtype
 from wsi_pipeline.bigl.chunk_loop import ChunkRunner
-from wsi_pipeline.bigl.units import Op, OpRange, Unit, UnitChunk, UnitGeometry, plan_unit
+from wsi_pipeline.bigl.units import Op, OpRange, Unit, UnitChunk, UnitGeometry, conv_padding, plan_unit
 
 __all__ = ["FusedRun", "bn_levels"]
 
@@ -80,7 +81,19 @@ class _BNState:
 
     @property
     def module(self) -> nn.BatchNorm2d:
-        return self.op.module
+        return self.op.bn
+
+    def stats(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mean, invstd)`` of this call (set by the statistics passes)."""
+        if self.mean is None or self.invstd is None:
+            raise RuntimeError(f"internal error in a fused run: {self.op.name} is used before its statistics pass")
+        return self.mean, self.invstd
+
+    def sums(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(sum(dy), sum(dy * xhat))`` of this call (set by the backward-sums passes)."""
+        if self.s_dy is None or self.s_dy_xhat is None:
+            raise RuntimeError(f"internal error in a fused run: {self.op.name} is used before its backward-sums pass")
+        return self.s_dy, self.s_dy_xhat
 
 
 class _BNChunkFn(torch.autograd.Function):
@@ -95,7 +108,8 @@ class _BNChunkFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, st: _BNState,
                 own0: int, own1: int) -> torch.Tensor:
-        xhat = (x.to(math_dtype(x.dtype)) - _c4(st.mean)) * _c4(st.invstd)
+        mean, invstd = st.stats()
+        xhat = (x.to(math_dtype(x.dtype)) - _c4(mean)) * _c4(invstd)
         y = xhat if weight is None else xhat * _c4(weight)
         if bias is not None:
             y = y + _c4(bias)
@@ -110,12 +124,14 @@ class _BNChunkFn(torch.autograd.Function):
         st: _BNState = ctx.st
         acc = math_dtype(x.dtype)
         dym = dy.to(acc)
-        xhat = (x.to(acc) - _c4(st.mean)) * _c4(st.invstd)
-        k = st.invstd if weight is None else st.invstd * weight.to(acc)
+        mean, invstd = st.stats()
+        xhat = (x.to(acc) - _c4(mean)) * _c4(invstd)
+        k = invstd if weight is None else invstd * weight.to(acc)
         dx = dym * _c4(k)
         o0, o1 = ctx.own
         if o1 > o0:
-            corr = (_c4(st.s_dy) + xhat[:, :, o0:o1] * _c4(st.s_dy_xhat)) * _c4(k / st.count)
+            s_dy, s_dy_xhat = st.sums()
+            corr = (_c4(s_dy) + xhat[:, :, o0:o1] * _c4(s_dy_xhat)) * _c4(k / st.count)
             dx[:, :, o0:o1] -= corr
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         g_w = (dym * xhat).sum(dim=_DIMS).to(weight.dtype) if need_w and weight is not None else None
@@ -184,25 +200,35 @@ class _Chunk:
         self.known = known or set()
         self.cut: list[tuple[_BNState, torch.Tensor, torch.Tensor]] = []  # sums passes: (bn, output leaf, input)
 
+    @overload
+    def _p(self, p: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _p(self, p: None) -> None: ...
     def _p(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None:
             return None
         return p if self.params_grad else p.detach()
 
+    @overload
+    def _cast(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _cast(self, t: None) -> None: ...
     def _cast(self, t: torch.Tensor | None) -> torch.Tensor | None:
         cast = self.call.cast
         return t if t is None or cast is None or t.dtype == cast else t.to(cast)
 
     def _window(self, op: Op, t: torch.Tensor, r: OpRange) -> torch.Tensor:
-        m = op.module
         if op.kind == "conv":
+            m = op.conv
+            padding = conv_padding(m, op.name)
             w, b = self._cast(self._p(m.weight)), self._cast(self._p(m.bias))
             t = self._cast(t)
             if r.native:
-                return F.conv2d(t, w, b, m.stride, m.padding, m.dilation, m.groups)
+                return F.conv2d(t, w, b, m.stride, padding, m.dilation, m.groups)
             t = pad_rows(t, r.pad_top, r.pad_bottom)
-            return F.conv2d(t, w, b, m.stride, (0, m.padding[1]), m.dilation, m.groups)
-        k, s, p, d = (op._pair(v) for v in (m.kernel_size, m.stride, m.padding, m.dilation))
+            return F.conv2d(t, w, b, m.stride, (0, padding[1]), m.dilation, m.groups)
+        pool = op.pool
+        k, s, p, d = (op._pair(v) for v in (pool.kernel_size, pool.stride, pool.padding, pool.dilation))
         if r.native:
             return F.max_pool2d(t, k, s, p, d)
         t = pad_rows(t, r.pad_top, r.pad_bottom, value=float("-inf"))
@@ -215,6 +241,8 @@ class _Chunk:
         if t.is_meta:
             return self._bn_meta(st, t, r)
         if not st.batch:  # running statistics: an affine map autograd differentiates directly
+            if bn.running_mean is None or bn.running_var is None:
+                raise ValueError(f"{st.op.name}: running statistics are not tracked; expected batch statistics")
             acc = math_dtype(t.dtype)
             mean = bn.running_mean.to(acc)
             invstd = torch.rsqrt(bn.running_var.to(acc) + bn.eps)
@@ -224,7 +252,7 @@ class _Chunk:
             if b is not None:
                 y = y + _c4(b)
             return y.to(t.dtype)
-        own0, own1 = r.own[0] - r.a, r.own[1] - r.a
+        own0, own1 = _owned(st, r)
         if self.mode == "stats" and key in self.targets:
             st.moments.add(t[:, :, own0:own1])
             raise _Stop
@@ -244,7 +272,7 @@ class _Chunk:
         bytes and FlopCounterMode counts no FLOPs for it; meta elementwise kernels are slow)."""
         key = id(st.op)
         if self.mode == "stats" and key in self.targets:
-            own0, own1 = r.own[0] - r.a, r.own[1] - r.a
+            own0, own1 = _owned(st, r)
             st.moments.n += t.shape[0] * (own1 - own0) * t.shape[3]
             if st.moments.mean is None:
                 st.moments.mean = st.moments.m2 = torch.zeros(t.shape[1], dtype=math_dtype(t.dtype), device=t.device)
@@ -285,13 +313,28 @@ class _Chunk:
                 pass
         if self.mode == "stats":
             return None
-        (main, m_off) = outs[0]
+        main, m_off = outs[0]
         y = main[:, :, ch.o0 - m_off : ch.o1 - m_off]
         if unit.residual:
             short, s_off = outs[1]
             y = torch.add(y, short[:, :, ch.o0 - s_off : ch.o1 - s_off]).to(y.dtype)  # as plain ``out += identity``
             return y if y.is_meta else F.relu(y)
         return y
+
+
+    def output(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` in a pass that has an output (every pass but a statistics pass)."""
+        y = self.run(x)
+        if y is None:
+            raise RuntimeError(f"internal error in fused run {self.call.run.unit.name}: a {self.mode} pass has no output")
+        return y
+
+
+def _owned(st: _BNState, r: OpRange) -> tuple[int, int]:
+    """The rows of the chunk BatchNorm ``st`` owns, relative to the rows it reads."""
+    if r.own is None:
+        raise RuntimeError(f"internal error in a fused run: {st.op.name} has no owned rows")
+    return r.own[0] - r.a, r.own[1] - r.a
 
 
 # ---- the autograd Function ----------------------------------------------------------------------
@@ -308,11 +351,11 @@ class _FusedFn(torch.autograd.Function):
         batch_ids: set[int] = set()
         for op in unit.ops():
             if op.kind == "bn":
-                st = _BNState(op, uses_batch_stats(op.module))
+                st = _BNState(op, uses_batch_stats(op.bn))
                 call.bns[id(op)] = st
                 if st.batch:
                     batch_ids.add(id(op))
-                    factors[id(op)] = momentum_factor(op.module)
+                    factors[id(op)] = momentum_factor(op.bn)
         levels = {}
         for ops in (unit.main, unit.shortcut or []):
             levels.update(bn_levels(ops, batch_ids)[0])
@@ -335,6 +378,8 @@ class _FusedFn(torch.autograd.Function):
                     if st.moments.n != count and not x.is_meta:  # (dry runs replay chunks without counting them)
                         raise RuntimeError(f"internal error in fused run {name}: {st.op.name} statistics over "
                                            f"{st.moments.n} values, expected {count}")
+                    if st.moments.mean is None or st.moments.m2 is None:
+                        raise RuntimeError(f"internal error in fused run {name}: no statistics for {st.op.name}")
                     st.invstd = finish_stats(st.module, st.op.name, st.moments.mean, st.moments.m2, count, factors[k],
                                              [n, st.module.num_features])
                     st.moments = Moments()
@@ -345,8 +390,8 @@ class _FusedFn(torch.autograd.Function):
             else:
                 y = runner.buffers.acquire(f"{name}/out", out_shape, dtype)
 
-            def forward(i: int, ch: UnitChunk, ins):
-                return (_Chunk(call, ch, params_grad=False, mode="forward").run(ins[0]),)
+            def forward(i: int, ch: UnitChunk, ins: Sequence[torch.Tensor]) -> tuple[torch.Tensor]:
+                return (_Chunk(call, ch, params_grad=False, mode="forward").output(ins[0]),)
 
             runner.run(f"{name}/forward", chunks, load_x, forward,
                        lambda i, ch: (y[ch.n0 : ch.n1, :, ch.o0 : ch.o1],),
@@ -388,7 +433,7 @@ class _FusedFn(torch.autograd.Function):
                 xc, gc = ins
                 c = _Chunk(call, ch, params_grad=False, mode="sums", targets=targets, known=known)
                 with torch.enable_grad():
-                    out = c.run(xc)
+                    out = c.output(xc)
                     grads = torch.autograd.grad(out, [leaf for _, leaf, _ in c.cut], gc.to(out.dtype))
                 for (st, _, xin), g in zip(c.cut, grads):
                     if g.is_meta:
@@ -396,7 +441,8 @@ class _FusedFn(torch.autograd.Function):
                         continue
                     acc = math_dtype(xin.dtype)
                     gm = g.to(acc)
-                    xhat = (xin.to(acc) - _c4(st.mean)) * _c4(st.invstd)
+                    mean, invstd = st.stats()
+                    xhat = (xin.to(acc) - _c4(mean)) * _c4(invstd)
                     s1, s2 = gm.sum(dim=_DIMS), (gm * xhat).sum(dim=_DIMS)
                     st.s_dy = s1 if st.s_dy is None else st.s_dy + s1
                     st.s_dy_xhat = s2 if st.s_dy_xhat is None else st.s_dy_xhat + s2
@@ -421,10 +467,9 @@ class _FusedFn(torch.autograd.Function):
             c = _Chunk(call, ch, params_grad=True, mode="backward", known=known)
             with torch.enable_grad():
                 xg = xc.detach().requires_grad_(need_x)
-                out = c.run(xg)
+                out = c.output(xg)
                 inputs = ([xg] if need_x else []) + wanted
-                got = torch.autograd.grad(out, inputs, gc.to(out.dtype), allow_unused=True) if inputs else ()
-            got = list(got)
+                got = list(torch.autograd.grad(out, inputs, gc.to(out.dtype), allow_unused=True) if inputs else ())
             g_in = got.pop(0) if need_x else None
             j = 0
             for k, need in enumerate(need_p):
@@ -432,7 +477,8 @@ class _FusedFn(torch.autograd.Function):
                     g = got[j]
                     j += 1
                     if g is not None:
-                        grads[k] = g if grads[k] is None else grads[k].add_(g)
+                        prev = grads[k]
+                        grads[k] = g if prev is None else prev.add_(g)
             if not need_x:
                 return ()
             if g_in is None:
@@ -440,7 +486,7 @@ class _FusedFn(torch.autograd.Function):
             return (stitch.take(i, g_in.to(x.dtype)),)
 
         runner.run(f"{name}/backward", chunks, load, backward,
-                   (lambda i, ch: (stitch.dest(i, ch, gx),)) if need_x else None,
+                   (lambda i, ch: (stitch.dest(i, ch, gx),)) if gx is not None else None,  # gx exists exactly when need_x
                    resident_in=res_in, resident_out=(call.x_resident,),
                    signature=lambda i, ch: (_sig(i, ch), stitch.writes[i].end - ch.a, stitch.writes[i].keep))
         for k, (p, need) in enumerate(zip(params, need_p)):

@@ -8,9 +8,11 @@ the real borders, so a chunk computes exactly the rows the whole layer would.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["Window", "RowChunk", "plan_rows", "grad_write_plan"]
+__all__ = ["Window", "Chunk", "RowChunk", "plan_rows", "grad_write_plan"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,29 @@ class Window:
     def halo(self) -> int:
         """Input rows shared by two consecutive row chunks (0 when windows do not overlap)."""
         return max(0, self.extent - self.stride)
+
+
+class Chunk(Protocol):
+    """What the chunk loop, the gradient stitching and the instrumentation read of one chunk step:
+    samples ``[n0, n1)``, output rows ``[o0, o1)``, input rows ``[a, b)``, whole samples or not
+    (:class:`RowChunk`, and :class:`~wsi_pipeline.bigl.units.UnitChunk` for fused runs)."""
+
+    @property
+    def n0(self) -> int: ...
+    @property
+    def n1(self) -> int: ...
+    @property
+    def o0(self) -> int: ...
+    @property
+    def o1(self) -> int: ...
+    @property
+    def a(self) -> int: ...
+    @property
+    def b(self) -> int: ...
+    @property
+    def full(self) -> bool: ...
+    @property
+    def samples(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -144,7 +169,7 @@ class GradWrite:
     keep: int | None
 
 
-def grad_write_plan(chunks: list[RowChunk], h: int) -> tuple[list[GradWrite], list[tuple[int, int, int, int]]]:
+def grad_write_plan(chunks: Sequence[Chunk], h: int) -> tuple[list[GradWrite], list[tuple[int, int, int, int]]]:
     """How chunked input gradients are stitched without reading the host tensor back.
 
     Consecutive row chunks of a sample overlap in ``halo`` input rows. Each chunk's gradient
@@ -163,17 +188,17 @@ def grad_write_plan(chunks: list[RowChunk], h: int) -> tuple[list[GradWrite], li
     gaps: list[tuple[int, int, int, int]] = []
     for i, c in enumerate(chunks):
         nxt = chunks[i + 1] if i + 1 < len(chunks) else None
-        same = nxt is not None and not c.full and nxt.n0 == c.n0
-        if same and nxt.a < c.b:
-            writes.append(GradWrite(nxt.a, nxt.a - c.a))
+        same = nxt if nxt is not None and not c.full and nxt.n0 == c.n0 else None  # next chunk, same sample
+        if same is not None and same.a < c.b:
+            writes.append(GradWrite(same.a, same.a - c.a))
         else:
             writes.append(GradWrite(c.b, None))
         if i == 0 or chunks[i - 1].n0 != c.n0:  # first chunk of its samples
             if c.a > 0:
                 gaps.append((c.n0, c.n1, 0, c.a))
-        if same:
-            if nxt.a > c.b:
-                gaps.append((c.n0, c.n1, c.b, nxt.a))
+        if same is not None:
+            if same.a > c.b:
+                gaps.append((c.n0, c.n1, c.b, same.a))
         elif c.b < h:
             gaps.append((c.n0, c.n1, c.b, h))
     return writes, gaps

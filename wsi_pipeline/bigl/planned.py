@@ -88,6 +88,8 @@ class BudgetResNet(nn.Module):
     """
 
     host_input = True
+    #: the wrapped encoder (not a submodule: its state is this module's, under the same names)
+    _plain: ResNet
 
     def __init__(self, model: ResNet, runner: ChunkRunner, budget: int | None, max_elements: int, *, stages: int = 1) -> None:
         super().__init__()
@@ -110,7 +112,7 @@ class BudgetResNet(nn.Module):
         """The wrapped plain encoder (shares every Parameter and buffer with this module)."""
         return self._plain
 
-    def stages(self) -> list[nn.Module]:
+    def stages(self) -> list[nn.Sequential]:
         return self._plain.stages()
 
     #: dry runs only: count as under autocast to this dtype (meta tensors have no autocast)

@@ -164,7 +164,8 @@ class BigMaxPool2d(nn.MaxPool2d):
 
     @property
     def geometry_w(self) -> tuple[int, int, int, int]:
-        return tuple(self._pair(v)[1] for v in (self.kernel_size, self.stride, self.padding, self.dilation))
+        k, s, p, d = (self._pair(v)[1] for v in (self.kernel_size, self.stride, self.padding, self.dilation))
+        return k, s, p, d
 
     def pool_chunk(self, xc: torch.Tensor, ch: RowChunk) -> torch.Tensor:
         """Pool one chunk on the device (its border rows padded with -inf, as MaxPool pads)."""

@@ -55,6 +55,7 @@ from wsi_pipeline.bigl import instrument
 from wsi_pipeline.bigl.batchnorm import BigBatchNorm2d
 from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
+from wsi_pipeline.models.encoders import ResNet
 
 __all__ = ["PassCost", "StepTraffic", "DeviceModel", "count_step", "dry_step", "dry_budget_step", "dry_forward_flops", "predict", "FlopCount",
            "paper_big_layers", "module_big_layers"]
@@ -192,7 +193,8 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
             for h in handles:
                 h.remove()
         flops = fc.get_total_flops()
-    planned = getattr(model, "last_plan", None) is not None
+    plan: StepPlan | None = getattr(model, "last_plan", None)  # a BudgetResNet's (see bigl.planned)
+    planned = plan is not None
     if not big_modules and not planned:
         return StepTraffic(_nbytes(x), 0, _nbytes(x), flops)
     plist = list(passes.values())
@@ -201,8 +203,8 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     handoff = hand["forward"] + hand["backward"]
     h2d = sum(p.h2d for p in plist) + hand["forward"]
     d2h = sum(p.d2h for p in plist) + hand["backward"]
-    if planned:  # a device-budget plan: its minimum is the plan's (the image, the host checkpoints)
-        minimum = sum(model.last_plan.minimum_bytes(x.requires_grad))
+    if plan is not None:  # a device-budget plan: its minimum is the plan's (the image, the host checkpoints)
+        minimum = sum(plan.minimum_bytes(x.requires_grad))
         return StepTraffic(h2d, d2h, minimum, flops, plist, handoff)
     return StepTraffic(h2d, d2h, minimum + handoff, flops, plist, handoff)
 
@@ -253,10 +255,16 @@ def dry_budget_step(name: str, batch: int, side: int, budget: int | None, *, bn:
     from wsi_pipeline.bigl.planned import BudgetResNet
     from wsi_pipeline.bigl.chunk_loop import ChunkRunner
 
-    model = BudgetResNet(_meta_encoder(name, dtype, bn), ChunkRunner("meta"), budget, max_elements)
+    encoder = _meta_encoder(name, dtype, bn)
+    if not isinstance(encoder, ResNet):
+        raise TypeError(f"encoder {name!r}: device-budget plans need a ResNet encoder, got {type(encoder).__name__}")
+    model = BudgetResNet(encoder, ChunkRunner("meta"), budget, max_elements)
     model.dry_cast = cast
     x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
-    return count_step(model, x), model.last_plan
+    traffic = count_step(model, x)
+    if model.last_plan is None:
+        raise RuntimeError(f"internal error: the dry step of {name!r} made no device-budget plan")
+    return traffic, model.last_plan
 
 
 def dry_forward_flops(name: str, batch: int, side: int, *, dtype: torch.dtype = torch.float32) -> int:

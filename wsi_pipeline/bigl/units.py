@@ -20,15 +20,18 @@ range is widened to include them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import torch
 from torch import nn
 
 from wsi_pipeline.bigl.plan import Window
 from wsi_pipeline.models.encoders import ResNet
 
-__all__ = ["Op", "Unit", "OpRange", "UnitChunk", "UnitGeometry", "resnet_units", "plan_unit"]
+__all__ = ["Op", "Unit", "OpRange", "UnitChunk", "UnitGeometry", "resnet_units", "plan_unit", "conv_padding"]
 
 _HUGE = 1 << 40  # a height no tensor reaches: ranges computed with it are never clipped
+_M = TypeVar("_M", bound=nn.Module)
 
 
 @dataclass(eq=False)
@@ -39,21 +42,44 @@ class Op:
     name: str
     module: nn.Module | None = None
 
-    def _pair(self, v) -> tuple[int, int]:
-        return (v, v) if isinstance(v, int) else tuple(v)
+    def _pair(self, v: int | tuple[int, ...]) -> tuple[int, int]:
+        if isinstance(v, int):
+            return v, v
+        return v[0], v[1]
+
+    def _module(self, kind: type[_M]) -> _M:
+        if not isinstance(self.module, kind):
+            raise TypeError(f"{self.name}: a {self.kind} op needs an nn.{kind.__name__}, got {type(self.module).__name__}")
+        return self.module
+
+    @property
+    def conv(self) -> nn.Conv2d:
+        """The module of a ``conv`` op."""
+        return self._module(nn.Conv2d)
+
+    @property
+    def bn(self) -> nn.BatchNorm2d:
+        """The module of a ``bn`` op."""
+        return self._module(nn.BatchNorm2d)
+
+    @property
+    def pool(self) -> nn.MaxPool2d:
+        """The module of a ``maxpool`` op."""
+        return self._module(nn.MaxPool2d)
 
     def geometry(self, axis: int) -> Window:
         """Window of the op along the height (``axis=0``) or the width (``axis=1``)."""
-        m = self.module
         if self.kind == "conv":
-            return Window(m.kernel_size[axis], m.stride[axis], m.padding[axis], m.dilation[axis])
+            m = self.conv
+            return Window(m.kernel_size[axis], m.stride[axis], conv_padding(m, self.name)[axis], m.dilation[axis])
         if self.kind == "maxpool":
-            k, s, p, d = (self._pair(v)[axis] for v in (m.kernel_size, m.stride, m.padding, m.dilation))
-            return Window(k, s, p, d)
+            p = self.pool
+            k, s, pad, d = (self._pair(v)[axis] for v in (p.kernel_size, p.stride, p.padding, p.dilation))
+            return Window(k, s, pad, d)
         return Window()
 
     def channels_out(self, c_in: int) -> int:
-        return self.module.out_channels if self.kind == "conv" else c_in
+        return self.conv.out_channels if self.kind == "conv" else c_in
 
 
 @dataclass(eq=False)
@@ -75,16 +101,24 @@ class Unit:
     def ops(self) -> list[Op]:
         return self.main + (self.shortcut or [])
 
-    def parameters(self) -> list[nn.Parameter]:
+    def parameters(self) -> list[torch.Tensor]:
         """The unit's Parameters in a fixed order (conv weight/bias, BatchNorm weight/bias; None skipped)."""
-        out = []
+        out: list[torch.Tensor] = []
         for op in self.ops():
             if op.kind in ("conv", "bn"):
-                out += [p for p in (op.module.weight, op.module.bias) if p is not None]
+                m: nn.Conv2d | nn.BatchNorm2d = op.conv if op.kind == "conv" else op.bn
+                out += [p for p in (m.weight, m.bias) if p is not None]
         return out
 
     def convs(self) -> list[nn.Conv2d]:
-        return [op.module for op in self.ops() if op.kind == "conv"]
+        return [op.conv for op in self.ops() if op.kind == "conv"]
+
+
+def conv_padding(m: nn.Conv2d, name: str) -> tuple[int, ...]:
+    """A convolution's numeric padding (px per axis); fused runs reject ``"same"``/``"valid"``."""
+    if isinstance(m.padding, str):
+        raise ValueError(f"{name}: fused runs need numeric padding, got {m.padding!r}")
+    return m.padding
 
 
 def _check_conv(m: nn.Conv2d, name: str) -> None:
@@ -117,7 +151,7 @@ def resnet_units(model: ResNet) -> list[Unit]:
                 j += 1
             short: list[Op] = []
             if block.downsample is not None:
-                ds = list(block.downsample)
+                ds = list(block.downsample) if isinstance(block.downsample, nn.Sequential) else [block.downsample]
                 if len(ds) != 2 or not isinstance(ds[0], nn.Conv2d) or not isinstance(ds[1], nn.BatchNorm2d):
                     raise TypeError(f"{name}.downsample: expected Conv2d -> BatchNorm2d, got {[type(m).__name__ for m in ds]}")
                 _check_conv(ds[0], f"{name}.downsample.0")
@@ -197,7 +231,7 @@ class UnitGeometry:
         """Per chunk (output ranges ``outs`` of one sample, in order) the ranges of every op, and
         the chain's input range per chunk."""
         n = len(outs)
-        per = [[None] * len(ops) for _ in range(n)]
+        per: list[list[OpRange]] = [[] for _ in range(n)]  # filled from the last op back, reversed at the end
         cur = list(outs)
         for j in range(len(ops) - 1, -1, -1):
             op = ops[j]
@@ -221,8 +255,10 @@ class UnitGeometry:
                     own[i] = (s0, s1)
             for i, (a, b, r0, r1, o0, o1) in enumerate(ins):
                 native = clip and a == 0 and b == h_in and o0 == 0 and o1 == h_out and r0 == -win.padding and r1 - h_in <= win.padding
-                per[i][j] = OpRange(a, b, a - r0, r1 - b, native, own[i])
+                per[i].append(OpRange(a, b, a - r0, r1 - b, native, own[i]))
             cur = [(a, b) for a, b, *_ in ins]
+        for ranges in per:
+            ranges.reverse()
         return per, cur
 
     def chunks_for_rows(self, n0: int, n1: int, outs: list[tuple[int, int]], clip: bool = True) -> list[UnitChunk]:
@@ -231,7 +267,7 @@ class UnitGeometry:
         if self.unit.shortcut:
             short, short_in = self._ranges(self.unit.shortcut, self.shortcut, outs, clip)
         else:
-            short, short_in = [()] * len(outs), list(outs)  # identity: the output rows themselves
+            short, short_in = [[] for _ in outs], list(outs)  # identity: the output rows themselves
         chunks = []
         full = len(outs) == 1 and outs[0] == (0, self.h_out)
         for i, (o0, o1) in enumerate(outs):

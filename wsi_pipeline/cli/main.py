@@ -6,8 +6,9 @@ as its default. Heavy imports (torch, openslide) happen inside ``func``, so ``--
 
 Errors are reported here, once for every command: a user error (:data:`USER_ERRORS`: bad input,
 a missing or refused file, a full, read-only or wrong output path) is one line on stderr,
-``wsi-pipeline <command>: error: ...``, exit status 2 (``-vv`` adds the traceback); Ctrl-C is one
-line saying how to continue, exit status 130. Exit status 1 means the command ran but some
+``wsi-pipeline <command>: error: ...``, exit status 2 (``-vv`` adds the traceback); any other error
+(a bug: ``TypeError``, ``AttributeError``, ``KeyError``, ...) propagates with its traceback, exit
+status 1; Ctrl-C is one line saying how to continue, exit status 130. Exit status 1 means the command ran but some
 slides (or runs) failed; each command's summary names them.
 """
 
@@ -25,14 +26,16 @@ import wsi_pipeline
 from wsi_pipeline import cli as _cli_pkg
 from wsi_pipeline.cli._common import CommandParser, apply_output_level
 from wsi_pipeline import interrupt
+from wsi_pipeline.failures import ConfigTypeError
 from wsi_pipeline.io_atomic import os_error_cause
 
 __all__ = ["USER_ERRORS", "build_parser", "describe_error", "main"]
 
-#: What a user can cause and fix: bad values and files (ValueError, TypeError: config fields),
-#: missing files, a missing optional dependency, a lock not released in time, and every OSError
-#: (no space left, read-only or not a folder, permissions), reported by :func:`describe_error`.
-USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, ImportError, TimeoutError, OSError)
+#: What a user can cause and fix: bad values and files (ValueError; ConfigTypeError: a config value of the
+#: wrong type), missing files, a missing optional dependency, a lock not released in time, and every OSError
+#: (no space left, read-only or not a folder, permissions), reported by :func:`describe_error`. Any other
+#: ``TypeError``, ``AttributeError``, ``KeyError``, ... is a bug in our code: it propagates with its traceback.
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, ConfigTypeError, ImportError, TimeoutError, OSError)
 
 #: Longest error line printed (a value quoted in full could be megabytes).
 MAX_ERROR_CHARS = 2000

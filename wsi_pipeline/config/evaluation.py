@@ -17,6 +17,7 @@ from typing import Any
 from wsi_pipeline.config.choices import Level, PatientPool
 from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.config.io import short_repr
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = ["ALL", "EvalConfig", "PROTOCOL_SPELLING", "EvalProtocol", "parse_protocol", "parse_protocols", "saved_protocol"]
 
@@ -136,7 +137,7 @@ def saved_protocol(value: Any) -> Any:
 
 def _config_protocols(value: Any, where: str) -> tuple[EvalProtocol, ...]:
     if not isinstance(value, (list, tuple)) or not value:
-        raise TypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {short_repr(value)}")
+        raise ConfigTypeError(f"{where} must be a non-empty list of protocols ({PROTOCOL_SPELLING}); got {short_repr(value)}")
     return tuple(parse_protocol(v, f"{where}[{i}]") for i, v in enumerate(value))
 
 

@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = ["MAX_YAML_ALIASES", "MAX_YAML_BYTES", "config_to_dict", "load_yaml", "read_yaml", "short_repr", "write_yaml"]
 
@@ -150,7 +151,7 @@ def read_yaml(path: str | os.PathLike, what: str = "pipeline config") -> dict[st
                          "as UTF-8") from None
     raw = load_yaml(text, str(path)) or {}
     if not isinstance(raw, dict):
-        raise TypeError(f"{path}: a {what} must be a mapping of sections; got {type(raw).__name__}")
+        raise ConfigTypeError(f"{path}: a {what} must be a mapping of sections; got {type(raw).__name__}")
     return raw
 
 

@@ -55,6 +55,7 @@ from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 from wsi_pipeline.config.schema import Checked, build, positive, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = [
     "AggregatorConfig",
@@ -197,12 +198,12 @@ def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: EvalProt
     ``val_protocol`` (the pipeline's ``eval.val_protocol``) unless it sets its own, built, and for
     ``patchgd`` its options checked (errors under ``methods.<name>``)."""
     if not isinstance(m, Mapping):
-        raise TypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {short_repr(m)}")
+        raise ConfigTypeError(f"methods[{i}]: expected a mapping with name, strategy, ...; got {short_repr(m)}")
     where = f"methods.{m['name']}" if "name" in m else f"methods[{i}]"
     m = apply_patchgd_preset(m, where)  # `patchgd: {preset: paper}` fills in the paper's settings
     over = m.get("train") or {}
     if not isinstance(over, Mapping):
-        raise TypeError(f"{where}.train: expected a mapping of overrides of the train section, got {short_repr(over)}")
+        raise ConfigTypeError(f"{where}.train: expected a mapping of overrides of the train section, got {short_repr(over)}")
     m["train"] = deep_merge(train_raw, over)
     m.setdefault("val_protocol", val_protocol.name)
     method = build(MethodConfig, m, where)
@@ -219,7 +220,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
     path (``methods.abmil.train.lr: expected a number, got str 'x'``).
     """
     if not isinstance(raw, Mapping):
-        raise TypeError(f"a pipeline config must be a mapping of sections; got {type(raw).__name__}")
+        raise ConfigTypeError(f"a pipeline config must be a mapping of sections; got {type(raw).__name__}")
     raw = dict(raw)
     if "name" not in raw and default_name is not None:
         raw["name"] = default_name
@@ -232,7 +233,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
     eval_cfg = build(EvalConfig, raw.get("eval") or {}, "eval")  # likewise; its val_protocol is each method's default
     methods_raw = raw.get("methods")
     if not isinstance(methods_raw, list):
-        raise TypeError(f"methods: expected a list of methods (name, strategy, ...), got {short_repr(methods_raw)}")
+        raise ConfigTypeError(f"methods: expected a list of methods (name, strategy, ...), got {short_repr(methods_raw)}")
     methods = tuple(_method(m, i, train_raw, eval_cfg.val_protocol) for i, m in enumerate(methods_raw))
     return build(PipelineConfig, {**raw, "methods": methods})
 
@@ -347,7 +348,7 @@ def patchgd_mapping(method_cfg: MethodConfig | Mapping[str, Any] | None) -> dict
     if inner is None and isinstance(method_cfg, Mapping) and set(method_cfg) <= keys:
         return dict(method_cfg)
     if inner is not None and not isinstance(inner, Mapping):
-        raise TypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
+        raise ConfigTypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
     options = dict(inner or {})
     encoder = _get(method_cfg, "encoder")
     bn = _get(encoder, "bn") if encoder is not None else None

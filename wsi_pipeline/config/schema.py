@@ -24,6 +24,7 @@ import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 from wsi_pipeline.config.io import short_repr
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = ["Checked", "build", "check_fields", "coerce", "positive", "spec", "type_name"]
 
@@ -67,7 +68,7 @@ def type_name(tp: Any) -> str:
 def coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` (from YAML) against the annotation ``tp``; return the typed value."""
     origin = typing.get_origin(tp)
-    wrong = TypeError(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {short_repr(value)}")
+    wrong = ConfigTypeError(f"{where}: expected {type_name(tp)}, got {type(value).__name__} {short_repr(value)}")
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None:
@@ -179,7 +180,7 @@ def build(cls: type[T], raw: Any, where: str = "") -> T:
     type (naming the field's path and the expected type).
     """
     if not isinstance(raw, Mapping):
-        raise TypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {short_repr(raw)}")
+        raise ConfigTypeError(f"{where or 'config'}: expected a mapping with keys {[f.name for f in dataclasses.fields(cls)]}, got {type(raw).__name__} {short_repr(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     section = where or "top level"

@@ -11,6 +11,7 @@ from wsi_pipeline.config.choices import Schedule, SelectMetric, TrainLog
 from wsi_pipeline.config.schema import Checked, build, coerce, positive, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = ["AugmentConfig", "DemonConfig", "TrainConfig"]
 
@@ -38,7 +39,7 @@ def _parse_demon(value: Any, where: str) -> DemonConfig:
         raw = dict(value)
         raw.setdefault("enabled", True)
         return build(DemonConfig, raw, where)
-    raise TypeError(f"{where} must be true, false or a mapping like {{beta_init: 0.9}}; got {short_repr(value)}")
+    raise ConfigTypeError(f"{where} must be true, false or a mapping like {{beta_init: 0.9}}; got {short_repr(value)}")
 
 
 @dataclass(frozen=True)

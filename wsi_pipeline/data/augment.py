@@ -171,8 +171,8 @@ def tiles_to_input(
     Without ``augment`` the result equals :func:`wsi_pipeline.data.tensors.tiles_to_tensor`.
     """
     out_device = device if out_device is None else out_device
-    if augment is not None and params is None:
-        params = augment.draw()
+    # the augmentation and this bag's draw (drawn here when not given)
+    drawn = None if augment is None else (augment, params if params is not None else augment.draw())
     t = torch.as_tensor(tiles)
     if t.dtype != torch.uint8 or t.ndim != 4 or t.shape[-1] != 3:
         raise ValueError(f"tiles must be uint8 (k, T, T, 3); got {t.dtype} {tuple(t.shape)}")
@@ -181,13 +181,13 @@ def tiles_to_input(
     pieces = []
     for a in range(0, max(n, 1), max(step, 1)):
         part = t[a : a + step]
-        if augment is None:
+        if drawn is None:
             x = tiles_to_tensor(part, device=device, stain=stain)
         else:
             x = part.to(device=device).permute(0, 3, 1, 2).to(torch.get_default_dtype()).div_(255.0)
             if stain is not None:
                 x = stain.apply(x)
-            x = augment.apply(x, params, stain.effective if stain is not None else None)
+            x = drawn[0].apply(x, drawn[1], stain.effective if stain is not None else None)
             mean = torch.tensor(IMAGENET_MEAN, device=x.device).view(1, 3, 1, 1)
             std = torch.tensor(IMAGENET_STD, device=x.device).view(1, 3, 1, 1)
             x = x.sub_(mean).div_(std).contiguous()

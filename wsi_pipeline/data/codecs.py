@@ -25,7 +25,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 from zarr.abc.codec import ArrayBytesCodec
@@ -67,7 +67,8 @@ class JpegTileCodec(ArrayBytesCodec):
     @classmethod
     def from_dict(cls, data: dict[str, JSON]) -> Self:
         _, config = parse_named_configuration(data, JPEG_CODEC_NAME, require_configuration=False)
-        return cls(**(config or {}))
+        kwargs: dict[str, Any] = dict(config or {})  # the codec's keyword arguments, checked by __init__
+        return cls(**kwargs)
 
     def to_dict(self) -> dict[str, JSON]:
         return {"name": JPEG_CODEC_NAME, "configuration": {"quality": self.quality}}
@@ -199,7 +200,7 @@ def _with_checksum(codec: DirectCodec) -> DirectCodec:
     def encode(tile: np.ndarray) -> bytearray:
         data = np.frombuffer(inner_encode(tile), np.uint8)  # read-only view, no copy
         out = bytearray(len(data) + 4)  # one copy: the chunk, then its checksum
-        memoryview(out)[: len(data)] = data
+        memoryview(out)[: len(data)] = data.data
         struct.pack_into("<I", out, len(data), google_crc32c.value(data))
         return out
 
@@ -207,7 +208,9 @@ def _with_checksum(codec: DirectCodec) -> DirectCodec:
         arr = np.frombuffer(data, np.uint8)  # a read-only view, as google_crc32c wants
         if len(arr) < 4:
             raise ChecksumError(f"chunk of {len(arr)} bytes is shorter than its checksum")
-        body = arr[:-4]
+        # a read-only view of the body, no copy: google_crc32c and every decoder here read any
+        # buffer, though their hints say bytes
+        body = cast(bytes, arr[:-4])
         stored, = struct.unpack("<I", arr[-4:].tobytes())
         if google_crc32c.value(body) != stored:
             raise ChecksumError("the chunk's CRC-32C checksum does not match its bytes")
@@ -238,7 +241,7 @@ def direct_codec(codecs: Sequence[Any]) -> DirectCodec | None:
     if not codecs or not isinstance(codecs[0], BytesCodec):
         return None
     if len(codecs) == 1:
-        return DirectCodec("raw", lambda tile: memoryview(tile).cast("B"), lambda data: data)
+        return DirectCodec("raw", lambda tile: tile.data.cast("B"), lambda data: data)
     if len(codecs) == 2 and isinstance(codecs[1], ZstdCodec):
         from numcodecs import Zstd
 

@@ -127,14 +127,16 @@ class StainEstimate:
         """The inverse of :meth:`to_dict` (``ValueError`` naming a missing or malformed key)."""
         try:
             he = tuple(tuple(float(v) for v in row) for row in d["he"])
-            out = cls(he=he, max_c=tuple(float(v) for v in d["max_c"]), lab_mean=tuple(float(v) for v in d["lab_mean"]),
-                      lab_std=tuple(float(v) for v in d["lab_std"]), n_pixels=int(d["n_pixels"]), n_tissue=int(d["n_tissue"]),
-                      macenko_problem=str(d["macenko_problem"]), reinhard_problem=str(d["reinhard_problem"]))
+            max_c, lab_mean, lab_std = (tuple(float(v) for v in d[k]) for k in ("max_c", "lab_mean", "lab_std"))
+            n_pixels, n_tissue = int(d["n_pixels"]), int(d["n_tissue"])
+            macenko_problem, reinhard_problem = str(d["macenko_problem"]), str(d["reinhard_problem"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"stain estimate {dict(d)!r:.200}: {e!r}; expected the keys of StainEstimate.to_dict") from e
-        if len(out.he) != 3 or any(len(r) != 2 for r in out.he) or len(out.max_c) != 2 or len(out.lab_mean) != 3 or len(out.lab_std) != 3:
-            raise ValueError(f"stain estimate has he {out.he}, max_c {out.max_c}: expected 3 x 2 and 2 values")
-        return out
+        if len(he) != 3 or any(len(r) != 2 for r in he) or len(max_c) != 2 or len(lab_mean) != 3 or len(lab_std) != 3:
+            raise ValueError(f"stain estimate has he {he}, max_c {max_c}: expected 3 x 2 and 2 values")
+        return cls(he=((he[0][0], he[0][1]), (he[1][0], he[1][1]), (he[2][0], he[2][1])), max_c=(max_c[0], max_c[1]),
+                   lab_mean=(lab_mean[0], lab_mean[1], lab_mean[2]), lab_std=(lab_std[0], lab_std[1], lab_std[2]),
+                   n_pixels=n_pixels, n_tissue=n_tissue, macenko_problem=macenko_problem, reinhard_problem=reinhard_problem)
 
 
 # ----------------------------------------------------------------------------------------------

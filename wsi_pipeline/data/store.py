@@ -295,10 +295,18 @@ def _check_files(path: Path, attrs: Mapping[str, Any]) -> None:
     group = zarr.open_group(str(path), mode="r")
     for name in _ARRAYS[1:]:
         if name in group and int(attrs.get("n_tiles", 1) or 0) > 0:
-            arr = group[name]
+            arr = _array(group, name, path)
             if arr.nchunks_initialized < arr.nchunks:
                 raise StoreDamagedError(path, f"{name}: {arr.nchunks - arr.nchunks_initialized} of its {arr.nchunks} "
                                         "chunk file(s) are missing")
+
+
+def _array(group: zarr.Group, name: str, path: Path) -> zarr.Array:
+    """The array ``name`` of a store's group (a group found in its place is damage)."""
+    node = group[name]
+    if not isinstance(node, zarr.Array):
+        raise StoreDamagedError(path, f"{name}: expected an array, found a group")
+    return node
 
 
 def store_bytes(attrs: Mapping[str, Any]) -> int:
@@ -553,7 +561,8 @@ class _DirectShards:
         """Read chunks ``indices`` into ``out[j]`` for each j, opening each shard once."""
         S = self.S
         order = np.argsort(indices, kind="stable") if len(indices) > 1 else range(1)
-        shard, fd, index = -1, -1, None
+        shard, fd = -1, -1
+        index = np.empty((0, 2), np.uint64)  # the current shard's index: read at the first tile (shard -1 matches none)
         try:
             for j in order:
                 i = int(indices[j])
@@ -637,15 +646,15 @@ class TileStore:
             if missing:
                 raise StoreDamagedError(self.path, f"array(s) {missing} are missing")
             _check_files(self.path, self.attrs)
-            self._tiles = self.group["tiles"]
+            self._tiles = _array(self.group, "tiles", self.path)
         except StoreDamagedError:
             raise
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise StoreDamagedError(self.path, f"an array's metadata does not read ({type(e).__name__}: {e})") from None
         try:
-            self.coords = np.asarray(self.group["coords"][:])
-            self.grid = np.asarray(self.group["grid"][:])
-            self.foreground = np.asarray(self.group["foreground"][:])
+            self.coords = np.asarray(_array(self.group, "coords", self.path)[:])
+            self.grid = np.asarray(_array(self.group, "grid", self.path)[:])
+            self.foreground = np.asarray(_array(self.group, "foreground", self.path)[:])
         except (ValueError, RuntimeError, KeyError, TypeError) as e:  # zarr's crc32c codec: "Stored and computed checksum do not match"
             raise StoreDamagedError(self.path, f"a small array does not decode ({e})") from None
         lengths = {"tiles": int(self._tiles.shape[0]), "coords": len(self.coords), "grid": len(self.grid),
@@ -696,7 +705,7 @@ class TileStore:
         """Return an extra array stored with :meth:`StoreWriter.add_array` (KeyError naming it if absent)."""
         if name not in self.group:
             raise KeyError(f"store {self.path} has no array {name!r}; it has {sorted(self.group.array_keys())}")
-        return np.asarray(self.group[name][:])
+        return np.asarray(_array(self.group, name, self.path)[:])
 
 
 def verify_store(path: str | os.PathLike, *, batch: int = 64) -> tuple[int, str | None]:

@@ -73,6 +73,7 @@ from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs,
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
+from wsi_pipeline.failures import slide_failures
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.inference.protocols import SlidePrediction
 from wsi_pipeline.inference.method_models import random_encoder_note
@@ -369,7 +370,8 @@ def _score_on_ranks(items: Sequence[pd.Series], task: _ScoreTask, model: Any, sc
 class _ScoreTask:
     """The job runner's work per slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): score one slide with
     the model it is given (``broadcast``: sent once to each Dask worker). Pure, so it can run on a
-    worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``."""
+    worker: the row carries the score back; a slide whose store is missing or empty is ``skipped``, a bad
+    slide ``failed`` (:func:`_bad_slide_row`); a bug stops the run (:mod:`wsi_pipeline.failures`)."""
 
     config: Any
     protocols: list[EvalProtocol]
@@ -380,30 +382,39 @@ class _ScoreTask:
     heatmap_mode: str
 
     def __call__(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
-        tiles = Path(self.config.data.tiles_dir)
-        try:
-            if "slides" in mrow.index:  # a patient bag (data.bags: patient)
-                from wsi_pipeline.data.patient_bags import PatientStore
-
-                store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
-            else:
-                store = open_store(store_path(tiles, row["slide_id"]))
-            if len(store) == 0:
-                row.update(status="skipped", error=f"its tile store {store.path} has no tiles")
-                return
-            row["score"] = score_slide(
-                model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
-                device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
-        except (StoreDamagedError, LesionMaskError) as e:  # this slide fails by name; the others are scored
-            row.update(status="failed", error=str(e), damaged=True)
-            return
-        except (FileNotFoundError, ValueError) as e:
-            row.update(status="skipped", error=str(e))
+        with slide_failures(lambda err: _bad_slide_row(row, err)):  # a bad slide fails alone; a bug stops the run
+            self._score(mrow, row, model)
+        if row["status"] != "ok":
             return
         row["label"] = label_of(mrow["label"])
         row["target"] = _target(mrow)
         patient = mrow.get("patient_id")
         row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])
+
+    def _score(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
+        tiles = Path(self.config.data.tiles_dir)
+        if "slides" in mrow.index:  # a patient bag (data.bags: patient)
+            from wsi_pipeline.data.patient_bags import PatientStore
+
+            store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
+        else:
+            store = open_store(store_path(tiles, row["slide_id"]))
+        if len(store) == 0:
+            row.update(status="skipped", error=f"its tile store {store.path} has no tiles")
+            return
+        row["score"] = score_slide(
+            model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
+            device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
+
+
+def _bad_slide_row(row: dict[str, Any], err: BaseException) -> None:
+    """Eval's row for a slide error (:mod:`wsi_pipeline.failures`): a missing store, or a value that makes it no
+    slide to score (no label, ...) is ``skipped``; a damaged store or lesion mask, or any other slide error,
+    ``failed`` by name (the other slides are scored)."""
+    if isinstance(err, (FileNotFoundError, ValueError)) and not isinstance(err, (StoreDamagedError, LesionMaskError)):
+        row.update(status="skipped", error=str(err))
+    else:
+        row.update(status="failed", error=str(err))
 
 
 class _SetScorer:
@@ -434,13 +445,11 @@ class _SetScorer:
                 log.warning("slide %s skipped: %s", row["slide_id"], row["error"])
             self.got.missing.add(row["slide_id"])
             return
-        if row.get("damaged"):
+        if row["status"] == "failed":  # a bad slide (or a Dask worker that kept dying): named, the others scored
             if row["slide_id"] not in self.got.failed:
                 log.error("slide %s not scored: %s", row["slide_id"], row["error"])
             self.got.failed[row["slide_id"]] = row["error"]
             return
-        if row["status"] != "ok":  # a task that raised on a Dask worker: stop, as a local error would
-            raise RuntimeError(f"slide {row['slide_id']}: scoring failed: {row['error']}")
         sid, res, es = row["slide_id"], row["score"], self.es
         patient = row.get("patient_id") or sid
         lab = row["label"] if self.task == "classification" else row.get("target")

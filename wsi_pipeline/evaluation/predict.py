@@ -215,16 +215,9 @@ def predict_slides(
     scorer = _SlidePredictor(model, prots, tiles_dir, slide_paths, stain_ref, summary, cohort=src.resolve().name or "predict",
                              seed=seed, batch_size=int(batch_size or getattr(model.method, "chunk_size", 64) or 64),
                              device=dev, heatmap_mode=heatmap_mode)
-    if distributed.current().enabled:
-        mine = distributed.shard(len(ids))
-        rows = run_slides([ids[i] for i in mine], scorer, desc="predicting", progress=progress and distributed.is_main())
-        for row in distributed.gather_in_order(mine, rows):
-            scorer.collect(row)
-        if not distributed.is_main():  # rank 0 writes
-            summary.seconds = time.perf_counter() - t0
-            return summary
-    else:
-        run_slides(ids, scorer, desc="predicting", progress=progress, on_result=scorer.collect)
+    if not _score_slides(scorer, ids, progress=progress):  # rank 0 writes
+        summary.seconds = time.perf_counter() - t0
+        return summary
     out.mkdir(parents=True, exist_ok=True)
     endpoint = model.endpoint
     columns = endpoint_columns(endpoint.task, endpoint.edges) if endpoint is not None and endpoint.task != "classification" else None
@@ -233,6 +226,20 @@ def predict_slides(
     _write_predict_info(out / "predict_info.json", model, prots, src, tiles_dir, stain_ref, summary)
     summary.seconds = time.perf_counter() - t0
     return summary
+
+
+def _score_slides(scorer: _SlidePredictor, ids: Sequence[str], *, progress: bool) -> bool:
+    """Score ``ids`` through the job runner, each slide's row filed by ``scorer.collect``; a bad slide is a failed
+    row and a bug stops the run (:mod:`wsi_pipeline.failures`). Under torchrun each rank scores its shard and every
+    rank files all rows in slide order. Returns whether this process writes the outputs (rank 0, or no torchrun)."""
+    if not distributed.current().enabled:
+        run_slides(ids, scorer, desc="predicting", progress=progress, on_result=scorer.collect)
+        return True
+    mine = distributed.shard(len(ids))
+    rows = run_slides([ids[i] for i in mine], scorer, desc="predicting", progress=progress and distributed.is_main())
+    for row in distributed.gather_in_order(mine, rows):
+        scorer.collect(row)
+    return distributed.is_main()
 
 
 def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, *, mpp: float | None, workers: int | None,
@@ -278,12 +285,7 @@ class _SlidePredictor:
     heatmap_mode: str
 
     def __call__(self, sid: str, row: dict[str, Any]) -> None:
-        try:
-            self._predict(sid, row)
-        except (FileNotFoundError, ValueError) as e:  # a missing or damaged store fails this slide only
-            row.update(status="failed", error=str(e))
-
-    def _predict(self, sid: str, row: dict[str, Any]) -> None:
+        # a missing or damaged store fails this slide only (the runner applies wsi_pipeline.failures)
         store = open_store(store_path(self.tiles_dir, sid))
         if len(store) == 0:
             row.update(status="failed", error="the tile store has no tiles")

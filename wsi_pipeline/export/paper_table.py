@@ -29,10 +29,12 @@ def paper_table_html(records: Sequence[MetricRecord], protocols: Sequence[str], 
     method's number of seeds, and a cell with fewer seeds than its row says how many it has."""
     metric = headline_metric(n_classes)
     head = [r for r in records if r.repeat is None and r.metric == metric]
-    agg = {(r.method, r.cohort, r.split, r.protocol, r.seed): r.value for r in head if r.seed in ("mean", "std")}
+    # a missing value (None: NaN in metrics.json) reads as NaN
+    agg = {(r.method, r.cohort, r.split, r.protocol, r.seed): math.nan if r.value is None else r.value
+           for r in head if r.seed in ("mean", "std")}
     seeds: dict[tuple[str, str, str, str], set[int]] = {}
     for r in head:
-        if isinstance(r.seed, int) and not math.isnan(r.value):
+        if isinstance(r.seed, int) and r.value is not None and not math.isnan(r.value):
             seeds.setdefault((r.method, r.cohort, r.split, r.protocol), set()).add(r.seed)
     methods = list(dict.fromkeys(r.method for r in records))
     sets = list(dict.fromkeys((r.cohort, r.split) for r in records))

@@ -61,7 +61,7 @@ def _fmt(v: float | None, digits: int = 3) -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.{digits}f}"
 
 
-def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float]:
+def _lookup(records: Sequence[MetricRecord]) -> dict[tuple, float | None]:
     """Headline values (per-repeat records left out) keyed by (method, seed, cohort, split, protocol, metric)."""
     return {(r.method, str(r.seed), r.cohort, r.split, r.protocol, r.metric): r.value for r in records if r.repeat is None}
 
@@ -156,7 +156,7 @@ def _metric_tables(records: Sequence[MetricRecord], protocols: Sequence[str], n_
     return "\n".join(parts)
 
 
-def _mean_std(look: dict[tuple, float], meth: str, c: str, s: str, prot: str, metric: str) -> str:
+def _mean_std(look: dict[tuple, float | None], meth: str, c: str, s: str, prot: str, metric: str) -> str:
     mean = look.get((meth, "mean", c, s, prot, metric))
     std = look.get((meth, "std", c, s, prot, metric))
     return _fmt(mean) + ("" if std is None or math.isnan(std) else f" ± {_fmt(std)}")

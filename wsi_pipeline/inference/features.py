@@ -180,7 +180,7 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
             f.attrs["complete"] = True
 
 
-def _embed_store(store: TileStoreLike, encoder: Any, device: str, batch_size: int, bf16: bool = False) -> np.ndarray:
+def _embed_store(store: TileStoreLike, encoder: Any, device: torch.device | str, batch_size: int, bf16: bool = False) -> np.ndarray:
     """Every tile of ``store`` embedded (with the store's stain normalisation, ``store.stain``), optionally
     under bfloat16 autocast: float32 [N, D].
 
@@ -222,8 +222,6 @@ def _embed_store(store: TileStoreLike, encoder: Any, device: str, batch_size: in
 
 #: What :func:`_slide_features` records of a slide it could not embed (report columns beyond the runner's).
 _REPORT_DEFAULTS = {"n_tiles": 0}
-#: Errors that fail one slide (a missing or damaged store, a file that cannot be written); others stop the run.
-_SLIDE_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 
 
 def _slide_features(
@@ -277,7 +275,7 @@ def extract_features(
     tiles_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     encoder_name: str = "resnet18",
-    weights: str | os.PathLike | None = None,
+    weights: str | Path | None = None,
     *,
     encoder: Any = None,
     batch_size: int = 64,
@@ -318,16 +316,48 @@ def extract_features(
     Returns
     -------
     DataFrame with one row per slide: ``slide_id, status`` (ok / skipped / failed), ``n_tiles,
-    seconds, error``; also written atomically to ``<out_dir>/features_report.csv``. A failing
-    slide is recorded and the others go on.
+    seconds, error``; also written atomically to ``<out_dir>/features_report.csv``. A bad slide (a
+    missing or damaged store, a feature file that cannot be written: :mod:`wsi_pipeline.failures`)
+    is recorded and the others go on; a bug, running out of memory or a full disk stops the run.
     """
-    import torch
-
     if int(batch_size) < 1:
         raise ValueError(f"batch_size={batch_size} must be >= 1")
     out = Path(out_dir)
     check_output_dir(out, what="features folder")
     dev = resolve_device(device)
+    encoder, digest, file_digest = _frozen_encoder(encoder_name, weights, encoder, seed, dev)
+
+    from wsi_pipeline.data.bags import skipped_by_tiler
+
+    slide_ids = [str(s) for s in manifest_df["slide_id"]]
+    _report_orphans(out, slide_ids)
+    # a slide the tiler skipped by rule (fluorescence under brightfield rules) or failed on has no store:
+    # it is reported as skipped, with the tiler's reason, not as a features failure
+    left_out = skipped_by_tiler(tiles_dir)
+    left_rows = [{"slide_id": sid, "status": "skipped", "n_tiles": 0, "seconds": 0.0, "error": "",
+                  "note": f"{LEFT_OUT_NOTE}: {left_out[sid]}"} for sid in slide_ids if sid in left_out]
+    slide_ids = [sid for sid in slide_ids if sid not in left_out]
+    # a bad slide (missing or damaged store, unwritable file) is a failed row; a bug stops the run (wsi_pipeline.failures)
+    rows = run_slides(
+        slide_ids, _slide_features,
+        (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain, file_digest, bool(bf16)),
+        defaults=_REPORT_DEFAULTS, broadcast=encoder.cpu() if cluster is not None else encoder,
+        cluster=cluster, retries=retries, desc="features", progress=progress,
+        report_path=out / REPORT_NAME, columns=REPORT_COLUMNS,
+    )
+    _log_reextracted(rows)
+    if left_rows:
+        rows = [*rows, *left_rows]
+        write_report_csv(out / REPORT_NAME, rows, REPORT_COLUMNS)
+    return pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
+
+
+def _frozen_encoder(encoder_name: str, weights: str | os.PathLike | None, encoder: Any, seed: int,
+                    device: str) -> tuple[Any, str, str]:
+    """``(encoder on device in eval mode, weights_sha256, weights_file_sha256)``: ``encoder`` as given, else
+    ``encoder_name`` built with ``weights`` (random from ``seed`` without, with a warning)."""
+    import torch
+
     from wsi_pipeline.models.imagenet import resolve_weights
 
     weights = resolve_weights(encoder_name, weights)
@@ -340,8 +370,7 @@ def extract_features(
         if weights is None:
             log.warning("encoder randomly initialised: no --weights given, so %s is random (seed %d); its features are "
                         "not a useful baseline (--weights imagenet for a ResNet, or a model file)", encoder_name, seed)
-    encoder = encoder.to(dev).eval()
-    digest = weights_sha256(encoder)
+    encoder = encoder.to(device).eval()
     base = getattr(encoder, "base_weights", None)
     if base is not None:
         file_digest = base["sha256"]
@@ -351,34 +380,17 @@ def extract_features(
         file_digest = file_sha256(weights)
     else:
         file_digest = ""
+    return encoder, weights_sha256(encoder), file_digest
 
-    from wsi_pipeline.data.bags import skipped_by_tiler
 
-    slide_ids = [str(s) for s in manifest_df["slide_id"]]
-    _report_orphans(out, slide_ids)
-    # a slide the tiler skipped by rule (fluorescence under brightfield rules) or failed on has no store:
-    # it is reported as skipped, with the tiler's reason, not as a features failure
-    left_out = skipped_by_tiler(tiles_dir)
-    left_rows = [{"slide_id": sid, "status": "skipped", "n_tiles": 0, "seconds": 0.0, "error": "",
-                  "note": f"{LEFT_OUT_NOTE}: {left_out[sid]}"} for sid in slide_ids if sid in left_out]
-    slide_ids = [sid for sid in slide_ids if sid not in left_out]
-    rows = run_slides(
-        slide_ids, _slide_features,
-        (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain, file_digest, bool(bf16)),
-        catch=_SLIDE_ERRORS, defaults=_REPORT_DEFAULTS, broadcast=encoder.cpu() if cluster is not None else encoder,
-        cluster=cluster, retries=retries, desc="features", progress=progress,
-        report_path=out / REPORT_NAME, columns=REPORT_COLUMNS,
-    )
+def _log_reextracted(rows: Sequence[Mapping[str, Any]]) -> None:
+    """One warning naming why existing feature files were re-extracted (the rows' ``reason``), by count."""
     reasons: dict[str, int] = {}
     for row in rows:
         if row.get("reason"):
             reasons[row["reason"]] = reasons.get(row["reason"], 0) + 1
     if reasons:
         log.warning("re-extracted features of %s", "; ".join(f"{n} slide(s): {why}" for why, n in reasons.items()))
-    if left_rows:
-        rows = [*rows, *left_rows]
-        write_report_csv(out / REPORT_NAME, rows, REPORT_COLUMNS)
-    return pd.DataFrame(rows, columns=list(REPORT_COLUMNS))
 
 
 class LazyFeatures(Sequence):

@@ -24,8 +24,6 @@ tiler's :class:`~wsi_pipeline.tiling.job.SlideResult`).
 
 from __future__ import annotations
 
-import errno
-
 import logging
 import os
 import time
@@ -33,6 +31,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from wsi_pipeline import failures
 from wsi_pipeline.io_atomic import atomic_path
 from wsi_pipeline import interrupt
 from wsi_pipeline.progress import progress_bar
@@ -188,15 +187,15 @@ class _Guarded:
 
     work: Callable[..., Any]
     slide_id: Callable[[Any], str]
-    catch: tuple[type[BaseException], ...]
+    catch: tuple[type[BaseException], ...] | None
     defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def __call__(self, item: Any, *args: Any) -> dict[str, Any]:
         return run_one(self.work, item, args, slide_id=self.slide_id(item), catch=self.catch, defaults=self.defaults)
 
 
-#: OSError numbers that stop a per-slide run at once instead of failing each remaining slide in turn.
-STOP_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+#: OSError numbers that stop a per-slide run at once (:data:`wsi_pipeline.failures.STOP_ERRNOS`).
+STOP_ERRNOS = failures.STOP_ERRNOS
 
 
 def run_one(
@@ -205,30 +204,40 @@ def run_one(
     args: tuple[Any, ...] = (),
     *,
     slide_id: str,
-    catch: tuple[type[BaseException], ...] = (),
+    catch: tuple[type[BaseException], ...] | None = None,
     defaults: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One slide's report row: ``work(item, row, *args)`` fills in ``row`` and returns nothing (or a mapping to add).
 
     ``row`` starts as ``{slide_id, status: "ok", error: "", seconds: 0, **defaults}``; the work sets
-    ``status`` ``skipped`` / ``failed`` (and ``error``) itself when it knows. An exception of a
-    type in ``catch`` makes the row ``failed`` with ``error`` ``"<Type>: <message>"`` (the columns
-    the work filled before it are kept); any other exception, an ``OSError`` of :data:`STOP_ERRNOS`
-    (a full disk or quota, a read-only file system) and always ``KeyboardInterrupt`` propagate. ``seconds`` is the wall
-    time of the work (s, 3 decimals).
+    ``status`` ``skipped`` / ``failed`` (and ``error``) itself when it knows. A slide error of the
+    project's bad-slide policy (:func:`wsi_pipeline.failures.is_slide_error`; with ``catch``, only an
+    exception of those types) makes the row ``failed`` with ``error`` ``"<Type>: <message>"`` (the
+    columns the work filled before it are kept); any other exception (a bug), an ``OSError`` of
+    :data:`STOP_ERRNOS` (a full disk or quota, a read-only file system), running out of memory and
+    always ``KeyboardInterrupt`` propagate and stop the run. ``seconds`` is the wall time of the work
+    (s, 3 decimals).
     """
     t0 = time.perf_counter()
     row: dict[str, Any] = {"slide_id": slide_id, "status": "ok", "error": "", "seconds": 0.0, **(defaults or {})}
-    try:
-        extra = work(item, row, *args)
-        if extra:
-            row.update(extra)
-    except catch as err:
-        if isinstance(err, (KeyboardInterrupt, SystemExit)):  # an interrupt is never a slide's failure
-            raise
-        if isinstance(err, OSError) and err.errno in STOP_ERRNOS:  # every later slide would fail alike: stop now
-            raise
-        row.update(status="failed", error=f"{type(err).__name__}: {err}")
+
+    def fail(err: BaseException) -> None:
+        row.update(status="failed", error=failures.describe_failure(err))
+
+    if catch is None:
+        with failures.slide_failures(fail):
+            extra = work(item, row, *args)
+            if extra:
+                row.update(extra)
+    else:
+        try:
+            extra = work(item, row, *args)
+            if extra:
+                row.update(extra)
+        except catch as err:
+            if failures.stops_the_run(err):  # an interrupt, memory, a full disk: every later slide would fail alike
+                raise
+            fail(err)
     row["seconds"] = round(time.perf_counter() - t0, 3)
     return row
 
@@ -239,7 +248,7 @@ def run_slides(
     args: tuple[Any, ...] = (),
     *,
     slide_id: Callable[[Any], str] = str,
-    catch: tuple[type[BaseException], ...] = (),
+    catch: tuple[type[BaseException], ...] | None = None,
     defaults: Mapping[str, Any] | None = None,
     broadcast: Any = None,
     cluster: Any = None,
@@ -258,20 +267,22 @@ def run_slides(
     ----------
     items : the slides (ids, manifest rows, ...); ``slide_id(item)`` names each in its row.
     work : ``work(item, row, *args)`` (``work(item, row, broadcast, *args)`` with ``broadcast``).
-    catch : exception types that make a slide ``failed`` and the run go on (others stop it).
+    catch : None = the project's bad-slide policy (:mod:`wsi_pipeline.failures`) says which errors make a
+        slide ``failed`` and the run go on; else exactly these exception types do (others stop it).
     defaults : the stage's own columns, with the values of a slide the work did not reach.
     broadcast : an object every call gets (on a cluster, sent once to each worker, e.g. an encoder).
     cluster : None = in this process, one slide after the other; else one Dask task per slide
         (a ``--cluster`` string, a :class:`~wsi_pipeline.jobs.cluster.ClusterSpec` or a
-        ``distributed.Client``): a task that raised (or whose workers kept dying) becomes a
-        ``failed`` row ``"the Dask task failed: <Type>: <message>"``.
+        ``distributed.Client``): a task whose workers kept dying (or that raised a slide error
+        outside the work) becomes a ``failed`` row ``"the Dask task failed: <Type>: <message>"``;
+        an error that stops the run (a bug, memory, a full disk) raised on a worker stops it here too.
     retries, workers : with ``cluster``: extra runs of a task whose worker died; local worker count.
     desc, progress, leave : the progress bar.
     on_result : called in this process with each row as it is recorded (rows arrive in order).
     report_path, columns : write the rows (these columns) to this CSV atomically at the end, and
         the rows finished so far when the run stops on an error.
     """
-    guarded = _Guarded(work, slide_id, tuple(catch), dict(defaults or {}))
+    guarded = _Guarded(work, slide_id, None if catch is None else tuple(catch), dict(defaults or {}))
     head = () if broadcast is None else (broadcast,)
     report = None
     if report_path is not None:
@@ -290,12 +301,23 @@ def run_slides(
         with SlideRun(len(items), desc=desc, progress=False, on_result=on_result, report=report) as run:
             for i, (item, outcome) in enumerate(zip(items, outcomes)):
                 if isinstance(outcome, BaseException):
+                    if _stops_on_cluster(outcome):
+                        raise outcome
                     error = f"the Dask task failed: {type(outcome).__name__}: {outcome}"
                     outcome = {"slide_id": slide_id(item), "status": "failed", "error": "", "seconds": 0.0, **(defaults or {})}
                     outcome["error"] = error
                 run.record(i, outcome)
     run.write_report(final=True)
     return list(run.results)
+
+
+def _stops_on_cluster(err: BaseException) -> bool:
+    """Whether a Dask task's exception stops the run: the work's own error that :func:`run_one` let
+    through (a bug, memory, a full disk); a worker that kept dying (``KilledWorker``) or a cancelled
+    task costs only its slide."""
+    if type(err).__module__.split(".")[0] == "distributed" or type(err).__name__.endswith("CancelledError"):
+        return False
+    return not failures.is_slide_error(err)
 
 
 def write_report_csv(path: str | os.PathLike, rows: Sequence[Any], columns: Sequence[str]) -> None:

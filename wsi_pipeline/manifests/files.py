@@ -24,9 +24,9 @@ log = logging.getLogger(__name__)
 
 def first_few(values: Iterable[object], k: int = 5) -> str:
     """``"a, b, c (and 7 more)"``: the first ``k`` values of a listing, for error messages."""
-    values = [str(v) for v in values]
-    more = f" (and {len(values) - k} more)" if len(values) > k else ""
-    return ", ".join(values[:k]) + more
+    texts = [str(v) for v in values]
+    more = f" (and {len(texts) - k} more)" if len(texts) > k else ""
+    return ", ".join(texts[:k]) + more
 
 
 def slide_stem(name: str) -> str | None:

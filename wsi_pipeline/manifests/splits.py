@@ -14,7 +14,7 @@ one item of ``f N``.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -92,8 +92,8 @@ def quota_counts(sizes: Sequence[int], fractions: Mapping[str, float]) -> np.nda
 
 
 def stratified_split(
-    keys: Sequence[str],
-    strata: Sequence[object],
+    keys: Iterable[str],
+    strata: Iterable[object],
     fractions: Mapping[str, float],
     *,
     seed: int,
@@ -111,22 +111,22 @@ def stratified_split(
     -------
     object array (N,) of split names, aligned with ``keys``.
     """
-    keys = pd.Series(list(keys), dtype="string")
-    strata = pd.Series(list(strata), dtype="object")
-    if len(keys) != len(strata):
-        raise ValueError(f"stratified_split: {len(keys)} keys but {len(strata)} strata; give one stratum per item")
-    if keys.duplicated().any():
-        raise ValueError(f"stratified_split: duplicate keys {keys[keys.duplicated()].unique().tolist()[:5]}; keys must be unique")
+    key_s = pd.Series(list(keys), dtype="string")
+    strata_s = pd.Series(list(strata), dtype="object")
+    if len(key_s) != len(strata_s):
+        raise ValueError(f"stratified_split: {len(key_s)} keys but {len(strata_s)} strata; give one stratum per item")
+    if key_s.duplicated().any():
+        raise ValueError(f"stratified_split: duplicate keys {key_s[key_s.duplicated()].unique().tolist()[:5]}; keys must be unique")
     fr = check_fractions(fractions)
     names = np.array(list(fr), dtype=object)
     rng = np.random.default_rng(seed)
-    out = np.empty(len(keys), dtype=object)
-    stratum_keys = strata.map(repr)
+    out = np.empty(len(key_s), dtype=object)
+    stratum_keys = strata_s.map(repr)
     levels = sorted(stratum_keys.unique())
     members = [np.flatnonzero((stratum_keys == s).to_numpy()) for s in levels]
     counts = quota_counts([len(m) for m in members], fr)
     for idx, row in zip(members, counts):
-        idx = idx[np.argsort(keys.iloc[idx].to_numpy(dtype=str), kind="stable")]
+        idx = idx[np.argsort(key_s.iloc[idx].to_numpy(dtype=str), kind="stable")]
         idx = idx[rng.permutation(len(idx))]
         out[idx] = np.repeat(names, row)
     return out
@@ -157,12 +157,13 @@ def grouped_split(
     -------
     object array (N,) of split names, aligned with ``keys``.
     """
-    groups = pd.Series(list(groups), dtype="string")
-    if len(groups) != len(keys):
-        raise ValueError(f"grouped_split: {len(keys)} keys but {len(groups)} groups; give one group per item")
+    group_s = pd.Series(list(groups), dtype="string")
+    if len(group_s) != len(keys):
+        raise ValueError(f"grouped_split: {len(keys)} keys but {len(group_s)} groups; give one group per item")
     if len(set(keys)) != len(keys):
         raise ValueError("grouped_split: keys must be unique")
-    uniq = sorted(groups.unique())
+    uniq = sorted(group_s.unique())
+    strata: list[object]
     if group_strata is None:
         strata = [0] * len(uniq)
     else:
@@ -171,4 +172,4 @@ def grouped_split(
             raise ValueError(f"grouped_split: no stratum for group(s) {missing[:5]}; give group_strata for every group")
         strata = [group_strata[g] for g in uniq]
     split_of_group = dict(zip(uniq, stratified_split(uniq, strata, fractions, seed=seed)))
-    return np.array([split_of_group[g] for g in groups], dtype=object)
+    return np.array([split_of_group[g] for g in group_s], dtype=object)

@@ -123,6 +123,12 @@ class ResNet(nn.Module):
         Channels of the last stage (512 for BasicBlock, 2048 for Bottleneck): the output width.
     """
 
+    # the stages, added by name in __init__ (declared for the type checker)
+    layer1: nn.Sequential
+    layer2: nn.Sequential
+    layer3: nn.Sequential
+    layer4: nn.Sequential
+
     def __init__(
         self,
         block: type[BasicBlock] | type[Bottleneck],

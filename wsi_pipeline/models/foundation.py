@@ -58,7 +58,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +213,14 @@ def _timm_kwargs(preset: Preset) -> dict[str, Any]:
     return out
 
 
+class _TimmTrunk(Protocol):
+    """The two methods of a timm model this wrapper calls."""
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor: ...
+
+
 class FoundationEncoder(nn.Module):
     """A timm model with its preset's preprocessing and embedding: ``[B, 3, T, T]`` -> ``[B, D]``.
 
@@ -227,6 +235,10 @@ class FoundationEncoder(nn.Module):
     num_features : D.
     base_weights : ``{"file": path, "sha256": hex}`` of the weights file loaded, or None.
     """
+
+    # the input normalisation's buffers, registered in __init__ (declared for the type checker)
+    _scale: torch.Tensor
+    _shift: torch.Tensor
 
     def __init__(self, model: nn.Module, preset: Preset) -> None:
         super().__init__()
@@ -288,10 +300,12 @@ class FoundationEncoder(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[B, D]`` of ImageNet-normalised tiles ``[B, 3, T, T]``."""
-        tokens = self.model.forward_features(self.prepare(x))
+        # nn.Module types its attributes as `Tensor | Module`; every timm model has these methods
+        trunk = cast(_TimmTrunk, self.model)
+        tokens = trunk.forward_features(self.prepare(x))
         if self.preset.embedding == "cls_mean":
             return torch.cat([tokens[:, 0], tokens[:, self.num_prefix_tokens :].mean(1)], dim=-1)
-        return self.model.forward_head(tokens, pre_logits=True)
+        return trunk.forward_head(tokens, pre_logits=True)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from torch import Tensor, nn
 
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.registry import Registry
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = [
     "HEADS",
@@ -76,7 +78,7 @@ def build_head(name: str, in_dim: int, n_classes: int, **options: Any) -> GridHe
     valid = _options_of(cls)
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise TypeError(f"patchgd head {name!r}: unknown option(s) {unknown}; valid options are {sorted(valid)}")
+        raise ConfigTypeError(f"patchgd head {name!r}: unknown option(s) {unknown}; valid options are {sorted(valid)}")
     return cls(in_dim, n_classes, **options)
 
 
@@ -383,7 +385,9 @@ class CNNHead(GridHead):
         self.convs = nn.ModuleList(
             nn.Conv2d(chans[i], chans[i + 1], 3, stride=s, padding=1) for i, s in enumerate(self.strides)
         )
-        make = {"batch": MaskedBatchNorm2d, "layer": CellLayerNorm, "none": lambda _: _NoNorm()}[norm]
+        makers: dict[str, Callable[[int], nn.Module]] = {"batch": MaskedBatchNorm2d, "layer": CellLayerNorm,
+                                                         "none": lambda _: _NoNorm()}
+        make = makers[norm]
         self.norms = nn.ModuleList(make(int(width)) for _ in self.strides)
         self.drop = nn.Dropout2d(float(dropout))
         self.fc = nn.Linear(int(width) * (2 if pool == "meanmax" else 1), n_classes)
@@ -395,6 +399,8 @@ class CNNHead(GridHead):
         for conv, norm, stride in zip(self.convs, self.norms, self.strides):
             cover = F.conv2d(m, ones, stride=stride, padding=1)  # tissue cells under each 3x3 window
             if self.partial:
+                if not isinstance(conv, nn.Conv2d) or conv.bias is None:
+                    raise TypeError(f"partial convolution: expected a Conv2d with a bias, got {conv}")
                 x = F.conv2d(x, conv.weight, None, stride, 1) * (9.0 / cover.clamp(min=1.0))
                 x = x + conv.bias[None, :, None, None]
             else:

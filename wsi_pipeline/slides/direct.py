@@ -251,7 +251,7 @@ class DirectTiles:
         key = f"openslide.level[{i}]."
         w, h = _prop_int(props, key + "width"), _prop_int(props, key + "height")
         tw, th = _prop_int(props, key + "tile-width"), _prop_int(props, key + "tile-height")
-        if None in (w, h, tw, th):
+        if w is None or h is None or tw is None or th is None:
             raise _Declined(f"OpenSlide gives no stored tile size for level {i}")
         d = self.level_downsamples[i]
         if d != math.floor(d):

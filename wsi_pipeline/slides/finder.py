@@ -176,7 +176,7 @@ def find_slide_files(root: str | os.PathLike, *, exclude: Iterable[str | os.Path
                 sid = slide_id(group[0]) if own_folder else group[0].name[: -len(_ending(group[0].name) or "")]
                 found.append(SlideFile(sid, group[0]))
         found.extend(SlideFile(slide_id(f), here / f) for f in names if _ending(f) not in DICOM_EXTENSIONS)
-    bad = [(s.path, why) for s in found if (why := slide_id_problem(s.slide_id)) is not None]
+    bad = [(s.path, problem) for s in found if (problem := slide_id_problem(s.slide_id)) is not None]
     if bad:
         listed = "; ".join(f"{p} (id {slide_id(p)!r}: {why})" for p, why in bad[:5])
         more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""

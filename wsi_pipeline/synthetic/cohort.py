@@ -60,7 +60,8 @@ def _slide_draws(
     n_mim = int(srng.integers(1, 3)) if mimic_fraction > 0 and srng.random() < mimic_fraction else 0
     slide_tint = tint
     if stain_jitter > 0:
-        slide_tint = tuple(float(t * (1 + srng.uniform(-stain_jitter, stain_jitter))) for t in tint)
+        r, g, b = (float(t * (1 + srng.uniform(-stain_jitter, stain_jitter))) for t in tint)
+        slide_tint = (r, g, b)
     density = float(np.exp(srng.uniform(-density_jitter, density_jitter))) if density_jitter > 0 else 1.0
     return n_les, n_pen, n_mim, slide_tint, density
 

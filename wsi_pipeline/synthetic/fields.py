@@ -132,8 +132,8 @@ class Field:
 
 def _smooth(rng: np.random.Generator, h: int, w: int, sigma: float) -> np.ndarray:
     small = rng.standard_normal((max(2, h // 16), max(2, w // 16))).astype(np.float32)
-    small = cv2.GaussianBlur(small, (0, 0), max(0.5, sigma / 16))
-    f = cv2.resize(small, (w, h), interpolation=cv2.INTER_CUBIC)
+    blurred = cv2.GaussianBlur(small, (0, 0), max(0.5, sigma / 16))
+    f = cv2.resize(blurred, (w, h), interpolation=cv2.INTER_CUBIC)
     return (f - f.mean()) / (f.std() + 1e-6)
 
 

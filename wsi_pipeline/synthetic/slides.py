@@ -70,7 +70,7 @@ def _smooth_noise(rng: np.random.Generator, h: int, w: int, sigma: float) -> np.
 def _tissue_shape(rng: np.random.Generator, mh: int, mw: int, fraction: float) -> np.ndarray:
     """Bool (mh, mw): a few irregular tissue fragments covering about ``fraction`` of the slide."""
     yy, xx = np.mgrid[0:mh, 0:mw].astype(np.float32)
-    field = np.full((mh, mw), -np.inf, np.float32)
+    field: np.ndarray = np.full((mh, mw), -np.inf, np.float32)
     n_frag = int(rng.integers(1, 4))
     for _ in range(n_frag):
         cy, cx = rng.uniform(0.3, 0.7) * mh, rng.uniform(0.3, 0.7) * mw
@@ -213,7 +213,10 @@ def _checked_geometry(
     size: int | tuple[int, int], tile_size: int, mask_downsample: int, level_factor: int, glass_grey: int,
 ) -> tuple[int, int, int, int, int]:
     """Validate :func:`make_slide`'s geometry; return (width px, height px, tile px, mask downsample, glass grey)."""
-    w, h = (int(size), int(size)) if np.isscalar(size) else (int(size[0]), int(size[1]))
+    if isinstance(size, (tuple, list, np.ndarray)):
+        w, h = int(size[0]), int(size[1])
+    else:
+        w = h = int(size)
     T, md = int(tile_size), int(mask_downsample)
     if T % 16 or T < 16:
         raise ValueError(f"tile_size={tile_size} must be a positive multiple of 16 (a TIFF requirement)")

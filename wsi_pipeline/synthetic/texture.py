@@ -34,7 +34,7 @@ def stain_shift_matrix(
     S, D = S / np.linalg.norm(S, axis=0), D / np.linalg.norm(D, axis=0)
     P = np.linalg.pinv(S)
     A = D @ np.diag(intensity) @ P + (np.eye(3) - S @ P)
-    return tuple(tuple(float(v) for v in row) for row in A)
+    return tuple((float(row[0]), float(row[1]), float(row[2])) for row in A)
 
 
 #: A scanner/lab shift in stain space (:func:`stain_shift_matrix`): from Ruifrok & Johnston's measured

@@ -91,7 +91,7 @@ class Background:
         """True for a dark (fluorescence) background."""
         return self.kind == "dark"
 
-    def as_dict(self) -> dict[str, float | str | None]:
+    def as_dict(self) -> dict[str, float | str | list[float] | None]:
         """JSON-ready form (store attributes, Otsu info)."""
         return {"kind": self.kind, "grey": self.grey, "fraction": self.fraction,
                 "rgb": None if self.rgb is None else [float(v) for v in self.rgb]}
@@ -142,7 +142,8 @@ def estimate_background(rgb: np.ndarray) -> Background:
     fraction = float(glass.mean())
     if fraction >= MIN_GLASS_FRACTION:
         rgb_glass = np.median(rgb[glass].reshape(-1, 3).astype(np.float64), axis=0)
-        return Background("bright", float(np.median(g[glass])), fraction, tuple(float(v) for v in rgb_glass))
+        r, gr, b = (float(v) for v in rgb_glass)
+        return Background("bright", float(np.median(g[glass])), fraction, (r, gr, b))
     return Background("none", None, 0.0)
 
 

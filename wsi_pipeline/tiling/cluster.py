@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from wsi_pipeline.failures import is_slide_error
 from wsi_pipeline.jobs.cluster import POLL_S, DEFAULT_RETRIES, ClusterSpec, dask_client, default_workers
 from wsi_pipeline.tiling.job import SlideJob, SlideResult
 from wsi_pipeline.config.tiling import TilingConfig
@@ -186,6 +187,8 @@ def _submit_all(
 
                     if isinstance(err, KilledWorker):
                         msg = _killed_message(err, retries)
+                    elif err is not None and not isinstance(err, FutureCancelledError) and not is_slide_error(err):
+                        raise err  # the tiler let it through: a bug or memory stops the run (wsi_pipeline.failures)
                     else:
                         msg = f"the Dask task failed after {retries + 1} attempt(s): {type(err).__name__}: {err}"
                     r = SlideResult(job.slide_id, "failed", error=msg, path=job.path)

@@ -12,9 +12,9 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -136,6 +136,12 @@ RunResult = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[Any] | No
 Encoder = Callable[[np.ndarray], Any]
 
 
+@overload
+def _apply_qc(qc: TileQC, row: int, run: np.ndarray, keep: np.ndarray, kept_tiles: list[np.ndarray] | np.ndarray,
+              ) -> tuple[np.ndarray, dict[str, np.ndarray]]: ...
+@overload
+def _apply_qc(qc: None, row: int, run: np.ndarray, keep: np.ndarray, kept_tiles: list[np.ndarray] | np.ndarray,
+              ) -> tuple[np.ndarray, None]: ...
 def _apply_qc(qc: TileQC | None, row: int, run: np.ndarray, keep: np.ndarray, kept_tiles: list[np.ndarray] | np.ndarray,
               ) -> tuple[np.ndarray, dict[str, np.ndarray] | None]:
     """Tile QC of the tiles ``keep`` selects (``kept_tiles``, in run order): their focus, flags, and the
@@ -232,8 +238,9 @@ def decode_stored_run(
                 blank = np.empty((T, T, 3), np.uint8)
                 blank[:] = direct.background
             tile = blank
-        srcs.append(tile[:T, :T])
-        fgs.append(0.0 if otsu_fg is not None else count(srcs[-1]) / area)
+        src = tile[:T, :T]
+        srcs.append(src)
+        fgs.append(0.0 if otsu_fg is not None else count(src) / area)
     if otsu_fg is not None:
         fg = otsu_fg[row, run].astype(np.float32)
         keep = np.ones(len(run), bool)
@@ -261,7 +268,7 @@ def _stored_result(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: 
 
 def decoded_runs(
     tasks: list[tuple[int, np.ndarray]], test: Callable[[int, np.ndarray], RunResult], threads: int
-) -> Iterator[tuple[int, np.ndarray, RunResult]]:
+) -> Generator[tuple[int, np.ndarray, RunResult], None, None]:
     """Yield (row, run, result) for every task in order; ``threads`` > 1 tests them in a thread pool
     with at most ``IN_FLIGHT_PER_THREAD`` runs per thread in flight (memory stays bounded)."""
     if threads <= 1:

@@ -115,7 +115,7 @@ def stained_mask(overview: np.ndarray, background: Background, params: TissuePar
         mask = signal >= thr
         info: dict[str, Any] = {"rule": "od-vs-glass", "glass_rgb": [float(v) for v in glass], "threshold_od": round(float(thr), 4)}
     else:
-        mask = ~(overview >= NO_GLASS_WHITE).all(axis=-1)
+        mask = ~np.all(overview >= NO_GLASS_WHITE, axis=-1)
         info = {"rule": "no-glass", "glass_rgb": None, "threshold_od": None}
     return mask, info
 

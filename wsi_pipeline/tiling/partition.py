@@ -13,11 +13,21 @@ store already complete is then ``skipped`` there, so a rerun after adding slides
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 __all__ = ["parse_shard", "shard_indices", "shard_items"]
 
-T = TypeVar("T")
+class SlideItem(Protocol):
+    """What sharding reads of an item: its slide id and path (any value; compared as text)."""
+
+    @property
+    def slide_id(self) -> object: ...
+
+    @property
+    def path(self) -> object: ...
+
+
+T = TypeVar("T", bound=SlideItem)
 
 
 def parse_shard(text: str) -> tuple[int, int]:

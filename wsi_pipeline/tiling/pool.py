@@ -110,12 +110,17 @@ class _Pool:
                 self.assign(self.start())
 
     def _drain(self, w: _Worker) -> None:
-        """Take ``w``'s messages: progress, and a finished slide (then give it the next one)."""
+        """Take ``w``'s messages: progress, and a finished slide (then give it the next one); raise the error
+        that stopped it (a bug)."""
+        error: BaseException | None = None
         try:
             while w.conn.poll():
                 kind, payload = w.conn.recv()
                 if kind == "progress":
                     self.add_tiles(int(payload))
+                elif kind == "error":  # a bug or memory in the worker stops the run (wsi_pipeline.failures)
+                    error = payload
+                    break
                 elif kind == "done" and w.index is not None:
                     r: SlideResult = payload
                     i, w.index = w.index, None
@@ -125,12 +130,18 @@ class _Pool:
                     self.assign(w)
         except (EOFError, OSError):
             self.bury(w)
+        if error is not None:
+            raise error
 
     def step(self) -> None:
         """Wait up to ``RETRY_S`` for a message or a death, handle what came, give idle workers work."""
         busy = [w for w in self.workers if w.index is not None]
         handles: list[Any] = [w.conn for w in busy] + [w.proc.sentinel for w in busy]
-        ready = wait(handles, timeout=RETRY_S) if handles else (time.sleep(RETRY_S / 4) or [])
+        ready: list[Any] = []
+        if handles:
+            ready = wait(handles, timeout=RETRY_S)
+        else:
+            time.sleep(RETRY_S / 4)
         for w in busy:
             if w.conn in ready:
                 self._drain(w)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import closing
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,12 +51,28 @@ class TileLoop:
                                           and grid.level_step == (float(T), float(T)))
         # with several decoding threads they compress the kept tiles too; the writer thread only writes
         encode = self.writer.tile_encoder if self.n_threads > 1 else None
-        kw = dict(config=self.config, grey_band=self.plan.grey_band or (0, 255), otsu_fg=self.plan.otsu_fg, encode=encode, qc=self.plan.qc)
-        if stored_grid:
+        config, read, grey_band, otsu_fg, qc = self.config, self.read, self.plan.grey_band or (0, 255), self.plan.otsu_fg, self.plan.qc
+        if stored_grid and direct is not None:
             top_rows = rows_to_reject(T, self.config.threshold)
             top_first = self.plan.top_first if top_rows < T else None
-            return partial(decode_stored_run, direct, grid, top_first=top_first, top_rows=top_rows, **kw)
-        return partial(decode_run, self.read, grid, **kw)
+
+            def test_stored(row: int, run: np.ndarray) -> RunResult:
+                return decode_stored_run(direct, grid, row, run, config=config, grey_band=grey_band, otsu_fg=otsu_fg,
+                                         encode=encode, top_first=top_first, top_rows=top_rows, qc=qc)
+
+            return test_stored
+
+        def test(row: int, run: np.ndarray) -> RunResult:
+            return decode_run(read, grid, row, run, config=config, grey_band=grey_band, otsu_fg=otsu_fg, encode=encode, qc=qc)
+
+        return test
+
+    @property
+    def candidates(self) -> np.ndarray:
+        """The plan's tiles to decode and test (a plan without them, a skipped slide, never gets here)."""
+        if self.plan.candidates is None:
+            raise ValueError("internal error: the tile loop got a plan without candidates (a slide to skip)")
+        return self.plan.candidates
 
     def run(self) -> None:
         grid, writer = self.plan.grid, self.writer
@@ -65,7 +80,7 @@ class TileLoop:
         # a writer thread when there is a second core for it
         sink: BackgroundWriter | InlineWriter = BackgroundWriter(writer) if self.budget > 1 else InlineWriter(writer)
         tasks = [(row, run) for row in range(grid.rows)
-                 for run in split_runs(np.flatnonzero(self.plan.candidates[row]), self.config.read_run)]
+                 for run in split_runs(np.flatnonzero(self.candidates[row]), self.config.read_run)]
         try:
             with closing(decoded_runs(tasks, self._tester(), self.n_threads)) as tested:  # closing stops the pool on an error
                 self._write(tested, sink)
@@ -118,11 +133,11 @@ class TileLoop:
             "threads": n_threads,
             "background_write": isinstance(sink, BackgroundWriter),
             "writer_thread_cpu": round(sink.cpu_seconds, 3),
-            "n_decoded": int(self.plan.candidates.sum()),
+            "n_decoded": int(self.candidates.sum()),
             "stored_tiles_decoded": None if self.direct is None else int(self.direct.decoded),
             "stored_tiles_top_decoded": None if self.direct is None else int(self.direct.decoded_top),
             # each candidate is one stored tile here, decoded whole unless its top rows decided it
-            "decided_by_top_rows": (int(self.plan.candidates.sum()) - int(self.direct.decoded)
+            "decided_by_top_rows": (int(self.candidates.sum()) - int(self.direct.decoded)
                                     if self.stored_grid and self.direct is not None else 0),
         }})
 

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 import wsi_pipeline
+from wsi_pipeline.failures import describe_failure, disk_unwritable, is_slide_error
 from wsi_pipeline.slides import MissingMppError, open_slide, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.base import Slide
@@ -102,8 +103,11 @@ def tile_slide(
         res.status = "skipped" if res.note.startswith(DARK_NOTE) else "ok"
     except MissingMppError as err:
         res.error, res.mpp_source = str(err), "none"
-    except Exception as err:  # a bad slide is a report row, never a crash of the run
-        res.error = f"{type(err).__name__}: {err}"
+    except Exception as err:  # a bad slide is a report row (wsi_pipeline.failures); a bug stops the run
+        if not (is_slide_error(err) or disk_unwritable(err)):
+            raise
+        # a full disk is a row too: the cohort runner stops the run on it (also for a worker process's row, by its text)
+        res.error = describe_failure(err)
         logger.debug("slide %s failed", job.slide_id, exc_info=True)
     finally:
         res.seconds = round(time.perf_counter() - t0, 3)

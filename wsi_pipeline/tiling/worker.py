@@ -21,7 +21,7 @@ def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite:
     """Receive :class:`~wsi_pipeline.tiling.job.SlideJob` objects until ``None``.
 
     Sends ``("progress", n_tiles)`` while a slide is tiled and ``("done", SlideResult)`` at its
-    end. ``threads`` (this worker's share of the cores: decoding threads, plus a writer thread
+    end; ``("error", exception)`` and stops for an error that stops the run (a bug, memory). ``threads`` (this worker's share of the cores: decoding threads, plus a writer thread
     when > 1) is passed to :func:`~wsi_pipeline.tiling.tiler.tile_slide`.
     """
     import cv2
@@ -37,8 +37,25 @@ def worker_main(conn: Connection, out_dir: str, config: TilingConfig, overwrite:
             return
         if job is None:
             return
-        result = tile_slide(
-            job, out_dir, config, overwrite=overwrite, threads=threads,
-            progress=lambda n: conn.send(("progress", n)),
-        )
+        try:
+            result = tile_slide(
+                job, out_dir, config, overwrite=overwrite, threads=threads,
+                progress=lambda n: conn.send(("progress", n)),
+            )
+        except Exception as err:  # a bug or memory (wsi_pipeline.failures): the parent stops the run with it
+            conn.send(("error", _portable(err)))
+            return
         conn.send(("done", result))
+
+
+def _portable(err: Exception) -> Exception:
+    """``err`` with the worker's traceback in a note, as the parent can unpickle it (else a RuntimeError)."""
+    import pickle
+    import traceback
+
+    err.add_note("in the tiling worker process:\n" + "".join(traceback.format_exception(err)).rstrip())
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # any exception that does not survive pickling is sent as text
+        return RuntimeError(f"{type(err).__name__}: {err}\n{err.__notes__[-1]}")
+    return err

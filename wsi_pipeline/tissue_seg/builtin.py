@@ -54,10 +54,14 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from wsi_pipeline.tissue_seg.mosaic import MosaicConfig
+
+if TYPE_CHECKING:
+    from wsi_pipeline.slides.base import Slide
 
 __all__ = ["BUILTIN_MODEL", "make_training_slides", "training_sources", "held_out_images", "held_out_dice", "main"]
 
@@ -89,7 +93,8 @@ def make_training_slides(folder: Path, n: int = N_SLIDES, seed: int = 0, first_s
     for i in range(n):
         p = folder / f"syn{i:02d}.svs"
         w, h = (int(v) for v in rng.integers(1400, 2600, size=2))
-        tint = tuple(float(v) for v in rng.uniform(0.85, 1.15, size=3))
+        r, g, b = (float(v) for v in rng.uniform(0.85, 1.15, size=3))
+        tint = (r, g, b)
         frac, pens, glass = float(rng.uniform(0.15, 0.6)), int(rng.integers(0, 3)), int(rng.integers(232, 247))
         if not p.exists():
             make_slide(p, size=(w, h), seed=first_seed + i, tissue_fraction=frac, mpp=0.5, pen_marks=pens, tint=tint,
@@ -114,6 +119,13 @@ class HeldOut:
     kind: str
 
 
+def _slide_mpp(s: Slide) -> float:
+    """The slide's level-0 pixel size (um/px); an error naming the file when it records none."""
+    if s.mpp is None:
+        raise ValueError(f"{s.path}: the slide records no pixel size (mpp); the held-out set needs it")
+    return s.mpp
+
+
 def held_out_images(work: Path, real_slides: Path | None, mpp: float = MPP) -> list[HeldOut]:
     """The held-out set described in the module docstring (real parts only when ``real_slides``)."""
     from wsi_pipeline.slides.opener import open_slide
@@ -124,12 +136,12 @@ def held_out_images(work: Path, real_slides: Path | None, mpp: float = MPP) -> l
     syn = make_training_slides(work / "test_synthetic", N_TEST_SYNTHETIC, seed=1, first_seed=5000)
     for p in syn:
         with open_slide(p) as s:
-            out.append(HeldOut(p.stem, read_scaled(s, mpp / s.mpp), "synthetic"))
+            out.append(HeldOut(p.stem, read_scaled(s, mpp / _slide_mpp(s)), "synthetic"))
     if real_slides is not None:
         test = training_sources(real_slides, mpp, TEST_SOURCES)
         out.append(HeldOut("CMU-1 bottom half", test[0].rgb, "real"))
         with open_slide(real_slides / "CMU-1-Small-Region.svs") as s:
-            out.append(HeldOut("CMU-1 whole (top half's tissue also in training mosaics)", read_scaled(s, mpp / s.mpp),
+            out.append(HeldOut("CMU-1 whole (top half's tissue also in training mosaics)", read_scaled(s, mpp / _slide_mpp(s)),
                                "real-whole"))
         for i in range(N_TEST_MOSAICS):
             seed = int(np.random.SeedSequence([TEST_MOSAIC_SEED, i]).generate_state(1)[0])

@@ -32,6 +32,8 @@ All sizes are in px of the image given (the training resolution), not level-0 px
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 import numpy as np
 from scipy import ndimage
 
@@ -150,6 +152,36 @@ def binarise(img: np.ndarray) -> np.ndarray:
     return (np.where(img > 0, 255, 0) == 255).astype(np.uint8)
 
 
+@overload
+def paper_labels(
+    rgb: np.ndarray,
+    *,
+    size: tuple[int, int] | None = None,
+    downsample: int = 8,
+    bright_threshold: float = 230.0,
+    tile: int = 1,
+    median_ksize: int = 5,
+    erode_ksize: int = 5,
+    erode_iterations: int = 1,
+    dilate_ksize: int = 5,
+    dilate_iterations: int = 1,
+    return_low: Literal[False] = False,
+) -> np.ndarray: ...
+@overload
+def paper_labels(
+    rgb: np.ndarray,
+    *,
+    size: tuple[int, int] | None = None,
+    downsample: int = 8,
+    bright_threshold: float = 230.0,
+    tile: int = 1,
+    median_ksize: int = 5,
+    erode_ksize: int = 5,
+    erode_iterations: int = 1,
+    dilate_ksize: int = 5,
+    dilate_iterations: int = 1,
+    return_low: Literal[True],
+) -> tuple[np.ndarray, np.ndarray]: ...
 def paper_labels(
     rgb: np.ndarray,
     *,

@@ -200,6 +200,8 @@ def read_source(path: str | os.PathLike, mpp: float, *, rows: tuple[float, float
     with open_slide(path) as slide:
         if level0_mpp is None:
             level0_mpp, _ = resolve_mpp(slide.mpp, run_mpp=None, path=str(path), needed_for=f"reading at {mpp} um/px")
+        if level0_mpp is None:  # (resolve_mpp raises first: needed_for is given)
+            raise ValueError(f"{path}: no pixel size (mpp) for reading at {mpp} um/px")
         down = mpp / level0_mpp
         if down < 1:
             raise ValueError(f"{path}: {mpp} um/px is finer than its level 0 ({level0_mpp:.4g} um/px)")
@@ -221,7 +223,7 @@ def _blob(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
     u = (dx * np.cos(ang) + dy * np.sin(ang)) / rx
     v = (-dx * np.sin(ang) + dy * np.cos(ang)) / ry
     noise = cv2.GaussianBlur(rng.standard_normal((h, w)).astype(np.float32), (0, 0), max(2.0, 0.08 * min(h, w)))
-    noise /= noise.std() + 1e-6
+    noise = noise / (noise.std() + 1e-6)
     return (1 - (u * u + v * v) + 0.35 * noise) > 0
 
 
@@ -237,7 +239,7 @@ def cut_piece(source: TissueSource, rng: np.random.Generator, side: int,
     if ys.size == 0:
         raise ValueError(f"source {source.name} has no tissue to cut")
     H, W = source.mask.shape
-    best = None
+    best: tuple[tuple[int, int, int, int], np.ndarray] | None = None
     for _ in range(tries):
         i = int(rng.integers(ys.size))
         h, w = min(H, side), min(W, side)
@@ -248,6 +250,8 @@ def cut_piece(source: TissueSource, rng: np.random.Generator, side: int,
             best = ((y, x, h, w), cut)
         if cut.mean() >= 0.15:
             break
+    if best is None:
+        raise ValueError(f"tries={tries}; expected >= 1")
     (y, x, h, w), cut = best
     trans = np.clip(source.rgb[y : y + h, x : x + w].astype(np.float32) / source.glass.astype(np.float32), 0.0, 1.0)
     trans[~cut] = 1.0
@@ -348,8 +352,8 @@ def _dust(rng: np.random.Generator, cfg: MosaicConfig, n: int) -> tuple[np.ndarr
         else:  # fibre
             pts = np.round(np.array([x, y]) + rng.normal(0, 12, size=(4, 2)).cumsum(axis=0)).astype(np.int32)
             cv2.polylines(od, [pts.reshape(-1, 1, 2)], False, 0.5 * dens, thickness=int(rng.integers(1, 3)))
-    od = cv2.GaussianBlur(od, (0, 0), 0.8)
-    return np.exp(-od), od > 0.05
+    blurred = cv2.GaussianBlur(od, (0, 0), 0.8)
+    return np.exp(-blurred), blurred > 0.05
 
 
 def make_mosaic(sources: Sequence[TissueSource], seed: int, config: MosaicConfig | None = None) -> Mosaic:
@@ -370,7 +374,8 @@ def make_mosaic(sources: Sequence[TissueSource], seed: int, config: MosaicConfig
         window, trans, cut = cut_piece(src, rng, side)
         k, flip = int(rng.integers(4)), bool(rng.random() < 0.5)
         angle = float(rng.uniform(*cfg.angle))
-        stain = tuple(float(v) for v in rng.uniform(*cfg.stain_scale, size=3))
+        s_r, s_g, s_b = (float(v) for v in rng.uniform(*cfg.stain_scale, size=3))
+        stain = (s_r, s_g, s_b)
         t, c = orient(trans, k, flip), orient(cut, k, flip)
         m, box = rotation_matrix(t.shape[0], t.shape[1], angle)
         t, mk = _warp(t, c, m, box)
@@ -417,7 +422,7 @@ def write_mosaic_slide(path: str | os.PathLike, rgb: np.ndarray, mpp: float, qua
     package's readers open; atomic (temp file + rename)."""
     from wsi_pipeline.synthetic.fields import write_one_level_slide
 
-    return write_one_level_slide(path, rgb, mpp, quality, generator="wsi_pipeline.tissue_seg.mosaic")
+    return write_one_level_slide(Path(path), rgb, mpp, quality, generator="wsi_pipeline.tissue_seg.mosaic")
 
 
 def write_mosaics(folder: str | os.PathLike, sources: Sequence[TissueSource], n: int, *, mpp: float, seed: int,

@@ -261,6 +261,20 @@ def _bn_layers(modules: Iterable[nn.Module]) -> list[_BatchNorm]:
     return list(seen.values())
 
 
+def _running(m: _BatchNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A tracked BatchNorm's running mean, running variance and batch count (:func:`_bn_layers` keeps only those)."""
+    if m.running_mean is None or m.running_var is None or m.num_batches_tracked is None:
+        raise ValueError(f"{type(m).__name__} does not track running statistics")
+    return m.running_mean, m.running_var, m.num_batches_tracked
+
+
+def _momentum(m: _BatchNorm) -> float:
+    """The exponential-average momentum of a BatchNorm (``StepSync.ema`` keeps only those that have one)."""
+    if m.momentum is None:
+        raise ValueError(f"{type(m).__name__} has momentum=None (a cumulative average), not an exponential one")
+    return float(m.momentum)
+
+
 class StepSync:
     """Sums one optimiser step's gradients over ranks and merges BatchNorm running statistics.
 
@@ -293,10 +307,10 @@ class StepSync:
     # -- BatchNorm running statistics -------------------------------------------------------
 
     def _stats(self) -> list[torch.Tensor]:
-        return [t for m in self.ema for t in (m.running_mean, m.running_var)]
+        return [t for m in self.ema for t in _running(m)[:2]]
 
     def _counts(self) -> list[int]:
-        return [int(m.num_batches_tracked) for m in self.ema]
+        return [int(_running(m)[2]) for m in self.ema]
 
     def begin_group(self, first: int, count: int) -> None:
         """The next optimiser step trains bags ``first .. first + count - 1`` (global numbers) over all ranks."""
@@ -320,7 +334,7 @@ class StepSync:
         after = self._stats()
         parts = []
         for i, m in enumerate(self.ema):
-            factor = (1.0 - float(m.momentum)) ** u[i]  # r_after = factor * r_before + c
+            factor = (1.0 - _momentum(m)) ** u[i]  # r_after = factor * r_before + c
             for k in (2 * i, 2 * i + 1):
                 parts.append((after[k].detach().double() - factor * before[k].double()).reshape(-1))
         parts.append(torch.tensor(u, dtype=torch.float64, device=parts[0].device if parts else "cpu"))
@@ -344,7 +358,7 @@ class StepSync:
         with torch.no_grad():
             offset = 0
             for i, m in enumerate(self.ema):
-                mom = float(m.momentum)
+                mom = _momentum(m)
                 for k in (0, 1):
                     t = stats[2 * i + k]
                     r = self._start[2 * i + k].double().reshape(-1)
@@ -353,7 +367,7 @@ class StepSync:
                         r = (1.0 - mom) ** int(us[j, i]) * r + rows[j, offset : offset + n]
                     t.copy_(r.reshape(t.shape).to(t.dtype))
                     offset += n
-                m.num_batches_tracked.fill_(self._start_counts[i] + int(us[:, i].sum()))
+                _running(m)[2].fill_(self._start_counts[i] + int(us[:, i].sum()))
         self._records = {}
 
     # -- the step ---------------------------------------------------------------------------
@@ -390,5 +404,5 @@ class StepSync:
                 p.grad = None
         with torch.no_grad():
             for m in self.cumulative if merged else self.layers:
-                for t in (m.running_mean, m.running_var, m.num_batches_tracked):
+                for t in _running(m):
                     dist.broadcast(t, src=0)

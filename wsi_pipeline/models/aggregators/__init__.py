@@ -20,6 +20,7 @@ from wsi_pipeline.models.aggregators.dtfd import DTFD
 from wsi_pipeline.models.aggregators.pooling import MaxPoolMIL, MeanPoolMIL
 from wsi_pipeline.models.aggregators.transmil import TransMIL
 from wsi_pipeline.models.registry import Registry
+from wsi_pipeline.failures import ConfigTypeError
 
 __all__ = ["AGGREGATORS", "MILOutput", "build_aggregator", "ABMIL", "DTFD", "MaxPoolMIL", "MeanPoolMIL", "TransMIL"]
 
@@ -45,4 +46,4 @@ def build_aggregator(name: str, in_dim: int, n_classes: int, **options: Any) -> 
     try:
         return factory(int(in_dim), int(n_classes), **options)
     except TypeError as e:
-        raise TypeError(f"build_aggregator({name!r}): bad option in {sorted(options)}: {e}") from e
+        raise ConfigTypeError(f"build_aggregator({name!r}): bad option in {sorted(options)}: {e}") from e

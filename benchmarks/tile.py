@@ -1,7 +1,7 @@
 """Tiling benchmark (``make bench-tile``): tiling speed against the decode limit.
 
 First, real tissue: the 24576 x 24576 px pyramidal JPEG TIFF mosaic of CMU-1-Small-Region tissue that
-``make bench-decode`` builds (once, cached in ``.bench-cache/``; :func:`wsi_pipeline.bench.decode.build_mosaic`),
+``make bench-decode`` builds (once, cached in ``.bench-cache/``; :func:`benchmarks.decode.build_mosaic`),
 tiled by one worker (greyscale, no tile QC, lossless zstd; and, timed beside it, the default: the
 ``tissue`` method with tile QC), alternated with two references, medians of
 ``--repeats``: the OpenSlide decode limit of the kept tiles (``read_region`` of only those, one call
@@ -171,7 +171,7 @@ def _decode_floor(path: Path, config: Any) -> tuple[float, float, int]:
 def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     """The real-tissue mosaic case: one worker, lossless, against the OpenSlide decode limit of the
     kept tiles and the direct-decode floor (medians of alternated runs). True when both targets pass."""
-    from wsi_pipeline.bench.decode import build_mosaic
+    from benchmarks.decode import build_mosaic
     from wsi_pipeline.slides import open_slide
     from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.data.store import open_store
@@ -256,8 +256,62 @@ def _mosaic(args: argparse.Namespace, work: Path) -> bool:
     return ok_limit and ok_floor
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tile", description=__doc__,
+def _store_reads(store: Any) -> None:
+    """Print the time per tile of reading 256 random tiles back (training and evaluation draw random subsets):
+    from the chunk/shard files directly against through zarr (best of 2 alternated runs each)."""
+    n = len(store)
+    reads: dict[str, list[float]] = {}
+    direct = store._direct
+    rng = np.random.default_rng(0)
+    for name in ("zarr", "direct", "zarr", "direct"):
+        store._direct = direct if name == "direct" else None
+        idx = rng.choice(n, min(256, n), replace=False)
+        t2 = time.perf_counter()
+        store.read(idx)
+        reads.setdefault(name, []).append((time.perf_counter() - t2) / len(idx))
+    store._direct = direct
+    if direct is not None:
+        z, d = min(reads["zarr"]), min(reads["direct"])
+        print(f"store reads, {min(256, n)} random tiles ({'sharded' if store.shard_tiles else 'one file per tile'}): "
+              f"{1e3 * d:.2f} ms per tile from the chunk/shard files, {1e3 * z:.2f} ms through zarr ({z / d:.1f}x)")
+
+
+def _two_workers(args: argparse.Namespace, a: Path, b: Path, layout: dict[str, Any], work: Path, cores: int) -> int:
+    """Slides A and B with one worker, then two, per compression: throughput ratio against the 1.6x target; 1 when
+    a tiling failed."""
+    from wsi_pipeline.config.tiling import TilingConfig
+    from wsi_pipeline.tiling.cohort import tile_cohort
+    from wsi_pipeline.tiling.job import SlideJob
+
+    jobs = [SlideJob("bench_a", str(a)), SlideJob("bench_b", str(b))]
+    compressions = [args.compression] + [c for c in args.also_compare if c != args.compression]
+    for comp in compressions:
+        res, cpu = {}, {}
+        for w in (1, 2):
+            _warm(a)
+            _warm(b)
+            t = time.perf_counter()
+            rep = tile_cohort(jobs, work / f"w{w}-{comp}", TilingConfig(compression=comp, **layout), workers=w,
+                              overwrite=True, progress=False)
+            dt = time.perf_counter() - t
+            if not rep.ok:
+                print(rep.summary())
+                return 1
+            res[w] = rep.n_tiles / dt
+            cpu[w] = sum(r.cpu_seconds for r in rep.results) / rep.n_tiles
+            print(f"2 slides, {comp}, {w} worker(s){' (writer thread)' if w < cores else ' (no writer thread)'}: "
+                  f"{rep.n_tiles} tiles in {dt:.2f} s, {res[w]:.0f} tiles/s, {1e3 * cpu[w]:.2f} ms CPU per tile")
+        speed = res[2] / res[1]
+        # two workers on `cores` cores cannot tile faster than min(cores, 2) / (their CPU s per tile)
+        bound = min(2.0, min(cores, 2) / (cpu[2] * res[1])) if cpu[2] > 0 else float("nan")
+        print(f"two workers / one worker throughput, {comp}: {speed:.2f}x   target >= 1.6: {'PASS' if speed >= 1.6 else 'FAIL'}"
+              f"   (CPU bound on {cores} cores: {bound:.2f}x = min(cores, 2) / (two-worker CPU s per tile x one-worker tiles/s))")
+    return 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line of ``make bench-tile``."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tile", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=20000, help="level-0 side of the synthetic slides in px")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("WSI_BENCH_CACHE", Path(tempfile.gettempdir()) / "wsi-pipeline-bench")),
@@ -273,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store-only", action="store_true",
                    help="tile slide A once and only compare the store layouts (part 6)")
     p.add_argument("--read-repeats", type=int, default=9, help="alternated repeats of the layout read comparison")
-    here = Path(__file__).resolve().parents[2]
+    here = Path(__file__).resolve().parents[1]
     p.add_argument("--mosaic-source", type=Path,
                    default=Path(os.environ.get("WSI_TEST_SLIDES", here.parent / "shared" / "slides")) / "CMU-1-Small-Region.svs",
                    help="the real slide the mosaic is cut from (default ../shared/slides/CMU-1-Small-Region.svs)")
@@ -282,7 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mosaic-size", type=int, default=24576, help="level-0 side of the mosaic in px (multiple of 4096)")
     p.add_argument("--mosaic-only", action="store_true", help="run only the real-tissue mosaic case")
     p.add_argument("--skip-mosaic", action="store_true", help="skip the real-tissue mosaic case")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
     if not args.skip_mosaic:
         work = Path(tempfile.mkdtemp(prefix="wsi-bench-mosaic-"))
@@ -359,21 +417,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio_wall = wall / decode
         print(f"ratio tiling / decode limit (wall): {ratio_wall:.2f} whole run incl. worker start, {r_seconds / decode:.2f} slide only"
               f"   target <= 1.3: {'PASS' if ratio_wall <= 1.3 else 'FAIL'}")
-        # reading the store back (training and evaluation draw random tile subsets)
-        reads: dict[str, list[float]] = {}
-        direct = store._direct
-        rng = np.random.default_rng(0)
-        for name in ("zarr", "direct", "zarr", "direct"):
-            store._direct = direct if name == "direct" else None
-            idx = rng.choice(n, min(256, n), replace=False)
-            t2 = time.perf_counter()
-            store.read(idx)
-            reads.setdefault(name, []).append((time.perf_counter() - t2) / len(idx))
-        store._direct = direct
-        if direct is not None:
-            z, d = min(reads["zarr"]), min(reads["direct"])
-            print(f"store reads, {min(256, n)} random tiles ({'sharded' if store.shard_tiles else 'one file per tile'}): "
-                  f"{1e3 * d:.2f} ms per tile from the chunk/shard files, {1e3 * z:.2f} ms through zarr ({z / d:.1f}x)")
+        _store_reads(store)
         crit = max(timing.get("main_thread_cpu", 0.0) / max(1, timing.get("threads", 1)), timing.get("writer_thread_cpu", 0.0))
         print(f"ratio in CPU time: {r.cpu_seconds / decode_cpu:.2f} total slide CPU / decode CPU; "
               f"{crit / decode_cpu:.2f} busiest thread / decode CPU (the wall ratio when the cores are free)")
@@ -381,29 +425,7 @@ def main(argv: list[str] | None = None) -> int:
         _store_layouts(work / "one" / "bench_a.zarr", work, args.compression, shard_tiles, 256, args.read_repeats)
 
         if not args.skip_two:
-            jobs = [SlideJob("bench_a", str(a)), SlideJob("bench_b", str(b))]
-            compressions = [args.compression] + [c for c in args.also_compare if c != args.compression]
-            for comp in compressions:
-                res, cpu = {}, {}
-                for w in (1, 2):
-                    _warm(a)
-                    _warm(b)
-                    t = time.perf_counter()
-                    rep = tile_cohort(jobs, work / f"w{w}-{comp}", TilingConfig(compression=comp, **layout), workers=w,
-                                      overwrite=True, progress=False)
-                    dt = time.perf_counter() - t
-                    if not rep.ok:
-                        print(rep.summary())
-                        return 1
-                    res[w] = rep.n_tiles / dt
-                    cpu[w] = sum(r.cpu_seconds for r in rep.results) / rep.n_tiles
-                    print(f"2 slides, {comp}, {w} worker(s){' (writer thread)' if w < cores else ' (no writer thread)'}: "
-                          f"{rep.n_tiles} tiles in {dt:.2f} s, {res[w]:.0f} tiles/s, {1e3 * cpu[w]:.2f} ms CPU per tile")
-                speed = res[2] / res[1]
-                # two workers on `cores` cores cannot tile faster than min(cores, 2) / (their CPU s per tile)
-                bound = min(2.0, min(cores, 2) / (cpu[2] * res[1])) if cpu[2] > 0 else float("nan")
-                print(f"two workers / one worker throughput, {comp}: {speed:.2f}x   target >= 1.6: {'PASS' if speed >= 1.6 else 'FAIL'}"
-                      f"   (CPU bound on {cores} cores: {bound:.2f}x = min(cores, 2) / (two-worker CPU s per tile x one-worker tiles/s))")
+            return _two_workers(args, a, b, layout, work, cores)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -26,7 +26,7 @@ tissue rule (``lost``: includes tissue taken for ink). ``lung-glass`` adds the g
 Generated pen fields (``--pen-seeds``) and real pen images (``--pen-images``, optional) give pen
 recall: the share of tiles that are at least 20 % ink flagged ``pen`` (or not kept).
 
-    python -m wsi_pipeline.bench.tissue_real [--sets crc,lung,cmu1] [--tile-sizes 32,256] [--out results/x.json]
+    python -m benchmarks.tissue_real [--sets crc,lung,cmu1] [--tile-sizes 32,256] [--out results/x.json]
 """
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def _cached_slide(cache: Path, img: RealImage) -> Path:
     if not path.exists():
         # no mpp: written with a placeholder the tiler is told to ignore (mpp_source "none" is not possible
         # for an SVS), so such sets are tiled natively only
-        write_one_level_slide(path, img.rgb, img.mpp or 0.5, quality=95, generator="wsi_pipeline.bench.tissue_real")
+        write_one_level_slide(path, img.rgb, img.mpp or 0.5, quality=95, generator="benchmarks.tissue_real")
     return path
 
 
@@ -405,7 +405,7 @@ def pen_recall_real(folder: Path, cache: Path, tile_sizes: tuple[int, ...], mpp:
                 continue
             path = cache / f"pen_real_{p.stem}.svs"
             if not path.exists():
-                write_one_level_slide(path, rgb, mpp, quality=95, generator="wsi_pipeline.bench.tissue_real")
+                write_one_level_slide(path, rgb, mpp, quality=95, generator="benchmarks.tissue_real")
             store = _tile(path, path.stem, cache / "tiles", tile, None)
             ink = _frac(truth == 255, tile)
             ok = _frac(truth == 0, tile) == 1.0
@@ -420,8 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     """Tile the real sets, print the table and write ``--out`` (JSON)."""
     from wsi_pipeline.io_atomic import write_text_atomic
 
-    root = Path(__file__).resolve().parents[2].parent / "shared"
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tissue_real", description=__doc__.split("\n\n")[0])
+    root = Path(__file__).resolve().parents[1].parent / "shared"
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tissue_real", description=__doc__.split("\n\n")[0])
     p.add_argument("--realdata", type=Path, default=root / "realdata", help="folder of crc-histophenotypes and lc25000-lung")
     p.add_argument("--slides", type=Path, default=root / "slides", help="folder holding CMU-1-Small-Region.svs")
     p.add_argument("--sets", default=",".join(SETS), help=f"comma-separated sets of {SETS}")

@@ -284,8 +284,8 @@ def _report(r: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    here = Path(__file__).resolve().parents[2]
+    p = argparse.ArgumentParser(prog="python -m benchmarks.decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    here = Path(__file__).resolve().parents[1]
     p.add_argument("--source", type=Path, default=Path(os.environ.get("WSI_TEST_SLIDES", here.parent / "shared" / "slides")) / "CMU-1-Small-Region.svs",
                    help="the real slide the mosaic is cut from (default ../shared/slides/CMU-1-Small-Region.svs)")
     p.add_argument("--cache", type=Path, default=Path(os.environ.get("WSI_BENCH_CACHE", here / ".bench-cache")),

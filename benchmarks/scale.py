@@ -50,7 +50,7 @@ def _slides(cache: Path, n: int, size: int, regenerate: bool) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.scale", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slides", type=int, default=8, help="slides in the folder")
     p.add_argument("--size", type=int, default=6144, help="level-0 side of the synthetic slides in px")

@@ -46,10 +46,10 @@ cores); on CUDA sides up to 16384 px, where the plain model runs out of memory f
 input lives in host memory for every configuration (the plain model copies it to the device
 inside the timed iteration). Examples::
 
-    python -m wsi_pipeline.bench.bigl                                   # device defaults
-    python -m wsi_pipeline.bench.bigl --quick                           # predictions at 4096, 8192 px; short timing
-    python -m wsi_pipeline.bench.bigl --warmup 1 --repeats 2 --sides 96 128 160   # quick
-    python -m wsi_pipeline.bench.bigl --device cuda --memory-fraction 0.25 --sides 8192 16384
+    python -m benchmarks.bigl                                   # device defaults
+    python -m benchmarks.bigl --quick                           # predictions at 4096, 8192 px; short timing
+    python -m benchmarks.bigl --warmup 1 --repeats 2 --sides 96 128 160   # quick
+    python -m benchmarks.bigl --device cuda --memory-fraction 0.25 --sides 8192 16384
 """
 
 from __future__ import annotations
@@ -463,7 +463,7 @@ def _write_json(path: Path, payload: dict) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m wsi_pipeline.bench.bigl",
+        prog="python -m benchmarks.bigl",
         description="Per-iteration time of plain vs Big-Layers ResNets against input side, with the power-law fit of the Big-Layers paper's Table 4.",
     )
     p.add_argument("--model", default="resnet18", help="encoder name (resnet18, resnet50, ...); default resnet18")
@@ -511,6 +511,110 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-predict", action="store_true", help="skip the predicted tables (parts 1 and 1b)")
     p.add_argument("--no-timing", action="store_true", help="skip part 2 (the measured timings)")
     return p
+
+
+def _measure_all(args: argparse.Namespace, configs: list[int | None], sides: list[int], device: torch.device,
+                 max_elements: int) -> tuple[dict[int | None, list[Point]], dict[int | None, str]]:
+    """Time every configuration (plain, or Big-Layers in the first k stages) at every side, smallest first,
+    stopping a configuration at its first out-of-memory side; returns (points, labels) per configuration."""
+    cuda = device.type == "cuda"
+    results: dict[int | None, list[Point]] = {}
+    labels: dict[int | None, str] = {}
+    for cfg in configs:
+        model = _build(args.model, cfg, device, max_elements)
+        labels[cfg] = _label(cfg, _count_big_layers(model))
+        results[cfg] = []
+        for side in sides:
+            t0 = time.perf_counter()
+            pt = measure(model, cfg is not None, side, args.batch, device, args.warmup, args.repeats, args.clock)
+            results[cfg].append(pt)
+            status = "out of memory" if pt.oom else f"{pt.mean:.4f} s +- {pt.std:.4f}"
+            print(f"  {labels[cfg]:<56s} S={side:<6d} {status}   ({time.perf_counter() - t0:.0f} s)", flush=True)
+            if pt.oom:
+                break  # larger sides will not fit either
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    return results, labels
+
+
+def _print_per_side(results: dict[int | None, list[Point]], configs: list[int | None], sides: list[int], batch: int,
+                    clock: str) -> None:
+    """The per-side table: time per iteration (s), mean +- std, of every configuration."""
+    print(f"\nPer-iteration time (s, {clock} clock), mean +- std over the timed iterations")
+    head = f"{'side':>6} {'area (px)':>12} " + " ".join(f"{('plain' if c is None else f'{c} stages'):>17}" for c in configs)
+    print(head)
+    for i, side in enumerate(sides):
+        cells = []
+        for c in configs:
+            pts = results[c]
+            if i >= len(pts):
+                cells.append(f"{'-':>17}")
+            elif pts[i].oom:
+                cells.append(f"{'OOM':>17}")
+            else:
+                cells.append(f"{pts[i].mean:>9.4f} +-{pts[i].std:>6.4f}")
+        print(f"{side:>6} {side * side * batch:>12} " + " ".join(cells))
+
+
+def _print_fits(results: dict[int | None, list[Point]], configs: list[int | None], labels: dict[int | None, str],
+                sides: list[int], model: str) -> dict[int | None, PowerLawFit | None]:
+    """The paper's Table 4: the power-law-plus-offset fit of each configuration (3 sizes or more), beside the paper's."""
+    print("\nPower-law-plus-offset fit t(A) = a A^b + c (A = image area in px, t in s)")
+    print(f"{'Model':<56} {'n':>3} {'a':>10} {'b':>6} {'c':>10} {'R^2':>6} {'F_dbl':>6} {'b paper':>8} {'F paper':>8}")
+    print(model)
+    fits: dict[int | None, PowerLawFit | None] = {}
+    for c in configs:
+        ok = [p for p in results[c] if not p.oom]
+        fit = None
+        if len(ok) >= 3:
+            fit = fit_power_law([p.side**2 for p in ok], [p.mean for p in ok])
+            paper = _paper(model, c)
+            ref = f" {paper[1]:>8.2f} {paper[2]:>8.2f}" if paper else f" {'-':>8} {'-':>8}"
+            print(f"{labels[c]:<56} {fit.n:>3} {fit.a:>10.3e} {fit.b:>6.2f} {fit.c:>10.3e} {fit.r2:>6.2f} {fit.f_dbl:>6.2f}{ref}")
+        else:
+            print(f"{labels[c]:<56} {len(ok):>3}   (fewer than 3 sizes ran: no fit)")
+        fits[c] = fit
+    if len(sides) < 4:
+        print("note: with 3 sizes a 3-parameter fit is exact (R^2 = 1); use more --sides for a meaningful R^2")
+    return fits
+
+
+def _print_shared_size(results: dict[int | None, list[Point]], configs: list[int | None], labels: dict[int | None, str],
+                       sides: list[int], device: torch.device) -> tuple[float, float] | None:
+    """At the largest side every configuration ran: time, ratio to plain, (CUDA) peak memory and bytes moved;
+    returns the pinned-memory bandwidth (GB/s host->device, device->host) on CUDA, else None."""
+    cuda = device.type == "cuda"
+    common = [s for s in sides if all(any(p.side == s and not p.oom for p in results[c]) for c in configs)]
+    bandwidth = pinned_bandwidth(device) if cuda else None
+    if common:
+        s = common[-1]
+        print(f"\nAt side {s} px (the largest every configuration ran):")
+        plain_pt = next((p for p in results.get(None, []) if p.side == s), None)
+        cols = f"{'configuration':<56} {'time (s)':>9} {'/ plain':>8}"
+        if cuda:
+            cols += f" {'peak device MiB':>16}"
+        cols += f" {'moved MiB/iter':>15}"
+        if cuda:
+            cols += f" {'moved GB/s':>11}"
+        print(cols)
+        for c in configs:
+            p = next(p for p in results[c] if p.side == s)
+            ratio = f"{p.mean / plain_pt.mean:>8.2f}" if plain_pt else f"{'-':>8}"
+            line = f"{labels[c]:<56} {p.mean:>9.4f} {ratio}"
+            if cuda:
+                line += f" {p.peak_mib:>16.0f}"
+            line += f" {p.moved_mib:>15.1f}" if p.moved_mib is not None else f" {'-':>15}"
+            if cuda:
+                rate = p.moved_mib * 2**20 / p.mean / 1e9 if p.moved_mib else math.nan
+                line += f" {rate:>11.2f}"
+            print(line)
+        if bandwidth:
+            print(f"pinned-memory bandwidth: host->device {bandwidth[0]:.1f} GB/s, device->host {bandwidth[1]:.1f} GB/s "
+                  f"('moved GB/s' over the whole iteration is a lower bound of what the big layers achieve)")
+    else:
+        print("\nno side ran in every configuration: no ratio table")
+    return bandwidth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -582,89 +686,12 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and args.memory_fraction is not None:
         print(f"device memory capped at {args.memory_fraction:.2f} of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB")
 
-    results: dict[int | None, list[Point]] = {}
-    labels: dict[int | None, str] = {}
-    for cfg in configs:
-        model = _build(args.model, cfg, device, max_elements)
-        labels[cfg] = _label(cfg, _count_big_layers(model))
-        results[cfg] = []
-        for side in sides:
-            t0 = time.perf_counter()
-            pt = measure(model, cfg is not None, side, args.batch, device, args.warmup, args.repeats, args.clock)
-            results[cfg].append(pt)
-            status = "out of memory" if pt.oom else f"{pt.mean:.4f} s +- {pt.std:.4f}"
-            print(f"  {labels[cfg]:<56s} S={side:<6d} {status}   ({time.perf_counter() - t0:.0f} s)", flush=True)
-            if pt.oom:
-                break  # larger sides will not fit either
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
+    results, labels = _measure_all(args, configs, sides, device, max_elements)
 
-    # per-side table
-    print(f"\nPer-iteration time (s, {args.clock} clock), mean +- std over the timed iterations")
-    head = f"{'side':>6} {'area (px)':>12} " + " ".join(f"{('plain' if c is None else f'{c} stages'):>17}" for c in configs)
-    print(head)
-    for i, side in enumerate(sides):
-        cells = []
-        for c in configs:
-            pts = results[c]
-            if i >= len(pts):
-                cells.append(f"{'-':>17}")
-            elif pts[i].oom:
-                cells.append(f"{'OOM':>17}")
-            else:
-                cells.append(f"{pts[i].mean:>9.4f} +-{pts[i].std:>6.4f}")
-        print(f"{side:>6} {side * side * args.batch:>12} " + " ".join(cells))
+    _print_per_side(results, configs, sides, args.batch, args.clock)
+    fits = _print_fits(results, configs, labels, sides, args.model)
 
-    # Table 4
-    print("\nPower-law-plus-offset fit t(A) = a A^b + c (A = image area in px, t in s)")
-    print(f"{'Model':<56} {'n':>3} {'a':>10} {'b':>6} {'c':>10} {'R^2':>6} {'F_dbl':>6} {'b paper':>8} {'F paper':>8}")
-    print(args.model)
-    fits: dict[int | None, PowerLawFit | None] = {}
-    for c in configs:
-        ok = [p for p in results[c] if not p.oom]
-        fit = None
-        if len(ok) >= 3:
-            fit = fit_power_law([p.side**2 for p in ok], [p.mean for p in ok])
-            paper = _paper(args.model, c)
-            ref = f" {paper[1]:>8.2f} {paper[2]:>8.2f}" if paper else f" {'-':>8} {'-':>8}"
-            print(f"{labels[c]:<56} {fit.n:>3} {fit.a:>10.3e} {fit.b:>6.2f} {fit.c:>10.3e} {fit.r2:>6.2f} {fit.f_dbl:>6.2f}{ref}")
-        else:
-            print(f"{labels[c]:<56} {len(ok):>3}   (fewer than 3 sizes ran: no fit)")
-        fits[c] = fit
-    if len(sides) < 4:
-        print("note: with 3 sizes a 3-parameter fit is exact (R^2 = 1); use more --sides for a meaningful R^2")
-
-    # shared size
-    common = [s for s in sides if all(any(p.side == s and not p.oom for p in results[c]) for c in configs)]
-    bandwidth = pinned_bandwidth(device) if cuda else None
-    if common:
-        s = common[-1]
-        print(f"\nAt side {s} px (the largest every configuration ran):")
-        plain_pt = next((p for p in results.get(None, []) if p.side == s), None)
-        cols = f"{'configuration':<56} {'time (s)':>9} {'/ plain':>8}"
-        if cuda:
-            cols += f" {'peak device MiB':>16}"
-        cols += f" {'moved MiB/iter':>15}"
-        if cuda:
-            cols += f" {'moved GB/s':>11}"
-        print(cols)
-        for c in configs:
-            p = next(p for p in results[c] if p.side == s)
-            ratio = f"{p.mean / plain_pt.mean:>8.2f}" if plain_pt else f"{'-':>8}"
-            line = f"{labels[c]:<56} {p.mean:>9.4f} {ratio}"
-            if cuda:
-                line += f" {p.peak_mib:>16.0f}"
-            line += f" {p.moved_mib:>15.1f}" if p.moved_mib is not None else f" {'-':>15}"
-            if cuda:
-                rate = p.moved_mib * 2**20 / p.mean / 1e9 if p.moved_mib else math.nan
-                line += f" {rate:>11.2f}"
-            print(line)
-        if bandwidth:
-            print(f"pinned-memory bandwidth: host->device {bandwidth[0]:.1f} GB/s, device->host {bandwidth[1]:.1f} GB/s "
-                  f"('moved GB/s' over the whole iteration is a lower bound of what the big layers achieve)")
-    else:
-        print("\nno side ran in every configuration: no ratio table")
+    bandwidth = _print_shared_size(results, configs, labels, sides, device)
 
     if args.out:
         payload = {

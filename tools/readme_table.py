@@ -1,27 +1,28 @@
-"""The README's demo results, generated from what the demo printed so that they cannot go stale.
+"""The demo's results in README.md and docs/demo.md, generated from what the demo printed so that they cannot go stale.
 
-``make demo`` writes ``results/demo/summary.md`` (:func:`demo_summary`): the README's four
-columns for seed 0 and all tiles, then the subsample protocols. ``make demo-study`` writes
-``results/seed-study/demo/seed_study.md``. ``make readme-table`` (``python -m
-wsi_pipeline.readme_table``) copies both into README.md between the markers
-``<!-- demo-table:start -->`` and ``<!-- demo-table:end -->``; at its end ``make demo`` compares
-its own table with the README's and prints one line saying whether they agree
+Part of the workbench, not of the installed package: run from the repository's root
+(``python -m tools.readme_table``). ``make demo`` writes ``results/demo/summary.md``
+(:func:`wsi_pipeline.export.demo_table.demo_summary`): the headline table (four columns for seed 0
+and all tiles), then the subsample protocols. ``make demo-study`` writes
+``results/seed-study/demo/seed_study.md``. ``make readme-table`` (``python -m tools.readme_table``)
+copies the headline table (:func:`headline`) into README.md and both tables with the seed study's
+into docs/demo.md, each between the markers ``<!-- demo-table:start -->`` and
+``<!-- demo-table:end -->``; at its end ``make demo`` compares its own tables with those the README
+shows (``python -m tools.readme_table --check``) and prints one line saying whether they agree
 (:func:`compare_with_readme`). The survival demo's C-index table (``make demo-survival``:
-``results/seed-study/demo_survival/c_index.md``) goes between ``<!-- survival-table:start -->`` and
-``<!-- survival-table:end -->`` when it exists (:func:`update_block`).
+``results/seed-study/demo_survival/c_index.md``) goes into docs/demo.md between
+``<!-- survival-table:start -->`` and ``<!-- survival-table:end -->`` when it exists (:func:`update_block`).
 """
 
 from __future__ import annotations
 
-import math
 import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-__all__ = ["START", "END", "SURVIVAL_START", "SURVIVAL_END", "demo_summary", "parse_tables", "compare_with_readme",
-           "update_block", "update_readme", "main", "STUDY_START", "STUDY_END"]
+__all__ = ["START", "END", "SURVIVAL_START", "SURVIVAL_END", "parse_tables", "compare_with_readme",
+           "update_block", "update_readme", "main", "STUDY_START", "STUDY_END", "headline"]
 
 START = "<!-- demo-table:start -->"
 END = "<!-- demo-table:end -->"
@@ -31,52 +32,9 @@ SURVIVAL_END = "<!-- survival-table:end -->"
 STUDY_START = "<!-- seed-study:start -->"
 STUDY_END = "<!-- seed-study:end -->"
 
-#: The README's headline columns: (heading, evaluation split, protocol, metric).
-HEADLINE: tuple[tuple[str, str, str, str], ...] = (
-    ("internal AUC", "test", "all", "auc"),
-    ("internal localisation", "test", "all", "localisation_auc"),
-    ("external AUC", "external", "all", "auc"),
-    ("external accuracy", "external", "all", "accuracy"),
-)
-
-
-def _value(records: Sequence[Any], method: str, seed: Any, split: str, protocol: str, metric: str) -> float | None:
-    for r in records:
-        if (r.method, r.seed, r.split, r.protocol, r.metric) == (method, seed, split, protocol, metric) and r.repeat is None:
-            return None if r.value is None or (isinstance(r.value, float) and math.isnan(r.value)) else float(r.value)
-    return None
-
-
-def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:.2f}"
-
-
-def demo_summary(records: Iterable[Any], methods: Sequence[str], seed: int = 0) -> str:
-    """Markdown: the headline table (all tiles) and the subsample table, one seed, 2 decimals.
-
-    ``records`` are :class:`~wsi_pipeline.export.metrics_json.MetricRecord` of the demo's
-    ``metrics.json``. Subsample cells of the paper's protocol read ``mean (sd r)``: the mean of
-    the per-repeat AUCs and their standard deviation over repeats; the ensemble protocol's cell is
-    the AUC of per-slide probabilities averaged over the same repeats.
-    """
-    recs = list(records)
-    lines = [f"| method | {' | '.join(h for h, *_ in HEADLINE)} |", "|---" * (len(HEADLINE) + 1) + "|"]
-    for m in methods:
-        cells = [_fmt(_value(recs, m, seed, split, prot, metric)) for _, split, prot, metric in HEADLINE]
-        lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
-    subs = sorted({r.protocol for r in recs if r.protocol.startswith(("sub", "ens"))}, key=lambda p: (p[3:], p[:3] != "sub"))
-    if subs:
-        heads = [f"{where} AUC {p}" for p in subs for where in ("internal", "external")]
-        lines += ["", f"| method | {' | '.join(heads)} |", "|---" * (len(heads) + 1) + "|"]
-        for m in methods:
-            cells = []
-            for p in subs:
-                for split in ("test", "external"):
-                    v = _value(recs, m, seed, split, p, "auc")
-                    sd = _value(recs, m, seed, split, p, "auc_repeat_std")
-                    cells.append(_fmt(v) + (f" (sd {sd:.2f})" if v is not None and sd is not None else ""))
-            lines.append(f"| `{m}` | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+def headline(summary: str) -> str:
+    """The first table of a demo summary (seed 0, all tiles): what the README's quickstart shows."""
+    return summary.split("\n\n", 1)[0].rstrip("\n") + "\n"
 
 
 def parse_tables(text: str) -> list[dict[tuple[str, str], str]]:
@@ -109,9 +67,11 @@ def compare_with_readme(summary: str, readme_path: str | Path) -> str:
     block = _block(path.read_text()) if path.is_file() else None
     if block is None:
         return f"README demo table: none found in {path} (markers {START} ... {END})"
-    # the summary's tables come first in the block (the seed study's follow and are not compared)
-    now = parse_tables(summary)
-    readme = parse_tables(block)[: len(now)]
+    # the summary's tables come first in the block (the seed study's follow and are not compared); a file may
+    # show only the first (the README's headline), and then only that one is compared
+    shown = parse_tables(block)
+    now = parse_tables(summary)[: max(1, len(shown))]
+    readme = shown[: len(now)]
     readme += [{}] * (len(now) - len(readme))
     diff = [f"{m} {h}: README {old.get((m, h), 'missing')}, now {v}"
             for new_t, old in zip(now, readme) for (m, h), v in new_t.items() if old.get((m, h)) != v]
@@ -169,28 +129,41 @@ def update_block(readme_path: str | Path, body: str, start: str = SURVIVAL_START
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``make readme-table``: copy the demo's (and the seed study's) tables into README.md."""
+    """``make readme-table``: copy the demo's headline table into README.md, and all its tables (with the seed study's
+    and the survival demo's) into docs/demo.md (``--check``: compare only)."""
     import argparse
 
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.readme_table", description=main.__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.readme_table", description=main.__doc__)
     p.add_argument("--summary", default="results/demo/summary.md", help="the demo's table (default: %(default)s)")
     p.add_argument("--study", default="results/seed-study/demo/seed_study.md",
                    help="the seed study's table, added after it when present (default: %(default)s)")
     p.add_argument("--survival", default="results/seed-study/demo_survival/c_index.md",
                    help="the survival demo's C-index table, copied when present (default: %(default)s)")
-    p.add_argument("--readme", default="README.md", help="the README to update (default: %(default)s)")
+    p.add_argument("--readme", default="README.md", help="the README, whose headline table is updated (default: %(default)s)")
+    p.add_argument("--docs", default="docs/demo.md",
+                   help="the demo's page, whose tables and survival table are updated (default: %(default)s)")
+    p.add_argument("--check", action="store_true",
+                   help="change nothing: print one line saying whether the README's demo table agrees with --summary")
     args = p.parse_args(argv)
+    if args.check:
+        summary = Path(args.summary)
+        print(compare_with_readme(summary.read_text(), args.readme) if summary.is_file()
+              else f"README demo table: not checked ({summary} not found)")
+        return 0
     survival = Path(args.survival)
     if survival.is_file():
-        changed = update_block(args.readme, survival.read_text())
-        print(f"{args.readme}: survival table {'updated' if changed else 'already current'}")
+        changed = update_block(args.docs, survival.read_text())
+        print(f"{args.docs}: survival table {'updated' if changed else 'already current'}")
     summary = Path(args.summary)
     if not summary.is_file():
         print(f"error: {summary} not found; run `make demo` first", file=sys.stderr)
         return 2
     study = Path(args.study)
-    changed = update_readme(args.readme, summary.read_text(), study.read_text() if study.is_file() else None)
-    print(f"{args.readme}: demo table {'updated' if changed else 'already current'}"
+    text = summary.read_text()
+    changed = update_block(args.readme, headline(text), START, END)
+    print(f"{args.readme}: demo table {'updated' if changed else 'already current'}")
+    changed = update_readme(args.docs, text, study.read_text() if study.is_file() else None)
+    print(f"{args.docs}: demo tables {'updated' if changed else 'already current'}"
           f"{'' if study.is_file() else f' (no seed study at {study})'}")
     return 0
 

@@ -4,10 +4,10 @@ Run ``make`` and ``embed`` with the pinned timm, ``embed`` again in a side envir
 other timm (e.g. ``python -m venv /tmp/timm0916``, a ``.pth`` file naming the shared venv's
 site-packages for torch, ``pip install --no-deps timm==0.9.16``), then ``compare``::
 
-    python -m wsi_pipeline.bench.timm_versions make DIR           # weights (timm layout) + tiles
-    python -m wsi_pipeline.bench.timm_versions embed DIR          # DIR/emb_<timm version>.pt
-    /tmp/timm0916/bin/python -m wsi_pipeline.bench.timm_versions embed DIR
-    python -m wsi_pipeline.bench.timm_versions compare DIR 1.0.31 0.9.16
+    python -m benchmarks.timm_versions make DIR           # weights (timm layout) + tiles
+    python -m benchmarks.timm_versions embed DIR          # DIR/emb_<timm version>.pt
+    /tmp/timm0916/bin/python -m benchmarks.timm_versions embed DIR
+    python -m benchmarks.timm_versions compare DIR 1.0.31 0.9.16
 
 Each preset is built at ``--depth`` blocks (default 2) of its real width; the class, register and
 position tokens are redrawn at N(0, 1) and the LayerScale factors at U(0.2, 0.5) so every token and
@@ -90,7 +90,7 @@ def _compare(out: Path, a: str, b: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one step (``make``, ``embed`` or ``compare``); return 0."""
-    ap = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.timm_versions", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.timm_versions", description=__doc__.split("\n\n")[0])
     ap.add_argument("step", choices=("make", "embed", "compare"), help="make weights and tiles, embed them, or compare two runs")
     ap.add_argument("dir", type=Path, help="folder of the weights, tiles and embeddings")
     ap.add_argument("versions", nargs="*", help="compare: the two timm versions (e.g. 1.0.31 0.9.16)")

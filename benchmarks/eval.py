@@ -56,7 +56,7 @@ def _sync(device: torch.device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.eval", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--n-tiles", type=int, default=5000, help="tiles in the slide (default 5000)")
     p.add_argument("--tile-size", type=int, default=None, help="tile side in px (default: 32 on CPU, 256 on CUDA)")
     p.add_argument("--k", type=int, default=256, help="tiles per repeat (default 256)")

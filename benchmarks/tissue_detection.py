@@ -18,7 +18,7 @@ The real slides under ``--real-slides`` (no painted truth) get the tiles each me
 its status. Runs against any version of the package (a method it lacks is ``n/a``), so the same
 command gives the before and after tables.
 
-    python -m wsi_pipeline.bench.tissue_detection [--seeds 3] [--methods greyscale,otsu,unet,tissue]
+    python -m benchmarks.tissue_detection [--seeds 3] [--methods greyscale,otsu,unet,tissue]
 """
 
 from __future__ import annotations
@@ -97,13 +97,13 @@ def main(argv: list[str] | None = None) -> int:
     from wsi_pipeline.tiling.job import SlideJob
     from wsi_pipeline.tiling.tiler import tile_slide
 
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tissue_detection", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tissue_detection", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=3, help="fields per kind")
     p.add_argument("--size", type=int, default=2048, help="field side, px (256 px tiles)")
     p.add_argument("--kinds", default=",".join(FIELD_KINDS), help="comma-separated kinds")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
     p.add_argument("--cache", type=Path, default=Path(".bench-cache/tissue_fields"), help="generated fields (kept between runs)")
-    p.add_argument("--real-slides", type=Path, default=Path(__file__).resolve().parents[2].parent / "shared" / "slides")
+    p.add_argument("--real-slides", type=Path, default=Path(__file__).resolve().parents[1].parent / "shared" / "slides")
     p.add_argument("--out", type=Path, default=Path("results/bench_tissue_detection.json"))
     args = p.parse_args(argv)
     kinds, methods = args.kinds.split(","), args.methods.split(",")

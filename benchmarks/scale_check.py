@@ -29,7 +29,7 @@ import yaml
 
 from wsi_pipeline.io_atomic import write_text_atomic
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO.parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
 
 #: Run one command line in this process and leave its peak resident memory (bytes) in a file: the
@@ -67,7 +67,7 @@ def _stage(name: str, argv: list[str], work: Path, rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.scale_check", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scale_check", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=28672, help="level-0 side of each mosaic (px, a multiple of 4096)")
     p.add_argument("--bag", type=int, default=512, help="tiles per training bag")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="working folder (default: a new one under the cache)")
     p.add_argument("--write-docs", action="store_true", help="write the table to docs/scale-check.md")
     args = p.parse_args(argv)
-    from wsi_pipeline.bench.decode import build_mosaic
+    from benchmarks.decode import build_mosaic
 
     if not SOURCE.is_file():
         raise SystemExit(f"the real slides are not at {SOURCE.parent}: the scale check builds its slides from them")
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         write_text_atomic(REPO / "docs" / "scale-check.md",
             "# Scale check\n\n`make scale-check` on this project's 2-core CPU machine: 4 mosaics of real tissue, "
             f"{args.size} px, bags of {args.bag} (ResNet-18, 1 epoch, 2 training slides, validation on one "
-            f"{args.bag}-tile subset), written by `python -m wsi_pipeline.bench.scale_check --write-docs`.\n\n"
+            f"{args.bag}-tile subset), written by `python -m benchmarks.scale_check --write-docs`.\n\n"
             + text + f"\n\nTotal {total / 60:.1f} min (mosaics cached).\n\n" + COLUMNS)
     return 0
 

@@ -22,8 +22,8 @@ fold's trained model against "this patch holds an epithelial nucleus" (points) o
 contains an annotated epithelial nucleus centre" (grid), as a ROC AUC per image (scikit-learn),
 averaged over images.
 
-    python -m wsi_pipeline.bench.real --data ../shared/realdata/crc-histophenotypes --work runs/bench_real
-    python -m wsi_pipeline.bench.real ... --folds 5 --repeats 1 --constructions grid --epochs 10
+    python -m benchmarks.real --data ../shared/realdata/crc-histophenotypes --work runs/bench_real
+    python -m benchmarks.real ... --folds 5 --repeats 1 --constructions grid --epochs 10
 
 Writes ``<work>/bench_real.json`` and ``<work>/bench_real.md`` (the tables of docs/real-data.md).
 """
@@ -302,7 +302,7 @@ def machine_line() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.real", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.real", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", type=Path, default=Path("../shared/realdata/crc-histophenotypes"),
                    help="the crc-histophenotypes folder (images/, images.csv, nuclei.csv)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_real"), help="working folder (manifests, tiles, runs, results)")

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-REAL_SLIDE = Path(__file__).resolve().parents[2].parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
+REAL_SLIDE = Path(__file__).resolve().parents[1].parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
 
 
 @contextlib.contextmanager
@@ -187,7 +187,7 @@ def measure(slide: Path | None, n_tiles: int, repeats: int) -> list[tuple[Any, .
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.verify", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.verify", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slide", type=Path, default=REAL_SLIDE, help="slide to tile and take tiles from (default: CMU-1-Small-Region)")
     p.add_argument("--tiles", type=int, default=512, help="tiles in the write/read store")

@@ -171,7 +171,7 @@ def _list_memory(work: Path, n: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.view", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.view", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", type=int, default=28672, help="level-0 side of the slide, px (default 28672)")
     p.add_argument("--tiles", type=int, default=50, help="level-0 tiles timed per reader (default 50)")

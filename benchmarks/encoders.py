@@ -26,8 +26,8 @@ Per preset, in its own process (so that its peak RSS is its own):
   plus ``--gpu-chunk`` tiles' activations, per tile as measured here in float32: the step's RSS
   growth less the gradients and the bag's tensors, over the chunk).
 
-    python -m wsi_pipeline.bench.encoders                     # every preset and the sweep (~30 min on a shared 2-core CPU)
-    python -m wsi_pipeline.bench.encoders --presets uni_v1 --no-sweep
+    python -m benchmarks.encoders                     # every preset and the sweep (~30 min on a shared 2-core CPU)
+    python -m benchmarks.encoders --presets uni_v1 --no-sweep
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ def _worker(name: str, chunk: int, bag: int, batch: int, threads: int | None, me
 
 def _run_worker(name: str, chunk: int, bag: int, batch: int, threads: int | None, speed: bool,
                 glibc_default: bool = False) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "wsi_pipeline.bench.encoders", "--worker", name, "--chunk", str(chunk), "--bag", str(bag),
+    cmd = [sys.executable, "-m", "benchmarks.encoders", "--worker", name, "--chunk", str(chunk), "--bag", str(bag),
            "--batch", str(batch)] + (["--threads", str(threads)] if threads else []) + ([] if speed else ["--no-speed"])
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     if not glibc_default:
@@ -155,7 +155,7 @@ def _gib(b: float) -> str:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     from wsi_pipeline.models.foundation import PRESETS
 
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.encoders", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.encoders", description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=list(PRESETS), help="presets to measure (default: all)")
     p.add_argument("--chunk", type=int, default=None, help="tiles per chunk of the measured step (default: 4 for UNI, 2 for the others)")
     p.add_argument("--batch", type=int, default=None, help="tiles of the frozen-speed batch (default: 4, giants 2)")

@@ -10,8 +10,8 @@ accumulate / full (target <= 1.6 where the full step fits; the theory is about
 Defaults follow the device: on CUDA 256 px tiles and bags 64 / 256 / 1024; on CPU 64 px tiles
 and bags 64 / 256 / 1024 so the run finishes in a few minutes. Examples::
 
-    python -m wsi_pipeline.bench.accumulate                      # device defaults
-    python -m wsi_pipeline.bench.accumulate --tile-size 256 --bags 16 64 --chunk-size 16
+    python -m benchmarks.accumulate                      # device defaults
+    python -m benchmarks.accumulate --tile-size 256 --bags 16 64 --chunk-size 16
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from wsi_pipeline.bench.memory import SavedTensorMeter
+from benchmarks.memory import SavedTensorMeter
 
 __all__ = ["main"]
 
@@ -40,7 +40,7 @@ def _mib(b: float) -> str:
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m wsi_pipeline.bench.accumulate",
+        prog="python -m benchmarks.accumulate",
         description="Step time and saved-activation memory of accumulate_step vs full_step (resnet18 + ABMIL).",
     )
     p.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-REAL_SLIDE = Path(__file__).resolve().parents[2].parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
+REAL_SLIDE = Path(__file__).resolve().parents[1].parent / "shared" / "slides" / "CMU-1-Small-Region.svs"
 #: Tiles/s of 256 px tiles an H100 trains on (README "Real scale"; scaled from ~3,000 img/s at 224 px).
 GPU_RATES = {"ResNet-50, mixed precision": 2300, "ResNet-18": 5000}
 
@@ -129,7 +129,7 @@ class _NoBar:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.loader", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.loader", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--slide", type=Path, default=REAL_SLIDE, help="slide whose tissue tiles fill the store")
     p.add_argument("--tiles", type=int, default=2048, help="tiles in the store")

@@ -22,9 +22,9 @@ The paper's figures (1.024 gigapixels, TensorFlow on an M1 Ultra): 103.61 GB pea
 81 s per step. A size is skipped when the RSS extrapolated linearly from the previous size would
 exceed ``--max-rss-gb`` (default 16, the issue's target) or the memory available now.
 
-    python -m wsi_pipeline.bench.tissue                       # all three sizes
-    python -m wsi_pipeline.bench.tissue --sizes 1000x4000 2000x8000 4000x16000   # quick
-    python -m wsi_pipeline.bench.tissue --device cuda         # chunks on the GPU
+    python -m benchmarks.tissue                       # all three sizes
+    python -m benchmarks.tissue --sizes 1000x4000 2000x8000 4000x16000   # quick
+    python -m benchmarks.tissue --device cuda         # chunks on the GPU
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def fit_loglog(areas: list[float], values: list[float]) -> dict[str, float]:
 
 
 def _run_child(h: int, w: int, args: argparse.Namespace, plain: bool) -> dict[str, Any] | None:
-    cmd = [sys.executable, "-m", "wsi_pipeline.bench.tissue", "--one", f"{h}x{w}", "--device", args.device,
+    cmd = [sys.executable, "-m", "benchmarks.tissue", "--one", f"{h}x{w}", "--device", args.device,
            "--max-elements", str(args.max_elements)] + (["--plain"] if plain else []) + (
            ["--threads", str(args.threads)] if args.threads else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -189,7 +189,7 @@ def _gb(b: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and write ``--out`` (JSON)."""
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.tissue", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tissue", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", type=_size, nargs="+", default=list(DEFAULT_SIZES), help="HxW px, smallest first")
     p.add_argument("--plain-sizes", type=_size, nargs="*", default=None, help="sizes also run in plain PyTorch (default: the smallest)")
     p.add_argument("--device", default="cpu")

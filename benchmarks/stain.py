@@ -205,7 +205,7 @@ def timing(repeats: int = 5) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m wsi_pipeline.bench.stain", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.stain", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/bench_stain", help="folder of the cohort, tiles, runs and results (default %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="training seeds, comma-separated (default %(default)s)")
