@@ -20,7 +20,9 @@ from wsi_pipeline.config.pipeline import (
     save_config,
     upgrade_saved_config,
 )
-from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, OtsuParams, TilingConfig, tiler_config
+from wsi_pipeline.config.store_settings import StoreSettings
+from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, TilingConfig, tiler_config
+from wsi_pipeline.config.tiling_params import GreyscaleParams, OtsuParams, TissueParams
 
 
 def test_choice_lists_are_the_literals_and_the_registries():
@@ -50,22 +52,27 @@ def test_one_tiling_config():
     from wsi_pipeline.tiling import tiler, tissue
 
     assert tiler.TilingConfig is TilingConfig and tissue.OtsuParams is OtsuParams
-    # data.tiling uses the tiler's field names, all optional
+    # data.tiling (StoreSettings; StoreTiling is its former name) uses the tiler's field names, all optional;
+    # the detector's own keys sit beside them, the density settings are the tissue detector's parameters
+    assert StoreTiling is StoreSettings
     tiler_fields = {f.name: f for f in dataclasses.fields(TilingConfig)}
-    for f in dataclasses.fields(StoreTiling):
-        assert f.name in tiler_fields and f.default is None
+    for f in dataclasses.fields(StoreSettings):
+        if f.name != "schema_version":
+            assert f.default is None and (f.name in tiler_fields or f.name == "tissue"), f.name
     with pytest.raises(ValueError, match=r"data.tiling.min_foreground=1.5; expected a value <= 1.0"):
         config_from_dict({"data": {"manifest": "m", "tiles_dir": "t", "n_classes": 2, "tiling": {"min_foreground": 1.5}},
                           "name": "p", "methods": [{"name": "a", "strategy": "frozen"}]})
-    with pytest.raises(ValueError, match=r"data.tiling.method='grey'; expected one of 'tissue', 'greyscale', 'otsu', 'unet'"):
+    with pytest.raises(ValueError, match=r"data.tiling.method='grey'; expected one of \['tissue', 'greyscale', 'otsu', 'unet'\]"):
         config_from_dict({"data": {"manifest": "m", "tiles_dir": "t", "n_classes": 2, "tiling": {"method": "grey"}},
                           "name": "p", "methods": [{"name": "a", "strategy": "frozen"}]})
 
 
 @pytest.mark.parametrize("made_with", [
     TilingConfig(),
-    TilingConfig(method="otsu", tile_size=128, min_foreground=0.3, mpp_target=1.0, otsu=OtsuParams(median_um=12.0)),
-    TilingConfig(grey_max="auto", grey_auto_margin=7, grey_min=5, mpp_target=0.5, mpp_tolerance=0.1),
+    TilingConfig(method="otsu", tile_size=128, min_foreground=0.3, mpp_target=1.0, detector=OtsuParams(median_um=12.0)),
+    TilingConfig(method="greyscale", detector=GreyscaleParams(grey_max="auto", grey_auto_margin=7, grey_min=5),
+                 mpp_target=0.5, mpp_tolerance=0.1),
+    TilingConfig(method="tissue", detector=TissueParams(min_od=0.05), qc_mode="off", points_filter=True),
 ])
 def test_tiler_config_reproduces_a_stores_settings(made_with):
     """A store records ``output_params`` of the config that made it; the bridge must give a config that records the same."""

@@ -25,7 +25,7 @@ def _sections() -> list[type]:
 
 
 def test_store_tiling_refuses_a_negative_tile_size_built_in_code() -> None:
-    with pytest.raises(ValueError, match=r"StoreTiling\.tile_size=-1"):
+    with pytest.raises(ValueError, match=r"StoreSettings\.tile_size=-1; expected a value >= 8"):  # StoreTiling: its alias
         StoreTiling(tile_size=-1)
 
 

@@ -88,8 +88,47 @@ def test_tile_config_errors_name_the_problem(folder: Path, capsys: pytest.Captur
 
     bad = _yaml(folder, {"tile_size": 16, "grey_max": 300})
     assert main(["tile", "--config", str(bad), "--workers", "0"]) == 2
-    assert "data.tiling.grey_max: expected a grey level 0..255 or 'auto', got 300" in capsys.readouterr().err
+    assert "c.yaml: data.tiling.grey_max=300; expected a grey level 0..255 or 'auto'" in capsys.readouterr().err
+    # without --config, --set and the flags override an empty data.tiling: bounds are the dataclass's
     assert main(["tile", "--slides", str(folder / "images"), "--set", "data.tiling.tile_size=3"]) == 2
-    assert "--set changes a pipeline config: give it with --config" in capsys.readouterr().err
+    assert "data.tiling.tile_size=3; expected a value >= 8" in capsys.readouterr().err
+    assert main(["tile", "--slides", str(folder / "images"), "--out", str(folder / "o"), "--min-foreground", "1.5"]) == 2
+    assert "data.tiling.min_foreground=1.5; expected a value <= 1.0" in capsys.readouterr().err
+    assert main(["tile", "--slides", str(folder / "images"), "--set", "train.epochs=2"]) == 2
+    assert "--set train.epochs=2: without --config only data.tiling keys can be set" in capsys.readouterr().err
     assert main(["tile", "--slides", str(folder / "images")]) == 2
     assert "--out DIR" in capsys.readouterr().err
+
+
+def test_tile_config_set_equals_the_flags_and_flags_are_overrides(folder: Path) -> None:
+    """``tile --config x.yaml --set data.tiling.tile_size=64`` makes the stores of the same run with flags; each
+    tiling flag is the override of its data.tiling key (the settings pass one builder either way)."""
+    import argparse
+
+    from wsi_pipeline.cli.main import main
+    from wsi_pipeline.cli.tile import tiling_from_args, tiling_overrides
+
+    assert main(["manifest", "folder", "--slides", str(folder / "images"), "--labels", str(folder / "labels.csv"),
+                 "--out", str(folder / "m.csv")]) == 0
+    cfg = _yaml(folder, {"method": "otsu", "qc_mode": "flag", "qc_params": {"pen_fraction": 0.2}, "min_foreground": 0.4})
+    assert main(["tile", "--config", str(cfg), "--set", "data.tiling.tile_size=64", "--workers", "0",
+                 "--out", str(folder / "by_set")]) == 0
+    assert main(["tile", "--manifest", str(folder / "m.csv"), "--out", str(folder / "by_flags"), "--workers", "0",
+                 "--method", "otsu", "--qc", "flag", "--qc-pen", "0.2", "--min-foreground", "0.4", "--tile-size", "64"]) == 0
+    _same_stores(folder / "by_set", folder / "by_flags", ["im0", "im1"])
+    ident = open_store(folder / "by_set" / "im0.zarr").attrs["tiling_identity"]
+    assert ident["tile_size"] == 64 and ident["method"] == "otsu" and ident["qc_params"]["pen_fraction"] == 0.2
+    # the flags are overrides of data.tiling: the same section as --set gives
+    ns = argparse.Namespace(overrides=[], config=None, slides=None, manifest=None, out=None, method="otsu",
+                            tile_size=64, min_foreground=None, mpp_target=None, qc="flag", grey_min=None, grey_max=None,
+                            points=None, points_edge=None, points_filter=None, region_include=["Tumour*"],
+                            region_exclude=None, region_min_fraction=None, compression=None, backend=None,
+                            qc_drop=["pen"], qc_pen=None, qc_focus_min=None)
+    assert tiling_overrides(ns) == ['data.tiling.method="otsu"', "data.tiling.tile_size=64", 'data.tiling.qc_mode="flag"',
+                                    'data.tiling.region_include=["Tumour*"]', 'data.tiling.qc_params.drop=["pen"]']
+    by_flags = tiling_from_args(ns)[0]
+    ns2 = argparse.Namespace(**{**vars(ns), "method": None, "tile_size": None, "qc": None, "region_include": None,
+                                "qc_drop": None, "overrides": ["data.tiling.method=otsu", "data.tiling.tile_size=64",
+                                                               "data.tiling.qc_mode=flag", "data.tiling.region_include=[Tumour*]",
+                                                               "data.tiling.qc_params.drop=[pen]"]})
+    assert tiling_from_args(ns2)[0] == by_flags

@@ -24,6 +24,7 @@ from wsi_pipeline.tiling.density import density_tissue_mask
 from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 
 FOCUS_MIN = QCParams().focus_min
 
@@ -133,7 +134,7 @@ def test_greyscale_with_qc_keeps_the_same_tiles_with_and_without_the_prescreen(q
     path, _ = qc_fields["pen"]
     stores = []
     for pre in (True, False):
-        cfg = TilingConfig(method="greyscale", prescreen=pre, qc=False)
+        cfg = TilingConfig(method="greyscale", detector=GreyscaleParams(prescreen=pre), qc=False)
         from wsi_pipeline.tiling.tiler import tile_slide
 
         assert tile_slide(SlideJob("p", str(path)), tmp_path / str(pre), cfg).status == "ok"

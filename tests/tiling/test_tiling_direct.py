@@ -22,6 +22,7 @@ from wsi_pipeline.slides.opener import open_slide
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.plan import plan_tiles
 from wsi_pipeline.tiling.tiler import tile_slide
 
@@ -146,7 +147,7 @@ def test_top_rows_decide_probable_glass_and_keep_exactly_the_exhaustive_set(tmp_
     job = SlideJob("s", str(path), mpp=MPP)
     stores = {}
     for name, pre in (("pre", True), ("exhaustive", False)):
-        res = tile_slide(job, tmp_path / name, TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False, prescreen=pre), threads=2)
+        res = tile_slide(job, tmp_path / name, TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False, detector=GreyscaleParams(prescreen=pre)), threads=2)
         assert res.status == "ok", res.error
         stores[name] = open_store(tmp_path / name / "s.zarr")
     a, b = stores["pre"], stores["exhaustive"]
@@ -176,13 +177,13 @@ def test_top_rows_decide_probable_glass_and_keep_exactly_the_exhaustive_set(tmp_
 def test_top_rows_never_drop_a_tile_that_passes(tmp_path: Path, monkeypatch) -> None:
     """With every tile cut first (the overview's guess forced to 'glass'), kept tiles and those just
     below the threshold go through the cut too: the store still equals the exhaustive one."""
-    import wsi_pipeline.tiling.plan as plan_module
+    import wsi_pipeline.tiling.detectors as plan_module  # the greyscale detector's pre-screen
 
     S = 256
     path = tmp_path / "banded.tif"
     _, cases = _write_banded_tiff(path)
     job = SlideJob("s", str(path), mpp=MPP)
-    exhaustive = tile_slide(job, tmp_path / "exhaustive", TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False, prescreen=False), threads=1)
+    exhaustive = tile_slide(job, tmp_path / "exhaustive", TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False, detector=GreyscaleParams(prescreen=False)), threads=1)
     monkeypatch.setattr(plan_module, "likely_background", lambda overview, ds, grid, **kw: np.ones((grid.rows, grid.cols), bool))
     forced = tile_slide(job, tmp_path / "forced", TilingConfig(method="greyscale", qc_mode="off", tile_size=S, qc=False), threads=2)
     assert exhaustive.status == forced.status == "ok"

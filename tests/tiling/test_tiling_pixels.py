@@ -28,6 +28,7 @@ from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.tiler import tile_slide
 
 T = 128
@@ -181,7 +182,7 @@ def test_tile_pixels_do_not_depend_on_threshold_prescreen_or_workers(pyramid, tm
     ref = _formula(levels, target)
     runs = {}
     for name, thr, pre, bg in (("keep20", 0.2, True, True), ("keep90", 0.9, True, True), ("exhaustive", 0.2, False, False)):
-        cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=thr, prescreen=pre, backend=backend, qc=False)
+        cfg = TilingConfig(method="greyscale", qc_mode="off", tile_size=T, mpp_target=target, min_foreground=thr, detector=GreyscaleParams(prescreen=pre), backend=backend, qc=False)
         assert tile_slide(SlideJob("s", str(path)), tmp_path / name, cfg, background_write=bg).status == "ok"
         runs[name] = _check_store(tmp_path / name / "s.zarr", ref, thr)
     # two worker processes on a folder of two copies
@@ -229,7 +230,7 @@ def test_real_ndpi_level1_tiles_are_its_level_pixels(real_slides_dir: Path, tmp_
     osr = openslide.OpenSlide(str(src))
     mpp = float(osr.properties["openslide.mpp-x"])
     level1 = np.asarray(osr.read_region((0, 0), 1, osr.level_dimensions[1]))[..., :3]
-    cfg = TilingConfig(tile_size=256, mpp_target=2 * mpp, min_foreground=0.0, method="greyscale", grey_min=0, grey_max=255,
+    cfg = TilingConfig(tile_size=256, mpp_target=2 * mpp, min_foreground=0.0, method="greyscale", detector=GreyscaleParams(grey_min=0, grey_max=255),
                        backend="openslide", qc=False, allow_dark_background=True)  # the NDPI is fluorescence
     assert tile_slide(SlideJob("n", str(src)), tmp_path, cfg).status == "ok"
     st = open_store(tmp_path / "n.zarr")

@@ -25,6 +25,7 @@ from wsi_pipeline.tiling.cohort import tile_cohort
 from wsi_pipeline.data.store import StoreDamagedError, is_complete, open_store
 from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import GreyscaleParams
 from wsi_pipeline.tiling.tiler import tile_slide
 
 REPO = Path(__file__).resolve().parents[2]
@@ -306,7 +307,7 @@ def test_prescreen_keeps_exactly_the_exhaustive_set_where_it_matters(tmp_path: P
         fast = tile_slide(job, tmp_path / "pre", TilingConfig(method="greyscale", qc_mode="off", qc=False))
         # the exhaustive run also writes in the decoding thread (as a worker does when every core
         # has one): the store must not depend on which thread compressed it
-        slow = tile_slide(job, tmp_path / "exh", TilingConfig(method="greyscale", qc_mode="off", qc=False, prescreen=False), background_write=False)
+        slow = tile_slide(job, tmp_path / "exh", TilingConfig(method="greyscale", qc_mode="off", qc=False, detector=GreyscaleParams(prescreen=False)), background_write=False)
         assert fast.status == slow.status == "ok"
         a, b = open_store(tmp_path / "pre" / f"{job.slide_id}.zarr"), open_store(tmp_path / "exh" / f"{job.slide_id}.zarr")
         np.testing.assert_array_equal(a.coords, b.coords)

@@ -15,6 +15,7 @@ from wsi_pipeline.data.store import open_store
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.tiling.job import SlideJob
 from wsi_pipeline.config.tiling import TilingConfig
+from wsi_pipeline.config.tiling_params import UNetParams
 from wsi_pipeline.tissue_seg import stage
 from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
 from wsi_pipeline.tissue_seg.labels import paper_labels
@@ -41,7 +42,7 @@ def _constant_model(path: Path, logit: float) -> Path:
 @pytest.mark.parametrize("logit", [20.0, -20.0])
 def test_unet_method_keeps_tiles_by_the_predicted_mask(slide: Path, tmp_path: Path, logit: float) -> None:
     model = _constant_model(tmp_path / "m.pt", logit)
-    cfg = TilingConfig(method="unet", tissue_model=str(model), qc=False, qc_mode="off")
+    cfg = TilingConfig(method="unet", detector=UNetParams(tissue_model=str(model)), qc=False, qc_mode="off")
     rep = tile_cohort([SlideJob("s", str(slide))], tmp_path / "tiles", cfg, workers=0, progress=False)
     res = rep.results[0]
     assert res.status == "ok", res.error
@@ -61,7 +62,7 @@ def test_unet_method_keeps_tiles_by_the_predicted_mask(slide: Path, tmp_path: Pa
 
 def test_unet_method_refuses_a_missing_model(slide: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="tissue model not found"):
-        output_params(TilingConfig(method="unet", tissue_model=str(tmp_path / "none.pt")))
+        output_params(TilingConfig(method="unet", detector=UNetParams(tissue_model=str(tmp_path / "none.pt"))))
 
 
 @pytest.mark.skipif(not BUILTIN_MODEL.is_file(), reason="shipped tissue model not built")

@@ -10,6 +10,7 @@ import argparse
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["register", "run", "summary_table"]
 
@@ -59,7 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     sub = parser.add_subparsers(dest="cohort_builder", metavar="<source>", required=True)
+    for add in (_add_folder, _add_split, _add_panda, _add_camelyon16, _add_camelyon17, _add_tcga_prad, _add_merge):
+        add(sub)
 
+
+def _add_folder(sub: argparse._SubParsersAction) -> None:
+    """``manifest folder``."""
     from wsi_pipeline.slides.finder import describe_extensions
 
     p = sub.add_parser(
@@ -81,6 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_out(p)
     p.set_defaults(func=run)
 
+
+def _add_split(sub: argparse._SubParsersAction) -> None:
+    """``manifest split``."""
     p = sub.add_parser(
         "split", help="draw train/val/test splits (or K folds) for an existing manifest",
         description="Read a manifest and draw a split for every labelled slide whose split is empty: "
@@ -93,6 +102,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_out(p)
     p.set_defaults(func=run)
 
+
+def _add_panda(sub: argparse._SubParsersAction) -> None:
+    """``manifest panda``."""
     p = sub.add_parser(
         "panda", help="PANDA prostate biopsies, ISUP grade 0-5",
         description="PANDA manifest from the challenge's train.csv (label = isup_grade), optionally without the "
@@ -110,6 +122,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
     p.set_defaults(func=run)
 
+
+def _add_camelyon16(sub: argparse._SubParsersAction) -> None:
+    """``manifest camelyon16``."""
     p = sub.add_parser(
         "camelyon16", help="CAMELYON16 lymph nodes, tumour vs normal, official train/test",
         description="CAMELYON16 manifest: training labels from the labels file, test labels from the official "
@@ -122,6 +137,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
     p.set_defaults(func=run)
 
+
+def _add_camelyon17(sub: argparse._SubParsersAction) -> None:
+    """``manifest camelyon17``."""
     p = sub.add_parser(
         "camelyon17", help="CAMELYON17 lymph nodes, binary slide labels, validation split by patient",
         description="CAMELYON17 manifest from stage_labels.csv: label 1 when the slide's stage is in --positive, "
@@ -137,6 +155,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
     p.set_defaults(func=run)
 
+
+def _add_tcga_prad(sub: argparse._SubParsersAction) -> None:
+    """``manifest tcga-prad``."""
     p = sub.add_parser(
         "tcga-prad", help="TCGA-PRAD external test cohort from your own grade CSV",
         description="TCGA-PRAD manifest (cohort tcga_prad, split test) from a CSV of slide ids and grades "
@@ -150,6 +171,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-check-files", action="store_true", help=_NO_CHECK)
     p.set_defaults(func=run)
 
+
+def _add_merge(sub: argparse._SubParsersAction) -> None:
+    """``manifest merge``."""
     p = sub.add_parser(
         "merge", help="one manifest from an internal cohort and its external test cohorts",
         description="Concatenate manifests for one pipeline: --internal manifests keep their splits (train/val/test); "
@@ -208,7 +232,7 @@ def _drawn(df, args: argparse.Namespace):
     return assign_splits(df, parse_fractions(args.split), seed=args.seed, folds=args.folds)
 
 
-def _builder(args: argparse.Namespace) -> Callable[[], object]:
+def _builder(args: argparse.Namespace) -> Callable[[], Any]:
     """The library call for the chosen source (heavy imports happen here)."""
     if args.cohort_builder == "merge":
         from wsi_pipeline.manifests.merge import merge_manifests

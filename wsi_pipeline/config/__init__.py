@@ -6,8 +6,10 @@ Modules (lowest first):
 - ``choices``: every choice list (``SCHEDULES``, ``BN_MODES``, ``SELECT_METRICS``, ``STRATEGY_NAMES``,
   ``DEVICES``, ``TILING_METHODS``, ...; registries' names as functions), as ``Literal`` and tuple.
 - ``overrides``: the one ``--set section.key=value`` syntax; ``io``: YAML read, atomic write, to plain dicts.
-- sections: ``tiling`` (the tiler's ``TilingConfig``, ``OtsuParams``, ``data.tiling`` as ``StoreTiling``,
-  ``tiler_config``), ``data``, ``train``, ``evaluation`` (``eval`` and the one ``EvalProtocol``),
+- tiling: ``tiling_params`` (each tissue detector's parameters, registered by name in ``DETECTOR_PARAMS``,
+  and tile QC's), ``store_settings`` (``StoreSettings``: the one shape of tiling settings, what a store records
+  and ``data.tiling``, versioned, with its migrations), ``tiling`` (the tiler's ``TilingConfig``, ``tiler_config``).
+- sections: ``data``, ``train``, ``evaluation`` (``eval`` and the one ``EvalProtocol``),
   ``model`` (``encoder``, ``aggregator``, ``bigl``), ``patchgd`` (+ ``patchgd_presets``).
 - ``pipeline``: ``PipelineConfig`` / ``MethodConfig``, ``load_config``, ``save_config``; re-exports the sections.
 """

@@ -110,7 +110,7 @@ BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)
 StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]
 STRATEGY_NAMES: tuple[str, ...] = typing.get_args(StrategyName)
 
-#: Foreground methods of the tiler (the first is the default).
+#: The built-in tissue detectors (the first is the default); every registered one: ``tiling_params.detector_names()``.
 TilingMethod = Literal["tissue", "greyscale", "otsu", "unet"]
 TILING_METHODS: tuple[str, ...] = typing.get_args(TilingMethod)
 #: What the tiler does with tile artifacts: drop the kinds named in ``qc_drop`` (and flag the rest), flag all, or skip QC.

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from wsi_pipeline.config.schema import Checked, spec
-
 from dataclasses import dataclass, field
 from typing import Literal
 
 from wsi_pipeline.config.choices import BagUnit
-from wsi_pipeline.config.tiling import StoreTiling
+from wsi_pipeline.config.schema import Checked, spec
+from wsi_pipeline.config.store_settings import StoreSettings
 
 __all__ = ["DataConfig", "StainConfig", "STAIN_NORMALISERS"]
 
@@ -52,7 +51,8 @@ class DataConfig(Checked):
         ``event``, or ``target``, columns).
     features_dir : root of frozen-encoder feature files; a frozen method reads
         ``<features_dir>/<encoder name>`` unless the method sets its own ``features_dir``.
-    tiling : tiling parameters (saved for ``predict``).
+    tiling : the tiling the stores are expected to have (:class:`~wsi_pipeline.config.store_settings.StoreSettings`,
+        every key optional; the detector's keys, e.g. ``grey_max``, beside the others).
     bags : ``slide`` (default: a bag is one slide's tiles) or ``patient``: one bag per patient,
         the tiles of all its slides (``patient_id``), in training and evaluation; every record and
         prediction row is then a patient's (its ``slide_id`` is the patient id). Not for PatchGD.
@@ -63,7 +63,7 @@ class DataConfig(Checked):
     tiles_dir: str
     n_classes: int | None = field(default=None, metadata=spec(ge=2))
     features_dir: str = "features"
-    tiling: StoreTiling = field(default_factory=StoreTiling)
+    tiling: StoreSettings = field(default_factory=StoreSettings, metadata=spec(parse=StoreSettings.from_section))
     bags: BagUnit = "slide"
     stain: StainConfig = field(default_factory=StainConfig)
 

@@ -175,7 +175,7 @@ def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
 
 #: Store settings that may differ between the slides of one cohort (they describe the slide, not the tiling).
 _PER_SLIDE = ("fingerprint", "mpp_override", "mpp_manifest", "mpp_force", "mpp", "mpp_source", "compression",
-              "backend", "tile_formula", "regions_sha256", "points_sha256")
+              "backend", "tile_formula", "regions_sha256", "points_sha256", "schema_version")
 
 
 def store_settings(path: str | os.PathLike) -> dict[str, Any] | None:

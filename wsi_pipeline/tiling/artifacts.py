@@ -59,7 +59,7 @@ import logging
 import numpy as np
 
 from wsi_pipeline.config.choices import QC_ARTIFACTS
-from wsi_pipeline.config.tiling import QCParams
+from wsi_pipeline.config.tiling_params import QCParams
 from wsi_pipeline.tiling.grid import TileGrid
 
 __all__ = ["DEFAULT_QC_MPP", "FOCUS_DROP_MIN_PX", "FOCUS_UM", "INK_MAX_SHARE", "INK_MIN_AREA_UM2", "QC_BITS", "QC_LOSS_WARN", "QCOverview", "TileQC", "describe", "flags_of",
@@ -257,7 +257,7 @@ def focus_measure(tiles: np.ndarray | Sequence[np.ndarray], blocks: int = FOCUS_
     out = np.empty(len(tiles), np.float32)
     n = int(blocks)
     for i, t in enumerate(tiles):
-        g = np.float32(cv2.cvtColor(np.ascontiguousarray(t), cv2.COLOR_RGB2GRAY))
+        g: np.ndarray = cv2.cvtColor(np.ascontiguousarray(t), cv2.COLOR_RGB2GRAY).astype(np.float32)
         if factor > 1.0 + 1e-6:
             side = (max(8, int(round(g.shape[1] / factor))), max(8, int(round(g.shape[0] / factor))))
             g = cv2.resize(g, side, interpolation=cv2.INTER_AREA)

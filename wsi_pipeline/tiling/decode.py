@@ -176,10 +176,12 @@ def _finish_run(tiles: np.ndarray, keep: np.ndarray, fg: np.ndarray, encode: Enc
 
 
 def decode_run(
-    read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    read: LevelRead, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_band: tuple[int, int], otsu_fg: np.ndarray | None,
     encode: Encoder | None = None, qc: TileQC | None = None,
 ) -> RunResult:
-    """Decode and test one run of candidate tiles (:data:`RunResult`); ``qc``: tile QC of the kept tiles."""
+    """Decode and test one run of candidate tiles (:data:`RunResult`): by ``otsu_fg`` (the detector's per-tile
+    fractions) or else by the grey band ``grey_band`` (inclusive levels) on the decoded tiles; ``qc``: tile QC of
+    the kept tiles."""
     c0 = time.thread_time()
     tiles, strip = _read_run(read, grid, row, run)
     if otsu_fg is not None:
@@ -187,15 +189,15 @@ def decode_run(
         keep = np.ones(len(run), bool)
     else:
         if strip is not None:
-            fg = strip_foreground(strip, grid.tile_size, config.grey_min, grey_max)
+            fg = strip_foreground(strip, grid.tile_size, *grey_band)
         else:
-            fg = tiles_foreground(tiles, config.grey_min, grey_max)
+            fg = tiles_foreground(tiles, *grey_band)
         keep = fg >= config.threshold
     return _finish_run(tiles, keep, fg, encode, c0, qc, row, run)
 
 
 def decode_stored_run(
-    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_max: int, otsu_fg: np.ndarray | None,
+    direct: DirectTiles, grid: TileGrid, row: int, run: np.ndarray, config: TilingConfig, grey_band: tuple[int, int], otsu_fg: np.ndarray | None,
     encode: Encoder | None = None, top_first: np.ndarray | None = None, top_rows: int = 0, qc: TileQC | None = None,
 ) -> RunResult:
     """:func:`decode_run` where each grid tile is one stored tile (stored tiles of T x T px on the grid):
@@ -212,7 +214,7 @@ def decode_stored_run(
 
     c0 = time.thread_time()
     T, level = grid.tile_size, grid.level
-    lo, hi, area, thr = int(config.grey_min), int(grey_max), float(T * T), config.threshold
+    (lo, hi), area, thr = grey_band, float(T * T), config.threshold
 
     def count(src: np.ndarray) -> int:
         return int(cv2.countNonZero(cv2.inRange(cv2.cvtColor(src, cv2.COLOR_RGB2GRAY), lo, hi)))

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from wsi_pipeline.config.tiling import TissueParams
+from wsi_pipeline.config.tiling_params import TissueParams
 from wsi_pipeline.tiling.background import Background, glass_pixels
 
 __all__ = ["NO_GLASS_WHITE", "clean_tissue", "density_tissue_mask", "optical_density", "stained_mask", "tissue_signal"]

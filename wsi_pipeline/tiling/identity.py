@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from wsi_pipeline.config.store_settings import same_identity
 from wsi_pipeline.data.store import complete_attrs
 from wsi_pipeline.slides import slide_fingerprint
 from wsi_pipeline.slides.fingerprint import same_slide
@@ -81,7 +82,8 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
     fingerprint = recorded if same_stat else slide_fingerprint(slide)
     if recorded and fingerprint != recorded and same_slide(recorded, fingerprint):
         fingerprint = recorded  # a store recorded before the spread blocks: compared by its own rule
-    if attrs.get("tiling_identity") != store_identity(job, config, fingerprint):
+    identity = attrs.get("tiling_identity")
+    if not isinstance(identity, dict) or not same_identity(identity, store_identity(job, config, fingerprint)):
         return None
     # a store whose mpp came from the fallback (or that had none) depends on the fallback too
     source = str(attrs.get("mpp_source", ""))

@@ -51,19 +51,19 @@ class TileLoop:
                                           and grid.level_step == (float(T), float(T)))
         # with several decoding threads they compress the kept tiles too; the writer thread only writes
         encode = self.writer.tile_encoder if self.n_threads > 1 else None
-        config, read, grey_max, otsu_fg, qc = self.config, self.read, self.plan.grey_max, self.plan.otsu_fg, self.plan.qc
+        config, read, grey_band, otsu_fg, qc = self.config, self.read, self.plan.grey_band or (0, 255), self.plan.otsu_fg, self.plan.qc
         if stored_grid and direct is not None:
             top_rows = rows_to_reject(T, self.config.threshold)
             top_first = self.plan.top_first if top_rows < T else None
 
             def test_stored(row: int, run: np.ndarray) -> RunResult:
-                return decode_stored_run(direct, grid, row, run, config=config, grey_max=grey_max, otsu_fg=otsu_fg,
+                return decode_stored_run(direct, grid, row, run, config=config, grey_band=grey_band, otsu_fg=otsu_fg,
                                          encode=encode, top_first=top_first, top_rows=top_rows, qc=qc)
 
             return test_stored
 
         def test(row: int, run: np.ndarray) -> RunResult:
-            return decode_run(read, grid, row, run, config=config, grey_max=grey_max, otsu_fg=otsu_fg, encode=encode, qc=qc)
+            return decode_run(read, grid, row, run, config=config, grey_band=grey_band, otsu_fg=otsu_fg, encode=encode, qc=qc)
 
         return test
 

@@ -27,7 +27,6 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from wsi_pipeline.slides import MissingMppError, open_slide, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
 from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import qc_loss_note
+from wsi_pipeline.tiling.detectors import detector_for
 from wsi_pipeline.tiling.decode import IN_FLIGHT_PER_THREAD, available_cores, level_source
 from wsi_pipeline.tiling.identity import clean_stale, stat_key, store_identity, store_matches, valid_mpp
 from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
@@ -225,9 +225,9 @@ def _tile_points(slide: Slide, job: SlideJob, out: Path, config: TilingConfig, i
     tiles = np.empty((len(where.index), T, T, 3), np.uint8)
     for i, (x, y) in enumerate(where.origins.tolist()):  # the glass colour outside the image (Slide.read_level)
         tiles[i] = slide.read_level(0, (x, y), (T, T))
-    if config.method == "greyscale" or plan.mask is None:
-        fg = tiles_foreground(tiles, config.grey_min, plan.grey_max)
-    else:  # the method's tissue mask over each tile's footprint
+    if plan.grey_band is not None or plan.mask is None:  # a detector measuring decoded tiles
+        fg = tiles_foreground(tiles, *(plan.grey_band or (0, 255)))
+    else:  # the detector's tissue mask over each tile's footprint
         fg = mask_fraction(plan.mask[0], plan.mask[1], where.origins, T)
     keep = fg >= config.threshold - 1e-9 if config.points_filter else np.ones(len(tiles), bool)
     codes, names = class_codes(pts.classes)
@@ -272,8 +272,12 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
                  direct: DirectTiles | None) -> dict[str, Any]:
     """The store's attributes: the slide, where its mpp came from, the grid, the settings and the identity."""
     grid = plan.grid
-    attrs_extra: dict[str, Any] = {k: v for k, v in (("otsu_info", plan.otsu_info), ("unet_info", plan.unet_info),
-                                                     ("tissue_info", plan.tissue_info)) if v is not None}
+    detector = detector_for(config)
+    attrs_extra: dict[str, Any] = {} if plan.density_info is None else {"tissue_info": plan.density_info}
+    if plan.found is not None:
+        if plan.found.info is not None:
+            attrs_extra[f"{config.method}_info"] = plan.found.info
+        attrs_extra.update(detector.attrs(plan.found))
     attrs = {
         "slide_id": job.slide_id,
         "slide_path": str(Path(slide.path).resolve()),
@@ -299,13 +303,6 @@ def _store_attrs(slide: Slide, job: SlideJob, config: TilingConfig, plan: TilePl
         "background": plan.background.as_dict(),
         **attrs_extra,
     }
-    if config.method == "greyscale":
-        attrs.update(grey_min=int(config.grey_min), grey_max=int(plan.grey_max), grey_max_rule=str(config.grey_max),
-                     prescreen=bool(config.prescreen and config.threshold > 0))
-    elif config.method == "otsu":
-        attrs.update(otsu=asdict(config.otsu))
-    elif config.method == "tissue":
-        attrs.update(tissue=asdict(config.tissue))
     return attrs
 
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from wsi_pipeline.config.tiling import OtsuParams
+from wsi_pipeline.config.tiling_params import OtsuParams
 from wsi_pipeline.tiling.background import Background, estimate_background, glass_pixels
 
 __all__ = ["grey", "otsu_tissue_mask", "strip_foreground", "tiles_foreground"]
