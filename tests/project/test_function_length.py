@@ -6,7 +6,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "wsi_pipeline"
@@ -51,22 +50,7 @@ def test_the_measure_counts_def_to_last_line_and_finds_methods_and_nested_functi
     assert too_long((pkg,)) == {"wsi_pipeline/m.py:C.long": 104}
 
 
-#: Functions over the limit that other engineers of issue 42 split in their branches (bigl/budget.py:plan_step:
-#: `mypy`; cli/tile.py and cli/manifest.py: `tiling`). Empty this set and remove the xfail mark when they land.
-STILL_OVER = {
-    "wsi_pipeline/bigl/budget.py:plan_step",
-    "wsi_pipeline/cli/manifest.py:register",
-    "wsi_pipeline/cli/tile.py:register",
-}
-
-
-def test_no_new_function_over_100_lines() -> None:
-    """Nothing beyond the known list grows over the limit (this one must pass now)."""
-    new = {name: n for name, n in too_long().items() if name not in STILL_OVER}
-    assert not new, "\n".join(f"{name}: {n} lines; split it" for name, n in sorted(new.items()))
-
-
-@pytest.mark.xfail(strict=False, reason=f"still over {MAX_LINES} lines until the other merges land: {', '.join(sorted(STILL_OVER))}")
 def test_no_function_over_100_lines() -> None:
+    """No function of the package or the workbench is over the limit (issue 42)."""
     over = too_long()
-    assert not over, "\n".join(f"{name}: {n} lines" for name, n in sorted(over.items()))
+    assert not over, "\n".join(f"{name}: {n} lines; split it" for name, n in sorted(over.items()))
