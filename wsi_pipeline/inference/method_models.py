@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from wsi_pipeline.config.patchgd import PatchGDConfig
-from wsi_pipeline.config.pipeline import MethodConfig, patchgd_mapping, with_patchgd_head
+from wsi_pipeline.config.pipeline import MethodConfig, with_patchgd_head
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
@@ -173,7 +173,7 @@ def build_models(method: MethodConfig, n_classes: int, *, device: str | torch.de
         encoder = build_method_encoder(method, weights=encoder_weights, training=for_training)
     dim = int(encoder.num_features)
     if method.strategy == "patchgd":
-        aggregator = build_patchgd_head(patchgd_method(method), dim, n_classes)
+        aggregator = build_patchgd_head(method.patchgd_config, dim, n_classes)
     else:
         aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
     encoder.to(device)
@@ -232,6 +232,6 @@ def load_encoder_state(method: MethodConfig, encoder: nn.Module, state: dict[str
 
 def build_patchgd_head(method_cfg: Mapping[str, Any] | PatchGDConfig | None, in_dim: int, n_classes: int) -> GridHead:
     """Build the head a method config asks for (``head``, ``head_options``, ``max_grid``, ``proj_dim``)."""
-    cfg = method_cfg if isinstance(method_cfg, PatchGDConfig) else PatchGDConfig.from_mapping(patchgd_mapping(method_cfg))
+    cfg = method_cfg if isinstance(method_cfg, PatchGDConfig) else PatchGDConfig.for_method(method_cfg)
     options = {"max_grid": cfg.max_grid, "proj_dim": cfg.proj_dim, **dict(cfg.head_options)}
     return build_head(cfg.head, in_dim, n_classes, **options)
