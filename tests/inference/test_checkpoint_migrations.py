@@ -165,3 +165,35 @@ def test_tissue_checkpoints_of_the_previous_layout_load(tmp_path) -> None:
     again = load_tissue_checkpoint(save_tissue_checkpoint(tmp_path / "again.pt", back))
     assert _equal(again.to_state(), back.to_state()) and again.to_state()["schema_version"] == 2
     assert _equal(TissueCheckpoint.build(model, mpp=4.0).model, model.state_dict())
+
+
+def test_a_patchgd_checkpoint_keeps_the_options_it_was_trained_with(tmp_path) -> None:
+    """The resolved PatchGD options are stored (versioned) and rebuild the head even when the saved config
+    would resolve to others today; a checkpoint without them resolves from its config, as before."""
+    import dataclasses
+
+    from wsi_pipeline.config.patchgd import PatchGDConfig
+    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.method_models import build_models
+
+    cfg = config_from_dict({"name": "p", "data": {"manifest": "m.csv", "tiles_dir": "t", "n_classes": 2},
+                            "methods": [{"name": "pg", "strategy": "patchgd", "encoder": {"name": "ilse_cnn"},
+                                         "aggregator": {"name": "transformer", "options": {"dim": 8}},
+                                         "patchgd": {"max_grid": 64}}]})
+    m = cfg.methods[0]
+    torch.manual_seed(0)
+    enc, head = build_models(m, 2, for_training=False)
+    ckpt = RunCheckpoint.build(cfg, m, seed=0, epoch=1, models={"encoder": enc.state_dict(), "aggregator": head.state_dict()})
+    assert ckpt.patchgd == m.patchgd_config.to_state() and ckpt.patchgd["schema_version"] == 1
+    path = save_run_checkpoint(tmp_path / "best.pt", ckpt)
+    assert PatchGDConfig.from_state(torch.load(path, weights_only=True)["patchgd"]) == m.patchgd_config
+    assert load_trained_model(path).aggregator.max_grid == 64
+    # the saved config now says another cap (as a changed default would): the stored options win
+    changed = dict(ckpt.config)
+    changed["methods"] = [{**changed["methods"][0], "patchgd": {"max_grid": 32}}]
+    tm = load_trained_model(save_run_checkpoint(tmp_path / "changed.pt", dataclasses.replace(ckpt, config=changed)))
+    assert tm.aggregator.max_grid == 64 and tm.method.patchgd == {"max_grid": 32}
+    # written before the options were stored: resolved from the saved config
+    old = save_run_checkpoint(tmp_path / "old.pt", dataclasses.replace(ckpt, config=changed, patchgd=None))
+    assert load_trained_model(old).aggregator.max_grid == 32
+    assert all(torch.equal(v, head.state_dict()[k]) for k, v in tm.aggregator.state_dict().items())

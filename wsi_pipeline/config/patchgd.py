@@ -94,8 +94,12 @@ class PatchGDConfig(Checked):
 
     def to_state(self) -> dict[str, Any]:
         """Plain values (``torch.load(..., weights_only=True)`` and YAML read them) with ``schema_version``."""
-        return {"schema_version": SCHEMA_VERSION, **{f.name: getattr(self, f.name) for f in fields(self)},
-                "head_options": dict(self.head_options)}
+        return {"schema_version": SCHEMA_VERSION, **self.to_mapping()}
+
+    def to_mapping(self) -> dict[str, Any]:
+        """Every option as a ``patchgd:`` mapping (YAML form): :meth:`for_method` of a method with this
+        section gives these options back, whatever its other sections say."""
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"head_options": dict(self.head_options)}
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any], where: str = "patchgd") -> PatchGDConfig:
@@ -133,7 +137,7 @@ def resolve_patchgd_options(method_cfg: Any) -> dict[str, Any]:
     if method_cfg is None:
         return {}
     if isinstance(method_cfg, PatchGDConfig):
-        return {f.name: getattr(method_cfg, f.name) for f in fields(method_cfg)}
+        return method_cfg.to_mapping()
     inner = _get(method_cfg, "patchgd")
     keys = {f.name for f in fields(PatchGDConfig)}
     if inner is None and isinstance(method_cfg, Mapping) and set(method_cfg) <= keys:

@@ -102,7 +102,7 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
         try:
             with open(tmp, "wb") as f:
                 hashing = _HashingWriter(f)
-                torch.save(state, hashing)  # hashed as it is written: no second pass over the file
+                torch.save(state, hashing)  # type: ignore[arg-type]  # hashed as written: torch uses write and flush only
         except (OSError, RuntimeError) as e:  # a full disk: name the checkpoint, not a nameless stream
             # torch's zip writer reports a failed write part way as RuntimeError (inline_container.cc)
             cause = os_error_cause(e)
@@ -300,7 +300,7 @@ def load_run_checkpoint(path: str | os.PathLike, *, map_location: str | torch.de
 
 def capture_rng() -> dict[str, Any]:
     """Python, NumPy (legacy global) and torch (CPU and CUDA) RNG states as plain containers and tensors."""
-    np_state = np.random.get_state(legacy=True)
+    np_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "python": _tuples_to_lists(random.getstate()),
         "numpy": {
@@ -408,10 +408,9 @@ def load_trained_model(
     info = ckpt.encoder_info
     endpoint = ckpt.endpoint_spec()
     models = ckpt.models
-    build = method
-    partial = bool(info) and info.get("stored") == "trained"
-    if partial:  # only the trained tensors are stored: the rest is the base weights file, checked by its sha256
-        assert info is not None
+    build = ckpt.build_method(method, where=str(path))
+    if info is not None and info.get("stored") == "trained":
+        # only the trained tensors are stored: the rest is the base weights file, checked by its sha256
         weights = encoder_weights or method.encoder.weights
         if not weights or not Path(weights).is_file():
             raise FileNotFoundError(
@@ -419,10 +418,10 @@ def load_trained_model(
                 f"{info.get('weights_file')} (sha256 {info.get('weights_sha256')}), not found{'' if not weights else ' at ' + str(weights)}. "
                 "Point at it with --encoder-weights FILE"
             )
-        build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=str(weights)))
+        build = dataclasses.replace(build, encoder=dataclasses.replace(method.encoder, weights=str(weights)))
     elif models.get("encoder") is not None and method.encoder.weights:
         # the checkpoint holds the encoder: the initial weights file is not needed (it may have moved)
-        build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=None))
+        build = dataclasses.replace(build, encoder=dataclasses.replace(method.encoder, weights=None))
     encoder, aggregator = build_models(build, endpoint.n_outputs, device="cpu", for_training=False)
     if models.get("encoder") is not None:
         encoder = restore_encoder(method, encoder, models["encoder"], info, where=str(path))

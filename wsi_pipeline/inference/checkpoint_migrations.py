@@ -13,7 +13,8 @@ Version history
    ``seed`` (0), ``encoder_info`` (None: the whole encoder state is stored),
    ``endpoint`` (checkpoints written before endpoints are classification models:
    ``cross_entropy`` over ``data.n_classes`` outputs), ``stain_normalise`` (the saved config's
-   ``data.stain.normalise``, else ``none``), ``tiling``, ``stain_reference`` and ``stain`` (None).
+   ``data.stain.normalise``, else ``none``), ``tiling``, ``stain_reference`` and ``stain`` (None);
+   ``patchgd`` (None: a PatchGD model's options are resolved from its saved config, as then).
 2. Every key present (None where the run had nothing to record), ``schema_version: 2``.
 """
 
@@ -36,11 +37,16 @@ def schema_version(state: Mapping[str, Any]) -> int:
     return v
 
 
+def _section(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """``parent[key]`` when it is a mapping, else an empty one."""
+    value = parent.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
 def _v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
     """Fill in the keys version 1 files may lack (module docstring), as the readers of that time did."""
     out = dict(state)
-    config = out.get("config") if isinstance(out.get("config"), Mapping) else {}
-    data = config.get("data") if isinstance(config.get("data"), Mapping) else {}
+    data = _section(_section(out, "config"), "data")
     out.setdefault("seed", 0)
     out.setdefault("encoder_info", None)
     if not out.get("endpoint"):  # written before endpoints: a classifier over data.n_classes outputs
@@ -49,9 +55,8 @@ def _v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
             raise ValueError("has no endpoint and its config no data.n_classes; it cannot be a classification model")
         out["endpoint"] = {"task": "classification", "loss": "cross_entropy", "n_outputs": int(n_classes)}
     if "stain_normalise" not in out:
-        stain = data.get("stain") if isinstance(data.get("stain"), Mapping) else {}
-        out["stain_normalise"] = str(stain.get("normalise", "none"))
-    for key in ("tiling", "stain_reference", "stain"):
+        out["stain_normalise"] = str(_section(data, "stain").get("normalise", "none"))
+    for key in ("tiling", "stain_reference", "stain", "patchgd"):
         out.setdefault(key, None)
     out["schema_version"] = 2
     return out

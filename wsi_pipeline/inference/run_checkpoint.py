@@ -22,6 +22,8 @@ The file's keys (schema version 2; ``format`` and ``integrity`` are added by the
     stain_reference  the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), or None
     stain_normalise  ``none``, ``macenko`` or ``reinhard`` (``data.stain.normalise``)
     stain            the fitted normalisation (:meth:`wsi_pipeline.data.stain_slides.StainContext.state`), or None
+    patchgd          a ``patchgd`` method's resolved options as trained
+                     (:meth:`wsi_pipeline.config.patchgd.PatchGDConfig.to_state`, versioned), else absent
     optimizer, scheduler, rng, history   last.pt only (:class:`ResumeState`)
 """
 
@@ -39,6 +41,7 @@ from wsi_pipeline.config.pipeline import (
     config_to_dict,
     upgrade_saved_config,
 )
+from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.inference.checkpoint_migrations import SCHEMA_VERSION, migrate
 from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
@@ -95,6 +98,7 @@ class RunCheckpoint(Checked):
     stain_reference: dict[str, Any] | None = None
     stain_normalise: str = "none"
     stain: dict[str, Any] | None = None
+    patchgd: dict[str, Any] | None = None
     resume: ResumeState | None = None
     schema_version: int = field(default=SCHEMA_VERSION, metadata=spec(ge=SCHEMA_VERSION, le=SCHEMA_VERSION))
 
@@ -131,7 +135,8 @@ class RunCheckpoint(Checked):
             encoder_info=None if encoder_info is None else dict(encoder_info), best=None if best is None else dict(best),
             tiling=None if tiling is None else dict(tiling),
             stain_reference=None if stain_reference is None else dict(stain_reference),
-            stain_normalise=str(config.data.stain.normalise), stain=None if stain is None else dict(stain), resume=resume,
+            stain_normalise=str(config.data.stain.normalise), stain=None if stain is None else dict(stain),
+            patchgd=method.patchgd_config.to_state() if method.strategy == "patchgd" else None, resume=resume,
         )
 
     def to_state(self) -> dict[str, Any]:
@@ -177,6 +182,14 @@ class RunCheckpoint(Checked):
         if found is None:
             raise ValueError(f"{where}: method {name!r} is missing from the saved config")
         return found
+
+    def build_method(self, method: MethodConfig, where: str = "checkpoint") -> MethodConfig:
+        """``method`` as its models were built in training: a ``patchgd`` method with the options stored
+        in the checkpoint (what the saved config resolves to today may differ, e.g. a preset's defaults)."""
+        if self.patchgd is None:
+            return method
+        stored = PatchGDConfig.from_state(self.patchgd, f"{where}: patchgd")
+        return dataclasses.replace(method, patchgd=stored.to_mapping())
 
     def endpoint_spec(self) -> Endpoint:
         """What the model predicts (:class:`~wsi_pipeline.inference.endpoints.Endpoint`)."""

@@ -63,7 +63,10 @@ class TissueCheckpoint(Checked):
     def build(cls, model: torch.nn.Module, *, mpp: float, best: Mapping[str, Any] | None = None,
               resume: TissueResume | None = None) -> TissueCheckpoint:
         """The checkpoint of ``model`` (a :class:`~wsi_pipeline.tissue_seg.model.TissueUNet`) working at ``mpp`` um/px."""
-        return cls(model=dict(model.state_dict()), channels=int(model.channels), mpp=float(mpp),
+        channels = getattr(model, "channels", None)
+        if channels is None:
+            raise TypeError(f"{type(model).__name__} has no `channels`: not a tissue U-Net")
+        return cls(model=dict(model.state_dict()), channels=int(channels), mpp=float(mpp),
                    best=None if best is None else dict(best), resume=resume)
 
     def to_state(self) -> dict[str, Any]:
