@@ -115,17 +115,18 @@ def _read_all(path: Path) -> None:
 
 def _checkpoint(folder: Path, arch: str) -> Callable[[], None]:
     """Save and load a checkpoint of ``arch``'s weights plus Adam-like state (as ``last.pt`` holds)."""
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.inference.checkpoint import load_run_checkpoint, save_run_checkpoint
+    from wsi_pipeline.inference.run_checkpoint import ResumeState, RunCheckpoint
     from wsi_pipeline.models import build_encoder
 
     enc = build_encoder(arch)
-    state = {"models": {"encoder": enc.state_dict()},
-             "optimizer": {k: {"exp_avg": v.clone(), "exp_avg_sq": v.clone()} for k, v in enc.state_dict().items()
-                           if v.is_floating_point()}, "epoch": 1}
+    optimizer = {k: {"exp_avg": v.clone(), "exp_avg_sq": v.clone()} for k, v in enc.state_dict().items() if v.is_floating_point()}
+    ckpt = RunCheckpoint(config={}, method={"name": arch}, seed=0, epoch=1, models={"encoder": enc.state_dict()}, endpoint={},
+                         resume=ResumeState(optimizer=optimizer, scheduler={}, rng={}, history=[]))
 
     def save_load() -> None:
-        p = save_checkpoint(folder / f"{arch}.pt", state)
-        load_checkpoint(p)
+        p = save_run_checkpoint(folder / f"{arch}.pt", ckpt)
+        load_run_checkpoint(p)
 
     return save_load
 

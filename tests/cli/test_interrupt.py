@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline_helpers import make_config
-from wsi_pipeline.inference.checkpoint import load_checkpoint
+from wsi_pipeline.inference.checkpoint import load_run_checkpoint
 
 # train, and touch a flag file once the first epoch's checkpoint exists
 TRAIN_AND_FLAG = r"""
@@ -52,13 +52,13 @@ def test_ctrl_c_prints_one_line_and_a_rerun_continues(tmp_path, store_cohort):
     lines = [ln for ln in err.splitlines() if "interrupted" in ln]
     assert len(lines) == 1 and "Run the same command again" in lines[0]
     assert not (run_dir / "done").exists()
-    epoch = load_checkpoint(run_dir / "last.pt")["epoch"]
+    epoch = load_run_checkpoint(run_dir / "last.pt").epoch
     assert 1 <= epoch < 3
 
     from wsi_pipeline.cli.main import main
 
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0  # the same command, no flag
-    assert (run_dir / "done").exists() and load_checkpoint(run_dir / "last.pt")["epoch"] == 3
+    assert (run_dir / "done").exists() and load_run_checkpoint(run_dir / "last.pt").epoch == 3
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed interrupt is the point

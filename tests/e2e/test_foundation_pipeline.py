@@ -16,7 +16,7 @@ import torch
 from wsi_pipeline.config.pipeline import load_config
 from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model
+from wsi_pipeline.inference.checkpoint import load_checkpoint, load_run_checkpoint, load_trained_model
 from wsi_pipeline.models import foundation as fm
 from wsi_pipeline.training.loop import train_pipeline
 
@@ -77,7 +77,7 @@ def test_foundation_pipeline_trains_one_epoch_and_predicts(tmp_path, small_uni) 
     x = tiles_to_tensor(open_store(store_path(manifest.parent / "tiles", _first_slide(manifest))).read())
     tm = load_trained_model(runs["uni_lora"])
     base_model = fm.build_foundation_encoder("uni_v1", base).eval()
-    ckpt = load_checkpoint(runs["uni_lora"] / "best.pt")["models"]["encoder"]
+    ckpt = load_run_checkpoint(runs["uni_lora"] / "best.pt").models["encoder"]
     for k, v in tm.encoder.state_dict().items():
         expect = ckpt[k] if k in ckpt else base_model.state_dict()[k]
         assert torch.equal(v, expect), k

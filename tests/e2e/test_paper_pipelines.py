@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 import torch
 
-from wsi_pipeline.config.pipeline import EvalProtocol, config_from_dict, config_to_dict
+from wsi_pipeline.config.pipeline import EvalProtocol, config_from_dict
 
 
 def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypatch):
@@ -65,7 +65,8 @@ PROTOCOLS = ["all", "sub4x3"]
 def evaluated(tmp_path_factory):
     """Three methods x three seeds (``abmil_frozen`` seed 2 unfinished) saved as trained runs, evaluated."""
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
+    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
     from wsi_pipeline.inference.method_models import build_models
     from wsi_pipeline.manifests.schema import read_manifest, write_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
@@ -88,8 +89,8 @@ def evaluated(tmp_path_factory):
             torch.manual_seed(100 * i + seed)
             enc, agg = build_models(method, 2, for_training=False)
             d = cfg.run_dir(method.name, seed)
-            save_checkpoint(d / "best.pt", {"config": config_to_dict(cfg), "method": config_to_dict(method), "seed": seed,
-                                            "epoch": 1, "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()}})
+            save_run_checkpoint(d / "best.pt", RunCheckpoint.build(
+                cfg, method, seed=seed, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()}))
             if not (method.name == "abmil_frozen" and seed == 2):
                 (d / "done").write_text(json.dumps({"select_metric": "auc", "best_value": BEST_VAL[method.name] + 0.01 * seed}))
     summary = evaluate_pipeline(cfg, device="cpu", heatmaps=False, progress=False)

@@ -118,7 +118,10 @@ def test_predict_applies_the_stored_normaliser_and_a_fluorescence_slide_falls_ba
     from wsi_pipeline.data.stain_stats import even_indices
     from wsi_pipeline.data.tensors import tiles_to_tensor
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model, save_checkpoint
+    import copy
+    import dataclasses
+
+    from wsi_pipeline.inference.checkpoint import load_run_checkpoint, load_trained_model, save_run_checkpoint
     from wsi_pipeline.synthetic.cohort import EXTERNAL_TINT
     from wsi_pipeline.synthetic.stores import make_store_cohort
 
@@ -147,9 +150,10 @@ def test_predict_applies_the_stored_normaliser_and_a_fluorescence_slide_falls_ba
             p = torch.softmax(tm.aggregator(z).logits.reshape(-1), 0).numpy()
         np.testing.assert_allclose(df.loc[sid, "prob_1"], p[1], atol=1e-5)
     # and it is the stored normaliser that predict applies: another target in the checkpoint, other probabilities
-    state = load_checkpoint(run / "best.pt")
-    state["stain"]["normaliser"]["target"]["max_c"] = [2 * v for v in state["stain"]["normaliser"]["target"]["max_c"]]
-    save_checkpoint(tmp_path / "altered.pt", state)
+    ckpt = load_run_checkpoint(run / "best.pt")
+    stain = copy.deepcopy(ckpt.stain)
+    stain["normaliser"]["target"]["max_c"] = [2 * v for v in stain["normaliser"]["target"]["max_c"]]
+    save_run_checkpoint(tmp_path / "altered.pt", dataclasses.replace(ckpt, stain=stain))
     predict_slides(tmp_path / "altered.pt", stores, tmp_path / "pred2", device="cpu", heatmaps=False, progress=False)
     df2 = pd.read_csv(tmp_path / "pred2" / "predictions.csv").set_index("slide_id")
     assert (df2.loc[["ext_000", "ext_001"], "prob_1"] - df.loc[["ext_000", "ext_001"], "prob_1"]).abs().min() > 1e-4

@@ -10,7 +10,8 @@ import torch
 
 from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
 from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-from wsi_pipeline.inference.checkpoint import save_checkpoint
+from wsi_pipeline.inference.checkpoint import save_run_checkpoint
+from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
 from wsi_pipeline.inference.method_models import build_models
 from wsi_pipeline.manifests.schema import read_manifest, write_manifest
 
@@ -35,9 +36,8 @@ def _cohort_and_runs(tmp):
         torch.manual_seed(seed)
         enc, agg = build_models(cfg.methods[0], 2, for_training=False)
         d = cfg.run_dir("m", seed)
-        save_checkpoint(d / "best.pt", {"config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]),
-                                        "seed": seed, "epoch": 1,
-                                        "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()}})
+        save_run_checkpoint(d / "best.pt", RunCheckpoint.build(
+            cfg, cfg.methods[0], seed=seed, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()}))
         (d / "done").touch()
     (tmp / "data" / "tiles" / "synthetic_006.zarr" / "zarr.json").unlink()  # one store broken: skipped on both paths
     return cfg

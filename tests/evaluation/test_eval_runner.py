@@ -46,17 +46,15 @@ def _raw_config(tmp, manifest, seeds):
 
 
 def _save_run(cfg, seed, done=True):
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
-    from wsi_pipeline.config.pipeline import config_to_dict
+    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
+    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
     from wsi_pipeline.inference.method_models import build_models
 
     torch.manual_seed(seed)
     enc, agg = build_models(cfg.methods[0], 2, for_training=False)
     d = cfg.run_dir(METHOD, seed)
-    save_checkpoint(d / "best.pt", {
-        "config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]), "seed": seed, "epoch": 3,
-        "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()},
-    })
+    save_run_checkpoint(d / "best.pt", RunCheckpoint.build(
+        cfg, cfg.methods[0], seed=seed, epoch=3, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()}))
     if done:
         (d / "done").touch()
 

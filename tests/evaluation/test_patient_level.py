@@ -53,9 +53,10 @@ def _cohort(tmp):
 
 
 def _evaluate(tmp, manifest, task: str, pool: str):
-    from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
+    from wsi_pipeline.config.pipeline import config_from_dict
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
+    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
     from wsi_pipeline.inference.endpoints import Endpoint
     from wsi_pipeline.inference.method_models import build_models
 
@@ -77,10 +78,9 @@ def _evaluate(tmp, manifest, task: str, pool: str):
     torch.manual_seed(0)
     enc, agg = build_models(cfg.methods[0], endpoint.n_outputs, for_training=False)
     run = cfg.run_dir("m", 0)
-    save_checkpoint(run / "best.pt", {
-        "config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]), "seed": 0, "epoch": 1,
-        "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()}, "endpoint": endpoint.to_state(),
-    })
+    save_run_checkpoint(run / "best.pt", RunCheckpoint.build(
+        cfg, cfg.methods[0], seed=0, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()},
+        endpoint=endpoint))
     (run / "done").touch()
     summary = evaluate_pipeline(cfg, device="cpu", heatmaps=False, progress=False)
     records = {r.metric: r.value for r in read_metrics_json(summary.results_dir / "metrics.json")
@@ -170,11 +170,12 @@ def test_patient_targets_must_agree(cohort):
 def test_predict_exports_risk_and_the_discrete_time_survival_curve(cohort, tmp_path):
     """``predict`` with a discrete-time model: ``risk`` and ``survival_at_<t>`` per slide, equal to the model's
     hazards computed here (S after interval k = prod_{i<=k} (1 - sigmoid(z_i)), risk = -sum_k S_k)."""
-    from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
+    from wsi_pipeline.config.pipeline import config_from_dict
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.data.tensors import tiles_to_tensor
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
+    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
     from wsi_pipeline.inference.endpoints import Endpoint
     from wsi_pipeline.inference.method_models import build_models
 
@@ -186,9 +187,9 @@ def test_predict_exports_risk_and_the_discrete_time_survival_curve(cohort, tmp_p
     endpoint = Endpoint(task="survival", loss="nll_discrete", n_outputs=3, edges=(12.5, 30.0))
     torch.manual_seed(1)
     enc, agg = build_models(cfg.methods[0], 3, for_training=False)
-    ckpt = save_checkpoint(tmp_path / "best.pt", {
-        "config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]), "seed": 0, "epoch": 1,
-        "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()}, "endpoint": endpoint.to_state()})
+    ckpt = save_run_checkpoint(tmp_path / "best.pt", RunCheckpoint.build(
+        cfg, cfg.methods[0], seed=0, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()},
+        endpoint=endpoint))
     import shutil
 
     for sid in ("synthetic_000", "synthetic_017"):  # a folder of two stores

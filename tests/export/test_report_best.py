@@ -186,8 +186,9 @@ def test_evaluation_draws_heatmaps_of_the_run_best_on_validation(tmp_path):
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.data.store import open_store, store_path
-    from wsi_pipeline.inference.checkpoint import load_trained_model, save_checkpoint
-    from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
+    from wsi_pipeline.inference.checkpoint import load_trained_model, save_run_checkpoint
+    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
+    from wsi_pipeline.config.pipeline import config_from_dict
     from wsi_pipeline.inference.method_models import build_models
 
     manifest = make_store_cohort(tmp_path / "data", n_slides=8, tiles_per_slide=(12, 20), seed=0)
@@ -200,8 +201,8 @@ def test_evaluation_draws_heatmaps_of_the_run_best_on_validation(tmp_path):
         torch.manual_seed(seed)
         enc, agg = build_models(cfg.methods[0], 2, for_training=False)
         d = cfg.run_dir("m", seed)
-        save_checkpoint(d / "best.pt", {"config": config_to_dict(cfg), "method": config_to_dict(cfg.methods[0]), "seed": seed,
-                                        "epoch": 1, "models": {"encoder": enc.state_dict(), "aggregator": agg.state_dict()}})
+        save_run_checkpoint(d / "best.pt", RunCheckpoint.build(
+            cfg, cfg.methods[0], seed=seed, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()}))
         (d / "done").write_text(json.dumps({"select_metric": "auc", "best_value": best}))
     summary = evaluate_pipeline(cfg, device="cpu", n_boot=0, progress=False)
     man = read_manifest(manifest).set_index("slide_id")

@@ -161,15 +161,19 @@ def test_predict_flags_a_fluorescence_slide_and_still_predicts_it(trained, tmp_p
 
 @pytest.mark.slow
 def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cannot_check(trained, tmp_path, caplog):
+    import dataclasses
+
     import torch
 
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.inference.checkpoint import load_run_checkpoint, save_run_checkpoint
 
     cfg = trained["cfg"]
-    state = load_checkpoint(cfg.run_dir("m", 0) / "best.pt")
-    ref = state.pop("stain_reference")
-    old = save_checkpoint(tmp_path / "old.pt", state)
+    ckpt = load_run_checkpoint(cfg.run_dir("m", 0) / "best.pt")
+    ref = ckpt.stain_reference
+    assert ref is not None
+    ckpt = dataclasses.replace(ckpt, stain_reference=None)  # as written before checkpoints kept the summary
+    old = save_run_checkpoint(tmp_path / "old.pt", ckpt)
     stores = tmp_path / "stores"
     stores.mkdir()
     _fluorescence_store(stores, "dapi_002", seed=1)
@@ -178,14 +182,14 @@ def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cann
     assert compare_to_reference(tile_features(open_store(store_path(stores, "dapi_002")).read()), ref).distance == \
         pytest.approx(s.stain_checks["dapi_002"].distance, abs=1e-12)
     # training stores gone: predicted, columns empty, one warning
-    state["config"]["data"]["tiles_dir"] = str(tmp_path / "gone")
-    gone = save_checkpoint(tmp_path / "gone.pt", state)
+    config = {**ckpt.config, "data": {**ckpt.config["data"], "tiles_dir": str(tmp_path / "gone")}}
+    gone = save_run_checkpoint(tmp_path / "gone.pt", dataclasses.replace(ckpt, config=config))
     caplog.set_level(logging.WARNING)
     s = predict_slides(gone, stores, tmp_path / "p2", device="cpu", heatmaps=False, progress=False)
     df = pd.read_csv(tmp_path / "p2" / "predictions.csv")
     assert len(df) == 1 and df["stain_distance"].isna().all() and df["off_distribution"].isna().all()
     assert sum("not checked for being off-distribution" in r.getMessage() for r in caplog.records) == 1
-    assert torch.is_tensor(state["models"]["aggregator"][next(iter(state["models"]["aggregator"]))])
+    assert torch.is_tensor(ckpt.models["aggregator"][next(iter(ckpt.models["aggregator"]))])
 
 
 @pytest.mark.slow

@@ -42,14 +42,14 @@ def _config(root, manifest, tiles, name, tiling=None):
 @pytest.mark.slow
 def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_path):
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import load_checkpoint
+    from wsi_pipeline.inference.checkpoint import load_run_checkpoint
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 
     root, manifest, tiles = tiled
     cfg = load_config(_config(root, manifest, tiles, "notiling"))  # no data.tiling at all
     (run,) = train_pipeline(cfg, device="cpu", progress=False)
-    saved = load_checkpoint(run / "best.pt")["tiling"]
+    saved = load_run_checkpoint(run / "best.pt").tiling
     assert saved["tile_size"] == 128 and saved["mpp_target"] == pytest.approx(0.5)
     assert saved["min_foreground"] == pytest.approx(0.3)
 

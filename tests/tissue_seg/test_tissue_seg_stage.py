@@ -77,9 +77,9 @@ def test_training_learns_the_paper_labels(slide_dir: Path, tmp_path: Path) -> No
 def test_predict_writes_mask_overlay_and_record(slide_dir: Path, tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TissueUNet()
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.tissue_seg.checkpoint import TissueCheckpoint, save_tissue_checkpoint
 
-    save_checkpoint(tmp_path / "best.pt", {"kind": stage.MODEL_KIND, "channels": 8, "mpp": 2.0, "model": model.state_dict()})
+    save_tissue_checkpoint(tmp_path / "best.pt", TissueCheckpoint.build(model, mpp=2.0))
     out = tmp_path / "pred"
     assert main(["tissue", "predict", "--slides", str(slide_dir), "--model", str(tmp_path), "--out", str(out)]) == 0
     rec = json.loads((out / "s1_mask.json").read_text())

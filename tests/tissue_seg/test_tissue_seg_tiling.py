@@ -20,7 +20,7 @@ from wsi_pipeline.tissue_seg import stage
 from wsi_pipeline.tissue_seg.builtin import BUILTIN_MODEL
 from wsi_pipeline.tissue_seg.labels import paper_labels
 from wsi_pipeline.tissue_seg.model import TissueUNet
-from wsi_pipeline.inference.checkpoint import save_checkpoint
+from wsi_pipeline.tissue_seg.checkpoint import TissueCheckpoint, save_tissue_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def _constant_model(path: Path, logit: float) -> Path:
     for p in m.parameters():
         torch.nn.init.zeros_(p)
     m.conv7.bias.data.fill_(logit)
-    save_checkpoint(path, {"kind": stage.MODEL_KIND, "channels": 8, "mpp": 2.0, "model": m.state_dict()})
+    save_tissue_checkpoint(path, TissueCheckpoint.build(m, mpp=2.0))
     return path
 
 

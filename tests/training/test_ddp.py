@@ -56,15 +56,15 @@ WORKER = textwrap.dedent(r"""
     if kill:
         import wsi_pipeline.training.loop as loop
         name, epoch = kill.split(":")
-        save = loop.save_checkpoint
+        save = loop.save_run_checkpoint
 
-        def save_then_die(path, state):
-            out = save(path, state)
-            if path.name == "last.pt" and state["method"]["name"] == name and state["epoch"] == int(epoch):
+        def save_then_die(path, ckpt):
+            out = save(path, ckpt)
+            if path.name == "last.pt" and ckpt.method["name"] == name and ckpt.epoch == int(epoch):
                 os.kill(os.getpid(), signal.SIGKILL)
             return out
 
-        loop.save_checkpoint = save_then_die
+        loop.save_run_checkpoint = save_then_die
 
     from wsi_pipeline.cli.main import main
 

@@ -826,3 +826,37 @@ def test_batch_with_different_k_scales_each_slides_live_rows_by_its_own_n_over_k
     params = [p for m in (enc2, head2) for p in m.parameters()]
     ref = torch.autograd.grad(torch.stack(losses).mean(), params)
     assert rel_err(steps[0], ref) < EXACT_BOUND
+
+
+def test_a_methods_patchgd_options_are_parsed_once_and_stored_as_plain_versioned_state(tmp_path, monkeypatch):
+    """``MethodConfig.patchgd_config`` is built when the config is (errors by path), then handed as the
+    same object to the strategy check, the head builder and the trainer; its state round-trips through
+    ``torch.load(weights_only=True)`` with a schema version."""
+    from wsi_pipeline.config.pipeline import config_from_dict
+    from wsi_pipeline.inference.method_models import build_patchgd_head
+    from wsi_pipeline.training.strategies import check_strategy
+
+    cfg = config_from_dict(_raw_pipeline([
+        {"name": "pg", "strategy": "patchgd", "encoder": {"bn": "train"}, "aggregator": {"name": "transformer", "options": {"dim": 16}},
+         "patchgd": {"k": 3, "head_options": {"depth": 1}}}]))
+    m = cfg.methods[0]
+    opts = m.patchgd_config
+    assert m.patchgd == {"k": 3, "head_options": {"depth": 1}}  # the config keeps the section as written
+    # resolved from the other sections: the head and its options, the BatchNorm mode
+    assert (opts.k, opts.head, opts.head_options, opts.freeze_bn) == (3, "transformer", {"dim": 16, "depth": 1}, False)
+    calls = []
+    real = PatchGDConfig.from_mapping.__func__
+    monkeypatch.setattr(PatchGDConfig, "from_mapping", classmethod(lambda cls, *a, **k: calls.append(a) or real(cls, *a, **k)))
+    check_strategy(m)
+    head = build_patchgd_head(m.patchgd_config, 12, 6)
+    trainer = PatchGDTrainer(m.patchgd_config, TinyEncoder(12), head, 6)
+    assert calls == [] and trainer.cfg is opts and m.patchgd_config is opts  # parsed once, shared
+    # the stored form: plain values and a schema version, read back equal
+    state = opts.to_state()
+    assert state["schema_version"] == 1
+    torch.save(state, tmp_path / "pg.pt")
+    assert PatchGDConfig.from_state(torch.load(tmp_path / "pg.pt", weights_only=True)) == opts
+    with pytest.raises(ValueError, match="schema version 2; this version reads 1"):
+        PatchGDConfig.from_state({**state, "schema_version": 2})
+    with pytest.raises(ValueError, match=r"methods.pg.patchgd.k=0; expected a value >= 1"):
+        config_from_dict(_raw_pipeline([{"name": "pg", "strategy": "patchgd", "patchgd": {"k": 0}}]))

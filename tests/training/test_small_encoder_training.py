@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from wsi_pipeline.cli.main import main
-from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model
+from wsi_pipeline.inference.checkpoint import load_run_checkpoint, load_trained_model
 
 from pipeline_helpers import make_config
 
@@ -33,7 +33,7 @@ def test_ilse_cnn_with_pooling_aggregators_trains_and_evaluates(tmp_path, store_
         assert hist["train_loss"].notna().all() and hist["val_loss"].notna().all()
         tm = load_trained_model(run, which="best")
         assert type(tm.encoder).__name__ == "IlseCNN" and tm.encoder.num_features == 512
-        saved = load_checkpoint(run / "best.pt")["models"]
+        saved = load_run_checkpoint(run / "best.pt").models
         if m["strategy"] != "frozen":  # the encoder trained, and the checkpoint holds it
             assert saved["encoder"] is not None
             for k, v in tm.encoder.state_dict().items():

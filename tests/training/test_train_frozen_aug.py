@@ -27,7 +27,7 @@ from wsi_pipeline.data.bags import Bag, Slide
 from wsi_pipeline.inference.features import features_path, read_features
 from wsi_pipeline.models import build_encoder
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.inference.checkpoint import load_checkpoint
+from wsi_pipeline.inference.checkpoint import load_run_checkpoint
 from wsi_pipeline.config.pipeline import AugmentConfig, load_config
 from wsi_pipeline.training.strategies import build_strategy
 
@@ -171,11 +171,11 @@ def test_frozen_with_augmentation_embeds_augmented_tiles(tmp_path, store_cohort,
 
     # the encoder is frozen: its saved state is the initial one (weights and BatchNorm statistics)
     runs = tmp_path / "runs" / "t"
-    saved = load_checkpoint(runs / "aug" / "seed0" / "last.pt")["models"]
+    saved = load_run_checkpoint(runs / "aug" / "seed0" / "last.pt").models
     for k, v in enc.state_dict().items():
         assert torch.equal(saved["encoder"][k], v), k
     # the aggregators start from the same weights and see the same bags: augmentation changes the result
-    other = load_checkpoint(runs / "plain" / "seed0" / "last.pt")["models"]["aggregator"]
+    other = load_run_checkpoint(runs / "plain" / "seed0" / "last.pt").models["aggregator"]
     diff = max(float((saved["aggregator"][k] - other[k]).abs().max()) for k in other)
     assert diff > 1e-6
 

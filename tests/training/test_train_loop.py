@@ -28,7 +28,7 @@ from wsi_pipeline.data.augment import AugmentParams, SlideAugment, tiles_to_inpu
 from wsi_pipeline.data.bags import epoch_plan
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.manifests import ManifestError
-from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model
+from wsi_pipeline.inference.checkpoint import load_checkpoint, load_run_checkpoint, load_trained_model
 from wsi_pipeline.config.pipeline import AugmentConfig, BagStatisticsWarning, load_config
 from wsi_pipeline.training.loop import train_pipeline
 
@@ -39,7 +39,7 @@ HISTORY = ["epoch", "train_loss", "val_loss", "val_auc", "val_qwk", "val_accurac
 
 
 def models_of(path: Path) -> dict[str, dict[str, torch.Tensor]]:
-    return {k: v for k, v in load_checkpoint(path)["models"].items() if v is not None}
+    return {k: v for k, v in load_run_checkpoint(path).models.items() if v is not None}
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -216,14 +216,14 @@ KILL_AFTER_EPOCH_1 = r"""
 import os, sys, time
 import wsi_pipeline.training.loop as loop
 config, flag = sys.argv[1], sys.argv[2]
-real = loop.save_checkpoint
-def save_then_hang(path, state):
-    out = real(path, state)
-    if os.path.basename(str(path)) == "last.pt" and state["epoch"] == 1:
+real = loop.save_run_checkpoint
+def save_then_hang(path, ckpt):
+    out = real(path, ckpt)
+    if os.path.basename(str(path)) == "last.pt" and ckpt.epoch == 1:
         open(flag, "w").close()
         time.sleep(600)  # killed here
     return out
-loop.save_checkpoint = save_then_hang
+loop.save_run_checkpoint = save_then_hang
 from wsi_pipeline.cli.main import main
 sys.exit(main(["train", "--config", config, "--no-progress"]))
 """
@@ -253,11 +253,11 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path, store_cohort
     proc.stdout.close()
     proc.stderr.close()
     run_k = tmp_path / "k" / "killed" / "t" / "m" / "seed0"
-    assert load_checkpoint(run_k / "last.pt")["epoch"] == 1 and not (run_k / "done").exists()
+    assert load_run_checkpoint(run_k / "last.pt").epoch == 1 and not (run_k / "done").exists()
 
     # with --no-resume an interrupted run is an error, before any training; by default it resumes
     assert main(["train", "--config", str(killed), "--no-progress", "--no-resume"]) == 2
-    assert "unfinished run(s) found" in capsys.readouterr().err and load_checkpoint(run_k / "last.pt")["epoch"] == 1
+    assert "unfinished run(s) found" in capsys.readouterr().err and load_run_checkpoint(run_k / "last.pt").epoch == 1
     assert main(["train", "--config", str(killed), "--no-progress"]) == 0
 
     run_s = tmp_path / "straight" / "t" / "m" / "seed0"
@@ -282,7 +282,7 @@ def test_early_stopping_stops_and_marks_the_run_done(tmp_path, store_cohort):
     done = json.loads((run / "done").read_text())
     assert done["epochs"] == 3 and done["best_epoch"] == 1 and done["select_metric"] == "accuracy"
     assert pd.read_csv(run / "history.csv")["epoch"].tolist() == [1, 2, 3]
-    assert load_checkpoint(run / "best.pt")["epoch"] == 1
+    assert load_run_checkpoint(run / "best.pt").epoch == 1
 
 
 def test_resume_refuses_a_changed_config(tmp_path, store_cohort, capsys):

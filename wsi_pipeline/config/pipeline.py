@@ -36,6 +36,7 @@ value of the wrong type naming the field and the expected type. ``overrides`` su
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -43,14 +44,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.config.choices import BN_MODES, PATCHGD_BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName, head_names, task_names
+from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName, task_names
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
 from wsi_pipeline.config.io import short_repr, config_to_dict, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfig
 from wsi_pipeline.config.overrides import apply_overrides, build_config, deep_merge
-from wsi_pipeline.config.patchgd import PatchGDConfig
+from wsi_pipeline.config.patchgd import PatchGDConfig, resolve_patchgd_options
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
@@ -139,6 +140,12 @@ class MethodConfig(Checked):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
         object.__setattr__(self, "loss", check_task_loss(self.task, self.loss, f"methods.{self.name}"))
 
+    @functools.cached_property
+    def patchgd_config(self) -> PatchGDConfig:
+        """This method's PatchGD options, parsed once (:meth:`PatchGDConfig.for_method`: the ``patchgd``
+        section, its preset, and the head and BatchNorm mode the other sections imply)."""
+        return PatchGDConfig.for_method(self, f"methods.{self.name}.patchgd")
+
 
 @dataclass(frozen=True)
 class PipelineConfig(Checked):
@@ -226,7 +233,7 @@ def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: EvalProt
     m.setdefault("val_protocol", val_protocol.name)
     method = build(MethodConfig, m, where)
     if method.strategy == "patchgd":
-        PatchGDConfig.from_mapping(patchgd_mapping(method), f"{where}.patchgd")
+        _ = method.patchgd_config  # parsed once, here: errors name methods.<name>.patchgd
     return method
 
 
@@ -366,47 +373,8 @@ def bag_statistics_warning(method: MethodConfig) -> str | None:
     )
 
 
-def _get(obj: Any, key: str) -> Any:
-    return obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
-
-
-def patchgd_mapping(method_cfg: MethodConfig | Mapping[str, Any] | None) -> dict[str, Any]:
-    """The ``patchgd`` options of a method config (a mapping or a config object with a ``patchgd``
-    attribute) with what the rest of the method implies filled in, or a bare ``patchgd`` mapping as it is.
-
-    - ``freeze_bn`` (unless given): from ``encoder.bn``, ``frozen`` -> true, ``train`` -> false;
-      ``chunk`` raises ``ValueError`` (patchgd has no chunks).
-    - ``head`` (unless given): ``aggregator.name`` when it names a PatchGD head, its ``options``
-      under ``head_options`` (keys given in ``patchgd.head_options`` win). An aggregator that is
-      neither a head nor the default ``abmil`` raises ``ValueError``: patchgd trains a grid head.
-    """
-    if method_cfg is None:
-        return {}
-    inner = _get(method_cfg, "patchgd")
-    keys = {f.name for f in dataclasses.fields(PatchGDConfig)}
-    if inner is None and isinstance(method_cfg, Mapping) and set(method_cfg) <= keys:
-        return dict(method_cfg)
-    if inner is not None and not isinstance(inner, Mapping):
-        raise ConfigTypeError(f"method config 'patchgd' must be a mapping of PatchGD options; got {type(inner).__name__}")
-    options = dict(inner or {})
-    encoder = _get(method_cfg, "encoder")
-    bn = _get(encoder, "bn") if encoder is not None else None
-    if "freeze_bn" not in options and bn is not None:
-        if bn not in PATCHGD_BN_MODES:
-            raise ValueError(f"encoder.bn={bn!r} is not supported by patchgd; use 'frozen' (exact) or 'train'")
-        options["freeze_bn"] = bn == "frozen"
-    agg = _get(method_cfg, "aggregator")
-    if agg is not None and "head" not in options:
-        name, agg_options = _get(agg, "name"), dict(_get(agg, "options") or {})
-        if name in head_names():
-            options["head"] = name
-            options["head_options"] = {**agg_options, **dict(options.get("head_options", {}))}
-        elif name != "abmil" or agg_options:
-            raise ValueError(
-                f"method {_get(method_cfg, 'name')!r}: patchgd trains a grid head, not the aggregator {name!r}; name "
-                f"the head in aggregator.name or patchgd.head (one of {head_names()})"
-            )
-    return options
+#: The old name of :func:`wsi_pipeline.config.patchgd.resolve_patchgd_options` (kept importable).
+patchgd_mapping = resolve_patchgd_options
 
 
 def with_patchgd_head(method: MethodConfig) -> MethodConfig:

@@ -27,6 +27,7 @@ from typing import Any
 
 from wsi_pipeline.config.choices import PointEdge, QCMode
 from wsi_pipeline.config.io import short_repr
+from wsi_pipeline.failures import ConfigTypeError
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.tiling_params import (
     DETECTOR_PARAMS, MIN_TILE_SIZE, QCParams, TissueParams, detector_names, json_values,
@@ -122,7 +123,7 @@ class StoreSettings(Checked):
         if isinstance(raw, cls):
             return raw
         if not isinstance(raw, Mapping):
-            raise TypeError(f"{where}: expected a mapping of tiling settings, got {type(raw).__name__} {short_repr(raw)}")
+            raise ConfigTypeError(f"{where}: expected a mapping of tiling settings, got {type(raw).__name__} {short_repr(raw)}")
         return cls._build({k: v for k, v in raw.items() if v is not None}, where, recorded=False)  # None: not given
 
     def to_raw(self) -> dict[str, Any]:

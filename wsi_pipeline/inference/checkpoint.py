@@ -1,27 +1,11 @@
 """Checkpoints: plain containers and tensors only, written atomically, read with ``weights_only=True``.
 
-A checkpoint is a dict::
-
-    format      "wsi-pipeline/checkpoint-v1"
-    config      the resolved pipeline config (plain dict; its methods list holds this run's method)
-    method      the method's config (plain dict)
-    seed        the run's seed
-    epoch       epochs completed
-    models      {"encoder": state dict or None, "aggregator": state dict}
-    encoder_info  what the encoder started from and how it is stored
-                (:func:`wsi_pipeline.inference.method_models.encoder_checkpoint`: name, weights file and its
-                sha256, preprocessing; ``stored: trained`` = only the trained tensors of a
-                foundation encoder, the rest being the weights file with that sha256)
-    optimizer, scheduler, rng   (last.pt only) optimiser / schedule state, RNG states
-    best        {"metric": name, "value": float, "epoch": int}
-    stain_reference   the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), optional
-    endpoint    the task, loss and what they learnt from the training split (discrete-time bin edges,
-                regression standardisation): :meth:`wsi_pipeline.tasks.base.Endpoint.to_state`;
-                absent in checkpoints written before endpoints (classification)
-    stain_normalise   the stain normalisation's name (``none``, ``macenko``, ``reinhard``)
-    stain       the fitted normalisation (:meth:`wsi_pipeline.data.stain_slides.StainContext.state`:
-                ``method``, target, training slides' estimates), when ``data.stain`` or stain mixing used it
-    history     list of per-epoch dicts (the rows of history.csv)
+A run checkpoint (``best.pt``, ``last.pt``) is a :class:`~wsi_pipeline.inference.run_checkpoint.RunCheckpoint`:
+its fields, schema version and the migrations of older layouts are described there and in
+:mod:`wsi_pipeline.inference.checkpoint_migrations`. :func:`save_run_checkpoint` writes one and
+:func:`load_run_checkpoint` reads one (any layout this package wrote); :func:`save_checkpoint` and
+:func:`load_checkpoint` are the file layer below them (also used by the tissue model): ``format``
+(``wsi-pipeline/checkpoint-v1``) and the ``integrity`` digest are theirs.
 
 Nothing is pickled as a Python object, so ``torch.load(path, weights_only=True)`` reads it and a
 file that carries a pickled object is refused (:func:`load_checkpoint`).
@@ -58,7 +42,8 @@ import numpy as np
 import torch
 
 from wsi_pipeline.io_atomic import atomic_path, os_error_cause, write_text_atomic
-from wsi_pipeline.config.pipeline import MethodConfig
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
+from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
 
 __all__ = [
     "FORMAT",
@@ -66,9 +51,11 @@ __all__ = [
     "TrainedModel",
     "capture_rng",
     "load_checkpoint",
+    "load_run_checkpoint",
     "load_trained_model",
     "restore_rng",
     "save_checkpoint",
+    "save_run_checkpoint",
     "state_digest",
     "trust_unverified",
     "verify_checkpoint",
@@ -115,7 +102,7 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> Path:
         try:
             with open(tmp, "wb") as f:
                 hashing = _HashingWriter(f)
-                torch.save(state, hashing)  # hashed as it is written: no second pass over the file
+                torch.save(state, hashing)  # type: ignore[arg-type]  # hashed as written: torch uses write and flush only
         except (OSError, RuntimeError) as e:  # a full disk: name the checkpoint, not a nameless stream
             # torch's zip writer reports a failed write part way as RuntimeError (inline_container.cc)
             cause = os_error_cause(e)
@@ -298,9 +285,22 @@ def _check_digest(path: Path, state: dict[str, Any], sidecar: bool, trusted: boo
     log.warning("%s is unverified (no digest inside, no %s beside it): loaded as trusted", path, _hash_file(path).name)
 
 
+def save_run_checkpoint(path: str | os.PathLike, checkpoint: RunCheckpoint) -> Path:
+    """Write a run checkpoint to ``path`` (:func:`save_checkpoint`: atomically, with its digest and ``.sha256``)."""
+    return save_checkpoint(path, checkpoint.to_state())
+
+
+def load_run_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device = "cpu",
+                        trust_unverified: bool | None = None) -> RunCheckpoint:
+    """Read and verify a run checkpoint (:func:`load_checkpoint`), migrated to today's layout
+    (:meth:`RunCheckpoint.from_state`); ``ValueError`` naming the file for anything else."""
+    state = load_checkpoint(path, map_location=map_location, trust_unverified=trust_unverified)
+    return RunCheckpoint.from_state(state, where=str(path))
+
+
 def capture_rng() -> dict[str, Any]:
     """Python, NumPy (legacy global) and torch (CPU and CUDA) RNG states as plain containers and tensors."""
-    np_state = np.random.get_state(legacy=True)
+    np_state: tuple[Any, ...] = tuple(np.random.get_state(legacy=True))
     state: dict[str, Any] = {
         "python": _tuples_to_lists(random.getstate()),
         "numpy": {
@@ -344,7 +344,7 @@ class TrainedModel:
     aggregator : the MIL aggregator in eval mode, ``[n, D] -> MILOutput`` (for ``patchgd``, the head).
     config : the run's :class:`~wsi_pipeline.config.pipeline.PipelineConfig`.
     method : its :class:`~wsi_pipeline.config.pipeline.MethodConfig`.
-    n_classes : C.
+    n_classes : C, ``data.n_classes`` (None for survival and regression pipelines).
     tiling : the settings that tiled the training stores (a dict saved at training time: tile
         size, method, thresholds, mpp target, ...), or for checkpoints written before stores
         recorded them, the config's :class:`~wsi_pipeline.config.pipeline.TilingConfig`.
@@ -359,9 +359,9 @@ class TrainedModel:
 
     encoder: torch.nn.Module
     aggregator: torch.nn.Module
-    config: Any
+    config: PipelineConfig
     method: MethodConfig
-    n_classes: int
+    n_classes: int | None
     tiling: Any
     checkpoint: Path
     epoch: int
@@ -393,9 +393,6 @@ def load_trained_model(
         the config says (checkpoints that store only the trained tensors need it; its sha256
         must be the one recorded at training, else ``ValueError``).
     """
-    from wsi_pipeline.config.pipeline import config_from_dict, upgrade_saved_config
-    from wsi_pipeline.inference.endpoints import plain_endpoint
-    from wsi_pipeline.tasks import Endpoint
     from wsi_pipeline.inference.method_models import build_models, restore_encoder
 
     path = Path(run_or_checkpoint)
@@ -405,21 +402,15 @@ def load_trained_model(
         path = path / f"{which}.pt"
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found: the run has not finished an epoch yet (train it with `wsi-pipeline train`)")
-    state = load_checkpoint(path)
-    config = config_from_dict(upgrade_saved_config(state["config"]))
-    info = state.get("encoder_info")
-    method = next((m for m in config.methods if m.name == state["method"]["name"]), None)
-    if method is None:
-        raise ValueError(f"{path}: method {state['method']['name']!r} is missing from the saved config")
-    n_classes = config.data.n_classes
-    if state.get("endpoint"):
-        endpoint = Endpoint.from_state(state["endpoint"])
-    else:
-        endpoint = plain_endpoint(method, n_classes)
-    models = state["models"]
-    build = method
-    partial = bool(info) and info.get("stored") == "trained"
-    if partial:  # only the trained tensors are stored: the rest is the base weights file, checked by its sha256
+    ckpt = load_run_checkpoint(path)
+    config = ckpt.pipeline_config()
+    method = ckpt.method_config(config, where=str(path))
+    info = ckpt.encoder_info
+    endpoint = ckpt.endpoint_spec()
+    models = ckpt.models
+    build = ckpt.build_method(method, where=str(path))
+    if info is not None and info.get("stored") == "trained":
+        # only the trained tensors are stored: the rest is the base weights file, checked by its sha256
         weights = encoder_weights or method.encoder.weights
         if not weights or not Path(weights).is_file():
             raise FileNotFoundError(
@@ -427,10 +418,10 @@ def load_trained_model(
                 f"{info.get('weights_file')} (sha256 {info.get('weights_sha256')}), not found{'' if not weights else ' at ' + str(weights)}. "
                 "Point at it with --encoder-weights FILE"
             )
-        build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=str(weights)))
+        build = dataclasses.replace(build, encoder=dataclasses.replace(method.encoder, weights=str(weights)))
     elif models.get("encoder") is not None and method.encoder.weights:
         # the checkpoint holds the encoder: the initial weights file is not needed (it may have moved)
-        build = dataclasses.replace(method, encoder=dataclasses.replace(method.encoder, weights=None))
+        build = dataclasses.replace(build, encoder=dataclasses.replace(method.encoder, weights=None))
     encoder, aggregator = build_models(build, endpoint.n_outputs, device="cpu", for_training=False)
     if models.get("encoder") is not None:
         encoder = restore_encoder(method, encoder, models["encoder"], info, where=str(path))
@@ -438,17 +429,17 @@ def load_trained_model(
     encoder.to(device).eval()
     aggregator.to(device).eval()
     stain = None
-    if state.get("stain") is not None:
+    if ckpt.stain is not None:
         from wsi_pipeline.data.stain_slides import StainContext
 
         try:
-            stain = StainContext.from_state(state["stain"])
+            stain = StainContext.from_state(ckpt.stain)
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: its stain normalisation cannot be restored ({e})") from e
         if stain.method == "none":
             stain = None  # stain mixing needed estimates at training time; nothing to apply at inference
     return TrainedModel(
-        encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=n_classes,
-        tiling=state.get("tiling") or config.data.tiling, checkpoint=path, epoch=int(state["epoch"]), seed=int(state.get("seed", 0)),
-        stain_reference=state.get("stain_reference"), endpoint=endpoint, stain=stain,
+        encoder=encoder, aggregator=aggregator, config=config, method=method, n_classes=config.data.n_classes,
+        tiling=ckpt.tiling or config.data.tiling, checkpoint=path, epoch=ckpt.epoch, seed=ckpt.seed,
+        stain_reference=ckpt.stain_reference, endpoint=endpoint, stain=stain,
     )

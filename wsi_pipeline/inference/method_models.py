@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from wsi_pipeline.config.patchgd import PatchGDConfig
-from wsi_pipeline.config.pipeline import MethodConfig, patchgd_mapping, with_patchgd_head
+from wsi_pipeline.config.pipeline import MethodConfig, with_patchgd_head
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "frozen_encoder",
     "frozen_features_dir",
     "load_encoder_state",
+    "num_features",
     "patchgd_method",
     "restore_encoder",
 ]
@@ -171,9 +172,9 @@ def build_models(method: MethodConfig, n_classes: int, *, device: str | torch.de
         encoder = frozen_encoder(method, encoder_weights)
     else:
         encoder = build_method_encoder(method, weights=encoder_weights, training=for_training)
-    dim = int(encoder.num_features)
+    dim = num_features(encoder)
     if method.strategy == "patchgd":
-        aggregator = build_patchgd_head(patchgd_method(method), dim, n_classes)
+        aggregator = build_patchgd_head(method.patchgd_config, dim, n_classes)
     else:
         aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
     encoder.to(device)
@@ -191,9 +192,18 @@ def embed_budget(method: MethodConfig) -> int | None:
 def _embedding_encoder(method: MethodConfig, encoder: nn.Module) -> nn.Module:
     """A ``bigl`` method's inference encoder (plain when a call fits the budget, else Big-Layers)."""
     from wsi_pipeline.bigl import EmbeddingEncoder
+    from wsi_pipeline.models.encoders import ResNet
 
-    return EmbeddingEncoder(encoder, stages=method.bigl.stages, max_elements=method.bigl.max_elements,
+    return EmbeddingEncoder(cast(ResNet, encoder), stages=method.bigl.stages, max_elements=method.bigl.max_elements,
                             budget_bytes=embed_budget(method))
+
+
+def num_features(encoder: nn.Module) -> int:
+    """D, the embedding size of a tile encoder (its ``num_features``)."""
+    n = getattr(encoder, "num_features", None)
+    if n is None:
+        raise TypeError(f"encoder {type(encoder).__name__} has no `num_features` (its embedding size)")
+    return int(n)
 
 
 def patchgd_method(method: MethodConfig) -> MethodConfig:
@@ -205,7 +215,7 @@ def patchgd_method(method: MethodConfig) -> MethodConfig:
 def _bigify(method: MethodConfig, encoder: nn.Module, device: str | torch.device) -> nn.Module:
     from wsi_pipeline.bigl import bigify
 
-    dim = encoder.num_features
+    dim = num_features(encoder)
     big = bigify(encoder, method.bigl.stages, method.bigl.max_elements, device=torch.device(device),
                  device_budget_gb=getattr(method.bigl, "device_budget_gb", None))
     if not hasattr(big, "num_features"):
@@ -232,6 +242,6 @@ def load_encoder_state(method: MethodConfig, encoder: nn.Module, state: dict[str
 
 def build_patchgd_head(method_cfg: Mapping[str, Any] | PatchGDConfig | None, in_dim: int, n_classes: int) -> GridHead:
     """Build the head a method config asks for (``head``, ``head_options``, ``max_grid``, ``proj_dim``)."""
-    cfg = method_cfg if isinstance(method_cfg, PatchGDConfig) else PatchGDConfig.from_mapping(patchgd_mapping(method_cfg))
+    cfg = method_cfg if isinstance(method_cfg, PatchGDConfig) else PatchGDConfig.for_method(method_cfg)
     options = {"max_grid": cfg.max_grid, "proj_dim": cfg.proj_dim, **dict(cfg.head_options)}
     return build_head(cfg.head, in_dim, n_classes, **options)

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from wsi_pipeline.tissue_seg.checkpoint import TissueCheckpoint, TissueResume, load_tissue_checkpoint, save_tissue_checkpoint
 from wsi_pipeline.tissue_seg.chunked import DEFAULT_MAX_ELEMENTS, ChunkedTissueUNet
 from wsi_pipeline.tissue_seg.labels import paper_labels
 from wsi_pipeline.tissue_seg.model import MULTIPLE, TissueUNet
@@ -47,7 +48,6 @@ __all__ = [
     "predict",
 ]
 
-MODEL_KIND = "wsi-pipeline/tissue-unet-v1"
 #: Image px per mask px of the model's output (the total stride of ``up7``).
 MASK_DOWNSAMPLE = 8
 
@@ -260,7 +260,6 @@ def train(
     ``best.pt`` (model of the lowest validation loss; read by :func:`load_tissue_model`).
     """
     from wsi_pipeline.bigl.chunk_loop import ChunkRunner
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -280,13 +279,15 @@ def train(
     start = 0
     last = out / "last.pt"
     if last.is_file():
-        state = load_checkpoint(last)
-        if json.loads(state["settings"]) != settings:
-            raise ValueError(f"{last} was written with other settings ({state['settings']}); now {json.dumps(settings)}: "
+        ckpt = load_tissue_checkpoint(last)
+        if ckpt.resume is None or ckpt.best is None:
+            raise ValueError(f"{last} holds no optimiser state (a best.pt copied over it?); delete it to start over")
+        if json.loads(ckpt.resume.settings) != settings:
+            raise ValueError(f"{last} was written with other settings ({ckpt.resume.settings}); now {json.dumps(settings)}: "
                              "use another --out or delete it to start over")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        history, best, start = list(state["history"]), dict(state["best"]), int(state["epoch"])
+        model.load_state_dict(ckpt.model)
+        opt.load_state_dict(ckpt.resume.optimizer)
+        history, best, start = list(ckpt.resume.history), dict(ckpt.best), ckpt.resume.epoch
         log(f"resuming from {last} after epoch {start}")
     big = ChunkedTissueUNet(model, ChunkRunner(device), max_elements)
     cache = out / "cache"
@@ -309,10 +310,9 @@ def train(
         history.append(row)
         if val_loss < best["val_loss"]:
             best = {"epoch": epoch + 1, "val_loss": val_loss, "val_dice": val_dice}
-            save_checkpoint(out / "best.pt", {"kind": MODEL_KIND, "channels": int(channels), "mpp": float(mpp),
-                                              "model": model.state_dict(), "best": best})
-        save_checkpoint(last, {"kind": MODEL_KIND, "settings": json.dumps(settings), "model": model.state_dict(),
-                               "optimizer": opt.state_dict(), "epoch": epoch + 1, "history": history, "best": best})
+            save_tissue_checkpoint(out / "best.pt", TissueCheckpoint.build(model, mpp=mpp, best=best))
+        resume = TissueResume(settings=json.dumps(settings), optimizer=opt.state_dict(), epoch=epoch + 1, history=history)
+        save_tissue_checkpoint(last, TissueCheckpoint.build(model, mpp=mpp, best=best, resume=resume))
         _write_json(out / "history.json", history)
         log(f"epoch {epoch + 1}/{epochs}: train loss {row['train_loss']:.4f}, val loss {val_loss:.4f}, "
             f"val Dice {val_dice:.4f}, best epoch {best['epoch']} ({row['seconds']:.1f} s)")
@@ -324,17 +324,13 @@ def load_tissue_model(path: str | os.PathLike, device: str = "cpu") -> tuple[Tis
 
     Read with ``torch.load(weights_only=True)``; a file that is not a tissue model is refused.
     """
-    from wsi_pipeline.inference.checkpoint import load_checkpoint
-
     p = Path(path)
     if p.is_dir():
         p = p / "best.pt"
-    state = load_checkpoint(p)
-    if state.get("kind") != MODEL_KIND:
-        raise ValueError(f"{p} is not a tissue model (kind {state.get('kind')!r}, expected {MODEL_KIND!r})")
-    model = TissueUNet(int(state["channels"]))
-    model.load_state_dict(state["model"])
-    return model.to(device).eval(), float(state["mpp"])
+    ckpt = load_tissue_checkpoint(p)
+    model = TissueUNet(ckpt.channels)
+    model.load_state_dict(ckpt.model)
+    return model.to(device).eval(), ckpt.mpp
 
 
 def predict_mask(model: TissueUNet, grey: np.ndarray, valid: tuple[int, int] | None = None, *,

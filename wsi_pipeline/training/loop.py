@@ -31,6 +31,7 @@ mode, subsets re-run the aggregator only: :func:`wsi_pipeline.inference.protocol
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -43,11 +44,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_to_dict, method_by_name, save_config
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, method_by_name, save_config
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.inference.checkpoint import capture_rng, save_checkpoint
+from wsi_pipeline.inference.checkpoint import capture_rng, save_run_checkpoint
+from wsi_pipeline.inference.run_checkpoint import ResumeState, RunCheckpoint
 from wsi_pipeline.inference.method_models import build_models, encoder_checkpoint, frozen_features_dir, random_encoder_note, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.training.memory import MemoryPrediction, check_fits, predict_memory, write_memory_record
@@ -383,20 +385,16 @@ def _checkpoint(run: _Run, improved: bool) -> None:
     """``history.csv``, ``best.pt`` when ``improved``, then ``last.pt`` (everything needed to resume)."""
     write_history(run.history, run.run_dir / "history.csv")
     models, encoder_info = _model_states(run)
-    common = {"encoder_info": encoder_info,"config": config_to_dict(run_config(run.config, run.method, run.seed)), "method": config_to_dict(run.method),
-              "seed": run.seed, "epoch": run.history[-1]["epoch"],
-              **({"tiling": run.plan.tiling} if run.plan.tiling is not None else {}),
-              **({"stain_reference": run.plan.stain} if run.plan.stain is not None else {}),
-              "endpoint": run.strategy.endpoint.to_state(),
-              # the fitted normalisation (plain containers; its "method" and stain_normalise name it)
-              "stain_normalise": run.config.data.stain.normalise,
-              **({"stain": run.plan.stain_ctx.state()} if run.plan.stain_ctx is not None else {})}
+    ckpt = RunCheckpoint.build(
+        run_config(run.config, run.method, run.seed), run.method, seed=run.seed, epoch=run.history[-1]["epoch"],
+        models=models, endpoint=run.strategy.endpoint, encoder_info=encoder_info, best=run.best, tiling=run.plan.tiling,
+        stain_reference=run.plan.stain, stain=run.plan.stain_ctx.state() if run.plan.stain_ctx is not None else None,
+    )
     if improved:
-        save_checkpoint(run.run_dir / "best.pt", {**common, "models": models, "best": run.best})
-    save_checkpoint(run.run_dir / "last.pt", {
-        **common, "models": models, "optimizer": run.optimizer.state_dict(), "scheduler": run.schedule.state_dict(),
-        "rng": capture_rng(), "best": run.best, "history": run.history,
-    })
+        save_run_checkpoint(run.run_dir / "best.pt", ckpt)
+    resume = ResumeState(optimizer=run.optimizer.state_dict(), scheduler=run.schedule.state_dict(), rng=capture_rng(),
+                         history=run.history)
+    save_run_checkpoint(run.run_dir / "last.pt", dataclasses.replace(ckpt, resume=resume))
 
 
 def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -97,8 +97,7 @@ from torch import Tensor, nn
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
-from wsi_pipeline.config.patchgd import PatchGDConfig
-from wsi_pipeline.config.pipeline import patchgd_mapping
+from wsi_pipeline.config.patchgd import PatchGDConfig, resolve_patchgd_options
 from wsi_pipeline.inference.method_models import build_patchgd_head
 from wsi_pipeline.training.patchgd_plan import BatchPlan, plan_batch
 from wsi_pipeline.types import TileStoreLike
@@ -157,8 +156,8 @@ class PatchGDTrainer:
 
     Parameters
     ----------
-    method_cfg : the method's config mapping; its ``patchgd`` entry is validated into
-        :class:`PatchGDConfig` (a bare ``patchgd`` mapping or a :class:`PatchGDConfig` works too).
+    method_cfg : the method's parsed options (:attr:`~wsi_pipeline.config.pipeline.MethodConfig.patchgd_config`),
+        or a method config mapping / bare ``patchgd`` mapping, parsed here (:meth:`PatchGDConfig.for_method`).
     encoder : tile encoder, [B, 3, T, T] -> [B, D], with ``num_features`` = D.
     head : a :class:`~wsi_pipeline.models.heads.GridHead`; None builds the configured one
         (:func:`build_patchgd_head`; put its parameters in the optimiser via :attr:`head`).
@@ -171,10 +170,10 @@ class PatchGDTrainer:
     """
 
     def __init__(self, method_cfg: Mapping[str, Any] | PatchGDConfig | None, encoder: nn.Module, head: GridHead | None, n_classes: int) -> None:
-        if isinstance(method_cfg, PatchGDConfig):
-            self.cfg, explicit = method_cfg, set()
+        if isinstance(method_cfg, PatchGDConfig):  # a method's parsed options (MethodConfig.patchgd_config)
+            self.cfg, explicit = method_cfg, set[str]()
         else:
-            options = patchgd_mapping(method_cfg)
+            options = resolve_patchgd_options(method_cfg)
             self.cfg, explicit = PatchGDConfig.from_mapping(options), set(options)
         self.encoder = encoder
         self.n_classes = int(n_classes)

@@ -1,6 +1,6 @@
 """A run folder ``<runs_dir>/<pipeline>/<method>/seed<k>/``: its config, resuming it, its history and ``done`` marker.
 
-Checkpoints themselves are written by the loop (:func:`wsi_pipeline.inference.checkpoint.save_checkpoint`).
+Checkpoints themselves are written by the loop (:func:`wsi_pipeline.inference.checkpoint.save_run_checkpoint`).
 One process trains a run folder at a time: :func:`run_lock` holds ``training.lock`` in it (the
 tiler's lock files: a lock whose process is gone is taken over), and the holder removes the
 temporary files a killed run left (:func:`clean_temporary_files`).
@@ -21,8 +21,8 @@ from typing import Any
 import pandas as pd
 import torch
 
-from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_from_dict, config_to_dict, upgrade_saved_config
-from wsi_pipeline.inference.checkpoint import load_checkpoint, restore_rng
+from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_to_dict, upgrade_saved_config
+from wsi_pipeline.inference.checkpoint import load_run_checkpoint, restore_rng
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
 __all__ = [
@@ -75,9 +75,8 @@ def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
     """Raise ``ValueError`` listing the differences when ``run_dir/last.pt`` was trained with another config
     than ``config`` (the run's, :func:`run_config`); device and output folders may differ."""
-    state = load_checkpoint(run_dir / "last.pt")
     # through today's builder: keys added since the run was saved (e.g. a method's task) take their defaults
-    saved = config_to_dict(config_from_dict(upgrade_saved_config(state["config"])))
+    saved = config_to_dict(load_run_checkpoint(run_dir / "last.pt").pipeline_config())
     diff = _config_diff(saved, config_to_dict(config))
     if diff:
         raise ValueError(
@@ -96,16 +95,19 @@ def resume(
     holding only a foundation encoder's trained tensors, see
     :func:`wsi_pipeline.inference.method_models.encoder_checkpoint`); else every module loads strictly.
     """
-    state = load_checkpoint(last)  # on the CPU: RNG states must stay there; load_state_dict moves the rest
+    ckpt = load_run_checkpoint(last)  # on the CPU: RNG states must stay there; load_state_dict moves the rest
+    if ckpt.resume is None or ckpt.best is None:
+        raise ValueError(f"{last} holds no optimiser, schedule and RNG states (a best.pt copied over it?); "
+                         "delete it to start the run over")
     for name, module in modules.items():
         if name == "encoder" and restore_encoder is not None:
-            restore_encoder(module, state["models"][name], state.get("encoder_info"))
+            restore_encoder(module, ckpt.models[name], ckpt.encoder_info)
         else:
-            module.load_state_dict(state["models"][name])
-    optimizer.load_state_dict(state["optimizer"])
-    schedule.load_state_dict(state["scheduler"])
-    restore_rng(state["rng"])
-    return list(state["history"]), dict(state["best"]), int(state["epoch"])
+            module.load_state_dict(ckpt.models[name])
+    optimizer.load_state_dict(ckpt.resume.optimizer)
+    schedule.load_state_dict(ckpt.resume.scheduler)
+    restore_rng(ckpt.resume.rng)
+    return list(ckpt.resume.history), dict(ckpt.best), ckpt.epoch
 
 
 @contextlib.contextmanager

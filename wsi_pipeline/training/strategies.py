@@ -46,12 +46,11 @@ from wsi_pipeline.data.augment import SlideAugment, tiles_to_input
 from wsi_pipeline.data.bags import Bag, FeatureReader, Slide, TileReader
 from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
-from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.types import TileStoreLike
 from wsi_pipeline.inference.endpoints import plain_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
-from wsi_pipeline.inference.method_models import embed_budget, build_models, patchgd_method
+from wsi_pipeline.inference.method_models import embed_budget, build_models
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.epoch import bag_epoch, seed_torch, slide_batch_epoch
@@ -516,12 +515,12 @@ class PatchGDStrategy(Strategy):
         super().__init__(method, n_classes, device, endpoint)
         from wsi_pipeline.training.patchgd import PatchGDTrainer
 
-        self.impl = PatchGDTrainer(patchgd_method(method), self.encoder, self.aggregator, n_classes)
+        self.impl = PatchGDTrainer(method.patchgd_config, self.encoder, self.aggregator, n_classes)
 
     @classmethod
     def check(cls, method: MethodConfig) -> None:
         super().check(method)
-        PatchGDConfig.from_mapping(dict(patchgd_method(method).patchgd))
+        _ = method.patchgd_config  # parsed (and checked) once per method config
 
     @property
     def slides_per_batch(self) -> int:
