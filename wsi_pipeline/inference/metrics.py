@@ -20,7 +20,7 @@ from wsi_pipeline.tasks.metrics import (  # noqa: F401  (the old import path)
     summarise_repeats,
 )
 
-from wsi_pipeline.tasks import ENDPOINT_VALIDATION_METRICS
+from wsi_pipeline.tasks import ENDPOINT_VALIDATION_METRICS  # noqa: F401  (the old import path)
 from wsi_pipeline.tasks.base import LOWER_IS_BETTER  # noqa: F401  (the old import path)
 
 __all__: list[str] = []  # the names' home is wsi_pipeline.tasks (ENDPOINT_VALIDATION_METRICS) and wsi_pipeline.tasks.metrics
