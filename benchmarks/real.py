@@ -160,7 +160,7 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
 
     from wsi_pipeline.data.store import open_store, store_path
     from wsi_pipeline.data.tensors import tiles_to_tensor
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     per: dict[str, list[float]] = {}
     pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}

@@ -42,7 +42,7 @@ def _without_checksums() -> Iterator[None]:
     import wsi_pipeline.data.codecs as codecs
     import wsi_pipeline.data.store as store
 
-    import wsi_pipeline.inference.checkpoint as ck
+    import wsi_pipeline.checkpoints.files as ck
 
     saved = (codecs.checksum_codec, store.checksum_codec, store._chunk_files, store._check_files)
     saved_ck = (ck._HashingWriter.write, ck.verify_checkpoint, ck._write_hashes, ck.state_digest)
@@ -115,8 +115,8 @@ def _read_all(path: Path) -> None:
 
 def _checkpoint(folder: Path, arch: str) -> Callable[[], None]:
     """Save and load a checkpoint of ``arch``'s weights plus Adam-like state (as ``last.pt`` holds)."""
-    from wsi_pipeline.inference.checkpoint import load_run_checkpoint, save_run_checkpoint
-    from wsi_pipeline.inference.run_checkpoint import ResumeState, RunCheckpoint
+    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
+    from wsi_pipeline.checkpoints.run import ResumeState, RunCheckpoint
     from wsi_pipeline.models import build_encoder
 
     enc = build_encoder(arch)

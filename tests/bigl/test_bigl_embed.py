@@ -134,7 +134,7 @@ def test_embedding_encoder_rejects_bad_arguments():
 
 def test_bigl_strategy_validates_and_evaluates_through_the_embedding_encoder():
     from wsi_pipeline.config.pipeline import BiglConfig, EncoderConfig, MethodConfig
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.methods.models import build_models
     from wsi_pipeline.training.strategies import build_strategy
 
     method = MethodConfig(name="m", strategy="bigl", encoder=EncoderConfig(name="resnet18"),

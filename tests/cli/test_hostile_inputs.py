@@ -326,7 +326,7 @@ def _flip(path: Path, at: int, n: int) -> None:
 def test_flipped_checkpoint_bytes_are_refused(tmp_path):
     import torch
 
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.checkpoints.files import load_checkpoint, save_checkpoint
 
     p = save_checkpoint(tmp_path / "best.pt", {"models": {"w": torch.linspace(0, 1, 4096)}, "epoch": 3})
     assert load_checkpoint(p)["epoch"] == 3
@@ -341,7 +341,7 @@ def test_flipped_checkpoint_bytes_are_refused(tmp_path):
 def test_a_crash_between_checkpoint_and_its_hash_still_loads(tmp_path, monkeypatch):
     import torch
 
-    import wsi_pipeline.inference.checkpoint as ck
+    import wsi_pipeline.checkpoints.files as ck
 
     p = ck.save_checkpoint(tmp_path / "last.pt", {"models": {"w": torch.ones(3)}, "epoch": 1})
     real_replace = os.replace
@@ -429,7 +429,7 @@ def test_error_messages_quote_long_values_shortly(tmp_path, capsys):
 
 
 def test_train_on_a_full_disk_is_one_line(store_cohort, shared, tmp_path, monkeypatch, capsys):
-    import wsi_pipeline.inference.checkpoint as ck
+    import wsi_pipeline.checkpoints.files as ck
 
     cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1})
 
@@ -699,7 +699,7 @@ def test_an_unreadable_training_lock_is_held_by_unknown_never_trained(content, s
 def test_a_full_disk_inside_torchs_zip_writer_is_one_line_and_a_rerun_continues(store_cohort, shared, tmp_path,
                                                                                 monkeypatch, capsys):
     """torch's writer turns an ENOSPC part way through into ``RuntimeError: [enforce fail at inline_container.cc]``."""
-    import wsi_pipeline.inference.checkpoint as ck
+    import wsi_pipeline.checkpoints.files as ck
 
     cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 2})
     real = ck._HashingWriter.write
@@ -913,7 +913,7 @@ def test_a_checkpoint_copied_without_its_sidecar_still_verifies_itself(shared, t
     """best.pt alone on another machine with 8 flipped bytes inside a tensor: refused, never predicted with."""
     import torch
 
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.checkpoints.files import load_checkpoint, save_checkpoint
 
     p = save_checkpoint(tmp_path / "a" / "best.pt", {"models": {"w": torch.linspace(0, 1, 4096)}, "epoch": 3})
     p.with_name("best.pt.sha256").unlink()  # copied alone
@@ -939,7 +939,7 @@ def test_a_checkpoint_copied_without_its_sidecar_still_verifies_itself(shared, t
 def test_an_unverifiable_checkpoint_is_refused_unless_trusted(tmp_path):
     import torch
 
-    from wsi_pipeline.inference import checkpoint as ck
+    from wsi_pipeline.checkpoints import files as ck
 
     p = tmp_path / "old.pt"
     torch.save({"format": ck.FORMAT, "models": {"w": torch.ones(3)}, "epoch": 1}, p)  # no digest, no sidecar
@@ -973,7 +973,7 @@ def test_predict_takes_trust_unverified_for_an_old_checkpoint(shared, small_slid
             "--no-heatmaps", "--allow-other-tiling", "--device", "cpu", "--workers", "0"]
     assert main(argv) == 2 and "--trust-unverified" in capsys.readouterr().err
     assert main(argv + ["--trust-unverified"]) == 0
-    from wsi_pipeline.inference import checkpoint as ck
+    from wsi_pipeline.checkpoints import files as ck
 
     with pytest.raises(ValueError, match="cannot be verified"):  # the flag lasts one command
         ck.load_checkpoint(old)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipeline_helpers import make_config
-from wsi_pipeline.inference.checkpoint import load_run_checkpoint
+from wsi_pipeline.checkpoints.files import load_run_checkpoint
 
 # train, and touch a flag file once the first epoch's checkpoint exists
 TRAIN_AND_FLAG = r"""

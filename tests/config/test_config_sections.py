@@ -118,7 +118,7 @@ def test_patchgd_head_is_named_once():
     """The aggregator entry names the head unless ``patchgd.head`` does; ``inference`` uses the same rule."""
     from wsi_pipeline.config.patchgd import PatchGDConfig
     from wsi_pipeline.config.pipeline import patchgd_mapping, with_patchgd_head
-    from wsi_pipeline.inference.method_models import patchgd_method
+    from wsi_pipeline.methods.models import patchgd_method
 
     cfg = config_from_dict(_patchgd(aggregator={"name": "transformer", "options": {"dim": 8, "dropout": 0.1}},
                                     patchgd={"head_options": {"dim": 16}}, encoder={"bn": "train"}))

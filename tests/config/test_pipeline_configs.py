@@ -52,12 +52,12 @@ _BUILT: set[str] = set()  # models already built and run by an earlier method (t
 def test_every_config_loads_and_its_methods_build(path):
     """Each method passes its strategy's checks, and its models build and map a 3-tile bag to C logits."""
     from wsi_pipeline.config.pipeline import config_to_dict
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.methods.models import build_models
     from wsi_pipeline.inference.protocols import run_aggregator
     from wsi_pipeline.models import ENCODERS
     from wsi_pipeline.training.strategies import check_strategy
 
-    from wsi_pipeline.inference.endpoints import endpoint_outputs
+    from wsi_pipeline.methods.endpoints import endpoint_outputs
 
     cfg = load_config(path)
     tiles = torch.rand(3, 3, 32, 32)

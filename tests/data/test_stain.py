@@ -138,7 +138,7 @@ def test_the_result_does_not_depend_on_tile_order_or_batch():
 
 
 def test_the_stored_normaliser_reloads_bit_exactly_through_json_and_a_checkpoint(tmp_path):
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, save_checkpoint
+    from wsi_pipeline.checkpoints.files import load_checkpoint, save_checkpoint
 
     ests = {f"s{i}": estimate_stain(paint(10 + i, gain=(1 + 0.1 * i, 1 - 0.05 * i))) for i in range(4)}
     target, n = fit_target(ests.values(), "macenko")

@@ -16,7 +16,8 @@ import torch
 from wsi_pipeline.config.pipeline import load_config
 from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.data.tensors import tiles_to_tensor
-from wsi_pipeline.inference.checkpoint import load_checkpoint, load_run_checkpoint, load_trained_model
+from wsi_pipeline.checkpoints.files import load_checkpoint, load_run_checkpoint
+from wsi_pipeline.inference.trained import load_trained_model
 from wsi_pipeline.models import foundation as fm
 from wsi_pipeline.training.loop import train_pipeline
 

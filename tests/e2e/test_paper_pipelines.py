@@ -65,9 +65,9 @@ PROTOCOLS = ["all", "sub4x3"]
 def evaluated(tmp_path_factory):
     """Three methods x three seeds (``abmil_frozen`` seed 2 unfinished) saved as trained runs, evaluated."""
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
-    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.checkpoints.files import save_run_checkpoint
+    from wsi_pipeline.checkpoints.run import RunCheckpoint
+    from wsi_pipeline.methods.models import build_models
     from wsi_pipeline.manifests.schema import read_manifest, write_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
 

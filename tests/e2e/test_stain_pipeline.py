@@ -59,7 +59,8 @@ def trained(tmp_path_factory):
 def test_the_normaliser_is_fitted_on_the_training_split_and_stored_with_the_run(trained):
     from wsi_pipeline.data.stain import estimate_stain, fit_target
     from wsi_pipeline.data.stain_stats import even_indices
-    from wsi_pipeline.inference.checkpoint import load_checkpoint, load_trained_model
+    from wsi_pipeline.checkpoints.files import load_checkpoint
+    from wsi_pipeline.inference.trained import load_trained_model
 
     cfg, man = trained["cfg"], trained["manifest"]
     run = cfg.run_dir("e2e", 0)
@@ -86,7 +87,7 @@ def test_frozen_features_record_the_normalisation_in_their_cache_key(trained, ca
 
     from wsi_pipeline.data.stain import StainNormaliser
     from wsi_pipeline.data.stain_slides import StainContext
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
     from wsi_pipeline.inference.features import extract_features, features_path
 
     cfg, man = trained["cfg"], trained["manifest"]
@@ -121,7 +122,9 @@ def test_predict_applies_the_stored_normaliser_and_a_fluorescence_slide_falls_ba
     import copy
     import dataclasses
 
-    from wsi_pipeline.inference.checkpoint import load_run_checkpoint, load_trained_model, save_run_checkpoint
+    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
+
+    from wsi_pipeline.inference.trained import load_trained_model
     from wsi_pipeline.synthetic.cohort import EXTERNAL_TINT
     from wsi_pipeline.synthetic.stores import make_store_cohort
 

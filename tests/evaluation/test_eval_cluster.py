@@ -10,9 +10,9 @@ import torch
 
 from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
 from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-from wsi_pipeline.inference.checkpoint import save_run_checkpoint
-from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
-from wsi_pipeline.inference.method_models import build_models
+from wsi_pipeline.checkpoints.files import save_run_checkpoint
+from wsi_pipeline.checkpoints.run import RunCheckpoint
+from wsi_pipeline.methods.models import build_models
 from wsi_pipeline.manifests.schema import read_manifest, write_manifest
 
 pytestmark = pytest.mark.slow

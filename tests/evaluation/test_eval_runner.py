@@ -1,7 +1,7 @@
 """The evaluation stage end to end, on hand-built run folders (checkpoints saved here) over tiny store cohorts.
 
 The models are randomly initialised ResNet-18 + ABMIL saved in the checkpoint format of
-:mod:`wsi_pipeline.inference.checkpoint`; what is checked is that evaluation reproduces what the
+:mod:`wsi_pipeline.checkpoints.files`; what is checked is that evaluation reproduces what the
 saved model computes, follows the schemas, and orders its work correctly.
 """
 
@@ -46,9 +46,9 @@ def _raw_config(tmp, manifest, seeds):
 
 
 def _save_run(cfg, seed, done=True):
-    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
-    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.checkpoints.files import save_run_checkpoint
+    from wsi_pipeline.checkpoints.run import RunCheckpoint
+    from wsi_pipeline.methods.models import build_models
 
     torch.manual_seed(seed)
     enc, agg = build_models(cfg.methods[0], 2, for_training=False)
@@ -78,7 +78,7 @@ def evaluated(tmp_path_factory):
 
     # record the order of model loads and test-store reads
     import wsi_pipeline.evaluation.evaluate as runner_mod
-    import wsi_pipeline.inference.checkpoint as ckpt_mod
+    import wsi_pipeline.checkpoints.files as ckpt_mod
 
     events = []
     orig_load, orig_open = ckpt_mod.load_trained_model, runner_mod.open_store
@@ -122,7 +122,7 @@ def test_model_fixed_before_test_slides_and_unfinished_runs_skipped(evaluated):
 
 
 def test_predictions_schema_and_values_match_the_saved_model(evaluated):
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
     man = evaluated["manifest"]
@@ -150,7 +150,7 @@ def test_predictions_schema_and_values_match_the_saved_model(evaluated):
 def test_metrics_json_matches_sklearn_on_the_predictions(evaluated):
     from wsi_pipeline.config.evaluation import EvalProtocol
     from wsi_pipeline.inference.protocols import protocol_rng, subset_indices
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     cfg, out = evaluated["cfg"], evaluated["summary"].results_dir
     recs = json.loads((out / "metrics.json").read_text())["records"]

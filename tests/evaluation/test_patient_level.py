@@ -55,10 +55,10 @@ def _cohort(tmp):
 def _evaluate(tmp, manifest, task: str, pool: str):
     from wsi_pipeline.config.pipeline import config_from_dict
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
-    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
-    from wsi_pipeline.inference.endpoints import Endpoint
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.checkpoints.files import save_run_checkpoint
+    from wsi_pipeline.checkpoints.run import RunCheckpoint
+    from wsi_pipeline.methods.endpoints import Endpoint
+    from wsi_pipeline.methods.models import build_models
 
     method = {"name": "m", "strategy": "full", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}, "chunk_size": 16}
     data = {"manifest": str(manifest), "tiles_dir": str(tmp / "data" / "tiles")}
@@ -174,10 +174,10 @@ def test_predict_exports_risk_and_the_discrete_time_survival_curve(cohort, tmp_p
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.data.tensors import tiles_to_tensor
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import save_run_checkpoint
-    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
-    from wsi_pipeline.inference.endpoints import Endpoint
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.checkpoints.files import save_run_checkpoint
+    from wsi_pipeline.checkpoints.run import RunCheckpoint
+    from wsi_pipeline.methods.endpoints import Endpoint
+    from wsi_pipeline.methods.models import build_models
 
     tmp, manifest = cohort
     method = {"name": "d", "strategy": "full", "task": "survival", "loss": "nll_discrete", "loss_options": {"bins": 3},
@@ -217,7 +217,7 @@ def test_patient_bags_train_and_evaluate(cohort):
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.data.tensors import tiles_to_tensor
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
     from wsi_pipeline.training.loop import train_pipeline
 
     tmp, manifest = cohort

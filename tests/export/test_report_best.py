@@ -186,10 +186,11 @@ def test_evaluation_draws_heatmaps_of_the_run_best_on_validation(tmp_path):
     from wsi_pipeline.manifests.schema import read_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.data.store import open_store, store_path
-    from wsi_pipeline.inference.checkpoint import load_trained_model, save_run_checkpoint
-    from wsi_pipeline.inference.run_checkpoint import RunCheckpoint
+    from wsi_pipeline.checkpoints.files import save_run_checkpoint
+    from wsi_pipeline.inference.trained import load_trained_model
+    from wsi_pipeline.checkpoints.run import RunCheckpoint
     from wsi_pipeline.config.pipeline import config_from_dict
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.methods.models import build_models
 
     manifest = make_store_cohort(tmp_path / "data", n_slides=8, tiles_per_slide=(12, 20), seed=0)
     raw = {"name": "t", "seeds": [0, 1], "runs_dir": str(tmp_path / "runs"), "results_dir": str(tmp_path / "results"),

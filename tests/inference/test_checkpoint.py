@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from wsi_pipeline.inference.checkpoint import FORMAT, capture_rng, load_checkpoint, restore_rng, save_checkpoint
+from wsi_pipeline.checkpoints.files import FORMAT, capture_rng, load_checkpoint, restore_rng, save_checkpoint
 
 
 class Payload:

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from wsi_pipeline.config.pipeline import config_from_dict
-from wsi_pipeline.inference.checkpoint import load_checkpoint, load_run_checkpoint, save_run_checkpoint
-from wsi_pipeline.inference.checkpoint_migrations import MIGRATIONS, SCHEMA_VERSION, migrate
-from wsi_pipeline.inference.endpoints import Endpoint
-from wsi_pipeline.inference.run_checkpoint import ResumeState, RunCheckpoint
+from wsi_pipeline.checkpoints.files import load_checkpoint, load_run_checkpoint, save_run_checkpoint
+from wsi_pipeline.checkpoints.migrations import MIGRATIONS, SCHEMA_VERSION, migrate
+from wsi_pipeline.methods.endpoints import Endpoint
+from wsi_pipeline.checkpoints.run import ResumeState, RunCheckpoint
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "checkpoints"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
@@ -142,7 +142,7 @@ def test_build_is_the_one_constructor_and_the_file_round_trips(tmp_path) -> None
 def test_tissue_checkpoints_of_the_previous_layout_load(tmp_path) -> None:
     """The shipped U-Net (a version-1 ``best.pt``) and a version-1 ``last.pt`` (channels and mpp only in its
     settings JSON), as the previous release wrote them, load through the tissue migration."""
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.checkpoints.files import save_checkpoint
     from wsi_pipeline.tissue_seg.checkpoint import MODEL_KIND, TissueCheckpoint, load_tissue_checkpoint, save_tissue_checkpoint
     from wsi_pipeline.tissue_seg.model import TissueUNet
     from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
@@ -173,8 +173,8 @@ def test_a_patchgd_checkpoint_keeps_the_options_it_was_trained_with(tmp_path) ->
     import dataclasses
 
     from wsi_pipeline.config.patchgd import PatchGDConfig
-    from wsi_pipeline.inference.checkpoint import load_trained_model
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.inference.trained import load_trained_model
+    from wsi_pipeline.methods.models import build_models
 
     cfg = config_from_dict({"name": "p", "data": {"manifest": "m.csv", "tiles_dir": "t", "n_classes": 2},
                             "methods": [{"name": "pg", "strategy": "patchgd", "encoder": {"name": "ilse_cnn"},

@@ -105,7 +105,7 @@ def trained(tmp_path_factory):
 
 @pytest.mark.slow
 def test_training_saves_the_training_tiles_stain_summary(trained):
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     cfg, man = trained["cfg"], trained["manifest"]
     tm = load_trained_model(cfg.run_dir("m", 0))
@@ -119,7 +119,7 @@ def test_predict_flags_a_fluorescence_slide_and_still_predicts_it(trained, tmp_p
     from wsi_pipeline.cli.main import main
     from wsi_pipeline.synthetic.cohort import EXTERNAL_TINT
     from wsi_pipeline.synthetic.stores import make_store_cohort
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     cfg, man = trained["cfg"], trained["manifest"]
     stores = tmp_path / "stores"
@@ -166,7 +166,7 @@ def test_a_checkpoint_without_a_summary_uses_the_training_stores_or_says_it_cann
     import torch
 
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import load_run_checkpoint, save_run_checkpoint
+    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
 
     cfg = trained["cfg"]
     ckpt = load_run_checkpoint(cfg.run_dir("m", 0) / "best.pt")

@@ -65,7 +65,7 @@ def test_weights_cli_where_names_the_path_and_exits_1_when_missing(tmp_path, mon
 
 def test_random_init_note_names_the_method_and_the_fix_and_is_silent_with_weights():
     from wsi_pipeline.config.pipeline import config_from_dict
-    from wsi_pipeline.inference.method_models import random_encoder_note
+    from wsi_pipeline.methods.models import random_encoder_note
 
     raw = {"name": "t", "data": {"manifest": "m.csv", "tiles_dir": "t", "n_classes": 2},
            "methods": [{"name": "base", "strategy": "frozen", "encoder": {"name": "resnet18"}},

@@ -35,7 +35,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("data",),  # tile stores, bags, augmentation, stain statistics
     ("config",),  # the pipeline schema and its builder (choices come from the registries, the store, the readers)
     ("jobs",),  # where per-slide work runs (local pool, Dask)
-    ("inference",),  # shared by training and evaluation: models from a config, embedding, scoring, metrics
+    ("methods",),  # models from a method's config: encoder, aggregator or PatchGD head, endpoint
+    ("checkpoints",),  # the typed run checkpoint, its migrations, the checkpoint file layer
+    ("inference",),  # shared by training and evaluation: a trained model, scoring protocols, frozen features
     ("manifests",),  # stage: cohort manifests and splits
     ("synthetic",),  # stage: generated slides and cohorts (demo, tests, benchmarks)
     ("tissue_seg",),  # stage: the whole-slide tissue U-Net (used by tiling)
@@ -48,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "failures", "slides", "models", "bigl", "tasks", "config", "data", "jobs", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "failures", "slides", "models", "bigl", "tasks", "config", "data", "jobs", "methods", "checkpoints", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 

@@ -42,7 +42,7 @@ def _config(root, manifest, tiles, name, tiling=None):
 @pytest.mark.slow
 def test_predict_tiles_new_slides_as_the_training_stores_were_tiled(tiled, tmp_path):
     from wsi_pipeline.evaluation.predict import predict_slides
-    from wsi_pipeline.inference.checkpoint import load_run_checkpoint
+    from wsi_pipeline.checkpoints.files import load_run_checkpoint
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.training.loop import train_pipeline
 

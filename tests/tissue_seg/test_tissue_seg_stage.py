@@ -109,7 +109,7 @@ def test_predict_writes_mask_overlay_and_record(slide_dir: Path, tmp_path: Path)
 
 
 def test_bad_model_file_is_refused(tmp_path: Path) -> None:
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.checkpoints.files import save_checkpoint
 
     save_checkpoint(tmp_path / "x.pt", {"kind": "other"})
     with pytest.raises(ValueError, match="not a tissue model"):

@@ -12,7 +12,7 @@ from torch import nn
 
 from wsi_pipeline.config.model import EncoderConfig
 from wsi_pipeline.config.schema import build
-from wsi_pipeline.inference.method_models import build_method_encoder
+from wsi_pipeline.methods.models import build_method_encoder
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.models.finetune import LoRALinear, trained_state
 from wsi_pipeline.training.accumulate import accumulate_step, default_loss

@@ -705,7 +705,7 @@ def _raw_pipeline(methods):
 
 def test_paper_preset_fills_in_the_papers_settings_and_explicit_keys_win():
     from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict
-    from wsi_pipeline.inference.method_models import patchgd_method
+    from wsi_pipeline.methods.models import patchgd_method
 
     cfg = config_from_dict(_raw_pipeline([
         {"name": "paper", "strategy": "patchgd", "patchgd": {"preset": "paper"}},
@@ -833,7 +833,7 @@ def test_a_methods_patchgd_options_are_parsed_once_and_stored_as_plain_versioned
     same object to the strategy check, the head builder and the trainer; its state round-trips through
     ``torch.load(weights_only=True)`` with a schema version."""
     from wsi_pipeline.config.pipeline import config_from_dict
-    from wsi_pipeline.inference.method_models import build_patchgd_head
+    from wsi_pipeline.methods.models import build_patchgd_head
     from wsi_pipeline.training.strategies import check_strategy
 
     cfg = config_from_dict(_raw_pipeline([

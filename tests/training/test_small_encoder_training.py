@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from wsi_pipeline.cli.main import main
-from wsi_pipeline.inference.checkpoint import load_run_checkpoint, load_trained_model
+from wsi_pipeline.checkpoints.files import load_run_checkpoint
+from wsi_pipeline.inference.trained import load_trained_model
 
 from pipeline_helpers import make_config
 

@@ -27,7 +27,7 @@ from wsi_pipeline.data.bags import Bag, Slide
 from wsi_pipeline.inference.features import features_path, read_features
 from wsi_pipeline.models import build_encoder
 from wsi_pipeline.data.store import open_store
-from wsi_pipeline.inference.checkpoint import load_run_checkpoint
+from wsi_pipeline.checkpoints.files import load_run_checkpoint
 from wsi_pipeline.config.pipeline import AugmentConfig, load_config
 from wsi_pipeline.training.strategies import build_strategy
 

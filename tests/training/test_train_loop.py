@@ -28,7 +28,8 @@ from wsi_pipeline.data.augment import AugmentParams, SlideAugment, tiles_to_inpu
 from wsi_pipeline.data.bags import epoch_plan
 from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.manifests import ManifestError
-from wsi_pipeline.inference.checkpoint import load_checkpoint, load_run_checkpoint, load_trained_model
+from wsi_pipeline.checkpoints.files import load_checkpoint, load_run_checkpoint
+from wsi_pipeline.inference.trained import load_trained_model
 from wsi_pipeline.config.pipeline import AugmentConfig, BagStatisticsWarning, load_config
 from wsi_pipeline.training.loop import train_pipeline
 
@@ -150,7 +151,7 @@ def test_full_and_accumulate_with_frozen_bn_give_the_same_weights(tmp_path, stor
     assert max_diff(full, acc) <= EXACT_F64
     # and training did move the weights (the comparison is not between two untouched models)
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.methods.models import build_models
 
     _seed_everything(0)
     enc0, agg0 = build_models(cfg.methods[0], 2, for_training=False)
@@ -443,7 +444,7 @@ def test_accumulate_abmil_resnet18_learns_planted_lesions(tmp_path):
     from wsi_pipeline.synthetic.stores import make_store_cohort
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.training.loop import _seed_everything
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.methods.models import build_models
 
     manifest = make_store_cohort(tmp_path / "cohort", n_slides=24, tile_size=32, seed=1)
     method = {"name": "e2e", "strategy": "accumulate", "chunk_size": 8, "encoder": {"name": "resnet18", "bn": "frozen"},
@@ -495,7 +496,7 @@ def test_recalibrate_bn_reestimates_the_statistics_from_the_weights_of_each_epoc
     weights after epoch 1 (taken from a one-epoch run of the same seed: epoch 1 is identical)."""
     from wsi_pipeline.training.calibration import calibrate_encoder
     from wsi_pipeline.training.preflight import preflight
-    from wsi_pipeline.inference.method_models import build_models
+    from wsi_pipeline.methods.models import build_models
 
     def method(recal: bool) -> dict:
         return {"name": "acc", "strategy": "accumulate", "chunk_size": 4,

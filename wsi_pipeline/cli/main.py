@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     restore_sigint = interrupt.install()  # a Ctrl-C swallowed by a finalizer still stops the next unit of work
     trusting = bool(getattr(args, "trust_unverified", False))
     if trusting:
-        from wsi_pipeline.inference.checkpoint import trust_unverified
+        from wsi_pipeline.checkpoints.files import trust_unverified
 
         trust_unverified(True)
     try:

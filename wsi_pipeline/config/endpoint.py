@@ -8,7 +8,7 @@ In a method of the pipeline YAML::
 
 ``loss`` defaults to the task's first loss (``cross_entropy``, ``cox``, ``mse``). Each option
 applies to one loss (the others ignore it): ``ties`` to ``cox``, ``bins`` to ``nll_discrete``,
-``huber_delta`` to ``huber``. What each loss computes: :mod:`wsi_pipeline.inference.endpoints`.
+``huber_delta`` to ``huber``. What each loss computes: :mod:`wsi_pipeline.methods.endpoints`.
 """
 
 from __future__ import annotations

@@ -77,7 +77,7 @@ from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.failures import slide_failures
 from wsi_pipeline.config.evaluation import EvalConfig, EvalProtocol, parse_protocols
 from wsi_pipeline.inference.protocols import SlidePrediction
-from wsi_pipeline.inference.method_models import random_encoder_note
+from wsi_pipeline.methods.models import random_encoder_note
 from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.training import distributed
 from wsi_pipeline.types import ValidationScore
@@ -266,7 +266,7 @@ def _evaluate_run(config: PipelineConfig, method: MethodConfig, seed: int, run_d
                   heatmap_mode: str, progress: bool, cluster: Any = None, retries: int | None = None) -> None:
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
     before any test slide is opened."""
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     model = load_trained_model(run_dir, device=device, which="best")
     summary.models.append((method.name, seed))

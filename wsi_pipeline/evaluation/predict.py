@@ -192,7 +192,7 @@ def predict_slides(
     src = Path(slides)
     if not src.is_dir():
         raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
-    from wsi_pipeline.inference.checkpoint import load_trained_model
+    from wsi_pipeline.inference.trained import load_trained_model
 
     if distributed.is_main():
         check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")

@@ -34,7 +34,7 @@ def saved_frozen_features(model: Any, config: PipelineConfig, store: TileStore) 
     if getattr(model.method, "strategy", None) != "frozen":
         return None
     from wsi_pipeline.inference.features import features_path, read_features, store_fingerprint
-    from wsi_pipeline.inference.method_models import frozen_features_dir
+    from wsi_pipeline.methods.models import frozen_features_dir
 
     path = features_path(frozen_features_dir(model.method, config.data.features_dir), store.slide_id)
     if not path.is_file():

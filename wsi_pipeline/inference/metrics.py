@@ -20,10 +20,7 @@ from wsi_pipeline.tasks.metrics import (  # noqa: F401  (the old import path)
     summarise_repeats,
 )
 
-from wsi_pipeline.tasks.base import LOWER_IS_BETTER, get_task, task_names  # noqa: F401  (LOWER_IS_BETTER: the old import path)
+from wsi_pipeline.tasks import ENDPOINT_VALIDATION_METRICS  # noqa: F401  (the old import path)
+from wsi_pipeline.tasks.base import LOWER_IS_BETTER  # noqa: F401  (the old import path)
 
-#: Validation metrics of the tasks without classes (``val_<name>`` columns), by task name.
-ENDPOINT_VALIDATION_METRICS: dict[str, tuple[str, ...]] = {
-    n: get_task(n).validation_metrics for n in task_names() if not get_task(n).has_classes}
-
-__all__ = ["ENDPOINT_VALIDATION_METRICS"]  # the other names: wsi_pipeline.tasks.metrics
+__all__: list[str] = []  # the names' home is wsi_pipeline.tasks (ENDPOINT_VALIDATION_METRICS) and wsi_pipeline.tasks.metrics

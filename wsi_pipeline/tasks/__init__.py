@@ -9,4 +9,8 @@ losses and metrics the tasks use live beside them (:mod:`.losses`, :mod:`.metric
 from wsi_pipeline.tasks import classification, regression, survival  # noqa: F401  (registers the built-in tasks)
 from wsi_pipeline.tasks.base import LOWER_IS_BETTER, TASKS, Endpoint, Task, get_task, register_task, task_names
 
-__all__ = ["Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_names"]
+#: Validation metrics of the built-in tasks without classes (``val_<name>`` columns), by task name.
+ENDPOINT_VALIDATION_METRICS: dict[str, tuple[str, ...]] = {
+    n: get_task(n).validation_metrics for n in task_names() if not get_task(n).has_classes}
+
+__all__ = ["ENDPOINT_VALIDATION_METRICS", "Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_names"]

@@ -1,7 +1,7 @@
 """The tissue U-Net's checkpoint (``best.pt``, ``last.pt`` of ``wsi-pipeline tissue train``) as one typed artefact.
 
 :meth:`TissueCheckpoint.build` makes one, :func:`save_tissue_checkpoint` writes it (through
-:func:`wsi_pipeline.inference.checkpoint.save_checkpoint`: atomic, digest inside, ``.sha256`` beside),
+:func:`wsi_pipeline.checkpoints.files.save_checkpoint`: atomic, digest inside, ``.sha256`` beside),
 :func:`load_tissue_checkpoint` reads any layout this package wrote. The file's keys::
 
     kind             ``wsi-pipeline/tissue-unet-v1`` (what :func:`load_tissue_checkpoint` checks)
@@ -126,7 +126,7 @@ def migrate(state: Mapping[str, Any], where: str = "checkpoint") -> dict[str, An
 
 def save_tissue_checkpoint(path: str | os.PathLike, checkpoint: TissueCheckpoint) -> Path:
     """Write ``checkpoint`` to ``path`` (atomically, verified on loading)."""
-    from wsi_pipeline.inference.checkpoint import save_checkpoint
+    from wsi_pipeline.checkpoints.files import save_checkpoint
 
     return save_checkpoint(path, checkpoint.to_state())
 
@@ -134,6 +134,6 @@ def save_tissue_checkpoint(path: str | os.PathLike, checkpoint: TissueCheckpoint
 def load_tissue_checkpoint(path: str | os.PathLike) -> TissueCheckpoint:
     """Read and verify a tissue checkpoint (``torch.load(weights_only=True)``); ``ValueError`` naming the file
     when it is damaged or not a tissue model."""
-    from wsi_pipeline.inference.checkpoint import load_checkpoint
+    from wsi_pipeline.checkpoints.files import load_checkpoint
 
     return TissueCheckpoint.from_state(load_checkpoint(path), where=str(path))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
-from wsi_pipeline.inference.method_models import frozen_encoder, frozen_features_dir
+from wsi_pipeline.methods.models import frozen_encoder, frozen_features_dir
 from wsi_pipeline.training.calibration import calibrate_encoder
 
 if TYPE_CHECKING:

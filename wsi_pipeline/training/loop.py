@@ -8,7 +8,7 @@ extracts missing frozen features, then trains each (method, seed) into
 - ``config.yaml``  the resolved config of the run (this method, this seed);
 - ``history.csv``  per epoch: ``epoch, train_loss, val_<metric>..., lr, seconds``;
 - ``last.pt``      written atomically after every epoch: models, optimiser, schedule, RNG states,
-                   best metric, history (see :mod:`wsi_pipeline.inference.checkpoint`);
+                   best metric, history (see :mod:`wsi_pipeline.checkpoints.files`);
 - ``best.pt``      models of the best validation epoch (state dicts only);
 - ``done``         JSON summary, written last; a run with it is skipped.
 
@@ -48,9 +48,9 @@ from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, method_by
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.inference.checkpoint import capture_rng, save_run_checkpoint
-from wsi_pipeline.inference.run_checkpoint import ResumeState, RunCheckpoint
-from wsi_pipeline.inference.method_models import build_models, encoder_checkpoint, frozen_features_dir, random_encoder_note, restore_encoder
+from wsi_pipeline.checkpoints.files import capture_rng, save_run_checkpoint
+from wsi_pipeline.checkpoints.run import ResumeState, RunCheckpoint
+from wsi_pipeline.methods.models import build_models, encoder_checkpoint, frozen_features_dir, random_encoder_note, restore_encoder
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.training.memory import MemoryPrediction, check_fits, predict_memory, write_memory_record
 from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
@@ -399,7 +399,7 @@ def _checkpoint(run: _Run, improved: bool) -> None:
 
 def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:
     """The checkpoint's model states and what it records of the encoder
-    (:func:`~wsi_pipeline.inference.method_models.encoder_checkpoint`: a foundation encoder built from a
+    (:func:`~wsi_pipeline.methods.models.encoder_checkpoint`: a foundation encoder built from a
     weights file keeps only its trained tensors)."""
     models = {name: m.state_dict() for name, m in run.strategy.state_modules().items() if name != "encoder"}
     tile_size = (run.plan.tiling or {}).get("tile_size")

@@ -98,7 +98,7 @@ from wsi_pipeline.data.tensors import tiles_to_tensor
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
 from wsi_pipeline.config.patchgd import PatchGDConfig, resolve_patchgd_options
-from wsi_pipeline.inference.method_models import build_patchgd_head
+from wsi_pipeline.methods.models import build_patchgd_head
 from wsi_pipeline.training.patchgd_plan import BatchPlan, plan_batch
 from wsi_pipeline.types import TileStoreLike
 

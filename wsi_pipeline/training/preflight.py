@@ -17,9 +17,9 @@ from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, Pip
 from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, skipped_by_tiler, slides_for_split
 from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
-from wsi_pipeline.inference.endpoints import endpoint_outputs, fit_endpoint
+from wsi_pipeline.methods.endpoints import endpoint_outputs, fit_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
-from wsi_pipeline.inference.method_models import build_models
+from wsi_pipeline.methods.models import build_models
 from wsi_pipeline.training.rundir import DONE, check_resumable, run_config
 from wsi_pipeline.training.strategies import check_strategy
 from wsi_pipeline.training import distributed

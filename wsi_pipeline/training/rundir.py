@@ -1,6 +1,6 @@
 """A run folder ``<runs_dir>/<pipeline>/<method>/seed<k>/``: its config, resuming it, its history and ``done`` marker.
 
-Checkpoints themselves are written by the loop (:func:`wsi_pipeline.inference.checkpoint.save_run_checkpoint`).
+Checkpoints themselves are written by the loop (:func:`wsi_pipeline.checkpoints.files.save_run_checkpoint`).
 One process trains a run folder at a time: :func:`run_lock` holds ``training.lock`` in it (the
 tiler's lock files: a lock whose process is gone is taken over), and the holder removes the
 temporary files a killed run left (:func:`clean_temporary_files`).
@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_to_dict, upgrade_saved_config
-from wsi_pipeline.inference.checkpoint import load_run_checkpoint, restore_rng
+from wsi_pipeline.checkpoints.files import load_run_checkpoint, restore_rng
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
 
 __all__ = [
@@ -93,7 +93,7 @@ def resume(
 
     ``restore_encoder(encoder, state, info)`` loads the encoder's state when given (a checkpoint
     holding only a foundation encoder's trained tensors, see
-    :func:`wsi_pipeline.inference.method_models.encoder_checkpoint`); else every module loads strictly.
+    :func:`wsi_pipeline.methods.models.encoder_checkpoint`); else every module loads strictly.
     """
     ckpt = load_run_checkpoint(last)  # on the CPU: RNG states must stay there; load_state_dict moves the rest
     if ckpt.resume is None or ckpt.best is None:

@@ -27,7 +27,7 @@ evaluation and prediction use running statistics, so training with ``chunk`` or 
 warns (:func:`wsi_pipeline.config.pipeline.bag_statistics_warning`): a model can learn the
 label from its bags' statistics and fail at evaluation.
 
-The models a strategy trains come from :func:`wsi_pipeline.inference.method_models.build_models`.
+The models a strategy trains come from :func:`wsi_pipeline.methods.models.build_models`.
 """
 
 from __future__ import annotations
@@ -48,9 +48,9 @@ from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.types import TileStoreLike
-from wsi_pipeline.inference.endpoints import plain_endpoint
+from wsi_pipeline.methods.endpoints import plain_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
-from wsi_pipeline.inference.method_models import embed_budget, build_models
+from wsi_pipeline.methods.models import embed_budget, build_models
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.epoch import bag_epoch, seed_torch, slide_batch_epoch

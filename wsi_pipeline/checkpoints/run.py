@@ -3,20 +3,20 @@
 :meth:`RunCheckpoint.build` is the one place a run checkpoint is made (the training loop, tests,
 benchmarks); :meth:`RunCheckpoint.to_state` turns it into the plain containers and tensors the
 file holds (``torch.load(..., weights_only=True)`` reads them back), :meth:`RunCheckpoint.from_state`
-reads any layout this package ever wrote, through :func:`wsi_pipeline.inference.checkpoint_migrations.migrate`.
-Files are written and read by :func:`wsi_pipeline.inference.checkpoint.save_run_checkpoint` and
-:func:`~wsi_pipeline.inference.checkpoint.load_run_checkpoint` (atomic write, both integrity checks).
+reads any layout this package ever wrote, through :func:`wsi_pipeline.checkpoints.migrations.migrate`.
+Files are written and read by :func:`wsi_pipeline.checkpoints.files.save_run_checkpoint` and
+:func:`~wsi_pipeline.checkpoints.files.load_run_checkpoint` (atomic write, both integrity checks).
 
 The file's keys (schema version 2; ``format`` and ``integrity`` are added by the file layer)::
 
-    schema_version   2 (absent = 1: :mod:`wsi_pipeline.inference.checkpoint_migrations`)
+    schema_version   2 (absent = 1: :mod:`wsi_pipeline.checkpoints.migrations`)
     config           the run's resolved pipeline config (plain dict; its methods list holds this run's method)
     method           the method's config (plain dict)
     seed, epoch      the run's seed; epochs completed
     models           {"encoder": state dict or None, "aggregator": state dict, ...}
     encoder_info     what the encoder started from and how it is stored, or None
-                     (:func:`wsi_pipeline.inference.method_models.encoder_checkpoint`)
-    endpoint         :meth:`wsi_pipeline.inference.endpoints.Endpoint.to_state`
+                     (:func:`wsi_pipeline.methods.models.encoder_checkpoint`)
+    endpoint         :meth:`wsi_pipeline.methods.endpoints.Endpoint.to_state`
     best             {"metric", "value", "epoch", "loss"} of the best validation epoch, or None
     tiling           the settings that tiled the training stores, or None
     stain_reference  the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), or None
@@ -43,8 +43,8 @@ from wsi_pipeline.config.pipeline import (
 )
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.schema import Checked, build, spec
-from wsi_pipeline.inference.checkpoint_migrations import SCHEMA_VERSION, migrate
-from wsi_pipeline.inference.endpoints import Endpoint, endpoint_outputs
+from wsi_pipeline.checkpoints.migrations import SCHEMA_VERSION, migrate
+from wsi_pipeline.methods.endpoints import Endpoint, endpoint_outputs
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ __all__ = ["ResumeState", "RunCheckpoint"]
 
 #: Keys of the file written only for resuming (``last.pt``).
 _RESUME_KEYS = ("optimizer", "scheduler", "rng", "history")
-#: Keys the file layer adds and checks (:mod:`wsi_pipeline.inference.checkpoint`).
+#: Keys the file layer adds and checks (:mod:`wsi_pipeline.checkpoints.files`).
 _FILE_KEYS = ("format", "integrity")
 
 
@@ -65,7 +65,7 @@ class ResumeState(Checked):
     ----------
     optimizer : ``optimizer.state_dict()``.
     scheduler : the epoch schedule's state (:meth:`wsi_pipeline.training.optim.EpochSchedule.state_dict`).
-    rng : :func:`wsi_pipeline.inference.checkpoint.capture_rng`.
+    rng : :func:`wsi_pipeline.checkpoints.files.capture_rng`.
     history : one dict per epoch (the rows of ``history.csv``).
     """
 
@@ -83,7 +83,7 @@ class RunCheckpoint(Checked):
     """A trained run's checkpoint (the module docstring lists the file's keys).
 
     Make one with :meth:`build`; read one with :meth:`from_state` (or
-    :func:`wsi_pipeline.inference.checkpoint.load_run_checkpoint`).
+    :func:`wsi_pipeline.checkpoints.files.load_run_checkpoint`).
     """
 
     config: dict[str, Any]
@@ -123,7 +123,7 @@ class RunCheckpoint(Checked):
 
         ``models``: state dicts by module name (``encoder`` None when the checkpoint does not
         hold it). ``endpoint``: what the model predicts (default: the method's task and loss with
-        the aggregator's output size, :func:`~wsi_pipeline.inference.endpoints.endpoint_outputs`).
+        the aggregator's output size, :func:`~wsi_pipeline.methods.endpoints.endpoint_outputs`).
         ``stain``: the fitted normalisation's state; ``resume``: ``last.pt``'s extra state.
         """
         if endpoint is None:
@@ -192,5 +192,5 @@ class RunCheckpoint(Checked):
         return dataclasses.replace(method, patchgd=stored.to_mapping())
 
     def endpoint_spec(self) -> Endpoint:
-        """What the model predicts (:class:`~wsi_pipeline.inference.endpoints.Endpoint`)."""
+        """What the model predicts (:class:`~wsi_pipeline.methods.endpoints.Endpoint`)."""
         return Endpoint.from_state(self.endpoint)

@@ -1,7 +1,7 @@
 """Every migration of an older run checkpoint layout, one step per schema version.
 
 A run checkpoint's state (what ``torch.load(..., weights_only=True)`` returns, see
-:class:`wsi_pipeline.inference.run_checkpoint.RunCheckpoint`) records its layout in
+:class:`wsi_pipeline.checkpoints.run.RunCheckpoint`) records its layout in
 ``schema_version``. Files written before the number existed are version 1. :func:`migrate`
 applies ``MIGRATIONS[v]`` (version v -> v + 1) until the state is at :data:`SCHEMA_VERSION`, so a
 reader only ever sees today's layout; nothing else in the package looks for missing keys.
