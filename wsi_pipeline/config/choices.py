@@ -106,7 +106,8 @@ HEATMAP_MODES: tuple[str, ...] = typing.get_args(HeatmapMode)
 BagUnit = Literal["slide", "patient"]
 BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)
 
-#: The training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers exactly these).
+#: The training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers exactly these, and
+#: ``wsi_pipeline.config.strategy_traits.STRATEGY_TRAITS`` holds what each does, in this order).
 StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]
 STRATEGY_NAMES: tuple[str, ...] = typing.get_args(StrategyName)
 
