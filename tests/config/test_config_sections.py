@@ -49,12 +49,12 @@ def test_choice_lists_are_the_literals_and_the_registries():
 
 
 def test_strategy_traits_name_the_registered_strategies():
-    """One traits entry per registered strategy, the ``StrategyName`` choices in the same order, and
+    """One traits entry per registered strategy (the built-ins in the order of ``StrategyName``), and
     the registry classes' own attributes agree with the traits (features read, optimiser stepped)."""
     from wsi_pipeline.config.strategy_traits import STRATEGY_TRAITS, grid_head_strategies, strategy_traits
     from wsi_pipeline.training import strategies
 
-    assert tuple(STRATEGY_TRAITS) == choices.STRATEGY_NAMES
+    assert tuple(STRATEGY_TRAITS) == choices.STRATEGY_NAMES and choices.strategy_names() == list(STRATEGY_TRAITS)
     assert set(STRATEGY_TRAITS) == set(strategies.STRATEGIES.names())
     for name, traits in STRATEGY_TRAITS.items():
         cls = strategies.STRATEGIES.get(name)

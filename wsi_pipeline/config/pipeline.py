@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName, task_names
-from wsi_pipeline.config.strategy_traits import strategy_traits
+from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, task_names
+from wsi_pipeline.config.strategy_traits import strategy_names, strategy_traits
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
@@ -101,7 +101,8 @@ class MethodConfig(Checked):
     Attributes
     ----------
     name : folder name under ``runs/<pipeline>/``.
-    strategy : ``frozen``, ``full``, ``accumulate``, ``bigl`` or ``patchgd``.
+    strategy : ``frozen``, ``full``, ``accumulate``, ``bigl``, ``patchgd`` or another strategy with an entry in
+        :data:`~wsi_pipeline.config.strategy_traits.STRATEGY_TRAITS` (:func:`strategy_names`).
     encoder, aggregator : the models. For ``patchgd`` the head is ``patchgd.head``, or the
         aggregator entry when it names a PatchGD head (``cnn``, ``transformer``).
     chunk_size : tiles per encoder call (accumulation chunks, and embedding for validation).
@@ -122,7 +123,7 @@ class MethodConfig(Checked):
     """
 
     name: str
-    strategy: StrategyName
+    strategy: str = field(metadata=spec(choices=strategy_names))
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
     chunk_size: int = field(default=64, metadata=spec(gt=0))

@@ -4,8 +4,9 @@ The strategies themselves live in :mod:`wsi_pipeline.training.strategies` (``STR
 the config, method-model, checkpoint and memory code that also depends on what a strategy does.
 Those layers ask :func:`strategy_traits` (``strategy_traits(method.strategy).trains_encoder``) and
 never compare a strategy's name with a string; ``tests/project/test_strategy_dispatch.py`` checks
-that, and ``tests/config/test_config_sections.py`` that this table, ``StrategyName`` and the
-registry name the same strategies.
+that. The table's keys are the names ``methods[].strategy`` accepts (:func:`strategy_names`), so a new
+strategy is its registered class plus one entry here; ``tests/config/test_config_sections.py`` checks
+that the registry and this table name the same strategies.
 
 =============  ==============  ==========  ===========  ==========  ==========
 strategy       trains_encoder  big_layers  grid_head    embeds_per  device_bag
@@ -27,7 +28,7 @@ from typing import Literal
 from wsi_pipeline.config.schema import Checked, spec
 
 __all__ = ["DEVICE_BAGS", "EMBEDS_PER", "STRATEGY_TRAITS", "DeviceBag", "EmbedsPer", "StrategyTraits", "grid_head_strategies",
-           "strategy_traits"]
+           "strategy_names", "strategy_traits"]
 
 EmbedsPer = Literal["chunk", "bag"]
 EMBEDS_PER: tuple[str, ...] = typing.get_args(EmbedsPer)
@@ -63,7 +64,7 @@ class StrategyTraits(Checked):
     device_bag: DeviceBag = field(default="none", metadata=spec(choices=DEVICE_BAGS))
 
 
-#: Every training strategy's traits, keyed by its ``methods[].strategy`` name (the order of ``StrategyName``).
+#: Every training strategy's traits, keyed by its ``methods[].strategy`` name (built-ins: the order of ``StrategyName``).
 STRATEGY_TRAITS: dict[str, StrategyTraits] = {
     "frozen": StrategyTraits(trains_encoder=False, embeds_per="chunk"),
     "full": StrategyTraits(trains_encoder=True, device_bag="float"),
@@ -79,6 +80,11 @@ def strategy_traits(name: str) -> StrategyTraits:
         return STRATEGY_TRAITS[name]
     except (KeyError, TypeError):
         raise ValueError(f"strategy={name!r}; expected one of {list(STRATEGY_TRAITS)}") from None
+
+
+def strategy_names() -> list[str]:
+    """Every training strategy (``methods[].strategy``): the keys of :data:`STRATEGY_TRAITS`."""
+    return list(STRATEGY_TRAITS)
 
 
 def grid_head_strategies() -> list[str]:
