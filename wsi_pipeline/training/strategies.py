@@ -129,8 +129,8 @@ class Strategy:
         if cls.classes_only and not kind.has_classes:
             raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains classification only, not "
                              f"task {task!r}; use frozen, full, accumulate or bigl")
-        agg = method.aggregator.name
-        if not kind.has_classes and agg in AGGREGATORS and getattr(AGGREGATORS.get(agg), "classes_only", False):
+        agg = "" if kind.has_classes else method.aggregator.name  # a classification method has any aggregator
+        if agg in AGGREGATORS and getattr(AGGREGATORS.get(agg), "classes_only", False):
             raise ValueError(f"method {method.name!r}: the {agg} aggregator trains classification only (its tier-1 loss "
                              f"is a cross-entropy on the slide's class); use abmil or transmil for task {task!r}")
         if getattr(method, "loss", None) == "cox":
