@@ -76,7 +76,7 @@ def _pipeline(**method) -> dict:
         ({"encoder": {"name": "resnet9"}}, ValueError, r"methods.b.encoder.name='resnet9'; expected one of \[.*'resnet18', .*\] or 'timm:<architecture>'"),
         ({"encoder": {"bn": "batch"}}, ValueError, r"methods.b.encoder.bn='batch'; expected one of 'frozen', 'chunk', 'train'"),
         ({"aggregator": {"name": "mlp"}}, ValueError, r"methods.b.aggregator.name='mlp'; expected one of \[.*'abmil'.*'transformer'"),
-        ({"strategy": "fancy"}, ValueError, r"methods.b.strategy='fancy'; expected one of 'frozen', 'full', 'accumulate'"),
+        ({"strategy": "fancy"}, ValueError, r"methods.b.strategy='fancy'; expected one of \['frozen', 'full', 'accumulate'"),
         ({"train": {"schedule": "step"}}, ValueError, r"methods.b.train.schedule='step'; expected one of 'cosine'"),
         ({"train": {"select_metric": "f1"}}, ValueError, r"methods.b.train.select_metric='f1'; expected one of 'auto', 'auc'"),
         ({"train": {"device": "tpu"}}, ValueError, r"methods.b.train.device='tpu'; expected auto, cpu, cuda, mps or cuda:<index>"),

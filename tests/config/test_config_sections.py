@@ -48,6 +48,49 @@ def test_choice_lists_are_the_literals_and_the_registries():
     assert tuple(DEFAULT_MIN_FOREGROUND) == choices.TILING_METHODS
 
 
+def test_strategy_traits_name_the_registered_strategies():
+    """One traits entry per registered strategy (the built-ins in the order of ``StrategyName``), and
+    the registry classes' own attributes agree with the traits (features read, optimiser stepped)."""
+    from wsi_pipeline.config.strategy_traits import STRATEGY_TRAITS, grid_head_strategies, strategy_traits
+    from wsi_pipeline.training import strategies
+
+    assert tuple(STRATEGY_TRAITS) == choices.STRATEGY_NAMES and choices.strategy_names() == list(STRATEGY_TRAITS)
+    assert set(STRATEGY_TRAITS) == set(strategies.STRATEGIES.names())
+    for name, traits in STRATEGY_TRAITS.items():
+        cls = strategies.STRATEGIES.get(name)
+        assert strategy_traits(name) is traits and cls.name == name
+        assert cls.uses_features == (not traits.trains_encoder), name
+        assert cls.steps_optimizer == traits.grid_head, name
+        assert (not traits.trains_encoder or traits.grid_head) == (not cls.applies_augment or cls.uses_features), name
+    assert grid_head_strategies() == ["patchgd"]
+    with pytest.raises(ValueError, match=r"strategy='fancy'; expected one of \['frozen', 'full', 'accumulate', 'bigl', 'patchgd'\]"):
+        strategy_traits("fancy")
+
+
+@pytest.mark.parametrize("name", choices.STRATEGY_NAMES)
+def test_models_follow_the_strategy_traits(name):
+    """What ``build_models`` makes of each strategy is what its traits say: a trained or frozen encoder,
+    Big-Layers or plain, a grid head or the MIL aggregator."""
+    import torch
+
+    from wsi_pipeline.config.pipeline import AggregatorConfig, EncoderConfig, MethodConfig
+    from wsi_pipeline.config.strategy_traits import strategy_traits
+    from wsi_pipeline.methods.models import build_models
+    from wsi_pipeline.models.aggregators.abmil import ABMIL
+    from wsi_pipeline.models.encoders import ResNet
+    from wsi_pipeline.models.heads import GridHead
+
+    traits = strategy_traits(name)
+    method = MethodConfig(name="m", strategy=name, encoder=EncoderConfig(name="resnet18"),
+                          aggregator=AggregatorConfig(name="abmil"))
+    torch.manual_seed(0)
+    encoder, aggregator = build_models(method, 2, device="cpu")
+    assert any(p.requires_grad for p in encoder.parameters()) == traits.trains_encoder
+    assert isinstance(encoder, ResNet) != traits.big_layers  # Big-Layers replaces the plain ResNet
+    assert isinstance(aggregator, GridHead) == traits.grid_head
+    assert isinstance(aggregator, ABMIL) != traits.grid_head
+
+
 def test_one_tiling_config():
     from wsi_pipeline.tiling import tiler, tissue
 

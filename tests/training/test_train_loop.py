@@ -354,7 +354,7 @@ def test_slides_without_a_complete_tile_store(tmp_path, store_cohort):
 
 
 def test_unknown_strategy(tmp_path, store_cohort):
-    with pytest.raises(ValueError, match=r"methods.m.strategy='fancy'; expected one of 'frozen', 'full', 'accumulate', 'bigl', 'patchgd'"):
+    with pytest.raises(ValueError, match=r"methods.m.strategy='fancy'; expected one of \['frozen', 'full', 'accumulate', 'bigl', 'patchgd'\]"):
         load_config(make_config(tmp_path, store_cohort, [{"name": "m", "strategy": "fancy"}]))
     _no_training(tmp_path)
 

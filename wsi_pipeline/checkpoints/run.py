@@ -43,6 +43,7 @@ from wsi_pipeline.config.pipeline import (
 )
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.schema import Checked, build, spec
+from wsi_pipeline.config.strategy_traits import strategy_traits
 from wsi_pipeline.checkpoints.migrations import SCHEMA_VERSION, migrate
 from wsi_pipeline.methods.endpoints import Endpoint, endpoint_outputs
 
@@ -136,7 +137,7 @@ class RunCheckpoint(Checked):
             tiling=None if tiling is None else dict(tiling),
             stain_reference=None if stain_reference is None else dict(stain_reference),
             stain_normalise=str(config.data.stain.normalise), stain=None if stain is None else dict(stain),
-            patchgd=method.patchgd_config.to_state() if method.strategy == "patchgd" else None, resume=resume,
+            patchgd=method.patchgd_config.to_state() if strategy_traits(method.strategy).grid_head else None, resume=resume,
         )
 
     def to_state(self) -> dict[str, Any]:

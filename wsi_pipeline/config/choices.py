@@ -23,7 +23,8 @@ name                   values                                       used by
 ``HEATMAP_MODES``      rank, minmax, raw                            ``eval.heatmap_mode``,
                                                                     ``predict.heatmap_mode``
 ``BAG_UNITS``          slide, patient                               ``data.bags``
-``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      ``methods[].strategy``
+``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      the built-in strategies
+``strategy_names()``   the strategy traits table                    ``methods[].strategy``
 ``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
 ``TILING_METHODS``     tissue, greyscale, otsu, unet                ``tile --method``, ``data.tiling``
 ``QC_MODES``           drop, flag, off                              ``tile --qc``
@@ -46,6 +47,7 @@ import typing
 from typing import Literal
 
 from wsi_pipeline.data.store import COMPRESSIONS
+from wsi_pipeline.config.strategy_traits import strategy_names
 from wsi_pipeline.devices import DEVICES
 from wsi_pipeline.slides.opener import BACKENDS
 
@@ -55,7 +57,7 @@ __all__ = [
     "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
     "QCMode", "Schedule", "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
-    "head_names", "model_names", "task_names",
+    "head_names", "model_names", "strategy_names", "task_names",
 ]
 
 Schedule = Literal["cosine", "exponential", "linear", "none"]
@@ -106,7 +108,9 @@ HEATMAP_MODES: tuple[str, ...] = typing.get_args(HeatmapMode)
 BagUnit = Literal["slide", "patient"]
 BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)
 
-#: The training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers exactly these).
+#: The built-in training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers them); every
+#: strategy ``methods[].strategy`` accepts: :func:`strategy_names`, the keys of
+#: ``wsi_pipeline.config.strategy_traits.STRATEGY_TRAITS`` (what each strategy does).
 StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]
 STRATEGY_NAMES: tuple[str, ...] = typing.get_args(StrategyName)
 

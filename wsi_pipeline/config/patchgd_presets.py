@@ -33,6 +33,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from wsi_pipeline.config.strategy_traits import grid_head_strategies
+
 __all__ = ["PRESETS", "MIN_LR_FRACTION", "apply_patchgd_preset", "preset_patchgd_options"]
 
 #: Fraction of the peak learning rate the paper's linear decay ends at.
@@ -85,8 +87,10 @@ def apply_patchgd_preset(method: Mapping[str, Any], where: str) -> dict[str, Any
     if not isinstance(pg, Mapping) or "preset" not in pg:
         return out
     name = _check_name(pg["preset"], f"{where}.patchgd.preset")
-    if out.get("strategy") != "patchgd":
-        raise ValueError(f"{where}.patchgd.preset={name!r} applies to strategy 'patchgd'; got strategy {out.get('strategy')!r}")
+    grid = grid_head_strategies()
+    if out.get("strategy") not in grid:
+        raise ValueError(f"{where}.patchgd.preset={name!r} applies to strategy {' or '.join(map(repr, grid))}; "
+                         f"got strategy {out.get('strategy')!r}")
     preset = PRESETS[name]
     if not preset:
         return out

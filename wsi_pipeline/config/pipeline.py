@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, StrategyName, task_names
+from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, task_names
+from wsi_pipeline.config.strategy_traits import strategy_names, strategy_traits
 from wsi_pipeline.config.data import DataConfig
 from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
@@ -100,7 +101,8 @@ class MethodConfig(Checked):
     Attributes
     ----------
     name : folder name under ``runs/<pipeline>/``.
-    strategy : ``frozen``, ``full``, ``accumulate``, ``bigl`` or ``patchgd``.
+    strategy : ``frozen``, ``full``, ``accumulate``, ``bigl``, ``patchgd`` or another strategy with an entry in
+        :data:`~wsi_pipeline.config.strategy_traits.STRATEGY_TRAITS` (:func:`strategy_names`).
     encoder, aggregator : the models. For ``patchgd`` the head is ``patchgd.head``, or the
         aggregator entry when it names a PatchGD head (``cnn``, ``transformer``).
     chunk_size : tiles per encoder call (accumulation chunks, and embedding for validation).
@@ -121,7 +123,7 @@ class MethodConfig(Checked):
     """
 
     name: str
-    strategy: StrategyName
+    strategy: str = field(metadata=spec(choices=strategy_names))
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
     chunk_size: int = field(default=64, metadata=spec(gt=0))
@@ -180,7 +182,7 @@ class PipelineConfig(Checked):
             raise ValueError(f"methods have different tasks {by}; every method of a pipeline has one task "
                              "(their results are compared in one table): put the others in a pipeline of their own")
         if self.data.bags == "patient":
-            grid = [m.name for m in self.methods if m.strategy == "patchgd"]
+            grid = [m.name for m in self.methods if strategy_traits(m.strategy).grid_head]
             if grid:
                 raise ValueError(f"data.bags: patient puts several slides in one bag, whose tile grids do not join; "
                                  f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
@@ -232,7 +234,7 @@ def _method(m: Any, i: int, train_raw: Mapping[str, Any], val_protocol: EvalProt
     m["train"] = deep_merge(train_raw, over)
     m.setdefault("val_protocol", val_protocol.name)
     method = build(MethodConfig, m, where)
-    if method.strategy == "patchgd":
+    if strategy_traits(method.strategy).grid_head:
         _ = method.patchgd_config  # parsed once, here: errors name methods.<name>.patchgd
     return method
 
@@ -360,7 +362,7 @@ def bag_statistics_warning(method: MethodConfig) -> str | None:
     paper's setting). Validation, evaluation and prediction run BatchNorm on running statistics,
     so what the model learned from the statistics of its bags is not what it sees there.
     """
-    if method.strategy == "frozen" or method.encoder.bn == "frozen":
+    if not strategy_traits(method.strategy).trains_encoder or method.encoder.bn == "frozen":
         return None
     batch = "each chunk of the bag" if method.encoder.bn == "chunk" else "the whole bag"
     return (

@@ -18,6 +18,7 @@ from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.evaluation.localisation import lesion_fraction, lesion_outline, localisation_auc
 from wsi_pipeline.config.evaluation import EvalProtocol
 from wsi_pipeline.config.pipeline import PipelineConfig
+from wsi_pipeline.config.strategy_traits import strategy_traits
 from wsi_pipeline.inference.protocols import SlidePrediction, predict_protocols
 
 __all__ = ["SlideScore", "score_slide"]
@@ -31,7 +32,8 @@ def label_of(v: Any) -> int | None:
 
 def saved_frozen_features(model: Any, config: PipelineConfig, store: TileStore) -> torch.Tensor | None:
     """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
-    if getattr(model.method, "strategy", None) != "frozen":
+    strategy = getattr(model.method, "strategy", None)
+    if strategy is None or strategy_traits(strategy).trains_encoder:
         return None
     from wsi_pipeline.inference.features import features_path, read_features, store_fingerprint
     from wsi_pipeline.methods.models import frozen_features_dir

@@ -16,6 +16,7 @@ from torch import nn
 
 from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.pipeline import MethodConfig, with_patchgd_head
+from wsi_pipeline.config.strategy_traits import strategy_traits
 from wsi_pipeline.models.heads import GridHead, build_head
 
 __all__ = [
@@ -58,7 +59,7 @@ def build_method_encoder(method: MethodConfig, *, weights: str | None = None, tr
     if cfg.lora is not None:
         add_lora(encoder.model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.targets, first_block=cfg.freeze_blocks)
     freeze_first_blocks(encoder.model, cfg.freeze_blocks)
-    trains = method.strategy != "frozen" and any(p.requires_grad for p in encoder.parameters())
+    trains = strategy_traits(method.strategy).trains_encoder and any(p.requires_grad for p in encoder.parameters())
     if training and trains and cfg.checkpointing is not False:
         encoder.model.set_grad_checkpointing(True)
     return encoder
@@ -168,18 +169,19 @@ def build_models(method: MethodConfig, n_classes: int, *, device: str | torch.de
     """
     from wsi_pipeline.models import build_aggregator
 
-    if method.strategy == "frozen":
+    traits = strategy_traits(method.strategy)
+    if not traits.trains_encoder:
         encoder = frozen_encoder(method, encoder_weights)
     else:
         encoder = build_method_encoder(method, weights=encoder_weights, training=for_training)
     dim = num_features(encoder)
-    if method.strategy == "patchgd":
+    if traits.grid_head:
         aggregator = build_patchgd_head(method.patchgd_config, dim, n_classes)
     else:
         aggregator = build_aggregator(method.aggregator.name, dim, n_classes, **dict(method.aggregator.options))
     encoder.to(device)
     aggregator.to(device)
-    if method.strategy == "bigl":
+    if traits.big_layers:
         encoder = _bigify(method, encoder, device) if for_training else _embedding_encoder(method, encoder)
     return encoder, aggregator
 
@@ -233,7 +235,7 @@ def load_encoder_state(method: MethodConfig, encoder: nn.Module, state: dict[str
         encoder.load_state_dict(state)
         return encoder
     except RuntimeError:
-        if method.strategy != "bigl":
+        if not strategy_traits(method.strategy).big_layers:
             raise
     big = _bigify(method, encoder, "cpu")
     big.load_state_dict(state)

@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, method_by_name, save_config
+from wsi_pipeline.config.strategy_traits import strategy_traits
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
 from wsi_pipeline.devices import resolve_device
@@ -250,7 +251,7 @@ def _predict_memory(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     tile = int((plan.tiling or {}).get("tile_size") or TileReader(plan.train_units).store(0).tile_size)
     with torch.random.fork_rng(devices=[]):
         encoder, aggregator = build_models(method, config.data.n_classes or 2, device="cpu", for_training=False)
-        if method.strategy == "bigl":  # count the plain network: Big-Layers keeps the same activations, on the host
+        if strategy_traits(method.strategy).big_layers:  # count the plain network: Big-Layers keeps the same activations, on the host
             from wsi_pipeline.models import build_encoder
 
             encoder = build_encoder(method.encoder.name)

@@ -40,6 +40,7 @@ from torch import nn
 
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.config.pipeline import MethodConfig
+from wsi_pipeline.config.strategy_traits import strategy_traits
 
 __all__ = ["MemoryPrediction", "available_host_bytes", "check_fits", "measured_peak", "predict_memory", "rss_bytes",
            "write_memory_record"]
@@ -138,28 +139,28 @@ def predict_memory(method: MethodConfig, encoder: nn.Module | None, aggregator: 
     """The run's peak memory (module docstring) for bags of ``bag_tiles`` tiles of ``tile_size`` px and
     a largest validation slide of ``val_tiles`` tiles; ``encoder``/``aggregator``: the method's models
     (built on the CPU, for their sizes and the activation count)."""
-    strategy = method.strategy
+    traits = strategy_traits(method.strategy)
     esize = torch.empty((), dtype=torch.get_default_dtype()).element_size()
     pred = MemoryPrediction(method.name, int(bag_tiles), int(tile_size))
-    trains_encoder = strategy not in ("frozen",) and encoder is not None
+    trains_encoder = traits.trains_encoder and encoder is not None
     state = 4 * (_param_bytes(aggregator) + (_param_bytes(encoder) if trains_encoder else 0))
     state += 0 if trains_encoder else _param_bytes(encoder)  # a frozen encoder: its weights only
     u8 = bag_tiles * tile_size * tile_size * 3
     fl = u8 * esize
     cuda = device.type == "cuda"
-    host_float = (not cuda or strategy == "bigl") and strategy != "frozen"
+    host_float = (not cuda or traits.big_layers) and traits.trains_encoder
     bags = 2 * u8 + (3 * fl if host_float and not augment else 2 * fl if host_float else 0)
     chunk = int(getattr(method, "chunk_size", 64) or 64)
     act: int | None
-    if strategy == "accumulate":
-        act = _activations(encoder, min(chunk, bag_tiles), tile_size, grad=True) if encoder is not None else 0
-    elif strategy == "bigl":
-        act = _activations(encoder, bag_tiles, tile_size, grad=True, big_stages=int(method.bigl.stages)) if encoder is not None else 0
-    elif strategy in ("full", "patchgd"):
-        act = _activations(encoder, bag_tiles, tile_size, grad=True) if encoder is not None else 0
-    else:  # frozen: feature extraction in batches, then the aggregator on features
+    if not traits.trains_encoder:  # frozen: feature extraction in batches, then the aggregator on features
         act = _activations(encoder, chunk, tile_size, grad=False) if encoder is not None else 0
         bags = 2 * u8 + 2 * chunk * 3 * tile_size * tile_size * esize
+    elif traits.big_layers:
+        act = _activations(encoder, bag_tiles, tile_size, grad=True, big_stages=int(method.bigl.stages)) if encoder is not None else 0
+    elif traits.embeds_per == "chunk":  # exact accumulation: one chunk's activations at a time
+        act = _activations(encoder, min(chunk, bag_tiles), tile_size, grad=True) if encoder is not None else 0
+    else:  # the whole bag through the encoder with gradient
+        act = _activations(encoder, bag_tiles, tile_size, grad=True) if encoder is not None else 0
     if act is None:
         pred.note = f"no activation count for encoder {method.encoder.name!r} (ResNets only): activations left out"
         act = 0
@@ -173,7 +174,7 @@ def predict_memory(method: MethodConfig, encoder: nn.Module | None, aggregator: 
     step = bags + act + z
     pred.parts = {"baseline": base, "state": state, "bags": bags, "activations": act, "validation": val}
     if cuda:  # the device holds the state, the step's activations and (accumulate) the uint8 bag
-        pred.device_bytes = state + act + (u8 if strategy == "accumulate" else fl if strategy == "full" else 0)
+        pred.device_bytes = state + act + {"uint8": u8, "float": fl, "none": 0}[traits.device_bag]
         pred.host_bytes = base + bags
     else:
         pred.host_bytes = base + state + max(step, val)

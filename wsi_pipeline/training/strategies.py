@@ -51,6 +51,7 @@ from wsi_pipeline.types import TileStoreLike
 from wsi_pipeline.methods.endpoints import plain_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
 from wsi_pipeline.methods.models import embed_budget, build_models
+from wsi_pipeline.models import AGGREGATORS
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.epoch import bag_epoch, seed_torch, slide_batch_epoch
@@ -128,8 +129,9 @@ class Strategy:
         if cls.classes_only and not kind.has_classes:
             raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains classification only, not "
                              f"task {task!r}; use frozen, full, accumulate or bigl")
-        if not kind.has_classes and method.aggregator.name == "dtfd":
-            raise ValueError(f"method {method.name!r}: the dtfd aggregator trains classification only (its tier-1 loss "
+        agg = "" if kind.has_classes else method.aggregator.name  # a classification method has any aggregator
+        if agg in AGGREGATORS and getattr(AGGREGATORS.get(agg), "classes_only", False):
+            raise ValueError(f"method {method.name!r}: the {agg} aggregator trains classification only (its tier-1 loss "
                              f"is a cross-entropy on the slide's class); use abmil or transmil for task {task!r}")
         if getattr(method, "loss", None) == "cox":
             if cls.name != "frozen" and method.encoder.bn != "frozen":

@@ -38,6 +38,8 @@ Decisions (see ``docs/methods.md``):
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -94,6 +96,9 @@ class DTFD(nn.Module):
     detach_tier2 : detach the tier-2 input (default, see the module docstring).
     eval_seed : seed of the pseudo-bag split in eval mode.
     """
+
+    #: trains classification only: its tier-1 loss is a cross-entropy on the slide's class
+    classes_only: ClassVar[bool] = True
 
     def __init__(
         self,
