@@ -78,7 +78,7 @@ def evaluated(tmp_path_factory):
 
     # record the order of model loads and test-store reads
     import wsi_pipeline.evaluation.evaluate as runner_mod
-    import wsi_pipeline.checkpoints.files as ckpt_mod
+    import wsi_pipeline.inference.trained as ckpt_mod
 
     events = []
     orig_load, orig_open = ckpt_mod.load_trained_model, runner_mod.open_store
