@@ -103,10 +103,12 @@ def test_tile_config_errors_name_the_problem(folder: Path, capsys: pytest.Captur
 def test_tile_config_set_equals_the_flags_and_flags_are_overrides(folder: Path) -> None:
     """``tile --config x.yaml --set data.tiling.tile_size=64`` makes the stores of the same run with flags; each
     tiling flag is the override of its data.tiling key (the settings pass one builder either way)."""
-    import argparse
+    import dataclasses
 
     from wsi_pipeline.cli.main import main
-    from wsi_pipeline.cli.tile import tiling_from_args, tiling_overrides
+    from wsi_pipeline.cli._common import flag_values
+    from wsi_pipeline.cli.main import build_parser
+    from wsi_pipeline.cli.tile import tiling_from_args
 
     assert main(["manifest", "folder", "--slides", str(folder / "images"), "--labels", str(folder / "labels.csv"),
                  "--out", str(folder / "m.csv")]) == 0
@@ -118,17 +120,15 @@ def test_tile_config_set_equals_the_flags_and_flags_are_overrides(folder: Path) 
     _same_stores(folder / "by_set", folder / "by_flags", ["im0", "im1"])
     ident = open_store(folder / "by_set" / "im0.zarr").attrs["tiling_identity"]
     assert ident["tile_size"] == 64 and ident["method"] == "otsu" and ident["qc_params"]["pen_fraction"] == 0.2
-    # the flags are overrides of data.tiling: the same section as --set gives
-    ns = argparse.Namespace(overrides=[], config=None, slides=None, manifest=None, out=None, method="otsu",
-                            tile_size=64, min_foreground=None, mpp_target=None, qc="flag", grey_min=None, grey_max=None,
-                            points=None, points_edge=None, points_filter=None, region_include=["Tumour*"],
-                            region_exclude=None, region_min_fraction=None, compression=None, backend=None,
-                            qc_drop=["pen"], qc_pen=None, qc_focus_min=None)
-    assert tiling_overrides(ns) == ['data.tiling.method="otsu"', "data.tiling.tile_size=64", 'data.tiling.qc_mode="flag"',
-                                    'data.tiling.region_include=["Tumour*"]', 'data.tiling.qc_params.drop=["pen"]']
+    # the flags set their data.tiling keys: the same section as --set gives, and --set has the last word
+    flags = ["--method", "otsu", "--tile-size", "64", "--qc", "flag", "--region-include", "Tumour*", "--qc-drop", "pen"]
+    ns = build_parser().parse_args(["tile", *flags])
+    assert flag_values(ns) == {"data.tiling.method": "otsu", "data.tiling.tile_size": 64, "data.tiling.qc_mode": "flag",
+                               "data.tiling.region_include": ["Tumour*"], "data.tiling.qc_params.drop": ["pen"]}
     by_flags = tiling_from_args(ns)[0]
-    ns2 = argparse.Namespace(**{**vars(ns), "method": None, "tile_size": None, "qc": None, "region_include": None,
-                                "qc_drop": None, "overrides": ["data.tiling.method=otsu", "data.tiling.tile_size=64",
-                                                               "data.tiling.qc_mode=flag", "data.tiling.region_include=[Tumour*]",
-                                                               "data.tiling.qc_params.drop=[pen]"]})
+    ns2 = build_parser().parse_args(["tile", "--set", "data.tiling.method=otsu", "--set", "data.tiling.tile_size=64",
+                                     "--set", "data.tiling.qc_mode=flag", "--set", "data.tiling.region_include=[Tumour*]",
+                                     "--set", "data.tiling.qc_params.drop=[pen]"])
     assert tiling_from_args(ns2)[0] == by_flags
+    both = build_parser().parse_args(["tile", *flags, "--set", "data.tiling.tile_size=128"])
+    assert tiling_from_args(both)[0] == dataclasses.replace(by_flags, tile_size=128)

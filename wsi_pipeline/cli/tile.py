@@ -1,8 +1,8 @@
 """``wsi-pipeline tile``: slides (a folder or a manifest) to zarr tile stores.
 
-The tiling settings go through the config builder every stage uses: a pipeline YAML (``--config``) and
-``--set`` overrides, then each tiling flag given on the command line as one more override of
-``data.tiling`` (:func:`tiling_overrides`); the section is checked by its dataclass
+The tiling settings go through the config builder every stage uses: a pipeline YAML (``--config``), then
+each tiling flag given on the command line at its ``data.tiling`` key (:func:`~wsi_pipeline.cli._common.add_config_flag`),
+then ``--set``, which has the last word; the section is checked by its dataclass
 (:class:`~wsi_pipeline.config.store_settings.StoreSettings`), argparse only parses.
 """
 
@@ -10,25 +10,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from typing import TYPE_CHECKING, Any
 
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
-from wsi_pipeline.cli._common import LazyChoices, add_failure_argument, add_output_arguments, add_set_argument, failure_status
+from wsi_pipeline.cli._common import (
+    LazyChoices, add_config_flag, add_failure_argument, add_output_arguments, add_set_argument, config_from_args, failure_status,
+    pipeline_from_args,
+)
 
 if TYPE_CHECKING:
     from wsi_pipeline.config.store_settings import StoreSettings
     from wsi_pipeline.config.tiling import TilingConfig
 
-__all__ = ["TILING_FLAGS", "register", "run", "tiling_from_args", "tiling_overrides"]
-
-#: ``data.tiling`` keys set by tile flags, and the flags' argparse dests.
-TILING_FLAGS = {"method": "method", "tile_size": "tile_size", "min_foreground": "min_foreground",
-                "mpp_target": "mpp_target", "qc_mode": "qc", "grey_min": "grey_min", "grey_max": "grey_max",
-                "points": "points", "points_edge": "points_edge", "points_filter": "points_filter",
-                "region_include": "region_include", "region_exclude": "region_exclude",
-                "region_min_fraction": "region_min_fraction", "compression": "compression", "backend": "backend",
-                "qc_params.drop": "qc_drop", "qc_params.pen_fraction": "qc_pen", "qc_params.focus_min": "qc_focus_min"}
+__all__ = ["register", "run", "tiling_from_args"]
 
 DESCRIPTION = (
     "Tile every slide of a folder (or of a manifest) into <out>/<slide_id>.zarr: non-overlapping "
@@ -46,7 +40,7 @@ DESCRIPTION = (
     "and other outputs with PNG files outside an image folder). With --points, one tile centred on each given "
     "point instead of the grid. "
     "The tiling settings are a pipeline's data.tiling: with --config PIPELINE.yaml its data.tiling, changed by "
-    "--set data.tiling.KEY=VALUE, then by the tiling flags given (each flag is the override of its data.tiling key); "
+    "the tiling flags given (each flag sets its data.tiling key), then by --set data.tiling.KEY=VALUE (the last word); "
     "--manifest / --out default to its data.manifest / data.tiles_dir."
 )
 
@@ -103,7 +97,7 @@ def _add_input_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_detector_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--method", choices=LazyChoices("wsi_pipeline.config.tiling_params", "DETECTOR_PARAMS"), default=None,
+    add_config_flag(p, "--method", key="data.tiling.method", choices=LazyChoices("wsi_pipeline.config.tiling_params", "DETECTOR_PARAMS"), default=None,
                    metavar="METHOD",
                    help="tissue detector (data.tiling.method), one of %(choices)s: tissue (default) = stained tissue by "
                         "optical density against each slide's own glass colour, estimated from its thumbnail (any "
@@ -116,14 +110,14 @@ def _add_detector_arguments(p: argparse.ArgumentParser) -> None:
                         "mask kept within the tissue rule's stained area")
     p.add_argument("--tissue-model", default=None, metavar="PATH",
                    help="unet method: best.pt of `wsi-pipeline tissue train` (default: the model shipped with the package)")
-    p.add_argument("--tile-size", type=int, default=None, metavar="PX",
+    add_config_flag(p, "--tile-size", key="data.tiling.tile_size", type=int, default=None, metavar="PX",
                    help="tile side in px at the tile resolution (default 256; any size >= 8, odd sizes such as 27 too)")
-    p.add_argument("--min-foreground", type=float, default=None, metavar="F",
+    add_config_flag(p, "--min-foreground", key="data.tiling.min_foreground", type=float, default=None, metavar="F",
                    help="keep a tile when its foreground (greyscale) or tissue (tissue, otsu, unet) fraction is >= F "
                         "(a fraction in [0, 1]; default: 0.6 for greyscale, 0.5 for the others)")
-    p.add_argument("--grey-min", type=int, default=None, metavar="G",
+    add_config_flag(p, "--grey-min", key="data.tiling.grey_min", type=int, default=None, metavar="G",
                    help="darkest grey value counted as foreground (greyscale method; default 3)")
-    p.add_argument("--grey-max", type=_int_or_auto, default=None, metavar="G",
+    add_config_flag(p, "--grey-max", key="data.tiling.grey_max", type=_int_or_auto, default=None, metavar="G",
                    help="brightest grey value counted as foreground (greyscale method; default 230); 'auto': each slide's "
                         "glass grey level, estimated from its thumbnail, minus 10 (230 when a slide shows no glass). The "
                         "glass level is in the report's background_grey column; a warning says when it lies inside the "
@@ -138,7 +132,7 @@ def _add_detector_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_resolution_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mpp-target", type=float, default=None, metavar="UM",
+    add_config_flag(p, "--mpp-target", key="data.tiling.mpp_target", type=float, default=None, metavar="UM",
                    help="tile resolution in um/px (> 0; 0.5 is about 20x): read the best pyramid level at or finer than "
                         "it and resize (default: the native resolution of level 0)")
     mpp = p.add_mutually_exclusive_group()
@@ -154,13 +148,13 @@ def _add_resolution_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_store_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compression", choices=LazyChoices("wsi_pipeline.data.store", "COMPRESSIONS"), default=None,
+    add_config_flag(p, "--compression", key="data.tiling.compression", choices=LazyChoices("wsi_pipeline.data.store", "COMPRESSIONS"), default=None,
                    metavar="CODEC", help="tile compression in the store, one of %(choices)s: zstd (lossless, default), "
                                          "jpeg (lossy, quality 90, ~10x smaller) or none")
     p.add_argument("--shard-tiles", type=int, default=None, metavar="N",
                    help="tiles per shard file in new stores (zarr v3 sharding; a tile is still read on its own) "
                         "(default: 1024); 0 = one file per tile (the older layout, 100-1000x more files)")
-    p.add_argument("--backend", choices=LazyChoices("wsi_pipeline.slides.opener", "BACKENDS"), default=None,
+    add_config_flag(p, "--backend", key="data.tiling.backend", choices=LazyChoices("wsi_pipeline.slides.opener", "BACKENDS"), default=None,
                    metavar="READER", help="slide reader, one of %(choices)s; auto (default) tries OpenSlide, then "
                                           "tiffslide (for a DICOM file: OpenSlide, then wsidicom; a .png/.jpg/.jpeg/.bmp "
                                           "image is read by Pillow as a one-level slide)")
@@ -168,7 +162,7 @@ def _add_store_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _add_qc_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--qc", choices=LazyChoices("wsi_pipeline.config.choices", "QC_MODES"), default=None, metavar="MODE",
+    add_config_flag(p, "--qc", key="data.tiling.qc_mode", choices=LazyChoices("wsi_pipeline.config.choices", "QC_MODES"), default=None, metavar="MODE",
                    help="tile artifact QC (data.tiling.qc_mode), one of %(choices)s: drop (default) = drop the tiles "
                         "with the artifacts of --qc-drop and flag the others; flag = record every artifact, drop "
                         "nothing; off = no QC (the paper's tiles). Artifacts: pen = marker ink (green, blue, red, black; "
@@ -179,11 +173,11 @@ def _add_qc_arguments(p: argparse.ArgumentParser) -> None:
                         "of its tissue tiles to QC is warned about. Per-tile arrays qc_flags, qc_focus, qc_pen, qc_fold "
                         "in the store; counts per slide in tiling_report.csv (qc_dropped, qc_pen, qc_blur, qc_fold) and "
                         "the QC image (flagged tiles orange, dropped red)")
-    p.add_argument("--qc-drop", type=lambda text: [a.strip() for a in text.split(",") if a.strip()], default=None,
+    add_config_flag(p, "--qc-drop", key="data.tiling.qc_params.drop", type=lambda text: [a.strip() for a in text.split(",") if a.strip()], default=None,
                    metavar="LIST", help="artifacts --qc drop removes, comma-separated from pen, blur, fold (default pen,blur)")
-    p.add_argument("--qc-pen", type=float, default=None, metavar="F",
+    add_config_flag(p, "--qc-pen", key="data.tiling.qc_params.pen_fraction", type=float, default=None, metavar="F",
                    help="a tile with >= F (a fraction; default 0.1) of its area in ink is pen")
-    p.add_argument("--qc-focus-min", type=float, default=None, metavar="V",
+    add_config_flag(p, "--qc-focus-min", key="data.tiling.qc_params.focus_min", type=float, default=None, metavar="V",
                    help="a tile holding stained tissue with a focus measure below V (default 0.12) is blur (in-focus "
                         "tissue scores 0.2-0.6, a point spread of sigma >= 2 px <= 0.08)")
 
@@ -195,18 +189,18 @@ def _add_region_arguments(p: argparse.ArgumentParser) -> None:
                         "--region-min-fraction of their area inside the included and outside the excluded regions are kept; "
                         "each tile's fraction and class are stored (region_fraction, region_label + attribute regions) and "
                         "written to <out>/regions/<slide_id>.csv")
-    p.add_argument("--region-include", action="append", default=None, metavar="CLASS",
+    add_config_flag(p, "--region-include", key="data.tiling.region_include", action="append", default=None, metavar="CLASS",
                    help="classification name (shell pattern, case-insensitive) whose regions include tiles; repeatable "
                         "(default: every region not excluded)")
-    p.add_argument("--region-exclude", action="append", default=None, metavar="CLASS",
+    add_config_flag(p, "--region-exclude", key="data.tiling.region_exclude", action="append", default=None, metavar="CLASS",
                    help="classification name (pattern) whose regions exclude tiles; repeatable "
                         "(default: Ignore*, Exclude, Excluded, Background)")
-    p.add_argument("--region-min-fraction", type=float, default=None, metavar="F",
+    add_config_flag(p, "--region-min-fraction", key="data.tiling.region_min_fraction", type=float, default=None, metavar="F",
                    help="keep a tile when at least F (default 0.5) of it lies inside the included, not excluded area")
 
 
 def _add_point_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--points", default=None, metavar="FILE_OR_DIR",
+    add_config_flag(p, "--points", key="data.tiling.points", default=None, metavar="FILE_OR_DIR",
                    help="cut one tile of --tile-size px centred on each given point instead of the grid: a CSV "
                         "slide_id,x,y[,class] for every slide (an 'image' column is taken as slide_id), or a folder of "
                         "<slide_id>.csv files (x,y[,class]) or <slide_id>.geojson QuPath exports (Point: the point; "
@@ -216,46 +210,37 @@ def _add_point_arguments(p: argparse.ArgumentParser) -> None:
                         "attribute point_classes; -1 = none) and point (point_xy); grid is the T-px grid cell holding "
                         "the point. By default every point inside the image gets its tile (no foreground rule, see "
                         "--points-filter); tile QC (--qc) is never applied to point tiles")
-    p.add_argument("--points-edge", choices=LazyChoices("wsi_pipeline.config.choices", "POINT_EDGES"), default=None,
+    add_config_flag(p, "--points-edge", key="data.tiling.points_edge", choices=LazyChoices("wsi_pipeline.config.choices", "POINT_EDGES"), default=None,
                    metavar="RULE",
                    help="a point tile crossing the image edge, one of %(choices)s: pad (default) = the part outside the "
                         "image is the slide's glass colour (its reader's background: white unless the slide says "
                         "otherwise); skip = left out and counted (store attribute points.n_edge_skipped, report note). "
                         "Points outside the image are always left out and counted")
-    p.add_argument("--points-filter", action="store_const", const=True, default=None,
+    add_config_flag(p, "--points-filter", key="data.tiling.points_filter", action="store_const", const=True, default=None,
                    help="apply the foreground rule (--method, --min-foreground) to point tiles too and drop those below "
                         "it (default: off, every point keeps its tile; the foreground fraction is stored either way)")
 
 
-def tiling_overrides(args: argparse.Namespace) -> list[str]:
-    """The tiling flags given on the command line as ``data.tiling.KEY=VALUE`` overrides (values as JSON, which
-    the overrides read as YAML)."""
-    return [f"data.tiling.{key}={json.dumps(getattr(args, dest))}" for key, dest in TILING_FLAGS.items()
-            if getattr(args, dest, None) is not None]
-
-
 def tiling_from_args(args: argparse.Namespace) -> tuple[StoreSettings, str | None, str | None]:
-    """(``data.tiling`` as the config file, ``--set`` and the tiling flags make it, the slides, the output folder):
-    with ``--config``, through :func:`~wsi_pipeline.config.pipeline.load_config` (the builder of every stage);
-    without, the same overrides on an empty section."""
-    from wsi_pipeline.config.overrides import apply_overrides
+    """(``data.tiling`` as the config file, the tiling flags and ``--set`` make it, the slides, the output folder),
+    through the builder of every stage: with ``--config`` the whole pipeline is checked
+    (:func:`~wsi_pipeline.cli._common.pipeline_from_args`); without, ``data.tiling`` alone
+    (:func:`~wsi_pipeline.cli._common.config_from_args`)."""
+    from wsi_pipeline.config.overrides import section_of
     from wsi_pipeline.config.store_settings import StoreSettings
 
-    overrides = [*args.overrides, *tiling_overrides(args)]
     source, out = args.slides if args.slides is not None else args.manifest, args.out
     if args.config is not None:
-        from wsi_pipeline.config.pipeline import load_config
-
-        pipeline = load_config(args.config, overrides)
+        pipeline = pipeline_from_args(args)
         source = source if source is not None else str(pipeline.data.manifest)
         return pipeline.data.tiling, source, out if out is not None else str(pipeline.data.tiles_dir)
     other = [o for o in args.overrides if not o.startswith("data.tiling.")]
     if other:
         raise ValueError(f"--set {other[0]}: without --config only data.tiling keys can be set; give the pipeline "
                          "config with --config PIPELINE.yaml")
-    raw: dict[str, Any] = {"data": {"tiling": {}}}
-    apply_overrides(raw, overrides)
-    return StoreSettings.from_section(raw["data"]["tiling"]), source, out
+    tiling = config_from_args(args, lambda raw: StoreSettings.from_section(section_of(raw, "data.tiling")),
+                              what="tiling settings")
+    return tiling, source, out
 
 
 def tiler_from_args(tiling: StoreSettings, args: argparse.Namespace) -> TilingConfig:
