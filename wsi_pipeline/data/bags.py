@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,13 +142,15 @@ def skipped_by_tiler(tiles_dir: str | os.PathLike) -> dict[str, str]:
     return out
 
 
-def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike) -> None:
+def check_stores(slides: Sequence[Slide], tiles_dir: str | os.PathLike,
+                 skipped: Mapping[str, str] | None = None) -> None:
     """Raise ``FileNotFoundError`` naming every slide without a complete tile store, and the fix.
 
-    Slides the tiler skipped on purpose (:func:`skipped_by_tiler`) are not missing: they are
-    left out later with the slides that have 0 tiles (:func:`drop_empty`).
+    Slides the tiler skipped on purpose (:func:`skipped_by_tiler`; pass its result as ``skipped`` when the
+    caller has it, else it is read here) are not missing: they are left out later with the slides that have
+    0 tiles (:func:`drop_empty`).
     """
-    skipped = skipped_by_tiler(tiles_dir)
+    skipped = skipped_by_tiler(tiles_dir) if skipped is None else skipped
     slides = [s for s in slides if s.slide_id not in skipped]
     missing = [s.slide_id for s in slides if not s.store.exists()]
     partial = [s.slide_id for s in slides if s.store.exists() and marked_complete(s.store) is None]
@@ -239,12 +241,14 @@ def _describe(settings: dict[str, Any]) -> str:
     return ", ".join(f"{k}={settings.get(k)}" for k in keys if k in settings)
 
 
-def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> list[Slide]:
+def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False,
+               skipped: Mapping[str, str] | None = None) -> list[Slide]:
     """``slides`` without those whose (complete) store holds 0 tiles, with one warning naming them.
 
     A slide whose tiles all failed the foreground rule (a blank scan, a fluorescence slide under a
     brightfield rule) has an empty store: it cannot form a bag, so it is left out of training and
-    evaluation. With ``strict`` that is an error instead.
+    evaluation, with the slides the tiler left out (``skipped``: :func:`skipped_by_tiler`, read here when
+    not given). With ``strict`` that is an error instead.
 
     Raises
     ------
@@ -253,7 +257,8 @@ def drop_empty(slides: Sequence[Slide], *, split: str, strict: bool = False) -> 
     """
     kept: list[Slide] = []
     empty: list[Slide] = []
-    skipped = skipped_by_tiler(slides[0].store.parent) if slides else {}
+    if skipped is None:
+        skipped = skipped_by_tiler(slides[0].store.parent) if slides else {}
     for s in slides:
         (kept if s.slide_id not in skipped and len(open_store(s.store)) > 0 else empty).append(s)
     if empty:

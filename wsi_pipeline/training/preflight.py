@@ -135,9 +135,10 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         if strict:
             raise ValueError(f"{what}; give them a label or clear their split (--strict refuses them)")
         log.warning("%s; they are left out of training and validation (--strict refuses them)", what)
-    check_stores(train + val, config.data.tiles_dir)
-    train = drop_empty(train, split="train", strict=strict)
-    val = drop_empty(val, split="val", strict=strict)
+    left_out = skipped_by_tiler(config.data.tiles_dir)  # read once: the stores check, both splits and the test split
+    check_stores(train + val, config.data.tiles_dir, left_out)
+    train = drop_empty(train, split="train", strict=strict, skipped=left_out)
+    val = drop_empty(val, split="val", strict=strict, skipped=left_out)
     tiling = check_tiling(train + val, config.data.tiling)
     if not train:
         what = task.target_noun
@@ -151,7 +152,6 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         _warn_one_class(manifest_path, "val", [s.label for s in val],
                         "val_auc is undefined (nan) every epoch and best.pt is chosen on the validation loss")
         test = manifest[(manifest["split"] == "test") & manifest["label"].notna()]
-        left_out = skipped_by_tiler(config.data.tiles_dir)
         test = test[~test["slide_id"].astype(str).isin(left_out)]
         _warn_one_class(manifest_path, "test", [int(x) for x in test["label"]],
                         "eval cannot compute AUC on it" + (f" ({len(left_out)} slide(s) left out by the tiler)" if left_out else ""))
