@@ -12,8 +12,9 @@ from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
 from wsi_pipeline.failures import ConfigTypeError
+from wsi_pipeline.tasks.calibration import Calibration
 
-__all__ = ["AugmentConfig", "DemonConfig", "TrainConfig"]
+__all__ = ["ALL_TILES", "AugmentConfig", "DemonConfig", "TrainConfig"]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,19 @@ def _parse_demon(value: Any, where: str) -> DemonConfig:
         raw.setdefault("enabled", True)
         return build(DemonConfig, raw, where)
     raise ConfigTypeError(f"{where} must be true, false or a mapping like {{beta_init: 0.9}}; got {short_repr(value)}")
+
+
+#: ``train.bag_size: all``: every tile of a slide in its bag (the count is larger than any slide's).
+ALL_TILES = 2**31 - 1
+
+
+def _parse_bag_size(value: Any, where: str) -> int:
+    """``all`` (every tile of the slide: :data:`ALL_TILES`) or a positive whole number of tiles."""
+    if isinstance(value, str) and value.strip().lower() == "all":
+        return ALL_TILES
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or int(value) < 1:
+        raise ConfigTypeError(f"{where} must be a whole number of tiles >= 1 or 'all'; got {short_repr(value)}")
+    return int(value)
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,8 @@ class TrainConfig(Checked):
     ----------
     epochs : passes over the training slides.
     lr, weight_decay : Adam learning rate and L2 weight decay.
-    bag_size : k, tiles sampled at random per slide per epoch (all tiles when a slide has fewer).
+    bag_size : k, tiles sampled at random per slide per epoch (all tiles when a slide has fewer);
+        ``all``: every tile of every slide, whole slides as bags (the attention-MIL paper's training).
     batch_bags, accumulate_batches : B bags per batch, S batches per optimiser step; the
         optimiser steps on the mean loss of B x S bags (bags are processed one at a time).
     schedule : ``cosine`` (annealed to ``min_lr`` over the run), ``exponential`` (lr x gamma per
@@ -103,6 +118,11 @@ class TrainConfig(Checked):
     select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
         binary and QWK for multi-class tasks.
     early_stopping_patience : stop after this many epochs without improvement (None: off).
+    calibrate : after training, fit a probability calibration of ``best.pt`` on the validation
+        slides (all their tiles) and store it in the checkpoint, where ``eval`` and ``predict`` apply
+        it (:mod:`wsi_pipeline.tasks.calibration`): ``platt`` (binary: the log-odds ``a s + b``, which
+        also moves the decision threshold to the one the validation split supports), ``temperature``
+        (any number of classes) or ``none`` (default). Classification only; other tasks ignore it.
     device : ``auto`` (CUDA, then Apple MPS, then CPU), ``cpu``, ``cuda``, ``cuda:<i>`` or ``mps``
         (:data:`wsi_pipeline.devices.DEVICES`, as every command's ``--device``).
     bf16 : bfloat16 autocast on CUDA (ignored on CPU).
@@ -116,7 +136,7 @@ class TrainConfig(Checked):
     epochs: int = field(default=20, metadata=spec(gt=0))
     lr: float = field(default=1e-4, metadata=spec(gt=0))
     weight_decay: float = field(default=1e-4, metadata=spec(ge=0))
-    bag_size: int = field(default=256, metadata=spec(gt=0))
+    bag_size: int = field(default=256, metadata=spec(gt=0, parse=_parse_bag_size))
     batch_bags: int = field(default=2, metadata=spec(gt=0))
     accumulate_batches: int = field(default=1, metadata=spec(gt=0))
     schedule: Schedule = "cosine"
@@ -127,6 +147,7 @@ class TrainConfig(Checked):
     clip_grad_norm: float | None = field(default=None, metadata=spec(gt=0))
     select_metric: SelectMetric = "auto"
     early_stopping_patience: int | None = field(default=None, metadata=spec(gt=0))
+    calibrate: Calibration = "none"
     device: str = field(default="auto", metadata=spec(check=check_device))
     bf16: bool = False
     augment: AugmentConfig = field(default_factory=AugmentConfig)

@@ -19,7 +19,7 @@ from wsi_pipeline.evaluation.localisation import lesion_fraction, lesion_outline
 from wsi_pipeline.config.evaluation import EvalProtocol
 from wsi_pipeline.config.pipeline import PipelineConfig
 from wsi_pipeline.config.strategy_traits import strategy_traits
-from wsi_pipeline.inference.protocols import SlidePrediction, predict_protocols
+from wsi_pipeline.inference.protocols import SlidePrediction, calibrated_prediction, predict_protocols
 
 __all__ = ["SlideScore", "score_slide"]
 
@@ -113,6 +113,8 @@ def score_slide(
         model.encoder, model.aggregator, slide_in, protocols, slide_id=str(row["slide_id"]), seed=seed,
         batch_size=batch_size, device=device, on_batch=builder.add if (builder is not None and feats is None) else None,
     )
+    # the run's probability calibration (train.calibrate), for eval and predict alike
+    preds = {name: calibrated_prediction(pred, getattr(model, "endpoint", None)) for name, pred in preds.items()}
     any_pred = next(iter(preds.values()))
     att = any_pred.attention
     loc = None

@@ -49,6 +49,7 @@ __all__ = [
     "protocol_rng",
     "subset_indices",
     "SlidePrediction",
+    "calibrated_prediction",
     "embed_slide",
     "predict_slide",
     "predict_protocols",
@@ -269,6 +270,16 @@ def predict_slide(
         repeat_probs=p,
         repeat_logits=np.stack(logits),
     )
+
+
+def calibrated_prediction(pred: SlidePrediction, endpoint: Any) -> SlidePrediction:
+    """``pred`` with its class probabilities re-read through ``endpoint``'s calibration
+    (:attr:`~wsi_pipeline.tasks.base.Endpoint.logit_map`, fitted on the run's validation slides); ``pred``
+    itself when the endpoint has none."""
+    if endpoint is None or endpoint.calibration == "none" or pred.repeat_logits is None:
+        return pred
+    p = np.asarray(endpoint.scores(pred.repeat_logits)[endpoint.definition.score_key], dtype=np.float64)
+    return replace(pred, probs=p.mean(0), prob_std=p.std(0), repeat_probs=p)
 
 
 def repeat_probs(preds: Sequence[SlidePrediction], repeats: int) -> np.ndarray:

@@ -39,6 +39,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.models.registry import Registry
+from wsi_pipeline.tasks.calibration import LogitMap
 
 __all__ = ["Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_names"]
 
@@ -89,6 +90,10 @@ class Endpoint:
     edges : ``nll_discrete`` inner interval edges (K - 1 times, increasing).
     target_mean, target_sd : regression standardisation (training split).
     huber_delta : in sd units.
+    calibration, logit_scale, logit_shift, calibrated_on : the probability calibration fitted on the
+        run's validation slides after training (:mod:`wsi_pipeline.tasks.calibration`; ``train.calibrate``):
+        the task's scores read ``logit_scale * logits`` with ``logit_shift`` added to the log-odds of
+        class 1; ``none`` / 1 / 0 / 0 until fitted.
     """
 
     task: str = "classification"
@@ -99,6 +104,22 @@ class Endpoint:
     target_mean: float = 0.0
     target_sd: float = 1.0
     huber_delta: float = 1.0
+    calibration: str = "none"
+    logit_scale: float = 1.0
+    logit_shift: float = 0.0
+    calibrated_on: int = 0
+
+    @property
+    def logit_map(self) -> LogitMap:
+        """The fitted calibration as a :class:`~wsi_pipeline.tasks.calibration.LogitMap` (the identity when none)."""
+        return LogitMap(scale=self.logit_scale, shift=self.logit_shift, method=self.calibration, n_slides=self.calibrated_on)
+
+    def calibrated(self, fitted: LogitMap) -> Endpoint:
+        """This endpoint with the calibration ``fitted`` (replacing any earlier one)."""
+        from dataclasses import replace
+
+        return replace(self, calibration=fitted.method, logit_scale=float(fitted.scale), logit_shift=float(fitted.shift),
+                       calibrated_on=int(fitted.n_slides))
 
     @property
     def definition(self) -> Task:
@@ -246,6 +267,11 @@ class Task(ABC):
         import torch
 
         return torch.stack([self.bag_loss(endpoint, o, t) for o, t in zip(outputs, targets)]).mean()
+
+    def fit_calibration(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any], method: str) -> Endpoint:
+        """``endpoint`` with a probability calibration ``method`` (``train.calibrate``) fitted on validation
+        ``logits`` (N, n_outputs) and their ``targets``; tasks without probabilities return it unchanged."""
+        return endpoint
 
     @abstractmethod
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:

@@ -76,9 +76,17 @@ class Classification(Task):
         return loss if aux is None else loss + aux
 
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:
-        z = np.asarray(logits, dtype=np.float64).reshape(-1, endpoint.n_outputs)
+        """Softmax of the logits after the run's calibration (:attr:`Endpoint.logit_map`; identity when none)."""
+        z = endpoint.logit_map.apply(np.asarray(logits, dtype=np.float64).reshape(-1, endpoint.n_outputs))
         e = np.exp(z - z.max(1, keepdims=True))
         return {"probs": e / e.sum(1, keepdims=True)}
+
+    def fit_calibration(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any], method: str) -> Endpoint:
+        """Platt or temperature scaling of the logits on the validation slides
+        (:func:`~wsi_pipeline.tasks.calibration.fit_logit_map`; ``platt`` needs two classes)."""
+        from wsi_pipeline.tasks.calibration import fit_logit_map
+
+        return endpoint.calibrated(fit_logit_map(logits, [int(t) for t in targets], method))  # type: ignore[arg-type]
 
     def metric_names(self, ref: Any = None) -> tuple[str, ...]:
         return METRICS

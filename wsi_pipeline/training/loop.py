@@ -9,7 +9,9 @@ extracts missing frozen features, then trains each (method, seed) into
 - ``history.csv``  per epoch: ``epoch, train_loss, val_<metric>..., lr, seconds``;
 - ``last.pt``      written atomically after every epoch: models, optimiser, schedule, RNG states,
                    best metric, history (see :mod:`wsi_pipeline.checkpoints.files`);
-- ``best.pt``      models of the best validation epoch (state dicts only);
+- ``best.pt``      models of the best validation epoch (state dicts only), with the probability
+                   calibration fitted on the validation slides when ``train.calibrate`` asks
+                   (:mod:`wsi_pipeline.training.decisions`; ``calibration.json`` says what);
 - ``done``         JSON summary, written last; a run with it is skipped.
 
 :func:`train_run` is one run: per epoch it sets the learning rate, trains an epoch (the
@@ -58,6 +60,7 @@ from wsi_pipeline.training.monitor import StepInfo, StepMonitor, gradient_norm
 from wsi_pipeline.progress import progress_bar
 from wsi_pipeline.training import distributed
 from wsi_pipeline.training.calibration import calibrate_encoder
+from wsi_pipeline.training.decisions import calibrate_best
 from wsi_pipeline.training.epoch import seed_everything as _seed_everything
 from wsi_pipeline.training.frozen_features import ensure_features
 from wsi_pipeline.training.optim import EpochSchedule, build_optimizer, clip_gradients
@@ -231,6 +234,8 @@ def train_run(
             _log_epoch(run, row, val, epochs)
     if run.monitor is not None:
         run.monitor.close()
+    if run.main:  # the best epoch's probability calibration on the validation slides (train.calibrate)
+        calibrate_best(run_dir, run.strategy, run.val_inputs, [s.y for s in plan.val_units], config, method, run.device)
     distributed.barrier()
     if run.main:
         if method.name in plan.memory:

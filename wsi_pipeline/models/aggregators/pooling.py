@@ -3,7 +3,8 @@
 Both follow the same shape as :class:`~wsi_pipeline.models.aggregators.abmil.ABMIL`, so that the
 pooling operator is the only difference between them: each instance embedding ``z_i`` is
 projected to ``h_i = Dropout(ReLU(W z_i))`` (``hidden`` wide), the projections are pooled over
-the n instances, elementwise, and a linear layer gives the slide logits.
+the n instances, elementwise, and a linear layer gives the slide logits. With ``projection=False``
+(the paper's embedding-level pooling) the instance embeddings are pooled as they are (``h_i = z_i``).
 
 - ``mean``: ``h = (1/n) sum_i h_i``. Every instance contributes equally, so ``attention`` is
   uniform, ``1/n`` for each instance.
@@ -31,14 +32,18 @@ class _PoolMIL(nn.Module):
 
     name = ""
 
-    def __init__(self, in_dim: int, n_classes: int, *, hidden: int = 512, dropout: float = 0.25) -> None:
+    def __init__(self, in_dim: int, n_classes: int, *, hidden: int = 512, dropout: float = 0.25,
+                 projection: bool = True) -> None:
         super().__init__()
+        if not projection:
+            hidden = int(in_dim)
         if int(hidden) < 1:
             raise ValueError(f"{self.name}: hidden={hidden}; expected a width >= 1")
         if not 0.0 <= float(dropout) < 1.0:
             raise ValueError(f"{self.name}: dropout={dropout}; expected a probability in [0, 1)")
         self.in_dim, self.n_classes, self.hidden = int(in_dim), int(n_classes), int(hidden)
-        self.project = nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout))
+        self.project: nn.Module = (nn.Sequential(nn.Linear(in_dim, hidden), nn.ReLU(), nn.Dropout(dropout)) if projection
+                                   else nn.Identity())
         self.classifier = nn.Linear(hidden, n_classes)
 
     def pool(self, h: Tensor) -> tuple[Tensor, Tensor]:
