@@ -156,3 +156,19 @@ def test_training_calibrates_best_and_eval_reports_calibrated_probabilities(tmp_
     s_test = np.array([log_odds(sid) for sid in test["slide_id"]])
     expected = 1 / (1 + np.exp(-(ep.logit_scale * s_test + ep.logit_shift)))
     np.testing.assert_allclose(test["prob_1"].to_numpy(), expected, rtol=1e-4, atol=1e-6)
+
+
+def test_bag_size_all_puts_every_tile_of_a_slide_in_its_bag() -> None:
+    from wsi_pipeline.config.schema import build
+    from wsi_pipeline.config.train import TrainConfig
+    from wsi_pipeline.data.bags import epoch_plan
+
+    tc = build(TrainConfig, {"bag_size": "all", "batch_bags": 1}, "train")
+    n_tiles = [5, 796, 1, 230]
+    plan = epoch_plan(n_tiles, bag_size=tc.bag_size, bags_per_step=tc.bags_per_step, seed=0, epoch=3)
+    bags = {i: idx for step in plan for i, idx in step}
+    assert sorted(bags) == [0, 1, 2, 3]
+    for i, n in enumerate(n_tiles):
+        assert np.array_equal(np.sort(bags[i]), np.arange(n))
+    with pytest.raises(Exception, match="or 'all'"):
+        build(TrainConfig, {"bag_size": "every"}, "train")

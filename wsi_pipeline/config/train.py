@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import Schedule, SelectMetric, TrainLog
-from wsi_pipeline.config.schema import Checked, build, spec
+from wsi_pipeline.config.schema import Checked, build, coerce, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
 from wsi_pipeline.failures import ConfigTypeError
@@ -43,12 +43,13 @@ ALL_TILES = 2**31 - 1
 
 
 def _parse_bag_size(value: Any, where: str) -> int:
-    """``all`` (every tile of the slide: :data:`ALL_TILES`) or a positive whole number of tiles."""
+    """``all`` (every tile of the slide: :data:`ALL_TILES`) or a whole number of tiles (checked as any int field)."""
     if isinstance(value, str) and value.strip().lower() == "all":
         return ALL_TILES
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or int(value) < 1:
-        raise ConfigTypeError(f"{where} must be a whole number of tiles >= 1 or 'all'; got {short_repr(value)}")
-    return int(value)
+    try:
+        return int(coerce(value, int, where))
+    except ConfigTypeError as e:
+        raise ConfigTypeError(f"{e} (or 'all': every tile of a slide)") from e
 
 
 @dataclass(frozen=True)
