@@ -14,9 +14,6 @@ name                   values                                       used by
 ``SELECT_METRICS``     auto, auc, qwk, accuracy, balanced_accuracy,  ``train.select_metric``
                        loss, c_index, mae, rmse,
                        pearson, spearman
-``TASKS``              classification, survival, regression         ``methods[].task``
-``LOSSES``             cross_entropy, cox, nll_discrete, mse, huber ``methods[].loss`` (``TASK_LOSSES``:
-                                                                    which a task takes, first = default)
 ``TIES``               efron, breslow                               ``methods[].loss_options.ties``
 ``LEVELS``             slide, patient                               ``eval.level``
 ``PATIENT_POOLS``      mean, max                                    ``eval.patient_pool``
@@ -52,11 +49,11 @@ from wsi_pipeline.devices import DEVICES
 from wsi_pipeline.slides.opener import BACKENDS
 
 __all__ = [
-    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "HEATMAP_MODES", "HeatmapMode", "LEVELS", "LOSSES",
+    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "HEATMAP_MODES", "HeatmapMode", "LEVELS",
     "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "POINT_EDGES", "PointEdge", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
-    "SELECT_METRICS", "STRATEGY_NAMES", "TASKS", "TASK_LOSSES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
-    "BackboneScale", "BagUnit", "BNMode", "Level", "LossName", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
-    "QCMode", "Schedule", "SelectMetric", "StrategyName", "Task", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
+    "SELECT_METRICS", "STRATEGY_NAMES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
+    "BackboneScale", "BagUnit", "BNMode", "Level", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
+    "QCMode", "Schedule", "SelectMetric", "StrategyName", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
     "head_names", "model_names", "strategy_names", "task_names",
 ]
 
@@ -80,18 +77,6 @@ SelectMetric = Literal[
 ]
 SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)
 
-#: What a method predicts: a slide class, a survival risk, a number (the built-in tasks; ``methods[].task``
-#: takes any registered task, :func:`task_names`).
-Task = Literal["classification", "survival", "regression"]
-TASKS: tuple[str, ...] = typing.get_args(Task)
-#: Training losses; ``TASK_LOSSES`` maps a task to the losses it takes (the first is its default).
-LossName = Literal["cross_entropy", "cox", "nll_discrete", "mse", "huber"]
-LOSSES: tuple[str, ...] = typing.get_args(LossName)
-TASK_LOSSES: dict[str, tuple[str, ...]] = {
-    "classification": ("cross_entropy",),
-    "survival": ("cox", "nll_discrete"),
-    "regression": ("mse", "huber"),
-}
 #: How the Cox partial likelihood treats tied event times.
 Ties = Literal["efron", "breslow"]
 TIES: tuple[str, ...] = typing.get_args(Ties)

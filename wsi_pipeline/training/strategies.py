@@ -133,13 +133,14 @@ class Strategy:
         if agg in AGGREGATORS and getattr(AGGREGATORS.get(agg), "classes_only", False):
             raise ValueError(f"method {method.name!r}: the {agg} aggregator trains classification only (its tier-1 loss "
                              f"is a cross-entropy on the slide's class); use abmil or transmil for task {task!r}")
-        if getattr(method, "loss", None) == "cox":
+        loss = str(getattr(method, "loss", None) or kind.losses[0])
+        if kind.coupled(loss):  # the loss compares a step's bags with each other (Cox's risk sets)
             if cls.name != "frozen" and method.encoder.bn != "frozen":
-                raise ValueError(f"method {method.name!r}: loss cox is trained exactly by re-embedding each bag of the step "
+                raise ValueError(f"method {method.name!r}: loss {loss} is trained exactly by re-embedding each bag of the step "
                                  f"(passes 1 and 3 must compute the same function): set encoder.bn: frozen, not "
                                  f"{method.encoder.bn!r}")
             if method.train.bags_per_step < 2:
-                raise ValueError(f"method {method.name!r}: loss cox compares the bags of an optimiser step with each "
+                raise ValueError(f"method {method.name!r}: loss {loss} compares the bags of an optimiser step with each "
                                  f"other (the risk sets); train.batch_bags x accumulate_batches is "
                                  f"{method.train.bags_per_step}: use at least 2 (README: survival, e.g. 16)")
         enc = method.encoder
