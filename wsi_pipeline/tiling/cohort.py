@@ -102,7 +102,9 @@ def tile_cohort(
         the endings looked for).
     OutputDirError : ``out_dir`` cannot be created or written (checked before any work, and
         again when a slide fails).
-    FileNotFoundError : ``source`` does not exist.
+    FileNotFoundError : ``source`` does not exist, or ``config.points`` is neither a file nor a folder.
+    ValueError : a points file (``config.points``) that is not one, naming it and the row or feature
+        (:func:`~wsi_pipeline.tiling.points.check_points`), before any slide is tiled.
 
     Notes
     -----
@@ -116,6 +118,10 @@ def tile_cohort(
     if n_workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0 = in this process)")
     jobs = _select_jobs(source, out, shard)
+    if config.points is not None:  # a bad points file is refused once, before any slide (not once per slide)
+        from wsi_pipeline.tiling.points import check_points
+
+        check_points(config.points, [j.slide_id for j in jobs])
     if isinstance(cluster, str):
         from wsi_pipeline.jobs.cluster import parse_cluster
 
