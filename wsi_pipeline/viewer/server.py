@@ -39,7 +39,7 @@ from wsi_pipeline.slides import open_slide
 from wsi_pipeline.viewer.catalog import SORT_KEYS, Catalog, SlideEntry
 from wsi_pipeline.viewer.containment import Folders, GeoJSONError, OutsideFoldersError
 from wsi_pipeline.viewer.overlays import KINDS, QC_REASONS, SlideOverlays
-from wsi_pipeline.viewer.probe import probe, unreadable_reason
+from wsi_pipeline.viewer.probe import check_complete, probe, unreadable_reason
 from wsi_pipeline.viewer.query import BadRequest, integer, number
 from wsi_pipeline.viewer.tiles import DeepZoomTiles, SlideTiles, StoreTiles, TileSource, encode, max_zoom
 
@@ -124,6 +124,11 @@ class _Slides:
             except Exception as err:
                 slide.close()
                 raise ValueError(unreadable_reason(path, err)) from err
+            try:
+                check_complete(path)  # the probed pieces may be whole while others are cut off
+            except ValueError:
+                source.close()
+                raise
             kind = f"slide ({slide.backend})"
         elif store is not None:
             source = StoreTiles(store)
