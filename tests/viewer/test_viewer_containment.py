@@ -159,6 +159,22 @@ def test_a_truncated_slide_is_failed_on_the_list(cohort, tmp_path, kept) -> None
         assert _fetch(srv.url + "tile/cut/0/0/0.jpg")[0] in (404, 422)
 
 
+def test_a_slide_moved_away_or_replaced_by_a_link_while_served_is_no_longer_ok(cohort, outside, tmp_path) -> None:
+    slides = tmp_path / "slides"
+    slides.mkdir()
+    for sid in ("pen", "les"):
+        shutil.copy(cohort["slides"] / f"{sid}.svs", slides / f"{sid}.svs")
+    with serving(build_catalog(slides=slides)) as srv:
+        assert _fetch(srv.url + "tile/les/0/0/0.jpg")[0] == 200  # open, being viewed
+        rows = {r["slide_id"]: r["status"] for r in json.loads(_fetch(srv.url + "api/slides")[1])["rows"]}
+        assert rows == {"pen": "ok", "les": "ok"}
+        (slides / "pen.svs").rename(outside / "pen.svs")
+        (slides / "les.svs").unlink()
+        os.symlink(outside / "pen.svs", slides / "les.svs")
+        rows = {r["slide_id"]: r["status"] for r in json.loads(_fetch(srv.url + "api/slides")[1])["rows"]}
+        assert "not found" in rows["pen"] and "outside" in rows["les"], rows
+
+
 @pytest.mark.parametrize("path", [
     "crop/pen?x=inf&y=0", "crop/pen?x=nan&y=0", "crop/pen?x=-5000&y=0", "crop/pen?x=1e30&y=0", "crop/pen?x=0&y=0&size=inf",
     "crop/pen?x=0&y=0&size=-3", "crop/pen?x=abc&y=0", "crop/pen?x=&y=0", "api/slide/pen/at?x=nan&y=1", "api/slide/pen/at?x=1e400&y=1",

@@ -92,7 +92,7 @@ class _Slides:
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self.errors: dict[str, str] = {}
         self._refused: set[str] = set()  # ids whose files lie outside the folders (403)
-        self._checked: set[str] = set()  # ids that opened once (the list's status column)
+        self._checked: dict[str, bool] = {}  # ids that opened once (the list's status column) -> read from their file
         self._lock = threading.Lock()
         self._opening: dict[str, threading.Lock] = {}
 
@@ -191,19 +191,25 @@ class _Slides:
 
     def status(self, slide_id: str) -> str:
         """"ok" or the open error. A slide not yet tried is opened and closed again at once (the list checks
-        every slide of its page; the slides being viewed stay open)."""
+        every slide of its page; the slides being viewed stay open). A slide read from its file is looked at
+        again when that file is gone or no longer resolves inside the folders (moved away, replaced by a link)."""
+        entry = self.catalog.get(slide_id)
         with self._lock:
             if slide_id in self._open or slide_id in self._checked:
-                return "ok"
+                from_file = self._open[slide_id].kind.startswith("slide") if slide_id in self._open else self._checked[slide_id]
+                if not from_file or self.catalog.folders.contains(entry.path):
+                    return "ok"
+                self._open.pop(slide_id, None)  # a request still reading it keeps its reference
+                self._checked.pop(slide_id, None)
             if slide_id in self.errors:
                 return self.errors[slide_id]
         try:
-            opened = self._load(self.catalog.get(slide_id))
+            opened = self._load(entry)
         except Exception as err:  # any reader error marks this slide only
             return self._failed(slide_id, err)
         opened.source.close()
         with self._lock:
-            self._checked.add(slide_id)
+            self._checked[slide_id] = opened.kind.startswith("slide")
         return "ok"
 
     def close(self) -> None:
