@@ -71,6 +71,11 @@ def test_a_symlinked_annotation_is_refused_and_an_ordinary_one_served(cohort, ou
             assert "outside" in _error(body) and "ann" in _error(body)
         status, body = _fetch(srv.url + "geojson/les/annotations")
         assert status == 200 and json.loads(body)["features"][0]["geometry"]["coordinates"] == POLY
+        tissue = json.loads(_fetch(srv.url + "geojson/les/tissue")[1])  # the tiler's contours pass the same check
+        assert tissue["type"] == "FeatureCollection" and tissue["features"]
+        info = {sid: json.loads(_fetch(srv.url + f"api/slide/{sid}")[1]) for sid in ("pen", "les")}
+        assert info["les"]["geojson"] == ["tissue", "annotations"]
+        assert "annotations" not in info["pen"]["geojson"] and "outside" in info["pen"]["refused"]["annotations"]
         for sid in ("pen", "gone", "les"):
             bodies.append(_fetch(srv.url + f"api/slide/{sid}")[1])
         bodies.append(_fetch(srv.url + "api/slides")[1])
@@ -126,7 +131,9 @@ def test_junk_annotations_are_checked_before_they_are_served(cohort, tmp_path, c
     (ann / "pen.geojson").write_text(content)
     with serving(build_catalog(slides=cohort["slides"], annotations=ann)) as srv:
         status, body = _fetch(srv.url + "geojson/pen/annotations")
-    assert status == 422 and reason in _error(body) and "pen.geojson" in _error(body), (status, body[:300])
+        assert status == 422 and reason in _error(body) and "pen.geojson" in _error(body), (status, body[:300])
+        info = json.loads(_fetch(srv.url + "api/slide/pen")[1])
+    assert "annotations" not in info["geojson"] and reason in info["refused"]["annotations"]  # the page never draws it
     assert content.encode() not in body or len(content) < 12
 
 

@@ -355,11 +355,20 @@ class _Handler(BaseHTTPRequestHandler):
             return info
         info.update(
             dimensions=list(o.source.dimensions), max_zoom=max_zoom(o.source.dimensions), source=o.kind,
-            overlays=o.overlays.available(),
-            geojson=[k for k, p in (("tissue", entry.tissue), ("annotations", entry.annotations)) if self.server.slides.catalog.folders.contains(p)],
+            overlays=o.overlays.available(), geojson=[],
             qc_reasons=list(QC_REASONS), kinds=list(KINDS), scale=colormap(np.linspace(0.0, 1.0, 9)).tolist(),
             mpp=getattr(getattr(o.source, "slide", None), "mpp", None),
         )
+        refused = dict(o.overlays.refused)  # overlay kind or GeoJSON kind -> why its file is not read
+        for kind, path in (("tissue", entry.tissue), ("annotations", entry.annotations)):
+            if path is None:
+                continue
+            try:  # checked here too, so that the page draws only what it will get
+                self.server.slides.catalog.folders.read_geojson(path, f"{kind} file")
+                info["geojson"].append(kind)
+            except (OSError, ValueError) as err:
+                refused[kind] = str(err)
+        info["refused"] = refused
         if "heatmap" in info["overlays"]:
             scores = o.overlays.scores()
             info["heatmap_grid"] = {"tiles": len(scores), "size": sorted(set(scores["size"].round(1).tolist()))}
