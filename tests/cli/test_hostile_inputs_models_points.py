@@ -157,11 +157,15 @@ def test_the_commands_print_one_line_naming_the_file(tmp_path, capsys, never_tor
         ["tissue", "predict", "--slides", str(slides), "--model", str(p), "--out", str(tmp_path / "o1")],
         ["predict", "--model", str(p), "--slides", str(slides), "--out", str(tmp_path / "o2"), "--no-progress",
          "--device", "cpu", "--workers", "0"],
+        ["tile", "--slides", str(slides), "--out", str(tmp_path / "o3"), "--method", "unet", "--tissue-model", str(p),
+         "--workers", "0", "--no-progress"],
     ):
         rc = main(argv)
         err = capsys.readouterr().err
         assert rc == 2, (argv, err)
         assert "evil.pt" in err and "bytearray" in err and "Traceback" not in err, err
+        assert len([ln for ln in err.splitlines() if ln.strip()]) == 1, err
+    assert not (tmp_path / "o3").exists() or not list((tmp_path / "o3").glob("*.zarr"))  # refused before any slide
 
 
 def test_the_scan_reads_what_genops_reads_and_stops_where_the_unpickler_would(tmp_path):
