@@ -105,6 +105,28 @@ def test_bytes_and_a_large_shape_to_an_allowed_rebuild_function_are_refused(tmp_
         load_torch_file(_hostile(tmp_path / "m.pt", big))
 
 
+def test_a_storage_declared_larger_than_its_record_is_refused(tmp_path, never_torch_load):
+    """The storage's element count in its persistent id is 10**12 while its record holds 8 bytes."""
+    import zipfile
+
+    from wsi_pipeline.model_files.loader import load_torch_file
+    from wsi_pipeline.model_files.pickle_scan import UnsafeModelFileError
+
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.ones(2)}, good)
+    forged = tmp_path / "forged.pt"
+    with zipfile.ZipFile(good) as src, zipfile.ZipFile(forged, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("data.pkl"):
+                count = b"K\x02t"  # BININT1 2, then TUPLE: the end of the persistent id ('storage', ..., 'cpu', 2)
+                assert data.count(count) == 1
+                data = data.replace(count, b"\x8a\x06" + (10**12).to_bytes(6, "little") + b"t")  # LONG1 10**12
+            dst.writestr(info, data)
+    with pytest.raises(UnsafeModelFileError, match=r"forged\.pt.*storage of 1000000000000 elements held in 8 bytes"):
+        load_torch_file(forged)
+
+
 def test_ordinary_files_still_load_through_the_loader(tmp_path):
     from wsi_pipeline.checkpoints.files import load_checkpoint, save_checkpoint
     from wsi_pipeline.model_files.loader import load_torch_file

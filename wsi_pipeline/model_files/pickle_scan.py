@@ -111,8 +111,8 @@ class _Scan:
     def refuse(self, what: str, pos: int) -> UnsafeModelFileError:
         at = f"{self.where}, byte {pos}" if self.where else f"byte {pos}"
         return UnsafeModelFileError(
-            f"refusing to load {self.path}: its pickle {what} ({at}); a model file holds tensors and plain containers, "
-            "never a call that allocates memory from a number (loading it could exhaust the machine's memory)")
+            f"refusing to load {self.path}: its pickle {what} ({at}); model files hold tensors and plain containers, "
+            "and loading this one could exhaust the machine's memory")
 
     def run(self, f: IO[bytes], pickles: int) -> None:
         """Scan up to ``pickles`` consecutive pickles of ``f``."""
@@ -265,7 +265,7 @@ class _Scan:
             available, held = self.records[key], f"its record data/{key}"
         else:
             return  # no such record: torch.load refuses it by name
-        if numel > available:
+        if numel < 0 or numel > available:
             raise self.refuse(f"declares a storage of {numel} elements held in {available} bytes ({held})", pos)
 
 
