@@ -105,6 +105,34 @@ def test_bytes_and_a_large_shape_to_an_allowed_rebuild_function_are_refused(tmp_
         load_torch_file(_hostile(tmp_path / "m.pt", big))
 
 
+def test_variants_cut_short_hidden_in_a_polyglot_or_passed_as_a_function_are_refused(tmp_path, never_torch_load):
+    """The pickle cut right after the call (no STOP: the unpickler runs the call before it fails), a legacy pickle
+    with a zip directory appended (torch.load reads it as legacy, by its first bytes), and bytearray handed to an
+    allowed rebuilder as the function it calls."""
+    import io
+    import zipfile
+
+    from wsi_pipeline.model_files.loader import load_torch_file
+    from wsi_pipeline.model_files.pickle_scan import UnsafeModelFileError
+
+    raw = pickle.dumps({"w": 1, "evil": _Allocates(TERABYTE)}, protocol=2)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(raw[: raw.index(b"R") + 1])  # ... bytearray (10**12,) REDUCE, then nothing
+    with pytest.raises(UnsafeModelFileError, match=r"cut\.pt.*bytearray"):
+        load_torch_file(cut)
+    legacy = _hostile(tmp_path / "poly.pt", _use_new_zipfile_serialization=False)
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"ok": 1}, protocol=2))
+    legacy.write_bytes(legacy.read_bytes() + buf.getvalue())
+    assert zipfile.is_zipfile(legacy)  # Python's zipfile sees a zip; torch.load sees a legacy file
+    with pytest.raises(UnsafeModelFileError, match=r"poly\.pt.*bytearray"):
+        load_torch_file(legacy)
+    as_function = _Reduces(torch._tensor._rebuild_from_type_v2, (bytearray, torch.Tensor, (TERABYTE,), {}))
+    with pytest.raises(UnsafeModelFileError, match=r"fn\.pt.*bytearray"):
+        load_torch_file(_hostile(tmp_path / "fn.pt", as_function))
+
+
 def test_a_storage_declared_larger_than_its_record_is_refused(tmp_path, never_torch_load):
     """The storage's element count in its persistent id is 10**12 while its record holds 8 bytes."""
     import zipfile

@@ -14,8 +14,9 @@ the unpickler's stack abstractly, and refuses (:class:`UnsafeModelFileError`) a 
   (:data:`STORAGE_BOUNDED`: torch checks their sizes against it) are exempt;
 - declares a storage (its persistent id) of more elements than the bytes that hold it.
 
-Files: a zip (torch >= 1.6: every ``*.pkl`` record, usually ``<archive>/data.pkl``) or a legacy file (the
-pickles at its start, up to the storage data). Where the opcodes stop parsing, the unpickler would stop there
+Files: a zip (torch >= 1.6, told by its first bytes as ``torch.load`` tells it: every ``*.pkl`` record, usually
+``<archive>/data.pkl``; a zip that cannot be read is refused) or a legacy file (the pickles at its start, up to
+the storage data); a tar-format file (PyTorch < 0.4) is refused. Where the opcodes stop parsing, the unpickler would stop there
 too (it reads the same opcodes in the same order), so the scan ends and ``torch.load`` reports the damage.
 """
 
@@ -46,6 +47,8 @@ STORAGE_BOUNDED = frozenset({
 })
 #: Legacy (non-zip) torch files: magic number, protocol, system info, the object, the storage keys.
 _LEGACY_PICKLES = 5
+#: The first bytes of a zip file (a local file header): torch.load's test for its zip format.
+_ZIP_MAGIC = b"PK\x03\x04"
 #: Nesting followed inside call arguments (deeper tuples are not shapes).
 _MAX_DEPTH = 8
 
@@ -79,8 +82,15 @@ def scan_model_file(path: str | os.PathLike) -> None:
     """Refuse ``path`` (:class:`UnsafeModelFileError`, naming it and what was found) when its pickle allocates from a
     number (module docstring); return quietly otherwise, also for a file that is no pickle (``torch.load`` says)."""
     p = Path(path)
-    if zipfile.is_zipfile(p):
-        with zipfile.ZipFile(p) as zf:
+    with open(p, "rb") as f:
+        magic = f.read(4)
+    if magic == _ZIP_MAGIC:  # what torch.load takes for a zip (it looks at the first bytes, as here)
+        try:
+            zf = zipfile.ZipFile(p)
+        except (zipfile.BadZipFile, OSError, ValueError) as err:
+            raise UnsafeModelFileError(f"refusing to load {p}: it starts as a zip file but cannot be read as one ({err}); "
+                                       "truncated or damaged; its pickle cannot be checked") from None
+        with zf:
             records = {info.filename.rsplit("/data/", 1)[1]: info.file_size
                        for info in zf.infolist() if "/data/" in info.filename}
             for info in zf.infolist():
@@ -117,27 +127,28 @@ class _Scan:
     def run(self, f: IO[bytes], pickles: int) -> None:
         """Scan up to ``pickles`` consecutive pickles of ``f``."""
         for _ in range(pickles):
-            try:
-                if not self._one(f):
-                    return
-            except _Stop:
+            if not self._one(f):
                 return
 
     def _one(self, f: IO[bytes]) -> bool:
-        """Scan one pickle; False when the stream ended or stopped parsing."""
+        """Scan one pickle; False when the stream ended or stopped parsing (what was read before is checked all
+        the same: the unpickler would have run it)."""
         stack: list[Any] = []
         memo: dict[Any, Any] = {}
         imported: list[tuple[str, int]] = []
-        ops = _ops(f)
-        for op, arg, pos in ops:
-            name = op.name
-            if name == "STOP":
-                if imported:
-                    glob, at = imported[0]
-                    raise self.refuse(f"imports {glob}, a callable that allocates memory from a number", at)
-                return True
-            self._step(name, arg, pos, stack, memo, imported)
-        return False
+        complete = False
+        try:
+            for op, arg, pos in _ops(f):
+                if op.name == "STOP":
+                    complete = True
+                    break
+                self._step(op.name, arg, pos, stack, memo, imported)
+        except _Stop:
+            pass
+        if imported:
+            glob, at = imported[0]
+            raise self.refuse(f"imports {glob}, a callable that allocates memory from a number", at)
+        return complete
 
     def _step(self, name: str, arg: Any, pos: int, stack: list[Any], memo: dict[Any, Any],
               imported: list[tuple[str, int]]) -> None:
