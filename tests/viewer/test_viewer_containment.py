@@ -117,6 +117,22 @@ def test_symlinked_slides_stores_scores_tissue_and_masks_outside_are_refused(coh
             assert status in (403, 404) and "outside" in _error(body), (kind, status, body[:200])
 
 
+def test_a_fifo_inside_the_folders_is_refused_without_blocking(cohort, tmp_path) -> None:
+    """A FIFO named as a slide and as a lesion mask by a manifest: opening one would wait for a writer forever."""
+    root = tmp_path / "given"
+    root.mkdir()
+    shutil.copy(cohort["slides"] / "pen.svs", root / "pen.svs")
+    os.mkfifo(root / "mask.png")
+    os.mkfifo(root / "fifo.svs")
+    pd.DataFrame({"slide_id": ["pen", "fifo"], "path": ["pen.svs", "fifo.svs"], "lesion_mask": ["mask.png", None],
+                  "mask_downsample": [16, None]}).to_csv(root / "manifest.csv", index=False)
+    with serving(build_catalog(manifest=root / "manifest.csv")) as srv:
+        rows = {r["slide_id"]: r["status"] for r in json.loads(_fetch(srv.url + "api/slides")[1])["rows"]}
+        assert rows["pen"] == "ok" and "not a regular file" in rows["fifo"], rows
+        status, body = _fetch(srv.url + "overlay/pen/lesion/0/0/0.png")
+        assert status == 403 and "not a regular file" in _error(body)
+
+
 @pytest.mark.parametrize("content, reason", [
     ("[1, 2, 3]", "FeatureCollection"),
     ('"junk"', "FeatureCollection"),

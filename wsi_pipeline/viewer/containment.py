@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_GEOJSON_BYTES", "MAX_MASK_BYTES", "MAX_MASK_PIXELS", "Folders", "GeoJSONError", "OutsideFoldersError"]
+__all__ = ["MAX_GEOJSON_BYTES", "MAX_MASK_BYTES", "MAX_MASK_PIXELS", "Folders", "GeoJSONError", "OutsideFoldersError",
+           "RefusedFileError"]
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,11 @@ MAX_MASK_PIXELS = 1 << 28
 _DEPTH = {"Point": 1, "MultiPoint": 2, "LineString": 2, "MultiLineString": 3, "Polygon": 3, "MultiPolygon": 4}
 
 
-class OutsideFoldersError(PermissionError):
+class RefusedFileError(PermissionError):
+    """A file the viewer will not open (403): outside its folders, or not a regular file or folder."""
+
+
+class OutsideFoldersError(RefusedFileError):
     """A file that resolves outside the folders given to the viewer; refused, never opened (403)."""
 
 
@@ -72,9 +78,10 @@ class Folders:
     def check(self, path: str | os.PathLike[str], what: str) -> Path:
         """The resolved ``path`` when it lies inside one of the folders.
 
-        Raises ``FileNotFoundError`` (no such file, or a link that leads nowhere) and
-        :class:`OutsideFoldersError` (it resolves outside every folder), each naming ``what`` and the path as
-        given; where a link leads is logged here, not told to the page."""
+        Raises ``FileNotFoundError`` (no such file, or a link that leads nowhere), :class:`OutsideFoldersError`
+        (it resolves outside every folder) and :class:`RefusedFileError` (a FIFO, device or socket: opening one
+        could block or never end), each naming ``what`` and the path as given; where a link leads is logged
+        here, not told to the page."""
         given = Path(path)
         try:
             real = given.resolve(strict=True)
@@ -86,6 +93,10 @@ class Folders:
             log.warning("viewer: %s %s resolves to %s, outside the folders given (%s): refused", what, given, real, self.describe())
             raise OutsideFoldersError(f"{what} {given.name} ({given}) resolves outside the folders given to the viewer "
                                       f"({self.describe()}); refused")
+        mode = real.stat().st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise RefusedFileError(f"{what} {given.name} ({given}) is not a regular file or folder (a FIFO, device or "
+                                   "socket); refused")
         return real
 
     def contains(self, path: str | os.PathLike[str] | None) -> bool:
@@ -94,7 +105,7 @@ class Folders:
             return False
         try:
             self.check(path, "file")
-        except OSError:
+        except OSError:  # absent, outside, not a regular file
             return False
         return True
 
@@ -104,6 +115,8 @@ class Folders:
         Raises :class:`OutsideFoldersError`, ``FileNotFoundError`` or :class:`GeoJSONError` naming the file."""
         real = self.check(path, what)
         name = Path(path).name
+        if not real.is_file():
+            raise GeoJSONError(f"{what} {name} is a folder, expected a GeoJSON file")
         size = real.stat().st_size
         if size > MAX_GEOJSON_BYTES:
             raise GeoJSONError(f"{what} {name}: {size} bytes, more than the {MAX_GEOJSON_BYTES} bytes the viewer reads")
@@ -122,6 +135,8 @@ class Folders:
         from PIL import Image
 
         real = self.check(path, what)
+        if not real.is_file():
+            raise ValueError(f"{what} {Path(path).name} is a folder, expected an image file")
         size = real.stat().st_size
         if size > MAX_MASK_BYTES:
             raise ValueError(f"{what} {Path(path).name}: {size} bytes, more than the {MAX_MASK_BYTES} the viewer reads")
@@ -141,7 +156,9 @@ def _features(obj: Any, where: str) -> list[dict[str, Any]]:
     elif isinstance(obj, list) and all(isinstance(f, dict) for f in obj):
         feats = obj  # QuPath's older exports: a bare list of features
     else:
-        raise GeoJSONError(f"{where}: a JSON {type(obj).__name__} ({json.dumps(obj)[:40]}), expected a GeoJSON FeatureCollection")
+        kind = obj.get("type") if isinstance(obj, dict) else None
+        found = f"an object of type {str(kind)[:40]!r}" if isinstance(kind, str) else f"a JSON {type(obj).__name__}"
+        raise GeoJSONError(f"{where}: {found}, expected a GeoJSON FeatureCollection")
     out = []
     for i, f in enumerate(feats):
         problem = _feature_problem(f)

@@ -34,7 +34,7 @@ from PIL import Image
 
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.export.heatmap import colormap
-from wsi_pipeline.viewer.containment import Folders, OutsideFoldersError
+from wsi_pipeline.viewer.containment import Folders, RefusedFileError
 from wsi_pipeline.viewer.query import BadRequest
 from wsi_pipeline.viewer.tiles import TILE, tile_box
 
@@ -93,7 +93,7 @@ class SlideOverlays:
     scores : the ``_scores.csv`` path or None.
     lesion_mask, mask_downsample : lesion mask image and its level-0 px per mask px, or None.
     folders : the viewer's folders (:class:`~wsi_pipeline.viewer.containment.Folders`): a scores file or mask
-        outside them is refused (its overlay answers :class:`OutsideFoldersError` with the reason, and is not
+        outside them is refused (its overlay answers :class:`RefusedFileError` with the reason, and is not
         listed as available); None reads the paths as given (a library caller's own files).
     """
 
@@ -133,12 +133,12 @@ class SlideOverlays:
                 self.dropped_flags = store.array("qc_dropped_flags").astype(np.int64)
 
     def _inside(self, path: Path | None, kind: str, what: str) -> Path | None:
-        """``path`` resolved inside the folders; None (the reason kept in :attr:`refused`) when it is outside."""
+        """``path`` resolved inside the folders; None (the reason kept in :attr:`refused`) when it is refused."""
         if path is None or self.folders is None:
             return path
         try:
             return self.folders.check(path, what)
-        except OutsideFoldersError as err:
+        except RefusedFileError as err:  # outside the folders, or a FIFO or device
             self.refused[kind] = str(err)
         except FileNotFoundError:
             pass
@@ -194,7 +194,7 @@ class SlideOverlays:
         if kind not in KINDS:
             raise BadRequest(f"overlay {kind!r}: expected one of {', '.join(KINDS)}")
         if kind in self.refused:
-            raise OutsideFoldersError(self.refused[kind])
+            raise RefusedFileError(self.refused[kind])
         x0, y0, x1, y1, s = tile_box(self.dimensions, z, tx, ty)
         box = (x0, y0, x0 + TILE * s, y0 + TILE * s)
         out = np.zeros((TILE, TILE, 4), np.uint8)

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 
-from wsi_pipeline.data.store import open_store
+from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.export.heatmap import colormap
 from wsi_pipeline.slides import open_slide
 from wsi_pipeline.viewer.catalog import SORT_KEYS, Catalog, SlideEntry
-from wsi_pipeline.viewer.containment import Folders, GeoJSONError, OutsideFoldersError
+from wsi_pipeline.viewer.containment import Folders, GeoJSONError, RefusedFileError
 from wsi_pipeline.viewer.overlays import KINDS, QC_REASONS, SlideOverlays
 from wsi_pipeline.viewer.probe import check_complete, probe, unreadable_reason
 from wsi_pipeline.viewer.query import BadRequest, integer, number
@@ -99,12 +99,13 @@ class _Slides:
     def _load(self, e: SlideEntry) -> _Open:
         """Open a slide (its file, else its store), every file checked inside the folders, its pixels probed."""
         folders: Folders = self.catalog.folders
-        store, store_problem = None, None
+        store: TileStore | None = None
+        store_problem: Exception | None = None
         if e.store is not None:
             try:
                 store = open_store(folders.check(e.store, "tile store"))
             except (OSError, ValueError) as err:  # outside the folders, gone or damaged: the slide file may do
-                store_problem = str(err)
+                store_problem = err
                 log.warning("slide %s: tile store %s not usable: %s", e.slide_id, e.store, err)
         path = None
         if e.path is not None:
@@ -135,7 +136,7 @@ class _Slides:
             gone = e.path if e.path is not None else store.attrs.get("slide_path")
             kind = f"tile store (slide file gone: {gone})"
         elif store_problem is not None and e.path is None:
-            raise (OutsideFoldersError if "outside the folders" in store_problem else ValueError)(store_problem)
+            raise store_problem
         elif e.path is not None:
             raise FileNotFoundError(f"slide file not found: {e.path}, and no tile store for {e.slide_id}")
         else:
@@ -146,11 +147,11 @@ class _Slides:
 
     def _failed(self, slide_id: str, err: BaseException) -> str:
         """Remember why ``slide_id`` does not open (asked again, the same answer without retrying); return it."""
-        msg = str(err) if isinstance(err, (OutsideFoldersError, ValueError)) and str(err) else f"{type(err).__name__}: {err}"
+        msg = str(err) if isinstance(err, (RefusedFileError, ValueError)) and str(err) else f"{type(err).__name__}: {err}"
         log.warning("slide %s cannot be viewed: %s", slide_id, msg)
         with self._lock:
             self.errors[slide_id] = msg
-            if isinstance(err, OutsideFoldersError):
+            if isinstance(err, RefusedFileError):
                 self._refused.add(slide_id)
         return msg
 
@@ -271,7 +272,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(err.status, str(err))
         except (GeoJSONError, ValueError) as err:
             self._error(422, str(err))
-        except OutsideFoldersError as err:
+        except RefusedFileError as err:
             self._error(403, str(err))
         except FileNotFoundError as err:
             self._error(404, str(err))
