@@ -92,6 +92,10 @@ def test_symlinked_slides_stores_scores_tissue_and_masks_outside_are_refused(coh
     os.symlink(cohort["slides"] / "les.svs", slides / "les.svs")  # a slide outside
     os.symlink(cohort["tiles"] / "gone.zarr", tiles / "gone.zarr")  # a store outside
     shutil.copytree(cohort["tiles"] / "pen.zarr", tiles / "pen.zarr")
+    shutil.copytree(cohort["tiles"] / "gone.zarr", tiles / "lnk.zarr")  # a store inside, one chunk a link out
+    chunk = next(f for f in sorted((tiles / "lnk.zarr").rglob("*")) if f.is_file() and f.stat().st_size > 100)
+    chunk.unlink()
+    os.symlink(outside / "secret.geojson", chunk)
     os.symlink(outside / "secret.geojson", tiles / "tissue" / "pen.geojson")  # tissue contours outside
     os.symlink(cohort["pred"] / "heatmaps" / "pen_scores.csv", pred / "heatmaps" / "pen_scores.csv")  # scores outside
     pd.read_csv(cohort["pred"] / "predictions.csv").to_csv(pred / "predictions.csv", index=False)
@@ -115,6 +119,7 @@ def test_symlinked_slides_stores_scores_tissue_and_masks_outside_are_refused(coh
         for kind in ("heatmap", "lesion"):
             status, body = _fetch(srv.url + f"overlay/pen/{kind}/0/0/0.png")
             assert status in (403, 404) and "outside" in _error(body), (kind, status, body[:200])
+    assert "holds a link" in rows["lnk"]["status"], rows["lnk"]
 
 
 def test_a_fifo_inside_the_folders_is_refused_without_blocking(cohort, tmp_path) -> None:

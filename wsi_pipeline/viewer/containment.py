@@ -4,7 +4,9 @@
 ``--annotations``, the manifest's folder; the page's own static files are a folder of their own). Every
 file the viewer opens first goes through :meth:`Folders.check`: the path is resolved (symlinks followed,
 ``..`` removed) and must lie inside one of them, else :class:`OutsideFoldersError` (a ``PermissionError``, a
-403 on the page) naming the file and the folders, and the file is never opened. This module is the viewer's
+403 on the page) naming the file and the folders, and the file is never opened. A folder read as one (a tile
+store, a DICOM slide) is checked entry by entry for links that lead out; FIFOs, devices and sockets are
+refused (:class:`RefusedFileError`). This module is the viewer's
 one place that resolves paths.
 
 GeoJSON (annotations, tissue contours) is never served as its bytes: :meth:`Folders.read_geojson` reads at
@@ -27,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_GEOJSON_BYTES", "MAX_MASK_BYTES", "MAX_MASK_PIXELS", "Folders", "GeoJSONError", "OutsideFoldersError",
+__all__ = ["MAX_FOLDER_ENTRIES", "MAX_GEOJSON_BYTES", "MAX_MASK_BYTES", "MAX_MASK_PIXELS", "Folders", "GeoJSONError", "OutsideFoldersError",
            "RefusedFileError"]
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,8 @@ MAX_GEOJSON_BYTES = 64 << 20
 #: Largest lesion mask file, bytes, and image, pixels (a mask is a downsampled image of the slide).
 MAX_MASK_BYTES = 256 << 20
 MAX_MASK_PIXELS = 1 << 28
+#: Most entries in a folder read as one (a tile store's chunk files, a DICOM slide's instances) checked for links.
+MAX_FOLDER_ENTRIES = 1_000_000
 #: GeoJSON geometry types and how deep their coordinate arrays nest.
 _DEPTH = {"Point": 1, "MultiPoint": 2, "LineString": 2, "MultiLineString": 3, "Polygon": 3, "MultiPolygon": 4}
 
@@ -94,10 +98,33 @@ class Folders:
             raise OutsideFoldersError(f"{what} {given.name} ({given}) resolves outside the folders given to the viewer "
                                       f"({self.describe()}); refused")
         mode = real.stat().st_mode
-        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        if stat.S_ISDIR(mode):
+            self._check_links_under(real, what, given)
+        elif not stat.S_ISREG(mode):
             raise RefusedFileError(f"{what} {given.name} ({given}) is not a regular file or folder (a FIFO, device or "
                                    "socket); refused")
         return real
+
+    def _check_links_under(self, folder: Path, what: str, given: Path) -> None:
+        """A folder read as one (a tile store, a DICOM slide): every link inside it must resolve inside the folders
+        too, and nothing in it may be a FIFO, device or socket (at most :data:`MAX_FOLDER_ENTRIES` entries)."""
+        n = 0
+        for top, dirs, files in os.walk(folder):
+            for name in (*dirs, *files):
+                n += 1
+                if n > MAX_FOLDER_ENTRIES:
+                    raise RefusedFileError(f"{what} {given.name} ({given}) holds more than {MAX_FOLDER_ENTRIES} entries; refused")
+                entry = Path(top) / name
+                mode = entry.lstat().st_mode
+                if stat.S_ISLNK(mode):
+                    target = entry.resolve()
+                    if not any(target == root or root in target.parents for root in self.roots):
+                        log.warning("viewer: %s %s holds %s, a link to %s outside the folders given: refused", what, given, entry, target)
+                        raise OutsideFoldersError(f"{what} {given.name} ({given}) holds a link ({entry.relative_to(folder)}) "
+                                                  f"that resolves outside the folders given to the viewer ({self.describe()}); refused")
+                elif not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+                    raise RefusedFileError(f"{what} {given.name} ({given}) holds {entry.relative_to(folder)}, not a regular "
+                                           "file or folder; refused")
 
     def contains(self, path: str | os.PathLike[str] | None) -> bool:
         """Whether ``path`` exists and resolves inside the folders (:meth:`check` without the error)."""
