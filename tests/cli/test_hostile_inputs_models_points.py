@@ -266,6 +266,11 @@ JUNK_GEOJSON = {
     "string properties": (_features({"type": "Feature", "geometry": {"type": "Point", "coordinates": [1, 2]}, "properties": "junk"}), "feature 0"),
     "an infinite coordinate": ('{"type": "FeatureCollection", "features": [' + json.dumps(_point(1, 2)) + ', {"type": "Feature", "geometry": {"type": "Point", "coordinates": [Infinity, 2]}}]}', "feature 1"),
     "an empty polygon": (_features({"type": "Feature", "geometry": {"type": "Polygon", "coordinates": []}}), "feature 0"),
+    "a null geometry": (_features(_point(1, 2), {"type": "Feature", "geometry": None}), "feature 1"),
+    "a nested point": (_features({"type": "Feature", "geometry": {"type": "Point", "coordinates": [[1, 2]]}}), "feature 0"),
+    "a junk multipoint": (_features({"type": "Feature", "geometry": {"type": "MultiPoint", "coordinates": [[1, 2], "a"]}}), "feature 0"),
+    "nested too deep": ("[" * 100_000 + "]" * 100_000, "nested deeper"),
+    "not json": ("slide_id,x,y", "not readable JSON"),
 }
 
 

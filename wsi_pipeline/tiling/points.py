@@ -50,6 +50,8 @@ __all__ = [
 ]
 
 _ID_COLUMNS = ("slide_id", "image")
+#: Largest GeoJSON points file read, bytes (as a regions file).
+MAX_POINTS_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,8 @@ def check_points(points: str | os.PathLike, slide_ids: Sequence[str]) -> None:
             _read_geojson(p)
         return
     if not p.is_dir():
-        raise FileNotFoundError(f"points: {p} not found; expected a points file (CSV slide_id,x,y[,class]) or a folder "
+        found = "is neither a regular file nor a folder" if p.exists() else "not found"
+        raise FileNotFoundError(f"points: {p} {found}; expected a points file (CSV slide_id,x,y[,class]) or a folder "
                                 "of <slide_id>.csv / <slide_id>.geojson files")
     for sid in slide_ids:
         try:
@@ -234,10 +237,15 @@ def _feature_points(feat: Any) -> list[tuple[float, float]]:
 
 
 def _read_geojson(path: Path) -> Points:
+    size = path.stat().st_size
+    if size > MAX_POINTS_BYTES:
+        raise ValueError(f"points file {path}: {size} bytes, more than the {MAX_POINTS_BYTES} bytes a points file may have")
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"points file {path} is not readable JSON: {err}") from err
+    except RecursionError:
+        raise ValueError(f"points file {path} is nested deeper than the JSON parser follows; expected GeoJSON") from None
     xy: list[tuple[float, float]] = []
     classes: list[str] = []
     for i, feat in enumerate(geojson_features(obj, path, what="points")):
