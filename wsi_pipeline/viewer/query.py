@@ -27,8 +27,10 @@ def number(query: dict[str, str], name: str, lo: float, hi: float, default: floa
         value = float(raw)
     except ValueError:
         raise BadRequest(f"{name}={raw[:40]!r} is not a number: expected a number in [{lo:g}, {hi:g}]") from None
-    if not math.isfinite(value) or not lo <= value <= hi:
-        raise BadRequest(f"{name}={raw[:40]!r} outside the range: expected a finite number in [{lo:g}, {hi:g}]")
+    if not math.isfinite(value):
+        raise BadRequest(f"{name}={raw[:40]!r} is not a finite number: expected a number in [{lo:g}, {hi:g}]")
+    if not lo <= value <= hi:
+        raise BadRequest(f"{name}={raw[:40]!r} outside the range: expected a number in [{lo:g}, {hi:g}]")
     return value
 
 
