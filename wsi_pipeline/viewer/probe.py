@@ -14,11 +14,15 @@ from typing import BinaryIO, Literal
 
 from wsi_pipeline.viewer.tiles import TileSource
 
-__all__ = ["check_complete", "probe", "tiff_truncation", "unreadable_reason"]
+__all__ = ["SlideTruncatedError", "check_complete", "probe", "tiff_truncation", "unreadable_reason"]
 
 _TIFF_MAGIC = (b"II*\x00", b"MM\x00*", b"II+\x00", b"MM\x00+")
 #: Image directories followed at most (a slide has a few dozen; a loop or a hostile chain stops here).
 _MAX_IFDS = 100_000
+
+
+class SlideTruncatedError(ValueError):
+    """A slide file cut short (:func:`check_complete`)."""
 
 
 def probe(source: TileSource) -> None:
@@ -85,16 +89,18 @@ def tiff_truncation(path: Path) -> str | None:
 
 
 def check_complete(path: Path) -> None:
-    """``ValueError`` calling ``path`` truncated when it is a TIFF-based file cut short (:func:`tiff_truncation`),
+    """:class:`SlideTruncatedError` (a ``ValueError``) calling ``path`` truncated when it is a TIFF-based file cut short (:func:`tiff_truncation`),
     even when the pieces :func:`probe` read were whole."""
     reason = tiff_truncation(path)
     if reason is not None:
-        raise ValueError(f"slide file {path.name} is truncated: {reason}; copy it again from its source")
+        raise SlideTruncatedError(f"slide file {path.name} is truncated: {reason}; copy it again from its source")
 
 
 def unreadable_reason(path: Path | None, err: BaseException) -> str:
     """The message for a slide that failed to open or to read: the reader's error, and whether the file is truncated."""
     msg = f"{type(err).__name__}: {err}"
+    if isinstance(err, SlideTruncatedError):
+        return str(err)
     reason = tiff_truncation(path) if path is not None else None
     if reason is not None:
         return f"slide file {path.name if path else ''} is truncated or damaged: {reason} (reader: {msg})"

@@ -121,15 +121,15 @@ class _Slides:
                 raise ValueError(unreadable_reason(path, err)) from err
             try:
                 source = DeepZoomTiles(slide) if slide.backend == "openslide" else SlideTiles(slide)
-                probe(source)
             except Exception as err:
                 slide.close()
                 raise ValueError(unreadable_reason(path, err)) from err
             try:
+                probe(source)
                 check_complete(path)  # the probed pieces may be whole while others are cut off
-            except ValueError:
+            except Exception as err:
                 source.close()
-                raise
+                raise ValueError(unreadable_reason(path, err)) from err
             kind = f"slide ({slide.backend})"
         elif store is not None:
             source = StoreTiles(store)
