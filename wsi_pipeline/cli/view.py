@@ -33,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "contours (<tiles>/tissue/<slide_id>.geojson), QuPath annotations (--annotations) and the manifest's "
             "lesion masks. Clicking a tile shows its coordinates, attention rank, QC measures and a full-resolution "
             "crop. A slide whose file is gone is drawn from its tile store; a slide that fails to open is marked on "
-            "the list and the others stay viewable. Stop with Ctrl-C."
+            "the list and the others stay viewable. Only files inside the folders given (--slides, --predictions, "
+            "--tiles, --annotations, the manifest's folder) are read: a file or link that resolves outside them is "
+            "refused with the reason. Stop with Ctrl-C."
         ),
     )
     p.add_argument("--slides", metavar="DIR", help="folder of slide files (searched recursively; ids as `tile --slides`)")
