@@ -4,7 +4,6 @@ decode (odd and even sizes, edges padded or skipped), stored classes and points,
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 import numpy as np
@@ -152,15 +151,18 @@ def test_qupath_geojson_points_and_cell_outlines(tmp_path: Path) -> None:
         np.testing.assert_array_equal(st.read([k])[0], _reference(img, x, y, 9))
 
 
-def test_bad_point_files_fail_the_slide_with_the_file_named(tmp_path: Path) -> None:
+def test_bad_point_files_are_refused_before_any_slide_with_the_file_named(tmp_path: Path) -> None:
+    """A points file that is not one is refused once, before any slide (issue 51); a slide of a points folder
+    without its own file fails alone, naming the file looked for."""
     path = tmp_path / "s.png"
     Image.fromarray(_image(5)).save(path)
     pd.DataFrame({"slide_id": ["s"], "x": [3]}).to_csv(tmp_path / "nox.csv", index=False)
     pd.DataFrame({"slide_id": ["s"], "x": ["a"], "y": [2]}).to_csv(tmp_path / "nan.csv", index=False)
     for name, match in (("nox.csv", r"nox.csv: no column\(s\) \['y'\]"), ("nan.csv", r"nan.csv: row 2 has x='a'")):
-        rep = tile_cohort([SlideJob("s", str(path))], tmp_path / f"out_{name}", _cfg(8, points=str(tmp_path / name)),
-                          workers=0, progress=False)
-        assert rep.results[0].status == "failed" and re.search(match, rep.results[0].error), rep.results[0].error
+        with pytest.raises(ValueError, match=match):
+            tile_cohort([SlideJob("s", str(path))], tmp_path / f"out_{name}", _cfg(8, points=str(tmp_path / name)),
+                        workers=0, progress=False)
+        assert not (tmp_path / f"out_{name}").exists()
     (tmp_path / "empty").mkdir()
     rep = tile_cohort([SlideJob("s", str(path))], tmp_path / "o3", _cfg(8, points=str(tmp_path / "empty")), workers=0, progress=False)
     assert rep.results[0].status == "failed" and "no " in rep.results[0].error and "s.csv" in rep.results[0].error

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from wsi_pipeline.io_atomic import atomic_path, os_error_cause, write_text_atomic
+from wsi_pipeline.model_files.loader import load_torch_file
 from wsi_pipeline.checkpoints.run import RunCheckpoint
 
 __all__ = [
@@ -226,6 +227,8 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
     Raises
     ------
     FileNotFoundError : no such file.
+    UnsafeModelFileError : (a ``ValueError``) its pickle allocates memory from a number (``bytearray(10**12)``),
+        found before it is unpickled (:func:`~wsi_pipeline.model_files.loader.load_torch_file`).
     ValueError : the file does not match its recorded SHA-256 (:func:`verify_checkpoint`) or its own
         digest, cannot be verified at all (and is not trusted), carries a pickled Python object
         (refused: loading it could run code), is not a torch file, or is not a wsi-pipeline
@@ -236,7 +239,7 @@ def load_checkpoint(path: str | os.PathLike, *, map_location: str | torch.device
         raise FileNotFoundError(f"checkpoint not found: {path}")
     sidecar = verify_checkpoint(path)
     try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
+        state = load_torch_file(path, map_location=map_location)  # the pickle screened first
     except pickle.UnpicklingError as e:
         text = str(e)
         detail = next((ln.strip() for ln in text.splitlines() if "global" in ln.lower()), "")

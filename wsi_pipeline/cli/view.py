@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import logging
+import re
+import socket
 import sys
 import threading
 
@@ -13,6 +15,8 @@ __all__ = ["register", "run"]
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8765
+#: One label of a host name: letters, digits and inner hyphens, 1 to 63 characters.
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "contours (<tiles>/tissue/<slide_id>.geojson), QuPath annotations (--annotations) and the manifest's "
             "lesion masks. Clicking a tile shows its coordinates, attention rank, QC measures and a full-resolution "
             "crop. A slide whose file is gone is drawn from its tile store; a slide that fails to open is marked on "
-            "the list and the others stay viewable. Stop with Ctrl-C."
+            "the list and the others stay viewable. Only files inside the folders given (--slides, --predictions, "
+            "--tiles, --annotations, the manifest's folder) are read: a file or link that resolves outside them is "
+            "refused with the reason. Stop with Ctrl-C."
         ),
     )
     p.add_argument("--slides", metavar="DIR", help="folder of slide files (searched recursively; ids as `tile --slides`)")
@@ -59,6 +65,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_host(host: str) -> str:
+    """``host`` when it is an IP address or a host name (RFC 1123 labels); ``ValueError`` naming ``--host`` otherwise
+    (checked here, without a name lookup: the viewer opens no network connection)."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    labels = host[:-1].split(".") if host.endswith(".") else host.split(".")
+    if 0 < len(host) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return host
+    raise ValueError(f"--host {host!r}: not an address; expected an IP address (127.0.0.1, 0.0.0.0, ::1) or a host "
+                     "name such as localhost")
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -75,11 +96,16 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to view: give --slides DIR, --manifest CSV, --predictions DIR / --results DIR or --tiles DIR")
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port {args.port}: expected 0..65535")
+    check_host(args.host)
     catalog = build_catalog(slides=args.slides, manifest=args.manifest, predictions=args.predictions, tiles=args.tiles,
                             annotations=args.annotations, method=args.method)
     if not _is_loopback(args.host):
         log.warning("serving on %s: anyone who can reach this address can see every listed slide (no password)", args.host)
-    server = make_server(catalog, host=args.host, port=args.port, max_open=args.max_open or MAX_OPEN, backend=args.backend)
+    try:
+        server = make_server(catalog, host=args.host, port=args.port, max_open=args.max_open or MAX_OPEN, backend=args.backend)
+    except socket.gaierror as err:  # a host name this machine does not know
+        raise OSError(f"--host {args.host!r}: cannot bind to it ({err.strerror or err}); expected an address of this "
+                      "machine, such as 127.0.0.1 or 0.0.0.0") from None
     print(f"wsi-pipeline view: {len(catalog.entries)} slides at {server.url} (Ctrl-C to stop)", flush=True)
     timer = None
     if args.seconds > 0:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from wsi_pipeline.model_files import UnsafeModelFileError, load_torch_file
 from wsi_pipeline.models.registry import Registry
 
 __all__ = [
@@ -226,7 +227,9 @@ def load_torchvision_weights(model: nn.Module, path: str | Path) -> None:
     if not path.is_file():
         raise FileNotFoundError(f"encoder weights {path} not found; pass the path of a torchvision ResNet .pth file")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch_file(path)  # the pickle screened first
+    except UnsafeModelFileError:
+        raise  # already one line naming the file and what it holds
     except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError) as e:  # pickled objects, truncated files
         text = str(e).strip().splitlines()
         raise ValueError(f"encoder weights {path}: cannot read it ({type(e).__name__}: {text[0][:300] if text else ''}); "

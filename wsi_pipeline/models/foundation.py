@@ -64,6 +64,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from wsi_pipeline.model_files import UnsafeModelFileError, load_torch_file
 from wsi_pipeline.models.catalogue import CATALOGUE
 from wsi_pipeline.models.input_norm import IMAGENET_MEAN, IMAGENET_STD
 from wsi_pipeline.models.layouts import detect_layout, to_timm_layout
@@ -330,7 +331,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def load_state_file(path: str | os.PathLike, *, what: str) -> dict[str, torch.Tensor]:
-    """Read a state dict from ``.safetensors`` (safetensors) or ``.bin``/``.pth``/``.pt`` (``torch.load(weights_only=True)``).
+    """Read a state dict from ``.safetensors`` (safetensors) or ``.bin``/``.pth``/``.pt`` (:func:`~wsi_pipeline.model_files.load_torch_file`: the pickle screened, then ``torch.load(weights_only=True)``).
 
     A dict holding the state dict under ``state_dict``, ``model`` or ``teacher`` (DINOv2 training
     checkpoints) is unwrapped; a ``module.`` prefix on every key (DataParallel) is removed.
@@ -351,9 +352,9 @@ def load_state_file(path: str | os.PathLike, *, what: str) -> dict[str, torch.Te
 
             state: Any = load_file(str(p), device="cpu")
         else:
-            state = torch.load(p, map_location="cpu", weights_only=True)
+            state = load_torch_file(p)  # the pickle screened first (UnsafeModelFileError names the file)
     except Exception as e:  # every reader error becomes one message naming the file
-        if isinstance(e, MemoryError):
+        if isinstance(e, (MemoryError, UnsafeModelFileError)):
             raise
         raise ValueError(f"{what}: cannot read {p} ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}); "
                          "expected a state dict saved with torch.save or safetensors") from e

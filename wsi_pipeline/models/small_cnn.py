@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from wsi_pipeline.model_files import load_torch_file
+
 __all__ = ["IlseCNN", "MIN_INPUT_PX", "load_state_file"]
 
 log = logging.getLogger(__name__)
@@ -89,7 +91,7 @@ def load_state_file(model: nn.Module, path: str | Path) -> None:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"encoder weights {path} not found; pass a file written by torch.save(state_dict)")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_torch_file(path)  # the pickle screened first (UnsafeModelFileError names the file)
     if not isinstance(state, dict):
         raise ValueError(f"{path} holds a {type(state).__name__}, expected a state dict (name -> tensor)")
     own = model.state_dict()

@@ -102,7 +102,10 @@ def tile_cohort(
         the endings looked for).
     OutputDirError : ``out_dir`` cannot be created or written (checked before any work, and
         again when a slide fails).
-    FileNotFoundError : ``source`` does not exist.
+    FileNotFoundError : ``source`` does not exist, or ``config.points`` is neither a file nor a folder.
+    ValueError : a points file (``config.points``) that is not one, naming it and the row or feature
+        (:func:`~wsi_pipeline.tiling.points.check_points`), or a ``tissue_model`` that is not a readable tissue
+        model (a hostile pickle included: :func:`~wsi_pipeline.model_files.load_torch_file`), before any slide is tiled.
 
     Notes
     -----
@@ -116,6 +119,15 @@ def tile_cohort(
     if n_workers < 0:
         raise ValueError(f"workers={workers} must be >= 0 (0 = in this process)")
     jobs = _select_jobs(source, out, shard)
+    if config.points is not None:  # a bad points file is refused once, before any slide (not once per slide)
+        from wsi_pipeline.tiling.points import check_points
+
+        check_points(config.points, [j.slide_id for j in jobs])
+    tissue_model = getattr(config.detector, "tissue_model", None)
+    if tissue_model is not None:  # a model file that is none (or a hostile pickle) is refused once, not per slide
+        from wsi_pipeline.tissue_seg.stage import load_tissue_model
+
+        load_tissue_model(tissue_model)
     if isinstance(cluster, str):
         from wsi_pipeline.jobs.cluster import parse_cluster
 

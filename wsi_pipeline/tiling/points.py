@@ -29,10 +29,12 @@ share a cell); ``coords`` the tiles' top-left corners (negative at the top/left 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,11 +45,13 @@ from wsi_pipeline.config.choices import POINT_EDGES
 from wsi_pipeline.tiling.regions import GEOJSON_SUFFIXES, classification_of, geojson_features
 
 __all__ = [
-    "PointTiles", "Points", "class_codes", "describe_points", "mask_fraction", "point_origins", "points_file", "points_sha256",
+    "PointTiles", "Points", "check_points", "class_codes", "describe_points", "mask_fraction", "point_origins", "points_file", "points_sha256",
     "read_points",
 ]
 
 _ID_COLUMNS = ("slide_id", "image")
+#: Largest GeoJSON points file read, bytes (as a regions file).
+MAX_POINTS_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -118,66 +122,137 @@ def read_points(points: str | os.PathLike, slide_id: str) -> Points:
     path = points_file(points, slide_id)
     shared = Path(points).is_file()
     if path.suffix.lower() == ".csv":
-        return _read_csv(path, slide_id, shared)
+        df = _points_table(path, shared)
+        if _id_column(df) is not None:
+            df = df[df[_id_column(df)] == slide_id]
+        xy = df[["x", "y"]].to_numpy(np.float64).reshape(-1, 2)
+        return Points(xy, df["class"].tolist(), str(path))
     return _read_geojson(path)
 
 
-def _read_csv(path: Path, slide_id: str, shared: bool) -> Points:
+def check_points(points: str | os.PathLike, slide_ids: Sequence[str]) -> None:
+    """Read every points file the slides ``slide_ids`` will use, once, before any slide is tiled.
+
+    ``points`` itself must exist (a CSV for every slide, or a folder); a shared CSV is read whole (its
+    ``slide_id`` column, every row's coordinates); in a folder, each slide's file that is there is read
+    (a slide without one fails alone when it is tiled, :func:`points_file`).
+
+    Raises
+    ------
+    FileNotFoundError : ``points`` is neither a file nor a folder.
+    ValueError : the first file that is not a points file, naming it and the row or feature (:func:`read_points`).
+    """
+    p = Path(points)
+    if p.is_file():
+        if p.suffix.lower() == ".csv":
+            _points_table(p, shared=True)
+        else:
+            _read_geojson(p)
+        return
+    if not p.is_dir():
+        found = "is neither a regular file nor a folder" if p.exists() else "not found"
+        raise FileNotFoundError(f"points: {p} {found}; expected a points file (CSV slide_id,x,y[,class]) or a folder "
+                                "of <slide_id>.csv / <slide_id>.geojson files")
+    for sid in slide_ids:
+        try:
+            points_file(p, sid)
+        except FileNotFoundError:
+            continue  # this slide fails alone, naming the file it looked for
+        read_points(p, sid)
+
+
+def _id_column(df: Any) -> str | None:
+    return next((c for c in _ID_COLUMNS if c in df.columns), None)
+
+
+def _points_table(path: Path, shared: bool) -> Any:
+    """The checked table of a points CSV: columns ``x``, ``y`` (float64, finite), ``class`` (str) and the id
+    column when there is one (stripped); read once per file version (size, modification time)."""
+    st = path.stat()
+    return _points_table_cached(str(path), shared, st.st_size, st.st_mtime_ns).copy()
+
+
+@functools.lru_cache(maxsize=4)
+def _points_table_cached(path_text: str, shared: bool, size: int, mtime_ns: int) -> Any:
     import pandas as pd
 
+    path = Path(path_text)
     try:
         df = pd.read_csv(path, dtype=str, keep_default_na=False)
     except (OSError, UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as err:
         raise ValueError(f"points file {path} is not a readable CSV: {err}") from err
     df.columns = [str(c).strip().lower() for c in df.columns]
-    id_col = next((c for c in _ID_COLUMNS if c in df.columns), None)
+    id_col = _id_column(df)
     need = ["x", "y"] + (["slide_id"] if shared and id_col is None else [])
     missing = [c for c in need if c not in df.columns]
     if missing:
         layout = "slide_id,x,y[,class]" if shared else "x,y[,class] (one file per slide)"
         raise ValueError(f"points file {path}: no column(s) {missing}; found {list(df.columns)}, expected {layout}")
+    out = pd.DataFrame(index=df.index)
     if id_col is not None:
-        df = df[df[id_col].str.strip() == slide_id]
-    xy = np.zeros((len(df), 2), np.float64)
-    for j, axis in enumerate(("x", "y")):
+        out[id_col] = df[id_col].str.strip()
+    for axis in ("x", "y"):
         values = pd.to_numeric(df[axis].str.strip(), errors="coerce").to_numpy(np.float64)
         bad = ~np.isfinite(values)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise ValueError(f"points file {path}: row {int(df.index[i]) + 2} has {axis}={df[axis].iloc[i]!r}; "
                              "expected a number of level-0 px")
-        xy[:, j] = values
-    classes = [c.strip() for c in df["class"]] if "class" in df.columns else [""] * len(df)
-    return Points(xy, classes, str(path))
+        out[axis] = values
+    out["class"] = [c.strip() for c in df["class"]] if "class" in df.columns else [""] * len(df)
+    return out
+
+
+def _feature_points(feat: Any) -> list[tuple[float, float]]:
+    """The points of one GeoJSON feature (module docstring); ValueError saying what is wrong with it."""
+    from shapely.errors import ShapelyError
+    from shapely.geometry import shape
+
+    if not isinstance(feat, dict):
+        raise ValueError(f"is a {type(feat).__name__} ({str(feat)[:40]!r}), not a GeoJSON Feature")
+    geom = feat.get("geometry")
+    if not isinstance(geom, dict):
+        raise ValueError(f"its geometry is a {type(geom).__name__} ({str(geom)[:40]!r}), expected a GeoJSON geometry")
+    if not isinstance(feat.get("properties") or {}, dict):
+        raise ValueError(f"its properties are a {type(feat['properties']).__name__}, expected an object")
+    kind = geom.get("type")
+    try:
+        if kind == "Point":
+            found = [tuple(geom["coordinates"][:2])]
+        elif kind == "MultiPoint":
+            found = [tuple(c[:2]) for c in geom["coordinates"]]
+        elif kind in ("Polygon", "MultiPolygon"):
+            c = shape(geom).centroid
+            if c.is_empty:
+                raise ValueError(f"an empty {kind} (no area, no centroid)")
+            found = [(c.x, c.y)]
+        else:
+            raise ValueError(f"a {kind!r} geometry (expected Point, MultiPoint, Polygon or MultiPolygon)")
+        pts = [(float(x), float(y)) for x, y in found]
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ShapelyError) as err:
+        raise ValueError(str(err) or type(err).__name__) from err
+    if not all(math.isfinite(v) for p in pts for v in p):
+        raise ValueError(f"has non-finite coordinates {pts[:3]}")
+    return pts
 
 
 def _read_geojson(path: Path) -> Points:
-    from shapely.geometry import shape
-
+    size = path.stat().st_size
+    if size > MAX_POINTS_BYTES:
+        raise ValueError(f"points file {path}: {size} bytes, more than the {MAX_POINTS_BYTES} bytes a points file may have")
     try:
         obj = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"points file {path} is not readable JSON: {err}") from err
+    except RecursionError:
+        raise ValueError(f"points file {path} is nested deeper than the JSON parser follows; expected GeoJSON") from None
     xy: list[tuple[float, float]] = []
     classes: list[str] = []
     for i, feat in enumerate(geojson_features(obj, path, what="points")):
-        geom = feat.get("geometry") or {}
-        kind = geom.get("type")
         try:
-            if kind == "Point":
-                found = [tuple(geom["coordinates"][:2])]
-            elif kind == "MultiPoint":
-                found = [tuple(c[:2]) for c in geom["coordinates"]]
-            elif kind in ("Polygon", "MultiPolygon"):
-                c = shape(geom).centroid
-                found = [(c.x, c.y)]
-            else:
-                raise ValueError(f"a {kind!r} geometry (expected Point, MultiPoint, Polygon or MultiPolygon)")
-            pts = [(float(x), float(y)) for x, y in found]
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+            pts = _feature_points(feat)
+        except ValueError as err:
             raise ValueError(f"points file {path}: feature {i}: {err}") from err
-        if not all(math.isfinite(v) for p in pts for v in p):
-            raise ValueError(f"points file {path}: feature {i} has non-finite coordinates {pts[:3]}")
         cls = classification_of(feat.get("properties") or {})
         xy.extend(pts)
         classes.extend([cls] * len(pts))
@@ -199,7 +274,8 @@ def point_origins(xy: np.ndarray, tile_size: int, dimensions: tuple[int, int], e
     T = int(tile_size)
     W, H = int(dimensions[0]), int(dimensions[1])
     xy = np.asarray(xy, np.float64).reshape(-1, 2)
-    pix = np.floor(xy).astype(np.int64)
+    # points far outside the image (1e300 px) stay outside without an overflowing cast to int64
+    pix = np.floor(np.clip(xy, -1.0, [W + 1.0, H + 1.0])).astype(np.int64)
     pix[:, 0][xy[:, 0] == W] = W - 1  # on the far border: the last pixel
     pix[:, 1][xy[:, 1] == H] = H - 1
     inside_image = (pix[:, 0] >= 0) & (pix[:, 1] >= 0) & (pix[:, 0] < W) & (pix[:, 1] < H)

@@ -31,6 +31,7 @@ import pandas as pd
 
 from wsi_pipeline.slide_ids import slide_output_path, slide_id_problem
 from wsi_pipeline.slides.finder import find_slide_files
+from wsi_pipeline.viewer.containment import Folders
 
 __all__ = ["SORT_KEYS", "Catalog", "SlideEntry", "build_catalog", "view_command"]
 
@@ -107,6 +108,9 @@ class Catalog:
 
     entries: dict[str, SlideEntry] = field(default_factory=dict)
     sources: list[str] = field(default_factory=list)
+    #: The folders named by the sources (:class:`~wsi_pipeline.viewer.containment.Folders`): every file the
+    #: server opens must resolve inside one of them.
+    folders: Folders = field(default_factory=lambda: Folders(()))
 
     def get(self, slide_id: str) -> SlideEntry:
         """The entry of ``slide_id``; KeyError naming it when the list has no such slide."""
@@ -265,7 +269,8 @@ def build_catalog(
 
     ``method``: the model whose predictions an eval results folder lists (default: its first).
     Raises ``FileNotFoundError`` naming a folder or file that does not exist, and ``ValueError`` when the
-    sources hold no slide at all.
+    sources hold no slide at all. The catalog's :attr:`Catalog.folders` are the folders of the sources (the
+    manifest's own folder for a manifest): the server opens no file outside them.
     """
     cat = Catalog()
     if slides is not None:
@@ -293,6 +298,7 @@ def build_catalog(
             p = slide_output_path(ann, sid, ".geojson")
             if p.is_file():
                 e.annotations = p
+    cat.folders = Folders.of([slides, Path(manifest).parent if manifest is not None else None, predictions, tiles, annotations])
     if not cat.entries:
         raise ValueError(f"no slides to view in {', '.join(cat.sources) or 'no source'}: give --slides, --manifest, "
                          "--predictions/--results or --tiles with at least one slide")

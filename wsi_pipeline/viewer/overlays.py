@@ -34,6 +34,8 @@ from PIL import Image
 
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.export.heatmap import colormap
+from wsi_pipeline.viewer.containment import Folders, RefusedFileError
+from wsi_pipeline.viewer.query import BadRequest
 from wsi_pipeline.viewer.tiles import TILE, tile_box
 
 __all__ = ["COLOURS", "KINDS", "OUTLINE_PX", "QC_REASONS", "SlideOverlays"]
@@ -90,14 +92,21 @@ class SlideOverlays:
     store : the slide's tile store or None.
     scores : the ``_scores.csv`` path or None.
     lesion_mask, mask_downsample : lesion mask image and its level-0 px per mask px, or None.
+    folders : the viewer's folders (:class:`~wsi_pipeline.viewer.containment.Folders`): a scores file or mask
+        outside them is refused (its overlay answers :class:`RefusedFileError` with the reason, and is not
+        listed as available); None reads the paths as given (a library caller's own files).
     """
 
     def __init__(self, dimensions: tuple[int, int], *, store: TileStore | None = None, scores: Path | None = None,
-                 lesion_mask: Path | None = None, mask_downsample: float | None = None) -> None:
+                 lesion_mask: Path | None = None, mask_downsample: float | None = None,
+                 folders: Folders | None = None) -> None:
         self.dimensions = dimensions
         self.store = store
-        self.scores_path = scores
-        self.lesion_path = lesion_mask
+        self.folders = folders
+        #: overlay kind -> why its file was refused (outside the folders)
+        self.refused: dict[str, str] = {}
+        self.scores_path = self._inside(scores, "heatmap", "scores file")
+        self.lesion_path = self._inside(lesion_mask, "lesion", "lesion mask")
         self.mask_downsample = float(mask_downsample or 1.0)
         self._lock = threading.Lock()
         self._scores: pd.DataFrame | None = None
@@ -122,6 +131,18 @@ class SlideOverlays:
                 d = store.array("qc_dropped_coords").reshape(-1, 2).astype(np.float64)
                 self.dropped = _Table(d, np.full(len(d), extent))
                 self.dropped_flags = store.array("qc_dropped_flags").astype(np.int64)
+
+    def _inside(self, path: Path | None, kind: str, what: str) -> Path | None:
+        """``path`` resolved inside the folders; None (the reason kept in :attr:`refused`) when it is refused."""
+        if path is None or self.folders is None:
+            return path
+        try:
+            return self.folders.check(path, what)
+        except RefusedFileError as err:  # outside the folders, or a FIFO or device
+            self.refused[kind] = str(err)
+        except FileNotFoundError:
+            pass
+        return None
 
     def available(self) -> list[str]:
         """The overlay kinds this slide has data for."""
@@ -161,14 +182,19 @@ class SlideOverlays:
             if self._mask is None:
                 if self.lesion_path is None:
                     raise FileNotFoundError("this slide has no lesion mask")
-                self._mask = np.asarray(Image.open(self.lesion_path).convert("L")) > 127
+                if self.folders is not None:  # checked again: the file may have been replaced since
+                    self._mask = self.folders.open_mask(self.lesion_path)
+                else:
+                    self._mask = np.asarray(Image.open(self.lesion_path).convert("L")) > 127
             return self._mask
 
     # -- drawing ----------------------------------------------------------------------------------------------
     def render(self, kind: str, z: int, tx: int, ty: int, reasons: tuple[str, ...] = QC_REASONS) -> np.ndarray:
         """uint8 (256, 256, 4) RGBA overlay tile ``(z, tx, ty)`` of ``kind`` (transparent where nothing is drawn)."""
         if kind not in KINDS:
-            raise ValueError(f"overlay {kind!r}: expected one of {', '.join(KINDS)}")
+            raise BadRequest(f"overlay {kind!r}: expected one of {', '.join(KINDS)}")
+        if kind in self.refused:
+            raise RefusedFileError(self.refused[kind])
         x0, y0, x1, y1, s = tile_box(self.dimensions, z, tx, ty)
         box = (x0, y0, x0 + TILE * s, y0 + TILE * s)
         out = np.zeros((TILE, TILE, 4), np.uint8)

@@ -33,14 +33,17 @@ from typing import Any
 
 import numpy as np
 
-from wsi_pipeline.data.store import open_store
+from wsi_pipeline.data.store import TileStore, open_store
 from wsi_pipeline.export.heatmap import colormap
 from wsi_pipeline.slides import open_slide
-from wsi_pipeline.viewer.catalog import Catalog, SlideEntry
+from wsi_pipeline.viewer.catalog import SORT_KEYS, Catalog, SlideEntry
+from wsi_pipeline.viewer.containment import Folders, GeoJSONError, RefusedFileError
 from wsi_pipeline.viewer.overlays import KINDS, QC_REASONS, SlideOverlays
+from wsi_pipeline.viewer.probe import check_complete, probe, unreadable_reason
+from wsi_pipeline.viewer.query import BadRequest, integer, number
 from wsi_pipeline.viewer.tiles import DeepZoomTiles, SlideTiles, StoreTiles, TileSource, encode, max_zoom
 
-__all__ = ["MAX_OPEN", "ViewerServer", "leaflet_dir", "make_server"]
+__all__ = ["MAX_OPEN", "SlideUnavailable", "ViewerServer", "leaflet_dir", "make_server"]
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,8 @@ log = logging.getLogger(__name__)
 MAX_OPEN = 16
 #: Largest side of a full-resolution crop, px.
 MAX_CROP = 1024
+#: Largest level-0 coordinate a request may name (px; no slide is larger).
+MAX_COORD = float(1 << 31)
 STATIC = Path(__file__).parent / "static"
 
 
@@ -59,6 +64,15 @@ def leaflet_dir() -> Path:
         raise ImportError("the viewer needs the xstatic-leaflet package (Leaflet's JavaScript): "
                           "pip install xstatic-leaflet, or reinstall wsi-pipeline") from e
     return Path(leaflet.BASE_DIR)
+
+
+class SlideUnavailable(ValueError):
+    """A slide that cannot be viewed (its open error, remembered); ``status`` is the HTTP status: 403 when a file
+    was refused as outside the viewer's folders, 422 otherwise."""
+
+    def __init__(self, message: str, status: int = 422) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -77,41 +91,72 @@ class _Slides:
         self.backend = backend
         self._open: OrderedDict[str, _Open] = OrderedDict()
         self.errors: dict[str, str] = {}
-        self._checked: set[str] = set()  # ids that opened once (the list's status column)
+        self._refused: set[str] = set()  # ids whose files lie outside the folders (403)
+        self._checked: dict[str, bool] = {}  # ids that opened once (the list's status column) -> read from their file
         self._lock = threading.Lock()
         self._opening: dict[str, threading.Lock] = {}
 
     def _load(self, e: SlideEntry) -> _Open:
-        store = None
+        """Open a slide (its file, else its store), every file checked inside the folders, its pixels probed."""
+        folders: Folders = self.catalog.folders
+        store: TileStore | None = None
+        store_problem: Exception | None = None
         if e.store is not None:
             try:
-                store = open_store(e.store)
-            except (OSError, ValueError) as err:
+                store = open_store(folders.check(e.store, "tile store"))
+            except (OSError, ValueError) as err:  # outside the folders, gone or damaged: the slide file may do
+                store_problem = err
                 log.warning("slide %s: tile store %s not usable: %s", e.slide_id, e.store, err)
+        path = None
+        if e.path is not None:
+            try:
+                path = folders.check(e.path, "slide file")
+            except FileNotFoundError:
+                path = None  # gone: viewed from its store when there is one
         source: TileSource
-        if e.path is not None and e.path.exists():
-            slide = open_slide(e.path, self.backend)
-            source = DeepZoomTiles(slide) if slide.backend == "openslide" else SlideTiles(slide)
+        if path is not None:
+            try:
+                slide = open_slide(path, self.backend)
+            except Exception as err:  # any reader error: this slide only, truncation named
+                raise ValueError(unreadable_reason(path, err)) from err
+            try:
+                source = DeepZoomTiles(slide) if slide.backend == "openslide" else SlideTiles(slide)
+            except Exception as err:
+                slide.close()
+                raise ValueError(unreadable_reason(path, err)) from err
+            try:
+                probe(source)
+                check_complete(path)  # the probed pieces may be whole while others are cut off
+            except Exception as err:
+                source.close()
+                raise ValueError(unreadable_reason(path, err)) from err
             kind = f"slide ({slide.backend})"
         elif store is not None:
             source = StoreTiles(store)
             gone = e.path if e.path is not None else store.attrs.get("slide_path")
             kind = f"tile store (slide file gone: {gone})"
+        elif store_problem is not None and e.path is None:
+            raise store_problem
         elif e.path is not None:
             raise FileNotFoundError(f"slide file not found: {e.path}, and no tile store for {e.slide_id}")
         else:
             raise FileNotFoundError(f"no slide file and no tile store for {e.slide_id} (give --slides or --tiles)")
         ov = SlideOverlays(source.dimensions, store=store, scores=e.scores, lesion_mask=e.lesion_mask,
-                           mask_downsample=e.mask_downsample)
+                           mask_downsample=e.mask_downsample, folders=folders)
         return _Open(source, ov, kind)
 
     def _failed(self, slide_id: str, err: BaseException) -> str:
         """Remember why ``slide_id`` does not open (asked again, the same answer without retrying); return it."""
-        msg = f"{type(err).__name__}: {err}"
+        msg = str(err) if isinstance(err, (RefusedFileError, ValueError)) and str(err) else f"{type(err).__name__}: {err}"
         log.warning("slide %s cannot be viewed: %s", slide_id, msg)
         with self._lock:
             self.errors[slide_id] = msg
+            if isinstance(err, RefusedFileError):
+                self._refused.add(slide_id)
         return msg
+
+    def _unavailable(self, slide_id: str) -> SlideUnavailable:
+        return SlideUnavailable(self.errors[slide_id], 403 if slide_id in self._refused else 422)
 
     def get(self, slide_id: str) -> _Open:
         """The open slide (opened now if needed); raises the slide's open error again on later calls."""
@@ -121,7 +166,7 @@ class _Slides:
                 self._open.move_to_end(slide_id)
                 return self._open[slide_id]
             if slide_id in self.errors:
-                raise ValueError(self.errors[slide_id])
+                raise self._unavailable(slide_id)
             gate = self._opening.setdefault(slide_id, threading.Lock())
         with gate:  # one opener per slide
             with self._lock:
@@ -130,7 +175,8 @@ class _Slides:
             try:
                 opened = self._load(entry)
             except Exception as err:  # any reader error marks this slide only
-                raise ValueError(self._failed(slide_id, err)) from err
+                self._failed(slide_id, err)
+                raise self._unavailable(slide_id) from err
             with self._lock:
                 self._open[slide_id] = opened
                 while len(self._open) > self.max_open:
@@ -146,19 +192,25 @@ class _Slides:
 
     def status(self, slide_id: str) -> str:
         """"ok" or the open error. A slide not yet tried is opened and closed again at once (the list checks
-        every slide of its page; the slides being viewed stay open)."""
+        every slide of its page; the slides being viewed stay open). A slide read from its file is looked at
+        again when that file is gone or no longer resolves inside the folders (moved away, replaced by a link)."""
+        entry = self.catalog.get(slide_id)
         with self._lock:
             if slide_id in self._open or slide_id in self._checked:
-                return "ok"
+                from_file = self._open[slide_id].kind.startswith("slide") if slide_id in self._open else self._checked[slide_id]
+                if not from_file or self.catalog.folders.contains(entry.path):
+                    return "ok"
+                self._open.pop(slide_id, None)  # a request still reading it keeps its reference
+                self._checked.pop(slide_id, None)
             if slide_id in self.errors:
                 return self.errors[slide_id]
         try:
-            opened = self._load(self.catalog.get(slide_id))
+            opened = self._load(entry)
         except Exception as err:  # any reader error marks this slide only
             return self._failed(slide_id, err)
         opened.source.close()
         with self._lock:
-            self._checked.add(slide_id)
+            self._checked[slide_id] = opened.kind.startswith("slide")
         return "ok"
 
     def close(self) -> None:
@@ -214,8 +266,16 @@ class _Handler(BaseHTTPRequestHandler):
             self._route(parts, query)
         except KeyError as err:
             self._error(404, str(err.args[0]) if err.args else "not found")
-        except ValueError as err:
-            self._error(400 if "outside" in str(err) or "expected" in str(err) else 422, str(err))
+        except BadRequest as err:
+            self._error(400, str(err))
+        except SlideUnavailable as err:
+            self._error(err.status, str(err))
+        except (GeoJSONError, ValueError) as err:
+            self._error(422, str(err))
+        except RefusedFileError as err:
+            self._error(403, str(err))
+        except FileNotFoundError as err:
+            self._error(404, str(err))
         except (BrokenPipeError, ConnectionResetError):
             pass
         except Exception as err:  # never kill the server thread; the message goes to the page
@@ -232,44 +292,53 @@ class _Handler(BaseHTTPRequestHandler):
         elif parts[0] == "static" and len(parts) >= 2:
             base = leaflet_dir() if parts[1] == "leaflet" else STATIC
             rel = parts[2:] if parts[1] == "leaflet" else parts[1:]
-            path = (base / "/".join(rel)).resolve()
-            if base.resolve() not in path.parents:
-                raise KeyError(f"not found: {self.path}")
+            try:
+                path = Folders.of([base]).check(base / "/".join(rel), "page file")
+            except OSError:  # outside the page's folders or absent: the same answer
+                raise KeyError(f"not found: {self.path}") from None
             self._file(path)
         elif parts == ["api", "slides"]:
             self._slide_page(q)
         elif parts[0] == "api" and parts[1:2] == ["slide"] and len(parts) == 3:
             self._json(self._slide_info(parts[2]))
         elif parts[0] == "api" and parts[1:2] == ["slide"] and len(parts) == 4 and parts[3] == "at":
+            x, y = (number(q, k, -MAX_COORD, MAX_COORD) for k in ("x", "y"))
             ov = slides.get(parts[2]).overlays
-            self._json({"tile": ov.tile_at(float(q["x"]), float(q["y"]))})
+            self._json({"tile": ov.tile_at(x, y)})
         elif parts[0] == "tile" and len(parts) == 5:
+            z, x, y = _tile_address(parts[2:5])
             src = slides.get(parts[1]).source
-            z, x, y = int(parts[2]), int(parts[3]), int(parts[4].split(".")[0])
             self._send(200, encode(src.tile(z, x, y), "JPEG"), "image/jpeg", cache=True)
         elif parts[0] == "overlay" and len(parts) == 6:
+            z, x, y = _tile_address(parts[3:6])
             ov = slides.get(parts[1]).overlays
             reasons = tuple(r for r in q.get("reasons", ",".join(QC_REASONS)).split(",") if r)
-            z, x, y = int(parts[3]), int(parts[4]), int(parts[5].split(".")[0])
             self._send(200, encode(ov.render(parts[2], z, x, y, reasons), "PNG"), "image/png", cache=True)
         elif parts[0] == "crop" and len(parts) == 2:
+            size = int(number(q, "size", 1, MAX_CROP, default=256))
             src = slides.get(parts[1]).source
-            size = max(1, min(int(float(q.get("size", 256))), MAX_CROP))
-            crop = src.region(int(float(q["x"])), int(float(q["y"])), size, size)
+            w, h = src.dimensions
+            x = int(number(q, "x", 1 - size, w - 1))  # the crop meets the slide (point tiles start left of it)
+            y = int(number(q, "y", 1 - size, h - 1))
+            crop = src.region(x, y, size, size)
             self._send(200, encode(np.ascontiguousarray(crop), "PNG"), "image/png")
         elif parts[0] == "geojson" and len(parts) == 3:
             entry = slides.catalog.get(parts[1])
             geojson = {"tissue": entry.tissue, "annotations": entry.annotations}.get(parts[2])
             if geojson is None:
                 raise KeyError(f"slide {parts[1]} has no {parts[2]} GeoJSON")
-            self._send(200, geojson.read_bytes(), "application/geo+json")
+            doc = slides.catalog.folders.read_geojson(geojson, f"{parts[2]} file")
+            self._send(200, json.dumps(doc).encode(), "application/geo+json")
         else:
             raise KeyError(f"not found: {self.path}")
 
     def _slide_page(self, q: dict[str, str]) -> None:
         cat = self.server.slides.catalog
+        if q.get("sort", "name") not in SORT_KEYS:
+            raise BadRequest(f"sort={q['sort'][:40]!r}: expected one of {', '.join(SORT_KEYS)}")
         total, rows = cat.page(sort=q.get("sort", "name"), descending=q.get("order") == "desc",
-                               offset=int(q.get("offset", 0)), limit=int(q.get("limit", 50)), query=q.get("q", ""))
+                               offset=integer(q.get("offset"), "offset", 0, 1 << 31, default=0),
+                               limit=integer(q.get("limit"), "limit", 1, 1 << 31, default=50), query=q.get("q", ""))
         out = []
         for e in rows:
             r = e.row()
@@ -282,19 +351,37 @@ class _Handler(BaseHTTPRequestHandler):
         info: dict[str, Any] = {"row": entry.row()}
         try:
             o = self.server.slides.get(slide_id)
-        except ValueError as err:
+        except SlideUnavailable as err:
             info["error"] = str(err)
             return info
         info.update(
             dimensions=list(o.source.dimensions), max_zoom=max_zoom(o.source.dimensions), source=o.kind,
-            overlays=o.overlays.available(), geojson=[k for k, p in (("tissue", entry.tissue), ("annotations", entry.annotations)) if p],
+            overlays=o.overlays.available(), geojson=[],
             qc_reasons=list(QC_REASONS), kinds=list(KINDS), scale=colormap(np.linspace(0.0, 1.0, 9)).tolist(),
             mpp=getattr(getattr(o.source, "slide", None), "mpp", None),
         )
+        refused = dict(o.overlays.refused)  # overlay kind or GeoJSON kind -> why its file is not read
+        for kind, path in (("tissue", entry.tissue), ("annotations", entry.annotations)):
+            if path is None:
+                continue
+            try:  # checked here too, so that the page draws only what it will get
+                self.server.slides.catalog.folders.read_geojson(path, f"{kind} file")
+                info["geojson"].append(kind)
+            except (OSError, ValueError) as err:
+                refused[kind] = str(err)
+        info["refused"] = refused
         if "heatmap" in info["overlays"]:
             scores = o.overlays.scores()
             info["heatmap_grid"] = {"tiles": len(scores), "size": sorted(set(scores["size"].round(1).tolist()))}
         return info
+
+
+def _tile_address(parts: list[str]) -> tuple[int, int, int]:
+    """``(z, x, y)`` of a tile path ``<z>/<x>/<y>.<ext>``; :class:`BadRequest` naming a part that is no integer."""
+    z = integer(parts[0], "zoom", 0, 64)
+    x = integer(parts[1], "tile x", 0, 1 << 31)
+    y = integer(parts[2].split(".")[0], "tile y", 0, 1 << 31)
+    return z, x, y
 
 
 class ViewerServer(ThreadingHTTPServer):

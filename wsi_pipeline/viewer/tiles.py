@@ -32,6 +32,7 @@ from PIL import Image
 
 from wsi_pipeline.data.store import TileStore
 from wsi_pipeline.slides import Slide
+from wsi_pipeline.viewer.query import BadRequest
 
 __all__ = ["TILE", "DeepZoomTiles", "SlideTiles", "StoreTiles", "TileSource", "encode", "max_zoom", "tile_box"]
 
@@ -50,15 +51,16 @@ def max_zoom(dimensions: tuple[int, int]) -> int:
 
 def tile_box(dimensions: tuple[int, int], z: int, tx: int, ty: int) -> tuple[int, int, int, int, int]:
     """``(x0, y0, x1, y1, scale)``: the level-0 box of tile ``(z, tx, ty)`` clipped to the slide, and the level-0
-    px per screen px (2^(max_zoom - z)). Raises ``ValueError`` for a zoom or tile outside the pyramid."""
+    px per screen px (2^(max_zoom - z)). Raises :class:`~wsi_pipeline.viewer.query.BadRequest` (a ``ValueError``)
+    for a zoom or tile outside the pyramid."""
     zmax = max_zoom(dimensions)
     if not 0 <= z <= zmax:
-        raise ValueError(f"zoom {z} outside 0..{zmax}")
+        raise BadRequest(f"zoom {z} outside 0..{zmax}")
     s = 1 << (zmax - z)
     span = TILE * s
     x0, y0 = tx * span, ty * span
     if tx < 0 or ty < 0 or x0 >= dimensions[0] or y0 >= dimensions[1]:
-        raise ValueError(f"tile ({tx}, {ty}) at zoom {z} is outside the slide ({dimensions[0]} x {dimensions[1]} px)")
+        raise BadRequest(f"tile ({tx}, {ty}) at zoom {z} is outside the slide ({dimensions[0]} x {dimensions[1]} px)")
     return x0, y0, min(x0 + span, dimensions[0]), min(y0 + span, dimensions[1]), s
 
 

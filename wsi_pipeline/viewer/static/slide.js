@@ -57,6 +57,9 @@ function init(info) {
   meta.push(info.dimensions[0] + " x " + info.dimensions[1] + " px", info.source);
   if (info.mpp) meta.push(info.mpp.toFixed(3) + " um/px");
   document.getElementById("meta").textContent = meta.join(" | ");
+  for (const [kind, why] of Object.entries(info.refused || {})) {  // files the server would not read, and why
+    document.getElementById("meta").appendChild(el("p", {class: "error"}, kind + " not shown: " + why));
+  }
 
   const [W, H] = info.dimensions;
   const Z = info.max_zoom;
