@@ -57,7 +57,7 @@ def _evaluate(tmp, manifest, task: str, pool: str):
     from wsi_pipeline.evaluation.evaluate import evaluate_pipeline
     from wsi_pipeline.checkpoints.files import save_run_checkpoint
     from wsi_pipeline.checkpoints.run import RunCheckpoint
-    from wsi_pipeline.methods.endpoints import Endpoint
+    from wsi_pipeline.tasks import Endpoint
     from wsi_pipeline.methods.models import build_models
 
     method = {"name": "m", "strategy": "full", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"}, "chunk_size": 16}
@@ -176,7 +176,7 @@ def test_predict_exports_risk_and_the_discrete_time_survival_curve(cohort, tmp_p
     from wsi_pipeline.evaluation.predict import predict_slides
     from wsi_pipeline.checkpoints.files import save_run_checkpoint
     from wsi_pipeline.checkpoints.run import RunCheckpoint
-    from wsi_pipeline.methods.endpoints import Endpoint
+    from wsi_pipeline.tasks import Endpoint
     from wsi_pipeline.methods.models import build_models
 
     tmp, manifest = cohort

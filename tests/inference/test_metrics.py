@@ -87,7 +87,7 @@ def test_selection_metric_follows_the_papers():
 def test_one_selection_rule_for_every_config_choice():
     """Every ``train.select_metric`` choice goes through the one rule: loss is lower-is-better,
     the computed metrics higher-is-better, auto the task's headline (QWK graded, AUC binary)."""
-    from wsi_pipeline.inference.metrics import ENDPOINT_VALIDATION_METRICS
+    from wsi_pipeline.tasks import ENDPOINT_VALIDATION_METRICS
 
     endpoint = {m for names in ENDPOINT_VALIDATION_METRICS.values() for m in names} - {"loss"}
     assert set(SELECT_METRICS) == {"auto", "loss", *METRICS, *endpoint}

@@ -10,7 +10,8 @@ import pytest
 
 from wsi_pipeline.tasks import survival_metrics as sm
 from wsi_pipeline.tasks.endpoint_metrics import regression_metrics, survival_reference
-from wsi_pipeline.methods.endpoints import Endpoint, breslow_baseline
+from wsi_pipeline.tasks import Endpoint
+from wsi_pipeline.tasks.losses import breslow_baseline
 
 import lifelines  # the test extra's references
 import sksurv.metrics as sksurv_metrics

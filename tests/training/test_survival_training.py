@@ -21,7 +21,8 @@ import torch
 
 from wsi_pipeline.config.pipeline import config_from_dict
 from wsi_pipeline.data.bags import Bag, Slide
-from wsi_pipeline.methods.endpoints import Endpoint, cox_partial_nll, discrete_bin, discrete_edges, discrete_time_nll
+from wsi_pipeline.tasks import Endpoint
+from wsi_pipeline.tasks.losses import cox_partial_nll, discrete_bin, discrete_edges, discrete_time_nll
 from wsi_pipeline.training.strategies import build_strategy, check_strategy
 
 

@@ -16,7 +16,7 @@ The file's keys (schema version 2; ``format`` and ``integrity`` are added by the
     models           {"encoder": state dict or None, "aggregator": state dict, ...}
     encoder_info     what the encoder started from and how it is stored, or None
                      (:func:`wsi_pipeline.methods.models.encoder_checkpoint`)
-    endpoint         :meth:`wsi_pipeline.methods.endpoints.Endpoint.to_state`
+    endpoint         :meth:`wsi_pipeline.tasks.base.Endpoint.to_state`
     best             {"metric", "value", "epoch", "loss"} of the best validation epoch, or None
     tiling           the settings that tiled the training stores, or None
     stain_reference  the training tiles' stain summary (:mod:`wsi_pipeline.data.stain_stats`), or None
@@ -45,7 +45,8 @@ from wsi_pipeline.config.patchgd import PatchGDConfig
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.strategy_traits import strategy_traits
 from wsi_pipeline.checkpoints.migrations import SCHEMA_VERSION, migrate
-from wsi_pipeline.methods.endpoints import Endpoint, endpoint_outputs
+from wsi_pipeline.methods.endpoints import endpoint_outputs
+from wsi_pipeline.tasks import Endpoint
 
 if TYPE_CHECKING:
     import torch
@@ -193,5 +194,5 @@ class RunCheckpoint(Checked):
         return dataclasses.replace(method, patchgd=stored.to_mapping())
 
     def endpoint_spec(self) -> Endpoint:
-        """What the model predicts (:class:`~wsi_pipeline.methods.endpoints.Endpoint`)."""
+        """What the model predicts (:class:`~wsi_pipeline.tasks.base.Endpoint`)."""
         return Endpoint.from_state(self.endpoint)

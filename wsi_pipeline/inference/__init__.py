@@ -7,7 +7,5 @@
 - :mod:`wsi_pipeline.inference.features`: frozen-encoder features of tile stores (``wsi-pipeline features``).
 
 Owners elsewhere: models from a method's config in :mod:`wsi_pipeline.methods`, checkpoints in
-:mod:`wsi_pipeline.checkpoints`, each task's losses and metrics in :mod:`wsi_pipeline.tasks`. The modules
-``checkpoint``, ``method_models``, ``endpoints``, ``metrics``, ``endpoint_metrics`` and ``survival_metrics`` of
-this package are their old import paths, kept for scripts written against an earlier release.
+:mod:`wsi_pipeline.checkpoints`, each task's losses and metrics in :mod:`wsi_pipeline.tasks`.
 """

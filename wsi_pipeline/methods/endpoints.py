@@ -4,8 +4,7 @@ The behaviour belongs to the registered task (:mod:`wsi_pipeline.tasks`: outputs
 metrics); the losses are in :mod:`wsi_pipeline.tasks.losses`. Here a method's config
 (``task``/``loss``/``loss_options``) becomes the aggregator's output size (:func:`endpoint_outputs`)
 and, with what is learnt from the training split (discrete-time bin edges, the targets' mean and
-sd), an :class:`Endpoint` (:func:`fit_endpoint`). The old names of the losses and the Endpoint
-still import from here.
+sd), an :class:`Endpoint` (:func:`fit_endpoint`).
 """
 
 from __future__ import annotations
@@ -15,13 +14,6 @@ from typing import Any
 
 from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.tasks import Endpoint, get_task
-from wsi_pipeline.tasks.losses import (  # noqa: F401  (the old import path)
-    breslow_baseline,
-    cox_partial_nll,
-    discrete_bin,
-    discrete_edges,
-    discrete_time_nll,
-)
 
 __all__ = [
     "endpoint_outputs",

@@ -27,7 +27,7 @@ def validation_columns(task: str) -> tuple[str, ...]:
 
 def selection(train_cfg: TrainConfig, n_classes: int | None, task: str = "classification") -> tuple[str, bool]:
     """``(metric name, higher is better)`` of ``train.select_metric``
-    (:func:`wsi_pipeline.inference.metrics.selection_rule`: ``loss`` is lower-is-better)."""
+    (:func:`wsi_pipeline.tasks.metrics.selection_rule`: ``loss`` is lower-is-better)."""
     return selection_rule(n_classes, train_cfg.select_metric, task)
 
 
