@@ -15,7 +15,6 @@ name                   values                                       used by
                        loss, c_index, mae, rmse,
                        pearson, spearman
 ``CALIBRATIONS``       none, platt, temperature                     ``train.calibrate``
-``CALIBRATIONS``       none, platt, temperature                     ``train.calibrate``
 ``TIES``               efron, breslow                               ``methods[].loss_options.ties``
 ``LEVELS``             slide, patient                               ``eval.level``
 ``PATIENT_POOLS``      mean, max                                    ``eval.patient_pool``
