@@ -14,6 +14,8 @@ name                   values                                       used by
 ``SELECT_METRICS``     auto, auc, qwk, accuracy, balanced_accuracy,  ``train.select_metric``
                        loss, c_index, mae, rmse,
                        pearson, spearman
+``CALIBRATIONS``       none, platt, temperature                     ``train.calibrate``
+``CALIBRATIONS``       none, platt, temperature                     ``train.calibrate``
 ``TIES``               efron, breslow                               ``methods[].loss_options.ties``
 ``LEVELS``             slide, patient                               ``eval.level``
 ``PATIENT_POOLS``      mean, max                                    ``eval.patient_pool``
@@ -49,7 +51,7 @@ from wsi_pipeline.devices import DEVICES
 from wsi_pipeline.slides.opener import BACKENDS
 
 __all__ = [
-    "ACCUMULATE_BN_MODES", "BAG_UNITS", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "HEATMAP_MODES", "HeatmapMode", "LEVELS",
+    "ACCUMULATE_BN_MODES", "BAG_UNITS", "CALIBRATIONS", "Calibration", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "HEATMAP_MODES", "HeatmapMode", "LEVELS",
     "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "POINT_EDGES", "PointEdge", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
     "SELECT_METRICS", "STRATEGY_NAMES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
@@ -77,6 +79,10 @@ SelectMetric = Literal[
 ]
 SELECT_METRICS: tuple[str, ...] = typing.get_args(SelectMetric)
 
+#: ``train.calibrate``: the probability calibration fitted on the validation slides after training
+#: (:func:`wsi_pipeline.tasks.calibration.fit_logit_map` implements each).
+Calibration = Literal["none", "platt", "temperature"]
+CALIBRATIONS: tuple[str, ...] = typing.get_args(Calibration)
 #: How the Cox partial likelihood treats tied event times.
 Ties = Literal["efron", "breslow"]
 TIES: tuple[str, ...] = typing.get_args(Ties)

@@ -7,12 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from wsi_pipeline.config.choices import Schedule, SelectMetric, TrainLog
+from wsi_pipeline.config.choices import Calibration, Schedule, SelectMetric, TrainLog
 from wsi_pipeline.config.schema import Checked, build, coerce, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
 from wsi_pipeline.failures import ConfigTypeError
-from wsi_pipeline.tasks.calibration import Calibration
 
 __all__ = ["ALL_TILES", "AugmentConfig", "DemonConfig", "TrainConfig"]
 

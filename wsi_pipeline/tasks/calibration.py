@@ -23,15 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
-__all__ = ["CALIBRATIONS", "Calibration", "LogitMap", "fit_logit_map", "smoothed_targets"]
-
-Calibration = Literal["none", "platt", "temperature"]
-#: ``train.calibrate`` choices.
-CALIBRATIONS: tuple[str, ...] = ("none", "platt", "temperature")
+__all__ = ["LogitMap", "fit_logit_map", "smoothed_targets"]
 
 
 @dataclass(frozen=True)
@@ -76,7 +71,7 @@ def _log_softmax(z: np.ndarray) -> np.ndarray:
     return z - m - np.log(np.exp(z - m).sum(axis=1, keepdims=True))
 
 
-def fit_logit_map(logits: np.ndarray, labels: Sequence[int], method: Calibration) -> LogitMap:
+def fit_logit_map(logits: np.ndarray, labels: Sequence[int], method: str) -> LogitMap:
     """Fit ``method`` on validation ``logits`` (N, C) and their class ``labels`` (N,).
 
     Returns the identity (``n_slides`` still recorded) when ``method`` is ``none``, when the labels
@@ -116,7 +111,7 @@ def fit_logit_map(logits: np.ndarray, labels: Sequence[int], method: Calibration
         fit = minimize(nll_t, np.array([1.0]), method="BFGS")
         a, b = float(fit.x[0]), 0.0
     else:
-        raise ValueError(f"calibration {method!r} unknown; choose one of {list(CALIBRATIONS)}")
+        raise ValueError(f"calibration {method!r} unknown; choose none, platt or temperature (train.calibrate)")
     if not (np.isfinite(a) and np.isfinite(b)) or a <= 0:
         return LogitMap(n_slides=n)
     return LogitMap(scale=a, shift=b, method=method, n_slides=n)

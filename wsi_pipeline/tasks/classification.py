@@ -86,7 +86,7 @@ class Classification(Task):
         (:func:`~wsi_pipeline.tasks.calibration.fit_logit_map`; ``platt`` needs two classes)."""
         from wsi_pipeline.tasks.calibration import fit_logit_map
 
-        return endpoint.calibrated(fit_logit_map(logits, [int(t) for t in targets], method))  # type: ignore[arg-type]
+        return endpoint.calibrated(fit_logit_map(logits, [int(t) for t in targets], method))
 
     def metric_names(self, ref: Any = None) -> tuple[str, ...]:
         return METRICS
