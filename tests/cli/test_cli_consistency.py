@@ -234,13 +234,14 @@ def _device_is_checked_by_config(args: argparse.Namespace, device: str) -> bool:
     from wsi_pipeline.config.features import FeaturesConfig
     from wsi_pipeline.config.predict import PredictConfig
     from wsi_pipeline.config.schema import build
+    from wsi_pipeline.config.train import TrainConfig
 
     if "device" not in config_flags(args):
         return True
     from wsi_pipeline.config.tissue import TissuePredictConfig, TissueTrainConfig
 
     section, key = config_flags(args)["device"][1].rsplit(".", 1)
-    cls = {"eval": EvalConfig, "features": FeaturesConfig, "predict": PredictConfig, "tissue.train": TissueTrainConfig,
+    cls = {"train": TrainConfig, "eval": EvalConfig, "features": FeaturesConfig, "predict": PredictConfig, "tissue.train": TissueTrainConfig,
            "tissue.predict": TissuePredictConfig}[section]
     try:
         build(cls, {key: flag_values(args)[f"{section}.{key}"]}, section)
@@ -405,3 +406,17 @@ def test_the_slide_endings_in_help_and_docs_are_the_finders():
     for ext in SLIDE_EXTENSIONS:
         assert f" {ext} " in f" {helptext.replace(',', ' ')} ", ext
         assert re.search(r"[ `]" + re.escape(ext) + r"[ `]", readme), ext
+
+
+def test_train_device_is_train_device_and_set_has_the_last_word(tmp_path):
+    """`train --device X --set train.device=Y` trains on Y: the flag sets the key, --set comes after (issue 50)."""
+    from wsi_pipeline.cli._common import pipeline_from_args
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("name: p\ndata: {manifest: m.csv, tiles_dir: t, n_classes: 2}\nmethods:\n"
+                   "  - {name: a, strategy: frozen}\n  - {name: b, strategy: frozen, train: {device: cuda}}\n")
+    for flags, expected in ((["--device", "cpu"], "cpu"), (["--device", "cpu", "--set", "train.device=mps"], "mps"),
+                            (["--set", "train.device=mps", "--device", "cpu"], "mps"), ([], "auto")):
+        config = pipeline_from_args(_parse("train", "--config", str(cfg), *flags))
+        assert config.methods[0].train.device == expected
+        assert config.methods[1].train.device == "cuda"  # a method's own train section is its own

@@ -292,7 +292,7 @@ def test_resume_refuses_a_changed_config(tmp_path, store_cohort, capsys):
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
     run = tmp_path / "runs" / "t" / "m" / "seed0"
     (run / "done").unlink()  # pretend it was interrupted
-    assert main(["train", "--config", str(cfg), "--no-progress", "--resume", "--set", "train.lr=3e-4"]) == 2
+    assert main(["train", "--config", str(cfg), "--no-progress", "--set", "train.lr=3e-4"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume" in err and "lr: 0.0001 (saved) vs 0.0003 (now)" in err
 

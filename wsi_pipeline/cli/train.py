@@ -38,12 +38,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="train only this method (repeatable; default: every method of the config)")
     p.add_argument("--seed", dest="seeds", action="append", type=int, default=None, metavar="N",
                    help="train only this seed (repeatable; default: the config's seeds)")
-    p.add_argument("--resume", dest="resume", action="store_true", default=True,
-                   help="continue runs that were interrupted (last.pt but no done file) from their last epoch; "
-                   "the default, kept for old scripts")
-    p.add_argument("--no-resume", dest="resume", action="store_false",
-                   help="stop with an error instead when an interrupted run is found")
-    add_device_argument(p, default=None, note="overrides train.device of every method (default: the config's)")
+    p.add_argument("--no-resume", dest="resume", action="store_false", default=True,
+                   help="stop with an error when an interrupted run is found (last.pt but no done file); by default it "
+                        "continues from its last epoch")
+    add_device_argument(p, key="train.device",
+                        note="a method's own train.device still wins; --set has the last word, as for every flag")
     add_output_arguments(p)
     p.add_argument("--strict", action="store_true",
                    help="stop when a train/val slide's store holds 0 tiles (default: leave it out with a warning)")
@@ -73,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm.contrib.logging import logging_redirect_tqdm
 
     try:
-        config = pipeline_from_args(args)  # --device, --method, --seed choose where and what to train, not how
+        config = pipeline_from_args(args)  # --device sets train.device; --method, --seed choose what to train
         configs = [config]
         if getattr(args, "folds", False):
             from wsi_pipeline.manifests.folds import fold_config, fold_runs
@@ -88,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
             for cfg in configs:
                 runs += train_pipeline(
                     cfg, methods=args.methods, seeds=args.seeds, resume=args.resume,
-                    device=args.device, progress=not args.no_progress, strict=args.strict,
+                    progress=not args.no_progress, strict=args.strict,
                     memory_check=not args.no_memory_check,
                 )
     finally:
