@@ -9,7 +9,7 @@ from torch import nn
 from benchmarks.memory import SavedTensorMeter
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.models.aggregators.dtfd import DISTILL_MODES
-from wsi_pipeline.training.accumulate import accumulate_step, default_loss, full_step
+from wsi_pipeline.training.accumulate import accumulate_step, classification_loss, full_step
 
 FEAT = 16
 
@@ -119,7 +119,7 @@ def test_chunk_bn_exact_for_its_own_function_and_running_stats_once() -> None:
     # the same RNG stream), then the aggregator, one backward; running stats restored afterwards
     torch.manual_seed(42)
     z = torch.cat([enc(tiles[a : a + chunk]) for a in range(0, n, chunk)])
-    ref_loss = default_loss(agg(z), 1)
+    ref_loss = classification_loss(agg(z), 1)
     ref_loss.backward()
     ref = _grads(enc, agg)
     with torch.no_grad():

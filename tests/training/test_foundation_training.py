@@ -15,7 +15,7 @@ from wsi_pipeline.config.schema import build
 from wsi_pipeline.methods.models import build_method_encoder
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.models.finetune import LoRALinear, trained_state
-from wsi_pipeline.training.accumulate import accumulate_step, default_loss
+from wsi_pipeline.training.accumulate import accumulate_step, classification_loss
 
 #: A Virchow2-shaped ViT at toy size: 4 register tokens, SwiGLU, class token ++ mean of patch tokens.
 TINY = {
@@ -66,7 +66,7 @@ def test_accumulation_with_a_vit_is_exact_in_float64(float64, agg_name: str, var
     # reference: the bag through encoder and aggregator with gradient in one go, one backward
     enc.train()
     out = agg(enc(tiles), **({"label": label} if agg_name == "dtfd" else {}), **_agg_kwargs(agg_name))
-    ref_loss = default_loss(out, label)
+    ref_loss = classification_loss(out, label)
     ref_loss.backward()
     ref = _grads(enc, agg)
     scale = max(float(g.abs().max()) for g in ref)

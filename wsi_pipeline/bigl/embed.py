@@ -26,13 +26,13 @@ from torch import nn
 from wsi_pipeline.bigl.convert import BigResNet, bigify
 from wsi_pipeline.models.encoders import ResNet
 
-__all__ = ["EmbeddingEncoder", "inference_activation_bytes", "default_budget_bytes"]
+__all__ = ["EmbeddingEncoder", "inference_activation_bytes", "inference_budget_bytes"]
 
 #: Share of the CUDA device's total memory a plain inference call may use by default.
 CUDA_BUDGET_FRACTION = 0.5
 
 
-def default_budget_bytes(device: torch.device) -> int | None:
+def inference_budget_bytes(device: torch.device) -> int | None:
     """Default budget: half the CUDA device's total memory; None (no limit) on other devices.
 
     On the CPU the Big-Layers path would keep the same activations in the same (host) memory,
@@ -92,7 +92,7 @@ class EmbeddingEncoder(nn.Module):
     stages, max_elements, pointwise
         The Big-Layers conversion used when a call does not fit (see :func:`bigify`).
     budget_bytes
-        Device memory a plain call may use (bytes); ``None``: :func:`default_budget_bytes` of
+        Device memory a plain call may use (bytes); ``None``: :func:`inference_budget_bytes` of
         the encoder's device at call time (half a CUDA device's memory; no limit on the CPU).
     big
         An existing Big-Layers version of ``plain`` to use instead of building one (the
@@ -149,7 +149,7 @@ class EmbeddingEncoder(nn.Module):
 
     def budget(self) -> int | None:
         """The budget in bytes this call applies (None: no limit)."""
-        return self.budget_bytes if self.budget_bytes is not None else default_budget_bytes(self.device())
+        return self.budget_bytes if self.budget_bytes is not None else inference_budget_bytes(self.device())
 
     def needs_bytes(self, shape: Sequence[int], dtype: torch.dtype) -> int:
         """Estimated activation bytes of a plain call on ``shape`` (cached per shape and dtype)."""

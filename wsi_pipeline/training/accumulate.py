@@ -47,14 +47,13 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES
 from wsi_pipeline.data.tensors import DeviceTiles
 
-__all__ = ["accumulate_step", "full_step", "default_loss", "BN_MODES"]
+__all__ = ["accumulate_step", "full_step", "classification_loss", "BN_MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -64,13 +63,13 @@ BN_MODES: tuple[str, ...] = ACCUMULATE_BN_MODES
 LossFn = Callable[[Any, Any], Tensor]
 
 
-def default_loss(output: Any, label: int | Tensor) -> Tensor:
-    """Cross-entropy of ``output.logits`` [C] against the class index ``label``, plus ``output.aux_loss`` when set."""
-    logits = output.logits
-    target = torch.as_tensor(label, dtype=torch.long, device=logits.device).reshape(1)
-    loss = F.cross_entropy(logits.reshape(1, -1), target)
-    aux = getattr(output, "aux_loss", None)
-    return loss if aux is None else loss + aux
+def classification_loss(output: Any, label: int | Tensor) -> Tensor:
+    """The classification task's bag loss (:meth:`wsi_pipeline.tasks.classification.Classification.bag_loss`:
+    cross-entropy of ``output.logits`` [C] against the class ``label``, plus ``output.aux_loss`` when set)."""
+    from wsi_pipeline.tasks import Endpoint, get_task
+
+    task = get_task("classification")
+    return task.bag_loss(Endpoint(task=task.name, loss=task.losses[0], n_outputs=int(output.logits.numel())), output, label)
 
 
 def device_of(module: nn.Module, fallback: torch.device) -> torch.device:
@@ -234,7 +233,7 @@ def accumulate_step(
     label : the bag's class index (int or 0-d tensor).
     chunk_size : tiles embedded with gradient at once (>= 1); peak activation memory scales
         with it, not with n.
-    loss_fn : ``loss_fn(output, label) -> scalar``; :func:`default_loss` when None.
+    loss_fn : ``loss_fn(output, label) -> scalar``; :func:`classification_loss` when None.
     bn : BatchNorm policy, ``"frozen"`` (eval statistics, exact) or ``"chunk"`` (chunk
         statistics, running statistics updated once per bag); see the module docstring.
     aggregator_kwargs : extra keywords for the aggregator call (e.g. a DTFD ``generator``).
@@ -254,7 +253,7 @@ def accumulate_step(
     _check(tiles, chunk_size)
     if bn not in BN_MODES:
         raise ValueError(f"bn={bn!r}; expected one of {BN_MODES} ('frozen' is exact, 'chunk' uses chunk statistics)")
-    loss_fn = loss_fn or default_loss
+    loss_fn = loss_fn or classification_loss
     device = device_of(encoder, tiles.device)
     n = tiles.shape[0]
     bounds = [(s, min(s + int(chunk_size), n)) for s in range(0, n, int(chunk_size))]
@@ -313,7 +312,7 @@ def full_step(
     _check(tiles)
     if bn not in BN_MODES:
         raise ValueError(f"bn={bn!r}; expected one of {BN_MODES}")
-    loss_fn = loss_fn or default_loss
+    loss_fn = loss_fn or classification_loss
     device = device_of(encoder, tiles.device)
     with bn_training(encoder, bn == "chunk"):
         # a Big-Layers encoder takes host tiles chunk by chunk: sending the bag first would be a round trip

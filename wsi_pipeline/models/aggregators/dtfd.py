@@ -23,7 +23,7 @@ Decisions (see ``docs/methods.md``):
   crashes with "modified by an inplace operation" on current PyTorch); detaching is exactly that
   training signal without the crash. Consequence: gradients reach the dimension reduction and
   tier 1 (and, end to end, the encoder) only through ``aux_loss``, so the training loss must
-  include it (``default_loss`` in :mod:`wsi_pipeline.training.accumulate` does).
+  include it (``classification_loss`` in :mod:`wsi_pipeline.training.accumulate` does).
 - ``aux_loss`` = mean tier-1 cross-entropy over the pseudo-bags, computed only when
   ``forward(z, label=...)`` receives the label (the pseudo-bags take the slide label).
 - ``attention`` (the per-instance score for heatmaps) = the tier-1 attention score softmaxed
