@@ -243,6 +243,13 @@ def tiling_from_args(args: argparse.Namespace) -> tuple[StoreSettings, str | Non
     return tiling, source, out
 
 
+def _detectors_taking(key: str) -> list[str]:
+    """The registered tissue detectors whose parameters have the field ``key``."""
+    from wsi_pipeline.tiling.detectors import DETECTORS
+
+    return [name for name in DETECTORS.names() if key in {f.name for f in dataclasses.fields(DETECTORS.get(name).Params)}]
+
+
 def tiler_from_args(tiling: StoreSettings, args: argparse.Namespace) -> TilingConfig:
     """The tiler config of ``data.tiling`` and the run's own flags (fallback mpp, store layout, QC images,
     regions file, the detector's run options ``--tissue-model`` and ``--no-prescreen``)."""
@@ -251,7 +258,13 @@ def tiler_from_args(tiling: StoreSettings, args: argparse.Namespace) -> TilingCo
     base = tiler_config(tiling)
     run_detector = {"tissue_model": args.tissue_model, "prescreen": False if args.no_prescreen else None}
     names = {f.name for f in dataclasses.fields(base.detector)}
-    detector = dataclasses.replace(base.detector, **{k: v for k, v in run_detector.items() if v is not None and k in names})
+    flags = {"tissue_model": "--tissue-model", "prescreen": "--no-prescreen"}
+    for key, value in run_detector.items():
+        if value is not None and key not in names:  # refused, never dropped: the user asked for something
+            takers = _detectors_taking(key)
+            raise ValueError(f"{flags[key]} does not apply to the {tiling.method!r} detector (it has no {key} setting); "
+                             f"it is for --method {' or '.join(takers) or '(none)'}")
+    detector = dataclasses.replace(base.detector, **{k: v for k, v in run_detector.items() if v is not None})
     kw: dict[str, Any] = {"points": tiling.points if isinstance(tiling.points, str) else None,
                           "compression": tiling.compression, "backend": tiling.backend, "shard_tiles": args.shard_tiles}
     return dataclasses.replace(
