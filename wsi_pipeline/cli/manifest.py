@@ -223,7 +223,8 @@ def _drawn(df, args: argparse.Namespace):
     if getattr(args, "crossval", None) is not None:
         from wsi_pipeline.manifests.crossval import assign_crossval
 
-        return assign_crossval(df, args.crossval, repeats=args.repeats, seed=args.seed)
+        source = getattr(args, "labels", None) or getattr(args, "manifest", None)
+        return assign_crossval(df, args.crossval, repeats=args.repeats, seed=args.seed, source=source)
     if getattr(args, "repeats", 1) != 1:
         raise ValueError(f"--repeats {args.repeats} needs --crossval K (repeats of the cross-validation)")
     from wsi_pipeline.manifests.crossval import crossval_columns
