@@ -1279,7 +1279,7 @@ def test_manifest_out_equal_to_its_labels_file_is_refused(small_slides, tmp_path
     labels = _labels(tmp_path / "labels.csv", ["s0", "s1", "s2"], [0, 1, 0])
     text = labels.read_text()
     monkeypatch.chdir(tmp_path)
-    for out in (str(labels), "labels.csv", f"./sub/../labels.csv"):
+    for out in (str(labels), "labels.csv", "./sub/../labels.csv"):
         rc = main(["manifest", "folder", "--slides", str(small_slides), "--labels", str(labels), "--out", out])
         line = _one_error_line(capsys.readouterr().err)
         assert rc == 2 and "--out" in line and "--labels" in line, line

@@ -14,6 +14,10 @@ from typing import Any
 
 __all__ = ["register", "run", "summary_table"]
 
+#: The label and reference files the builders read (flag, argparse dest): a manifest written over one is refused.
+_LABEL_INPUTS = (("--labels", "labels"), ("--reference", "reference"), ("--stage-labels", "stage_labels"),
+                 ("--exclude-noisy", "exclude_noisy"))
+
 _NO_CHECK = "write the manifest even when slide files are missing (e.g. before downloading the slides)"
 
 
@@ -285,7 +289,11 @@ def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.manifests.schema import write_manifest
     from wsi_pipeline.output_dirs import check_output_file
 
+    from wsi_pipeline.output_dirs import check_not_an_input
+
     build = _builder(args)
+    # the builders' label files are inputs of another kind (`manifest split --manifest M --out M` rewrites M on purpose)
+    check_not_an_input(args.out, "--out", {flag: getattr(args, dest, None) for flag, dest in _LABEL_INPUTS})
     check_output_file(args.out, "the manifest")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

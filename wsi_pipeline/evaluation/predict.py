@@ -34,7 +34,7 @@ from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.training import distributed
-from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.output_dirs import check_not_an_input, check_output_dir
 from wsi_pipeline.types import TileStoreLike
 
 __all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
@@ -195,6 +195,7 @@ def predict_slides(
         raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
     from wsi_pipeline.inference.trained import load_trained_model
 
+    check_not_an_input(out, "--out", {"--slides": src})  # a second run would predict the first one's heatmaps
     if distributed.is_main():
         check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")
     dev = str(distributed.device_for(resolve_device(device)))
