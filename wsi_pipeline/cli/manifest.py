@@ -287,9 +287,7 @@ def _builder(args: argparse.Namespace) -> Callable[[], Any]:
 def run(args: argparse.Namespace) -> int:
     """Build, write and summarise the manifest (wrong inputs: the command line's one error line, exit 2)."""
     from wsi_pipeline.manifests.schema import write_manifest
-    from wsi_pipeline.output_dirs import check_output_file
-
-    from wsi_pipeline.output_dirs import check_not_an_input
+    from wsi_pipeline.output_dirs import check_not_an_input, check_output_file
 
     build = _builder(args)
     # the builders' label files are inputs of another kind (`manifest split --manifest M --out M` rewrites M on purpose)
