@@ -5,6 +5,9 @@ that is an existing file, a full disk) is one :class:`OutputDirError` naming the
 cause, so the command line prints one line and exits 2 before minutes of compute, instead of
 failing at the first write (or failing every slide in turn). Every stage checks its output
 folders this way: tiling, training (runs, features), evaluation, features, predict, manifests.
+An output that is one of the command's inputs, or lies inside an input folder, is refused the same
+way (:func:`check_not_an_input`): a second run would read the first run's outputs as inputs, or the
+output would replace the input.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import os
 import secrets
 from pathlib import Path
 
-__all__ = ["OutputDirError", "check_output_dir", "check_output_file", "output_problem"]
+__all__ = ["OutputDirError", "check_not_an_input", "check_output_dir", "check_output_file", "output_problem"]
 
 _HINTS = {
     errno.EROFS: "the file system is read-only; choose a folder on a writable disk",
@@ -95,3 +98,20 @@ def check_output_file(path: str | os.PathLike[str], what: str = "output file") -
     if p.is_dir():
         raise OutputDirError(p, "it is a folder; pass a file path", what)
     check_output_dir(p.parent if str(p.parent) else ".", what=f"the folder of {what} {p}:")
+
+
+def check_not_an_input(out: str | os.PathLike[str], out_flag: str,
+                       inputs: dict[str, str | os.PathLike[str] | None]) -> None:
+    """Raise :class:`OutputDirError` when output ``out`` (given as ``out_flag``) is one of ``inputs`` (flag -> path;
+    None skipped) or lies inside an input folder, compared after resolving links and ``..``; before any work."""
+    o = Path(out).resolve()
+    for flag, given in inputs.items():
+        if given is None:
+            continue
+        p = Path(given).resolve()
+        if o == p:
+            raise OutputDirError(Path(out), f"it is the input {flag} {given}, which it would overwrite; choose another "
+                                 f"{out_flag}", what=out_flag)
+        if p.is_dir() and p in o.parents:
+            raise OutputDirError(Path(out), f"it lies inside the input folder {flag} {given}, so its outputs would be "
+                                 f"read as inputs on the next run; choose an {out_flag} outside {given}", what=out_flag)

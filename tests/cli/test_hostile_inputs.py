@@ -1164,3 +1164,213 @@ def test_a_huge_bootstrap_is_refused_up_front(store_cohort, shared, tmp_path, ca
     err = capsys.readouterr().err
     assert rc == 2 and "--bootstrap" in err and "Traceback" not in err, err
     assert not (tmp_path / "r").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 51, part B: folds and labels fail by name, nothing overwrites its inputs, a checkpoint of
+# another task or tiling is refused by eval, bounds on every user number
+# ----------------------------------------------------------------------------------------------
+
+
+def _labels(path: Path, ids: list[str], labels: list[int]) -> Path:
+    pd.DataFrame({"slide_id": ids, "label": labels}).to_csv(path, index=False)
+    return path
+
+
+def _one_error_line(err: str) -> str:
+    lines = [ln for ln in err.strip().splitlines() if ln.startswith("wsi-pipeline ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_crossval_of_a_one_class_labels_file_is_refused_naming_the_file_and_the_class(small_slides, tmp_path, capsys):
+    d = tmp_path / "slides"
+    d.mkdir()
+    ids = [f"c{i:02d}" for i in range(6)]
+    for i, sid in enumerate(ids):
+        shutil.copy(small_slides / f"s{i % 3}.svs", d / f"{sid}.svs")
+    one = _labels(tmp_path / "one.csv", ids, [1] * 6)
+    out = tmp_path / "cv.csv"
+    rc = main(["manifest", "folder", "--slides", str(d), "--labels", str(one), "--crossval", "3", "--out", str(out)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(one) in line and "one class" in line and "label 1" in line, line
+    assert not out.exists() and not list(tmp_path.glob("cv_fold*.csv"))
+    two = _labels(tmp_path / "two.csv", ids, [0, 1] * 3)  # the control: two classes cross-validate
+    assert main(["manifest", "folder", "--slides", str(d), "--labels", str(two), "--crossval", "3", "--out", str(out)]) == 0
+    assert out.is_file() and len(list(tmp_path.glob("cv_fold*.csv"))) == 3
+
+
+@pytest.mark.parametrize("bad", ["../s0", "x/s0", "..", "a\\s0"])
+def test_label_ids_are_matched_exactly_a_path_in_an_id_is_refused_naming_the_row(bad, small_slides, tmp_path, capsys):
+    labels = _labels(tmp_path / "labels.csv", ["s1", bad, "s2"], [0, 1, 0])
+    out = tmp_path / "m.csv"
+    rc = main(["manifest", "folder", "--slides", str(small_slides), "--labels", str(labels), "--out", str(out)])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(labels) in line and bad in line and "row 2" in line, line
+    assert not out.exists()
+    # file endings are still taken off: s0.svs names slide s0
+    _labels(labels, ["s1", "s0.svs", "s2"], [0, 1, 0])
+    assert main(["manifest", "folder", "--slides", str(small_slides), "--labels", str(labels), "--out", str(out)]) == 0
+    assert pd.read_csv(out).set_index("slide_id").loc["s0", "label"] == 1
+
+
+def test_training_on_a_one_class_training_split_warns_naming_the_class(store_cohort, shared, tmp_path, caplog):
+    df = pd.read_csv(store_cohort)
+    train = df["split"] == "train"
+    df.loc[train, "label"] = 1
+    m = tmp_path / "m.csv"
+    df.to_csv(m, index=False)
+    (tmp_path / "tiles").symlink_to(store_cohort.parent / "tiles")
+    cfg = _cfg(tmp_path, m, shared, train={"epochs": 1})
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "one class" in r.getMessage()]
+    assert len(warned) == 1 and str(m) in warned[0] and "train split" in warned[0] and "class 1" in warned[0], [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    (tmp_path / "ok").mkdir()
+    cfg2 = _cfg(tmp_path / "ok", store_cohort, shared, train={"epochs": 1})
+    with caplog.at_level("WARNING"):
+        assert main(["train", "--config", str(cfg2), "--no-progress"]) == 0  # both classes: no such warning
+    assert not [r for r in caplog.records if "one class" in r.getMessage()]
+
+
+def test_eval_folds_checks_every_fold_before_evaluating_any(store_cohort, shared, tmp_path, capsys):
+    cv = tmp_path / "cv.csv"
+    assert main(["manifest", "split", "--manifest", str(store_cohort), "--crossval", "3", "--out", str(cv)]) == 0
+    (tmp_path / "tiles").symlink_to(store_cohort.parent / "tiles")
+    cfg = _cfg(tmp_path, cv, shared, train={"epochs": 1}, results_dir=str(tmp_path / "results"))
+    assert main(["train", "--config", str(cfg), "--folds", "--no-progress", "--quiet"]) == 0
+    (tmp_path / "runs" / "t_fold1" / "m" / "seed0" / "done").unlink()  # fold 1 unfinished
+    shutil.rmtree(tmp_path / "runs" / "t_fold2")  # fold 2 never trained
+    capsys.readouterr()
+    rc = main(["eval", "--config", str(cfg), "--folds", "--no-progress", "--no-heatmaps", "--bootstrap", "0"])
+    out = capsys.readouterr()
+    line = _one_error_line(out.err)
+    assert rc == 2 and "t_fold1" in line and "t_fold2" in line and "t_fold0" not in line, line
+    assert "evaluating" not in out.out
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").iterdir())
+
+
+def test_predict_out_inside_the_slides_folder_is_refused_before_any_work(shared, small_slides, tmp_path, capsys):
+    d = tmp_path / "new"
+    d.mkdir()
+    shutil.copy(small_slides / "s0.svs", d / "s0.svs")
+    model = shared / "runs" / "t" / "m" / "seed0"
+    for out in (d / "pred", d, d / "a" / "b"):
+        rc = main(["predict", "--model", str(model), "--slides", str(d), "--out", str(out), "--no-progress",
+                   "--device", "cpu", "--workers", "0"])
+        line = _one_error_line(capsys.readouterr().err)
+        assert rc == 2 and "--out" in line and "--slides" in line and str(d) in line, line
+    assert sorted(p.name for p in d.iterdir()) == ["s0.svs"]
+
+
+def test_tile_out_inside_the_slides_folder_is_refused_before_any_work(small_slides, tmp_path, capsys):
+    d = tmp_path / "slides"
+    shutil.copytree(small_slides, d)
+    before = sorted(p.name for p in d.iterdir())
+    for out in (d / "tiles", d):
+        rc = main(["tile", "--slides", str(d), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc"])
+        line = _one_error_line(capsys.readouterr().err)
+        assert rc == 2 and "--out" in line and "--slides" in line, line
+    assert sorted(p.name for p in d.iterdir()) == before
+
+
+def test_manifest_out_equal_to_its_labels_file_is_refused(small_slides, tmp_path, capsys, monkeypatch):
+    labels = _labels(tmp_path / "labels.csv", ["s0", "s1", "s2"], [0, 1, 0])
+    text = labels.read_text()
+    monkeypatch.chdir(tmp_path)
+    for out in (str(labels), "labels.csv", "./sub/../labels.csv"):
+        rc = main(["manifest", "folder", "--slides", str(small_slides), "--labels", str(labels), "--out", out])
+        line = _one_error_line(capsys.readouterr().err)
+        assert rc == 2 and "--out" in line and "--labels" in line, line
+        assert labels.read_text() == text
+
+
+def _replace_best(shared: Path, tmp_path: Path, change) -> Path:
+    """A copy of ``shared``'s finished run whose ``best.pt`` is rewritten by ``change(checkpoint) -> checkpoint``."""
+    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
+
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    shutil.copytree(shared / "runs" / "t" / "m" / "seed0", run)
+    ckpt = load_run_checkpoint(run / "best.pt")
+    for p in run.glob("best.pt*"):
+        p.unlink()
+    save_run_checkpoint(run / "best.pt", change(ckpt))
+    return run
+
+
+def test_eval_refuses_a_checkpoint_of_another_task_naming_both(store_cohort, shared, tmp_path, capsys):
+    import dataclasses
+
+    import torch
+
+    from wsi_pipeline.methods.endpoints import Endpoint
+
+    def survival(ckpt):
+        config = json.loads(json.dumps(ckpt.config))
+        method = {**ckpt.method, "task": "survival", "loss": "cox"}
+        config["methods"] = [method]
+        config["data"]["n_classes"] = None
+        agg = dict(ckpt.models["aggregator"])
+        last = [k for k, v in agg.items() if v.ndim >= 1 and v.shape[0] == 2][-2:]  # the classifier's weight and bias
+        agg.update({k: torch.zeros((1, *agg[k].shape[1:]), dtype=agg[k].dtype) for k in last})
+        return dataclasses.replace(ckpt, config=config, method=method, models={**ckpt.models, "aggregator": agg},
+                                   endpoint=Endpoint(task="survival", loss="cox", n_outputs=1).to_state())
+
+    run = _replace_best(shared, tmp_path, survival)
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, results_dir=str(tmp_path / "results"))
+    rc = main(["eval", "--config", str(cfg), "--no-progress", "--no-heatmaps", "--bootstrap", "0"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(run / "best.pt") in line and "'survival'" in line and "'classification'" in line, line
+    assert not list((tmp_path / "results").rglob("*.csv")) if (tmp_path / "results").exists() else True
+
+
+def test_eval_refuses_a_checkpoint_of_another_tiling_naming_both(store_cohort, shared, tmp_path, capsys):
+    import dataclasses
+
+    def other_tiling(ckpt):
+        config = json.loads(json.dumps(ckpt.config))
+        config["data"]["tiling"]["tile_size"] = 64
+        return dataclasses.replace(ckpt, config=config)
+
+    run = _replace_best(shared, tmp_path, other_tiling)
+    cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, results_dir=str(tmp_path / "results"))
+    rc = main(["eval", "--config", str(cfg), "--no-progress", "--no-heatmaps", "--bootstrap", "0"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(run / "best.pt") in line and "tile_size" in line and "64" in line and "32" in line, line
+    # the run's own checkpoint, with eval-only settings changed (bootstrap, heatmaps), is evaluated
+    for p in run.glob("best.pt*"):
+        p.unlink()
+    shutil.copy(shared / "runs" / "t" / "m" / "seed0" / "best.pt", run / "best.pt")
+    for p in (shared / "runs" / "t" / "m" / "seed0").glob("best.pt.*"):
+        shutil.copy(p, run / p.name)
+    assert main(["eval", "--config", str(cfg), "--no-progress", "--no-heatmaps", "--bootstrap", "0"]) == 0
+
+
+@pytest.mark.parametrize("section,key,value,allowed", [
+    ("train", "epochs", 10**23, "100000"),
+    ("train", "bag_size", 10**12, "1000000"),
+    ("train", "batch_bags", 10**9, "10000"),
+    ("method", "chunk_size", 10**9, "100000"),
+    ("tiling", "tile_size", 100_000_000, "8192"),
+])
+def test_user_numbers_out_of_range_are_refused_up_front_with_the_range(section, key, value, allowed, store_cohort, tmp_path,
+                                                                       capsys):
+    (tmp_path / "tiles").symlink_to(store_cohort.parent / "tiles")
+    cfg = _cfg(tmp_path, store_cohort)
+    raw = yaml.safe_load(cfg.read_text())
+    {"train": raw["train"], "method": raw["methods"][0], "tiling": raw["data"]["tiling"]}[section][key] = value
+    cfg.write_text(yaml.safe_dump(raw, sort_keys=False))
+    rc = main(["train", "--config", str(cfg), "--no-progress"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and key in line and str(value) in line and allowed in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_tile_refuses_a_huge_tile_size_with_the_range(small_slides, tmp_path, capsys):
+    out = tmp_path / "tiles"
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--tile-size", "100000000", "--no-progress",
+               "--workers", "0"])
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "tile" in line and "100000000" in line and "8192" in line, line
+    assert not out.exists()

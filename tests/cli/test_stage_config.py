@@ -137,7 +137,7 @@ def test_features_settings_from_yaml_flags_and_set(tmp_path):
     got = settings(_parse(*FEATURES_ARGS, "--config", str(path), "--bf16", "--batch-size", "8", "--set", "features.device=auto"))
     assert got == FeaturesConfig(encoder="resnet50", batch_size=8, device="auto", bf16=True)
     assert _parse(*FEATURES_ARGS, "--set", "batch_size=8").overrides == ["features.batch_size=8"]  # short form: its section
-    with pytest.raises(ValueError, match=r"features\.batch_size=0; expected a value > 0 \(given as --batch-size\)"):
+    with pytest.raises(ValueError, match=r"features\.batch_size=0; expected a value > 0 \(allowed: > 0 and <= 100000\) \(given as --batch-size\)"):
         settings(_parse(*FEATURES_ARGS, "--batch-size", "0"))
     with pytest.raises(ValueError, match=r"f\.yaml: features\.encoder='resnet19'"):
         settings(_parse(*FEATURES_ARGS, "--config", str(path), "--set", "features.encoder=resnet19"))
@@ -158,7 +158,7 @@ def test_predict_settings_from_yaml_flags_and_set(tmp_path):
     by_flag = settings(_parse(*PREDICT_ARGS, "--protocol", "all", "--protocol", "sub4x2"))
     assert by_flag.protocols == (ALL, EvalProtocol(4, 2))
     assert set(by_flag.keywords()) == {f.name for f in dataclasses.fields(PredictConfig)}
-    for flags, said in ((["--workers", "-1"], r"predict\.workers=-1; expected a value >= 0 \(given as --workers\)"),
+    for flags, said in ((["--workers", "-1"], r"predict\.workers=-1; expected a value >= 0 \(allowed: >= 0 and <= 4096\) \(given as --workers\)"),
                         (["--mpp", "0"], r"predict\.mpp=0\.0; expected a value > 0 \(given as --mpp\)"),
                         (["--protocol", "sub0x2"], r"predict\.protocols\[0\]='sub0x2'")):
         with pytest.raises(ValueError, match=said):

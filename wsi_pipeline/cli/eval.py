@@ -159,6 +159,7 @@ def _run_folds(config: PipelineConfig, args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, eval=dataclasses.replace(config.eval, protocols=(ALL, *config.eval.protocols)))
     root = Path(config.eval.results) if config.eval.results is not None else Path(config.results_dir)
     methods = list(config.eval.methods) or None
+    _check_folds_trained(config, runs, methods, args)
     for i, run in enumerate(runs):
         cfg = fold_config(config, run)
         where = f"repeat {run.repeat} fold {run.fold}" if run.repeats > 1 else f"fold {run.fold}"
@@ -185,6 +186,21 @@ def _run_folds(config: PipelineConfig, args: argparse.Namespace) -> int:
     _print_table(read_metrics_json(out / "metrics_folds.json"))
     print(f"\nCross-validation results in {out}/ (report.html, cv_table.csv, metrics_folds.json)")
     return 0
+
+
+def _check_folds_trained(config: PipelineConfig, runs: list[FoldRun], methods: list[str] | None,
+                         args: argparse.Namespace) -> None:
+    """Raise ``ValueError`` naming every fold run that is not finished, before any fold is evaluated (the pooled
+    table needs them all)."""
+    from wsi_pipeline.evaluation.sets import trained_runs
+    from wsi_pipeline.manifests.folds import fold_config
+
+    missing = [why for run in runs for why in trained_runs(fold_config(config, run), methods)[1]]
+    if missing:
+        raise ValueError(
+            f"{args.config}: eval --folds needs the finished runs of every fold of {config.data.manifest}; "
+            f"{len(missing)} are not: {'; '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}. Nothing was "
+            f"evaluated; finish them with `wsi-pipeline train --config {args.config} --folds`")
 
 
 def _evaluated(cfg: PipelineConfig, out: Path, methods: list[str] | None) -> bool:

@@ -14,6 +14,10 @@ from typing import Any
 
 __all__ = ["register", "run", "summary_table"]
 
+#: The label and reference files the builders read (flag, argparse dest): a manifest written over one is refused.
+_LABEL_INPUTS = (("--labels", "labels"), ("--reference", "reference"), ("--stage-labels", "stage_labels"),
+                 ("--exclude-noisy", "exclude_noisy"))
+
 _NO_CHECK = "write the manifest even when slide files are missing (e.g. before downloading the slides)"
 
 
@@ -223,7 +227,8 @@ def _drawn(df, args: argparse.Namespace):
     if getattr(args, "crossval", None) is not None:
         from wsi_pipeline.manifests.crossval import assign_crossval
 
-        return assign_crossval(df, args.crossval, repeats=args.repeats, seed=args.seed)
+        source = getattr(args, "labels", None) or getattr(args, "manifest", None)
+        return assign_crossval(df, args.crossval, repeats=args.repeats, seed=args.seed, source=source)
     if getattr(args, "repeats", 1) != 1:
         raise ValueError(f"--repeats {args.repeats} needs --crossval K (repeats of the cross-validation)")
     from wsi_pipeline.manifests.crossval import crossval_columns
@@ -282,9 +287,11 @@ def _builder(args: argparse.Namespace) -> Callable[[], Any]:
 def run(args: argparse.Namespace) -> int:
     """Build, write and summarise the manifest (wrong inputs: the command line's one error line, exit 2)."""
     from wsi_pipeline.manifests.schema import write_manifest
-    from wsi_pipeline.output_dirs import check_output_file
+    from wsi_pipeline.output_dirs import check_not_an_input, check_output_file
 
     build = _builder(args)
+    # the builders' label files are inputs of another kind (`manifest split --manifest M --out M` rewrites M on purpose)
+    check_not_an_input(args.out, "--out", {flag: getattr(args, dest, None) for flag, dest in _LABEL_INPUTS})
     check_output_file(args.out, "the manifest")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from wsi_pipeline.evaluation.predict import predict_slides
+    from wsi_pipeline.tasks import get_task
     from wsi_pipeline.training import distributed
 
     config = settings(args)  # a bad value is refused before torchrun is joined
@@ -121,10 +122,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nPredicted {n} slide(s) in {s.seconds:.1f} s ({n / s.seconds * 3600 if s.seconds > 0 else 0:,.0f} slides/h, "
           "tiling included).")
     if len(df):
-        probs = [c for c in df.columns if c.startswith("prob_") and c != "prob_std"]
-        show = df[["slide_id", "protocol", "n_tiles", "pred"]].copy()
-        show["p(pred)"] = ["{:.3f}".format(r["prob_" + str(int(r["pred"]))]) for r in s.rows]
-        show["probs"] = [" ".join(f"{v:.3f}" for v in r) for r in df[probs].to_numpy()]
+        show = df[["slide_id", "protocol", "n_tiles"]].copy()
+        cells = [get_task(s.task).summary_cells(r) for r in s.rows]  # the task says what a row shows
+        for heading in cells[0]:
+            show[heading] = [c.get(heading, "") for c in cells]
         if s.stain_checks:  # distance of the slide's stain from the training tiles'
             show["stain"] = [("OFF {:.1f}" if r["off_distribution"] else "ok {:.1f}").format(r["stain_distance"])
                              if r["stain_distance"] is not None else "-" for r in s.rows]

@@ -284,6 +284,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("give the slides: --slides DIR or --manifest CSV (or --config PIPELINE.yaml with data.manifest)")
     if out is None:
         raise ValueError("give the output folder: --out DIR (or --config PIPELINE.yaml with data.tiles_dir)")
+    if args.slides is not None:  # a second run would take the first one's stores for slides (DICOM folders, ...)
+        from wsi_pipeline.output_dirs import check_not_an_input
+
+        check_not_an_input(out, "--out", {"--slides": args.slides})
     config = tiler_from_args(tiling, args)
     if args.workers is not None and args.workers < 0:
         raise ValueError(f"--workers {args.workers} must be >= 0")

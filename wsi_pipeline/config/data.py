@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from wsi_pipeline.config.choices import BagUnit
+from wsi_pipeline.config.limits import MAX_COUNT
 from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.config.store_settings import StoreSettings
 
@@ -30,7 +31,7 @@ class StainConfig(Checked):
 
     normalise: StainNormalise = "none"
     target: str = "train"
-    max_tiles: int = field(default=32, metadata=spec(ge=1))
+    max_tiles: int = field(default=32, metadata=spec(ge=1, le=MAX_COUNT))
 
     def __post_init__(self) -> None:
         super().__post_init__()

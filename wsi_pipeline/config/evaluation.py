@@ -16,6 +16,7 @@ from typing import Any
 
 from wsi_pipeline.config.choices import HeatmapMode, Level, PatientPool
 from wsi_pipeline.config.io import short_repr
+from wsi_pipeline.config.limits import MAX_CHUNK_TILES
 from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.failures import ConfigTypeError
@@ -180,7 +181,7 @@ class EvalConfig(Checked):
     horizons: tuple[float, ...] = ()
     methods: tuple[str, ...] = ()
     device: str = field(default="auto", metadata=spec(check=check_device))
-    batch_size: int | None = field(default=None, metadata=spec(gt=0))
+    batch_size: int | None = field(default=None, metadata=spec(gt=0, le=MAX_CHUNK_TILES))
     heatmaps: bool = True
     heatmap_method: str | None = None
     heatmap_mode: HeatmapMode = "rank"

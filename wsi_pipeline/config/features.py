@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from wsi_pipeline.config.model import check_encoder_name
+from wsi_pipeline.config.limits import MAX_CHUNK_TILES
 from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.devices import check_device
 
@@ -35,6 +36,6 @@ class FeaturesConfig(Checked):
 
     encoder: str = field(default="resnet18", metadata=spec(check=check_encoder_name))
     weights: str | None = None
-    batch_size: int = field(default=64, metadata=spec(gt=0))
+    batch_size: int = field(default=64, metadata=spec(gt=0, le=MAX_CHUNK_TILES))
     bf16: bool = False
     device: str = field(default="auto", metadata=spec(check=check_device))

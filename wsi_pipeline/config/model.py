@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wsi_pipeline.config.choices import BNMode, encoder_names, model_names
+from wsi_pipeline.config.limits import MAX_COUNT
 from wsi_pipeline.config.schema import Checked, positive, spec
 
 __all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "check_encoder_name", "is_foundation_encoder"]
@@ -101,7 +102,7 @@ class EncoderConfig(Checked):
     name: str = field(default="resnet18", metadata=spec(check=check_encoder_name))
     weights: str | None = None
     bn: BNMode = "frozen"
-    calibrate_bn: int = field(default=0, metadata=spec(ge=0))
+    calibrate_bn: int = field(default=0, metadata=spec(ge=0, le=MAX_COUNT))
     recalibrate_bn: bool = False
     timm_kwargs: dict[str, Any] = field(default_factory=dict)
     mean: tuple[float, float, float] | None = None

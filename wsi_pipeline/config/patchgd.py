@@ -25,6 +25,7 @@ from wsi_pipeline.config.choices import (
 )
 from wsi_pipeline.config.patchgd_presets import preset_patchgd_options
 from wsi_pipeline.failures import ConfigTypeError
+from wsi_pipeline.config.limits import MAX_COUNT
 from wsi_pipeline.config.schema import Checked, build, spec
 
 __all__ = ["SCHEMA_VERSION", "PatchGDConfig", "resolve_patchgd_options"]
@@ -32,7 +33,7 @@ __all__ = ["SCHEMA_VERSION", "PatchGDConfig", "resolve_patchgd_options"]
 #: The layout of :meth:`PatchGDConfig.to_state` (no migrations yet: version 1 is the first).
 SCHEMA_VERSION = 1
 
-_COUNT = spec(ge=1)  # a positive integer (or null where the type allows it)
+_COUNT = spec(ge=1, le=MAX_COUNT)  # a positive integer up to MAX_COUNT (or null where the type allows it)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfi
 from wsi_pipeline.config.overrides import apply_overrides, build_config, deep_merge
 from wsi_pipeline.config.patchgd import PatchGDConfig, resolve_patchgd_options
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
+from wsi_pipeline.config.limits import MAX_CHUNK_TILES
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
@@ -126,7 +127,7 @@ class MethodConfig(Checked):
     strategy: str = field(metadata=spec(choices=strategy_names))
     encoder: EncoderConfig = field(default_factory=EncoderConfig)
     aggregator: AggregatorConfig = field(default_factory=AggregatorConfig)
-    chunk_size: int = field(default=64, metadata=spec(gt=0))
+    chunk_size: int = field(default=64, metadata=spec(gt=0, le=MAX_CHUNK_TILES))
     bigl: BiglConfig = field(default_factory=BiglConfig)
     patchgd: dict[str, Any] = field(default_factory=dict)
     features_dir: str | None = None

@@ -15,6 +15,7 @@ from typing import Any
 
 from wsi_pipeline.config.choices import HeatmapMode
 from wsi_pipeline.config.evaluation import ALL, EvalProtocol, parse_protocol_tuple
+from wsi_pipeline.config.limits import MAX_CHUNK_TILES, MAX_WORKERS
 from wsi_pipeline.config.schema import Checked, spec
 from wsi_pipeline.devices import check_device
 
@@ -42,9 +43,9 @@ class PredictConfig(Checked):
     """
 
     protocols: tuple[EvalProtocol, ...] = field(default=(ALL,), metadata=spec(parse=parse_protocol_tuple))
-    workers: int | None = field(default=None, metadata=spec(ge=0))
+    workers: int | None = field(default=None, metadata=spec(ge=0, le=MAX_WORKERS))
     device: str = field(default="auto", metadata=spec(check=check_device))
-    batch_size: int | None = field(default=None, metadata=spec(gt=0))
+    batch_size: int | None = field(default=None, metadata=spec(gt=0, le=MAX_CHUNK_TILES))
     mpp: float | None = field(default=None, metadata=spec(gt=0))
     seed: int = 0
     heatmaps: bool = True

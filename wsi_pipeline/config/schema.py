@@ -9,7 +9,8 @@ keys, values of the wrong type and values outside a field's choices or range rai
   its dataclass form (e.g. a protocol written ``sub256x100``);
 - ``choices``: the allowed values, or a function returning them (a registry's names), checked
   after the type;
-- ``gt`` / ``ge`` / ``lt`` / ``le``: numeric bounds (None values pass);
+- ``gt`` / ``ge`` / ``lt`` / ``le``: numeric bounds (None values pass); every user count and size has a
+  lower and an upper bound, and an error about either names the whole allowed range;
 - ``check``: a function ``(value, where) -> Any`` raising ``ValueError`` naming ``where`` for a value
   no bound or choice list describes (e.g. a device name, ``cuda:<index>``).
 
@@ -139,6 +140,20 @@ def coerce(value: Any, tp: Any, where: str) -> Any:
     raise TypeError(f"{where}: unsupported annotation {tp!r}")  # a bug in a section, not in the YAML
 
 
+_BOUND_SIGNS = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_BOUND_TESTS: dict[str, Callable[[Any, Any], bool]] = {
+    "gt": lambda v, b: v > b, "ge": lambda v, b: v >= b, "lt": lambda v, b: v < b, "le": lambda v, b: v <= b}
+
+
+def _range(meta: Mapping[str, Any]) -> str:
+    """`` (allowed: >= 1 and <= 100000)`` for a field bounded on both sides, else empty: the whole range in one error."""
+    low = [k for k in ("gt", "ge") if k in meta]
+    high = [k for k in ("lt", "le") if k in meta]
+    if not (low and high):
+        return ""
+    return f" (allowed: {_BOUND_SIGNS[low[0]]} {meta[low[0]]} and {_BOUND_SIGNS[high[0]]} {meta[high[0]]})"
+
+
 def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
     """The ``choices``, bounds and ``check`` of a field's :func:`spec` (None passes)."""
     if value is None:
@@ -148,14 +163,9 @@ def _check(value: Any, meta: Mapping[str, Any], where: str) -> None:
         allowed = list(choices() if callable(choices) else choices)
         if value not in allowed:
             raise ValueError(f"{where}={short_repr(value)}; expected one of {allowed}")
-    if "gt" in meta and not value > meta["gt"]:
-        raise ValueError(f"{where}={short_repr(value)}; expected a value > {meta['gt']}")
-    if "ge" in meta and not value >= meta["ge"]:
-        raise ValueError(f"{where}={short_repr(value)}; expected a value >= {meta['ge']}")
-    if "lt" in meta and not value < meta["lt"]:
-        raise ValueError(f"{where}={short_repr(value)}; expected a value < {meta['lt']}")
-    if "le" in meta and not value <= meta["le"]:
-        raise ValueError(f"{where}={short_repr(value)}; expected a value <= {meta['le']}")
+    for key, holds in _BOUND_TESTS.items():
+        if key in meta and not holds(value, meta[key]):
+            raise ValueError(f"{where}={short_repr(value)}; expected a value {_BOUND_SIGNS[key]} {meta[key]}{_range(meta)}")
     if "check" in meta:
         meta["check"](value, where)
 

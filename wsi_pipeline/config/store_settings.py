@@ -28,6 +28,7 @@ from typing import Any
 from wsi_pipeline.config.choices import PointEdge, QCMode
 from wsi_pipeline.config.io import short_repr
 from wsi_pipeline.failures import ConfigTypeError
+from wsi_pipeline.config.limits import MAX_TILE_SIZE
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.tiling_params import (
     DETECTOR_PARAMS, MIN_TILE_SIZE, QCParams, TissueParams, detector_names, json_values,
@@ -69,7 +70,7 @@ class StoreSettings(Checked):
     """
 
     method: str | None = field(default=None, metadata=spec(choices=detector_names))
-    tile_size: int | None = field(default=None, metadata=spec(ge=MIN_TILE_SIZE))
+    tile_size: int | None = field(default=None, metadata=spec(ge=MIN_TILE_SIZE, le=MAX_TILE_SIZE))
     min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
     mpp_target: float | None = field(default=None, metadata=spec(gt=0.0))
     mpp_tolerance: float | None = field(default=None, metadata=spec(ge=0.0))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, POINT_EDGES, QC_MODES, TILING_METHODS, PointEdge, QCMode
+from wsi_pipeline.config.limits import MAX_CHUNK_TILES, MAX_COUNT, MAX_TILE_SIZE
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.store_settings import StoreSettings
 from wsi_pipeline.config.store_settings import StoreTiling as StoreTiling  # importable here as before
@@ -80,7 +81,7 @@ class TilingConfig(Checked):
 
     method: str = field(default=TILING_METHODS[0], metadata=spec(choices=detector_names))
     detector: Any = None
-    tile_size: int = field(default=256, metadata=spec(ge=MIN_TILE_SIZE))
+    tile_size: int = field(default=256, metadata=spec(ge=MIN_TILE_SIZE, le=MAX_TILE_SIZE))
     min_foreground: float | None = field(default=None, metadata=spec(ge=0.0, le=1.0))
     allow_dark_background: bool = False
     mpp_target: float | None = field(default=None, metadata=spec(gt=0.0))
@@ -88,10 +89,10 @@ class TilingConfig(Checked):
     mpp: float | None = field(default=None, metadata=spec(gt=0.0))
     mpp_force: float | None = field(default=None, metadata=spec(gt=0.0))
     compression: str = field(default="zstd", metadata=spec(choices=COMPRESSIONS))
-    shard_tiles: int = field(default=DEFAULT_SHARD_TILES, metadata=spec(ge=0))
+    shard_tiles: int = field(default=DEFAULT_SHARD_TILES, metadata=spec(ge=0, le=MAX_COUNT))
     backend: str = field(default="auto", metadata=spec(choices=BACKENDS))
     qc: bool = True
-    read_run: int = field(default=32, metadata=spec(ge=1))
+    read_run: int = field(default=32, metadata=spec(ge=1, le=MAX_CHUNK_TILES))
     qc_mode: QCMode = field(default="drop", metadata=spec(choices=QC_MODES))
     qc_params: QCParams = field(default_factory=QCParams)
     regions: str | None = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from wsi_pipeline.config.choices import Calibration, Schedule, SelectMetric, TrainLog
+from wsi_pipeline.config.limits import MAX_BAG_TILES, MAX_BATCH_BAGS, MAX_EPOCHS
 from wsi_pipeline.config.schema import Checked, build, coerce, spec
 from wsi_pipeline.devices import check_device
 from wsi_pipeline.config.io import short_repr
@@ -46,9 +47,13 @@ def _parse_bag_size(value: Any, where: str) -> int:
     if isinstance(value, str) and value.strip().lower() == "all":
         return ALL_TILES
     try:
-        return int(coerce(value, int, where))
+        n = int(coerce(value, int, where))
     except ConfigTypeError as e:
         raise ConfigTypeError(f"{e} (or 'all': every tile of a slide)") from e
+    if n > MAX_BAG_TILES:  # the bound the field's spec cannot hold: 'all' is stored as ALL_TILES, beyond it
+        raise ValueError(f"{where}={short_repr(value)}; expected a value <= {MAX_BAG_TILES} (allowed: > 0 and <= "
+                         f"{MAX_BAG_TILES}, or 'all': every tile of a slide)")
+    return n
 
 
 @dataclass(frozen=True)
@@ -133,20 +138,20 @@ class TrainConfig(Checked):
         ``tensorboard`` package: ``pip install 'wsi-pipeline[tensorboard]'``).
     """
 
-    epochs: int = field(default=20, metadata=spec(gt=0))
+    epochs: int = field(default=20, metadata=spec(gt=0, le=MAX_EPOCHS))
     lr: float = field(default=1e-4, metadata=spec(gt=0))
     weight_decay: float = field(default=1e-4, metadata=spec(ge=0))
-    bag_size: int = field(default=256, metadata=spec(gt=0, parse=_parse_bag_size))
-    batch_bags: int = field(default=2, metadata=spec(gt=0))
-    accumulate_batches: int = field(default=1, metadata=spec(gt=0))
+    bag_size: int = field(default=256, metadata=spec(gt=0, le=ALL_TILES, parse=_parse_bag_size))
+    batch_bags: int = field(default=2, metadata=spec(gt=0, le=MAX_BATCH_BAGS))
+    accumulate_batches: int = field(default=1, metadata=spec(gt=0, le=MAX_BATCH_BAGS))
     schedule: Schedule = "cosine"
     gamma: float = field(default=0.955, metadata=spec(gt=0, le=1))
     min_lr: float = field(default=0.0, metadata=spec(ge=0))
-    warmup_epochs: int = field(default=0, metadata=spec(ge=0))
+    warmup_epochs: int = field(default=0, metadata=spec(ge=0, le=MAX_EPOCHS))
     demon: DemonConfig = field(default_factory=DemonConfig, metadata=spec(parse=_parse_demon))
     clip_grad_norm: float | None = field(default=None, metadata=spec(gt=0))
     select_metric: SelectMetric = "auto"
-    early_stopping_patience: int | None = field(default=None, metadata=spec(gt=0))
+    early_stopping_patience: int | None = field(default=None, metadata=spec(gt=0, le=MAX_EPOCHS))
     calibrate: Calibration = "none"
     device: str = field(default="auto", metadata=spec(check=check_device))
     bf16: bool = False

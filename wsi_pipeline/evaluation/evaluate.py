@@ -267,8 +267,9 @@ def _evaluate_run(config: PipelineConfig, method: MethodConfig, seed: int, run_d
     """Score every evaluation set with one trained run; the model is fixed by validation (``best.pt``)
     before any test slide is opened."""
     from wsi_pipeline.inference.trained import load_trained_model
+    from wsi_pipeline.training.rundir import run_config
 
-    model = load_trained_model(run_dir, device=device, which="best")
+    model = load_trained_model(run_dir, device=device, which="best", expected=run_config(config, method, seed))
     summary.models.append((method.name, seed))
     log.info("evaluating %s seed %d (best.pt from epoch %d)", method.name, seed, model.epoch)
     bs = int(batch_size or getattr(method, "chunk_size", 64) or 64)

@@ -28,13 +28,13 @@ from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import score_slide
-from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, write_predictions
+from wsi_pipeline.export.predictions import endpoint_row, prediction_row, write_predictions
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.tiling.params import output_params
 from wsi_pipeline.training import distributed
-from wsi_pipeline.output_dirs import check_output_dir
+from wsi_pipeline.output_dirs import check_not_an_input, check_output_dir
 from wsi_pipeline.types import TileStoreLike
 
 __all__ = ["PREDICT_EXTRA_COLUMNS", "PredictSummary", "predict_slides"]
@@ -48,6 +48,7 @@ class PredictSummary:
 
     out_dir: Path
     predictions: Path | None
+    task: str  # the model's task (its Task names the rows' columns and what the CLI prints of them)
     rows: list[dict] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     heatmaps_dir: Path | None = None
@@ -194,12 +195,13 @@ def predict_slides(
         raise FileNotFoundError(f"slides folder not found: {src}; pass a folder of slide files or of .zarr tile stores")
     from wsi_pipeline.inference.trained import load_trained_model
 
+    check_not_an_input(out, "--out", {"--slides": src})  # a second run would predict the first one's heatmaps
     if distributed.is_main():
         check_output_dir(out, ("heatmaps", "tiles"), what="predictions folder")
     dev = str(distributed.device_for(resolve_device(device)))
     model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
-    summary = PredictSummary(out_dir=out, predictions=None)
+    summary = PredictSummary(out_dir=out, predictions=None, task=model.endpoint.task)
     tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, workers=workers, progress=progress,
                                                    cluster=cluster, retries=retries, allow_other_tiling=allow_other_tiling)
     if distributed.current().enabled:  # every rank tiled the folder together; rank 0's list is the one scored
@@ -220,9 +222,9 @@ def predict_slides(
         return summary
     out.mkdir(parents=True, exist_ok=True)
     endpoint = model.endpoint
-    columns = endpoint_columns(endpoint.task, endpoint.edges) if endpoint is not None and not endpoint.definition.has_classes else None
     summary.predictions = write_predictions(out / "predictions.csv", summary.rows, model.n_classes,
-                                            extra_columns=PREDICT_EXTRA_COLUMNS, columns=columns)
+                                            extra_columns=PREDICT_EXTRA_COLUMNS,
+                                            columns=endpoint.definition.prediction_columns(model.n_classes, endpoint.edges))
     _write_predict_info(out / "predict_info.json", model, prots, src, tiles_dir, stain_ref, summary)
     summary.seconds = time.perf_counter() - t0
     return summary

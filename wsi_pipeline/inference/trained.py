@@ -72,6 +72,7 @@ def load_trained_model(
     device: str | torch.device = "cpu",
     which: str = "best",
     encoder_weights: str | os.PathLike | None = None,
+    expected: PipelineConfig | None = None,
 ) -> TrainedModel:
     """Rebuild a run's encoder and aggregator from ``runs/<pipeline>/<method>/seed<k>/`` or a ``.pt`` file.
 
@@ -83,6 +84,10 @@ def load_trained_model(
     encoder_weights : the base weights file of a foundation encoder when it is no longer where
         the config says (checkpoints that store only the trained tensors need it; its sha256
         must be the one recorded at training, else ``ValueError``).
+    expected : the one-method run config the checkpoint is read for (``eval``: the pipeline's run,
+        :func:`wsi_pipeline.training.rundir.run_config`); a checkpoint whose saved config differs in a
+        model setting (:data:`~wsi_pipeline.config.compare.MODEL_SETTINGS`: its task, tiling, models) is refused
+        with a ``ValueError`` naming both values, before any model is built.
     """
     from wsi_pipeline.methods.models import build_models, restore_encoder
 
@@ -95,6 +100,8 @@ def load_trained_model(
             raise FileNotFoundError(f"{path} not found: the run has not finished an epoch yet (train it with `wsi-pipeline train`)")
     ckpt = load_run_checkpoint(path)
     config = ckpt.pipeline_config()
+    if expected is not None:
+        _check_expected(path, config, expected)
     method = ckpt.method_config(config, where=str(path))
     info = ckpt.encoder_info
     endpoint = ckpt.endpoint_spec()
@@ -134,3 +141,17 @@ def load_trained_model(
         tiling=ckpt.tiling or config.data.tiling, checkpoint=path, epoch=ckpt.epoch, seed=ckpt.seed,
         stain_reference=ckpt.stain_reference, endpoint=endpoint, stain=stain,
     )
+
+
+def _check_expected(path: Path, saved: PipelineConfig, expected: PipelineConfig) -> None:
+    """``ValueError`` naming ``path`` and every model setting in which its saved config differs from ``expected``."""
+    from wsi_pipeline.config.compare import config_differences, is_model_setting
+    from wsi_pipeline.config.pipeline import config_to_dict
+
+    diff = config_differences(config_to_dict(saved), config_to_dict(expected), keys=is_model_setting,
+                              names=("checkpoint", f"pipeline {expected.name}"))
+    if diff:
+        raise ValueError(
+            f"{path} was trained for another task, tiling or model than pipeline {expected.name!r} method "
+            f"{expected.methods[0].name!r} ({'; '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}); evaluate it with "
+            "the pipeline that trained it, or train this run again")

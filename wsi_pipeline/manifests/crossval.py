@@ -64,7 +64,21 @@ def _strata(df: pd.DataFrame) -> np.ndarray:
     return labels.fillna(-1).astype(np.int64).to_numpy()
 
 
-def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int = 0) -> pd.DataFrame:
+def _check_classes(sub: pd.DataFrame, folds: int, source: str | os.PathLike | None) -> None:
+    """Refuse a cross-validation whose labelled slides are all of one class (no fold could be scored)."""
+    if "label" not in sub.columns:
+        return
+    labels = pd.to_numeric(sub["label"], errors="coerce").dropna()
+    classes = sorted({int(v) for v in labels})
+    if len(labels) and len(classes) < 2:
+        where = f"{source}: " if source is not None else ""
+        raise ValueError(f"{where}--crossval {folds}: every one of the {len(labels)} labelled slide(s) is of one class "
+                         f"(label {classes[0]}); cross-validation needs at least two classes (each fold's test split is "
+                         "scored against both); check the label column or add slides of another class")
+
+
+def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int = 0,
+                    source: str | os.PathLike | None = None) -> pd.DataFrame:
     """Return a copy of manifest ``df`` with the columns ``cv_fold_r0 .. cv_fold_r<R-1>``.
 
     Parameters
@@ -74,6 +88,7 @@ def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int
     folds : K >= 3 (fold k tests, fold k+1 validates, at least one fold trains).
     repeats : R >= 1 independent cuts (repeat r is drawn with a seed derived from ``seed`` and r).
     seed : seed of the draw.
+    source : the file the labels came from (named in errors).
 
     Returns
     -------
@@ -84,7 +99,8 @@ def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int
     Raises
     ------
     ValueError
-        ``folds`` < 3, ``repeats`` < 1, fewer patients than folds, a patient pinned to two splits.
+        ``folds`` < 3, ``repeats`` < 1, fewer patients than folds, a patient pinned to two splits,
+        labelled slides all of one class.
     """
     from sklearn.model_selection import StratifiedGroupKFold
 
@@ -112,6 +128,7 @@ def assign_crossval(df: pd.DataFrame, folds: int, *, repeats: int = 1, seed: int
         log.info("cross-validation: %d slide(s) of external cohort(s) %s stay test in every fold", int(external.sum()),
                  ", ".join(sorted(set(cohort[external]))))
     sub = out[cv]
+    _check_classes(sub, folds, source)
     groups = patients[cv].astype(str).to_numpy()
     n_groups = len(set(groups))
     if n_groups < folds:

@@ -39,6 +39,17 @@ log = logging.getLogger(__name__)
 ENDPOINT_NAMES: tuple[str, ...] = ("time", "event", "target")
 
 
+def _check_exact_ids(ids: pd.Series, labels_csv: Path) -> None:
+    """Raise :class:`ManifestError` naming the row when a labels-file id holds a folder (``/``, ``\\``) or ``..``:
+    ids are matched to the slide files' names exactly (only a file ending is taken off), never as paths."""
+    for i, value in enumerate(ids.astype("string").fillna("")):
+        if "/" in value or "\\" in value or ".." in value:
+            raise ManifestError(
+                f"{labels_csv}: row {i + 1} (line {i + 2}): slide_id '{value}' refused: it holds a path "
+                f"({'..' if '..' in value else 'a folder separator'}); ids are matched to the slide files' names "
+                "exactly (file name without its ending, e.g. a.svs -> a)")
+
+
 def _read_labels(labels_csv: Path, columns: Mapping[str, str] | None = None) -> pd.DataFrame:
     """The labels CSV with ``slide_id`` and ``label`` columns (and ``time``/``event``/``target``), checked;
     other columns kept. ``label`` may be missing when the CSV has a survival or regression target."""
@@ -57,6 +68,7 @@ def _read_labels(labels_csv: Path, columns: Mapping[str, str] | None = None) -> 
         df["label"] = pd.NA  # a survival or regression cohort needs no class
     label_col = pick_column(df, ("label",), source=labels_csv, what="label")
     df = df.rename(columns={label_col: "label"})
+    _check_exact_ids(df["slide_id"], labels_csv)
     df["slide_id"] = clean_slide_ids(df["slide_id"])
     if (df["slide_id"] == "").any():
         raise ManifestError(f"{labels_csv}: empty slide id in {int((df['slide_id'] == '').sum())} row(s)")

@@ -13,7 +13,8 @@ in one class, everything that differs between tasks:
 - its metrics (:meth:`Task.metric_names`, :meth:`Task.metrics`), its validation values and
   checkpoint selection (:attr:`Task.validation_metrics`, :meth:`Task.validation`,
   :meth:`Task.selection_rule`);
-- the predictions CSV's columns and rows (:meth:`Task.prediction_columns`, :meth:`Task.prediction_row`);
+- the predictions CSV's columns and rows (:meth:`Task.prediction_columns`, :meth:`Task.prediction_row`) and
+  what ``predict`` prints of a row (:meth:`Task.summary_cells`);
 - the report's metric table (:meth:`Task.report_metrics`) and the cross-validation table
   (:attr:`Task.cv_metrics`, :attr:`Task.cv_headline`, :meth:`Task.oof_columns`,
   :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`).
@@ -334,6 +335,12 @@ class Task(ABC):
         row: dict[str, Any] = {c: None if v is None else float(v) for c, v in zip(self.target_columns, cells)}
         row.update({self.score_key: float(values.mean()), f"{self.score_key}_std": float(values.std())})
         return row
+
+    def summary_cells(self, row: Mapping[str, Any]) -> dict[str, str]:
+        """What ``predict`` prints of one predictions-CSV ``row`` (a :meth:`prediction_row` with the caller's
+        cells): ``{heading: text}``, in order; by default the :attr:`score_key` value."""
+        value = row.get(self.score_key)
+        return {self.score_key: "-" if value is None or pd.isna(value) else f"{float(value):.4g}"}
 
     def report_metrics(self, recorded: Sequence[str]) -> list[str]:
         """The metrics of the report's table, given the names recorded in ``metrics.json``."""

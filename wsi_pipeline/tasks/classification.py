@@ -116,6 +116,13 @@ class Classification(Task):
         return {"label": lab, "pred": pred, **{f"prob_{c}": float(v) for c, v in enumerate(p)},
                 "prob_std": float(s[pred]) if s.size else 0.0}
 
+    def summary_cells(self, row: Mapping[str, Any]) -> dict[str, str]:
+        """The predicted class, its probability and every class's probability."""
+        n = sum(1 for k in row if str(k).startswith("prob_") and str(k)[5:].isdigit())
+        probs = [float(row[c]) for c in prob_columns(n)]
+        pred = int(row["pred"])
+        return {"pred": str(pred), "p(pred)": f"{probs[pred]:.3f}", "probs": " ".join(f"{v:.3f}" for v in probs)}
+
     def report_metrics(self, recorded: Sequence[str]) -> list[str]:
         return [*METRICS, "n_slides"]
 

@@ -137,6 +137,13 @@ class Survival(Task):
         row["risk_std"] = float(risk.std())
         return row
 
+    def summary_cells(self, row: Mapping[str, Any]) -> dict[str, str]:
+        """The risk (higher = earlier event) and, where the training split's median was applied, the risk group."""
+        cells = super().summary_cells(row)
+        if row.get("risk_group"):
+            cells["risk_group"] = str(row["risk_group"])
+        return cells
+
     def report_metrics(self, recorded: Sequence[str]) -> list[str]:
         td = [m for m in dict.fromkeys(recorded) if m.startswith("td_auc_") and not m.endswith(("_low", "_high", "_std"))]
         return ["c_index", "uno_c_index", *td, "ibs", "logrank_p", "n_slides", "n_events"]

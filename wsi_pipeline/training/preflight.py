@@ -149,6 +149,8 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
     if not val:
         log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
     if task.has_classes:
+        _warn_one_class(manifest_path, "train", [s.label for s in train],
+                        "the model learns that class only and cannot tell the classes apart")
         _warn_one_class(manifest_path, "val", [s.label for s in val],
                         "val_auc is undefined (nan) every epoch and best.pt is chosen on the validation loss")
         test = manifest[(manifest["split"] == "test") & manifest["label"].notna()]
@@ -162,7 +164,7 @@ def _warn_one_class(manifest_path: Path, split: str, labels: Sequence[int], cons
     """One WARNING, before any training, when a non-empty split holds fewer than two classes."""
     classes = sorted(set(labels))
     if labels and len(classes) < 2:
-        log.warning("%s: the %s split has %d slide(s), all of class %s: %s. Redraw label-stratified splits (`wsi-pipeline "
+        log.warning("%s: the %s split has %d slide(s), all of class %s (one class only): %s. Redraw label-stratified splits (`wsi-pipeline "
                     "manifest split --manifest M.csv --redraw --out M.csv`, after tiling so that left-out slides are not "
                     "drawn) or add slides of the other class", manifest_path, split, len(labels), classes[0], consequence)
 

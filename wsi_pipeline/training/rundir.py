@@ -21,6 +21,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from wsi_pipeline.config.compare import config_differences
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, config_to_dict, upgrade_saved_config
 from wsi_pipeline.checkpoints.files import load_run_checkpoint, restore_rng
 from wsi_pipeline.io_atomic import atomic_path, write_text_atomic
@@ -38,38 +39,10 @@ DONE = "done"
 #: The lock held in a run folder by the process training it (``training.lock``).
 LOCK_NAME = "training"
 
-#: Settings a resumed run may change: where it runs and where runs and results are kept, and the evaluation
-#: stage's own settings (eval.methods, batch_size, heatmaps, heatmap_method, heatmap_mode, results).
-_RESUME_FREE = ("device", "runs_dir", "results_dir", "methods", "batch_size", "heatmaps", "heatmap_method", "heatmap_mode", "results")
-
 
 def run_config(config: PipelineConfig, method: MethodConfig, seed: int) -> PipelineConfig:
     """The resolved config of one run: ``config`` with only this method and this seed."""
     return dataclasses.replace(config, methods=(method,), seeds=(int(seed),))
-
-
-def _flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(obj, dict):
-        out: dict[str, Any] = {}
-        for k, v in obj.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    if isinstance(obj, list) and obj and all(isinstance(v, dict) for v in obj):
-        out = {}
-        for i, v in enumerate(obj):
-            out.update(_flatten(v, f"{prefix}{i}."))
-        return out
-    return {prefix[:-1]: obj}
-
-
-def _config_diff(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    a, b = _flatten(saved), _flatten(now)
-    keys = sorted(set(a) | set(b))
-    return [
-        f"{k}: {a.get(k, '<absent>')!r} (saved) vs {b.get(k, '<absent>')!r} (now)"
-        for k in keys
-        if a.get(k) != b.get(k) and k.rsplit(".", 1)[-1] not in _RESUME_FREE
-    ]
 
 
 def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
@@ -77,7 +50,7 @@ def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
     than ``config`` (the run's, :func:`run_config`); device and output folders may differ."""
     # through today's builder: keys added since the run was saved (e.g. a method's task) take their defaults
     saved = config_to_dict(load_run_checkpoint(run_dir / "last.pt").pipeline_config())
-    diff = _config_diff(saved, config_to_dict(config))
+    diff = config_differences(saved, config_to_dict(config))
     if diff:
         raise ValueError(
             f"cannot resume {run_dir}: its config differs from the current one ({'; '.join(diff[:6])}"
@@ -175,7 +148,7 @@ def changed_since_finished(run_dir: Path, config: PipelineConfig) -> list[str]:
         saved = read_yaml(run_dir / "config.yaml", what="saved run config")
     except (OSError, ValueError, TypeError):
         return []
-    return _config_diff(upgrade_saved_config(saved), config_to_dict(config))
+    return config_differences(upgrade_saved_config(saved), config_to_dict(config))
 
 
 def write_history(rows: Iterable[dict[str, Any]], path: Path) -> None:
