@@ -77,6 +77,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     help="score a folder of .zarr stores tiled with other settings than the model's training stores "
                          "(another tile size, resolution, method or threshold) with a warning instead of refusing it "
                          "(predict.allow_other_tiling)")
+    add_config_flag(p, "--tissue-model", key="predict.tissue_model", metavar="FILE",
+                    help="the tissue model file that tiled the model's training stores (their `tile --method unet "
+                         "--tissue-model FILE`); new slides are tiled with it. A model whose stores another tissue model "
+                         "tiled than the one given (default: the shipped one) is refused, naming both fingerprints "
+                         "(predict.tissue_model)")
     add_heatmap_mode_argument(p, "predict")
     add_output_arguments(p)
     add_failure_argument(p)

@@ -40,6 +40,9 @@ class PredictConfig(Checked):
         where the training config says (its sha256 must match the one recorded at training).
     allow_other_tiling : score stores tiled with other settings than the model's with a warning
         instead of refusing them.
+    tissue_model : the tissue model file (``tile --tissue-model``) that tiled the model's training stores, for a
+        model trained on ``unet`` stores of a model other than the shipped one; new slides are tiled with it, and a
+        file whose fingerprint is not the recorded one is refused (None: the shipped model).
     """
 
     protocols: tuple[EvalProtocol, ...] = field(default=(ALL,), metadata=spec(parse=parse_protocol_tuple))
@@ -52,6 +55,7 @@ class PredictConfig(Checked):
     heatmap_mode: HeatmapMode = "rank"
     encoder_weights: str | None = None
     allow_other_tiling: bool = False
+    tissue_model: str | None = None
 
     def keywords(self) -> dict[str, Any]:
         """The settings as keywords of :func:`wsi_pipeline.evaluation.predict.predict_slides`."""

@@ -13,6 +13,7 @@ the slides (``rank, rank + G, ...``); rank 0 gathers the rows in slide order and
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -67,6 +68,52 @@ def saved_tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: floa
     return tiler_config(tiling, mpp)
 
 
+#: The key under which a store records the fingerprint of the tissue model that tiled it (the ``unet`` detector).
+TISSUE_MODEL_KEY = "tissue_model_fingerprint"
+
+
+def _recorded_tissue_model(tiling: StoreTiling | Mapping[str, Any] | None) -> str | None:
+    """The fingerprint of the tissue model that tiled the model's training stores, as saved with the model (None when
+    it saved none: an older checkpoint, or a detector without a tissue model)."""
+    if isinstance(tiling, Mapping):
+        value = tiling.get(TISSUE_MODEL_KEY)
+    else:
+        value = (getattr(tiling, "detector", None) or {}).get(TISSUE_MODEL_KEY)
+    return str(value) if value else None
+
+
+def tiling_for_prediction(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None, tissue_model: str | None,
+                          where: str | os.PathLike) -> TilingConfig:
+    """The tiler's settings for new slides: :func:`saved_tiler_config`, its tissue model the training's own.
+
+    A model whose training stores the ``unet`` detector tiled recorded that tissue model's fingerprint; the file
+    used now (``tissue_model``, None: the shipped one) must have the same, else ``ValueError`` naming ``where``
+    (the checkpoint), both fingerprints and ``--tissue-model``. A ``tissue_model`` for a detector that uses
+    none is refused too (``ValueError``); a missing file is ``FileNotFoundError``.
+    """
+    from wsi_pipeline.config.tiling_params import UNetParams
+    from wsi_pipeline.slides.fingerprint import same_slide, slide_fingerprint
+    from wsi_pipeline.tissue_seg.tiling_mask import resolve_tissue_model
+
+    config = saved_tiler_config(tiling, mpp)
+    if not isinstance(config.detector, UNetParams):
+        if tissue_model is not None:
+            raise ValueError(f"--tissue-model {tissue_model}: {where} was trained on stores tiled by the "
+                             f"{config.method!r} detector, which uses no tissue model; leave --tissue-model out")
+        return config
+    path = resolve_tissue_model(tissue_model)
+    current, recorded = slide_fingerprint(path), _recorded_tissue_model(tiling)
+    if recorded is None:
+        log.warning("%s records no fingerprint of the tissue model that tiled its training stores: new slides are "
+                    "tiled with %s, unchecked", where, path)
+    elif not same_slide(recorded, current):
+        given = f"--tissue-model {tissue_model}" if tissue_model is not None else f"the shipped tissue model {path}"
+        raise ValueError(f"{where} was trained on stores tiled by the tissue model of fingerprint {recorded}, but "
+                         f"{given} has fingerprint {current}; pass the file that tiled them (their `tile --tissue-model "
+                         "FILE`) with --tissue-model FILE")
+    return dataclasses.replace(config, detector=dataclasses.replace(config.detector, tissue_model=os.fspath(path)))
+
+
 def check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) -> None:
     """Refuse (or with ``allow``, warn about) stores tiled unlike the model's training stores.
 
@@ -75,7 +122,7 @@ def check_store_settings(stores: Sequence[Path], tiling: Any, *, allow: bool) ->
     """
     from wsi_pipeline.data.bags import store_settings
 
-    keys = ("method", "tile_size", "min_foreground", "mpp_target")
+    keys = ("method", "tile_size", "min_foreground", "mpp_target", TISSUE_MODEL_KEY)
     want = {k: (tiling.get(k) if isinstance(tiling, dict) else getattr(tiling, k, None)) for k in keys}
     want = {k: v for k, v in want.items() if v is not None}
     odd = []
@@ -151,6 +198,7 @@ def predict_slides(
     cluster: Any = None,
     retries: int = 2,
     encoder_weights: str | os.PathLike | None = None,
+    tissue_model: str | None = None,
 ) -> PredictSummary:
     """Tile, embed and score a folder of new (unlabelled) slides with a trained model.
 
@@ -176,6 +224,9 @@ def predict_slides(
     encoder_weights : the base weights file of a foundation encoder whose checkpoint stores only
         the trained tensors, when it is not where the training config says; its sha256 must be
         the one recorded at training (else ``ValueError``).
+    tissue_model : the tissue model file that tiled the training stores of a model trained on ``unet`` stores
+        (None: the shipped model); slides are tiled with it, and one of another fingerprint than the recorded is
+        refused (:func:`tiling_for_prediction`).
 
     Every slide's tiles are also compared with the training tiles' stain summary
     (:mod:`wsi_pipeline.data.stain_stats`; saved in the checkpoint, or for older checkpoints
@@ -202,8 +253,9 @@ def predict_slides(
     model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None, task=model.endpoint.task)
-    tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, workers=workers, progress=progress,
-                                                   cluster=cluster, retries=retries, allow_other_tiling=allow_other_tiling)
+    tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, tissue_model=tissue_model,
+                                                   workers=workers, progress=progress, cluster=cluster, retries=retries,
+                                                   allow_other_tiling=allow_other_tiling)
     if distributed.current().enabled:  # every rank tiled the folder together; rank 0's list is the one scored
         ids, slide_paths, summary.failed = distributed.broadcast_object((ids, slide_paths, summary.failed))
     summary.tiles_dir = tiles_dir
@@ -244,18 +296,21 @@ def _score_slides(scorer: _SlidePredictor, ids: Sequence[str], *, progress: bool
     return distributed.is_main()
 
 
-def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, *, mpp: float | None, workers: int | None,
-                     progress: bool, cluster: Any, retries: int, allow_other_tiling: bool) -> tuple[Path, list[str], dict[str, str]]:
+def _slides_to_score(src: Path, out: Path, model: Any, summary: PredictSummary, *, mpp: float | None, tissue_model: str | None,
+                     workers: int | None, progress: bool, cluster: Any, retries: int,
+                     allow_other_tiling: bool) -> tuple[Path, list[str], dict[str, str]]:
     """(tiles folder, slide ids to score, slide id -> slide file): ``src``'s stores as they are (checked against
-    the model's tiling), or its slide files tiled into ``<out>/tiles``; tiling failures go to ``summary.failed``."""
+    the model's tiling), or its slide files tiled into ``<out>/tiles`` with the model's tiling and tissue model
+    (:func:`tiling_for_prediction`, checked before any slide is tiled); tiling failures go to ``summary.failed``."""
     stores = _store_folder(src)
     if stores:
         check_store_settings(stores, model.tiling, allow=allow_other_tiling)
         return src, [p.name[: -len(".zarr")] for p in stores], {}
     from wsi_pipeline.tiling.cohort import tile_cohort
 
+    tiling = tiling_for_prediction(model.tiling, mpp, tissue_model, model.checkpoint)
     tiles_dir = out / "tiles"
-    report = tile_cohort(src, tiles_dir, saved_tiler_config(model.tiling, mpp), workers=workers, progress=progress,
+    report = tile_cohort(src, tiles_dir, tiling, workers=workers, progress=progress,
                          cluster=cluster, retries=retries)
     ids, slide_paths = [], {}
     for r in report.results:
