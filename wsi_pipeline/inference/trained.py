@@ -83,7 +83,8 @@ def load_trained_model(
     which : ``best`` or ``last`` (run folders only).
     encoder_weights : the base weights file of a foundation encoder when it is no longer where
         the config says (checkpoints that store only the trained tensors need it; its sha256
-        must be the one recorded at training, else ``ValueError``).
+        must be the one recorded at training, else ``ValueError``); given for a checkpoint that needs no base
+        weights file, ``ValueError`` (it would be ignored).
     expected : the one-method run config the checkpoint is read for (``eval``: the pipeline's run,
         :func:`wsi_pipeline.training.rundir.run_config`); a checkpoint whose saved config differs in a
         model setting (:data:`~wsi_pipeline.config.compare.MODEL_SETTINGS`: its task, tiling, models) is refused
@@ -117,6 +118,11 @@ def load_trained_model(
                 "Point at it with --encoder-weights FILE"
             )
         build = dataclasses.replace(build, encoder=dataclasses.replace(method.encoder, weights=str(weights)))
+    elif encoder_weights is not None:  # asked for, and nothing would read it: refused, never ignored
+        raise ValueError(
+            f"--encoder-weights {encoder_weights}: {path} needs no base weights file (its encoder "
+            f"{method.encoder.name!r} is {'stored whole in it' if models.get('encoder') is not None else 'rebuilt from its config'}, "
+            "not as trained tensors over a base file); leave --encoder-weights out")
     elif models.get("encoder") is not None and method.encoder.weights:
         # the checkpoint holds the encoder: the initial weights file is not needed (it may have moved)
         build = dataclasses.replace(build, encoder=dataclasses.replace(method.encoder, weights=None))
