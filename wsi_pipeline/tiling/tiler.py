@@ -37,6 +37,7 @@ import wsi_pipeline
 from wsi_pipeline.failures import describe_failure, disk_unwritable, is_slide_error
 from wsi_pipeline.slides import MissingMppError, open_slide, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
+from wsi_pipeline.slides.truncation import unreadable_reason
 from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import qc_loss_note
 from wsi_pipeline.tiling.detectors import detector_for
@@ -106,8 +107,9 @@ def tile_slide(
     except Exception as err:  # a bad slide is a report row (wsi_pipeline.failures); a bug stops the run
         if not (is_slide_error(err) or disk_unwritable(err)):
             raise
-        # a full disk is a row too: the cohort runner stops the run on it (also for a worker process's row, by its text)
-        res.error = describe_failure(err)
+        # a full disk is a row too: the cohort runner stops the run on it (also for a worker process's row, by its text);
+        # a slide file cut short is called truncated, not by the reader's error deep inside it
+        res.error = describe_failure(err) if disk_unwritable(err) else unreadable_reason(Path(job.path) if job.path else None, err)
         logger.debug("slide %s failed", job.slide_id, exc_info=True)
     finally:
         res.seconds = round(time.perf_counter() - t0, 3)

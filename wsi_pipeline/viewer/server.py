@@ -39,7 +39,8 @@ from wsi_pipeline.slides import open_slide
 from wsi_pipeline.viewer.catalog import SORT_KEYS, Catalog, SlideEntry
 from wsi_pipeline.viewer.containment import Folders, GeoJSONError, RefusedFileError
 from wsi_pipeline.viewer.overlays import KINDS, QC_REASONS, SlideOverlays
-from wsi_pipeline.viewer.probe import check_complete, probe, unreadable_reason
+from wsi_pipeline.slides.truncation import check_complete, unreadable_reason
+from wsi_pipeline.viewer.probe import probe
 from wsi_pipeline.viewer.query import BadRequest, integer, number
 from wsi_pipeline.viewer.tiles import DeepZoomTiles, SlideTiles, StoreTiles, TileSource, encode, max_zoom
 
