@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 from wsi_pipeline.cli._cluster import add_cluster_arguments, cluster_from_args, shard_from_args
 from wsi_pipeline.cli._common import (
     LazyChoices, add_config_flag, add_failure_argument, add_output_arguments, add_set_argument, config_from_args, failure_status,
-    pipeline_from_args,
 )
 
 if TYPE_CHECKING:
@@ -223,17 +222,22 @@ def _add_point_arguments(p: argparse.ArgumentParser) -> None:
 
 def tiling_from_args(args: argparse.Namespace) -> tuple[StoreSettings, str | None, str | None]:
     """(``data.tiling`` as the config file, the tiling flags and ``--set`` make it, the slides, the output folder),
-    through the builder of every stage: with ``--config`` the whole pipeline is checked
-    (:func:`~wsi_pipeline.cli._common.pipeline_from_args`); without, ``data.tiling`` alone
+    through the builder of every stage: with ``--config`` the pipeline is checked
+    (:func:`~wsi_pipeline.config.pipeline.tiling_of_pipeline`: whole, or without methods when it has none); without,
+    ``data.tiling`` alone
     (:func:`~wsi_pipeline.cli._common.config_from_args`)."""
     from wsi_pipeline.config.overrides import section_of
     from wsi_pipeline.config.store_settings import StoreSettings
 
     source, out = args.slides if args.slides is not None else args.manifest, args.out
-    if args.config is not None:
-        pipeline = pipeline_from_args(args)
-        source = source if source is not None else str(pipeline.data.manifest)
-        return pipeline.data.tiling, source, out if out is not None else str(pipeline.data.tiles_dir)
+    if args.config is not None:  # a pipeline without methods (a file that only says how to tile) is one too
+        from pathlib import Path
+
+        from wsi_pipeline.config.pipeline import tiling_of_pipeline
+
+        tiling, manifest, tiles_dir = config_from_args(
+            args, lambda raw: tiling_of_pipeline(raw, default_name=Path(args.config).stem), what="pipeline config")
+        return tiling, source if source is not None else manifest, out if out is not None else tiles_dir
     other = [o for o in args.overrides if not o.startswith("data.tiling.")]
     if other:
         raise ValueError(f"--set {other[0]}: without --config only data.tiling keys can be set; give the pipeline "

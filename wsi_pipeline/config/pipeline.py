@@ -88,6 +88,7 @@ __all__ = [
     "load_config",
     "method_by_name",
     "save_config",
+    "tiling_of_pipeline",
     "upgrade_saved_config",
     "with_eval",
 ]
@@ -264,6 +265,31 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
         raise ConfigTypeError(f"methods: expected a list of methods (name, strategy, ...), got {short_repr(methods_raw)}")
     methods = tuple(_method(m, i, train_raw, eval_cfg.val_protocol) for i, m in enumerate(methods_raw))
     return build(PipelineConfig, {**raw, "methods": methods})
+
+
+def tiling_of_pipeline(raw: Mapping[str, Any], *, default_name: str | None = None) -> tuple[StoreTiling, str | None, str | None]:
+    """(``data.tiling``, ``data.manifest``, ``data.tiles_dir``) of a pipeline mapping, for ``tile --config``.
+
+    A pipeline with ``methods`` is checked whole (:func:`config_from_dict`). One without (a file that only says how
+    to tile) needs none: its top-level keys, its ``train`` and ``eval`` sections and its ``data`` section (with
+    ``manifest`` optional: ``tile --slides`` gives the slides) are checked as a whole pipeline's are; the manifest
+    and tiles folder are None where it names none.
+    """
+    if not isinstance(raw, Mapping) or raw.get("methods") is not None:
+        config = config_from_dict(raw, default_name=default_name)
+        return config.data.tiling, str(config.data.manifest), str(config.data.tiles_dir)
+    valid = sorted(f.name for f in dataclasses.fields(PipelineConfig))
+    for key in raw:
+        if key not in valid:
+            raise ValueError(f"unknown key {key!r} in section 'top level'; valid keys: {valid}")
+    build(TrainConfig, raw.get("train") or {}, "train")
+    build(EvalConfig, raw.get("eval") or {}, "eval")
+    data_raw = raw.get("data") or {}
+    if not isinstance(data_raw, Mapping):
+        raise ConfigTypeError(f"data: expected a mapping (manifest, tiles_dir, tiling, ...), got {short_repr(data_raw)}")
+    data = build(DataConfig, {"manifest": "", "tiles_dir": "", **data_raw}, "data")  # the paths may be flags
+    manifest, tiles_dir = data_raw.get("manifest"), data_raw.get("tiles_dir")
+    return data.tiling, None if manifest is None else str(manifest), None if tiles_dir is None else str(tiles_dir)
 
 
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = (), values: Mapping[str, Any] | None = None) -> PipelineConfig:
