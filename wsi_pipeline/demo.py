@@ -37,8 +37,10 @@ from wsi_pipeline.synthetic.cohort import DemoCohort  # defined beside the gener
 from wsi_pipeline.synthetic.mosaic import LungMosaicCohort
 
 __all__ = [
+    "REPOSITORY_PIPELINES",
     "SurvivalCohort",
     "c_index_table",
+    "default_config",
     "format_seed_study",
     "mosaic_config",
     "parse_seeds",
@@ -274,6 +276,29 @@ def _write_summary(results: Path, methods: list[str], seed: int) -> None:
     summary = demo_summary(read_metrics_json(results / "metrics.json"), methods, seed)
     path = write_text_atomic(results / "summary.md", summary)
     print(f"\n{summary}(written to {path})")
+
+
+#: The repository's pipeline configs, beside the package (a source checkout, or an editable install of one).
+REPOSITORY_PIPELINES = Path(__file__).resolve().parents[1] / "pipelines"
+
+
+def default_config(name: str) -> Path:
+    """The demo's default pipeline config ``pipelines/<name>``: the working folder's when it holds one (the
+    repository), else the repository's beside the package (:data:`REPOSITORY_PIPELINES`, as an absolute path).
+
+    ``FileNotFoundError`` naming both places and ``--config`` when neither holds it (a package installed
+    without its repository).
+    """
+    local = Path("pipelines") / name
+    if local.is_file():
+        return local
+    beside = REPOSITORY_PIPELINES / name
+    if beside.is_file():
+        return beside
+    raise FileNotFoundError(
+        f"demo: no pipeline config pipelines/{name} in the working folder {Path.cwd()} nor beside the package "
+        f"({beside}); run the demo from the wsi-pipeline repository, or pass --config FILE (a copy of the "
+        f"repository's pipelines/{name})")
 
 
 def mosaic_config(template: str | os.PathLike, out: str | os.PathLike) -> Path:

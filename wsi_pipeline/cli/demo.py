@@ -6,8 +6,9 @@ import argparse
 
 from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, add_set_argument
 
-#: The tasks the demo has a synthetic cohort for, with their pipeline config.
-DEMO_CONFIGS: dict[str, str] = {"classification": "pipelines/demo.yaml", "survival": "pipelines/demo_survival.yaml"}
+#: The tasks the demo has a synthetic cohort for, with their pipeline config (in pipelines/: the working folder's,
+#: else the repository's beside the package, :func:`wsi_pipeline.demo.default_config`).
+DEMO_CONFIGS: dict[str, str] = {"classification": "demo.yaml", "survival": "demo_survival.yaml"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -74,18 +75,18 @@ def _seeds(text: str) -> tuple[int, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from wsi_pipeline.synthetic.cohort import DemoCohort
-    from wsi_pipeline.demo import SurvivalCohort, run_demo
+    from wsi_pipeline.demo import SurvivalCohort, default_config, run_demo
 
     if args.cohort == "lung-mosaic":
         return _run_mosaic(args)
     if args.source is not None:
         raise ValueError("--source is for --cohort lung-mosaic; the synthetic cohort is generated")
     kind = {"classification": DemoCohort, "survival": SurvivalCohort}[args.task]
-    default_config = DEMO_CONFIGS[args.task]
+    default_name = DEMO_CONFIGS[args.task]
     internal = args.internal if args.internal is not None else kind.n_internal
     cohort = kind(n_internal=internal, n_external=16 if args.external is None else args.external,
                   size=896 if args.size is None else args.size, seed=args.seed)
-    config = args.config or default_config
+    config = args.config or default_config(default_name)
     return run_demo(config, cohort=cohort, workers=args.workers, device=args.device, overrides=tuple(args.overrides),
                     progress=not args.no_progress, seeds=args.seeds, make_only=args.make_only)
 
@@ -94,7 +95,7 @@ def _run_mosaic(args: argparse.Namespace) -> int:
     """``--cohort lung-mosaic``: the pipeline YAML under ``--out``, then the demo's stages on the mosaic cohort."""
     from pathlib import Path
 
-    from wsi_pipeline.demo import mosaic_config, run_demo
+    from wsi_pipeline.demo import default_config, mosaic_config, run_demo
     from wsi_pipeline.synthetic.mosaic import LungMosaicCohort
 
     if args.source is None:
@@ -111,7 +112,7 @@ def _run_mosaic(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--source {args.source}: no such folder")
     cohort = LungMosaicCohort(source=str(Path(args.source).resolve()), n_slides=args.internal or LungMosaicCohort.n_slides,
                               grid=args.grid, seed=args.seed)
-    config = mosaic_config(args.config or "pipelines/lung_mosaic.yaml", args.out)
+    config = mosaic_config(args.config or default_config("lung_mosaic.yaml"), args.out)
     print(f"[demo] pipeline config: {config}")
     return run_demo(config, cohort=cohort, workers=args.workers, device=args.device, overrides=tuple(args.overrides),
                     progress=not args.no_progress, seeds=args.seeds, make_only=args.make_only)
