@@ -251,7 +251,7 @@ def _detectors_taking(key: str) -> list[str]:
     """The registered tissue detectors whose parameters have the field ``key``."""
     from wsi_pipeline.tiling.detectors import DETECTORS
 
-    return [name for name in DETECTORS.names() if key in {f.name for f in dataclasses.fields(DETECTORS.get(name).Params)}]
+    return [name for name in DETECTORS.names() if key in getattr(DETECTORS.get(name).Params, "__dataclass_fields__", {})]
 
 
 def tiler_from_args(tiling: StoreSettings, args: argparse.Namespace) -> TilingConfig:
