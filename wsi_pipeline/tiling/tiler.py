@@ -37,7 +37,7 @@ import wsi_pipeline
 from wsi_pipeline.failures import describe_failure, disk_unwritable, is_slide_error
 from wsi_pipeline.slides import MissingMppError, open_slide, slide_fingerprint
 from wsi_pipeline.slides.direct import DirectTiles
-from wsi_pipeline.slides.truncation import unreadable_reason
+from wsi_pipeline.slides.truncation import check_complete, unreadable_reason
 from wsi_pipeline.slides.base import Slide
 from wsi_pipeline.tiling.artifacts import qc_loss_note
 from wsi_pipeline.tiling.detectors import detector_for
@@ -97,6 +97,7 @@ def tile_slide(
         identity = store_identity(job, config, slide_fingerprint(path) if path.is_file() else "")
         out.mkdir(parents=True, exist_ok=True)
         clean_stale(out, job.slide_id)
+        check_complete(path)  # a copy cut short is refused by name, even where the pieces tiled would read whole
         with open_slide(path, config.backend) as slide:
             res.n_tiles, res.mpp, res.note = _tile_open_slide(
                 slide, job, out, config, identity, progress, background_write, res, threads=threads
