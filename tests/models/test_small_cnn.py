@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from wsi_pipeline.config.model import EncoderConfig
 from wsi_pipeline.config.schema import build
 from wsi_pipeline.models import ENCODERS, build_aggregator, build_encoder
-from wsi_pipeline.training.accumulate import accumulate_step, default_loss
+from wsi_pipeline.training.accumulate import accumulate_step, classification_loss
 
 
 def paper_reference(model, x: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def test_accumulation_with_ilse_cnn_is_exact(float64, agg_name: str) -> None:
     enc = build_encoder("ilse_cnn", dropout=0.0).train()
     agg = build_aggregator(agg_name, 512, 2, dropout=0.0).train()
     tiles = torch.randn(10, 3, 27, 27)
-    ref_loss = default_loss(agg(enc(tiles)), 1)
+    ref_loss = classification_loss(agg(enc(tiles)), 1)
     ref_loss.backward()
     ref = [p.grad.clone() for m in (enc, agg) for p in m.parameters()]
     for chunk in (1, 3):
