@@ -160,7 +160,7 @@ def test_training_calibrates_best_and_eval_reports_calibrated_probabilities(tmp_
 
 def test_bag_size_all_puts_every_tile_of_a_slide_in_its_bag() -> None:
     from wsi_pipeline.config.schema import build
-    from wsi_pipeline.config.train import TrainConfig
+    from wsi_pipeline.config.train import ALL_TILES, TrainConfig
     from wsi_pipeline.data.bags import epoch_plan
 
     tc = build(TrainConfig, {"bag_size": "all", "batch_bags": 1}, "train")
@@ -172,3 +172,11 @@ def test_bag_size_all_puts_every_tile_of_a_slide_in_its_bag() -> None:
         assert np.array_equal(np.sort(bags[i]), np.arange(n))
     with pytest.raises(Exception, match="or 'all'"):
         build(TrainConfig, {"bag_size": "every"}, "train")
+    # 'all' as a run's config.yaml and checkpoint store it reads back as 'all' (eval, predict, resume)
+    from wsi_pipeline.config.pipeline import config_from_dict, config_to_dict, load_config
+
+    cfg = load_config("pipelines/ilse_colon_grid.yaml")
+    again = config_from_dict(config_to_dict(cfg))
+    assert [m.train.bag_size for m in again.methods] == [m.train.bag_size for m in cfg.methods] == [ALL_TILES] * 5
+    with pytest.raises(ValueError, match="<= 1000000"):
+        build(TrainConfig, {"bag_size": ALL_TILES - 1}, "train")

@@ -50,7 +50,7 @@ def _parse_bag_size(value: Any, where: str) -> int:
         n = int(coerce(value, int, where))
     except ConfigTypeError as e:
         raise ConfigTypeError(f"{e} (or 'all': every tile of a slide)") from e
-    if n > MAX_BAG_TILES:  # the bound the field's spec cannot hold: 'all' is stored as ALL_TILES, beyond it
+    if n > MAX_BAG_TILES and n != ALL_TILES:  # 'all' is stored (config.yaml, checkpoints) as ALL_TILES, beyond the bound
         raise ValueError(f"{where}={short_repr(value)}; expected a value <= {MAX_BAG_TILES} (allowed: > 0 and <= "
                          f"{MAX_BAG_TILES}, or 'all': every tile of a slide)")
     return n
