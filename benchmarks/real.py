@@ -22,7 +22,7 @@ fold's trained model against "this patch holds an epithelial nucleus" (points) o
 contains an annotated epithelial nucleus centre" (grid), as a ROC AUC per image (scikit-learn),
 averaged over images.
 
-    python -m benchmarks.real --data ../shared/realdata/crc-histophenotypes --work runs/bench_real
+    python -m benchmarks.real --data ../shared/realdata/crc-histophenotypes --work runs/bench_real   # 10-fold, both
     python -m benchmarks.real ... --folds 5 --repeats 1 --constructions grid --epochs 10
 
 Writes ``<work>/bench_real.json`` and ``<work>/bench_real.md`` (the tables of docs/real-data.md).
@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the crc-histophenotypes folder (images/, images.csv, nuclei.csv)")
     p.add_argument("--work", type=Path, default=Path("runs/bench_real"), help="working folder (manifests, tiles, runs, results)")
     p.add_argument("--constructions", default="points,grid", help="comma-separated: points (the paper's), grid (a user's)")
-    p.add_argument("--folds", type=int, default=5, help="cross-validation folds K (the paper: 10)")
+    p.add_argument("--folds", type=int, default=10, help="cross-validation folds K (default 10, the paper's)")
     p.add_argument("--repeats", type=int, default=1, help="repeats R of the cross-validation (the paper: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the folds")
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs of the pipelines (default: theirs)")
