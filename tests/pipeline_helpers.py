@@ -6,6 +6,7 @@ Importable from every test folder (``pythonpath = ["tests"]`` in pyproject.toml)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -47,3 +48,19 @@ def published_copy(folder: Path, arch: str, seed: int = 3) -> tuple[Path, dict]:
     path = folder / f"{arch}-{digest[:8]}.pth"
     tmp.rename(path)
     return path, state
+
+
+def replace_best(shared: Path, tmp_path: Path, change: Any) -> Path:
+    """A copy of ``shared``'s finished run ``runs/t/m/seed0`` under ``tmp_path`` whose ``best.pt`` is rewritten
+    by ``change(checkpoint) -> checkpoint`` (atomically, with its integrity files)."""
+    import shutil
+
+    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
+
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    shutil.copytree(shared / "runs" / "t" / "m" / "seed0", run)
+    ckpt = load_run_checkpoint(run / "best.pt")
+    for p in run.glob("best.pt*"):
+        p.unlink()
+    save_run_checkpoint(run / "best.pt", change(ckpt))
+    return run

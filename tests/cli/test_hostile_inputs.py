@@ -22,6 +22,7 @@ import yaml
 
 from wsi_pipeline.cli.main import main
 from wsi_pipeline.slide_ids import SlideIdError, check_slide_id, slide_output_path
+from pipeline_helpers import replace_best
 
 HOSTILE_IDS = ["../ESC", "a/b", "..", ".hidden", " lead", "trail ", "bell\x07", "x" * 201, "a\\b", "dir/../up", ""]
 GOOD_IDS = ["case 01", "TCGA-AB-1234-01Z-00-DX1.5F2A", "Ünïcode-é", "a.b", "x" * 200]
@@ -1286,19 +1287,6 @@ def test_manifest_out_equal_to_its_labels_file_is_refused(small_slides, tmp_path
         assert labels.read_text() == text
 
 
-def _replace_best(shared: Path, tmp_path: Path, change) -> Path:
-    """A copy of ``shared``'s finished run whose ``best.pt`` is rewritten by ``change(checkpoint) -> checkpoint``."""
-    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
-
-    run = tmp_path / "runs" / "t" / "m" / "seed0"
-    shutil.copytree(shared / "runs" / "t" / "m" / "seed0", run)
-    ckpt = load_run_checkpoint(run / "best.pt")
-    for p in run.glob("best.pt*"):
-        p.unlink()
-    save_run_checkpoint(run / "best.pt", change(ckpt))
-    return run
-
-
 def test_eval_refuses_a_checkpoint_of_another_task_naming_both(store_cohort, shared, tmp_path, capsys):
     import dataclasses
 
@@ -1317,7 +1305,7 @@ def test_eval_refuses_a_checkpoint_of_another_task_naming_both(store_cohort, sha
         return dataclasses.replace(ckpt, config=config, method=method, models={**ckpt.models, "aggregator": agg},
                                    endpoint=Endpoint(task="survival", loss="cox", n_outputs=1).to_state())
 
-    run = _replace_best(shared, tmp_path, survival)
+    run = replace_best(shared, tmp_path, survival)
     cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, results_dir=str(tmp_path / "results"))
     rc = main(["eval", "--config", str(cfg), "--no-progress", "--no-heatmaps", "--bootstrap", "0"])
     line = _one_error_line(capsys.readouterr().err)
@@ -1333,7 +1321,7 @@ def test_eval_refuses_a_checkpoint_of_another_tiling_naming_both(store_cohort, s
         config["data"]["tiling"]["tile_size"] = 64
         return dataclasses.replace(ckpt, config=config)
 
-    run = _replace_best(shared, tmp_path, other_tiling)
+    run = replace_best(shared, tmp_path, other_tiling)
     cfg = _cfg(tmp_path, store_cohort, shared, train={"epochs": 1}, results_dir=str(tmp_path / "results"))
     rc = main(["eval", "--config", str(cfg), "--no-progress", "--no-heatmaps", "--bootstrap", "0"])
     line = _one_error_line(capsys.readouterr().err)

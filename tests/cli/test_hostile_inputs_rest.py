@@ -20,6 +20,8 @@ import yaml
 
 from wsi_pipeline.cli.main import main
 
+from pipeline_helpers import replace_best
+
 
 def _one_error_line(err: str) -> str:
     """The one ``wsi-pipeline <command>: error: ...`` line of ``err`` (and no traceback)."""
@@ -49,19 +51,6 @@ def one_slide(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return d
 
 
-def _replace_best(shared: Path, tmp_path: Path, change: Any) -> Path:
-    """A copy of ``shared``'s run whose ``best.pt`` is rewritten by ``change(checkpoint) -> checkpoint``."""
-    from wsi_pipeline.checkpoints.files import load_run_checkpoint, save_run_checkpoint
-
-    run = tmp_path / "runs" / "t" / "m" / "seed0"
-    shutil.copytree(shared / "runs" / "t" / "m" / "seed0", run)
-    ckpt = load_run_checkpoint(run / "best.pt")
-    for p in run.glob("best.pt*"):
-        p.unlink()
-    save_run_checkpoint(run / "best.pt", change(ckpt))
-    return run
-
-
 # ----------------------------------------------------------------------------------------------
 # Defect 3: predict tiles with the training's own tissue model, or refuses
 # ----------------------------------------------------------------------------------------------
@@ -87,7 +76,7 @@ def _unet_run(shared: Path, tmp_path: Path, fingerprint: str) -> Path:
                   "tissue_model_fingerprint": fingerprint}
         return dataclasses.replace(ckpt, tiling=tiling)
 
-    return _replace_best(shared, tmp_path, unet)
+    return replace_best(shared, tmp_path, unet)
 
 
 def _predict(run: Path, slides: Path, out: Path, *extra: str) -> int:
@@ -131,7 +120,7 @@ def test_predict_refuses_a_tissue_model_for_a_model_tiled_without_one(shared, on
         return dataclasses.replace(ckpt, tiling={"method": "greyscale", "tile_size": 32, "min_foreground": 0.5,
                                                  "mpp_target": None, "mpp_tolerance": 0.1, "grey_min": 0, "grey_max": 220})
 
-    run = _replace_best(shared, tmp_path, greyscale)
+    run = replace_best(shared, tmp_path, greyscale)
     rc = _predict(run, one_slide, tmp_path / "pred", "--tissue-model", str(my_tissue_model))
     line = _one_error_line(capsys.readouterr().err)
     assert rc == 2 and "--tissue-model" in line and "'greyscale'" in line, line
