@@ -70,6 +70,7 @@ def evaluated(tmp_path_factory):
     from wsi_pipeline.methods.models import build_models
     from wsi_pipeline.manifests.schema import read_manifest, write_manifest
     from wsi_pipeline.synthetic.stores import make_store_cohort
+    from wsi_pipeline.training.rundir import run_config
 
     tmp = tmp_path_factory.mktemp("paper")
     internal = read_manifest(make_store_cohort(tmp / "data", n_slides=8, tiles_per_slide=(6, 10), seed=0))
@@ -89,8 +90,8 @@ def evaluated(tmp_path_factory):
             torch.manual_seed(100 * i + seed)
             enc, agg = build_models(method, 2, for_training=False)
             d = cfg.run_dir(method.name, seed)
-            save_run_checkpoint(d / "best.pt", RunCheckpoint.build(
-                cfg, method, seed=seed, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()}))
+            save_run_checkpoint(d / "best.pt", RunCheckpoint.build(  # the run's own config, as training saves it
+                run_config(cfg, method, seed), method, seed=seed, epoch=1, models={"encoder": enc.state_dict(), "aggregator": agg.state_dict()}))
             if not (method.name == "abmil_frozen" and seed == 2):
                 (d / "done").write_text(json.dumps({"select_metric": "auc", "best_value": BEST_VAL[method.name] + 0.01 * seed}))
     summary = evaluate_pipeline(cfg, device="cpu", heatmaps=False, progress=False)
