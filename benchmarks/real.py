@@ -47,7 +47,7 @@ import yaml
 
 from wsi_pipeline.io_atomic import write_text_atomic
 
-__all__ = ["PAPER", "attention_truth", "instance_truth", "main", "method_table", "summarise"]
+__all__ = ["PAPER", "pipeline_name", "attention_truth", "instance_truth", "main", "method_table", "summarise"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +66,12 @@ COLON_MPP = 0.5
 CONSTRUCTIONS = {"points": ("pipelines/ilse_colon.yaml", 27), "grid": ("pipelines/ilse_colon_grid.yaml", 32)}
 #: The four dataset-specific keys of a pipeline YAML; the bench changes only these.
 DATASET_KEYS = ("name", "data.manifest", "data.tiles_dir", "data.features_dir")
+
+
+def pipeline_name(construction: str) -> str:
+    """The pipeline name a construction runs under: its template's own ``name`` (``ilse_colon``, ``ilse_colon_grid``),
+    so the tables land in ``<work>/<construction>/results/<name>_cv/`` (``ilse_colon_cv`` for the paper's)."""
+    return str(yaml.safe_load(Path(CONSTRUCTIONS[construction][0]).read_text())["name"])
 
 
 def write_inputs(data_dir: Path, work: Path) -> tuple[Path, Path]:
@@ -261,7 +267,7 @@ def run_construction(construction: str, args: argparse.Namespace, data_dir: Path
     template, tile_size = CONSTRUCTIONS[construction]
     folder = work / construction
     folder.mkdir(parents=True, exist_ok=True)
-    name = f"colon_{construction}"
+    name = pipeline_name(construction)
     overrides = {"train.epochs": args.epochs} if args.epochs else {}
     cfg = dataset_config(Path(template).resolve(), folder / f"{name}.yaml", folder, name, overrides)
     logf = folder / "commands.log"

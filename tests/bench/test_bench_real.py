@@ -65,3 +65,14 @@ def test_dataset_config_changes_only_the_four_keys(tmp_path, template) -> None:
         node_a.pop(leaf)
         node_b.pop(leaf)
     assert a == b
+
+
+def test_the_constructions_run_under_their_templates_names() -> None:
+    """The acceptance checks read ``<work>/**/results/ilse_colon_cv/oof_predictions.csv`` (design.md)."""
+    import yaml
+
+    from benchmarks.real import CONSTRUCTIONS, pipeline_name
+
+    assert pipeline_name("points") == "ilse_colon" and pipeline_name("grid") == "ilse_colon_grid"
+    for construction, (template, _) in CONSTRUCTIONS.items():
+        assert pipeline_name(construction) == yaml.safe_load(Path(template).read_text())["name"]
