@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
 import numpy as np
@@ -117,8 +117,6 @@ class Endpoint:
 
     def calibrated(self, fitted: LogitMap) -> Endpoint:
         """This endpoint with the calibration ``fitted`` (replacing any earlier one)."""
-        from dataclasses import replace
-
         return replace(self, calibration=fitted.method, logit_scale=float(fitted.scale), logit_shift=float(fitted.shift),
                        calibrated_on=int(fitted.n_slides))
 

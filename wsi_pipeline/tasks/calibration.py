@@ -66,11 +66,6 @@ def smoothed_targets(labels: np.ndarray) -> np.ndarray:
     return np.where(y == 1, (pos + 1.0) / (pos + 2.0), 1.0 / (neg + 2.0))
 
 
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    m = z.max(axis=1, keepdims=True)
-    return z - m - np.log(np.exp(z - m).sum(axis=1, keepdims=True))
-
-
 def fit_logit_map(logits: np.ndarray, labels: Sequence[int], method: str) -> LogitMap:
     """Fit ``method`` on validation ``logits`` (N, C) and their class ``labels`` (N,).
 
@@ -78,6 +73,7 @@ def fit_logit_map(logits: np.ndarray, labels: Sequence[int], method: str) -> Log
     hold fewer than two classes, or when the fitted slope is not positive (see the module docstring).
     """
     from scipy.optimize import minimize
+    from scipy.special import log_softmax
 
     z = np.asarray(logits, dtype=np.float64)
     y = np.asarray(labels, dtype=np.int64)
@@ -106,7 +102,7 @@ def fit_logit_map(logits: np.ndarray, labels: Sequence[int], method: str) -> Log
         soft = soft / soft.sum(1, keepdims=True) if c > 2 else soft
 
         def nll_t(p: np.ndarray) -> float:
-            return float(-(soft * _log_softmax(p[0] * z)).sum())
+            return float(-(soft * log_softmax(p[0] * z, axis=1)).sum())
 
         fit = minimize(nll_t, np.array([1.0]), method="BFGS")
         a, b = float(fit.x[0]), 0.0

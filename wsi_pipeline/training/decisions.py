@@ -27,6 +27,7 @@ from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.methods.models import restore_encoder
 from wsi_pipeline.tasks import Endpoint
+from wsi_pipeline.tasks.calibration import LogitMap
 from wsi_pipeline.training.strategies import Strategy
 
 __all__ = ["CALIBRATION_FILE", "calibrate_best"]
@@ -69,7 +70,7 @@ def calibrate_best(
         preds = slide_predictions(strategy.embedder(), strategy.aggregator, val_inputs, "all", n_classes=endpoint.n_outputs,
                                   device=device, batch_size=method.chunk_size, seed=config.eval.seed)
     logits = np.stack([np.asarray(p.repeat_logits, dtype=np.float64).mean(0) for p in preds])
-    raw = dataclasses.replace(endpoint, calibration="none", logit_scale=1.0, logit_shift=0.0, calibrated_on=0)
+    raw = endpoint.calibrated(LogitMap())  # the model's own scores: refitting reads the models, not an earlier map
     fitted = endpoint.definition.fit_calibration(raw, logits, targets, method.train.calibrate)
     save_run_checkpoint(best, dataclasses.replace(ckpt, endpoint=fitted.to_state()))
     m = fitted.logit_map
