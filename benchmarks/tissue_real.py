@@ -204,7 +204,7 @@ def score_store(store: Path, ref: np.ndarray, glass: np.ndarray | None = None, b
     """Counts of one tiled image: reference tissue tiles, of them flagged pen / blur / fold, dropped by the
     default (pen or blur; blur only where ``blur_drops``: tiles large enough at the focus scale), not kept;
     kept tiles; glass tiles kept (``glass``: bool (rows, cols) truth)."""
-    from wsi_pipeline.config.tiling import QCParams
+    from wsi_pipeline.config.tiling_params import QCParams
     from wsi_pipeline.data.store import open_store
     from wsi_pipeline.tiling.artifacts import QC_BITS
 

@@ -13,14 +13,13 @@ import yaml
 from wsi_pipeline.config import choices
 from wsi_pipeline.config.pipeline import (
     EncoderConfig,
-    StoreTiling,
+    StoreSettings,
     TrainConfig,
     config_from_dict,
     config_to_dict,
     save_config,
     upgrade_saved_config,
 )
-from wsi_pipeline.config.store_settings import StoreSettings
 from wsi_pipeline.config.tiling import DEFAULT_MIN_FOREGROUND, TilingConfig, tiler_config
 from wsi_pipeline.config.tiling_params import GreyscaleParams, OtsuParams, TissueParams
 
@@ -95,9 +94,9 @@ def test_one_tiling_config():
     from wsi_pipeline.tiling import tiler, tissue
 
     assert tiler.TilingConfig is TilingConfig and tissue.OtsuParams is OtsuParams
-    # data.tiling (StoreSettings; StoreTiling is its former name) uses the tiler's field names, all optional;
+    # data.tiling (StoreSettings; StoreSettings is its former name) uses the tiler's field names, all optional;
     # the detector's own keys sit beside them, the density settings are the tissue detector's parameters
-    assert StoreTiling is StoreSettings
+    assert StoreSettings is StoreSettings
     tiler_fields = {f.name: f for f in dataclasses.fields(TilingConfig)}
     for f in dataclasses.fields(StoreSettings):
         if f.name != "schema_version":
@@ -129,10 +128,10 @@ def test_tiler_config_reproduces_a_stores_settings(made_with):
 
 
 def test_tiler_config_from_the_data_tiling_section():
-    assert tiler_config(StoreTiling()) == TilingConfig() == tiler_config(None)
-    got = tiler_config(StoreTiling(tile_size=128, min_foreground=0.2, mpp_target=2.0), mpp=0.5)
+    assert tiler_config(StoreSettings()) == TilingConfig() == tiler_config(None)
+    got = tiler_config(StoreSettings(tile_size=128, min_foreground=0.2, mpp_target=2.0), mpp=0.5)
     assert got == TilingConfig(tile_size=128, min_foreground=0.2, mpp_target=2.0, mpp=0.5)
-    assert tiler_config(StoreTiling(method="otsu")).threshold == DEFAULT_MIN_FOREGROUND["otsu"]
+    assert tiler_config(StoreSettings(method="otsu")).threshold == DEFAULT_MIN_FOREGROUND["otsu"]
 
 
 def _patchgd(**method) -> dict:

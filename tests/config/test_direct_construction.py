@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from wsi_pipeline.config.schema import Checked
-from wsi_pipeline.config.tiling import StoreTiling
+from wsi_pipeline.config.store_settings import StoreSettings
 
 
 def _sections() -> list[type]:
@@ -25,8 +25,8 @@ def _sections() -> list[type]:
 
 
 def test_store_tiling_refuses_a_negative_tile_size_built_in_code() -> None:
-    with pytest.raises(ValueError, match=r"StoreSettings\.tile_size=-1; expected a value >= 8"):  # StoreTiling: its alias
-        StoreTiling(tile_size=-1)
+    with pytest.raises(ValueError, match=r"StoreSettings\.tile_size=-1; expected a value >= 8"):  # StoreSettings: its alias
+        StoreSettings(tile_size=-1)
 
 
 #: The required fields of the sections that have some (a valid value each).

@@ -138,7 +138,7 @@ def test_no_glass_tile_kept_beside_padding(tmp_path: Path) -> None:
 def test_focus_is_judged_at_a_fixed_physical_scale() -> None:
     """A sharp 20x tile enlarged 4x (0.125 um/px) is soft per pixel; averaged back to 0.5 um/px it reads as sharp,
     while a truly blurred one (sigma 2 px at 20x) stays blurred."""
-    from wsi_pipeline.config.tiling import QCParams
+    from wsi_pipeline.config.tiling_params import QCParams
 
     f = make_field(FieldSpec((256, 256), (240.0, 240.0, 240.0), HE_STAIN, 1.0), seed=2)
     up = cv2.resize(f.rgb, None, fx=4, fy=4, interpolation=cv2.INTER_CUBIC)

@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 from benchmarks.tissue_detection import truth_labels
-from wsi_pipeline.config.tiling import QCParams
+from wsi_pipeline.config.tiling_params import QCParams
 from wsi_pipeline.data.store import open_store
 from wsi_pipeline.synthetic.fields import IHC_STAIN, PALE_STAIN, PEN_COLOURS, FieldSpec, field_spec, make_field, tile_truth, write_field
 from wsi_pipeline.synthetic.texture import HE_STAIN

@@ -8,7 +8,7 @@ import pytest
 
 from wsi_pipeline.tiling.grid import make_grid
 from wsi_pipeline.tiling.prescreen import foreground_bound_map, prescreen_candidates
-from wsi_pipeline.config.tiling import OtsuParams
+from wsi_pipeline.config.tiling_params import OtsuParams
 from wsi_pipeline.slides.coverage import box_mean
 from wsi_pipeline.tiling.tissue import grey, otsu_tissue_mask, strip_foreground, tiles_foreground
 

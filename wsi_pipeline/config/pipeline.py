@@ -56,7 +56,8 @@ from wsi_pipeline.config.patchgd import PatchGDConfig, resolve_patchgd_options
 from wsi_pipeline.config.patchgd_presets import apply_patchgd_preset
 from wsi_pipeline.config.limits import MAX_CHUNK_TILES
 from wsi_pipeline.config.schema import Checked, build, spec
-from wsi_pipeline.config.tiling import StoreTiling, TilingConfig
+from wsi_pipeline.config.store_settings import StoreSettings
+from wsi_pipeline.config.tiling import TilingConfig
 from wsi_pipeline.config.train import AugmentConfig, DemonConfig, TrainConfig
 from wsi_pipeline.failures import ConfigTypeError
 
@@ -76,7 +77,7 @@ __all__ = [
     "EvalProtocol",
     "SCHEDULES",
     "SELECT_METRICS",
-    "StoreTiling",
+    "StoreSettings",
     "TilingConfig",
     "TrainConfig",
     "bag_statistics_warning",
@@ -267,7 +268,7 @@ def config_from_dict(raw: Mapping[str, Any], *, default_name: str | None = None)
     return build(PipelineConfig, {**raw, "methods": methods})
 
 
-def tiling_of_pipeline(raw: Mapping[str, Any], *, default_name: str | None = None) -> tuple[StoreTiling, str | None, str | None]:
+def tiling_of_pipeline(raw: Mapping[str, Any], *, default_name: str | None = None) -> tuple[StoreSettings, str | None, str | None]:
     """(``data.tiling``, ``data.manifest``, ``data.tiles_dir``) of a pipeline mapping, for ``tile --config``.
 
     A pipeline with ``methods`` is checked whole (:func:`config_from_dict`). One without (a file that only says how

@@ -174,7 +174,7 @@ def check_fields(obj: Any) -> None:
     """Check every field of dataclass instance ``obj`` against its :func:`spec` choices and bounds.
 
     The same check :func:`build` applies to YAML, run on the constructed object, so a section made
-    directly in code (``StoreTiling(tile_size=-1)``) is refused as one read from a file is; the error
+    directly in code (``StoreSettings(tile_size=-1)``) is refused as one read from a file is; the error
     names ``Class.field``.
     """
     cls_name = type(obj).__name__

@@ -34,7 +34,7 @@ from wsi_pipeline.config.tiling_params import (
     DETECTOR_PARAMS, MIN_TILE_SIZE, QCParams, TissueParams, detector_names, json_values,
 )
 
-__all__ = ["SCHEMA_VERSION", "SLIDE_KEYS", "StoreSettings", "StoreTiling", "migrate", "same_identity"]
+__all__ = ["SCHEMA_VERSION", "SLIDE_KEYS", "StoreSettings", "migrate", "same_identity"]
 
 #: The version :meth:`StoreSettings.to_state` writes.
 SCHEMA_VERSION = 2
@@ -46,7 +46,7 @@ class StoreSettings(Checked):
 
     Every field is optional (None: not given). The detector's own settings (e.g. the greyscale band
     ``grey_min``, ``grey_max``; the Otsu parameters under ``otsu``) are in ``detector``, as the
-    detector records them (:meth:`~wsi_pipeline.config.tiling.DetectorParams.recorded`); in a state or
+    detector records them (:meth:`~wsi_pipeline.config.tiling_params.DetectorParams.recorded`); in a state or
     a YAML section they are keys beside the others (``data.tiling.grey_max: auto``).
 
     Attributes
@@ -169,9 +169,6 @@ class StoreSettings(Checked):
                 wrong.append(f"{name}: expected {want} vs recorded {got}")
         return wrong
 
-
-#: The ``data.tiling`` section's former name.
-StoreTiling = StoreSettings
 
 #: Keys recorded even when None (``mpp_target`` None: native level 0).
 _ALWAYS = frozenset({"mpp_target", "mpp_tolerance"})

@@ -1,8 +1,7 @@
 """The tiler's settings: :class:`TilingConfig`, and :func:`tiler_config`, the one bridge from recorded or expected
 settings (:class:`~wsi_pipeline.config.store_settings.StoreSettings`, also ``data.tiling``) to a tiler config.
 
-The parameter classes of the detectors and of tile QC are in :mod:`wsi_pipeline.config.tiling_params` (imported
-here too, as is ``StoreTiling``, the former name of ``data.tiling``'s class).
+The parameter classes of the detectors and of tile QC are in :mod:`wsi_pipeline.config.tiling_params`.
 """
 
 from __future__ import annotations
@@ -16,11 +15,8 @@ from wsi_pipeline.config.choices import BACKENDS, COMPRESSIONS, POINT_EDGES, QC_
 from wsi_pipeline.config.limits import MAX_CHUNK_TILES, MAX_COUNT, MAX_TILE_SIZE
 from wsi_pipeline.config.schema import Checked, build, spec
 from wsi_pipeline.config.store_settings import StoreSettings
-from wsi_pipeline.config.store_settings import StoreTiling as StoreTiling  # importable here as before
-from wsi_pipeline.config.tiling_params import DEFAULT_REGION_EXCLUDE, DETECTOR_PARAMS, MIN_TILE_SIZE, QCParams, detector_names
-from wsi_pipeline.config.tiling_params import (  # importable here as before; their home is tiling_params
-    DetectorParams as DetectorParams, GreyscaleParams as GreyscaleParams, OtsuParams as OtsuParams,
-    TissueParams as TissueParams, UNetParams as UNetParams,
+from wsi_pipeline.config.tiling_params import (
+    DEFAULT_REGION_EXCLUDE, DETECTOR_PARAMS, MIN_TILE_SIZE, QCParams, TissueParams, detector_names,
 )
 from wsi_pipeline.data.codecs import DEFAULT_SHARD_TILES
 

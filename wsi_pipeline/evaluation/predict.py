@@ -25,7 +25,8 @@ from typing import Any
 
 import pandas as pd
 
-from wsi_pipeline.config.tiling import StoreTiling, TilingConfig, tiler_config
+from wsi_pipeline.config.store_settings import StoreSettings
+from wsi_pipeline.config.tiling import TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import score_slide
@@ -59,7 +60,7 @@ class PredictSummary:
     stain_reference_source: str | None = None
 
 
-def saved_tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
+def saved_tiler_config(tiling: StoreSettings | Mapping[str, Any] | None, mpp: float | None) -> TilingConfig:
     """The tiler's settings from the tiling parameters saved with a model.
 
     ``tiling`` is the dict of the training stores' own settings (checkpoints since stores record
@@ -72,7 +73,7 @@ def saved_tiler_config(tiling: StoreTiling | Mapping[str, Any] | None, mpp: floa
 TISSUE_MODEL_KEY = "tissue_model_fingerprint"
 
 
-def _recorded_tissue_model(tiling: StoreTiling | Mapping[str, Any] | None) -> str | None:
+def _recorded_tissue_model(tiling: StoreSettings | Mapping[str, Any] | None) -> str | None:
     """The fingerprint of the tissue model that tiled the model's training stores, as saved with the model (None when
     it saved none: an older checkpoint, or a detector without a tissue model)."""
     if isinstance(tiling, Mapping):
@@ -82,7 +83,7 @@ def _recorded_tissue_model(tiling: StoreTiling | Mapping[str, Any] | None) -> st
     return str(value) if value else None
 
 
-def tiling_for_prediction(tiling: StoreTiling | Mapping[str, Any] | None, mpp: float | None, tissue_model: str | None,
+def tiling_for_prediction(tiling: StoreSettings | Mapping[str, Any] | None, mpp: float | None, tissue_model: str | None,
                           where: str | os.PathLike) -> TilingConfig:
     """The tiler's settings for new slides: :func:`saved_tiler_config`, its tissue model the training's own.
 

@@ -97,7 +97,7 @@ def stained_mask(overview: np.ndarray, background: Background, params: TissuePar
     ----------
     overview : uint8 (H, W, 3) RGB, the slide at a reduced scale.
     background : its background estimate (:func:`~wsi_pipeline.tiling.background.estimate_background`).
-    params : :class:`~wsi_pipeline.config.tiling.TissueParams`.
+    params : :class:`~wsi_pipeline.config.tiling_params.TissueParams`.
     """
     overview = np.ascontiguousarray(overview)
     if overview.ndim != 3 or overview.shape[2] != 3 or overview.dtype != np.uint8:
@@ -140,7 +140,7 @@ def density_tissue_mask(
     ----------
     overview : uint8 (H, W, 3) RGB, the slide at a reduced scale.
     background : its background estimate (:func:`~wsi_pipeline.tiling.background.estimate_background`).
-    params : :class:`~wsi_pipeline.config.tiling.TissueParams`.
+    params : :class:`~wsi_pipeline.config.tiling_params.TissueParams`.
     tile_px : overview px per tile side (object and hole sizes are fractions of a tile's area).
     ink : bool (H, W) pen ink (not tissue, not filled as a hole), or None.
 

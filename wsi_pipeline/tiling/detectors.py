@@ -3,7 +3,7 @@
 A detector is a :class:`TissueDetector` subclass registered with :func:`register_detector` under the
 name ``tile --method`` and ``data.tiling.method`` take. It owns
 
-- its parameters: a frozen :class:`~wsi_pipeline.config.tiling.DetectorParams` dataclass (bounds in
+- its parameters: a frozen :class:`~wsi_pipeline.config.tiling_params.DetectorParams` dataclass (bounds in
   its fields' ``spec``; ``min_foreground`` its default keep threshold; registered in the config layer
   too, so a config file or the command line is checked before any slide is opened);
 - its mask: :meth:`TissueDetector.detect` maps a :class:`MaskView` of the slide (its overview, the
