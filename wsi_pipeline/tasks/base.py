@@ -42,7 +42,7 @@ import pandas as pd
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.tasks.calibration import LogitMap
 
-__all__ = ["Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_names"]
+__all__ = ["Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_key", "task_names"]
 
 #: Metrics where lower is better (losses, errors, the Brier score).
 LOWER_IS_BETTER: frozenset[str] = frozenset({"loss", "mae", "rmse", "ibs"})
@@ -65,10 +65,24 @@ def register_task(name: str) -> Callable[[T], T]:
 
 
 def get_task(name: str) -> Task:
-    """The registered task ``name``; ``ValueError`` listing the registered names when it is unknown."""
+    """The registered task ``name``; ``ValueError`` listing the registered names when it is unknown.
+
+    ``name`` may carry a method's own targets, ``<task>[<col>,<col>,...]`` (:func:`task_key`): the task
+    bound to them (:meth:`Task.bind`), whose :attr:`Task.name` is that key.
+    """
     if name not in _INSTANCES:
-        _INSTANCES[name] = TASKS.get(name)()
+        base, sep, rest = name.partition("[")
+        if sep and rest.endswith("]"):
+            _INSTANCES[name] = get_task(base).bind(tuple(c for c in rest[:-1].split(",") if c))
+        else:
+            _INSTANCES[name] = TASKS.get(name)()
     return _INSTANCES[name]
+
+
+def task_key(name: str, targets: Sequence[str] = ()) -> str:
+    """The string that names task ``name`` bound to a method's ``targets`` (``name`` itself without targets):
+    what configs, endpoints and checkpoints pass around, and :func:`get_task` reads back."""
+    return f"{name}[{','.join(targets)}]" if targets else name
 
 
 def task_names() -> list[str]:
@@ -195,6 +209,26 @@ class Task(ABC):
     #: The cross-validation table's metrics (``cv_table.csv``), in order, and the one given an interval.
     cv_metrics: ClassVar[tuple[str, ...]] = ()
     cv_headline: ClassVar[str] = ""
+    #: True when a method names the task's manifest columns itself (``methods[].targets``; :meth:`bind`).
+    takes_targets: ClassVar[bool] = False
+
+    # ---- a method's own targets ----------------------------------------------------------
+
+    def check_method(self, targets: Sequence[str], calibrate: str, where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` (``methods.<name>``) when a method's ``targets`` (or its
+        ``train.calibrate``) do not fit the task; by default the task has fixed columns and takes no ``targets``."""
+        if targets:
+            raise ValueError(f"{where}.targets={list(targets)}: task {self.name!r} reads its target from the manifest "
+                             f"column(s) {list(self.target_columns)}; `targets` is for a task that takes a method's own "
+                             f"columns ({[n for n in task_names() if get_task(n).takes_targets]})")
+
+    def bind(self, targets: tuple[str, ...]) -> Task:
+        """This task with a method's own target ``targets`` (:attr:`takes_targets`); the task itself otherwise."""
+        return self
+
+    def has_target(self, manifest: pd.DataFrame) -> pd.Series:
+        """Which rows of ``manifest`` have a target to train and score on (every :attr:`target_columns` value given)."""
+        return manifest[list(self.target_columns)].notna().all(axis=1)
 
     # ---- label schema ------------------------------------------------------------------
 
