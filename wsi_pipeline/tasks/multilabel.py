@@ -63,9 +63,10 @@ def masked_bce(logits: Any, target: Sequence[float]) -> Any:
 
 def multilabel_metrics(y: np.ndarray, probs: np.ndarray, targets: Sequence[str]) -> dict[str, float]:
     """``auc``, ``balanced_accuracy`` (means over the targets of the defined values), then ``auc_<col>`` and
-    ``balanced_accuracy_<col>`` per target on its observed slides, and ``n_slides``. ``y``: (N, K) 0/1 with NaN
+    ``balanced_accuracy_<col>`` per target on its observed slides (scikit-learn's ``balanced_accuracy_score`` of the
+    decision ``p >= 0.5``, written out: with one class observed it is that class's recall), and ``n_slides``. ``y``: (N, K) 0/1 with NaN
     where a target is missing; ``probs``: (N, K)."""
-    from sklearn.metrics import balanced_accuracy_score, roc_auc_score
+    from sklearn.metrics import roc_auc_score
 
     y = np.asarray(y, dtype=np.float64).reshape(len(y), len(targets))
     p = np.asarray(probs, dtype=np.float64).reshape(len(y), len(targets))
@@ -74,7 +75,8 @@ def multilabel_metrics(y: np.ndarray, probs: np.ndarray, targets: Sequence[str])
         seen = ~np.isnan(y[:, k])
         yk, pk = y[seen, k].astype(np.int64), p[seen, k]
         auc = float(roc_auc_score(yk, pk)) if len(np.unique(yk)) == 2 else math.nan
-        bacc = float(balanced_accuracy_score(yk, (pk >= 0.5).astype(np.int64))) if len(yk) else math.nan
+        hit = (pk >= 0.5).astype(np.int64) == yk  # balanced accuracy: the mean recall of the classes observed
+        bacc = float(np.mean([hit[yk == c].mean() for c in np.unique(yk)])) if len(yk) else math.nan
         per[f"auc_{col}"], per[f"balanced_accuracy_{col}"] = auc, bacc
 
     def mean(prefix: str) -> float:
