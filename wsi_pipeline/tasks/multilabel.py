@@ -136,10 +136,9 @@ class Multilabel(Task):
             return self
         names = tuple(targets)
         per = tuple(f"{m}_{c}" for c in names for m in ("auc", "balanced_accuracy"))
-        bound = type(f"Multilabel_{len(names)}", (Multilabel,), {
-            "target_columns": names, "validation_metrics": (*Multilabel.validation_metrics, *per),
-            "cv_metrics": (*Multilabel.cv_metrics, *per)})
-        bound.name = task_key("multilabel", names)
+        bound: type[Multilabel] = type(f"Multilabel_{len(names)}", (Multilabel,), {
+            "name": task_key("multilabel", names), "target_columns": names,
+            "validation_metrics": (*Multilabel.validation_metrics, *per), "cv_metrics": (*Multilabel.cv_metrics, *per)})
         return bound()
 
     def _targets(self) -> tuple[str, ...]:
@@ -178,7 +177,8 @@ class Multilabel(Task):
     def check_manifest(self, manifest: pd.DataFrame, source: str) -> None:
         """Every given value of a target column is 0 or 1 (an empty cell masks the target)."""
         super().check_manifest(manifest, source)
-        for c in self.target_columns:
+        cols: tuple[str, ...] = self.target_columns
+        for c in cols:
             if c not in manifest.columns:
                 continue
             values = pd.to_numeric(manifest[c], errors="coerce").astype(float)
