@@ -191,3 +191,26 @@ def test_the_config_binds_the_targets_and_refuses_what_does_not_fit() -> None:
     raw["methods"].append({**raw["methods"][0], "name": "m2", "targets": ["b"]})
     with pytest.raises(ValueError, match=r"methods have different tasks .*multilabel\[a\].*multilabel\[b\]"):
         config_from_dict(raw)
+
+
+def test_train_refuses_a_bad_manifest_value_and_a_method_without_targets_naming_them(tmp_path: Path, capsys) -> None:
+    """Through the command line: the manifest file, column, value and slide; the YAML file and field."""
+    import yaml
+
+    from wsi_pipeline.cli.main import main
+
+    manifest = tmp_path / "m.csv"
+    pd.DataFrame({"slide_id": ["s1", "s2", "s3"], "path": ["s1.svs", "s2.svs", "s3.svs"], "split": ["train", "val", "test"],
+                  "cohort": ["c"] * 3, "tp53": [1, 3, 0], "kras": [0, 1, None]}).to_csv(manifest, index=False)
+    raw = _raw({"task": "multilabel", "targets": ["tp53", "kras"]})
+    raw["data"] = {"manifest": str(manifest), "tiles_dir": str(tmp_path / "tiles")}
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "m.csv: column 'tp53' (task 'multilabel') holds [3] for slide(s) ['s2']; expected 0 or 1" in err, err
+    del raw["methods"][0]["targets"]
+    cfg.write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "p.yaml" in err and "methods.m.targets is missing or empty" in err, err
