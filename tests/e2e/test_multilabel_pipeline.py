@@ -2,7 +2,7 @@
 
 A tiny synthetic store cohort split for 3-fold cross-validation gets two binary target columns,
 ``a`` (the slides' class) and ``b`` (another split of the slides), each with an empty cell (that
-target masked for that slide). ``train --folds`` -> ``eval --folds`` must write
+target masked for that slide), calibrated per target (``train.calibrate: platt``). ``train --folds`` -> ``eval --folds`` must write
 ``oof_predictions.csv`` with ``prob_a``, ``prob_b`` beside ``slide_id, repeat, fold, method`` and a
 pooled table whose per-target AUCs equal scikit-learn's on those rows (masked entries left out);
 then ``predict --model RUN --slides DIR`` scores a folder of stores, exits 0 and prints each
@@ -11,6 +11,7 @@ target's probability.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -45,7 +46,8 @@ def test_multilabel_cross_validation_and_predict_through_the_cli(tmp_path, capsy
         "eval": {"val_protocol": "all", "protocols": ["all"], "seed": 0, "bootstrap": 20},
         "seeds": [0],
         "methods": [{"name": "m", "strategy": "frozen", "encoder": {"name": "resnet18"}, "aggregator": {"name": "abmil"},
-                     "chunk_size": 16, "task": "multilabel", "targets": ["a", "b"]}],
+                     "chunk_size": 16, "task": "multilabel", "targets": ["a", "b"],
+                     "train": {"calibrate": "platt"}}],
         "runs_dir": str(tmp_path / "runs"),
         "results_dir": str(tmp_path / "results"),
     }
@@ -55,6 +57,8 @@ def test_multilabel_cross_validation_and_predict_through_the_cli(tmp_path, capsy
     run = tmp_path / "runs" / "ml_fold0" / "m" / "seed0"
     history = pd.read_csv(run / "history.csv")
     assert {"val_loss", "val_auc", "val_auc_a", "val_auc_b", "val_balanced_accuracy_b"} <= set(history.columns)
+    calibration = json.loads((run / "calibration.json").read_text())  # a Platt map per target
+    assert {"scale_a", "shift_a", "scale_b", "threshold_on_model_probability_b"} <= set(calibration)
     assert main(["eval", "--config", str(cfg), "--folds", "--no-progress", "--quiet", "--no-heatmaps"]) == 0
 
     out = tmp_path / "results" / "ml_cv"

@@ -179,8 +179,6 @@ def test_the_config_binds_the_targets_and_refuses_what_does_not_fit() -> None:
         ({"task": "multilabel", "targets": ["tp53", "tp53"]}, r"methods\.m\.targets lists \['tp53'\] twice"),
         ({"task": "multilabel", "targets": ["tp-53"]}, r"methods\.m\.targets: \['tp-53'\] are not column names"),
         ({"task": "multilabel", "targets": ["label"]}, r"methods\.m\.targets: \['label'\] name columns"),
-        ({"task": "multilabel", "targets": ["a"], "train": {"calibrate": "platt"}},
-         r"methods\.m\.train\.calibrate='platt': task 'multilabel' is not calibrated; expected 'none'"),
         ({"task": "regression", "targets": ["a"]}, r"methods\.m\.targets=\['a'\]: task 'regression' reads its target from"),
         ({"task": "multilabel", "targets": ["a"], "loss": "mse"}, r"methods\.m\.loss='mse' does not fit task 'multilabel'"),
     ]
@@ -214,3 +212,31 @@ def test_train_refuses_a_bad_manifest_value_and_a_method_without_targets_naming_
     assert main(["train", "--config", str(cfg), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "p.yaml" in err and "methods.m.targets is missing or empty" in err, err
+
+
+def test_per_target_calibration_is_the_two_class_platt_map_of_each_logit_on_its_observed_slides() -> None:
+    from wsi_pipeline.tasks.calibration import LogitMap, fit_logit_map
+
+    task = _task()
+    y, z = _data(50, seed=4)
+    z = 3.0 * z + 1.0  # over-confident and shifted: something to calibrate
+    targets = [tuple(r) for r in y]
+    raw = task.fit("bce", LossOptions(), None, targets)
+    fitted = task.fit_calibration(raw, z, targets, "platt")
+    assert fitted.calibration == "platt" and fitted.calibrated_on == 50 and len(fitted.target_scales) == 3
+    probs = fitted.scores(z)["probs"]
+    for k in range(3):
+        seen = ~np.isnan(y[:, k])
+        m = fit_logit_map(np.stack([np.zeros(seen.sum()), z[seen, k]], 1), y[seen, k].astype(int), "platt")
+        assert (fitted.target_scales[k], fitted.target_shifts[k]) == pytest.approx((m.scale, m.shift), rel=1e-12)
+        np.testing.assert_allclose(probs[:, k], 1 / (1 + np.exp(-(m.scale * z[:, k] + m.shift))), rtol=1e-12)
+    back = Endpoint.from_state(fitted.to_state())
+    assert back == fitted and back.calibrated(LogitMap()).target_scales == ()  # a refit starts from the model's own
+    seen = ~np.isnan(y)
+    want = np.mean((probs[seen] >= 0.5) == (y[seen] == 1))
+    assert task.decision_accuracy(fitted, z, targets) == pytest.approx(want)
+    record = task.calibration_record(fitted)
+    assert record["method"] == "platt" and record["scale_kras"] == fitted.target_scales[1]
+    a, b = fitted.target_scales[0], fitted.target_shifts[0]
+    p = record["threshold_on_model_probability_tp53"]  # the model's own probability the map moves to 0.5
+    assert a * math.log(p / (1 - p)) + b == pytest.approx(0.0, abs=1e-9)

@@ -74,9 +74,9 @@ def check_task_loss(task: str, loss: str | None, where: str) -> str:
     return loss
 
 
-def check_task_targets(task: str, targets: tuple[str, ...], calibrate: str, where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` when the method's ``targets`` (and ``train.calibrate``) do not fit
-    the task (:meth:`~wsi_pipeline.tasks.base.Task.check_method`)."""
+def check_task_targets(task: str, targets: tuple[str, ...], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` when the method's ``targets`` do not fit the task
+    (:meth:`~wsi_pipeline.tasks.base.Task.check_method`)."""
     from wsi_pipeline.tasks import get_task
 
-    get_task(task).check_method(targets, calibrate, where)
+    get_task(task).check_method(targets, where)

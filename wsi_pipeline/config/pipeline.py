@@ -147,7 +147,7 @@ class MethodConfig(Checked):
         if not _NAME_RE.match(self.name):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
         object.__setattr__(self, "loss", check_task_loss(self.task, self.loss, f"methods.{self.name}"))
-        check_task_targets(self.task, self.targets, self.train.calibrate, f"methods.{self.name}")
+        check_task_targets(self.task, self.targets, f"methods.{self.name}")
 
     @property
     def task_key(self) -> str:

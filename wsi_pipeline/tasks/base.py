@@ -109,6 +109,8 @@ class Endpoint:
         run's validation slides after training (:mod:`wsi_pipeline.tasks.calibration`; ``train.calibrate``):
         the task's scores read ``logit_scale * logits`` with ``logit_shift`` added to the log-odds of
         class 1; ``none`` / 1 / 0 / 0 until fitted.
+    target_scales, target_shifts : a calibration per output (``multilabel``: each target's Platt map of its
+        logit, ``a_k * z_k + b_k``); empty when none.
     """
 
     task: str = "classification"
@@ -123,6 +125,8 @@ class Endpoint:
     logit_scale: float = 1.0
     logit_shift: float = 0.0
     calibrated_on: int = 0
+    target_scales: tuple[float, ...] = ()
+    target_shifts: tuple[float, ...] = ()
 
     @property
     def logit_map(self) -> LogitMap:
@@ -130,9 +134,9 @@ class Endpoint:
         return LogitMap(scale=self.logit_scale, shift=self.logit_shift, method=self.calibration, n_slides=self.calibrated_on)
 
     def calibrated(self, fitted: LogitMap) -> Endpoint:
-        """This endpoint with the calibration ``fitted`` (replacing any earlier one)."""
+        """This endpoint with the calibration ``fitted`` (replacing any earlier one, per-output maps included)."""
         return replace(self, calibration=fitted.method, logit_scale=float(fitted.scale), logit_shift=float(fitted.shift),
-                       calibrated_on=int(fitted.n_slides))
+                       calibrated_on=int(fitted.n_slides), target_scales=(), target_shifts=())
 
     @property
     def definition(self) -> Task:
@@ -148,12 +152,14 @@ class Endpoint:
         """Plain containers for checkpoints."""
         d = asdict(self)
         d["edges"] = list(self.edges)
+        d["target_scales"], d["target_shifts"] = list(self.target_scales), list(self.target_shifts)
         return d
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Endpoint:
         s = dict(state)
-        s["edges"] = tuple(float(v) for v in s.get("edges", ()))
+        for key in ("edges", "target_scales", "target_shifts"):
+            s[key] = tuple(float(v) for v in s.get(key, ()))
         return cls(**{k: v for k, v in s.items() if k in cls.__dataclass_fields__})
 
     def bag_loss(self, output: Any, target: Any) -> Any:
@@ -214,9 +220,9 @@ class Task(ABC):
 
     # ---- a method's own targets ----------------------------------------------------------
 
-    def check_method(self, targets: Sequence[str], calibrate: str, where: str) -> None:
-        """Raise ``ValueError`` naming ``where`` (``methods.<name>``) when a method's ``targets`` (or its
-        ``train.calibrate``) do not fit the task; by default the task has fixed columns and takes no ``targets``."""
+    def check_method(self, targets: Sequence[str], where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` (``methods.<name>``) when a method's ``targets`` do not fit the
+        task; by default the task has fixed columns and takes no ``targets``."""
         if targets:
             raise ValueError(f"{where}.targets={list(targets)}: task {self.name!r} reads its target from the manifest "
                              f"column(s) {list(self.target_columns)}; `targets` is for a task that takes a method's own "
@@ -305,6 +311,21 @@ class Task(ABC):
         """``endpoint`` with a probability calibration ``method`` (``train.calibrate``) fitted on validation
         ``logits`` (N, n_outputs) and their ``targets``; tasks without probabilities return it unchanged."""
         return endpoint
+
+    def decision_accuracy(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any]) -> float:
+        """The accuracy of the decisions :meth:`scores` imply on ``logits`` (N, n_outputs) against ``targets``
+        (``calibration.json``): the arg-max class of :attr:`score_key` by default."""
+        probs = self.scores(endpoint, logits)[self.score_key]
+        return float(np.mean(np.argmax(probs, axis=1) == np.asarray(targets, dtype=np.int64)))
+
+    def calibration_record(self, endpoint: Endpoint) -> dict[str, Any]:
+        """What ``calibration.json`` says of ``endpoint``'s fitted calibration: its map (``scale``, ``shift``) and,
+        with two outputs, the decision threshold it implies on the model's own probability of class 1."""
+        m = endpoint.logit_map
+        out: dict[str, Any] = {"method": m.method, "scale": m.scale, "shift": m.shift}
+        if endpoint.n_outputs == 2:
+            out["threshold_on_model_probability"] = m.raw_threshold()
+        return out
 
     @abstractmethod
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:

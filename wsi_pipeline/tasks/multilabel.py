@@ -18,7 +18,8 @@ checkpoint and heads the cross-validation table). Predictions CSV: ``slide_id, c
 prob_<col> ..., n_tiles, protocol, n_repeats, prob_std, method, seed, patient_id`` (``prob_std``: the
 largest standard deviation over repeats of a target's probability); ``oof_predictions.csv``: ``slide_id,
 repeat, fold, method, <col> ..., prob_<col> ...``. A patient has a target positive when one of its slides
-has. Calibration (``train.calibrate``) is not supported: ``none`` only.
+has. ``train.calibrate`` (``platt`` or ``temperature``) fits one map per target on the validation slides where
+it is observed (:meth:`Multilabel.fit_calibration`).
 
 A method's ``targets`` bind the task (:meth:`Multilabel.bind`): the bound task is named
 ``multilabel[<col>,<col>,...]`` (:func:`~wsi_pipeline.tasks.base.task_key`), the name configs, endpoints and
@@ -30,6 +31,7 @@ from __future__ import annotations
 import keyword
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -112,8 +114,8 @@ class Multilabel(Task):
 
     # ---- a method's targets ----------------------------------------------------------------
 
-    def check_method(self, targets: Sequence[str], calibrate: str, where: str) -> None:
-        """A non-empty list of distinct column names (identifiers, not a reserved column); ``train.calibrate: none``."""
+    def check_method(self, targets: Sequence[str], where: str) -> None:
+        """A non-empty list of distinct column names (identifiers, not a reserved column)."""
         if not targets:
             raise ValueError(f"{where}.targets is missing or empty; task 'multilabel' needs the manifest's binary "
                              "columns to predict, e.g. targets: [tp53, kras]")
@@ -128,8 +130,6 @@ class Multilabel(Task):
         dup = sorted({t for t in targets if list(targets).count(t) > 1})
         if dup:
             raise ValueError(f"{where}.targets lists {dup} twice; expected distinct columns")
-        if calibrate != "none":
-            raise ValueError(f"{where}.train.calibrate={calibrate!r}: task 'multilabel' is not calibrated; expected 'none'")
 
     def bind(self, targets: tuple[str, ...]) -> Task:
         if not targets:
@@ -216,8 +216,49 @@ class Multilabel(Task):
         return loss if aux is None else loss + aux
 
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:
+        """The sigmoid of each output after its calibration (``a_k * z_k + b_k``; the identity when none)."""
         z = np.asarray(logits, dtype=np.float64).reshape(-1, endpoint.n_outputs)
+        if endpoint.target_scales:
+            z = z * np.asarray(endpoint.target_scales) + np.asarray(endpoint.target_shifts)
         return {"probs": 0.5 * (1.0 + np.tanh(0.5 * z))}  # the sigmoid, without overflow
+
+    def fit_calibration(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any], method: str) -> Endpoint:
+        """Per target, Platt (``a_k z_k + b_k``) or temperature (``a_k z_k``) scaling of its logit fitted on the
+        validation slides where it is observed (:func:`~wsi_pipeline.tasks.calibration.fit_logit_map` of the
+        two-class logits ``(0, z_k)``, whose class-1 probability is the sigmoid); a target with one class
+        observed, or fitted backwards, keeps the identity."""
+        from wsi_pipeline.tasks.calibration import LogitMap, fit_logit_map
+
+        cols = self._targets()
+        z = np.asarray(logits, dtype=np.float64).reshape(-1, len(cols))
+        y = _matrix(targets, len(cols))
+        maps = []
+        for k in range(len(cols)):
+            seen = ~np.isnan(y[:, k])
+            two = np.stack([np.zeros(int(seen.sum())), z[seen, k]], axis=1)
+            maps.append(fit_logit_map(two, y[seen, k].astype(np.int64), method))
+        fitted = [m for m in maps if m.method != "none"]
+        base = endpoint.calibrated(LogitMap(method=method if fitted else "none", n_slides=len(y)))
+        return replace(base, target_scales=tuple(float(m.scale) for m in maps),
+                       target_shifts=tuple(float(m.shift) for m in maps))
+
+    def decision_accuracy(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any]) -> float:
+        """The share of observed (slide, target) entries decided right at probability 0.5."""
+        y = _matrix(targets, len(self._targets()))
+        p = self.scores(endpoint, logits)["probs"]
+        seen = ~np.isnan(y)
+        return float(np.mean((p[seen] >= 0.5) == (y[seen] == 1))) if seen.any() else math.nan
+
+    def calibration_record(self, endpoint: Endpoint) -> dict[str, Any]:
+        """Per target ``scale_<col>``, ``shift_<col>`` and the threshold on the model's own probability that the
+        map moves to 0.5 (``threshold_on_model_probability_<col>``)."""
+        out: dict[str, Any] = {"method": endpoint.calibration}
+        scales = endpoint.target_scales or (1.0,) * len(self._targets())
+        shifts = endpoint.target_shifts or (0.0,) * len(self._targets())
+        for c, a, b in zip(self._targets(), scales, shifts):
+            out.update({f"scale_{c}": float(a), f"shift_{c}": float(b),
+                        f"threshold_on_model_probability_{c}": float(1.0 / (1.0 + np.exp(b / a)))})
+        return out
 
     # ---- metrics -----------------------------------------------------------------------
 
