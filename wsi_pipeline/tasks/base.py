@@ -18,10 +18,15 @@ in one class, everything that differs between tasks:
 - the report's metric table (:meth:`Task.report_metrics`) and the cross-validation table
   (:attr:`Task.cv_metrics`, :attr:`Task.cv_headline`, :meth:`Task.oof_columns`,
   :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`).
+- its probability calibration (:meth:`Task.fit_calibration`) and what ``calibration.json`` says of it
+  (:meth:`Task.decision_accuracy`, :meth:`Task.calibration_record`);
+- for a task whose columns each method names (``multilabel``'s ``targets``; :attr:`Task.takes_targets`):
+  the check of a method's list (:meth:`Task.check_method`) and the task bound to it (:meth:`Task.bind`),
+  named ``<task>[<col>,...]`` (:func:`task_key`), the name configs, endpoints and checkpoints carry.
 
 Register a task with ``@register_task("name")`` on a :class:`Task` subclass; ``get_task(name)``
 returns its (stateless, shared) instance and :func:`task_names` lists them (the choices of
-``methods[].task``). The built-in tasks are ``classification``, ``survival`` and ``regression``;
+``methods[].task``). The built-in tasks are ``classification``, ``survival``, ``regression`` and ``multilabel``;
 ``docs/extending.md`` adds one.
 
 Every part of the pipeline asks the task (``get_task(config.task)`` or
