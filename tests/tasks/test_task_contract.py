@@ -28,7 +28,7 @@ from wsi_pipeline.config.endpoint import LossOptions
 from wsi_pipeline.data.bags import Slide
 from wsi_pipeline.export.predictions import endpoint_row, read_predictions, write_predictions
 from wsi_pipeline.models.registry import Registry
-from wsi_pipeline.tasks import Endpoint, Task, base, get_task, task_names
+from wsi_pipeline.tasks import Endpoint, Task, base, get_task, task_key, task_names
 from wsi_pipeline.tasks.endpoint_metrics import survival_reference
 
 #: The worked example of docs/extending.md ("Adding a task"), run here as it is printed there.
@@ -117,6 +117,8 @@ def example_registered(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def task(request: pytest.FixtureRequest) -> Task:
     if request.param == "ordinal":
         request.getfixturevalue("example_registered")
+    if get_task(request.param).takes_targets:  # a method names its columns: the task bound to two of them
+        return get_task(task_key(request.param, ("a", "b")))
     return get_task(request.param)
 
 
@@ -207,7 +209,8 @@ def test_predictions_csv_and_crossval_table(task: Task, tmp_path: Path) -> None:
     assert df[key].iloc[0] == pytest.approx(float(np.ravel(first)[0]), rel=1e-5)  # the mean over repeats
 
     oof = pd.DataFrame(task.oof_columns(df, _n_classes(task)))
-    assert {"label", "prob"} <= set(oof.columns)
+    # the contract's label and prob; a task with several targets has each target's prob_<col> instead
+    assert ({f"prob_{c}" for c in task.target_columns} if task.takes_targets else {"label", "prob"}) <= set(oof.columns)
     cv = task.cv_metric_values(oof, _n_classes(task))
     assert list(cv) == list(task.cv_metrics) and task.cv_headline in cv
     headline = task.cv_headline_fn(oof, _n_classes(task))(np.arange(len(oof)))

@@ -129,7 +129,7 @@ class RunCheckpoint(Checked):
         ``stain``: the fitted normalisation's state; ``resume``: ``last.pt``'s extra state.
         """
         if endpoint is None:
-            endpoint = Endpoint(task=method.task, loss=str(method.loss),
+            endpoint = Endpoint(task=method.task_key, loss=str(method.loss),
                                 n_outputs=endpoint_outputs(method, config.data.n_classes))
         return cls(
             config=config_to_dict(config), method=config_to_dict(method), seed=int(seed), epoch=int(epoch),

@@ -23,7 +23,7 @@ RESUME_FREE: tuple[str, ...] = ("device", "runs_dir", "results_dir", "methods", 
 #: The settings of a one-method run config that make a checkpoint what it is: the task and its outputs, the tiling
 #: and stain handling of the tiles it reads, the models' kinds. A key is one of them, or below one.
 MODEL_SETTINGS: tuple[str, ...] = (
-    "data.n_classes", "data.tiling", "data.bags", "data.stain", "methods.0.task", "methods.0.loss",
+    "data.n_classes", "data.tiling", "data.bags", "data.stain", "methods.0.task", "methods.0.targets", "methods.0.loss",
     "methods.0.loss_options", "methods.0.strategy", "methods.0.encoder.name", "methods.0.aggregator",
 )
 

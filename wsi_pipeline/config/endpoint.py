@@ -1,10 +1,13 @@
-"""A method's endpoint: ``task`` (classification, survival, regression), ``loss`` and ``loss_options``.
+"""A method's endpoint: ``task`` (classification, survival, regression, multilabel), ``loss``, ``loss_options``
+and, for a task that takes them, ``targets``.
 
 In a method of the pipeline YAML::
 
-    task: survival            # classification (default) | survival | regression
+    task: survival            # classification (default) | survival | regression | multilabel
     loss: cox                 # classification: cross_entropy; survival: cox | nll_discrete; regression: mse | huber
     loss_options: {ties: efron, bins: 4, huber_delta: 1.0}
+
+A ``multilabel`` method names its binary manifest columns: ``targets: [tp53, kras]`` (loss ``bce``).
 
 ``loss`` defaults to the task's first loss (``cross_entropy``, ``cox``, ``mse``). Each option
 applies to one loss (the others ignore it): ``ties`` to ``cox``, ``bins`` to ``nll_discrete``,
@@ -19,7 +22,7 @@ from wsi_pipeline.config.schema import Checked
 
 from wsi_pipeline.config.choices import Ties
 
-__all__ = ["LossOptions", "check_task_loss", "default_loss"]
+__all__ = ["LossOptions", "check_task_loss", "check_task_targets", "default_loss"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +72,11 @@ def check_task_loss(task: str, loss: str | None, where: str) -> str:
     if loss not in losses:
         raise ValueError(f"{where}.loss={loss!r} does not fit task {task!r}; expected one of {list(losses)}")
     return loss
+
+
+def check_task_targets(task: str, targets: tuple[str, ...], where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` when the method's ``targets`` do not fit the task
+    (:meth:`~wsi_pipeline.tasks.base.Task.check_method`)."""
+    from wsi_pipeline.tasks import get_task
+
+    get_task(task).check_method(targets, where)

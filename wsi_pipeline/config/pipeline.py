@@ -47,7 +47,7 @@ from typing import Any
 from wsi_pipeline.config.choices import BN_MODES, SCHEDULES, SELECT_METRICS, task_names
 from wsi_pipeline.config.strategy_traits import strategy_names, strategy_traits
 from wsi_pipeline.config.data import DataConfig
-from wsi_pipeline.config.endpoint import LossOptions, check_task_loss
+from wsi_pipeline.config.endpoint import LossOptions, check_task_loss, check_task_targets
 from wsi_pipeline.config.evaluation import ALL, EvalConfig, EvalProtocol, parse_protocol, saved_protocol
 from wsi_pipeline.config.io import short_repr, config_to_dict, write_yaml
 from wsi_pipeline.config.model import AggregatorConfig, BiglConfig, EncoderConfig
@@ -119,7 +119,10 @@ class MethodConfig(Checked):
         ``val_protocol`` key, else ``eval.val_protocol`` (the paper validates its sampled-test
         methods with sampled tiles, the others with all tiles).
     task : ``classification`` (the manifest's ``label``), ``survival`` (its ``time`` and
-        ``event``) or ``regression`` (its ``target``); every method of a pipeline has the same task.
+        ``event``), ``regression`` (its ``target``) or ``multilabel`` (the binary columns ``targets``
+        names); every method of a pipeline has the same task (and the same ``targets``).
+    targets : the manifest columns of a task that takes a method's own (``multilabel``: ``[col, ...]``);
+        empty for the others.
     loss : the training loss; None (YAML) means the task's default, and the built config holds
         the loss used (:mod:`wsi_pipeline.config.endpoint`).
     loss_options : options of the survival and regression losses (:class:`LossOptions`).
@@ -138,12 +141,22 @@ class MethodConfig(Checked):
     task: str = field(default="classification", metadata=spec(choices=task_names))
     loss: str | None = None
     loss_options: LossOptions = field(default_factory=LossOptions)
+    targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if not _NAME_RE.match(self.name):
             raise ValueError(f"method name {self.name!r} must be a folder name (letters, digits, _ . -)")
         object.__setattr__(self, "loss", check_task_loss(self.task, self.loss, f"methods.{self.name}"))
+        check_task_targets(self.task, self.targets, f"methods.{self.name}")
+
+    @property
+    def task_key(self) -> str:
+        """The task bound to this method's ``targets`` (:func:`wsi_pipeline.tasks.task_key`; the task's name
+        without targets): what endpoints, checkpoints and the pipeline's :attr:`PipelineConfig.task` carry."""
+        from wsi_pipeline.tasks import task_key
+
+        return task_key(self.task, self.targets)
 
     @functools.cached_property
     def patchgd_config(self) -> PatchGDConfig:
@@ -177,11 +190,11 @@ class PipelineConfig(Checked):
             raise ValueError(f"duplicate method name(s) {dup}; each method needs its own name")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds={list(self.seeds)}; expected a non-empty list of distinct integers")
-        tasks = {m.task for m in self.methods}
+        tasks = {m.task_key for m in self.methods}
         if len(tasks) > 1:
             by: dict[str, list[str]] = {t: [] for t in sorted(tasks)}
             for m in self.methods:
-                by[m.task].append(m.name)
+                by[m.task_key].append(m.name)
             raise ValueError(f"methods have different tasks {by}; every method of a pipeline has one task "
                              "(their results are compared in one table): put the others in a pipeline of their own")
         if self.data.bags == "patient":
@@ -208,8 +221,9 @@ class PipelineConfig(Checked):
 
     @property
     def task(self) -> str:
-        """The methods' task (``classification``, ``survival`` or ``regression``)."""
-        return self.methods[0].task
+        """The methods' task (``classification``, ``survival``, ``regression``; with a method's targets
+        ``multilabel[<col>,...]``, :attr:`MethodConfig.task_key`)."""
+        return self.methods[0].task_key
 
     @property
     def label_classes(self) -> int | None:
@@ -340,7 +354,8 @@ def upgrade_saved_config(raw: Mapping[str, Any]) -> dict[str, Any]:
         out["eval"] = ev
     if isinstance(out.get("methods"), list):  # before methods had their own val_protocol: the pipeline's
         default = saved_protocol(ev.get("val_protocol", "all")) if isinstance(ev, Mapping) else "all"
-        out["methods"] = [{"val_protocol": default, **m} if isinstance(m, Mapping) else m for m in out["methods"]]
+        # ... and before a method could name its targets (multilabel): none
+        out["methods"] = [{"val_protocol": default, "targets": [], **m} if isinstance(m, Mapping) else m for m in out["methods"]]
     return out
 
 

@@ -94,7 +94,7 @@ def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.Pat
     """Labelled slides of ``split`` (``train``/``val``/``test``) in manifest order.
 
     Rows of the split without the task's target (its ``target_columns``: ``label``; ``time`` and
-    ``event``; ``target``) are left out (they cannot be trained or validated on).
+    ``event``; ``target``; a multilabel method's columns, all of them empty) are left out (they cannot be trained or validated on).
 
     Raises ``ValueError`` naming the columns when the manifest has none of the task's columns.
     """
@@ -105,7 +105,7 @@ def slides_for_split(manifest: pd.DataFrame, split: str, tiles_dir: str | os.Pat
     missing = [c for c in cols if c not in manifest.columns]
     if missing:
         raise ValueError(f"task {task!r} needs the manifest column(s) {list(cols)}; missing {missing}")
-    has = manifest[list(cols)].notna().all(axis=1)
+    has = kind.has_target(manifest)
     rows = manifest[(manifest["split"] == split) & has]
     patients = rows["patient_id"] if "patient_id" in rows.columns else pd.Series("", index=rows.index)
     out = []

@@ -14,10 +14,12 @@ Written to ``<results_dir>/<name>_cv/``:
   slide, method and repeat. Binary tasks: ``prob`` = probability of class 1. More classes: ``prob``
   = probability of the predicted class, then ``pred, prob_0 .. prob_{C-1}``. Survival: ``label`` =
   event (1/0), ``prob`` = the model's risk, then ``time``. Regression: ``label`` = target, ``prob``
-  = the prediction.
+  = the prediction. Multilabel: no ``label``/``prob``; each target column, then its
+  ``prob_<col>`` (the task's :meth:`~wsi_pipeline.tasks.base.Task.oof_columns`).
 - ``cv_table.csv``: one row per method and metric (classification: accuracy, precision, recall, F1
   with class 1 positive, or macro-averaged with more classes, and ROC AUC; survival: Harrell's
-  ``c_index``; regression: ``rmse``, ``mae``, ``pearson``), columns
+  ``c_index``; regression: ``rmse``, ``mae``, ``pearson``; multilabel: ``auc``, ``balanced_accuracy`` (means
+  over the targets), then ``auc_<col>``, ``balanced_accuracy_<col>`` per target), columns
 
   * ``mean``: each fold's metric on its test slides, averaged over the K folds of a repeat, then
     over the R repeats (the layout the MIL papers report);
@@ -66,7 +68,8 @@ log = logging.getLogger(__name__)
 
 #: The first columns of ``oof_predictions.csv`` (the contract).
 OOF_COLUMNS: tuple[str, ...] = ("slide_id", "repeat", "fold", "method", "label", "prob")
-#: Metrics of the pooled table per task, in table order (each task's ``cv_metrics``).
+#: Metrics of the pooled table per registered task, in table order (each task's ``cv_metrics``; a task bound to a
+#: method's targets has its own: ask ``get_task(config.task)``).
 TASK_METRICS: dict[str, tuple[str, ...]] = {n: get_task(n).cv_metrics for n in task_names()}
 #: The metric given a bootstrap interval, per task (each task's ``cv_headline``).
 HEADLINE: dict[str, str] = {n: get_task(n).cv_headline for n in task_names()}
@@ -176,7 +179,7 @@ def cv_table(oof: pd.DataFrame, task: str, n_classes: int | None = None, *, n_bo
     """The pooled table (module docstring) of OOF rows from :func:`oof_predictions`."""
     from wsi_pipeline.tasks.metrics import resample_interval
 
-    metrics = TASK_METRICS[task]
+    metrics = get_task(task).cv_metrics
     folds = per_fold_values(oof, task, n_classes)
     out = []
     for method, fm in folds.groupby("method", sort=False):
@@ -196,7 +199,7 @@ def cv_table(oof: pd.DataFrame, task: str, n_classes: int | None = None, *, n_bo
             else:
                 se, se_over = _sd(values) / math.sqrt(int((~np.isnan(values)).sum())), "folds"
             lo = hi = math.nan
-            if m == HEADLINE[task] and n_boot > 0:
+            if m == get_task(task).cv_headline and n_boot > 0:
                 lo, hi = resample_interval(len(slides), [[(headline, rows_of)]], _resampled, n_boot=n_boot, seed=seed)
             out.append({"method": method, "metric": m, "mean": _mean(per_repeat), "se": se, "se_over": se_over,
                         "sd_folds": _mean(sd_folds), "pooled": pooled[m], "ci_low": lo, "ci_high": hi,
@@ -214,15 +217,15 @@ def _cell(mean: float, se: float) -> str:
 def _report(config: PipelineConfig, table: pd.DataFrame, folds: pd.DataFrame, oof: pd.DataFrame, task: str) -> str:
     n_rep, n_folds = int(table["n_repeats"].max()), int(table["n_folds"].max())
     wide = table.assign(cell=[_cell(m, s) for m, s in zip(table["mean"], table["se"])]).pivot(
-        index="method", columns="metric", values="cell")[list(TASK_METRICS[task])]
-    head = HEADLINE[task]
+        index="method", columns="metric", values="cell")[list(get_task(task).cv_metrics)]
+    head = get_task(task).cv_headline
     hl = table[table["metric"] == head].set_index("method")
     wide[f"pooled OOF {head} (95% CI)"] = [
         "-" if math.isnan(hl.loc[m, "pooled"]) else f"{hl.loc[m, 'pooled']:.3f}"
         + ("" if math.isnan(hl.loc[m, "ci_low"]) else f" ({hl.loc[m, 'ci_low']:.3f}-{hl.loc[m, 'ci_high']:.3f})")
         for m in wide.index]
     se_over = "repeats" if n_rep > 1 else "folds"
-    per_fold = folds.set_index(["method", "repeat", "fold"])[list(TASK_METRICS[task])].round(3)
+    per_fold = folds.set_index(["method", "repeat", "fold"])[list(get_task(task).cv_metrics)].round(3)
     roc = ""
     if get_task(task).has_classes and oof.get("prob_0") is None:  # binary classes: ROC curves
         from sklearn.metrics import roc_curve
@@ -278,9 +281,9 @@ def pool_crossval(config: PipelineConfig, runs: Sequence[FoldRun], *, results_di
 
 def format_table(table: pd.DataFrame, task: str) -> str:
     """The pooled table as text: method x metric cells ``mean ± se``, then the pooled headline with its interval."""
-    head = HEADLINE[task]
+    head = get_task(task).cv_headline
     lines = []
-    metrics = list(TASK_METRICS[task])
+    metrics = list(get_task(task).cv_metrics)
     rows = []
     for method, sub in table.groupby("method", sort=False):
         s = sub.set_index("metric")

@@ -24,23 +24,23 @@ __all__ = [
 
 def _loss(method: MethodConfig) -> str:
     """The method's loss (a built config holds it; the task's default otherwise)."""
-    return method.loss or get_task(method.task).losses[0]
+    return method.loss or get_task(method.task_key).losses[0]
 
 
 def endpoint_outputs(method: MethodConfig, n_classes: int | None) -> int:
     """The aggregator's output size for a method (config only: what :class:`Endpoint` says, without data)."""
     try:
-        return get_task(method.task).n_outputs(_loss(method), method.loss_options, n_classes)
+        return get_task(method.task_key).n_outputs(_loss(method), method.loss_options, n_classes)
     except ValueError as e:
         raise ValueError(f"method {method.name!r} {e}") from e
 
 
 def plain_endpoint(method: MethodConfig, n_classes: int | None) -> Endpoint:
     """The method's :class:`Endpoint` without training data (the defaults of what :func:`fit_endpoint` learns)."""
-    return Endpoint(task=method.task, loss=_loss(method), n_outputs=endpoint_outputs(method, n_classes))
+    return Endpoint(task=method.task_key, loss=_loss(method), n_outputs=endpoint_outputs(method, n_classes))
 
 
 def fit_endpoint(method: MethodConfig, n_classes: int | None, targets: Sequence[Any]) -> Endpoint:
     """The :class:`Endpoint` of ``method`` with what it needs from the training split's ``targets``
     (``(time, event)`` pairs for survival, values for regression; unused for classification)."""
-    return get_task(method.task).fit(_loss(method), method.loss_options, n_classes, targets)
+    return get_task(method.task_key).fit(_loss(method), method.loss_options, n_classes, targets)

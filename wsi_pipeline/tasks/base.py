@@ -18,10 +18,15 @@ in one class, everything that differs between tasks:
 - the report's metric table (:meth:`Task.report_metrics`) and the cross-validation table
   (:attr:`Task.cv_metrics`, :attr:`Task.cv_headline`, :meth:`Task.oof_columns`,
   :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`).
+- its probability calibration (:meth:`Task.fit_calibration`) and what ``calibration.json`` says of it
+  (:meth:`Task.decision_accuracy`, :meth:`Task.calibration_record`);
+- for a task whose columns each method names (``multilabel``'s ``targets``; :attr:`Task.takes_targets`):
+  the check of a method's list (:meth:`Task.check_method`) and the task bound to it (:meth:`Task.bind`),
+  named ``<task>[<col>,...]`` (:func:`task_key`), the name configs, endpoints and checkpoints carry.
 
 Register a task with ``@register_task("name")`` on a :class:`Task` subclass; ``get_task(name)``
 returns its (stateless, shared) instance and :func:`task_names` lists them (the choices of
-``methods[].task``). The built-in tasks are ``classification``, ``survival`` and ``regression``;
+``methods[].task``). The built-in tasks are ``classification``, ``survival``, ``regression`` and ``multilabel``;
 ``docs/extending.md`` adds one.
 
 Every part of the pipeline asks the task (``get_task(config.task)`` or
@@ -42,7 +47,7 @@ import pandas as pd
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.tasks.calibration import LogitMap
 
-__all__ = ["Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_names"]
+__all__ = ["Endpoint", "LOWER_IS_BETTER", "TASKS", "Task", "get_task", "register_task", "task_key", "task_names"]
 
 #: Metrics where lower is better (losses, errors, the Brier score).
 LOWER_IS_BETTER: frozenset[str] = frozenset({"loss", "mae", "rmse", "ibs"})
@@ -65,10 +70,24 @@ def register_task(name: str) -> Callable[[T], T]:
 
 
 def get_task(name: str) -> Task:
-    """The registered task ``name``; ``ValueError`` listing the registered names when it is unknown."""
+    """The registered task ``name``; ``ValueError`` listing the registered names when it is unknown.
+
+    ``name`` may carry a method's own targets, ``<task>[<col>,<col>,...]`` (:func:`task_key`): the task
+    bound to them (:meth:`Task.bind`), whose :attr:`Task.name` is that key.
+    """
     if name not in _INSTANCES:
-        _INSTANCES[name] = TASKS.get(name)()
+        base, sep, rest = name.partition("[")
+        if sep and rest.endswith("]"):
+            _INSTANCES[name] = get_task(base).bind(tuple(c for c in rest[:-1].split(",") if c))
+        else:
+            _INSTANCES[name] = TASKS.get(name)()
     return _INSTANCES[name]
+
+
+def task_key(name: str, targets: Sequence[str] = ()) -> str:
+    """The string that names task ``name`` bound to a method's ``targets`` (``name`` itself without targets):
+    what configs, endpoints and checkpoints pass around, and :func:`get_task` reads back."""
+    return f"{name}[{','.join(targets)}]" if targets else name
 
 
 def task_names() -> list[str]:
@@ -95,6 +114,8 @@ class Endpoint:
         run's validation slides after training (:mod:`wsi_pipeline.tasks.calibration`; ``train.calibrate``):
         the task's scores read ``logit_scale * logits`` with ``logit_shift`` added to the log-odds of
         class 1; ``none`` / 1 / 0 / 0 until fitted.
+    target_scales, target_shifts : a calibration per output (``multilabel``: each target's Platt map of its
+        logit, ``a_k * z_k + b_k``); empty when none.
     """
 
     task: str = "classification"
@@ -109,6 +130,8 @@ class Endpoint:
     logit_scale: float = 1.0
     logit_shift: float = 0.0
     calibrated_on: int = 0
+    target_scales: tuple[float, ...] = ()
+    target_shifts: tuple[float, ...] = ()
 
     @property
     def logit_map(self) -> LogitMap:
@@ -116,9 +139,9 @@ class Endpoint:
         return LogitMap(scale=self.logit_scale, shift=self.logit_shift, method=self.calibration, n_slides=self.calibrated_on)
 
     def calibrated(self, fitted: LogitMap) -> Endpoint:
-        """This endpoint with the calibration ``fitted`` (replacing any earlier one)."""
+        """This endpoint with the calibration ``fitted`` (replacing any earlier one, per-output maps included)."""
         return replace(self, calibration=fitted.method, logit_scale=float(fitted.scale), logit_shift=float(fitted.shift),
-                       calibrated_on=int(fitted.n_slides))
+                       calibrated_on=int(fitted.n_slides), target_scales=(), target_shifts=())
 
     @property
     def definition(self) -> Task:
@@ -134,12 +157,14 @@ class Endpoint:
         """Plain containers for checkpoints."""
         d = asdict(self)
         d["edges"] = list(self.edges)
+        d["target_scales"], d["target_shifts"] = list(self.target_scales), list(self.target_shifts)
         return d
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> Endpoint:
         s = dict(state)
-        s["edges"] = tuple(float(v) for v in s.get("edges", ()))
+        for key in ("edges", "target_scales", "target_shifts"):
+            s[key] = tuple(float(v) for v in s.get(key, ()))
         return cls(**{k: v for k, v in s.items() if k in cls.__dataclass_fields__})
 
     def bag_loss(self, output: Any, target: Any) -> Any:
@@ -195,6 +220,26 @@ class Task(ABC):
     #: The cross-validation table's metrics (``cv_table.csv``), in order, and the one given an interval.
     cv_metrics: ClassVar[tuple[str, ...]] = ()
     cv_headline: ClassVar[str] = ""
+    #: True when a method names the task's manifest columns itself (``methods[].targets``; :meth:`bind`).
+    takes_targets: ClassVar[bool] = False
+
+    # ---- a method's own targets ----------------------------------------------------------
+
+    def check_method(self, targets: Sequence[str], where: str) -> None:
+        """Raise ``ValueError`` naming ``where`` (``methods.<name>``) when a method's ``targets`` do not fit the
+        task; by default the task has fixed columns and takes no ``targets``."""
+        if targets:
+            raise ValueError(f"{where}.targets={list(targets)}: task {self.name!r} reads its target from the manifest "
+                             f"column(s) {list(self.target_columns)}; `targets` is for a task that takes a method's own "
+                             f"columns ({[n for n in task_names() if get_task(n).takes_targets]})")
+
+    def bind(self, targets: tuple[str, ...]) -> Task:
+        """This task with a method's own target ``targets`` (:attr:`takes_targets`); the task itself otherwise."""
+        return self
+
+    def has_target(self, manifest: pd.DataFrame) -> pd.Series:
+        """Which rows of ``manifest`` have a target to train and score on (every :attr:`target_columns` value given)."""
+        return manifest[list(self.target_columns)].notna().all(axis=1)
 
     # ---- label schema ------------------------------------------------------------------
 
@@ -271,6 +316,21 @@ class Task(ABC):
         """``endpoint`` with a probability calibration ``method`` (``train.calibrate``) fitted on validation
         ``logits`` (N, n_outputs) and their ``targets``; tasks without probabilities return it unchanged."""
         return endpoint
+
+    def decision_accuracy(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any]) -> float:
+        """The accuracy of the decisions :meth:`scores` imply on ``logits`` (N, n_outputs) against ``targets``
+        (``calibration.json``): the arg-max class of :attr:`score_key` by default."""
+        probs = self.scores(endpoint, logits)[self.score_key]
+        return float(np.mean(np.argmax(probs, axis=1) == np.asarray(targets, dtype=np.int64)))
+
+    def calibration_record(self, endpoint: Endpoint) -> dict[str, Any]:
+        """What ``calibration.json`` says of ``endpoint``'s fitted calibration: its map (``scale``, ``shift``) and,
+        with two outputs, the decision threshold it implies on the model's own probability of class 1."""
+        m = endpoint.logit_map
+        out: dict[str, Any] = {"method": m.method, "scale": m.scale, "shift": m.shift}
+        if endpoint.n_outputs == 2:
+            out["threshold_on_model_probability"] = m.raw_threshold()
+        return out
 
     @abstractmethod
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:

@@ -39,8 +39,7 @@ CALIBRATION_FILE = "calibration.json"
 
 
 def _accuracy(endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any]) -> float:
-    probs = endpoint.scores(logits)[endpoint.definition.score_key]
-    return float(np.mean(np.argmax(probs, axis=1) == np.asarray(targets, dtype=np.int64)))
+    return endpoint.definition.decision_accuracy(endpoint, logits, targets)
 
 
 def calibrate_best(
@@ -73,17 +72,15 @@ def calibrate_best(
     raw = endpoint.calibrated(LogitMap())  # the model's own scores: refitting reads the models, not an earlier map
     fitted = endpoint.definition.fit_calibration(raw, logits, targets, method.train.calibrate)
     save_run_checkpoint(best, dataclasses.replace(ckpt, endpoint=fitted.to_state()))
-    m = fitted.logit_map
-    record = {"method": m.method, "requested": method.train.calibrate, "scale": m.scale, "shift": m.shift,
+    fitted_map = fitted.definition.calibration_record(fitted)  # the task says what its map is
+    record = {"method": fitted_map.pop("method"), "requested": method.train.calibrate, **fitted_map,
               "validation_slides": len(targets), "validation_accuracy_uncalibrated": _accuracy(raw, logits, targets),
               "validation_accuracy_calibrated": _accuracy(fitted, logits, targets)}
-    if endpoint.n_outputs == 2:
-        record["threshold_on_model_probability"] = m.raw_threshold()
     write_text_atomic(run_dir / CALIBRATION_FILE, json.dumps(record, indent=1) + "\n")
-    if m.method == "none":
+    if record["method"] == "none":
         log.warning("%s: no %s calibration fitted on %d validation slides (one class, or a model that ranks them "
                     "backwards); probabilities stay uncalibrated", run_dir, method.train.calibrate, len(targets))
     else:
-        log.info("%s: %s calibration on %d validation slides: scale %.3g, shift %.3g", run_dir, m.method, len(targets),
-                 m.scale, m.shift)
+        log.info("%s: %s calibration on %d validation slides: %s", run_dir, record["method"], len(targets),
+                 ", ".join(f"{k} {v:.3g}" for k, v in fitted_map.items() if isinstance(v, float)))
     return fitted

@@ -225,7 +225,7 @@ def train_run(
         run.monitor.begin_epoch(epoch)
         train_loss, val = _train_and_validate(run, epoch)
         row = {"epoch": epoch + 1, "train_loss": train_loss,
-               **{f"val_{k}": val.get(k, math.nan) for k in validation_columns(method.task)}}
+               **{f"val_{k}": val.get(k, math.nan) for k in validation_columns(method.task_key)}}
         row.update(lr=lr, seconds=round(time.perf_counter() - t0, 3), **_epoch_rates(run))
         improved = _record(run, row, val)
         if run.main:
@@ -304,7 +304,7 @@ def _start(
         bar=_bars(progress), strategy=strategy, reader=reader, n_tiles=n_tiles, val_inputs=val_inputs, params=params,
         optimizer=optimizer, schedule=EpochSchedule(optimizer, tc), sync=sync,
     )
-    run.best = {"metric": selection(tc, config.data.n_classes, method.task)[0], "value": None, "epoch": 0}
+    run.best = {"metric": selection(tc, config.data.n_classes, method.task_key)[0], "value": None, "epoch": 0}
     last = run.run_dir / "last.pt"
     if last.exists():
         restore = lambda enc, st, info: restore_encoder(method, enc, st, info, where=str(last))  # noqa: E731
@@ -377,7 +377,7 @@ def _suggest_cheaper_validation(run: _Run) -> None:
 def _record(run: _Run, row: dict[str, Any], val: dict[str, float]) -> bool:
     """Append the epoch's history row and update the best epoch; whether this epoch is the best so far."""
     run.history.append(row)
-    metric, higher = selection(run.method.train, run.config.data.n_classes, run.method.task)
+    metric, higher = selection(run.method.train, run.config.data.n_classes, run.method.task_key)
     value = val.get(metric) if val else None
     loss = val.get("loss") if val else None
     improved = improves(value, loss, run.best, higher) or run.best["epoch"] == 0 or not val

@@ -128,7 +128,7 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         raise ValueError(f"{manifest_path}: {e}") from e
     task = get_task(config.task)
     cols = list(task.target_columns)
-    unlabelled = manifest[manifest["split"].isin(("train", "val")) & manifest[cols].isna().any(axis=1)]["slide_id"].tolist()
+    unlabelled = manifest[manifest["split"].isin(("train", "val")) & ~task.has_target(manifest)]["slide_id"].tolist()
     if unlabelled:
         what = (f"{manifest_path}: {len(unlabelled)} train/val slide(s) have no label ({', '.join(cols)}): "
                 f"{', '.join(unlabelled[:5])}{' ...' if len(unlabelled) > 5 else ''}")

@@ -124,7 +124,7 @@ class Strategy:
                 f"method {method.name!r}: encoder.bn={method.encoder.bn!r} is not supported by strategy "
                 f"{cls.name!r}; use one of {list(cls.bn_modes)}"
             )
-        task = getattr(method, "task", "classification")
+        task = getattr(method, "task_key", "classification")
         kind = get_task(task)
         if cls.classes_only and not kind.has_classes:
             raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains classification only, not "
