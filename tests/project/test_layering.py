@@ -26,7 +26,7 @@ WORKBENCH = ("benchmarks", "tools")
 #: Lowest first. Blocks, then stages in the order of the flow, then entry points.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("",),  # wsi_pipeline/__init__.py: the version only
-    ("types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "model_files"),  # helpers without our own imports; shared Protocols
+    ("types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "model_files", "plugins"),  # helpers without our own imports; shared Protocols
     ("failures",),  # the bad-slide policy: which errors fail one slide, which stop the run
     ("slides",),  # readers, mpp, slide finder
     ("models",),  # encoders, aggregators, heads, registries
@@ -50,7 +50,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("__main__",),
 )
-BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "model_files", "failures", "slides", "models", "bigl", "tasks", "config", "data", "jobs", "methods", "checkpoints", "inference"}
+BLOCKS = {"", "types", "io_atomic", "progress", "devices", "interrupt", "slide_ids", "output_dirs", "model_files", "plugins", "failures", "slides", "models", "bigl", "tasks", "config", "data", "jobs", "methods", "checkpoints", "inference"}
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 
 

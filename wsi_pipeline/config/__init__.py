@@ -3,7 +3,7 @@
 Modules (lowest first):
 
 - ``schema``: the generic builder, YAML mapping -> frozen dataclass; errors name the field path.
-- ``choices``: every choice list (``SCHEDULES``, ``BN_MODES``, ``SELECT_METRICS``, ``STRATEGY_NAMES``,
+- ``choices``: every choice list (``SCHEDULES``, ``BN_MODES``, ``SELECT_METRICS``,
   ``DEVICES``, ``TILING_METHODS``, ...; registries' names as functions), as ``Literal`` and tuple.
 - ``strategy_traits``: what each training strategy does (``strategy_traits(name).trains_encoder``, ...), asked
   instead of comparing a strategy's name (the strategies themselves register in ``training.strategies``).

@@ -21,7 +21,6 @@ name                   values                                       used by
 ``HEATMAP_MODES``      rank, minmax, raw                            ``eval.heatmap_mode``,
                                                                     ``predict.heatmap_mode``
 ``BAG_UNITS``          slide, patient                               ``data.bags``
-``STRATEGY_NAMES``     frozen, full, accumulate, bigl, patchgd      the built-in strategies
 ``strategy_names()``   the strategy traits table                    ``methods[].strategy``
 ``DEVICES``            auto, cpu, cuda, mps (and ``cuda:<i>``)      ``train.device``, ``--device``
 ``TILING_METHODS``     tissue, greyscale, otsu, unet                ``tile --method``, ``data.tiling``
@@ -52,9 +51,9 @@ from wsi_pipeline.slides.opener import BACKENDS
 __all__ = [
     "ACCUMULATE_BN_MODES", "BAG_UNITS", "CALIBRATIONS", "Calibration", "BACKBONE_SCALES", "BACKENDS", "BN_MODES", "COMPRESSIONS", "DEVICES", "HEATMAP_MODES", "HeatmapMode", "LEVELS",
     "PARTIAL_WINDOWS", "PATCHGD_BN_MODES", "POINT_EDGES", "PointEdge", "PATCHGD_PRESETS", "PATIENT_POOLS", "QC_ARTIFACTS", "QC_MODES", "SCHEDULES",
-    "SELECT_METRICS", "STRATEGY_NAMES", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
+    "SELECT_METRICS", "TIES", "TILING_METHODS", "TRAIN_LOGS", "TrainLog",
     "BackboneScale", "BagUnit", "BNMode", "Level", "PartialWindow", "PatchGDPreset", "PatientPool", "QCArtifact",
-    "QCMode", "Schedule", "SelectMetric", "StrategyName", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
+    "QCMode", "Schedule", "SelectMetric", "Ties", "TilingMethod", "aggregator_names", "encoder_names",
     "head_names", "model_names", "strategy_names", "task_names",
 ]
 
@@ -97,12 +96,6 @@ HEATMAP_MODES: tuple[str, ...] = typing.get_args(HeatmapMode)
 #: What one bag holds in training and evaluation: one slide's tiles, or all tiles of a patient's slides.
 BagUnit = Literal["slide", "patient"]
 BAG_UNITS: tuple[str, ...] = typing.get_args(BagUnit)
-
-#: The built-in training strategies (``wsi_pipeline.training.strategies.STRATEGIES`` registers them); every
-#: strategy ``methods[].strategy`` accepts: :func:`strategy_names`, the keys of
-#: ``wsi_pipeline.config.strategy_traits.STRATEGY_TRAITS`` (what each strategy does).
-StrategyName = Literal["frozen", "full", "accumulate", "bigl", "patchgd"]
-STRATEGY_NAMES: tuple[str, ...] = typing.get_args(StrategyName)
 
 #: The built-in tissue detectors (the first is the default); every registered one: ``tiling_params.detector_names()``.
 TilingMethod = Literal["tissue", "greyscale", "otsu", "unet"]

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from wsi_pipeline.config.schema import Checked, spec
+from wsi_pipeline.plugins import load_plugins
 
 __all__ = ["DEVICE_BAGS", "EMBEDS_PER", "STRATEGY_TRAITS", "DeviceBag", "EmbedsPer", "StrategyTraits", "grid_head_strategies",
            "strategy_names", "strategy_traits"]
@@ -64,7 +65,7 @@ class StrategyTraits(Checked):
     device_bag: DeviceBag = field(default="none", metadata=spec(choices=DEVICE_BAGS))
 
 
-#: Every training strategy's traits, keyed by its ``methods[].strategy`` name (built-ins: the order of ``StrategyName``).
+#: Every training strategy's traits, keyed by its ``methods[].strategy`` name (the one list of the strategies; a plugin adds its own entry).
 STRATEGY_TRAITS: dict[str, StrategyTraits] = {
     "frozen": StrategyTraits(trains_encoder=False, embeds_per="chunk"),
     "full": StrategyTraits(trains_encoder=True, device_bag="float"),
@@ -76,6 +77,8 @@ STRATEGY_TRAITS: dict[str, StrategyTraits] = {
 
 def strategy_traits(name: str) -> StrategyTraits:
     """The traits of strategy ``name``; ``ValueError`` naming the known strategies for another name."""
+    if name not in STRATEGY_TRAITS:
+        load_plugins()  # a plugin's strategy adds its traits entry when it loads
     try:
         return STRATEGY_TRAITS[name]
     except (KeyError, TypeError):
@@ -84,6 +87,7 @@ def strategy_traits(name: str) -> StrategyTraits:
 
 def strategy_names() -> list[str]:
     """Every training strategy (``methods[].strategy``): the keys of :data:`STRATEGY_TRAITS`."""
+    load_plugins()
     return list(STRATEGY_TRAITS)
 
 
