@@ -36,13 +36,28 @@ from contextlib import contextmanager
 from wsi_pipeline.io_atomic import os_error_cause
 
 __all__ = [
-    "READER_LIBRARIES", "STOP_ERRNOS", "ConfigTypeError", "describe_failure", "disk_unwritable", "is_slide_error", "slide_failures",
+    "READER_LIBRARIES", "STOP_ERRNOS", "ConfigTypeError", "describe_failure", "reworded", "disk_unwritable", "is_slide_error", "slide_failures",
     "stops_the_run",
 ]
 
 class ConfigTypeError(TypeError):
     """A value of the wrong type in a user's config (YAML, ``--set``, a method's options): a user error that the
     command line prints as one line, unlike a ``TypeError`` from our code (a bug, printed with its traceback)."""
+
+
+def reworded(err: Exception, message: str) -> Exception:
+    """A new error saying ``message`` about ``err``, to ``raise reworded(err, msg) from err``: of the nearest
+    class of ``err`` this project can build with a message alone, so whoever catches it still sees what kind
+    of error it is, while a library's class with another constructor is never rebuilt. That class is
+    :class:`ConfigTypeError` or the nearest built-in one (``ValueError``, ``TypeError``, ``KeyError``, ...);
+    an ``OSError`` keeps its ``errno`` and ``filename`` (``OSError(errno, ...)`` picks the subclass of the
+    errno, e.g. ``FileNotFoundError``)."""
+    if isinstance(err, OSError) and err.errno is not None:
+        return OSError(err.errno, message, err.filename)
+    for cls in type(err).__mro__:
+        if cls is ConfigTypeError or (cls.__module__ == "builtins" and issubclass(cls, Exception)):
+            return cls(message)
+    return RuntimeError(message)  # unreachable: every Exception has a built-in base
 
 
 #: OSError numbers that stop a run at once instead of failing each remaining slide in turn.

@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from wsi_pipeline.failures import describe_failure, is_slide_error, slide_failures, stops_the_run
+from wsi_pipeline.failures import ConfigTypeError, describe_failure, is_slide_error, slide_failures, stops_the_run
 from wsi_pipeline.jobs.slide_jobs import run_slides
 
 
@@ -109,3 +109,30 @@ def test_the_runner_applies_the_policy_when_no_types_are_listed() -> None:
     assert [r["error"] for r in rows[1:4]] == [describe_failure(errors[i]) for i in (2, 3, 4)]
     with pytest.raises(AttributeError, match="no attribute 'read'"):
         run_slides([1, 9, 5], work, slide_id=lambda i: f"s{i}", progress=False)
+
+
+class _Foreign(ValueError):
+    """A library's error class whose constructor takes other arguments than a message."""
+
+    def __init__(self, code: int, path: str) -> None:
+        super().__init__(f"code {code} at {path}")
+
+
+@pytest.mark.parametrize(("err", "kind"), [
+    (_Foreign(3, "a.tif"), ValueError),
+    (ConfigTypeError("epochs: expected an int"), ConfigTypeError),
+    (TypeError("bad"), TypeError),
+    (KeyError("x"), KeyError),
+    (FileNotFoundError(errno.ENOENT, "No such file", "m.csv"), FileNotFoundError),
+    (FileNotFoundError("feature file f.h5 not found"), FileNotFoundError),
+    (PermissionError(errno.EACCES, "Permission denied", "/out"), PermissionError),
+])
+def test_reworded_keeps_the_kind_of_error_and_never_rebuilds_a_foreign_class(err, kind):
+    from wsi_pipeline.failures import reworded
+
+    new = reworded(err, f"pipeline.yaml: {err}")
+    assert type(new) is kind
+    if isinstance(err, OSError) and err.errno is not None:
+        assert (new.errno, new.filename) == (err.errno, err.filename) and new.strerror.startswith("pipeline.yaml: ")
+    else:
+        assert new.args == (f"pipeline.yaml: {err}",)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from wsi_pipeline.devices import DEVICES, check_device
+from wsi_pipeline.failures import reworded
 
 if TYPE_CHECKING:
     from wsi_pipeline.config.pipeline import PipelineConfig
@@ -285,7 +286,7 @@ def name_the_flag(e: Exception, args: argparse.Namespace) -> Exception:
     text = str(e)
     for dest, (flag, key) in config_flags(args).items():
         if getattr(args, dest, None) is not None and re.search(rf"{re.escape(key)}(?![\w.])", text):
-            return type(e)(f"{text} (given as {flag})")
+            return reworded(e, f"{text} (given as {flag})")
     return e
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from wsi_pipeline.config.io import load_yaml, read_yaml
+from wsi_pipeline.failures import reworded
 
 __all__ = ["OVERRIDE_HELP", "OVERRIDE_METAVAR", "apply_overrides", "apply_values", "build_config", "deep_merge", "section_of", "set_value"]
 
@@ -155,4 +156,4 @@ def build_config(
     except (ValueError, TypeError) as e:
         if path is None:
             raise
-        raise type(e)(f"{Path(path)}: {e}") from e
+        raise reworded(e, f"{Path(path)}: {e}") from e

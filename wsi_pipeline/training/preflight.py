@@ -17,6 +17,7 @@ from wsi_pipeline.config.pipeline import BagStatisticsWarning, MethodConfig, Pip
 from wsi_pipeline.data.bags import Slide, check_stores, check_tiling, drop_empty, skipped_by_tiler, slides_for_split
 from wsi_pipeline.data.patient_bags import patient_units
 from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.failures import reworded
 from wsi_pipeline.methods.endpoints import endpoint_outputs, fit_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
 from wsi_pipeline.methods.models import build_models
@@ -185,4 +186,4 @@ def _check_methods(config: PipelineConfig, methods: Sequence[MethodConfig]) -> N
             try:
                 build_models(method, endpoint_outputs(method, config.data.n_classes), device="cpu", for_training=False)
             except (ValueError, TypeError, FileNotFoundError) as e:
-                raise type(e)(f"method {method.name!r}: cannot build its models: {e}") from e
+                raise reworded(e, f"method {method.name!r}: cannot build its models: {e}") from e
