@@ -295,6 +295,33 @@ def test_resume_refuses_a_changed_config(tmp_path, store_cohort, capsys):
     assert main(["train", "--config", str(cfg), "--no-progress", "--set", "train.lr=3e-4"]) == 2
     err = capsys.readouterr().err
     assert "cannot resume" in err and "lr: 0.0001 (saved) vs 0.0003 (now)" in err
+    # without config.yaml the check falls to the checkpoint's own config, read when the run resumes
+    (run / "config.yaml").unlink()
+    assert main(["train", "--config", str(cfg), "--no-progress", "--set", "train.lr=3e-4"]) == 2
+    assert "lr: 0.0001 (saved) vs 0.0003 (now)" in capsys.readouterr().err
+
+
+def test_a_resumed_run_reads_last_pt_once(tmp_path, store_cohort, monkeypatch):
+    """The config check before training reads the run's config.yaml; only the resume itself reads last.pt
+    (gigabytes for a foundation model), and every other checkpoint read is of best.pt."""
+    from wsi_pipeline.checkpoints import files
+
+    method = [{"name": "m", "strategy": "frozen", "chunk_size": 32}]
+    cfg = make_config(tmp_path, store_cohort, method, train={"epochs": 1})
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    run = tmp_path / "runs" / "t" / "m" / "seed0"
+    (run / "done").unlink()  # pretend it was interrupted after its last epoch
+    reads: list[str] = []
+    real = files.load_checkpoint
+
+    def counting(path, **kw):
+        reads.append(Path(path).name)
+        return real(path, **kw)
+
+    monkeypatch.setattr(files, "load_checkpoint", counting)
+    assert main(["train", "--config", str(cfg), "--no-progress"]) == 0
+    assert reads.count("last.pt") == 1 and set(reads) <= {"last.pt", "best.pt"}, reads
+    assert (run / "done").is_file()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -308,7 +308,8 @@ def _start(
     last = run.run_dir / "last.pt"
     if last.exists():
         restore = lambda enc, st, info: restore_encoder(method, enc, st, info, where=str(last))  # noqa: E731
-        run.history, run.best, run.start = resume(last, strategy.state_modules(), optimizer, run.schedule, restore_encoder=restore)
+        run.history, run.best, run.start = resume(last, strategy.state_modules(), optimizer, run.schedule,
+                                                    config=run_config(config, method, seed), restore_encoder=restore)
         log.info("resuming %s after epoch %d", run.run_dir, run.start)
     distributed.broadcast_states(strategy.state_modules().values())  # every rank starts from rank 0's models
     if run.main:

@@ -46,10 +46,23 @@ def run_config(config: PipelineConfig, method: MethodConfig, seed: int) -> Pipel
 
 
 def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
-    """Raise ``ValueError`` listing the differences when ``run_dir/last.pt`` was trained with another config
-    than ``config`` (the run's, :func:`run_config`); device and output folders may differ."""
-    # through today's builder: keys added since the run was saved (e.g. a method's task) take their defaults
-    saved = config_to_dict(load_run_checkpoint(run_dir / "last.pt").pipeline_config())
+    """Before any training: raise ``ValueError`` listing the differences when the interrupted run in ``run_dir``
+    was trained with another config than ``config`` (the run's, :func:`run_config`); device and output folders
+    may differ.
+
+    Read from the run's ``config.yaml``, written at every start of the run once this same check passed, so
+    ``last.pt`` (gigabytes for a foundation model) is read once, by :func:`resume`, which checks the config
+    inside it again. A run without ``config.yaml`` is left to :func:`resume`.
+    """
+    from wsi_pipeline.config.io import read_yaml
+
+    path = run_dir / "config.yaml"
+    if path.is_file():
+        # through today's builder: keys added since the run was saved (e.g. a method's task) take their defaults
+        _refuse_other_config(run_dir, upgrade_saved_config(read_yaml(path, what="saved run config")), config)
+
+
+def _refuse_other_config(run_dir: Path, saved: dict[str, Any], config: PipelineConfig) -> None:
     diff = config_differences(saved, config_to_dict(config))
     if diff:
         raise ValueError(
@@ -60,9 +73,12 @@ def check_resumable(run_dir: Path, config: PipelineConfig) -> None:
 
 def resume(
     last: Path, modules: dict[str, torch.nn.Module], optimizer: torch.optim.Optimizer, schedule: Any, *,
-    restore_encoder: Any = None,
+    config: PipelineConfig | None = None, restore_encoder: Any = None,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
     """Load ``last.pt`` into the models, optimiser, schedule and RNGs; return ``(history, best, epochs done)``.
+
+    With ``config`` (the run's), a checkpoint trained with another config is refused first
+    (``ValueError`` listing the differences, as :func:`check_resumable`).
 
     ``restore_encoder(encoder, state, info)`` loads the encoder's state when given (a checkpoint
     holding only a foundation encoder's trained tensors, see
@@ -72,6 +88,8 @@ def resume(
     if ckpt.resume is None or ckpt.best is None:
         raise ValueError(f"{last} holds no optimiser, schedule and RNG states (a best.pt copied over it?); "
                          "delete it to start the run over")
+    if config is not None:
+        _refuse_other_config(last.parent, config_to_dict(ckpt.pipeline_config()), config)
     for name, module in modules.items():
         if name == "encoder" and restore_encoder is not None:
             restore_encoder(module, ckpt.models[name], ckpt.encoder_info)
