@@ -87,7 +87,7 @@ def _tile_log(tmp_path: Path, slide: Path, name: str, flags: list[str], caplog) 
     caplog.clear()
     with caplog.at_level(logging.DEBUG, logger="wsi_pipeline"):
         code = main(["tile", "--slides", str(slide.parent), "--out", str(tmp_path / name), "--workers", "0",
-                     "--no-qc", *flags])
+                     "--no-qc-images", *flags])
     assert code == 0
     return [r for r in caplog.records if r.name.startswith("wsi_pipeline")]
 

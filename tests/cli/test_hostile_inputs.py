@@ -130,7 +130,7 @@ def test_tile_does_not_replace_a_folder_it_did_not_create(small_slides, tmp_path
     theirs = out / "s0.zarr"
     theirs.mkdir(parents=True)
     (theirs / "notes.txt").write_text("a user's folder")
-    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc"])
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc-images"])
     assert rc == 1
     assert (theirs / "notes.txt").read_text() == "a user's folder"
     report = pd.read_csv(out / "tiling_report.csv").set_index("slide_id")
@@ -148,7 +148,7 @@ def tiled(small_slides, tmp_path_factory) -> Path:
     """The three small slides tiled (4 tiles per shard, so each store has several shard files)."""
     out = tmp_path_factory.mktemp("tiled") / "tiles"
     rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0",
-               "--shard-tiles", "4", "--no-qc"])
+               "--shard-tiles", "4", "--no-qc-images"])
     assert rc == 0
     return out
 
@@ -243,7 +243,7 @@ def test_tiling_rebuilds_a_damaged_store(tiled, small_slides, tmp_path):
     before = open_store(tiles / "s1.zarr").read()
     _files(tiles / "s1.zarr", "tiles")[0].unlink()
     rc = main(["tile", "--slides", str(small_slides), "--out", str(tiles), "--no-progress", "--workers", "0",
-               "--shard-tiles", "4", "--no-qc"])
+               "--shard-tiles", "4", "--no-qc-images"])
     assert rc == 0
     report = pd.read_csv(tiles / "tiling_report.csv").set_index("slide_id")
     assert report.loc["s1", "status"] == "ok" and report.loc["s0", "status"] == "skipped"
@@ -456,7 +456,7 @@ def test_tile_on_a_full_disk_stops_at_once(small_slides, tmp_path, monkeypatch, 
 
     monkeypatch.setattr(store_mod.StoreWriter, "commit", full)
     out = tmp_path / "tiles"
-    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc"])
+    rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc-images"])
     err = capsys.readouterr().err
     assert rc == 2 and "No space left on device" in err and "disk is full" in err and "Traceback" not in err, err
     assert tried == ["s0.zarr"]  # the other slides were not attempted
@@ -850,7 +850,7 @@ def test_a_replaced_slide_of_the_same_size_and_first_mib_is_tiled_again(tmp_path
     mib = 1 << 20
     old = Path(a).read_bytes()
     assert len(old) > 2 * mib
-    argv = ["tile", "--slides", str(d), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0", "--no-qc"]
+    argv = ["tile", "--slides", str(d), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0", "--no-qc-images"]
     assert main(argv) == 0
     other = Path(b).read_bytes()[mib:len(old)]
     new = old[:mib] + other + old[mib + len(other):]  # same size, same first MiB, the rest another slide's
@@ -997,7 +997,7 @@ def test_tile_and_verify_agree_on_garbled_array_metadata(how, tiled, small_slide
     assert main(["verify", "--tiles", str(tiles), "--no-progress"]) == 1
     assert "s1" in capsys.readouterr().out
     rc = main(["tile", "--slides", str(small_slides), "--out", str(tiles), "--no-progress", "--workers", "0",
-               "--shard-tiles", "4", "--no-qc"])
+               "--shard-tiles", "4", "--no-qc-images"])
     assert rc == 0
     report = pd.read_csv(tiles / "tiling_report.csv").set_index("slide_id")
     assert report.loc["s1", "status"] == "ok" and report.loc["s0", "status"] == "skipped"  # rebuilt, not "complete"
@@ -1070,7 +1070,7 @@ def test_one_regions_file_is_parsed_once_per_run(small_slides, tmp_path, monkeyp
 
     monkeypatch.setattr(regions.json, "loads", counting)
     rc = main(["tile", "--slides", str(small_slides), "--out", str(tmp_path / "tiles"), "--no-progress", "--workers", "0",
-               "--no-qc", "--regions", str(p)])
+               "--no-qc-images", "--regions", str(p)])
     assert rc == 0
     assert parsed.count(len(p.read_text())) == 1, parsed  # three slides, one parse of the regions file
 
@@ -1129,7 +1129,7 @@ def test_an_empty_tiling_lock_is_a_visible_warning_not_a_hidden_wait(small_slide
     lock.write_bytes(b"")
     os.utime(lock, (os.path.getmtime(lock) - 2.5,) * 2)  # left by a run that died 2.5 s ago, not yet stale (4 s)
     with caplog.at_level("WARNING"):
-        rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc",
+        rc = main(["tile", "--slides", str(small_slides), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc-images",
                    "--lock-stale-after", "4"])
     assert rc == 0
     assert any("s0" in r.getMessage() and "empty or unreadable" in r.getMessage() for r in caplog.records
@@ -1270,7 +1270,7 @@ def test_tile_out_inside_the_slides_folder_is_refused_before_any_work(small_slid
     shutil.copytree(small_slides, d)
     before = sorted(p.name for p in d.iterdir())
     for out in (d / "tiles", d):
-        rc = main(["tile", "--slides", str(d), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc"])
+        rc = main(["tile", "--slides", str(d), "--out", str(out), "--no-progress", "--workers", "0", "--no-qc-images"])
         line = _one_error_line(capsys.readouterr().err)
         assert rc == 2 and "--out" in line and "--slides" in line, line
     assert sorted(p.name for p in d.iterdir()) == before

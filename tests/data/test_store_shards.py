@@ -195,7 +195,7 @@ def test_open_store_sees_a_rebuilt_store(tmp_path: Path) -> None:
 
 def test_tile_cli_writes_sharded_stores_by_default_and_per_tile_on_request(tmp_path: Path, capsys) -> None:
     make_slide(tmp_path / "slides" / "a.svs", size=512, seed=41, tissue_fraction=0.6)
-    base = ["tile", "--method", "greyscale", "--qc", "off", "--slides", str(tmp_path / "slides"), "--tile-size", "32", "--no-progress", "--no-qc", "--workers", "0"]
+    base = ["tile", "--method", "greyscale", "--qc", "off", "--slides", str(tmp_path / "slides"), "--tile-size", "32", "--no-progress", "--no-qc-images", "--workers", "0"]
     assert main(base + ["--out", str(tmp_path / "sharded"), "--shard-tiles", "16"]) == 0
     assert main(base + ["--out", str(tmp_path / "default")]) == 0
     assert main(base + ["--out", str(tmp_path / "per_tile"), "--shard-tiles", "0"]) == 0

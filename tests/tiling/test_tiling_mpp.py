@@ -24,7 +24,7 @@ def folder(tmp_path_factory) -> Path:
 
 
 def _tile(source: list[str], out: Path, *extra: str) -> int:
-    return main(["tile", "--method", "greyscale", "--qc", "off", *source, "--out", str(out), "--workers", "0", "--no-progress", "--no-qc", "--mpp-target", "1.0", *extra])
+    return main(["tile", "--method", "greyscale", "--qc", "off", *source, "--out", str(out), "--workers", "0", "--no-progress", "--no-qc-images", "--mpp-target", "1.0", *extra])
 
 
 def _used(out: Path) -> dict[str, tuple[str, float, str]]:

@@ -396,7 +396,7 @@ def test_cli_help_documents_every_option(capsys) -> None:
     text = capsys.readouterr().out
     for opt in ("--slides", "--manifest", "--out", "--method", "--tile-size", "--min-foreground", "--grey-min",
                 "--grey-max", "--mpp-target", "--mpp", "--workers", "--compression", "--backend", "--no-prescreen",
-                "--no-qc", "--overwrite", "--no-progress", "--lock-stale-after"):
+                "--no-qc-images", "--overwrite", "--no-progress", "--lock-stale-after"):
         assert opt in text
     assert main(["tile", "--method", "greyscale", "--qc", "off", "--slides", "/nonexistent/dir", "--out", "/tmp/x"]) == 2
 

@@ -157,7 +157,7 @@ def _add_store_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="READER", help="slide reader, one of %(choices)s; auto (default) tries OpenSlide, then "
                                           "tiffslide (for a DICOM file: OpenSlide, then wsidicom; a .png/.jpg/.jpeg/.bmp "
                                           "image is read by Pillow as a one-level slide)")
-    p.add_argument("--no-qc", action="store_true", help="do not write QC images (tile QC itself is --qc)")
+    p.add_argument("--no-qc-images", action="store_true", help="do not write the QC images (qc/<slide_id>.png); tile QC itself is --qc MODE")
 
 
 def _add_qc_arguments(p: argparse.ArgumentParser) -> None:
@@ -272,7 +272,7 @@ def tiler_from_args(tiling: StoreSettings, args: argparse.Namespace) -> TilingCo
     kw: dict[str, Any] = {"points": tiling.points if isinstance(tiling.points, str) else None,
                           "compression": tiling.compression, "backend": tiling.backend, "shard_tiles": args.shard_tiles}
     return dataclasses.replace(
-        base, detector=detector, mpp=args.mpp, mpp_force=args.mpp_force, qc=not args.no_qc,
+        base, detector=detector, mpp=args.mpp, mpp_force=args.mpp_force, qc=not args.no_qc_images,
         allow_dark_background=args.allow_dark_background, regions=args.regions,
         **{k: v for k, v in kw.items() if v is not None},
     )
