@@ -113,7 +113,7 @@ def _run(config: PipelineConfig, args: argparse.Namespace) -> int:
         print(f"  skipped {s}")
     from wsi_pipeline.data.bags import skipped_by_tiler
 
-    left_out = skipped_by_tiler(config.data.tiles_dir)
+    left_out = skipped_by_tiler(config.data.tiles_dir) if config.data.tiles_dir else {}
     by_tiler = [sid for sid in summary.missing_stores if sid in left_out]
     missing = [sid for sid in summary.missing_stores if sid not in left_out]
     if by_tiler:

@@ -188,10 +188,36 @@ class PipelineConfig(Checked):
             if grid:
                 raise ValueError(f"data.bags: patient puts several slides in one bag, whose tile grids do not join; "
                                  f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
+        self._check_feature_input()
         from wsi_pipeline.tasks import get_task
 
         if get_task(self.task).has_classes and self.data.n_classes is None:
             raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+
+    def _check_feature_input(self) -> None:
+        """``data.features`` (precomputed feature files) and ``encoder: {name: precomputed}`` go together, with
+        ``strategy: frozen`` and no augmentation or BatchNorm calibration (there are no tiles)."""
+        pre = [m.name for m in self.methods if m.encoder.name == "precomputed"]
+        if pre and self.data.features is None:
+            raise ValueError(f"methods {pre} use encoder 'precomputed' but data.features is not set; give the folder of "
+                             "the feature files: data.features: {dir: DIR, format: auto}")
+        if self.data.features is None:
+            return
+        for m in self.methods:
+            if m.encoder.name != "precomputed" and self.data.tiles_dir is None:
+                raise ValueError(f"method {m.name!r}: encoder {m.encoder.name!r} needs tile stores (data.tiles_dir), which "
+                                 "this pipeline has not; with data.features use encoder: {name: precomputed}")
+            if m.encoder.name != "precomputed":
+                continue
+            if m.strategy != "frozen":
+                raise ValueError(f"method {m.name!r}: strategy {m.strategy!r} trains the encoder on tiles; precomputed "
+                                 "features (data.features) train the aggregator only: use strategy: frozen")
+            if m.train.augment.enabled or m.encoder.calibrate_bn:
+                what = "train.augment" if m.train.augment.enabled else "encoder.calibrate_bn"
+                raise ValueError(f"method {m.name!r}: {what} needs tiles; precomputed features (data.features) have "
+                                 "none: turn it off")
+        if self.data.bags == "patient":
+            raise ValueError("data.bags: patient is not supported with data.features; use bags: slide")
 
     def check_eval_methods(self) -> None:
         """``ValueError`` unless ``eval.methods`` and ``eval.heatmap_method`` name methods of this pipeline.

@@ -100,13 +100,18 @@ def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict
     """Read a feature file: ``(features float32 [N, D], coords int64 [N, 2] level-0 px, attrs dict)``.
 
     Raises ``FileNotFoundError`` when the file is absent and ``ValueError`` when it lacks the
-    ``features``/``coords`` datasets.
+    ``features``/``coords`` datasets. TRIDENT's, STAMP's and CLAM's ``.pt`` files are read too
+    (:func:`wsi_pipeline.data.feature_formats.read_slide_features`; coordinates in level-0 px, ``grid``
+    in the attributes).
     """
     import h5py
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"feature file {path} not found; run `wsi-pipeline features` first")
+    foreign = _foreign_features(path)
+    if foreign is not None:
+        return foreign
     with h5py.File(path, "r") as f:
         missing = [k for k in ("features", "coords") if k not in f]
         if missing:
@@ -117,6 +122,21 @@ def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict
         if "grid" in f:
             attrs["grid"] = np.asarray(f["grid"][:])
     return feats, coords, attrs
+
+
+def _foreign_features(path: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]] | None:
+    """``read_features``' answer for a TRIDENT or STAMP file, or CLAM's ``.pt``; None for ours (and CLAM's h5,
+    whose datasets are ours)."""
+    from wsi_pipeline.data.feature_formats import detect_format, read_slide_features
+
+    try:
+        fmt = detect_format(path)
+    except ValueError:  # no known layout: our reader names what is missing
+        return None
+    if fmt in ("wsi-pipeline", "clam") and path.suffix != ".pt":
+        return None
+    sf = read_slide_features(path, fmt)
+    return sf.features, sf.coords_or_index, {**sf.file_attrs, "grid": sf.grid}
 
 
 #: Attribute -> why a file whose value differs is rebuilt.

@@ -30,6 +30,10 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     """
     from wsi_pipeline.inference.features import extract_features, features_path
 
+    if config.data.features is not None:  # precomputed files (data.features): nothing to extract
+        from wsi_pipeline.training.precomputed import features_input_dir
+
+        return features_input_dir(config)
     out = Path(frozen_features_dir(method, config.data.features_dir))
     slides = plan.val if method.train.augment.enabled else plan.train + plan.val
     if not slides:
