@@ -108,8 +108,11 @@ def score_slide(
     from_features = isinstance(store, SlideFeatures)  # precomputed features (data.features): no tiles
     if from_features and store.coords is None:  # CLAM's .pt files: no coordinates to draw a heatmap with
         heatmap_dir = None
+    slide_file = row.get("path")
+    if from_features and str(slide_file or "").endswith((".h5", ".pt")):  # the manifest names the feature file, not a slide
+        slide_file = None
     if heatmap_dir is not None:
-        thumb, level0 = _slide_thumbnail(row.get("path"))
+        thumb, level0 = _slide_thumbnail(slide_file)
     feats = saved_frozen_features(model, config, store)
     if heatmap_dir is not None and thumb is None:
         builder = StoreThumbnail(store.coords, extent, store_level0_size(store.attrs, store.coords, extent))
