@@ -175,9 +175,9 @@ def _h5_attrs(f: Any) -> dict[str, Any]:
 def detect_format(path: str | os.PathLike) -> str:
     """The format of a feature file, from its suffix, datasets and attributes.
 
-    ``.pt``: ``clam``; an HDF5 file with ``feats``: ``stamp``; with ``grid`` or our ``store_fingerprint``
-    attribute: ``wsi-pipeline``; with ``patch_size_level0`` (on ``coords`` or the file): ``trident``;
-    else with ``features`` and ``coords``: ``clam``. Raises ``ValueError`` naming the file and what it
+    ``.pt``: ``clam``; an HDF5 file with ``feats``: ``stamp``; with ``patch_size_level0`` (on ``coords`` or
+    the file): ``trident``; with ``grid`` or our ``store_fingerprint`` attribute: ``wsi-pipeline``; else with
+    ``features`` and ``coords``: ``clam``. Raises ``ValueError`` naming the file and what it
     holds when it is none of them.
     """
     import h5py
@@ -190,10 +190,10 @@ def detect_format(path: str | os.PathLike) -> str:
         attrs = _h5_attrs(f)
     if "feats" in keys:
         return "stamp"
+    if "features" in keys and "patch_size_level0" in attrs:  # (also ours written with `features --layout trident`)
+        return "trident"
     if "features" in keys and ("grid" in keys or "store_fingerprint" in attrs):
         return "wsi-pipeline"
-    if "features" in keys and "patch_size_level0" in attrs:
-        return "trident"
     if "features" in keys and "coords" in keys:
         return "clam"
     raise ValueError(f"feature file {p}: no known layout (datasets {keys}); expected `features` + `coords` (TRIDENT, "
@@ -206,7 +206,8 @@ def read_slide_features(path: str | os.PathLike, fmt: str = "auto", *, mpp: floa
     Parameters
     ----------
     path : ``<slide_id>.h5`` (any format) or ``<slide_id>.pt`` (CLAM's features tensor).
-    fmt : one of :data:`FEATURE_FORMATS`; a file detected as another format is refused.
+    fmt : one of :data:`FEATURE_FORMATS`; a file is read as that format, and refused when it lacks what
+        that format requires.
     mpp : level-0 um/px of the slide (the manifest's), used for STAMP coordinates when the file gives none.
 
     Returns
@@ -216,18 +217,18 @@ def read_slide_features(path: str | os.PathLike, fmt: str = "auto", *, mpp: floa
     Raises
     ------
     FileNotFoundError : the file is absent.
-    ValueError : the file lacks a dataset or attribute its format requires, or is another format than ``fmt``.
+    ValueError : the file lacks a dataset or attribute its format (``fmt``, or the detected one) requires.
     """
     p = Path(path)
     if fmt not in FEATURE_FORMATS:
         raise ValueError(f"feature format {fmt!r}; expected one of {list(FEATURE_FORMATS)}")
     if not p.is_file():
         raise FileNotFoundError(f"feature file {p} not found")
-    found = detect_format(p) if (fmt == "auto" or p.suffix == ".pt") else fmt
-    if fmt not in ("auto", found):
-        raise ValueError(f"feature file {p}: a {found} file, but the format given is {fmt!r} (data.features.format)")
     if p.suffix == ".pt":
+        if fmt not in ("auto", "clam"):
+            raise ValueError(f"feature file {p}: a .pt file is CLAM's features tensor, but the format given is {fmt!r}")
         return _read_clam_pt(p)
+    found = detect_format(p) if fmt == "auto" else fmt  # a format given: the file must have what that format requires
     return _READERS[found](p, mpp)
 
 
