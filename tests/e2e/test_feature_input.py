@@ -103,7 +103,8 @@ def _method(name: str, aggregator: str, task: str = "classification", **options)
 
 
 EVERY_AGGREGATOR = [_method("abmil", "abmil", gated=False), _method("gated", "abmil", gated=True), _method("mean", "mean"),
-                    _method("max", "max"), _method("dtfd", "dtfd"), _method("transmil", "transmil")]
+                    _method("max", "max"), _method("dtfd", "dtfd"),
+                    _method("transmil", "transmil", dim=32, num_landmarks=8)]  # small: 8 s an epoch at its default width
 
 
 @pytest.mark.parametrize("fmt", ["trident", "clam", "stamp"])
