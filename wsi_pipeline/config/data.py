@@ -100,10 +100,17 @@ class DataConfig(Checked):
         if self.tiles_dir is None and self.features is None:
             raise ValueError("data has neither tiles_dir (the folder of the tile stores) nor features (precomputed "
                              "feature files: `features: {dir: DIR, format: auto}`); give one of them")
-        if self.features is not None and self.stain.normalise != "none":
+        if self.features is not None and self.stain.normalise != "none":  # (checked here: tiles are needed)
             raise ValueError(f"data.stain.normalise={self.stain.normalise!r} with data.features: precomputed features "
                              "were embedded already and cannot be stain-normalised; use normalise: none")
         if self.bags == "patient" and self.stain.normalise != "none":
             # a patient bag mixes slides, each with its own stain estimate; one normaliser per bag would be wrong
             raise ValueError(f"data.bags=patient with data.stain.normalise={self.stain.normalise!r} is not supported: "
                              "a patient's slides each need their own normalisation; use bags: slide, or normalise: none")
+
+    def stores_dir(self) -> str:
+        """``tiles_dir``; ``ValueError`` for a pipeline of precomputed feature files that has none."""
+        if self.tiles_dir is None:
+            raise ValueError("this pipeline has no tile stores (data.tiles_dir is not set; it reads data.features), "
+                             "but this step needs them")
+        return self.tiles_dir

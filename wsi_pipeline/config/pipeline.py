@@ -303,7 +303,7 @@ def tiling_of_pipeline(raw: Mapping[str, Any], *, default_name: str | None = Non
     """
     if not isinstance(raw, Mapping) or raw.get("methods") is not None:
         config = config_from_dict(raw, default_name=default_name)
-        return config.data.tiling, str(config.data.manifest), str(config.data.tiles_dir)
+        return config.data.tiling, str(config.data.manifest), None if config.data.tiles_dir is None else str(config.data.tiles_dir)
     valid = sorted(f.name for f in dataclasses.fields(PipelineConfig))
     for key in raw:
         if key not in valid:

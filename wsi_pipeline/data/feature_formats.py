@@ -320,7 +320,7 @@ def _read_clam_pt(p: Path) -> SlideFeatures:
 
     try:
         obj = torch.load(p, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - anything but a plain tensor file is refused, by name
+    except Exception as e:
         raise ValueError(f"feature file {p} (CLAM pt_files): not a plain tensor file torch.load(weights_only=True) "
                          f"accepts ({type(e).__name__}: {e})") from e
     if not isinstance(obj, torch.Tensor):

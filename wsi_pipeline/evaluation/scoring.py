@@ -98,7 +98,8 @@ def score_slide(
     spares the embedding).
     """
     from wsi_pipeline.data.feature_formats import SlideFeatures
-    from wsi_pipeline.export.thumbnail import StoreThumbnail, store_level0_size, store_tile_extent
+    from wsi_pipeline.data.store import store_level0_size, store_tile_extent
+    from wsi_pipeline.export.thumbnail import StoreThumbnail
 
     if getattr(model, "stain", None) is not None:
         model.stain.attach(store)

@@ -197,7 +197,7 @@ def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarra
 
     if layout != "wsi-pipeline":
         from wsi_pipeline.data.feature_formats import write_features
-        from wsi_pipeline.export.thumbnail import store_level0_size, store_tile_extent
+        from wsi_pipeline.data.store import store_level0_size, store_tile_extent
 
         assert store is not None
         extent = store_tile_extent(store.attrs, store.tile_size)

@@ -49,7 +49,7 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     calibrate_encoder(encoder, method, plan.train, device, stain=plan.stain_ctx)
     # files that exist are checked against the encoder's weights and the store (stale ones are rebuilt)
     report = extract_features(
-        rows, config.data.tiles_dir, out, method.encoder.name, method.encoder.weights,
+        rows, config.data.stores_dir(), out, method.encoder.name, method.encoder.weights,
         encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress, stain=plan.stain_ctx,
         bf16=bool(method.train.bf16) and torch.device(device).type == "cuda",
     )

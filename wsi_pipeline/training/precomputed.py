@@ -49,7 +49,9 @@ def check_feature_files(config: PipelineConfig, slides: Sequence[Slide], *, spli
             f"{len(missing)} {split} slide(s) of the manifest have no feature file (<slide_id>.h5 or .pt) in "
             f"{features_input_dir(config)}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}; "
             "fix data.features.dir or the manifest's slide_id column")
-    kept, empty, dim, first = [], [], 0, None
+    kept: list[Slide] = []
+    empty: list[Slide] = []
+    dim, first = 0, None
     for s in slides:
         sf = read_slide_features(s.store, fmt)
         if dim and sf.feature_dim != dim:

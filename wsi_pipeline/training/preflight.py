@@ -143,8 +143,8 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         val, _ = check_feature_files(config, with_feature_files(config, val), split="val", strict=strict)
         tiling = None
     else:
-        left_out = skipped_by_tiler(config.data.tiles_dir)  # read once: the stores check, both splits and the test split
-        check_stores(train + val, config.data.tiles_dir, left_out)
+        left_out = skipped_by_tiler(config.data.stores_dir())  # read once: the stores check, both splits and the test split
+        check_stores(train + val, config.data.stores_dir(), left_out)
         train = drop_empty(train, split="train", strict=strict, skipped=left_out)
         val = drop_empty(val, split="val", strict=strict, skipped=left_out)
         tiling = check_tiling(train + val, config.data.tiling)
