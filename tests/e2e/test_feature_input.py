@@ -240,3 +240,33 @@ def test_ours_in_trident_layout_trains_the_same_model_as_our_native_files(store_
     pb = pd.read_csv(next((tmp_path / "results" / "r").glob("predictions_*_all.csv")))
     np.testing.assert_array_equal(pa["slide_id"], pb["slide_id"])
     np.testing.assert_allclose(pa["prob_1"], pb["prob_1"], rtol=0, atol=1e-7)
+
+
+def test_features_layout_stamp_writes_micrometres_and_reads_back_as_ours(store_cohort, tmp_path, capsys):
+    from wsi_pipeline.data.feature_formats import read_slide_features
+    from wsi_pipeline.data.store import open_store
+
+    tiles = store_cohort.parent / "tiles"
+    base = ["features", "--manifest", str(store_cohort), "--tiles", str(tiles), "--no-progress", "--quiet"]
+    assert main([*base, "--out", str(tmp_path / "ours")]) == 0
+    assert main([*base, "--out", str(tmp_path / "stamp"), "--layout", "stamp"]) == 0
+    sid = pd.read_csv(store_cohort)["slide_id"][0]
+    store = open_store(tiles / f"{sid}.zarr")
+    mpp0 = float(store.attrs["mpp"]) / float(store.attrs.get("downsample", 1.0))
+    with h5py.File(tmp_path / "stamp" / f"{sid}.h5") as h:
+        assert set(h.keys()) == {"feats", "coords"}
+        np.testing.assert_allclose(h["coords"][:], store.coords * mpp0)  # micrometres
+        assert h.attrs["unit"] == "um" and h.attrs["extractor"] == "resnet18"
+        assert h.attrs["tile_size_px"] == store.tile_size
+        assert h.attrs["tile_size_um"] == pytest.approx(store.tile_size * float(store.attrs.get("downsample", 1.0)) * mpp0)
+    ours = read_slide_features(tmp_path / "ours" / f"{sid}.h5")
+    back = read_slide_features(tmp_path / "stamp" / f"{sid}.h5")
+    assert (ours.format, back.format) == ("wsi-pipeline", "stamp")
+    np.testing.assert_array_equal(back.features, ours.features)
+    np.testing.assert_array_equal(back.coords, ours.coords)
+    capsys.readouterr()
+    assert main([*base, "--out", str(tmp_path / "stamp"), "--layout", "stamp"]) == 0  # up to date: skipped
+    assert "0 written" in capsys.readouterr().out
+    assert main([*base, "--out", str(tmp_path / "stamp")]) == 0  # our layout in that folder: every file rebuilt
+    assert f"{len(pd.read_csv(store_cohort))} written" in capsys.readouterr().out
+    assert read_slide_features(tmp_path / "stamp" / f"{sid}.h5").format == "wsi-pipeline"
