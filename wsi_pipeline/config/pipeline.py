@@ -209,7 +209,7 @@ class PipelineConfig(Checked):
                                  "this pipeline has not; with data.features use encoder: {name: precomputed}")
             if m.encoder.name != "precomputed":
                 continue
-            if m.strategy != "frozen":
+            if strategy_traits(m.strategy).trains_encoder:
                 raise ValueError(f"method {m.name!r}: strategy {m.strategy!r} trains the encoder on tiles; precomputed "
                                  "features (data.features) train the aggregator only: use strategy: frozen")
             if m.train.augment.enabled or m.encoder.calibrate_bn:

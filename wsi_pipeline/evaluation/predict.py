@@ -179,6 +179,16 @@ def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
     return (ref, f"training stores under {cfg.data.tiles_dir}") if ref else (None, None)
 
 
+def _stain_reference_for(model: Any, summary: PredictSummary) -> dict | None:
+    """The training tiles' stain summary the slides are checked against (:func:`_training_stain_reference`), its
+    source filed in ``summary``; a warning when there is none (but for feature files, which have no tiles)."""
+    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
+    if stain_ref is None and not summary.features:
+        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
+                    "slides are not checked for being off-distribution")
+    return stain_ref
+
+
 def _feature_files_to_score(src: Path) -> tuple[Path, list[str], dict[str, str]]:
     """(features folder, slide ids, {}) of a folder of feature files (TRIDENT, CLAM, STAMP or ours; a CLAM or
     TRIDENT output folder works too: :func:`~wsi_pipeline.data.feature_formats.feature_folder`)."""
@@ -269,24 +279,18 @@ def predict_slides(
     model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None, task=model.endpoint.task)
-    features_format = None
-    if model.method.encoder.name == "precomputed":  # a model of precomputed features scores feature files
-        tiles_dir, ids, slide_paths = _feature_files_to_score(src)
-        features_format, summary.features = "auto", True
-    else:
-        tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, tissue_model=tissue_model,
-                                                       workers=workers, progress=progress, cluster=cluster, retries=retries,
-                                                       allow_other_tiling=allow_other_tiling)
+    summary.features = model.method.encoder.name == "precomputed"  # a model of precomputed features scores feature files
+    features_format = "auto" if summary.features else None  # detected per file
+    tiles_dir, ids, slide_paths = _feature_files_to_score(src) if summary.features else _slides_to_score(
+        src, out, model, summary, mpp=mpp, tissue_model=tissue_model, workers=workers, progress=progress, cluster=cluster,
+        retries=retries, allow_other_tiling=allow_other_tiling)
     if distributed.current().enabled:  # every rank tiled the folder together; rank 0's list is the one scored
         ids, slide_paths, summary.failed = distributed.broadcast_object((ids, slide_paths, summary.failed))
     summary.tiles_dir = tiles_dir
     if not ids and not summary.failed:
         raise FileNotFoundError(f"no slides found in {src} (looked for slide files and *.zarr stores)")
     summary.heatmaps_dir = out / "heatmaps" if heatmaps else None
-    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
-    if stain_ref is None and not summary.features:
-        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
-                    "slides are not checked for being off-distribution")
+    stain_ref = _stain_reference_for(model, summary)
     scorer = _SlidePredictor(model, prots, tiles_dir, slide_paths, stain_ref, summary, cohort=src.resolve().name or "predict",
                              seed=seed, batch_size=int(batch_size or getattr(model.method, "chunk_size", 64) or 64),
                              device=dev, heatmap_mode=heatmap_mode, features_format=features_format, mpp=mpp)
