@@ -204,11 +204,10 @@ class PipelineConfig(Checked):
         if self.data.features is None:
             return
         for m in self.methods:
-            if m.encoder.name != "precomputed" and self.data.tiles_dir is None:
-                raise ValueError(f"method {m.name!r}: encoder {m.encoder.name!r} needs tile stores (data.tiles_dir), which "
-                                 "this pipeline has not; with data.features use encoder: {name: precomputed}")
-            if m.encoder.name != "precomputed":
-                continue
+            if m.encoder.name != "precomputed":  # the cohort's slides are feature files: no tiles for an encoder
+                raise ValueError(f"method {m.name!r}: encoder {m.encoder.name!r} embeds tiles, but this pipeline's input is "
+                                 "precomputed feature files (data.features); use encoder: {name: precomputed}, or a "
+                                 "pipeline of its own with data.tiles_dir for this method")
             if strategy_traits(m.strategy).trains_encoder:
                 raise ValueError(f"method {m.name!r}: strategy {m.strategy!r} trains the encoder on tiles; precomputed "
                                  "features (data.features) train the aggregator only: use strategy: frozen")
