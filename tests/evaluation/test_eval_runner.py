@@ -24,7 +24,8 @@ from wsi_pipeline.evaluation.sets import evaluation_sets
 from wsi_pipeline.evaluation.localisation import localisation_auc
 from wsi_pipeline.evaluation.predict import predict_slides
 from wsi_pipeline.export.predictions import prediction_columns
-from wsi_pipeline.export.thumbnail import store_level0_size, thumbnail_shape
+from wsi_pipeline.data.store import store_level0_size
+from wsi_pipeline.export.thumbnail import thumbnail_shape
 from wsi_pipeline.manifests.schema import read_manifest, write_manifest
 from wsi_pipeline.data.store import open_store, store_path
 

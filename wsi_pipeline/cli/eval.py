@@ -113,13 +113,16 @@ def _run(config: PipelineConfig, args: argparse.Namespace) -> int:
         print(f"  skipped {s}")
     from wsi_pipeline.data.bags import skipped_by_tiler
 
-    left_out = skipped_by_tiler(config.data.tiles_dir)
+    left_out = skipped_by_tiler(config.data.tiles_dir) if config.data.tiles_dir else {}
     by_tiler = [sid for sid in summary.missing_stores if sid in left_out]
     missing = [sid for sid in summary.missing_stores if sid not in left_out]
     if by_tiler:
         print(f"  {len(by_tiler)} slide(s) were left out by the tiler (see tiling_report.csv): "
               + "; ".join(f"{sid} ({left_out[sid]})" for sid in by_tiler[:3]) + (" ..." if len(by_tiler) > 3 else ""))
-    if missing:
+    if missing and config.data.features is not None:
+        print(f"  {len(missing)} slide(s) had no feature file in {config.data.features.dir} and were skipped "
+              f"(e.g. {', '.join(missing[:3])})")
+    elif missing:
         print(f"  {len(missing)} slide(s) had no complete tile store and were skipped "
               f"(e.g. {', '.join(missing[:3])}); run `wsi-pipeline tile` for them")
     for sid, why in summary.failed_slides.items():

@@ -62,6 +62,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     help="embed under bfloat16 autocast (fast on recent GPUs; features are stored as float32 and the "
                          "precision is recorded, so float32 and bf16 files never mix) (features.bf16)")
     add_device_argument(p, note="default: auto", key="features.device")
+    p.add_argument("--layout", choices=("wsi-pipeline", "trident", "stamp"), default="wsi-pipeline",
+                   help="file layout (default wsi-pipeline, ours): `trident` writes TRIDENT's job-folder layout, "
+                        "<out>/features_<encoder>/<slide_id>.h5 with `features` [N, D] and `coords` [N, 2] (level-0 px) "
+                        "carrying patch_size, patch_size_level0, level0_magnification, target_magnification, overlap, "
+                        "level0_width, level0_height; `stamp` writes <out>/<slide_id>.h5 with `feats` [N, D] and `coords` "
+                        "[N, 2] in micrometres and the attributes extractor, unit (um), tile_size_um, tile_size_px (needs "
+                        "the stores' mpp). Our own attributes are kept in every layout (docs/interop.md)")
     p.add_argument("--overwrite", action="store_true", help="re-extract files that are already up to date")
     add_output_arguments(p)
     add_failure_argument(p)
@@ -92,10 +99,15 @@ def run(args: argparse.Namespace) -> int:
     config = settings(args)
     cluster = cluster_from_args(args)
     df = read_manifest(args.manifest)
+    out = args.out
+    if args.layout == "trident":  # TRIDENT's job folder: one features_<encoder> folder per encoder
+        from pathlib import Path
+
+        out = str(Path(args.out) / f"features_{config.encoder.replace(':', '-')}")
     report = extract_features(
         df,
         args.tiles,
-        args.out,
+        out,
         config.encoder,
         config.weights,
         batch_size=config.batch_size,
@@ -105,11 +117,13 @@ def run(args: argparse.Namespace) -> int:
         cluster=cluster,
         retries=args.retries,
         bf16=config.bf16,
+        layout=args.layout,
     )
     counts = report["status"].value_counts().to_dict()
     left = report["note"].fillna("").astype(str).str.startswith(LEFT_OUT_NOTE)
     print(f"features: {counts.get('ok', 0)} written, {counts.get('skipped', 0) - int(left.sum())} up to date, "
-          f"{int(left.sum())} skipped (left out by the tiler), {counts.get('failed', 0)} failed -> {args.out}")
+          f"{int(left.sum())} skipped (left out by the tiler), {counts.get('failed', 0)} failed -> {out}"
+          + (f" ({args.layout} layout)" if args.layout != "wsi-pipeline" else ""))
     for _, r in report[left].iterrows():
         print(f"  skipped {r['slide_id']}: {r['note']}")
     for _, r in report[report["status"] == "failed"].iterrows():

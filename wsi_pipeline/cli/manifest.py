@@ -78,7 +78,13 @@ def _add_folder(sub: argparse._SubParsersAction) -> None:
         "slide_id = file name without its ending, labels joined from an optional CSV; unlabelled slides are kept "
         "(for `predict`).",
     )
-    p.add_argument("--slides", required=True, metavar="DIR", help="folder searched recursively for slide files")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--slides", metavar="DIR", help="folder searched recursively for slide files")
+    src.add_argument("--features", metavar="DIR",
+                     help="a folder of feature files instead of slides, each file a slide: <slide_id>.h5 made by TRIDENT "
+                     "(features_<encoder>/), CLAM (h5_files/, or pt_files/<slide_id>.pt: features only), STAMP or "
+                     "`wsi-pipeline features`; a CLAM or TRIDENT output folder is looked into. Train on them with "
+                     "data.features: {dir: DIR} and encoder: {name: precomputed} (docs/interop.md)")
     p.add_argument("--labels", metavar="CSV", help="optional CSV with columns slide_id,label[,patient_id][,split][,mpp] "
                    "(label: integer class, empty = unlabelled); its split, cohort, patient_id, mpp and other columns "
                    "are carried over. Without a split column, splits are drawn (see --split). Survival: columns "
@@ -248,7 +254,8 @@ def _builder(args: argparse.Namespace) -> Callable[[], Any]:
 
         columns = {k: v for k, v in (("time", args.time_column), ("event", args.event_column),
                                      ("target", args.target_column)) if v}
-        return lambda: _drawn(build_folder_manifest(args.slides, args.labels, columns=columns), args)
+        return lambda: _drawn(build_folder_manifest(args.slides or args.features, args.labels, columns=columns,
+                                                    features=bool(args.features)), args)
     if args.cohort_builder == "split":
         from wsi_pipeline.manifests.schema import read_manifest
 

@@ -53,7 +53,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="a run folder (runs/<pipeline>/<method>/seed<k>; its best.pt is used) or a .pt checkpoint")
     p.add_argument("--slides", required=True, metavar="DIR",
                    help="folder of slide files (searched recursively; found and named as `tile --slides` and "
-                        "`manifest folder` do: a.ome.tiff -> a) or of .zarr stores")
+                        "`manifest folder` do: a.ome.tiff -> a) or of .zarr stores; for a model trained on "
+                        "precomputed features (encoder 'precomputed'), a folder of feature files <slide_id>.h5/.pt "
+                        "(TRIDENT, CLAM, STAMP or ours, detected per file; see docs/interop.md)")
     p.add_argument("--out", required=True, metavar="DIR", help="output folder (created; tiles go to <out>/tiles)")
     add_config_flag(p, "--workers", key="predict.workers", type=int, metavar="N",
                     help="tiling processes (predict.workers; default: one per core); 0 = in this process")
@@ -146,5 +148,5 @@ def run(args: argparse.Namespace) -> int:
     print(f"  predictions  {s.predictions}")
     if s.heatmaps_dir is not None and len(df):
         print(f"  heatmaps     {s.heatmaps_dir}/<slide_id>.png, .geojson (QuPath: File > Import objects), _scores.csv")
-    print(f"  tile stores  {s.tiles_dir}")
+    print(f"  {'features   ' if s.features else 'tile stores'}  {s.tiles_dir}")
     return failure_status(bool(s.failed), args)

@@ -13,6 +13,8 @@ from wsi_pipeline.config.schema import Checked, positive, spec
 
 __all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "check_encoder_name", "is_foundation_encoder"]
 
+#: ``encoder.name`` of precomputed features (``data.features``; ``wsi_pipeline.models.encoders.PRECOMPUTED``).
+PRECOMPUTED = "precomputed"
 #: ``encoder.name`` prefix of any timm architecture (``wsi_pipeline.models.foundation.TIMM_PREFIX``).
 TIMM_PREFIX = "timm:"
 
@@ -93,6 +95,9 @@ class EncoderConfig(Checked):
     activations in the backward pass (peak memory set by the chunk, not by the depth; None: on
     for foundation encoders whose weights train).
 
+    ``precomputed``: no encoder; the features come from files (``data.features``, ``strategy: frozen``).
+    ``dim`` is their width D, read from the files when training starts (leave it out).
+
     ``chunk`` and ``train`` normalise with the statistics of the bag (or chunk) being trained on,
     while validation, evaluation and prediction normalise with running statistics: the model can
     learn to read the label from the bag's own statistics and then fails at evaluation. Training
@@ -113,9 +118,15 @@ class EncoderConfig(Checked):
     layer_decay: float | None = field(default=None, metadata=spec(gt=0, le=1))
     lora: LoRAConfig | None = None
     checkpointing: bool | None = None
+    dim: int | None = field(default=None, metadata=spec(gt=0))
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.name == PRECOMPUTED and self.weights is not None:
+            raise ValueError(f"encoder.weights={self.weights!r} with encoder 'precomputed': the features are computed "
+                             "already (data.features); leave weights out")
+        if self.dim is not None and self.name != PRECOMPUTED:
+            raise ValueError(f"encoder.dim is set for encoder {self.name!r}; it is the feature width of 'precomputed' only")
         if self.recalibrate_bn and self.calibrate_bn <= 0:
             raise ValueError("encoder.recalibrate_bn needs encoder.calibrate_bn > 0 (the number of tiles to calibrate on)")
         timm_only = {k: getattr(self, k) for k in ("mean", "std", "input_size", "embedding") if getattr(self, k) is not None}
@@ -144,7 +155,7 @@ class EncoderConfig(Checked):
     def build_options(self) -> dict[str, Any]:
         """Keyword options of :func:`wsi_pipeline.models.build_encoder` for this section (``timm:`` names)."""
         opts = {"timm_kwargs": dict(self.timm_kwargs) or None, "mean": self.mean, "std": self.std,
-                "input_size": self.input_size, "embedding": self.embedding}
+                "input_size": self.input_size, "embedding": self.embedding, "dim": self.dim}
         return {k: v for k, v in opts.items() if v is not None}
 
 

@@ -202,10 +202,35 @@ class PipelineConfig(Checked):
             if grid:
                 raise ValueError(f"data.bags: patient puts several slides in one bag, whose tile grids do not join; "
                                  f"PatchGD methods {grid} need one slide's grid: use data.bags: slide")
+        self._check_feature_input()
         from wsi_pipeline.tasks import get_task
 
         if get_task(self.task).has_classes and self.data.n_classes is None:
             raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+
+    def _check_feature_input(self) -> None:
+        """``data.features`` (precomputed feature files) and ``encoder: {name: precomputed}`` go together, with
+        ``strategy: frozen`` and no augmentation or BatchNorm calibration (there are no tiles)."""
+        pre = [m.name for m in self.methods if m.encoder.name == "precomputed"]
+        if pre and self.data.features is None:
+            raise ValueError(f"methods {pre} use encoder 'precomputed' but data.features is not set; give the folder of "
+                             "the feature files: data.features: {dir: DIR, format: auto}")
+        if self.data.features is None:
+            return
+        for m in self.methods:
+            if m.encoder.name != "precomputed":  # the cohort's slides are feature files: no tiles for an encoder
+                raise ValueError(f"method {m.name!r}: encoder {m.encoder.name!r} embeds tiles, but this pipeline's input is "
+                                 "precomputed feature files (data.features); use encoder: {name: precomputed}, or a "
+                                 "pipeline of its own with data.tiles_dir for this method")
+            if strategy_traits(m.strategy).trains_encoder:
+                raise ValueError(f"method {m.name!r}: strategy {m.strategy!r} trains the encoder on tiles; precomputed "
+                                 "features (data.features) train the aggregator only: use strategy: frozen")
+            if m.train.augment.enabled or m.encoder.calibrate_bn:
+                what = "train.augment" if m.train.augment.enabled else "encoder.calibrate_bn"
+                raise ValueError(f"method {m.name!r}: {what} needs tiles; precomputed features (data.features) have "
+                                 "none: turn it off")
+        if self.data.bags == "patient":
+            raise ValueError("data.bags: patient is not supported with data.features; use bags: slide")
 
     def check_eval_methods(self) -> None:
         """``ValueError`` unless ``eval.methods`` and ``eval.heatmap_method`` name methods of this pipeline.
@@ -292,7 +317,7 @@ def tiling_of_pipeline(raw: Mapping[str, Any], *, default_name: str | None = Non
     """
     if not isinstance(raw, Mapping) or raw.get("methods") is not None:
         config = config_from_dict(raw, default_name=default_name)
-        return config.data.tiling, str(config.data.manifest), str(config.data.tiles_dir)
+        return config.data.tiling, str(config.data.manifest), None if config.data.tiles_dir is None else str(config.data.tiles_dir)
     valid = sorted(f.name for f in dataclasses.fields(PipelineConfig))
     for key in raw:
         if key not in valid:

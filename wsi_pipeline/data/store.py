@@ -33,6 +33,7 @@ Stores verify themselves (stores written before this have no record and are read
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import struct
@@ -61,8 +62,10 @@ __all__ = [
     "marked_complete",
     "open_store",
     "store_bytes",
+    "store_level0_size",
     "store_path",
     "store_problem",
+    "store_tile_extent",
     "verify_store",
 ]
 
@@ -733,3 +736,24 @@ def open_store(path: str | os.PathLike) -> TileStore:
     if marked_complete(path) is None:
         raise ValueError(f"tile store {path} is partial (no `complete: true`); rerun `wsi-pipeline tile` to rebuild it")
     return TileStore(path)
+
+
+def store_tile_extent(attrs: Mapping[str, Any], tile_size: int) -> float:
+    """Tile side in level-0 px: ``tile_size * downsample`` (store attribute, default 1)."""
+    return float(tile_size) * float(attrs.get("downsample", 1.0) or 1.0)
+
+
+def store_level0_size(attrs: Mapping[str, Any], coords: np.ndarray, tile_extent: float) -> tuple[int, int]:
+    """Level-0 (width, height) of a store's slide.
+
+    From the store attributes when the tiler recorded them (``level0_size``, ``slide_dimensions``
+    or ``dimensions`` as (W, H)), else the bounding box of the tiles from the origin.
+    """
+    for key in ("level0_size", "slide_dimensions", "dimensions"):
+        v = attrs.get(key)
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(float(x) > 0 for x in v):
+            return int(v[0]), int(v[1])
+    c = np.asarray(coords).reshape(-1, 2)
+    if len(c) == 0:
+        return max(1, int(math.ceil(tile_extent))), max(1, int(math.ceil(tile_extent)))
+    return int(math.ceil(c[:, 0].max() + tile_extent)), int(math.ceil(c[:, 1].max() + tile_extent))

@@ -331,7 +331,7 @@ def _training_reference(config: PipelineConfig, model: Any, batch_size: int, dev
     from wsi_pipeline.manifests.schema import read_manifest
 
     manifest = read_manifest(config.data.manifest)
-    train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
+    train = slides_for_split(manifest, "train", config.data.tiles_dir or "", task=config.task)
     if config.data.bags == "patient":
         from wsi_pipeline.data.patient_bags import PatientStore, patient_units
 
@@ -340,7 +340,12 @@ def _training_reference(config: PipelineConfig, model: Any, batch_size: int, dev
     targets, scores = [], []
     for s in train:
         try:
-            store = PatientStore(s.slide_id, [p.store for p in s.parts]) if s.parts else open_store(s.store)
+            if config.data.features is not None:  # precomputed feature files (data.features)
+                from wsi_pipeline.training.precomputed import slide_features
+
+                store: Any = slide_features(config, s.slide_id)
+            else:
+                store = PatientStore(s.slide_id, [p.store for p in s.parts]) if s.parts else open_store(s.store)
         except (FileNotFoundError, ValueError):
             continue
         if len(store) == 0:
@@ -394,11 +399,22 @@ class _ScoreTask:
         row["patient_id"] = str(patient) if isinstance(patient, str) and patient else str(mrow["slide_id"])
 
     def _score(self, mrow: pd.Series, row: dict[str, Any], model: Any) -> None:
-        tiles = Path(self.config.data.tiles_dir)
+        if self.config.data.features is not None:  # precomputed feature files (data.features)
+            from wsi_pipeline.training.precomputed import slide_features
+
+            store: Any = slide_features(self.config, row["slide_id"], mrow.get("mpp"))
+            if len(store) == 0:
+                row.update(status="skipped", error=f"its feature file {store.path} has no rows")
+                return
+            row["score"] = score_slide(
+                model, self.config, store, mrow, self.protocols, seed=self.config.eval.seed, batch_size=self.batch_size,
+                device=self.device, heatmap_dir=self.heatmap_dir, heatmap_mode=self.heatmap_mode, title=self.title)
+            return
+        tiles = Path(str(self.config.data.tiles_dir))
         if "slides" in mrow.index:  # a patient bag (data.bags: patient)
             from wsi_pipeline.data.patient_bags import PatientStore
 
-            store: Any = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
+            store = PatientStore(row["slide_id"], [store_path(tiles, s) for s in mrow["slides"]])
         else:
             store = open_store(store_path(tiles, row["slide_id"]))
         if len(store) == 0:

@@ -54,8 +54,9 @@ class PredictSummary:
     rows: list[dict] = field(default_factory=list)
     failed: list[tuple[str, str]] = field(default_factory=list)
     heatmaps_dir: Path | None = None
-    tiles_dir: Path | None = None
+    tiles_dir: Path | None = None  # the tile stores scored, or the feature files (``features``)
     seconds: float = 0.0
+    features: bool = False  # the slides were feature files (a model of precomputed features)
     stain_checks: dict[str, Any] = field(default_factory=dict)  # slide_id -> StainCheck against the training tiles
     stain_reference_source: str | None = None
 
@@ -160,6 +161,8 @@ def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
     """
     if model.stain_reference:
         return model.stain_reference, f"checkpoint {model.checkpoint}"
+    if model.config.data.tiles_dir is None:  # trained on precomputed features: no tiles to summarise
+        return None, None
     try:
         from wsi_pipeline.data.bags import slides_for_split
         from wsi_pipeline.data.stain_stats import stain_reference
@@ -175,6 +178,29 @@ def _training_stain_reference(model: Any) -> tuple[dict | None, str | None]:
         log.info("no stain reference: the checkpoint has none and the training stores cannot be read (%s)", e)
         return None, None
     return (ref, f"training stores under {cfg.data.tiles_dir}") if ref else (None, None)
+
+
+def _stain_reference_for(model: Any, summary: PredictSummary) -> dict | None:
+    """The training tiles' stain summary the slides are checked against (:func:`_training_stain_reference`), its
+    source filed in ``summary``; a warning when there is none (but for feature files, which have no tiles)."""
+    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
+    if stain_ref is None and not summary.features:
+        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
+                    "slides are not checked for being off-distribution")
+    return stain_ref
+
+
+def _feature_files_to_score(src: Path) -> tuple[Path, list[str], dict[str, str]]:
+    """(features folder, slide ids, {}) of a folder of feature files (TRIDENT, CLAM, STAMP or ours; a CLAM or
+    TRIDENT output folder works too: :func:`~wsi_pipeline.data.feature_formats.feature_folder`)."""
+    from wsi_pipeline.data.feature_formats import feature_folder, list_feature_files
+
+    folder = feature_folder(src)
+    files = list_feature_files(folder)
+    if not files:
+        raise FileNotFoundError(f"no feature files (<slide_id>.h5 or .pt) in {folder}: this model was trained on "
+                                "precomputed features (encoder 'precomputed'), so --slides must be a folder of feature files")
+    return folder, [p.stem for p in files], {}
 
 
 def _store_folder(path: Path) -> list[Path]:
@@ -254,22 +280,21 @@ def predict_slides(
     model = load_trained_model(model_path, device=dev, encoder_weights=encoder_weights)
     prots = parse_protocols(protocols)
     summary = PredictSummary(out_dir=out, predictions=None, task=model.endpoint.task)
-    tiles_dir, ids, slide_paths = _slides_to_score(src, out, model, summary, mpp=mpp, tissue_model=tissue_model,
-                                                   workers=workers, progress=progress, cluster=cluster, retries=retries,
-                                                   allow_other_tiling=allow_other_tiling)
+    summary.features = model.method.encoder.name == "precomputed"  # a model of precomputed features scores feature files
+    features_format = "auto" if summary.features else None  # detected per file
+    tiles_dir, ids, slide_paths = _feature_files_to_score(src) if summary.features else _slides_to_score(
+        src, out, model, summary, mpp=mpp, tissue_model=tissue_model, workers=workers, progress=progress, cluster=cluster,
+        retries=retries, allow_other_tiling=allow_other_tiling)
     if distributed.current().enabled:  # every rank tiled the folder together; rank 0's list is the one scored
         ids, slide_paths, summary.failed = distributed.broadcast_object((ids, slide_paths, summary.failed))
     summary.tiles_dir = tiles_dir
     if not ids and not summary.failed:
         raise FileNotFoundError(f"no slides found in {src} (looked for slide files and *.zarr stores)")
     summary.heatmaps_dir = out / "heatmaps" if heatmaps else None
-    stain_ref, summary.stain_reference_source = _training_stain_reference(model)
-    if stain_ref is None:
-        log.warning("no stain summary of the training tiles (checkpoint without one, training stores not found): "
-                    "slides are not checked for being off-distribution")
+    stain_ref = _stain_reference_for(model, summary)
     scorer = _SlidePredictor(model, prots, tiles_dir, slide_paths, stain_ref, summary, cohort=src.resolve().name or "predict",
                              seed=seed, batch_size=int(batch_size or getattr(model.method, "chunk_size", 64) or 64),
-                             device=dev, heatmap_mode=heatmap_mode)
+                             device=dev, heatmap_mode=heatmap_mode, features_format=features_format, mpp=mpp)
     if not _score_slides(scorer, ids, progress=progress):  # rank 0 writes
         summary.seconds = time.perf_counter() - t0
         return summary
@@ -342,11 +367,20 @@ class _SlidePredictor:
     device: str
     heatmap_mode: str
 
+    features_format: str | None = None  # a folder of feature files (a model of precomputed features), read in this format
+    mpp: float | None = None  # level-0 um/px of slides whose files lack it (STAMP's micrometre coordinates)
+
     def __call__(self, sid: str, row: dict[str, Any]) -> None:
         # a missing or damaged store fails this slide only (the runner applies wsi_pipeline.failures)
-        store = open_store(store_path(self.tiles_dir, sid))
+        store: Any
+        if self.features_format is not None:
+            from wsi_pipeline.data.feature_formats import feature_file, read_slide_features
+
+            store = read_slide_features(feature_file(self.tiles_dir, sid), self.features_format, mpp=self.mpp)
+        else:
+            store = open_store(store_path(self.tiles_dir, sid))
         if len(store) == 0:
-            row.update(status="failed", error="the tile store has no tiles")
+            row.update(status="failed", error="the feature file has no rows" if self.features_format else "the tile store has no tiles")
             return
         manifest_row = pd.Series({"slide_id": sid, "path": self.slide_paths.get(sid) or store.attrs.get("slide_path", "")})
         stain, row["stain_check"] = self._stain(sid, store)

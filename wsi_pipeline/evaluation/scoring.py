@@ -31,7 +31,12 @@ def label_of(v: Any) -> int | None:
 
 
 def saved_frozen_features(model: Any, config: PipelineConfig, store: TileStore) -> torch.Tensor | None:
-    """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding)."""
+    """Precomputed features of a frozen method when an up-to-date file exists (saves re-embedding); a
+    :class:`~wsi_pipeline.data.feature_formats.SlideFeatures` (``data.features``) is its own features."""
+    from wsi_pipeline.data.feature_formats import SlideFeatures
+
+    if isinstance(store, SlideFeatures):
+        return torch.from_numpy(store.features)
     strategy = getattr(model.method, "strategy", None)
     if strategy is None or strategy_traits(strategy).trains_encoder:
         return None
@@ -92,23 +97,31 @@ def score_slide(
     from the tiles while they are embedded (or read once, when a frozen method's features file
     spares the embedding).
     """
-    from wsi_pipeline.export.thumbnail import StoreThumbnail, store_level0_size, store_tile_extent
+    from wsi_pipeline.data.feature_formats import SlideFeatures
+    from wsi_pipeline.data.store import store_level0_size, store_tile_extent
+    from wsi_pipeline.export.thumbnail import StoreThumbnail
 
     if getattr(model, "stain", None) is not None:
         model.stain.attach(store)
     extent = store_tile_extent(store.attrs, store.tile_size)
     thumb = level0 = None
     builder = None
+    from_features = isinstance(store, SlideFeatures)  # precomputed features (data.features): no tiles
+    if from_features and store.coords is None:  # CLAM's .pt files: no coordinates to draw a heatmap with
+        heatmap_dir = None
+    slide_file = row.get("path")
+    if from_features and str(slide_file or "").endswith((".h5", ".pt")):  # the manifest names the feature file, not a slide
+        slide_file = None
     if heatmap_dir is not None:
-        thumb, level0 = _slide_thumbnail(row.get("path"))
+        thumb, level0 = _slide_thumbnail(slide_file)
     feats = saved_frozen_features(model, config, store)
     if heatmap_dir is not None and thumb is None:
         builder = StoreThumbnail(store.coords, extent, store_level0_size(store.attrs, store.coords, extent))
     slide_in: Any = store
     if feats is not None:
         slide_in = (feats, store.grid)
-        if builder is not None:  # no embedding pass to piggy-back on: read the tiles once for the thumbnail
-            builder = StoreThumbnail.from_store(store)
+        if builder is not None and not from_features:  # no embedding pass to piggy-back on: read the tiles once
+            builder = StoreThumbnail.from_store(store)  # (feature files: a blank canvas of the slide's level-0 size)
     preds = predict_protocols(
         model.encoder, model.aggregator, slide_in, protocols, slide_id=str(row["slide_id"]), seed=seed,
         batch_size=batch_size, device=device, on_batch=builder.add if (builder is not None and feats is None) else None,

@@ -12,14 +12,13 @@ so the overlay and legend have room even for a small slide.
 from __future__ import annotations
 
 import logging
-import math
 import os
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import cv2
 import numpy as np
 
+from wsi_pipeline.data.store import store_level0_size, store_tile_extent
 from wsi_pipeline.export.heatmap import tile_rects
 from wsi_pipeline.slides.scaled import read_resized
 from wsi_pipeline.types import TileStoreLike
@@ -27,7 +26,7 @@ from wsi_pipeline.types import TileStoreLike
 if TYPE_CHECKING:
     from wsi_pipeline.slides.base import Slide
 
-__all__ = ["thumbnail_shape", "slide_thumbnail", "StoreThumbnail", "store_level0_size", "store_tile_extent"]
+__all__ = ["thumbnail_shape", "slide_thumbnail", "StoreThumbnail"]
 
 log = logging.getLogger(__name__)
 
@@ -50,27 +49,6 @@ def slide_thumbnail(slide: Slide, max_side: int = 1024) -> tuple[np.ndarray, tup
     """
     W, H = (int(v) for v in slide.dimensions)
     return read_resized(slide, thumbnail_shape((W, H), max_side)), (W, H)
-
-
-def store_tile_extent(attrs: Mapping[str, Any], tile_size: int) -> float:
-    """Tile side in level-0 px: ``tile_size * downsample`` (store attribute, default 1)."""
-    return float(tile_size) * float(attrs.get("downsample", 1.0) or 1.0)
-
-
-def store_level0_size(attrs: Mapping[str, Any], coords: np.ndarray, tile_extent: float) -> tuple[int, int]:
-    """Level-0 (width, height) of a store's slide.
-
-    From the store attributes when the tiler recorded them (``level0_size``, ``slide_dimensions``
-    or ``dimensions`` as (W, H)), else the bounding box of the tiles from the origin.
-    """
-    for key in ("level0_size", "slide_dimensions", "dimensions"):
-        v = attrs.get(key)
-        if isinstance(v, (list, tuple)) and len(v) == 2 and all(float(x) > 0 for x in v):
-            return int(v[0]), int(v[1])
-    c = np.asarray(coords).reshape(-1, 2)
-    if len(c) == 0:
-        return max(1, int(math.ceil(tile_extent))), max(1, int(math.ceil(tile_extent)))
-    return int(math.ceil(c[:, 0].max() + tile_extent)), int(math.ceil(c[:, 1].max() + tile_extent))
 
 
 class StoreThumbnail:

@@ -100,13 +100,18 @@ def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict
     """Read a feature file: ``(features float32 [N, D], coords int64 [N, 2] level-0 px, attrs dict)``.
 
     Raises ``FileNotFoundError`` when the file is absent and ``ValueError`` when it lacks the
-    ``features``/``coords`` datasets.
+    ``features``/``coords`` datasets. TRIDENT's, STAMP's and CLAM's ``.pt`` files are read too
+    (:func:`wsi_pipeline.data.feature_formats.read_slide_features`; coordinates in level-0 px, ``grid``
+    in the attributes).
     """
     import h5py
 
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"feature file {path} not found; run `wsi-pipeline features` first")
+    foreign = _foreign_features(path)
+    if foreign is not None:
+        return foreign
     with h5py.File(path, "r") as f:
         missing = [k for k in ("features", "coords") if k not in f]
         if missing:
@@ -119,6 +124,21 @@ def read_features(path: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, dict
     return feats, coords, attrs
 
 
+def _foreign_features(path: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]] | None:
+    """``read_features``' answer for a TRIDENT or STAMP file, or CLAM's ``.pt``; None for ours (and CLAM's h5,
+    whose datasets are ours)."""
+    from wsi_pipeline.data.feature_formats import detect_format, read_slide_features
+
+    try:
+        fmt = detect_format(path)
+    except ValueError:  # no known layout: our reader names what is missing
+        return None
+    if fmt in ("wsi-pipeline", "clam") and path.suffix != ".pt":
+        return None
+    sf = read_slide_features(path, fmt)
+    return sf.features, sf.coords_or_index, {**sf.file_attrs, "grid": sf.grid}
+
+
 #: Attribute -> why a file whose value differs is rebuilt.
 _STALE_BECAUSE = {
     "encoder": "another encoder",
@@ -128,9 +148,10 @@ _STALE_BECAUSE = {
     "precision": "another precision (float32 / bfloat16)",
     "store_fingerprint": "tile store rebuilt or retiled",
     "stain": "stain normalisation changed (data.stain, or the slide's stain estimate)",
+    "layout": "another file layout (features --layout)",
 }
 #: Value of an attribute absent from files written before it existed.
-_ABSENT_MEANS = {"stain": "none"}
+_ABSENT_MEANS = {"stain": "none", "layout": "wsi-pipeline"}
 #: ``precision`` attribute values.
 PRECISIONS = {False: "float32", True: "bfloat16"}
 
@@ -166,10 +187,28 @@ def _report_orphans(out: Path, slide_ids: list[str]) -> list[str]:
     return orphans
 
 
-def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarray, attrs: Mapping[str, Any]) -> None:
-    """Write a feature file atomically (:func:`~wsi_pipeline.io_atomic.atomic_path`), ``complete`` set last."""
+def _write_h5(path: Path, feats: np.ndarray, coords: np.ndarray, grid: np.ndarray, attrs: Mapping[str, Any],
+              layout: str = "wsi-pipeline", store: TileStoreLike | None = None) -> None:
+    """Write a feature file atomically (:func:`~wsi_pipeline.io_atomic.atomic_path`), ``complete`` set last.
+
+    ``layout``: ours, or ``trident`` / ``stamp`` (:func:`wsi_pipeline.data.feature_formats.write_features`, from
+    ``store``'s tile geometry and mpp; our attributes kept on the file, so up-to-date files are still skipped)."""
     import h5py
 
+    if layout != "wsi-pipeline":
+        from wsi_pipeline.data.feature_formats import write_features
+        from wsi_pipeline.data.store import store_level0_size, store_tile_extent
+
+        assert store is not None
+        extent = store_tile_extent(store.attrs, store.tile_size)
+        ds = float(store.attrs.get("downsample", 1.0) or 1.0)
+        mpp = store.attrs.get("mpp")
+        level0_mpp = float(mpp) / ds if mpp else None
+        write_features(path, layout, feats, coords, tile_size_level0=extent,
+                       level0_size=store_level0_size(store.attrs, coords, extent), mpp=level0_mpp,
+                       patch_size=int(store.tile_size), encoder=str(attrs.get("encoder", "")),
+                       attrs={**attrs, "complete": True})
+        return
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             f.create_dataset("features", data=feats.astype(np.float32, copy=False))
@@ -227,6 +266,7 @@ _REPORT_DEFAULTS = {"n_tiles": 0}
 def _slide_features(
     slide_id: str, row: dict[str, Any], encoder: Any, device: str, tiles_dir: str, out: str, encoder_name: str,
     digest: str, batch_size: int, overwrite: bool, stain: Any = None, file_digest: str = "", bf16: bool = False,
+    layout: str = "wsi-pipeline",
 ) -> None:
     """The job runner's work for one slide (:func:`wsi_pipeline.jobs.slide_jobs.run_one`): embed its store into
     ``<out>/<slide_id>.h5`` unless up to date, filling ``row`` (``n_tiles``; ``status`` skipped when up to
@@ -249,7 +289,8 @@ def _slide_features(
 
     expected = {"encoder": encoder_name, "weights_sha256": digest, "weights_file_sha256": file_digest,
                 "preprocessing": preprocessing_record(encoder, int(store.tile_size)), "precision": PRECISIONS[bool(bf16)],
-                "store_fingerprint": store_fingerprint(store), "stain": store.stain.tag if store.stain is not None else "none"}
+                "store_fingerprint": store_fingerprint(store), "stain": store.stain.tag if store.stain is not None else "none",
+                "layout": layout}
     row["n_tiles"] = len(store)
     reason = "--overwrite" if overwrite else _stale_reason(dest, expected)
     if reason is None:
@@ -267,7 +308,7 @@ def _slide_features(
         "package_version": wsi_pipeline.__version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _write_h5(dest, feats, store.coords, store.grid, attrs)
+    _write_h5(dest, feats, store.coords, store.grid, attrs, layout, store)
 
 
 def extract_features(
@@ -287,6 +328,7 @@ def extract_features(
     retries: int = 2,
     stain: Any = None,
     bf16: bool = False,
+    layout: str = "wsi-pipeline",
 ) -> pd.DataFrame:
     """Embed every slide's tile store with a frozen encoder and write ``<out_dir>/<slide_id>.h5``.
 
@@ -312,6 +354,9 @@ def extract_features(
     stain : a fitted :class:`~wsi_pipeline.data.stain_slides.StainContext`: tiles are stain-normalised
         before the encoder, and the normalisation is recorded in each file (its cache key).
     bf16 : embed under bfloat16 autocast (features stored as float32; recorded as ``precision``).
+    layout : ``wsi-pipeline`` (ours), ``trident`` (``features`` + ``coords`` with TRIDENT's attributes on it) or
+        ``stamp`` (``feats`` + ``coords`` in micrometres, STAMP's attributes; needs the stores' mpp); see
+        :mod:`wsi_pipeline.data.feature_formats`. A file of another layout is rebuilt.
 
     Returns
     -------
@@ -340,7 +385,8 @@ def extract_features(
     # a bad slide (missing or damaged store, unwritable file) is a failed row; a bug stops the run (wsi_pipeline.failures)
     rows = run_slides(
         slide_ids, _slide_features,
-        (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain, file_digest, bool(bf16)),
+        (device, str(tiles_dir), str(out), encoder_name, digest, int(batch_size), overwrite, stain, file_digest, bool(bf16),
+         layout),
         defaults=_REPORT_DEFAULTS, broadcast=encoder.cpu() if cluster is not None else encoder,
         cluster=cluster, retries=retries, desc="features", progress=progress,
         report_path=out / REPORT_NAME, columns=REPORT_COLUMNS,

@@ -90,9 +90,13 @@ def _read_labels(labels_csv: Path, columns: Mapping[str, str] | None = None) -> 
 
 def build_folder_manifest(
     slides_dir: str | os.PathLike, labels_csv: str | os.PathLike | None = None, *, cohort: str | None = None,
-    columns: Mapping[str, str] | None = None,
+    columns: Mapping[str, str] | None = None, features: bool = False,
 ) -> pd.DataFrame:
     """Manifest of all slides under ``slides_dir`` (recursive), labelled from ``labels_csv`` when given.
+
+    With ``features``, ``slides_dir`` is a folder of feature files instead (TRIDENT, CLAM, STAMP or ours:
+    ``<slide_id>.h5``, CLAM's ``<slide_id>.pt``; a CLAM or TRIDENT output folder is looked into,
+    :func:`wsi_pipeline.data.feature_formats.feature_folder`): each file is a slide, its ``path`` the file.
 
     Parameters
     ----------
@@ -121,7 +125,14 @@ def build_folder_manifest(
         slide in two splits, a patient in two splits, a non-integer or negative label.
     """
     slides_dir = Path(slides_dir)
-    index = find_slides(slides_dir)
+    if features:
+        from wsi_pipeline.data.feature_formats import feature_folder, list_feature_files
+
+        index = {p.stem: p.resolve() for p in list_feature_files(slides_dir)}
+        if not index:
+            raise ManifestError(f"no feature files (<slide_id>.h5, or CLAM's <slide_id>.pt) in {feature_folder(slides_dir)}")
+    else:
+        index = find_slides(slides_dir)
     if not index:
         raise ManifestError(no_slides_message(slides_dir))
     df = pd.DataFrame({"slide_id": pd.Series(list(index), dtype="string"), "path": [str(p) for p in index.values()]})

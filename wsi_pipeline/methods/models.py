@@ -80,8 +80,9 @@ def frozen_encoder(method: MethodConfig, weights: str | None = None) -> nn.Modul
 
 
 def random_encoder_note(method: MethodConfig) -> str | None:
-    """The warning for a method whose encoder starts from random weights (None when it has a weights file)."""
-    if method.encoder.weights:
+    """The warning for a method whose encoder starts from random weights (None when it has a weights file, or
+    is ``precomputed``: no encoder runs)."""
+    if method.encoder.weights or method.encoder.name == "precomputed":
         return None
     fix = ("`weights: imagenet` (torchvision's ImageNet checkpoint; `wsi-pipeline weights fetch "
            f"{method.encoder.name}` once) or a weights file" if method.encoder.name in ("resnet18", "resnet34", "resnet50")

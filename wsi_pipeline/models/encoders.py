@@ -297,6 +297,39 @@ def ilse_cnn(weights: str | Path | None = None, **kw) -> nn.Module:
     return model
 
 
+#: ``encoder.name`` of precomputed features (``data.features``): no encoder runs, D comes from the files.
+PRECOMPUTED = "precomputed"
+
+
+class PrecomputedEncoder(nn.Module):
+    """The encoder of precomputed features (``encoder: {name: precomputed}``): no parameters, ``num_features`` D
+    taken from the feature files; features [B, D] pass through unchanged, images are refused."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        if int(dim) < 1:
+            raise ValueError(f"precomputed encoder: feature width {dim}; expected >= 1 (D of the feature files)")
+        self.num_features = int(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.ndim != 2 or x.shape[1] != self.num_features:
+            raise ValueError(f"encoder 'precomputed' embeds nothing: it takes features [B, {self.num_features}], got a "
+                             f"tensor of shape {list(x.shape)} (tiles need a real encoder)")
+        return x
+
+
+@ENCODERS.register(PRECOMPUTED)
+def precomputed(weights: str | Path | None = None, dim: int | None = None, **kw) -> nn.Module:
+    """Precomputed features (``data.features``): :class:`PrecomputedEncoder` of width ``dim`` (filled in from the
+    feature files when training starts, :func:`wsi_pipeline.training.precomputed.resolve_precomputed`)."""
+    if weights is not None:
+        raise ValueError(f"encoder 'precomputed' takes no weights (got {weights}); the features are computed already")
+    if dim is None:
+        raise ValueError("encoder 'precomputed' needs its feature width D (encoder.dim), read from the feature files "
+                         "(data.features) when training starts")
+    return PrecomputedEncoder(int(dim))
+
+
 def is_resnet(name: str) -> bool:
     """True for the ResNet encoders (``resnet18``, ``resnet34``, ``resnet50``): the CNNs Big-Layers converts."""
     return name in _RESNETS

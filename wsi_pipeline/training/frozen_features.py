@@ -30,6 +30,10 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     """
     from wsi_pipeline.inference.features import extract_features, features_path
 
+    if config.data.features is not None:  # precomputed files (data.features): nothing to extract
+        from wsi_pipeline.training.precomputed import features_input_dir
+
+        return features_input_dir(config)
     out = Path(frozen_features_dir(method, config.data.features_dir))
     slides = plan.val if method.train.augment.enabled else plan.train + plan.val
     if not slides:
@@ -45,7 +49,7 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     calibrate_encoder(encoder, method, plan.train, device, stain=plan.stain_ctx)
     # files that exist are checked against the encoder's weights and the store (stale ones are rebuilt)
     report = extract_features(
-        rows, config.data.tiles_dir, out, method.encoder.name, method.encoder.weights,
+        rows, config.data.stores_dir(), out, method.encoder.name, method.encoder.weights,
         encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress, stain=plan.stain_ctx,
         bf16=bool(method.train.bf16) and torch.device(device).type == "cuda",
     )

@@ -103,6 +103,10 @@ def train_pipeline(
     memory_check : refuse a method whose predicted peak memory exceeds what is available
         (:mod:`wsi_pipeline.training.memory`); the prediction is logged and recorded either way.
     """
+    if config.data.features is not None:  # precomputed features: the `precomputed` encoder's width D from the files
+        from wsi_pipeline.training.precomputed import feature_dim, resolve_precomputed
+
+        config = resolve_precomputed(config, feature_dim(config))
     chosen = [method_by_name(config, m) for m in methods] if methods else list(config.methods)
     seeds = [int(s) for s in seeds] if seeds else list(config.seeds)
     ddp = distributed.init_from_env()  # under torchrun: join the process group (no-op otherwise)
@@ -125,6 +129,8 @@ def train_pipeline(
         if note and ddp.is_main:
             log.warning(note)
     for method in {m.name: m for m, _, _ in plan.runs}.values():  # before any compute: will it fit?
+        if config.data.features is not None:  # precomputed features: the aggregator alone, no tiles to size it by
+            continue
         plan.memory[method.name] = _predict_memory(config, method, plan, device, check=memory_check and ddp.is_main)
     features: dict[str, Path] = {}
     for method in {m.name: m for m, _, _ in plan.runs}.values():
@@ -132,8 +138,8 @@ def train_pipeline(
             if ddp.is_main:  # rank 0 extracts, the others wait, then read the files
                 ensure_features(config, method, plan, distributed.device_for(resolve_device(device or method.train.device)), progress)
             distributed.barrier()
-            features[method.name] = Path(frozen_features_dir(method, config.data.features_dir))
-    if plan.runs and plan.stain is None:  # for `predict`'s off-distribution check
+            features[method.name] = _features_dir(config, method)
+    if plan.runs and plan.stain is None and config.data.features is None:  # for `predict`'s off-distribution check
         from wsi_pipeline.data.stain_stats import stain_reference
 
         plan.stain = stain_reference(plan.train)
@@ -147,6 +153,16 @@ def train_pipeline(
                 clean_temporary_files(run_dir)
             train_run(config, method, seed, plan, features_dir=features.get(method.name), device=device, progress=progress)
     return [config.run_dir(m.name, s) for m in chosen for s in seeds]
+
+
+def _features_dir(config: PipelineConfig, method: MethodConfig) -> Path:
+    """The folder of a frozen method's feature files: the pipeline's input files (``data.features``), or the
+    method's extracted ones."""
+    if config.data.features is not None:
+        from wsi_pipeline.training.precomputed import features_input_dir
+
+        return features_input_dir(config)
+    return Path(frozen_features_dir(method, config.data.features_dir))
 
 
 @dataclass
@@ -410,7 +426,7 @@ def _model_states(run: _Run) -> tuple[dict[str, Any], dict[str, Any]]:
     weights file keeps only its trained tensors)."""
     models = {name: m.state_dict() for name, m in run.strategy.state_modules().items() if name != "encoder"}
     tile_size = (run.plan.tiling or {}).get("tile_size")
-    if tile_size is None and run.plan.train:  # stores written without tiling settings (generated cohorts)
+    if tile_size is None and run.plan.train and run.config.data.features is None:  # stores without tiling settings
         from wsi_pipeline.data.store import open_store
 
         tile_size = open_store(run.plan.train[0].store).tile_size

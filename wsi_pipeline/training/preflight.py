@@ -78,7 +78,7 @@ def preflight(
     _check_methods(config, methods)
     if distributed.is_main():  # before minutes of compute: the folders this run writes can be written
         check_output_dir(Path(config.runs_dir) / config.name, what="runs folder")
-        if any(check_strategy(m).uses_features for m in methods):
+        if any(check_strategy(m).uses_features for m in methods) and config.data.features is None:
             check_output_dir(config.data.features_dir, what="features folder (data.features_dir)")
     runs, finished, unfinished = [], [], []
     for method in methods:
@@ -123,8 +123,8 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
     manifest = read_manifest(manifest_path, n_classes=config.label_classes)
     get_task(config.task).check_manifest(manifest, str(manifest_path))
     try:
-        train = slides_for_split(manifest, "train", config.data.tiles_dir, task=config.task)
-        val = slides_for_split(manifest, "val", config.data.tiles_dir, task=config.task)
+        train = slides_for_split(manifest, "train", config.data.tiles_dir or "", task=config.task)
+        val = slides_for_split(manifest, "val", config.data.tiles_dir or "", task=config.task)
     except ValueError as e:
         raise ValueError(f"{manifest_path}: {e}") from e
     task = get_task(config.task)
@@ -136,11 +136,19 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         if strict:
             raise ValueError(f"{what}; give them a label or clear their split (--strict refuses them)")
         log.warning("%s; they are left out of training and validation (--strict refuses them)", what)
-    left_out = skipped_by_tiler(config.data.tiles_dir)  # read once: the stores check, both splits and the test split
-    check_stores(train + val, config.data.tiles_dir, left_out)
-    train = drop_empty(train, split="train", strict=strict, skipped=left_out)
-    val = drop_empty(val, split="val", strict=strict, skipped=left_out)
-    tiling = check_tiling(train + val, config.data.tiling)
+    if config.data.features is not None:  # precomputed feature files instead of tile stores
+        from wsi_pipeline.training.precomputed import check_feature_files, with_feature_files
+
+        left_out: dict[str, str] = {}
+        train, _ = check_feature_files(config, with_feature_files(config, train), split="train", strict=strict)
+        val, _ = check_feature_files(config, with_feature_files(config, val), split="val", strict=strict)
+        tiling = None
+    else:
+        left_out = skipped_by_tiler(config.data.stores_dir())  # read once: the stores check, both splits and the test split
+        check_stores(train + val, config.data.stores_dir(), left_out)
+        train = drop_empty(train, split="train", strict=strict, skipped=left_out)
+        val = drop_empty(val, split="val", strict=strict, skipped=left_out)
+        tiling = check_tiling(train + val, config.data.tiling)
     if not train:
         what = task.target_noun
         raise ValueError(

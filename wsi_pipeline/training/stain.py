@@ -52,7 +52,7 @@ def fit_run_stain(config: PipelineConfig, methods: Sequence[MethodConfig], train
         if sc.target not in set(manifest["slide_id"].astype(str)):
             raise ValueError(f"data.stain.target={sc.target!r} is not a slide_id of {config.data.manifest}; "
                              "name a slide of the manifest (with a tile store), or use target: train")
-        target_store = store_path(config.data.tiles_dir, sc.target)
+        target_store = store_path(config.data.stores_dir(), sc.target)
         if not Path(target_store).exists():
             raise FileNotFoundError(f"data.stain.target={sc.target!r}: its tile store {target_store} does not exist; "
                                     "tile that slide first (wsi-pipeline tile)")

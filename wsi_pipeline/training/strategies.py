@@ -301,11 +301,11 @@ class FrozenStrategy(Strategy):
 
     def _feature_paths(self, slides: Sequence[Slide], features_dir: Path | None) -> list[Any]:
         """One feature file per slide; for a patient bag the list of its slides' files."""
-        from wsi_pipeline.inference.features import features_path
+        from wsi_pipeline.data.feature_formats import feature_file
 
         if features_dir is None:
             raise ValueError(f"method {self.method.name!r} is frozen: pass the folder of its feature files (features_dir)")
-        return [[features_path(features_dir, p.slide_id) for p in s.parts] if s.parts else features_path(features_dir, s.slide_id)
+        return [[feature_file(features_dir, p.slide_id) for p in s.parts] if s.parts else feature_file(features_dir, s.slide_id)
                 for s in slides]
 
     def train_reader(self, slides: Sequence[Slide], features_dir: Path | None = None) -> TileReader | FeatureReader:

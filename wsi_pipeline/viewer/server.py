@@ -42,7 +42,7 @@ from wsi_pipeline.viewer.overlays import KINDS, QC_REASONS, SlideOverlays
 from wsi_pipeline.slides.truncation import check_complete, unreadable_reason
 from wsi_pipeline.viewer.probe import probe
 from wsi_pipeline.viewer.query import BadRequest, integer, number
-from wsi_pipeline.viewer.tiles import DeepZoomTiles, SlideTiles, StoreTiles, TileSource, encode, max_zoom
+from wsi_pipeline.viewer.tiles import BlankTiles, DeepZoomTiles, SlideTiles, StoreTiles, TileSource, encode, max_zoom
 
 __all__ = ["MAX_OPEN", "SlideUnavailable", "ViewerServer", "leaflet_dir", "make_server"]
 
@@ -138,6 +138,9 @@ class _Slides:
             kind = f"tile store (slide file gone: {gone})"
         elif store_problem is not None and e.path is None:
             raise store_problem
+        elif e.path is None and e.scores is not None:  # a heatmap only (predictions of feature files): a blank canvas
+            source = BlankTiles.from_scores(folders.check(e.scores, "scores file"))
+            kind = "heatmap only (no slide file or tile store: a blank canvas)"
         elif e.path is not None:
             raise FileNotFoundError(f"slide file not found: {e.path}, and no tile store for {e.slide_id}")
         else:

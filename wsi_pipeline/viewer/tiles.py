@@ -24,6 +24,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import os
 import threading
 from typing import Protocol
 
@@ -224,6 +225,39 @@ class StoreTiles:
         out = np.full((h, w, 3), 255, np.uint8)
         self._paint(x, y, x + w, y + h, 1.0, out)
         return out
+
+    def close(self) -> None:
+        pass
+
+
+class BlankTiles:
+    """A white canvas for a slide known only by its heatmap (predictions of precomputed feature files: no slide
+    file, no tile store): the attention overlay is drawn on it. ``dimensions`` is the extent of the scored tiles
+    (``heatmaps/<slide_id>_scores.csv``: level-0 ``x``, ``y``, ``size``)."""
+
+    def __init__(self, dimensions: tuple[int, int]) -> None:
+        self.dimensions = (max(1, int(dimensions[0])), max(1, int(dimensions[1])))
+        self.background = (255, 255, 255)
+
+    @classmethod
+    def from_scores(cls, scores: str | os.PathLike[str]) -> BlankTiles:
+        """The canvas of a scores CSV's tiles (``ValueError`` naming the file when it lacks ``x``, ``y``, ``size``)."""
+        import pandas as pd
+
+        df = pd.read_csv(scores)
+        missing = {"x", "y", "size"} - set(df.columns)
+        if missing:
+            raise ValueError(f"scores file {scores}: missing column(s) {sorted(missing)}; expected tile, x, y, size, ...")
+        if not len(df):
+            return cls((TILE, TILE))
+        return cls((int(math.ceil((df["x"] + df["size"]).max())), int(math.ceil((df["y"] + df["size"]).max()))))
+
+    def tile(self, z: int, tx: int, ty: int) -> np.ndarray:
+        tile_box(self.dimensions, z, tx, ty)  # a tile outside the pyramid is refused
+        return np.full((TILE, TILE, 3), 255, np.uint8)
+
+    def region(self, x: int, y: int, w: int, h: int) -> np.ndarray:
+        return np.full((h, w, 3), 255, np.uint8)
 
     def close(self) -> None:
         pass
