@@ -23,7 +23,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-encoders bench-loader scale-check view bench-view clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-feature-scale bench-encoders bench-loader scale-check view bench-view clean
 
 install: $(STAMP)
 
@@ -129,6 +129,11 @@ bench-stain: install
 REAL_DATA ?= ../shared/realdata/crc-histophenotypes
 bench-real: install
 	nice -n 10 $(BIN)/python -m benchmarks.real --data $(REAL_DATA) --work runs/bench_real $(ARGS)
+
+# training cost on many large precomputed feature files (TRIDENT layout, generated; 1,000 x 10,000 x 1,024 is
+# about 41 GB): manifest folder --features --crossval, one fold's training, epoch time, peak memory
+bench-feature-scale: install
+	nice -n 10 $(BIN)/python -m benchmarks.feature_scale --work runs/bench_feature_scale $(ARGS)
 
 bench-decode: install
 	$(BIN)/python -m benchmarks.decode $(ARGS)
