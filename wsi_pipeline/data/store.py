@@ -33,6 +33,7 @@ Stores verify themselves (stores written before this have no record and are read
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import struct
@@ -42,6 +43,8 @@ from typing import Any
 
 import numpy as np
 import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync as zarr_sync
 
 from wsi_pipeline.data.codecs import (
     DEFAULT_SHARD_TILES, ChecksumError, DirectCodec, checksum_codec, direct_codec, register_codecs, tile_codecs_for,
@@ -137,11 +140,23 @@ class StoreWriter:
         self.tile_size = int(tile_size)
         self.n = 0
         cap = max(int(capacity), 1)
-        self.group = zarr.open_group(str(self.tmp), mode="w")
-        self.group.attrs.update({**dict(attrs), "complete": False})
         codecs = dict(tile_codecs) if tile_codecs is not None else tile_codecs_for(compression)
         T = self.tile_size
-        self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), dtype="uint8", **layout, **codecs)
+
+        made = _create_direct(self.tmp, {**dict(attrs), "complete": False}, (cap, T, T, 3), layout, codecs)
+        if made is None:  # a layout or codecs that zarr writes: zarr makes the store, in one trip to its event loop
+
+            async def create() -> tuple[Any, Any]:
+                group = await zarr.api.asynchronous.open_group(str(self.tmp), mode="w",
+                                                               attributes={**dict(attrs), "complete": False})
+                return group, await group.create_array("tiles", shape=(cap, T, T, 3), dtype="uint8", **layout, **codecs)
+
+            group, tiles = zarr_sync(create())
+            made = zarr.Group(group), zarr.Array(tiles)
+        self.group, self.tiles = made
+        self._arrays: dict[str, np.ndarray] = {}  # add_array's arrays, written at commit
+        self._attrs: dict[str, Any] = {}  # set_attrs's attributes, written at commit
+        self.files: dict[str, int] = {}  # the committed store's chunk and shard files and their sizes
         self.shard_tiles = int(layout["shards"][0]) if "shards" in layout else 0
         self._direct: _DirectChunks | _DirectShards | None = _direct_for(self.tiles)
         self._pending: list[np.ndarray] = []  # tiles of the open shard, when zarr writes the shards
@@ -222,25 +237,47 @@ class StoreWriter:
             self._pending, self._pending_start = [], self._pending_start + len(block)
 
     def add_array(self, name: str, values: np.ndarray) -> None:
-        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk (one file)."""
-        from zarr.codecs import ZstdCodec
+        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk
+        (one file); written at :meth:`commit` (the same name again replaces it)."""
+        self._arrays[name] = np.ascontiguousarray(values)
 
-        values = np.ascontiguousarray(values)
-        chunks = tuple(max(int(v), 1) for v in values.shape) or None
-        self.group.create_array(name, data=values, chunks=chunks or "auto", overwrite=True,
-                                compressors=[ZstdCodec(level=1), checksum_codec()])
+    def set_attrs(self, attrs: Mapping[str, Any]) -> None:
+        """Add store attributes (e.g. timings); written at :meth:`commit` with ``complete: true``, in one write."""
+        self._attrs.update(attrs)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the committed store's chunk and shard files (its ``integrity`` record; 0 before commit)."""
+        return int(sum(self.files.values()))
 
     def commit(self) -> Path:
-        """Trim, write the small arrays, mark ``complete: true`` last, and rename into place."""
+        """Trim, write the small arrays, mark ``complete: true`` last, and rename into place.
+
+        The small arrays (``coords``, ``grid``, ``foreground``, :meth:`add_array`'s) and the metadata of a
+        directly written ``tiles`` array are written here as files (:func:`_write_small_array`: zarr's own
+        metadata and codec chain, without a trip to zarr's event loop per array: on a store of a few tiles
+        those trips cost several times the decode of the image). The attributes, with ``complete: true``
+        and the ``integrity`` record of every chunk file, are then one write of the group's ``zarr.json``.
+        No file is fsynced: the store is built under a temporary name and only the final rename makes it
+        visible, so a crash leaves a temporary store (removed by the next run) or, after a machine crash, a
+        store whose ``integrity`` check fails on open and is rebuilt.
+        """
         n = self.n
         self._flush()
-        self.tiles.resize((n,) + self.tiles.shape[1:])
-        for name, arr in (("coords", self.coords[:n]), ("grid", self.grid[:n]), ("foreground", self.foreground[:n])):
-            self.add_array(name, arr)
-        for name, parts in self.extra.items():
-            self.add_array(name, np.concatenate(parts))
-        self.group.attrs.update({"n_tiles": n, "integrity": {"scheme": INTEGRITY_SCHEME, "files": _chunk_files(self.tmp)}})
-        self.group.attrs.update({"complete": True})
+        shape = (n,) + tuple(self.tiles.shape[1:])
+        if self._direct is not None:  # its chunk or shard files cover the first n tiles only: nothing to delete
+            _write_metadata(self.tmp / "tiles", _reshaped(self.tiles.metadata, shape))
+        else:
+            self.tiles.resize(shape)
+        arrays = {"coords": self.coords[:n], "grid": self.grid[:n], "foreground": self.foreground[:n]}
+        arrays.update({name: np.concatenate(parts) for name, parts in self.extra.items()})
+        arrays.update(self._arrays)
+        for name, values in arrays.items():
+            _write_small_array(self.group, self.tmp, name, values)
+        self.files = _chunk_files(self.tmp)
+        attrs = {**self.group.metadata.attributes, **self._attrs, "n_tiles": n,
+                 "integrity": {"scheme": INTEGRITY_SCHEME, "files": self.files}, "complete": True}
+        _write_metadata(self.tmp, dataclasses.replace(self.group.metadata, attributes=attrs))
         old = None
         if self.path.exists() or self.path.is_symlink():
             if not is_tile_store(self.path):
@@ -260,6 +297,98 @@ class StoreWriter:
         if isinstance(self._direct, _DirectShards):
             self._direct.discard()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_SMALL_TEMPLATES: dict[tuple[str, int], Any] = {}
+
+
+def _write_metadata(folder: Path, meta: Any) -> None:
+    """Write a zarr v3 node's metadata (``zarr.json``, as zarr serialises it) into ``folder``."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, buf in meta.to_buffer_dict(default_buffer_prototype()).items():
+        (folder / key).write_bytes(buf.to_bytes())
+
+
+def _reshaped(meta: Any, shape: tuple[int, ...], chunks: tuple[int, ...] | None = None) -> Any:
+    """Array metadata ``meta`` with another shape (and chunk shape)."""
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+
+    d = meta.to_dict()
+    d["shape"] = list(shape)
+    if chunks is not None:
+        d["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": list(chunks)}}
+    return ArrayV3Metadata.from_dict(d)
+
+
+_TILES_TEMPLATES: dict[str, Any] = {}
+
+
+def _create_direct(root: Path, attrs: dict[str, Any], shape: tuple[int, ...], layout: Mapping[str, Any],
+                   codecs: Mapping[str, Any]) -> tuple[zarr.Group, zarr.Array] | None:
+    """Create the store folder ``root`` (group with ``attrs``, an empty ``tiles`` array of ``shape``) by writing its
+    two ``zarr.json`` files, for a ``tiles`` array the direct writer writes (:func:`_direct_for`); None otherwise
+    (nothing written).
+
+    The metadata is zarr's own: the ``tiles`` array's is made once per process by zarr in memory and given
+    this shape, the group's is zarr's ``GroupMetadata``; what ``zarr.open_group(mode="w")`` and
+    ``create_array`` would write, without the trips to zarr's event loop they cost (a store of a few tiles
+    would spend more on those than on its tiles).
+    """
+    from zarr.core.array import AsyncArray
+    from zarr.core.group import AsyncGroup, GroupMetadata
+    from zarr.storage import LocalStore, StorePath
+
+    key = repr((shape[1:], sorted(layout.items()), sorted(codecs.items())))
+    template = _TILES_TEMPLATES.get(key)
+    if template is None:
+        made = zarr.create_array(zarr.storage.MemoryStore(), shape=shape, dtype="uint8", **layout, **codecs)
+        template = _TILES_TEMPLATES[key] = made.metadata
+    store = LocalStore(str(root))
+    meta = _reshaped(template, shape)
+    tiles = zarr.Array(AsyncArray(metadata=meta, store_path=StorePath(store, "tiles")))
+    if _direct_for(tiles) is None:
+        return None
+    group_meta = GroupMetadata(attributes=attrs)
+    _write_metadata(root, group_meta)
+    _write_metadata(root / "tiles", meta)
+    return zarr.Group(AsyncGroup(metadata=group_meta, store_path=StorePath(store, ""))), tiles
+
+
+def _write_small_array(group: zarr.Group, root: Path, name: str, values: np.ndarray) -> None:
+    """Write ``values`` as the array ``name`` of the store folder ``root``: one chunk (one file), zstd level 1
+    and a CRC-32C, as ``group.create_array(name, data=values, chunks=values.shape)`` writes it.
+
+    The metadata is zarr's own (made once per dtype and rank by zarr in memory, then given this shape) and
+    the chunk is encoded by the same codec chain (:func:`~wsi_pipeline.data.codecs.direct_codec`), so zarr
+    and :class:`TileStore` read it as any other; a 0-d or non-numeric array is left to zarr.
+    """
+    from zarr.codecs import ZstdCodec
+
+    values = np.ascontiguousarray(values)
+    compressors = [ZstdCodec(level=1), checksum_codec()]
+    if values.ndim == 0 or values.dtype.kind not in "biuf":
+        group.create_array(name, data=values, chunks="auto", overwrite=True, compressors=compressors)
+        return
+    chunks = tuple(max(int(v), 1) for v in values.shape)
+    key = (values.dtype.str, values.ndim)
+    template = _SMALL_TEMPLATES.get(key)
+    if template is None:
+        made = zarr.create_array(zarr.storage.MemoryStore(), shape=chunks, dtype=values.dtype, chunks=chunks,
+                                 compressors=compressors)
+        template = _SMALL_TEMPLATES[key] = (made.metadata, direct_codec(made.metadata.codecs))
+    meta, codec = template
+    meta = _reshaped(meta, values.shape, chunks)
+    folder = root / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    _write_metadata(folder, meta)
+    if values.size:
+        chunk = folder / meta.encode_chunk_key((0,) * values.ndim)
+        chunk.parent.mkdir(parents=True, exist_ok=True)
+        little = values.astype(values.dtype.newbyteorder("<"), copy=False)
+        chunk.write_bytes(codec.encode(np.frombuffer(little.tobytes(), np.uint8)))
 
 
 def _chunk_files(root: Path) -> dict[str, int]:
