@@ -33,7 +33,7 @@ Stores verify themselves (stores written before this have no record and are read
 
 from __future__ import annotations
 
-import dataclasses
+import json
 import os
 import shutil
 import struct
@@ -47,7 +47,7 @@ import zarr.api.asynchronous
 from zarr.core.sync import sync as zarr_sync
 
 from wsi_pipeline.data.codecs import (
-    DEFAULT_SHARD_TILES, ChecksumError, DirectCodec, checksum_codec, direct_codec, register_codecs, tile_codecs_for,
+    DEFAULT_SHARD_TILES, FLAT_KEYS, ChecksumError, DirectCodec, checksum_codec, direct_codec, register_codecs, tile_codecs_for,
     tile_layout_for,
 )
 from wsi_pipeline.slide_ids import slide_output_path
@@ -91,8 +91,6 @@ class StoreDamagedError(ValueError):
 def is_tile_store(path: str | os.PathLike) -> bool:
     """True when ``path`` is a zarr group written as a tile store (complete or not): its
     attributes name a ``slide_id``. A folder that is not one is never replaced or removed."""
-    import json
-
     try:
         meta = json.loads((Path(path) / "zarr.json").read_text())
     except (OSError, ValueError):
@@ -152,8 +150,9 @@ class StoreWriter:
                 return group, await group.create_array("tiles", shape=(cap, T, T, 3), dtype="uint8", **layout, **codecs)
 
             group, tiles = zarr_sync(create())
-            made = zarr.Group(group), zarr.Array(tiles)
-        self.group, self.tiles = made
+            self.group, self.tiles, self._tiles_json = zarr.Group(group), zarr.Array(tiles), None
+        else:
+            self.group, self.tiles, self._tiles_json = made
         self._arrays: dict[str, np.ndarray] = {}  # add_array's arrays, written at commit
         self._attrs: dict[str, Any] = {}  # set_attrs's attributes, written at commit
         self.files: dict[str, int] = {}  # the committed store's chunk and shard files and their sizes
@@ -266,7 +265,7 @@ class StoreWriter:
         self._flush()
         shape = (n,) + tuple(self.tiles.shape[1:])
         if self._direct is not None:  # its chunk or shard files cover the first n tiles only: nothing to delete
-            _write_metadata(self.tmp / "tiles", _reshaped(self.tiles.metadata, shape))
+            _write_json(self.tmp / "tiles", _shaped(self._tiles_json or _zarr_json(self.tiles.metadata), shape))
         else:
             self.tiles.resize(shape)
         arrays = {"coords": self.coords[:n], "grid": self.grid[:n], "foreground": self.foreground[:n]}
@@ -277,7 +276,7 @@ class StoreWriter:
         self.files = _chunk_files(self.tmp)
         attrs = {**self.group.metadata.attributes, **self._attrs, "n_tiles": n,
                  "integrity": {"scheme": INTEGRITY_SCHEME, "files": self.files}, "complete": True}
-        _write_metadata(self.tmp, dataclasses.replace(self.group.metadata, attributes=attrs))
+        _write_json(self.tmp, _group_json(attrs))
         old = None
         if self.path.exists() or self.path.is_symlink():
             if not is_tile_store(self.path):
@@ -299,94 +298,113 @@ class StoreWriter:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-_SMALL_TEMPLATES: dict[tuple[str, int], Any] = {}
+#: zarr.json contents (dicts) made by zarr once per process: small arrays by (dtype, rank), ``tiles`` by layout.
+_SMALL_TEMPLATES: dict[tuple[str, int], tuple[dict[str, Any], str, DirectCodec]] = {}
+_TILES_TEMPLATES: dict[str, dict[str, Any]] = {}
 
 
-def _write_metadata(folder: Path, meta: Any) -> None:
-    """Write a zarr v3 node's metadata (``zarr.json``, as zarr serialises it) into ``folder``."""
+def _write_json(folder: Path, meta: Mapping[str, Any]) -> None:
+    """Write a zarr v3 node's metadata ``meta`` (the dict zarr serialises) as ``folder/zarr.json``.
+
+    zarr writes the same dict with ``json.dumps(allow_nan=True, indent=2)``; without the indent the C
+    encoder does it (a tenth of the time on a store's attributes) and any JSON reader, zarr's included,
+    reads the same metadata.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "zarr.json").write_bytes(json.dumps(meta, allow_nan=True).encode())
+
+
+def _zarr_json(meta: Any) -> dict[str, Any]:
+    """The dict zarr writes as ``zarr.json`` for the metadata object ``meta``."""
     from zarr.core.buffer import default_buffer_prototype
 
-    folder.mkdir(parents=True, exist_ok=True)
-    for key, buf in meta.to_buffer_dict(default_buffer_prototype()).items():
-        (folder / key).write_bytes(buf.to_bytes())
+    out: dict[str, Any] = json.loads(meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+    return out
 
 
-def _reshaped(meta: Any, shape: tuple[int, ...], chunks: tuple[int, ...] | None = None) -> Any:
-    """Array metadata ``meta`` with another shape (and chunk shape)."""
-    from zarr.core.metadata.v3 import ArrayV3Metadata
+def _group_json(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The group ``zarr.json`` dict zarr writes for a group with ``attrs`` (``GroupMetadata.to_dict``)."""
+    return {"attributes": dict(attrs), "zarr_format": 3, "consolidated_metadata": None, "node_type": "group"}
 
-    d = meta.to_dict()
-    d["shape"] = list(shape)
+
+def _shaped(meta: Mapping[str, Any], shape: tuple[int, ...], chunks: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Array metadata dict ``meta`` with another shape (and chunk shape)."""
+    d = dict(meta)
+    d["shape"] = [int(v) for v in shape]
     if chunks is not None:
-        d["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": list(chunks)}}
-    return ArrayV3Metadata.from_dict(d)
-
-
-_TILES_TEMPLATES: dict[str, Any] = {}
+        d["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [int(v) for v in chunks]}}
+    return d
 
 
 def _create_direct(root: Path, attrs: dict[str, Any], shape: tuple[int, ...], layout: Mapping[str, Any],
-                   codecs: Mapping[str, Any]) -> tuple[zarr.Group, zarr.Array] | None:
-    """Create the store folder ``root`` (group with ``attrs``, an empty ``tiles`` array of ``shape``) by writing its
-    two ``zarr.json`` files, for a ``tiles`` array the direct writer writes (:func:`_direct_for`); None otherwise
+                   codecs: Mapping[str, Any]) -> tuple[zarr.Group, zarr.Array, dict[str, Any]] | None:
+    """Create the store folder ``root`` for a group with ``attrs`` and a ``tiles`` array of ``shape`` that the direct
+    writer writes (:func:`_direct_for`): the group, the array and the array's metadata dict; None otherwise
     (nothing written).
 
     The metadata is zarr's own: the ``tiles`` array's is made once per process by zarr in memory and given
-    this shape, the group's is zarr's ``GroupMetadata``; what ``zarr.open_group(mode="w")`` and
-    ``create_array`` would write, without the trips to zarr's event loop they cost (a store of a few tiles
-    would spend more on those than on its tiles).
+    this shape, the group's is ``GroupMetadata.to_dict``'s, written now and again at commit;
+    :meth:`StoreWriter.commit` writes the array's, as
+    ``zarr.open_group(mode="w")``, ``create_array`` and ``resize`` would have, without the trips to zarr's
+    event loop they cost (a store of a few tiles would spend more on those than on its tiles).
     """
     from zarr.core.array import AsyncArray
     from zarr.core.group import AsyncGroup, GroupMetadata
+    from zarr.core.metadata.v3 import ArrayV3Metadata
     from zarr.storage import LocalStore, StorePath
 
     key = repr((shape[1:], sorted(layout.items()), sorted(codecs.items())))
     template = _TILES_TEMPLATES.get(key)
     if template is None:
         made = zarr.create_array(zarr.storage.MemoryStore(), shape=shape, dtype="uint8", **layout, **codecs)
-        template = _TILES_TEMPLATES[key] = made.metadata
+        template = _TILES_TEMPLATES[key] = _zarr_json(made.metadata)
     store = LocalStore(str(root))
-    meta = _reshaped(template, shape)
-    tiles = zarr.Array(AsyncArray(metadata=meta, store_path=StorePath(store, "tiles")))
+    meta = _shaped(template, shape)
+    tiles = zarr.Array(AsyncArray(metadata=ArrayV3Metadata.from_dict(meta), store_path=StorePath(store, "tiles")))
     if _direct_for(tiles) is None:
         return None
-    group_meta = GroupMetadata(attributes=attrs)
-    _write_metadata(root, group_meta)
-    _write_metadata(root / "tiles", meta)
-    return zarr.Group(AsyncGroup(metadata=group_meta, store_path=StorePath(store, ""))), tiles
+    # the group's zarr.json now (a partial store says ``complete: false``), the tiles' at commit (their number is
+    # known only then; the direct writer needs none)
+    _write_json(root, _group_json(attrs))
+    group = AsyncGroup(metadata=GroupMetadata(attributes=attrs), store_path=StorePath(store, ""))
+    return zarr.Group(group), tiles, meta
 
 
 def _write_small_array(group: zarr.Group, root: Path, name: str, values: np.ndarray) -> None:
-    """Write ``values`` as the array ``name`` of the store folder ``root``: one chunk (one file), zstd level 1
-    and a CRC-32C, as ``group.create_array(name, data=values, chunks=values.shape)`` writes it.
+    """Write ``values`` as the array ``name`` of the store folder ``root``: one chunk (one file, ``c.0.0``: the flat
+    chunk keys of the ``tiles`` array), zstd level 1 and a CRC-32C, as ``group.create_array(name, data=values,
+    chunks=values.shape, chunk_key_encoding=FLAT_KEYS)`` writes it.
 
     The metadata is zarr's own (made once per dtype and rank by zarr in memory, then given this shape) and
     the chunk is encoded by the same codec chain (:func:`~wsi_pipeline.data.codecs.direct_codec`), so zarr
-    and :class:`TileStore` read it as any other; a 0-d or non-numeric array is left to zarr.
+    and :class:`TileStore` read it as any other (a chunk of fill values only, which zarr leaves out, is
+    written); a 0-d or non-numeric array is left to zarr.
     """
     from zarr.codecs import ZstdCodec
 
     values = np.ascontiguousarray(values)
     compressors = [ZstdCodec(level=1), checksum_codec()]
     if values.ndim == 0 or values.dtype.kind not in "biuf":
-        group.create_array(name, data=values, chunks="auto", overwrite=True, compressors=compressors)
+        group.create_array(name, data=values, chunks="auto", overwrite=True, compressors=compressors,
+                           chunk_key_encoding=FLAT_KEYS)
         return
     chunks = tuple(max(int(v), 1) for v in values.shape)
     key = (values.dtype.str, values.ndim)
     template = _SMALL_TEMPLATES.get(key)
     if template is None:
         made = zarr.create_array(zarr.storage.MemoryStore(), shape=chunks, dtype=values.dtype, chunks=chunks,
-                                 compressors=compressors)
-        template = _SMALL_TEMPLATES[key] = (made.metadata, direct_codec(made.metadata.codecs))
-    meta, codec = template
-    meta = _reshaped(meta, values.shape, chunks)
+                                 compressors=compressors, chunk_key_encoding=FLAT_KEYS)
+        codec = direct_codec(made.metadata.codecs)
+        if codec is None:  # pragma: no cover - bytes + zstd + crc32c is always one
+            raise RuntimeError("no direct codec for the small arrays' codecs")
+        template = _SMALL_TEMPLATES[key] = (_zarr_json(made.metadata), made.metadata.encode_chunk_key((0,) * values.ndim), codec)
+    meta, chunk_key, codec = template
     folder = root / name
     if folder.exists():
         shutil.rmtree(folder)
-    _write_metadata(folder, meta)
+    _write_json(folder, _shaped(meta, values.shape, chunks))
     if values.size:
-        chunk = folder / meta.encode_chunk_key((0,) * values.ndim)
-        chunk.parent.mkdir(parents=True, exist_ok=True)
+        chunk = folder / chunk_key  # one file beside zarr.json (the tiles' flat chunk keys: no c/0/ folders)
         little = values.astype(values.dtype.newbyteorder("<"), copy=False)
         chunk.write_bytes(codec.encode(np.frombuffer(little.tobytes(), np.uint8)))
 
@@ -737,6 +755,8 @@ def complete_attrs(path: str | os.PathLike) -> dict[str, Any] | None:
 def marked_complete(path: str | os.PathLike) -> dict[str, Any] | None:
     """The attributes of the store at ``path`` when they say ``complete: true`` (its files unchecked);
     None when it is missing, unreadable or partial."""
+    if not os.path.isfile(os.path.join(path, "zarr.json")):  # no store (the usual case on a first run): no zarr call
+        return None
     try:
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
     except Exception:  # any unreadable or missing store is simply not complete
