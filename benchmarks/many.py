@@ -17,6 +17,10 @@ theirs; every ``--generated``-th image instead a generated one (pink stained blo
 and all of them generated when the real folder is absent. They are written once per (n, size,
 generated) into ``--work``.
 
+``--features ENCODER`` adds ``wsi-pipeline features`` (that encoder, random weights, on the CPU, in
+one process) over the last tiling run's stores, against the decode floor on one process: what a
+slide costs to embed once tiled.
+
 ``--package`` runs the stages with another checkout's package (its root put first on the
 stages' ``PYTHONPATH``), e.g. the commit before a change, for a before/after table in one sitting.
 
@@ -177,6 +181,23 @@ def run_tile(images: Path, out: Path, tile_size: int, workers: int, package: Pat
     return wall, cpu
 
 
+def run_features(tiles: Path, images: list[Path], out: Path, encoder: str, package: Path | None = None) -> tuple[float, float]:
+    """Wall and CPU seconds of ``python -m wsi_pipeline features`` (``encoder``, random weights, CPU) over the tile
+    stores ``tiles`` of ``images`` into a fresh ``out``."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    manifest = out.with_name(out.name + "_manifest.csv")
+    manifest.write_text("slide_id,path\n" + "".join(f"{p.stem},{p}\n" for p in images))
+    cmd = [sys.executable, "-m", "wsi_pipeline", "features", "--manifest", str(manifest), "--tiles", str(tiles),
+           "--out", str(out), "--encoder", encoder, "--device", "cpu", "--no-progress", "--quiet"]
+    c0, t0 = _children_cpu(), time.perf_counter()
+    done = subprocess.run(cmd, env=_stage_env(package), cwd=str(package or ROOT), capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    if done.returncode != 0:
+        raise RuntimeError(f"features failed ({done.returncode}): {done.stderr[-2000:]}")
+    return wall, cpu
+
+
 def measure(stage: list[tuple[float, float]], decode: list[tuple[float, float]], *, name: str, n: int,
             workers: int) -> StageRow:
     """The row of a stage from its measured (wall, CPU) seconds per run and the decode floor's (medians; per item in ms)."""
@@ -198,8 +219,9 @@ def table(rows: list[StageRow]) -> str:
 
 
 def run(n: int, size: int, tile_size: int, workers: int, repeats: int, work: Path, *, real: Path | None = DEFAULT_REAL,
-        generated_every: int = 10, package: Path | None = None, keep: bool = False) -> dict[str, Any]:
-    """Make the images, then alternate the decode floor and ``tile`` ``repeats`` times; the results (JSON-ready)."""
+        generated_every: int = 10, package: Path | None = None, keep: bool = False, features: str | None = None) -> dict[str, Any]:
+    """Make the images, then alternate the decode floor and ``tile`` ``repeats`` times (with ``features``, an encoder
+    name: then the one-process decode floor and ``features`` on the last run's stores); the results (JSON-ready)."""
     images = work / f"images_n{n}_s{size}_g{generated_every}"
     paths = make_images(images, n, size, real=real, generated_every=generated_every)
     load_before = os.getloadavg()
@@ -208,12 +230,24 @@ def run(n: int, size: int, tile_size: int, workers: int, repeats: int, work: Pat
     for r in range(repeats):
         decode.append(decode_files(paths, workers))
         tile.append(run_tile(images, work / f"tiles_{r}", tile_size, workers, package))
-        if not keep:
+        if not keep and (r < repeats - 1 or not features):
             shutil.rmtree(work / f"tiles_{r}", ignore_errors=True)
     rows = [measure(tile, decode, name="tile", n=n, workers=workers)]
+    runs: dict[str, Any] = {"decode_wall_cpu_s": decode, "tile_wall_cpu_s": tile}
+    if features:  # one process (torch's threads): against decoding on one process
+        decode1, feats = [], []
+        for r in range(repeats):
+            decode1.append(decode_files(paths, 1))
+            feats.append(run_features(work / f"tiles_{repeats - 1}", paths, work / f"features_{r}", features, package))
+            if not keep:
+                shutil.rmtree(work / f"features_{r}", ignore_errors=True)
+        rows.append(measure(feats, decode1, name=f"features ({features})", n=n, workers=1))
+        runs.update(decode_1_wall_cpu_s=decode1, features_wall_cpu_s=feats)
+        if not keep:
+            shutil.rmtree(work / f"tiles_{repeats - 1}", ignore_errors=True)
     return {
         "rows": [asdict(r) for r in rows], "table": table(rows),
-        "runs": {"decode_wall_cpu_s": decode, "tile_wall_cpu_s": tile},
+        "runs": runs,
         "settings": {"n": n, "size": size, "tile_size": tile_size, "workers": workers, "repeats": repeats,
                      "real": str(real) if real else None, "generated_every": generated_every,
                      "package": str(package) if package else str(ROOT)},
@@ -235,11 +269,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--package", type=Path, default=None, help="run the stages with this checkout's package")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--keep", action="store_true", help="keep the stages' outputs")
+    ap.add_argument("--features", default=None, metavar="ENCODER",
+                    help="also time `features` with this encoder (random weights, CPU, one process; e.g. ilse_cnn, resnet18)")
     a = ap.parse_args(argv)
     if a.n < 1 or a.repeats < 1:
         ap.error("--n and --repeats must be >= 1")
     res = run(a.n, a.size, a.tile_size, a.workers, a.repeats, a.work, real=a.real if a.real and a.real.is_dir() else None,
-              generated_every=a.generated_every, package=a.package, keep=a.keep)
+              generated_every=a.generated_every, package=a.package, keep=a.keep, features=a.features)
     print(f"{a.n} images of {a.size} px, {a.tile_size} px tiles, {a.workers} workers, {a.repeats} repeats; "
           f"load {res['load']['before']} -> {res['load']['after']} on {res['cpus']} cpus")
     print(res["table"])

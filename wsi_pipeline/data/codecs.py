@@ -140,7 +140,7 @@ def lossless_tile_codecs() -> dict[str, Any]:
 
 
 #: Chunk keys ``c.0.0`` (one file per chunk beside ``zarr.json``, no ``c/0/`` folders), of every array of new stores.
-FLAT_KEYS = {"name": "default", "configuration": {"separator": "."}}
+FLAT_KEYS: dict[str, Any] = {"name": "default", "configuration": {"separator": "."}}
 _FLAT_KEYS = FLAT_KEYS
 
 

@@ -12,6 +12,10 @@ describe the slide and the tiling (with the tile formula's parameters, see
 Writes are atomic at the store level: :class:`StoreWriter` builds ``.<slide_id>.zarr.tmp-<pid>``
 beside the destination and only :meth:`StoreWriter.commit` swaps it in, so a crash never
 leaves a store marked complete, and a failed rebuild never destroys an earlier good store.
+The tiler's stores (tiles the direct writer writes) are written as files throughout: the
+``zarr.json`` files are zarr's own metadata, made once per process by zarr in memory, and the small
+arrays' chunks go through the same codec chain; a store of a few tiles costs about its files, not
+a dozen trips to zarr's event loop (see ``docs/tiling.md``, "Many small images").
 Inside it, each shard is streamed into a temporary file and renamed into place once its index is
 written, so a shard file is complete or absent.
 
@@ -268,7 +272,7 @@ class StoreWriter:
             _write_json(self.tmp / "tiles", _shaped(self._tiles_json or _zarr_json(self.tiles.metadata), shape))
         else:
             self.tiles.resize(shape)
-        arrays = {"coords": self.coords[:n], "grid": self.grid[:n], "foreground": self.foreground[:n]}
+        arrays: dict[str, np.ndarray] = {"coords": self.coords[:n], "grid": self.grid[:n], "foreground": self.foreground[:n]}
         arrays.update({name: np.concatenate(parts) for name, parts in self.extra.items()})
         arrays.update(self._arrays)
         for name, values in arrays.items():
@@ -394,7 +398,7 @@ def _write_small_array(group: zarr.Group, root: Path, name: str, values: np.ndar
     if template is None:
         made = zarr.create_array(zarr.storage.MemoryStore(), shape=chunks, dtype=values.dtype, chunks=chunks,
                                  compressors=compressors, chunk_key_encoding=FLAT_KEYS)
-        codec = direct_codec(made.metadata.codecs)
+        codec = direct_codec(getattr(made.metadata, "codecs", ()))
         if codec is None:  # pragma: no cover - bytes + zstd + crc32c is always one
             raise RuntimeError("no direct codec for the small arrays' codecs")
         template = _SMALL_TEMPLATES[key] = (_zarr_json(made.metadata), made.metadata.encode_chunk_key((0,) * values.ndim), codec)
