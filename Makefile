@@ -23,7 +23,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-feature-scale bench-encoders bench-loader scale-check view bench-view clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-feature-scale bench-encoders bench-loader bench-many scale-check view bench-view clean
 
 install: $(STAMP)
 
@@ -159,6 +159,11 @@ bench-verify: install
 
 bench-loader: install
 	$(BIN)/python -m benchmarks.loader $(ARGS)
+
+# many small images (real colon images turned and flipped, and generated ones) through `tile`, against decoding
+# them on as many processes: per-item cost and ratio, wall and CPU (ARGS="--n 800 --size 500 --tile-size 128 --workers 2")
+bench-many: install
+	$(BIN)/python -m benchmarks.many $(ARGS)
 
 # the viewer: time to first tile and per level-0 tile on a 28672 px slide, memory with 1000 slides listed
 bench-view: install

@@ -139,7 +139,9 @@ def lossless_tile_codecs() -> dict[str, Any]:
     return {"compressors": [ZstdCodec(level=1), checksum_codec()]}
 
 
-_FLAT_KEYS = {"name": "default", "configuration": {"separator": "."}}
+#: Chunk keys ``c.0.0`` (one file per chunk beside ``zarr.json``, no ``c/0/`` folders), of every array of new stores.
+FLAT_KEYS: dict[str, Any] = {"name": "default", "configuration": {"separator": "."}}
+_FLAT_KEYS = FLAT_KEYS
 
 
 def tile_codecs_for(compression: str) -> dict[str, Any]:

@@ -12,6 +12,10 @@ describe the slide and the tiling (with the tile formula's parameters, see
 Writes are atomic at the store level: :class:`StoreWriter` builds ``.<slide_id>.zarr.tmp-<pid>``
 beside the destination and only :meth:`StoreWriter.commit` swaps it in, so a crash never
 leaves a store marked complete, and a failed rebuild never destroys an earlier good store.
+The tiler's stores (tiles the direct writer writes) are written as files throughout: the
+``zarr.json`` files are zarr's own metadata, made once per process by zarr in memory, and the small
+arrays' chunks go through the same codec chain; a store of a few tiles costs about its files, not
+a dozen trips to zarr's event loop (see ``docs/tiling.md``, "Many small images").
 Inside it, each shard is streamed into a temporary file and renamed into place once its index is
 written, so a shard file is complete or absent.
 
@@ -33,6 +37,7 @@ Stores verify themselves (stores written before this have no record and are read
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -43,9 +48,11 @@ from typing import Any
 
 import numpy as np
 import zarr
+import zarr.api.asynchronous
+from zarr.core.sync import sync as zarr_sync
 
 from wsi_pipeline.data.codecs import (
-    DEFAULT_SHARD_TILES, ChecksumError, DirectCodec, checksum_codec, direct_codec, register_codecs, tile_codecs_for,
+    DEFAULT_SHARD_TILES, FLAT_KEYS, ChecksumError, DirectCodec, checksum_codec, direct_codec, register_codecs, tile_codecs_for,
     tile_layout_for,
 )
 from wsi_pipeline.slide_ids import slide_output_path
@@ -91,8 +98,6 @@ class StoreDamagedError(ValueError):
 def is_tile_store(path: str | os.PathLike) -> bool:
     """True when ``path`` is a zarr group written as a tile store (complete or not): its
     attributes name a ``slide_id``. A folder that is not one is never replaced or removed."""
-    import json
-
     try:
         meta = json.loads((Path(path) / "zarr.json").read_text())
     except (OSError, ValueError):
@@ -140,11 +145,24 @@ class StoreWriter:
         self.tile_size = int(tile_size)
         self.n = 0
         cap = max(int(capacity), 1)
-        self.group = zarr.open_group(str(self.tmp), mode="w")
-        self.group.attrs.update({**dict(attrs), "complete": False})
         codecs = dict(tile_codecs) if tile_codecs is not None else tile_codecs_for(compression)
         T = self.tile_size
-        self.tiles = self.group.create_array("tiles", shape=(cap, T, T, 3), dtype="uint8", **layout, **codecs)
+
+        made = _create_direct(self.tmp, {**dict(attrs), "complete": False}, (cap, T, T, 3), layout, codecs)
+        if made is None:  # a layout or codecs that zarr writes: zarr makes the store, in one trip to its event loop
+
+            async def create() -> tuple[Any, Any]:
+                group = await zarr.api.asynchronous.open_group(str(self.tmp), mode="w",
+                                                               attributes={**dict(attrs), "complete": False})
+                return group, await group.create_array("tiles", shape=(cap, T, T, 3), dtype="uint8", **layout, **codecs)
+
+            group, tiles = zarr_sync(create())
+            self.group, self.tiles, self._tiles_json = zarr.Group(group), zarr.Array(tiles), None
+        else:
+            self.group, self.tiles, self._tiles_json = made
+        self._arrays: dict[str, np.ndarray] = {}  # add_array's arrays, written at commit
+        self._attrs: dict[str, Any] = {}  # set_attrs's attributes, written at commit
+        self.files: dict[str, int] = {}  # the committed store's chunk and shard files and their sizes
         self.shard_tiles = int(layout["shards"][0]) if "shards" in layout else 0
         self._direct: _DirectChunks | _DirectShards | None = _direct_for(self.tiles)
         self._pending: list[np.ndarray] = []  # tiles of the open shard, when zarr writes the shards
@@ -225,25 +243,47 @@ class StoreWriter:
             self._pending, self._pending_start = [], self._pending_start + len(block)
 
     def add_array(self, name: str, values: np.ndarray) -> None:
-        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk (one file)."""
-        from zarr.codecs import ZstdCodec
+        """Store an extra per-tile or per-slide array (e.g. ``lesion`` ground truth) under ``name``, as one chunk
+        (one file); written at :meth:`commit` (the same name again replaces it)."""
+        self._arrays[name] = np.ascontiguousarray(values)
 
-        values = np.ascontiguousarray(values)
-        chunks = tuple(max(int(v), 1) for v in values.shape) or None
-        self.group.create_array(name, data=values, chunks=chunks or "auto", overwrite=True,
-                                compressors=[ZstdCodec(level=1), checksum_codec()])
+    def set_attrs(self, attrs: Mapping[str, Any]) -> None:
+        """Add store attributes (e.g. timings); written at :meth:`commit` with ``complete: true``, in one write."""
+        self._attrs.update(attrs)
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the committed store's chunk and shard files (its ``integrity`` record; 0 before commit)."""
+        return int(sum(self.files.values()))
 
     def commit(self) -> Path:
-        """Trim, write the small arrays, mark ``complete: true`` last, and rename into place."""
+        """Trim, write the small arrays, mark ``complete: true`` last, and rename into place.
+
+        The small arrays (``coords``, ``grid``, ``foreground``, :meth:`add_array`'s) and the metadata of a
+        directly written ``tiles`` array are written here as files (:func:`_write_small_array`: zarr's own
+        metadata and codec chain, without a trip to zarr's event loop per array: on a store of a few tiles
+        those trips cost several times the decode of the image). The attributes, with ``complete: true``
+        and the ``integrity`` record of every chunk file, are then one write of the group's ``zarr.json``.
+        No file is fsynced: the store is built under a temporary name and only the final rename makes it
+        visible, so a crash leaves a temporary store (removed by the next run) or, after a machine crash, a
+        store whose ``integrity`` check fails on open and is rebuilt.
+        """
         n = self.n
         self._flush()
-        self.tiles.resize((n,) + self.tiles.shape[1:])
-        for name, arr in (("coords", self.coords[:n]), ("grid", self.grid[:n]), ("foreground", self.foreground[:n])):
-            self.add_array(name, arr)
-        for name, parts in self.extra.items():
-            self.add_array(name, np.concatenate(parts))
-        self.group.attrs.update({"n_tiles": n, "integrity": {"scheme": INTEGRITY_SCHEME, "files": _chunk_files(self.tmp)}})
-        self.group.attrs.update({"complete": True})
+        shape = (n,) + tuple(self.tiles.shape[1:])
+        if self._direct is not None:  # its chunk or shard files cover the first n tiles only: nothing to delete
+            _write_json(self.tmp / "tiles", _shaped(self._tiles_json or _zarr_json(self.tiles.metadata), shape))
+        else:
+            self.tiles.resize(shape)
+        arrays: dict[str, np.ndarray] = {"coords": self.coords[:n], "grid": self.grid[:n], "foreground": self.foreground[:n]}
+        arrays.update({name: np.concatenate(parts) for name, parts in self.extra.items()})
+        arrays.update(self._arrays)
+        for name, values in arrays.items():
+            _write_small_array(self.group, self.tmp, name, values)
+        self.files = _chunk_files(self.tmp)
+        attrs = {**self.group.metadata.attributes, **self._attrs, "n_tiles": n,
+                 "integrity": {"scheme": INTEGRITY_SCHEME, "files": self.files}, "complete": True}
+        _write_json(self.tmp, _group_json(attrs))
         old = None
         if self.path.exists() or self.path.is_symlink():
             if not is_tile_store(self.path):
@@ -263,6 +303,117 @@ class StoreWriter:
         if isinstance(self._direct, _DirectShards):
             self._direct.discard()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+#: zarr.json contents (dicts) made by zarr once per process: small arrays by (dtype, rank), ``tiles`` by layout.
+_SMALL_TEMPLATES: dict[tuple[str, int], tuple[dict[str, Any], str, DirectCodec]] = {}
+_TILES_TEMPLATES: dict[str, dict[str, Any]] = {}
+
+
+def _write_json(folder: Path, meta: Mapping[str, Any]) -> None:
+    """Write a zarr v3 node's metadata ``meta`` (the dict zarr serialises) as ``folder/zarr.json``.
+
+    zarr writes the same dict with ``json.dumps(allow_nan=True, indent=2)``; without the indent the C
+    encoder does it (a tenth of the time on a store's attributes) and any JSON reader, zarr's included,
+    reads the same metadata.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "zarr.json").write_bytes(json.dumps(meta, allow_nan=True).encode())
+
+
+def _zarr_json(meta: Any) -> dict[str, Any]:
+    """The dict zarr writes as ``zarr.json`` for the metadata object ``meta``."""
+    from zarr.core.buffer import default_buffer_prototype
+
+    out: dict[str, Any] = json.loads(meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+    return out
+
+
+def _group_json(attrs: Mapping[str, Any]) -> dict[str, Any]:
+    """The group ``zarr.json`` dict zarr writes for a group with ``attrs`` (``GroupMetadata.to_dict``)."""
+    return {"attributes": dict(attrs), "zarr_format": 3, "consolidated_metadata": None, "node_type": "group"}
+
+
+def _shaped(meta: Mapping[str, Any], shape: tuple[int, ...], chunks: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Array metadata dict ``meta`` with another shape (and chunk shape)."""
+    d = dict(meta)
+    d["shape"] = [int(v) for v in shape]
+    if chunks is not None:
+        d["chunk_grid"] = {"name": "regular", "configuration": {"chunk_shape": [int(v) for v in chunks]}}
+    return d
+
+
+def _create_direct(root: Path, attrs: dict[str, Any], shape: tuple[int, ...], layout: Mapping[str, Any],
+                   codecs: Mapping[str, Any]) -> tuple[zarr.Group, zarr.Array, dict[str, Any]] | None:
+    """Create the store folder ``root`` for a group with ``attrs`` and a ``tiles`` array of ``shape`` that the direct
+    writer writes (:func:`_direct_for`): the group, the array and the array's metadata dict; None otherwise
+    (nothing written).
+
+    The metadata is zarr's own: the ``tiles`` array's is made once per process by zarr in memory and given
+    this shape, the group's is ``GroupMetadata.to_dict``'s, written now and again at commit;
+    :meth:`StoreWriter.commit` writes the array's, as
+    ``zarr.open_group(mode="w")``, ``create_array`` and ``resize`` would have, without the trips to zarr's
+    event loop they cost (a store of a few tiles would spend more on those than on its tiles).
+    """
+    from zarr.core.array import AsyncArray
+    from zarr.core.group import AsyncGroup, GroupMetadata
+    from zarr.core.metadata.v3 import ArrayV3Metadata
+    from zarr.storage import LocalStore, StorePath
+
+    key = repr((shape[1:], sorted(layout.items()), sorted(codecs.items())))
+    template = _TILES_TEMPLATES.get(key)
+    if template is None:
+        made = zarr.create_array(zarr.storage.MemoryStore(), shape=shape, dtype="uint8", **layout, **codecs)
+        template = _TILES_TEMPLATES[key] = _zarr_json(made.metadata)
+    store = LocalStore(str(root))
+    meta = _shaped(template, shape)
+    tiles = zarr.Array(AsyncArray(metadata=ArrayV3Metadata.from_dict(meta), store_path=StorePath(store, "tiles")))
+    if _direct_for(tiles) is None:
+        return None
+    # the group's zarr.json now (a partial store says ``complete: false``), the tiles' at commit (their number is
+    # known only then; the direct writer needs none)
+    _write_json(root, _group_json(attrs))
+    group = AsyncGroup(metadata=GroupMetadata(attributes=attrs), store_path=StorePath(store, ""))
+    return zarr.Group(group), tiles, meta
+
+
+def _write_small_array(group: zarr.Group, root: Path, name: str, values: np.ndarray) -> None:
+    """Write ``values`` as the array ``name`` of the store folder ``root``: one chunk (one file, ``c.0.0``: the flat
+    chunk keys of the ``tiles`` array), zstd level 1 and a CRC-32C, as ``group.create_array(name, data=values,
+    chunks=values.shape, chunk_key_encoding=FLAT_KEYS)`` writes it.
+
+    The metadata is zarr's own (made once per dtype and rank by zarr in memory, then given this shape) and
+    the chunk is encoded by the same codec chain (:func:`~wsi_pipeline.data.codecs.direct_codec`), so zarr
+    and :class:`TileStore` read it as any other (a chunk of fill values only, which zarr leaves out, is
+    written); a 0-d or non-numeric array is left to zarr.
+    """
+    from zarr.codecs import ZstdCodec
+
+    values = np.ascontiguousarray(values)
+    compressors = [ZstdCodec(level=1), checksum_codec()]
+    if values.ndim == 0 or values.dtype.kind not in "biuf":
+        group.create_array(name, data=values, chunks="auto", overwrite=True, compressors=compressors,
+                           chunk_key_encoding=FLAT_KEYS)
+        return
+    chunks = tuple(max(int(v), 1) for v in values.shape)
+    key = (values.dtype.str, values.ndim)
+    template = _SMALL_TEMPLATES.get(key)
+    if template is None:
+        made = zarr.create_array(zarr.storage.MemoryStore(), shape=chunks, dtype=values.dtype, chunks=chunks,
+                                 compressors=compressors, chunk_key_encoding=FLAT_KEYS)
+        codec = direct_codec(getattr(made.metadata, "codecs", ()))
+        if codec is None:  # pragma: no cover - bytes + zstd + crc32c is always one
+            raise RuntimeError("no direct codec for the small arrays' codecs")
+        template = _SMALL_TEMPLATES[key] = (_zarr_json(made.metadata), made.metadata.encode_chunk_key((0,) * values.ndim), codec)
+    meta, chunk_key, codec = template
+    folder = root / name
+    if folder.exists():
+        shutil.rmtree(folder)
+    _write_json(folder, _shaped(meta, values.shape, chunks))
+    if values.size:
+        chunk = folder / chunk_key  # one file beside zarr.json (the tiles' flat chunk keys: no c/0/ folders)
+        little = values.astype(values.dtype.newbyteorder("<"), copy=False)
+        chunk.write_bytes(codec.encode(np.frombuffer(little.tobytes(), np.uint8)))
 
 
 def _chunk_files(root: Path) -> dict[str, int]:
@@ -611,6 +762,8 @@ def complete_attrs(path: str | os.PathLike) -> dict[str, Any] | None:
 def marked_complete(path: str | os.PathLike) -> dict[str, Any] | None:
     """The attributes of the store at ``path`` when they say ``complete: true`` (its files unchecked);
     None when it is missing, unreadable or partial."""
+    if not os.path.isfile(os.path.join(path, "zarr.json")):  # no store (the usual case on a first run): no zarr call
+        return None
     try:
         attrs = dict(zarr.open_group(str(path), mode="r").attrs)
     except Exception:  # any unreadable or missing store is simply not complete

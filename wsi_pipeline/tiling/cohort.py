@@ -1,8 +1,10 @@
 """The cohort runner: tile a folder of slides or a manifest, in worker processes, resumably.
 
-- Slides run in parallel in worker processes (default: one per core). Each worker reports
-  progress and results over its own pipe; a worker that dies (a reader crash, the OOM killer,
-  ``kill -9``) costs only its current slide, which gets a ``failed`` row, and is replaced.
+- Slides run in parallel in worker processes (default: one per core), started once for the run. Each
+  worker reports progress and results over its own pipe; a worker that dies (a reader crash, the OOM
+  killer, ``kill -9``) costs only its current slide, which gets a ``failed`` row, and is replaced.
+  A worker whose slides take under 2 s is sent the next ones ahead (:mod:`~wsi_pipeline.tiling.pool`),
+  so many small images are tiled at the speed of their decode rather than of this process's turn.
 - ``tiling_report.csv`` (slide_id, status, n_tiles, mpp, seconds, error, note, path,
   cpu_seconds, background_grey: the glass grey level estimated from the thumbnail, slide_mpp,
   mpp_source: the level-0 um/px used and where it came from) is merged under a lock and replaced

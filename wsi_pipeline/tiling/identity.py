@@ -95,7 +95,12 @@ def store_matches(path: Path, job: SlideJob, config: TilingConfig) -> dict[str, 
 def clean_stale(out_dir: Path, slide_id: str) -> None:
     """Remove temporary stores of ``slide_id`` left by processes that no longer run."""
     prefix = f".{slide_id}.zarr."
-    for p in out_dir.glob(f"{prefix}*"):
+    try:  # one listing compared by prefix (a glob matches a pattern against every name of a folder of thousands)
+        with os.scandir(out_dir) as entries:
+            found = [out_dir / e.name for e in entries if e.name.startswith(prefix)]
+    except FileNotFoundError:
+        return
+    for p in found:
         pid_text = p.name.rsplit("-", 1)[-1]
         try:
             pid = int(pid_text)

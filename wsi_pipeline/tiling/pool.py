@@ -3,6 +3,14 @@
 Each worker (:mod:`wsi_pipeline.tiling.worker`) reports progress and results over its own pipe;
 a worker that dies (a reader crash, the OOM killer, ``kill -9``) costs only its current slide,
 which gets a ``failed`` row saying why, and is replaced.
+
+Workers live for the whole run (one process start per worker, not per slide). A worker whose last
+slide took under :data:`PREFETCH_BELOW_S` is sent its next slide before it finishes the current one
+(:data:`PREFETCH` slides in its pipe at most), so on many small images it never waits for this
+process to record a result, release a lock, claim the next slide and send it: that round trip, on a
+loaded machine, costs more than tiling a small image. A slow slide's worker gets one slide at a time,
+so no lock on a big slide is held by a run that will not start it for minutes. A slide sent ahead to a
+worker that dies is sent to its replacement (its lock still held), never failed.
 """
 
 from __future__ import annotations
@@ -11,7 +19,8 @@ import multiprocessing as mp
 import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -23,7 +32,12 @@ from wsi_pipeline.tiling.job import SlideJob, SlideResult
 from wsi_pipeline.config.tiling import TilingConfig
 from wsi_pipeline.tiling.worker import worker_main
 
-__all__ = ["run_pool"]
+__all__ = ["PREFETCH", "PREFETCH_BELOW_S", "run_pool"]
+
+#: Slides in a fast worker's pipe at most: the one it tiles and those sent ahead.
+PREFETCH = 3
+#: A worker whose last slide took less than this (s) is sent slides ahead.
+PREFETCH_BELOW_S = 2.0
 
 
 @dataclass
@@ -32,6 +46,15 @@ class _Worker:
     conn: Connection
     index: int | None = None  # the job being tiled
     retired: bool = False  # sent the end-of-work message
+    ahead: deque[int] = field(default_factory=deque)  # jobs sent after `index`, in the order it tiles them
+    fast: bool = False  # its last slide took under PREFETCH_BELOW_S
+
+    def send(self, i: int, job: SlideJob) -> None:
+        self.conn.send(job)
+        if self.index is None:
+            self.index = i
+        else:
+            self.ahead.append(i)
 
 
 def _death_message(exitcode: int | None) -> str:
@@ -82,14 +105,14 @@ class _Pool:
         return w
 
     def assign(self, w: _Worker) -> None:
-        """Hand ``w`` the next claimable slide; leave it idle while only slides other runs hold remain."""
-        i = self.claims.next()
-        if i is not None:
-            w.index = i
-            w.conn.send(self.jobs[i])
-            return
-        w.index = None
-        if self.claims.done and not w.retired:
+        """Give ``w`` the next claimable slide when it has none, and slides ahead while it is fast (up to
+        :data:`PREFETCH` in its pipe); retire it when no slide is left and it has none."""
+        while w.index is None or (w.fast and len(w.ahead) < PREFETCH - 1):
+            i = self.claims.next()
+            if i is None:
+                break
+            w.send(i, self.jobs[i])
+        if w.index is None and self.claims.done and not w.retired:
             w.retired = True
             try:
                 w.conn.send(None)
@@ -97,17 +120,23 @@ class _Pool:
                 pass
 
     def bury(self, w: _Worker) -> None:
-        """Remove a dead worker; its slide gets a ``failed`` row and a new worker takes over."""
+        """Remove a dead worker; its slide gets a ``failed`` row, the slides sent ahead to it go to a new
+        worker (their locks still held), which then takes over."""
         w.proc.join(timeout=5)
         self.workers.remove(w)
         w.conn.close()
+        ahead = list(w.ahead)
+        w.ahead.clear()
         if w.index is not None:
             job = self.jobs[w.index]
             i, w.index = w.index, None
             _remove_temp(self.out, job.slide_id, w.proc.pid)
             self.finish(i, SlideResult(job.slide_id, "failed", error=_death_message(w.proc.exitcode), path=job.path))
-            if not self.claims.done:
-                self.assign(self.start())
+        if ahead or not self.claims.done:
+            new = self.start()
+            for i in ahead:
+                new.send(i, self.jobs[i])
+            self.assign(new)
 
     def _drain(self, w: _Worker) -> None:
         """Take ``w``'s messages: progress, and a finished slide (then give it the next one); raise the error
@@ -123,7 +152,8 @@ class _Pool:
                     break
                 elif kind == "done" and w.index is not None:
                     r: SlideResult = payload
-                    i, w.index = w.index, None
+                    i, w.index = w.index, (w.ahead.popleft() if w.ahead else None)
+                    w.fast = r.seconds < PREFETCH_BELOW_S
                     if r.status == "skipped":
                         self.add_tiles(r.n_tiles, refresh=False)
                     self.finish(i, r)
@@ -149,11 +179,12 @@ class _Pool:
                     continue
             if w in self.workers and w.proc.sentinel in ready and not w.conn.poll():
                 self.bury(w)
-        for w in [w for w in self.workers if w.index is None and not w.retired]:
-            if not w.proc.is_alive():
+        for w in [w for w in self.workers if not w.retired and (w.index is None or (w.fast and len(w.ahead) < PREFETCH - 1))]:
+            if w.index is None and not w.proc.is_alive():
                 self.bury(w)
                 continue
-            self.assign(w)
+            if not self.claims.done or w.index is None:
+                self.assign(w)
         if not self.workers and not self.claims.done:
             self.assign(self.start())
 
@@ -180,8 +211,8 @@ class _Pool:
             if w.proc.is_alive():
                 w.proc.terminate()
                 w.proc.join(timeout=5)
-            if w.index is not None:
-                _remove_temp(self.out, self.jobs[w.index].slide_id, w.proc.pid)
+            for i in ([w.index] if w.index is not None else []) + list(w.ahead):  # stopped in any of them
+                _remove_temp(self.out, self.jobs[i].slide_id, w.proc.pid)
 
 
 def run_pool(

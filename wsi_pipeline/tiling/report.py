@@ -8,7 +8,9 @@ an interrupted run) unless the report already has a row for them.
 
 from __future__ import annotations
 
+import csv
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -16,7 +18,7 @@ from typing import Any
 
 import pandas as pd
 
-from wsi_pipeline.jobs.slide_jobs import write_report_csv
+from wsi_pipeline.io_atomic import atomic_path
 from wsi_pipeline.tiling.locks import LockDir
 from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
 
@@ -99,18 +101,48 @@ def unfinished_result(job: SlideJob, final: bool) -> SlideResult:
 
 
 def _read_report(path: Path) -> list[dict[str, Any]]:
-    """The rows of an existing report (strings), in file order; [] when there is none or it is unreadable."""
+    """The rows of an existing report (strings), in file order; [] when there is none or it is unreadable.
+
+    Read with the ``csv`` module as pandas would read it with ``dtype=str, keep_default_na=False`` (blank lines
+    skipped, missing trailing fields empty, a row with more fields than the header unreadable): the report is
+    merged every 2 s while a run goes on, and pandas spent several times a small image's tiling on each merge.
+    """
     if not path.exists():
         return []
     try:
-        df = pd.read_csv(path, dtype=str, keep_default_na=False)
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError, OSError) as err:
+        with open(path, newline="", encoding="utf-8") as f:
+            records = [rec for rec in csv.reader(f) if rec]
+        if not records:
+            raise ValueError("no columns to parse from file")
+        header, rows = records[0], []
+        for k, rec in enumerate(records[1:], start=2):
+            if len(rec) > len(header):
+                raise ValueError(f"line {k}: expected {len(header)} fields, saw {len(rec)}")
+            rows.append(dict(zip(header, rec + [""] * (len(header) - len(rec)))))
+    except (ValueError, csv.Error, UnicodeDecodeError, OSError) as err:
         logger.warning("%s is unreadable (%s); it is replaced by this run's rows", path, err)
         return []
-    if "slide_id" not in df.columns or "status" not in df.columns:
+    if "slide_id" not in header or "status" not in header:
         logger.warning("%s has no slide_id/status columns; it is replaced by this run's rows", path)
         return []
-    return df.to_dict("records")
+    return rows
+
+
+def _cell(value: Any) -> Any:
+    """A report value as pandas' ``to_csv`` writes it: None and NaN empty."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return value
+
+
+def _write_rows(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    """Write ``rows`` with ``columns`` as a CSV table, atomically (the table ``write_report_csv`` writes, with the
+    ``csv`` module: see :func:`_read_report`)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", newline="", encoding="utf-8") as f:
+            w = csv.writer(f, lineterminator="\n")
+            w.writerow(columns)
+            w.writerows([_cell(row.get(c)) for c in columns] for row in rows)
 
 
 def _merge_rows(existing: list[dict[str, Any]], results: Sequence[SlideResult | None], jobs: Sequence[SlideJob], final: bool) -> list[dict[str, Any]]:
@@ -144,6 +176,6 @@ def write_report(
     try:
         rows = _merge_rows(_read_report(path), results, jobs, final)
         columns = list(REPORT_COLUMNS) + [c for c in (rows[0] if rows else {}) if c not in REPORT_COLUMNS]
-        write_report_csv(path, rows, columns)
+        _write_rows(path, rows, columns)
     finally:
         locks.release(_REPORT_LOCK)

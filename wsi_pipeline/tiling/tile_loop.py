@@ -127,7 +127,7 @@ class TileLoop:
         self._finish_qc(rows, cols)
         # CPU split of the tile pass: decoding + testing (all decoding threads) vs compression + writes
         main_cpu = time.thread_time() - main_cpu0 - (0.0 if isinstance(sink, BackgroundWriter) else sink.cpu_seconds)
-        writer.group.attrs.update({"timing": {
+        writer.set_attrs({"timing": {
             "main_thread_cpu": round(main_cpu + (self.test_cpu if n_threads > 1 else 0.0), 3),
             "decode_test_cpu": round(self.test_cpu, 3),
             "threads": n_threads,
@@ -161,11 +161,11 @@ class TileLoop:
                              if self.dropped_coords else np.zeros((0, 2), np.int64))
             writer.add_array("qc_dropped_flags", dropped.astype(np.uint8))
             self.qc_counts = {"flagged": flags_of(flags), "dropped": flags_of(dropped), "n_dropped": int(len(dropped))}
-            writer.group.attrs.update({"qc": {**describe(qc.params, qc.mode), **self.qc_counts}})
+            writer.set_attrs({"qc": {**describe(qc.params, qc.mode), **self.qc_counts}})
         if plan.regions is not None:
             writer.add_array("region_fraction", plan.regions.fraction[rows, cols].astype(np.float32))
             writer.add_array("region_label", plan.regions.label[rows, cols].astype(np.int16))
-            writer.group.attrs.update({"regions": plan.regions.info})
+            writer.set_attrs({"regions": plan.regions.info})
 
     def flush_progress(self) -> None:
         if self.progress is not None and self.n_kept > self.reported:

@@ -47,7 +47,7 @@ from wsi_pipeline.tiling.job import DARK_NOTE, SlideJob, SlideResult
 from wsi_pipeline.tiling.plan import TilePlan, plan_tiles
 from wsi_pipeline.tiling.qc import qc_path, render_qc, write_png
 from wsi_pipeline.tiling.tile_loop import TileLoop
-from wsi_pipeline.data.store import StoreWriter, marked_complete, store_bytes, store_path
+from wsi_pipeline.data.store import StoreWriter, store_bytes, store_path
 from wsi_pipeline.config.tiling import TilingConfig
 
 __all__ = ["precheck", "tile_slide"]
@@ -199,7 +199,7 @@ def _tile_open_slide(
         raise
     loop.flush_progress()
     if res is not None:
-        res.store_bytes = store_bytes(marked_complete(writer.path) or {})
+        res.store_bytes = writer.bytes_written
         res.slide_bytes = Path(job.path).stat().st_size
     note = _slide_note(loop.n_kept, plan)
     if loop.qc_counts is not None:
@@ -251,7 +251,7 @@ def _tile_points(slide: Slide, job: SlideJob, out: Path, config: TilingConfig, i
     if progress is not None:
         progress(n)
     if res is not None:
-        res.store_bytes = store_bytes(marked_complete(writer.path) or {})
+        res.store_bytes = writer.bytes_written
         res.slide_bytes = Path(job.path).stat().st_size
     parts = [f"points: {n} of {info['n_points']} tiled"]
     for key, what in (("n_outside", "outside the image"), ("n_edge_skipped", "skipped at the edge"),
