@@ -336,6 +336,13 @@ class Task(ABC):
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:
         """Per-slide scores of outputs ``logits`` (R, n_outputs): ``{name: (R, ...)}``, including :attr:`score_key`."""
 
+    def slide_scores(self, endpoint: Endpoint | None, pred: Any) -> dict[str, np.ndarray]:
+        """The per-repeat scores ``{name: (R, ...)}`` of one slide's prediction under a protocol (a
+        :class:`~wsi_pipeline.inference.protocols.SlidePrediction`): :meth:`scores` of its ``repeat_logits``."""
+        if endpoint is None:
+            raise ValueError(f"task {self.name!r}: scoring a slide needs the model's endpoint")
+        return self.scores(endpoint, pred.repeat_logits)
+
     # ---- metrics -----------------------------------------------------------------------
 
     @abstractmethod

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.tasks.base import Endpoint, Task, register_task
-from wsi_pipeline.tasks.metrics import METRICS, VALIDATION_METRICS, compute_metrics, headline_metric
+from wsi_pipeline.tasks.metrics import METRICS, VALIDATION_METRICS, compute_metrics, headline_metric, metric_value
 
 __all__ = ["Classification", "class_prediction_columns", "prob_columns"]
 
@@ -81,6 +81,11 @@ class Classification(Task):
         e = np.exp(z - z.max(1, keepdims=True))
         return {"probs": e / e.sum(1, keepdims=True)}
 
+    def slide_scores(self, endpoint: Endpoint | None, pred: Any) -> dict[str, np.ndarray]:
+        """The class probabilities of every repeat the prediction holds (already calibrated by
+        :func:`~wsi_pipeline.inference.protocols.calibrated_prediction`); its mean probabilities when it has none."""
+        return {"probs": pred.repeat_probs if pred.repeat_probs is not None else np.asarray(pred.probs)[None]}
+
     def fit_calibration(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any], method: str) -> Endpoint:
         """Platt or temperature scaling of the logits on the validation slides
         (:func:`~wsi_pipeline.tasks.calibration.fit_logit_map`; ``platt`` needs two classes)."""
@@ -93,6 +98,8 @@ class Classification(Task):
 
     def metrics(self, targets: Sequence[Any], scores: Mapping[str, np.ndarray], *, n_classes: int | None = None,
                 ref: Any = None, only: str | None = None) -> dict[str, float]:
+        if only is not None and only in METRICS:  # one metric (a bootstrap resample): as compute_metrics computes it
+            return {only: metric_value(only, np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))}
         return compute_metrics(np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))
 
     def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:
