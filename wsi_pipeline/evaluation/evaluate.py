@@ -305,14 +305,6 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
     return out
 
 
-def _n_classes(config: PipelineConfig) -> int:
-    """``data.n_classes`` of a pipeline whose task has classes (the config requires it there)."""
-    n = config.data.n_classes
-    if n is None:
-        raise ValueError(f"pipeline {config.name!r}: data.n_classes is not set; a task with classes needs it")
-    return n
-
-
 def _training_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
     """What the task's metrics take from the training split (:meth:`~wsi_pipeline.tasks.base.Task.training_reference`),
     from its targets and the model's scores of its slides (all tiles). Survival: the
@@ -516,7 +508,8 @@ def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
-    if not get_task(config.task).has_classes:
+    n_classes = config.label_classes  # the task's classes (Task.classes): the class report draws them
+    if n_classes is None:
         from wsi_pipeline.export.endpoint_report import write_endpoint_report
 
         summary.files.append(write_endpoint_report(
@@ -524,7 +517,6 @@ def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols
             metrics_path=out / "metrics.json", gallery=got.gallery, protocols=[p.name for p in protocols],
             validation=choice.val_scores, heatmap_run=hm_run if heatmaps else None))
         return
-    n_classes = _n_classes(config)
     summary.files.append(write_report(
         out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,

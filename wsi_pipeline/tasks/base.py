@@ -3,13 +3,14 @@
 A task is what a method predicts from a slide (a class, a survival risk, a number, ...). It owns,
 in one class, everything that differs between tasks:
 
-- its label schema: the manifest columns its targets come from (:attr:`Task.target_columns`), how
+- its label schema: the manifest columns its targets come from (:attr:`Task.target_columns`), its classes
+  (:meth:`Task.classes`, :meth:`Task.lone_class`), how
   a manifest row becomes a training target (:meth:`Task.slide_fields`, :meth:`Task.target_of`) and
   how a patient's target pools its slides' (:meth:`Task.pool_target`);
 - its model outputs (the aggregator's size, :meth:`Task.n_outputs`), its losses (:attr:`Task.losses`,
   the first is the default; :meth:`Task.bag_loss`, :meth:`Task.group_loss`) and what it learns from
   the training split before training (:meth:`Task.fit`);
-- per-slide scores from the outputs (:meth:`Task.scores`);
+- per-slide scores from the outputs (:meth:`Task.scores`) and of a slide's prediction (:meth:`Task.slide_scores`);
 - its metrics (:meth:`Task.metric_names`, :meth:`Task.metrics`), its validation values and
   checkpoint selection (:attr:`Task.validation_metrics`, :meth:`Task.validation`,
   :meth:`Task.selection_rule`);
@@ -17,7 +18,7 @@ in one class, everything that differs between tasks:
   what ``predict`` prints of a row (:meth:`Task.summary_cells`);
 - the report's metric table (:meth:`Task.report_metrics`) and the cross-validation table
   (:attr:`Task.cv_metrics`, :attr:`Task.cv_headline`, :meth:`Task.oof_columns`,
-  :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`).
+  :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`, the pooled ROC curves :meth:`Task.oof_roc`).
 - its probability calibration (:meth:`Task.fit_calibration`) and what ``calibration.json`` says of it
   (:meth:`Task.decision_accuracy`, :meth:`Task.calibration_record`);
 - for a task whose columns each method names (``multilabel``'s ``targets``; :attr:`Task.takes_targets`):
@@ -237,6 +238,17 @@ class Task(ABC):
         """This task with a method's own target ``targets`` (:attr:`takes_targets`); the task itself otherwise."""
         return self
 
+    def classes(self, n_classes: int | None) -> int | None:
+        """The classes it predicts out of ``data.n_classes`` (manifest labels are checked against them; the predictions
+        CSV's and report's per-class columns): None for a task without classes; ``ValueError`` when it needs
+        ``data.n_classes`` and has none."""
+        return None
+
+    def lone_class(self, targets: Sequence[Any]) -> Any:
+        """The class every one of ``targets`` (a split's, non-empty) holds when they hold a single class (a
+        classifier cannot learn or be scored on them: preflight warns); None otherwise or for a task without classes."""
+        return None
+
     def has_target(self, manifest: pd.DataFrame) -> pd.Series:
         """Which rows of ``manifest`` have a target to train and score on (every :attr:`target_columns` value given)."""
         return manifest[list(self.target_columns)].notna().all(axis=1)
@@ -430,3 +442,8 @@ class Task(ABC):
     def cv_headline_fn(self, rows: pd.DataFrame, n_classes: int | None) -> Callable[[np.ndarray], float]:
         """``f(row indices) -> value`` of :attr:`cv_headline` on those OOF rows (the bootstrap's inner call)."""
         return lambda idx: self.cv_metric_values(rows.iloc[idx], n_classes)[self.cv_headline]
+
+    def oof_roc(self, oof: pd.DataFrame) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The ROC curves ``[(method, fpr, tpr)]`` of the pooled out-of-fold predictions (``oof_predictions.csv``'s
+        rows) the cross-validation report draws; none for a task without a binary decision."""
+        return []

@@ -47,6 +47,15 @@ class Classification(Task):
     cv_metrics = ("accuracy", "precision", "recall", "f1", "auc")
     cv_headline = "auc"
 
+    def classes(self, n_classes: int | None) -> int | None:
+        if n_classes is None:
+            raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+        return int(n_classes)
+
+    def lone_class(self, targets: Sequence[Any]) -> Any:
+        present = {int(t) for t in targets}
+        return present.pop() if len(present) == 1 else None
+
     def slide_fields(self, values: Sequence[Any]) -> tuple[int, tuple[float, ...] | None]:
         return int(values[0]), None
 
@@ -177,3 +186,16 @@ class Classification(Task):
         y = rows["label"].to_numpy(dtype=np.float64)
         p = rows["prob"].to_numpy(dtype=np.float64)
         return lambda idx: float(roc_auc_score(y[idx], p[idx])) if len(np.unique(y[idx])) == 2 else math.nan
+
+    def oof_roc(self, oof: pd.DataFrame) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """Two classes (no ``prob_<c>`` columns): each method's ROC curve of ``prob`` (class 1), where both classes occur."""
+        if "prob_0" in oof.columns:
+            return []
+        from sklearn.metrics import roc_curve
+
+        curves = []
+        for method, sub in oof.groupby("method", sort=True):
+            if sub["label"].nunique() == 2:
+                fpr, tpr, _ = roc_curve(sub["label"].astype(int), sub["prob"])
+                curves.append((str(method), fpr, tpr))
+        return curves
