@@ -20,7 +20,11 @@ import pandas as pd
 from wsi_pipeline.tasks.base import Endpoint, Task, register_task
 from wsi_pipeline.tasks.metrics import METRICS, VALIDATION_METRICS, compute_metrics, headline_metric, metric_value
 
-__all__ = ["Classification", "class_prediction_columns", "prob_columns"]
+__all__ = ["CLASS_LOSS", "Classification", "class_prediction_columns", "prob_columns"]
+
+#: The cross-entropy on the slide's class index: the classification loss, and the one a block that trains its own
+#: loss on the class (PatchGD, DTFD's tier-1; ``classes_only``) needs the method to train with.
+CLASS_LOSS = "cross_entropy"
 
 
 def prob_columns(n_classes: int) -> list[str]:
@@ -38,7 +42,7 @@ def class_prediction_columns(n_classes: int) -> list[str]:
 class Classification(Task):
     """A slide's class (module docstring)."""
 
-    losses = ("cross_entropy",)
+    losses = (CLASS_LOSS,)
     target_columns = ("label",)
     target_noun = "labelled"
     has_classes = True

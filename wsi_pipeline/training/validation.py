@@ -84,6 +84,8 @@ def validate(
             device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine, progress=progress,
         )
     preds = distributed.gather_in_order(mine, preds)
-    if strategy.endpoint.definition.has_classes:
+    # a class task's validation scores the repeats' probabilities (their mean, a cross-entropy on them and the class
+    # metrics history.csv has always held); the other tasks' validation their logits, with the training loss
+    if strategy.endpoint.definition.has_classes:  # kept (issue 50): the two validations differ in value, not only in code
         return validation_metrics(labels, preds, method.val_protocol, strategy.endpoint.n_outputs)  # = data.n_classes
     return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)
