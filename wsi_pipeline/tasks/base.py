@@ -12,7 +12,7 @@ in one class, everything that differs between tasks:
   the training split before training (:meth:`Task.fit`);
 - per-slide scores from the outputs (:meth:`Task.scores`) and of a slide's prediction (:meth:`Task.slide_scores`);
 - its metrics (:meth:`Task.metric_names`, :meth:`Task.metrics`), its validation values and
-  checkpoint selection (:attr:`Task.validation_metrics`, :meth:`Task.validation`,
+  checkpoint selection (:attr:`Task.validation_metrics`, :meth:`Task.validation`, :meth:`Task.validation_values`,
   :meth:`Task.selection_rule`);
 - the predictions CSV's columns and rows (:meth:`Task.prediction_columns`, :meth:`Task.prediction_row`) and
   what ``predict`` prints of a row (:meth:`Task.summary_cells`);
@@ -179,6 +179,13 @@ class Endpoint:
     def scores(self, logits: np.ndarray) -> dict[str, np.ndarray]:
         """Per-slide scores of outputs ``logits`` (R, n_outputs), one row per repeat (:meth:`Task.scores`)."""
         return self.definition.scores(self, logits)
+
+
+class _Outputs:
+    """An aggregator output carrying only ``logits`` (a task's losses on stored outputs)."""
+
+    def __init__(self, logits: Any) -> None:
+        self.logits = logits
 
 
 def _value(row: Any, column: str) -> Any:
@@ -384,6 +391,34 @@ class Task(ABC):
         """Validation values besides ``loss`` of one repeat's scores (the rest of :attr:`validation_metrics`)."""
         m = self.metrics(targets, scores, n_classes=endpoint.n_outputs if self.has_classes else None)
         return {k: m[k] for k in self.validation_metrics if k != "loss"}
+
+    def validation_values(self, endpoint: Endpoint, targets: Sequence[Any], preds: Sequence[Any], protocol: Any) -> dict[str, float]:
+        """A model's validation values (:attr:`validation_metrics`, ``history.csv``) from every validation slide's
+        prediction (:class:`~wsi_pipeline.inference.protocols.SlidePrediction`, in the order of ``targets``) under the
+        parsed ``protocol``: per repeat (one for ``all``/ensembles: each slide's mean logits) the training ``loss`` over
+        all slides (Cox: every slide in one risk set) and :meth:`validation`; for a per-repeat protocol their mean over
+        repeats and ``<name>_repeat_std``."""
+        import torch
+
+        if len(preds) != len(targets):
+            raise ValueError(f"endpoint_validation_metrics: {len(preds)} predictions but {len(targets)} targets")
+        if not preds:
+            return {m: math.nan for m in self.validation_metrics}
+        logits = [p.repeat_logits for p in preds]
+        if any(z is None for z in logits):
+            raise ValueError("endpoint_validation_metrics: a slide prediction has no repeat_logits (the model's outputs); "
+                             "score the slides with slide_predictions")
+        per = []
+        for r in range(protocol.repeats if protocol.per_repeat else 1):
+            z = np.stack([lg[r if len(lg) > 1 else 0] if protocol.per_repeat else lg.mean(0) for lg in logits])
+            with torch.no_grad():
+                loss = float(self.group_loss(endpoint, [_Outputs(torch.as_tensor(row)) for row in z], list(targets)))
+            per.append({"loss": loss, **self.validation(endpoint, list(targets), self.scores(endpoint, z))})
+        if not protocol.per_repeat:
+            return {m: per[0][m] for m in self.validation_metrics}
+        values = {m: np.asarray([d.get(m, math.nan) for d in per], dtype=np.float64) for m in self.validation_metrics}
+        return {**{m: float(v.mean()) for m, v in values.items()},  # as tasks.metrics.summarise_repeats
+                **{f"{m}_repeat_std": float(v.std(ddof=1)) if len(v) > 1 else math.nan for m, v in values.items()}}
 
     def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:
         """``(metric, higher is better)`` that picks the best checkpoint for ``train.select_metric`` ``name``."""

@@ -18,7 +18,9 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.tasks.base import Endpoint, Task, register_task
-from wsi_pipeline.tasks.metrics import METRICS, VALIDATION_METRICS, compute_metrics, headline_metric, metric_value
+from wsi_pipeline.tasks.metrics import (
+    METRICS, VALIDATION_METRICS, compute_metrics, compute_repeat_metrics, headline_metric, metric_value,
+)
 
 __all__ = ["CLASS_LOSS", "Classification", "class_prediction_columns", "prob_columns"]
 
@@ -36,6 +38,22 @@ def class_prediction_columns(n_classes: int) -> list[str]:
     """The column names of a classification predictions CSV for ``n_classes`` classes, in order."""
     return (["slide_id", "cohort", "label", "pred", *prob_columns(n_classes)]
             + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed", "patient_id"])
+
+
+def _repeat_stack(per_slide: Sequence[np.ndarray], repeats: int, n_classes: int) -> np.ndarray:
+    """Slides' per-repeat probabilities (each (R_i, C)) as (R, N, C): a slide scored in one pass (at most k tiles)
+    contributes it to every repeat (:func:`~wsi_pipeline.inference.protocols.repeat_probs`)."""
+    if not per_slide:
+        return np.zeros((repeats, 0, n_classes))
+    cols = []
+    for rp in per_slide:
+        rp = np.asarray(rp, dtype=np.float64)
+        if len(rp) == 1:
+            rp = np.repeat(rp, repeats, axis=0)
+        elif len(rp) != repeats:
+            raise ValueError(f"a slide prediction has {len(rp)} repeats; expected 1 or {repeats}")
+        cols.append(rp)
+    return np.stack(cols, axis=1)
 
 
 @register_task("classification")
@@ -114,6 +132,32 @@ class Classification(Task):
         if only is not None and only in METRICS:  # one metric (a bootstrap resample): as compute_metrics computes it
             return {only: metric_value(only, np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))}
         return compute_metrics(np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))
+
+    def validation_values(self, endpoint: Endpoint, targets: Sequence[Any], preds: Sequence[Any], protocol: Any) -> dict[str, float]:
+        """``qwk``, ``accuracy``, ``balanced_accuracy``, ``auc``, ``n_slides`` (:func:`compute_metrics`) and ``loss`` (the
+        mean cross-entropy of the slide probabilities, natural log, clipped at 1e-7) of the (mean) slide probabilities;
+        for a per-repeat protocol each is the mean over repeats of its value on that repeat's probabilities, with
+        ``<metric>_repeat_std`` (ddof 1) and ``n_repeats`` (:func:`compute_repeat_metrics`)."""
+        n_classes = int(endpoint.n_outputs)
+        y = np.asarray([int(v) for v in targets], dtype=np.int64)
+        if len(preds) != len(y):
+            raise ValueError(f"validation_metrics: {len(preds)} predictions but {len(y)} labels")
+        if protocol.per_repeat:
+            stack = _repeat_stack([self.slide_scores(endpoint, p)["probs"] for p in preds], protocol.repeats, n_classes)
+        else:
+            stack = np.stack([p.probs for p in preds])[None] if len(preds) else np.zeros((1, 0, n_classes))
+        if not protocol.per_repeat:
+            out = compute_metrics(y, stack[0], n_classes)
+        else:
+            rm = compute_repeat_metrics(y, stack, n_classes)
+            out = {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
+        if len(y):
+            # per repeat (one repeat for all/ensemble), then the mean over repeats
+            ce = -np.log(np.clip(stack[:, np.arange(len(y)), y], 1e-7, None))
+            out["loss"] = float(ce.mean())
+        else:
+            out["loss"] = math.nan
+        return out
 
     def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:
         if name == "loss":
