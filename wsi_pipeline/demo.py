@@ -335,7 +335,6 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *,
     from wsi_pipeline.tiling.cohort import tile_cohort
     from wsi_pipeline.config.pipeline import load_config
     from wsi_pipeline.config.tiling import tiler_config
-    from wsi_pipeline.tasks import get_task
     from wsi_pipeline.training.loop import train_pipeline
 
     config = load_config(config_path, list(overrides))
@@ -369,8 +368,8 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *,
         evaluate_pipeline(config, device=device or "auto", progress=progress)
     timer.stage("eval", time.perf_counter() - t0)
 
-    has_classes = get_task(config.task).has_classes
-    if not has_classes:
+    survival = isinstance(cohort, SurvivalCohort)  # its demo reads Harrell's C; the class cohorts' the AUC tables
+    if survival:
         from wsi_pipeline.export.metrics_json import read_metrics_json
         from wsi_pipeline.io_atomic import write_text_atomic
 
@@ -379,9 +378,9 @@ def run_demo(config_path: str | os.PathLike = "pipelines/demo.yaml", *,
     else:
         with pd.option_context("display.width", 200, "display.max_columns", 50):
             print("\n" + results_table(results / "metrics.json").to_string())
-    if seeds is None and has_classes and not isinstance(cohort, LungMosaicCohort):
+    if seeds is None and not survival and not isinstance(cohort, LungMosaicCohort):
         _write_summary(results, [m.name for m in config.methods], config.seeds[0])
-    if seeds is not None and has_classes:
+    if seeds is not None and not survival:
         from wsi_pipeline.export.metrics_json import read_metrics_json
         from wsi_pipeline.io_atomic import write_text_atomic
 

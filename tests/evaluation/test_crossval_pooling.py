@@ -17,7 +17,7 @@ from sklearn.metrics import accuracy_score, f1_score, precision_score, recall_sc
 
 from wsi_pipeline.config.pipeline import config_from_dict
 from wsi_pipeline.evaluation.crossval import OOF_COLUMNS, pool_crossval
-from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
+from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, predictions_path, write_predictions
 from wsi_pipeline.manifests.crossval import assign_crossval, crossval_manifest_path, crossval_manifests
 from wsi_pipeline.manifests.folds import fold_config, fold_runs
 from wsi_pipeline.manifests.schema import write_manifest
@@ -79,9 +79,9 @@ def _write_fold_results(config, runs, task: str, rng) -> None:
                     if task == "classification":
                         # informative but noisy probabilities, different per seed and fold
                         p1 = float(np.clip(0.3 + 0.35 * t["label"] + rng.normal(0, 0.25), 0.01, 0.99))
-                        rows.append(prediction_row(slide_id=t["slide_id"], cohort=t["cohort"], label=t["label"],
-                                                   probs=[1 - p1, p1], prob_std=[0, 0], n_tiles=9, protocol="all",
-                                                   n_repeats=1, method=method, seed=seed))
+                        rows.append(endpoint_row(task="classification", slide_id=t["slide_id"], cohort=t["cohort"],
+                                                 target=t["label"], scores={"probs": np.array([[1 - p1, p1]])}, n_tiles=9,
+                                                 protocol="all", n_repeats=1, method=method, seed=seed))
                     elif task == "survival":
                         risk = np.array([-t["time"] / 20 + rng.normal(0, 1)])
                         rows.append(endpoint_row(task="survival", slide_id=t["slide_id"], cohort=t["cohort"],
@@ -238,9 +238,9 @@ def test_three_classes_macro_metrics_and_the_extra_columns(tmp_path):
                     logits = rng.normal(0, 1, 3)
                     logits[int(t["label"])] += 1.0
                     p = np.exp(logits) / np.exp(logits).sum()
-                    rows.append(prediction_row(slide_id=t["slide_id"], cohort="mine", label=t["label"], probs=p,
-                                               prob_std=np.zeros(3), n_tiles=9, protocol="all", n_repeats=1,
-                                               method=method, seed=seed))
+                    rows.append(endpoint_row(task="classification", slide_id=t["slide_id"], cohort="mine", target=t["label"],
+                                             scores={"probs": p[None]}, n_tiles=9, protocol="all", n_repeats=1,
+                                             method=method, seed=seed))
         write_predictions(predictions_path(f"{config.results_dir}/{cfg.name}", "mine", "all"), rows, 3)
     out = pool_crossval(config, runs, n_boot=0)
     oof = pd.read_csv(out / "oof_predictions.csv")

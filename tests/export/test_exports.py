@@ -12,7 +12,7 @@ from PIL import Image
 from wsi_pipeline.export.geojson import write_geojson
 from wsi_pipeline.export.heatmap import normalise_scores, render_heatmap
 from wsi_pipeline.export.metrics_json import MetricRecord, read_metrics_json, summary_table, validate_records, write_metrics_json
-from wsi_pipeline.export.predictions import prediction_columns, prediction_row, predictions_path, read_predictions, write_predictions
+from wsi_pipeline.export.predictions import endpoint_row, prediction_columns, predictions_path, read_predictions, write_predictions
 from wsi_pipeline.export.slide_outputs import write_slide_outputs
 from wsi_pipeline.export.thumbnail import StoreThumbnail, slide_thumbnail, thumbnail_shape
 from wsi_pipeline.data.store import StoreWriter, open_store
@@ -25,10 +25,12 @@ def _grid(cols, rows):
 
 def test_predictions_csv_schema(tmp_path):
     rows = [
-        prediction_row(slide_id="a", cohort="c1", label=1, probs=[0.2, 0.3, 0.5], prob_std=[0.01, 0.02, 0.03],
-                       n_tiles=40, protocol="sub8x5", n_repeats=5, method="abmil", seed=0),
-        prediction_row(slide_id="b", cohort="c1", label=None, probs=[0.6, 0.3, 0.1], prob_std=[0, 0, 0],
-                       n_tiles=3, protocol="sub8x5", n_repeats=1, method="abmil", seed=0),
+        # the task's row (Classification.prediction_row): two repeats averaging [0.2, 0.3, 0.5], sd 0.03 of class 2
+        endpoint_row(task="classification", slide_id="a", cohort="c1", target=1,
+                     scores={"probs": np.array([[0.2, 0.3, 0.47], [0.2, 0.3, 0.53]])}, n_tiles=40, protocol="sub8x5",
+                     n_repeats=5, method="abmil", seed=0),
+        endpoint_row(task="classification", slide_id="b", cohort="c1", target=None, scores={"probs": np.array([[0.6, 0.3, 0.1]])},
+                     n_tiles=3, protocol="sub8x5", n_repeats=1, method="abmil", seed=0),
     ]
     path = write_predictions(predictions_path(tmp_path, "c1", "sub8x5"), rows, 3)
     assert path.name == "predictions_c1_sub8x5.csv"

@@ -9,6 +9,8 @@ from wsi_pipeline.cli._common import add_device_argument, add_output_arguments, 
 #: The tasks the demo has a synthetic cohort for, with their pipeline config (in pipelines/: the working folder's,
 #: else the repository's beside the package, :func:`wsi_pipeline.demo.default_config`).
 DEMO_CONFIGS: dict[str, str] = {"classification": "demo.yaml", "survival": "demo_survival.yaml"}
+#: The tasks the lung mosaic cohort (real tiles, two classes) has labels for, with their pipeline config.
+MOSAIC_CONFIGS: dict[str, str] = {"classification": "lung_mosaic.yaml"}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -101,9 +103,7 @@ def _run_mosaic(args: argparse.Namespace) -> int:
     if args.source is None:
         raise ValueError("--cohort lung-mosaic needs --source DIR, the folder with lung_n/ and lung_aca/ "
                          "(e.g. ../shared/realdata/lc25000-lung)")
-    from wsi_pipeline.tasks import get_task
-
-    if not get_task(args.task).has_classes:
+    if MOSAIC_CONFIGS.get(args.task) is None:
         raise ValueError(f"--cohort lung-mosaic is a classification cohort; --task {args.task} is not available for it")
     for flag, value in (("--external", args.external), ("--size", args.size)):
         if value is not None:
@@ -112,7 +112,7 @@ def _run_mosaic(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--source {args.source}: no such folder")
     cohort = LungMosaicCohort(source=str(Path(args.source).resolve()), n_slides=args.internal or LungMosaicCohort.n_slides,
                               grid=args.grid, seed=args.seed)
-    config = mosaic_config(args.config or default_config("lung_mosaic.yaml"), args.out)
+    config = mosaic_config(args.config or default_config(MOSAIC_CONFIGS[args.task]), args.out)
     print(f"[demo] pipeline config: {config}")
     return run_demo(config, cohort=cohort, workers=args.workers, device=args.device, overrides=tuple(args.overrides),
                     progress=not args.no_progress, seeds=args.seeds, make_only=args.make_only)

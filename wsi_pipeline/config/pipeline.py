@@ -205,8 +205,7 @@ class PipelineConfig(Checked):
         self._check_feature_input()
         from wsi_pipeline.tasks import get_task
 
-        if get_task(self.task).has_classes and self.data.n_classes is None:
-            raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+        get_task(self.task).classes(self.data.n_classes)  # ValueError when the task needs data.n_classes
 
     def _check_feature_input(self) -> None:
         """``data.features`` (precomputed feature files) and ``encoder: {name: precomputed}`` go together, with
@@ -252,10 +251,11 @@ class PipelineConfig(Checked):
 
     @property
     def label_classes(self) -> int | None:
-        """``data.n_classes`` for a classification pipeline (manifest labels are checked against it), else None."""
+        """``data.n_classes`` for a task with classes (manifest labels are checked against it; :meth:`Task.classes
+        <wsi_pipeline.tasks.base.Task.classes>`), else None."""
         from wsi_pipeline.tasks import get_task
 
-        return self.data.n_classes if get_task(self.task).has_classes else None
+        return get_task(self.task).classes(self.data.n_classes)
 
     def run_dir(self, method: str, seed: int) -> Path:
         """``<runs_dir>/<pipeline>/<method>/seed<seed>``."""

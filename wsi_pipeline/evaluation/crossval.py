@@ -227,19 +227,14 @@ def _report(config: PipelineConfig, table: pd.DataFrame, folds: pd.DataFrame, oo
     se_over = "repeats" if n_rep > 1 else "folds"
     per_fold = folds.set_index(["method", "repeat", "fold"])[list(get_task(task).cv_metrics)].round(3)
     roc = ""
-    if get_task(task).has_classes and oof.get("prob_0") is None:  # binary classes: ROC curves
-        from sklearn.metrics import roc_curve
-
+    curves = get_task(task).oof_roc(oof)  # the task's ROC curves (two classes), each method in its colour
+    if curves:
         from wsi_pipeline.export.report import roc_svg
 
         colours = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf"]
-        curves = []
-        for i, (method, sub) in enumerate(oof.groupby("method", sort=True)):
-            if sub["label"].nunique() == 2:
-                fpr, tpr, _ = roc_curve(sub["label"].astype(int), sub["prob"])
-                curves.append((str(method), colours[i % len(colours)], fpr, tpr))
-        if curves:
-            roc = f"<h2>Pooled out-of-fold ROC</h2>\n{roc_svg(curves, title='all repeats stacked')}\n"
+        order = sorted(oof["method"].unique())
+        roc = (f"<h2>Pooled out-of-fold ROC</h2>\n"
+               f"{roc_svg([(m, colours[order.index(m) % len(colours)], fpr, tpr) for m, fpr, tpr in curves], title='all repeats stacked')}\n")
     body = (
         f"<h1>{html.escape(config.name)}: {n_folds}-fold cross-validation × {n_rep} repeat(s)</h1>\n"
         f"<p>Every slide is tested once per repeat, by the model of the fold that held it out (fold k tests, fold "

@@ -1,12 +1,14 @@
-"""Metric records of survival and regression models, and of patients (every task), with bootstrap intervals.
+"""Metric records of every task's models, of slides and of patients, with bootstrap intervals.
 
-Slide scores come per repeat (R repeats of a ``sub<k>x<R>`` protocol; one otherwise) as arrays:
-``probs`` (N, C) for classification, ``risk`` (N,) (and ``survival`` (N, K) for discrete-time
-models) for survival, ``prediction`` (N,) for regression (:meth:`~wsi_pipeline.tasks.base.Endpoint.scores`).
+Slide scores come per repeat (R repeats of a ``sub<k>x<R>`` protocol; one otherwise) as arrays, the task's
+(:meth:`~wsi_pipeline.tasks.base.Task.slide_scores`): ``probs`` (N, C) for classification, ``risk`` (N,) (and
+``survival`` (N, K) for discrete-time models) for survival, ``prediction`` (N,) for regression.
 
 - ``all`` / ``ens<k>x<R>``: the metrics of each slide's scores averaged over repeats;
-- ``sub<k>x<R>``: the metrics of every repeat, their mean as the model's score, ``<metric>_repeat_std``
-  and one record per repeat (as :func:`~wsi_pipeline.evaluation.records.protocol_records`).
+- ``sub<k>x<R>``: the metrics of every repeat (the Big-Layers paper's score), their mean as the model's
+  score, ``<metric>_repeat_std``, ``n_repeats`` and one record per repeat.
+
+A cohort without a slide to score records every metric as ``nan`` and ``n_slides`` 0.
 
 Patients (``eval.level: patient``): each patient's scores pool its slides' (:func:`pool_patients`:
 the mean, or with ``max`` the scores of its slide with the highest risk, prediction or probability
@@ -51,7 +53,10 @@ def metric_names(task: str, ref: SurvivalReference | None = None) -> tuple[str, 
 
 def stack_repeats(per_slide: Sequence[dict[str, np.ndarray]], repeats: int) -> Scores:
     """Slides' per-repeat score arrays (each ``{name: (R_i, ...)}``) -> per repeat ``{name: (N, ...)}``;
-    a slide scored in one pass contributes it to every repeat."""
+    a slide scored in one pass contributes it to every repeat. ``repeats=1`` (``all``, ``ens<k>x<R>``): each
+    slide's scores averaged over its repeats (the ensemble's, as its predictions-CSV row)."""
+    if repeats == 1:
+        return [{k: np.stack([s[k].mean(0) for s in per_slide]) for k in per_slide[0]} if per_slide else {}]
     out: Scores = []
     for r in range(repeats):
         out.append({k: np.stack([s[k][r if len(s[k]) > 1 else 0] for s in per_slide]) for k in per_slide[0]} if per_slide else {})
@@ -77,14 +82,13 @@ def level_records(
     (one entry for ``all``/``ens``, R for ``sub``), for :func:`level_bootstrap`."""
     rec = lambda metric, value, repeat=None: MetricRecord(method, seed, cohort, split, protocol.name, prefix + metric, value, repeat)  # noqa: E731
     names = metric_names(task, ref)
+    empty = {**{m: math.nan for m in names}, "n_slides": 0.0}  # no slide with a target: every metric undefined
     if not protocol.per_repeat:
         scores = _mean_over_repeats(scores)
         if not targets:
-            return [rec(m, math.nan) for m in names], scores
+            return [rec(k, v) for k, v in empty.items()], scores
         return [rec(k, v) for k, v in cohort_metrics(task, targets, scores[0], n_classes=n_classes, ref=ref).items()], scores
-    if not targets:
-        return [rec(m, math.nan) for m in names], scores
-    per = [cohort_metrics(task, targets, s, n_classes=n_classes, ref=ref) for s in scores]
+    per = [cohort_metrics(task, targets, s, n_classes=n_classes, ref=ref) if targets else empty for s in scores]
     rm = summarise_repeats(per, names)
     extra = {k: v for k, v in per[0].items() if k.startswith("n_") and k not in ("n_high_risk",)}
     out = [rec(k, v) for k, v in {**rm.mean, **extra, "n_repeats": float(len(per))}.items()]

@@ -66,17 +66,15 @@ from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
 from wsi_pipeline.tasks.endpoint_metrics import PATIENT_PREFIX
 from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.localisation import LesionMaskError
-from wsi_pipeline.evaluation.records import bootstrap_records, protocol_records
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import label_of, score_slide
 from wsi_pipeline.evaluation.sets import EvalSet, evaluation_sets, trained_runs, validation_scores
 from wsi_pipeline.export.metrics_json import MetricRecord, write_metrics_json
 from wsi_pipeline.tasks import get_task
-from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, prediction_row, predictions_path, write_predictions
+from wsi_pipeline.export.predictions import endpoint_columns, endpoint_row, predictions_path, write_predictions
 from wsi_pipeline.export.report import best_on_validation
 from wsi_pipeline.failures import slide_failures
 from wsi_pipeline.config.evaluation import EvalConfig, EvalProtocol, parse_protocols
-from wsi_pipeline.inference.protocols import SlidePrediction
 from wsi_pipeline.methods.models import random_encoder_note
 from wsi_pipeline.jobs.slide_jobs import run_slides
 from wsi_pipeline.training import distributed
@@ -121,14 +119,13 @@ class _Collected:
 
     rows: dict[tuple[str, str], list[dict]] = field(default_factory=lambda: defaultdict(list))  # (cohort, protocol) -> prediction rows
     records: list[MetricRecord] = field(default_factory=list)
-    probs_by: dict[tuple[str, str, str, str], dict[int, tuple[np.ndarray, np.ndarray]]] = field(default_factory=lambda: defaultdict(dict))
     gallery: list[dict] = field(default_factory=list)
     missing: set[str] = field(default_factory=set)
     failed: dict[str, str] = field(default_factory=dict)
     # (method, cohort, split, protocol, metric prefix) -> seed -> (targets, per-repeat scores, survival reference):
     # survival and regression slides, and patients of every task (eval.level: patient)
     levels: dict[tuple[str, str, str, str, str], dict[int, tuple]] = field(default_factory=lambda: defaultdict(dict))
-    columns: dict[str, list[str]] = field(default_factory=dict)  # the predictions CSVs' columns (survival, regression)
+    columns: dict[str, list[str]] = field(default_factory=dict)  # the predictions CSVs' columns (the task's)
     stain: dict[tuple[str, str], dict] = field(default_factory=dict)  # (method, slide_id) -> stain report row
 
 
@@ -204,9 +201,6 @@ def evaluate_pipeline(
         return summary
     n_boot = ev.bootstrap
     if n_boot > 0:
-        if got.probs_by:
-            got.records += bootstrap_records(got.probs_by, _n_classes(config), n_boot, seed=int(config.eval.seed),
-                                             progress=progress)
         for (method, cohort, split, pname, prefix), by_seed in got.levels.items():
             got.records += level_bootstrap(method, cohort, split, pname, config.task, by_seed, n_boot=n_boot,
                                            seed=int(config.eval.seed), n_classes=config.label_classes, prefix=prefix)
@@ -277,7 +271,7 @@ def _evaluate_run(config: PipelineConfig, method: MethodConfig, seed: int, run_d
     task = _ScoreTask(config, protocols, title=f"attention, {method.name} seed {seed}", batch_size=bs, device=device,
                       heatmap_dir=heatmap_dir, heatmap_mode=heatmap_mode)
     for es in sets:
-        scorer = _SetScorer(method.name, seed, es, protocols, got, model.endpoint, ref, config.eval)
+        scorer = _SetScorer(method.name, seed, es, protocols, got, model.endpoint, ref, config.eval, n_classes=config.label_classes)
         items = [row for _, row in es.slides.iterrows()]
         if config.data.bags == "patient":
             items = _patient_rows(items)
@@ -309,14 +303,6 @@ def _patient_rows(rows: Sequence[pd.Series]) -> list[pd.Series]:
         row["slides"] = [str(m["slide_id"]) for m in members]
         out.append(row)
     return out
-
-
-def _n_classes(config: PipelineConfig) -> int:
-    """``data.n_classes`` of a pipeline whose task has classes (the config requires it there)."""
-    n = config.data.n_classes
-    if n is None:
-        raise ValueError(f"pipeline {config.name!r}: data.n_classes is not set; a task with classes needs it")
-    return n
 
 
 def _training_reference(config: PipelineConfig, model: Any, batch_size: int, device: str) -> Any:
@@ -439,21 +425,21 @@ class _SetScorer:
     """One model on one evaluation set, in this process: :meth:`collect` files each slide's row (from
     :class:`_ScoreTask`, here or on a worker), :meth:`add_records` the set's metrics once all are in.
 
-    A skipped slide (store missing or empty) is logged once per slide across models. Classification
-    slides are recorded as always (:func:`~wsi_pipeline.evaluation.records.protocol_records`); survival
-    and regression slides, and patients (``eval.level: patient``), by
-    :func:`~wsi_pipeline.evaluation.endpoint_records.level_records`.
+    A skipped slide (store missing or empty) is logged once per slide across models. Every task's slides
+    (the task's :meth:`~wsi_pipeline.tasks.base.Task.slide_scores`, rows by its
+    :meth:`~wsi_pipeline.tasks.base.Task.prediction_row`), and patients (``eval.level: patient``), are recorded
+    by :func:`~wsi_pipeline.evaluation.endpoint_records.level_records`.
     """
 
     def __init__(self, method: str, seed: int, es: EvalSet, protocols: list[EvalProtocol], got: _Collected,
-                 endpoint: Any = None, ref: Any = None, eval_cfg: EvalConfig | None = None) -> None:
+                 endpoint: Any = None, ref: Any = None, eval_cfg: EvalConfig | None = None, n_classes: int | None = None) -> None:
         self.method, self.seed, self.es, self.protocols, self.got = method, seed, es, protocols, got
+        self.n_classes = n_classes  # data.n_classes of a task with classes (the predictions CSV's prob_<c> columns)
         self.endpoint, self.ref, self.eval_cfg = endpoint, ref, eval_cfg
         self.task = endpoint.task if endpoint is not None else "classification"
         self.kind = get_task(self.task)
         self.labels: list[Any] = []
         self.patients: list[str] = []
-        self.preds: dict[str, list[SlidePrediction]] = {p.name: [] for p in protocols}
         self.scores: dict[str, list[dict[str, np.ndarray]]] = {p.name: [] for p in protocols}
         self.loc: list[float] = []
 
@@ -476,21 +462,14 @@ class _SetScorer:
             self.got.stain[(self.method, sid)] = {"method": self.method, "slide_id": sid, "cohort": es.cohort,
                                                   "stain_normalised": res.stain_normalised, "stain_problem": res.stain_problem}
         for pname, pred in res.preds.items():
-            if self.kind.has_classes:
-                self.got.rows[(es.cohort, pname)].append(prediction_row(
-                    slide_id=sid, cohort=es.cohort, label=lab, probs=pred.probs, prob_std=pred.prob_std,
-                    n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed,
-                    patient_id=patient))
-                scores = {"probs": pred.repeat_probs if pred.repeat_probs is not None else pred.probs[None]}
-            else:
-                scores = self.endpoint.scores(pred.repeat_logits)
-                self.got.rows[(es.cohort, pname)].append(endpoint_row(
-                    task=self.task, slide_id=sid, cohort=es.cohort, target=lab, scores=scores, n_tiles=pred.n_tiles,
-                    protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed, patient_id=patient,
-                    threshold=None if self.ref is None else self.ref.threshold, edges=self.endpoint.edges))
-                self.got.columns.setdefault(self.task, endpoint_columns(self.task, self.endpoint.edges))
+            scores = self.kind.slide_scores(self.endpoint, pred)
+            edges = () if self.endpoint is None else self.endpoint.edges
+            self.got.rows[(es.cohort, pname)].append(endpoint_row(
+                task=self.task, slide_id=sid, cohort=es.cohort, target=lab, scores=scores, n_tiles=pred.n_tiles,
+                protocol=pname, n_repeats=pred.n_repeats, method=self.method, seed=self.seed, patient_id=patient,
+                threshold=None if self.ref is None else self.ref.threshold, edges=edges))
+            self.got.columns.setdefault(self.task, endpoint_columns(self.task, edges, self.n_classes))
             if lab is not None:
-                self.preds[pname].append(pred)
                 self.scores[pname].append(scores)
         if lab is not None:
             self.labels.append(lab)
@@ -498,7 +477,7 @@ class _SetScorer:
         if res.localisation is not None and not math.isnan(res.localisation):
             self.loc.append(res.localisation)
         if res.heatmap is not None:
-            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab if self.kind.has_classes else None,
+            self.got.gallery.append({"slide_id": sid, "cohort": es.cohort, "label": lab,
                                      "png": res.heatmap, "probs": res.preds[self.protocols[0].name].probs,
                                      "localisation": res.localisation, "outline": res.outlined})
 
@@ -509,16 +488,10 @@ class _SetScorer:
         for p in self.protocols:
             repeats = p.repeats if p.per_repeat else 1
             stacked = stack_repeats(self.scores[p.name], repeats) if self.scores[p.name] else [{}] * repeats
-            if self.kind.has_classes:
-                y = np.asarray(self.labels, dtype=np.int64)
-                recs, P = protocol_records(self.method, self.seed, es, p, y, self.preds[p.name], int(n_classes or 2))
-                got.records += recs
-                got.probs_by[(self.method, es.cohort, es.split, p.name)][self.seed] = (y, P)
-            else:
-                recs, used = level_records(self.method, self.seed, es.cohort, es.split, p, self.task, self.labels, stacked,
-                                           ref=self.ref)
-                got.records += recs
-                got.levels[(self.method, es.cohort, es.split, p.name, "")][self.seed] = (list(self.labels), used, self.ref)
+            recs, used = level_records(self.method, self.seed, es.cohort, es.split, p, self.task, self.labels, stacked,
+                                       n_classes=n_classes, ref=self.ref)
+            got.records += recs
+            got.levels[(self.method, es.cohort, es.split, p.name, "")][self.seed] = (list(self.labels), used, self.ref)
             if self.eval_cfg is not None and self.eval_cfg.level == "patient" and self.labels:
                 ids, targets, pooled = pool_patients(self.patients, self.labels, stacked, self.eval_cfg.patient_pool, self.task)
                 recs, used = level_records(self.method, self.seed, es.cohort, es.split, p, self.task, targets, pooled,
@@ -551,7 +524,8 @@ def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols
     summary.files.append(save_config(config, out / "config.yaml"))
     hm_run = choice.run
     all_rows = pd.DataFrame([r for rr in got.rows.values() for r in rr])
-    if not get_task(config.task).has_classes:
+    n_classes = config.label_classes  # the task's classes (Task.classes): the class report draws them
+    if n_classes is None:
         from wsi_pipeline.export.endpoint_report import write_endpoint_report
 
         summary.files.append(write_endpoint_report(
@@ -559,7 +533,6 @@ def _write_results(config: PipelineConfig, out: Path, got: _Collected, protocols
             metrics_path=out / "metrics.json", gallery=got.gallery, protocols=[p.name for p in protocols],
             validation=choice.val_scores, heatmap_run=hm_run if heatmaps else None))
         return
-    n_classes = _n_classes(config)
     summary.files.append(write_report(
         out / "report.html", pipeline=config.name, predictions=all_rows, metrics_path=out / "metrics.json",
         n_classes=n_classes, gallery=got.gallery, heatmap_model=f"{hm_run[0]} seed {hm_run[1]}" if hm_run and heatmaps else None,

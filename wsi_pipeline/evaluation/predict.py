@@ -30,7 +30,7 @@ from wsi_pipeline.config.tiling import TilingConfig, tiler_config
 from wsi_pipeline.data.store import open_store, store_path
 from wsi_pipeline.devices import resolve_device
 from wsi_pipeline.evaluation.scoring import score_slide
-from wsi_pipeline.export.predictions import endpoint_row, prediction_row, write_predictions
+from wsi_pipeline.export.predictions import endpoint_row, write_predictions
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocols
 from wsi_pipeline.io_atomic import write_text_atomic
 from wsi_pipeline.jobs.slide_jobs import run_slides
@@ -391,16 +391,10 @@ class _SlidePredictor:
         # the model's stored normalisation (score_slide attached it): whether this slide got it, or why not
         stain.update(stain_normalised=res.stain_normalised, stain_problem=res.stain_problem or None)
         endpoint = model.endpoint
-        if endpoint is not None and not endpoint.definition.has_classes:
-            row["predictions"] = [{**endpoint_row(
-                task=endpoint.task, slide_id=sid, cohort=self.cohort, target=None, scores=endpoint.scores(pred.repeat_logits),
-                n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed,
-                edges=endpoint.edges), **stain} for pname, pred in res.preds.items()]
-            return
-        row["predictions"] = [{**prediction_row(
-            slide_id=sid, cohort=self.cohort, label=None, probs=pred.probs, prob_std=pred.prob_std, n_tiles=pred.n_tiles,
-            protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed), **stain}
-            for pname, pred in res.preds.items()]
+        row["predictions"] = [{**endpoint_row(
+            task=endpoint.task, slide_id=sid, cohort=self.cohort, target=None, scores=endpoint.definition.slide_scores(endpoint, pred),
+            n_tiles=pred.n_tiles, protocol=pname, n_repeats=pred.n_repeats, method=model.method.name, seed=model.seed,
+            edges=endpoint.edges), **stain} for pname, pred in res.preds.items()]
 
     def _stain(self, sid: str, store: TileStoreLike) -> tuple[dict[str, Any], Any]:
         """The slide's stain columns (distance to the training tiles, off-distribution flag) and the

@@ -39,7 +39,7 @@ from wsi_pipeline.tasks.classification import class_prediction_columns
 from wsi_pipeline.tasks.survival import survival_column  # noqa: F401  (the old import path)
 
 __all__ = [
-    "endpoint_columns", "endpoint_row", "prediction_columns", "prediction_row", "predictions_path", "write_predictions",
+    "endpoint_columns", "endpoint_row", "prediction_columns", "predictions_path", "write_predictions",
     "read_predictions",
 ]
 
@@ -49,10 +49,11 @@ def prediction_columns(n_classes: int) -> list[str]:
     return class_prediction_columns(n_classes)
 
 
-def endpoint_columns(task: str, edges: Sequence[float] = ()) -> list[str]:
-    """The columns of a predictions CSV of a task without classes (module docstring); ``edges``: the
-    discrete-time model's inner interval edges (adds the survival curve's columns)."""
-    return get_task(task).prediction_columns(None, edges)
+def endpoint_columns(task: str, edges: Sequence[float] = (), n_classes: int | None = None) -> list[str]:
+    """The columns of a predictions CSV of ``task`` (module docstring; :meth:`~wsi_pipeline.tasks.base.Task.prediction_columns`):
+    ``edges``: the discrete-time model's inner interval edges (adds the survival curve's columns); ``n_classes``: the
+    classes of a task with classes."""
+    return get_task(task).prediction_columns(n_classes, edges)
 
 
 def endpoint_row(
@@ -66,41 +67,6 @@ def endpoint_row(
                            **get_task(task).prediction_row(target=target, scores=scores, edges=edges, threshold=threshold)}
     row.update({"n_tiles": int(n_tiles), "protocol": str(protocol), "n_repeats": int(n_repeats), "method": str(method),
                 "seed": "" if seed is None else seed, "patient_id": patient_id})
-    return row
-
-
-def prediction_row(
-    *,
-    slide_id: str,
-    cohort: str,
-    label: int | None,
-    probs: Sequence[float] | np.ndarray,
-    prob_std: Sequence[float] | np.ndarray,
-    n_tiles: int,
-    protocol: str,
-    n_repeats: int,
-    method: str,
-    seed: int | str | None,
-    patient_id: str = "",
-) -> dict[str, Any]:
-    """One CSV row as a dict; ``probs``/``prob_std`` are (C,) mean and std over repeats."""
-    p = np.asarray(probs, dtype=np.float64)
-    s = np.asarray(prob_std, dtype=np.float64)
-    pred = int(np.argmax(p))
-    lab = None if label is None or pd.isna(label) else int(label)
-    row: dict[str, Any] = {"slide_id": slide_id, "cohort": cohort, "label": lab, "pred": pred}
-    row.update({f"prob_{c}": float(v) for c, v in enumerate(p)})
-    row.update(
-        {
-            "n_tiles": int(n_tiles),
-            "protocol": str(protocol),
-            "n_repeats": int(n_repeats),
-            "prob_std": float(s[pred]) if s.size else 0.0,
-            "method": str(method),
-            "seed": "" if seed is None else seed,
-            "patient_id": patient_id,
-        }
-    )
     return row
 
 

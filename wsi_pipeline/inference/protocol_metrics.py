@@ -18,7 +18,6 @@ The protocols themselves (subset drawing, embedding, per-slide prediction) are i
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -28,10 +27,10 @@ import torch
 from torch import Tensor, nn
 
 from wsi_pipeline.data.store import TileStore, open_store
-from wsi_pipeline.tasks.metrics import compute_metrics, compute_repeat_metrics
+from wsi_pipeline.tasks import Endpoint
 from wsi_pipeline.config.evaluation import EvalProtocol, parse_protocol
 from wsi_pipeline.inference.protocols import (
-    SlidePrediction, embed_slide, predict_slide, protocol_rng, repeat_probs, slide_embedding, subset_indices,
+    SlidePrediction, embed_slide, predict_slide, protocol_rng, slide_embedding, subset_indices,
 )
 from wsi_pipeline.progress import progress_bar
 
@@ -102,69 +101,21 @@ def _subset_embedding(encoder: nn.Module, store: TileStore, prot: EvalProtocol, 
 
 def validation_metrics(labels: Sequence[int], preds: Sequence[SlidePrediction], protocol: EvalProtocol | str,
                        n_classes: int) -> dict[str, float]:
-    """The metrics :func:`validate_model` returns, from every slide's prediction (in the order of ``labels``)."""
-    prot = parse_protocol(protocol)
-    y = np.asarray([int(v) for v in labels], dtype=np.int64)
-    if len(preds) != len(y):
-        raise ValueError(f"validation_metrics: {len(preds)} predictions but {len(y)} labels")
-    if prot.per_repeat:
-        stack = repeat_probs(list(preds), prot.repeats) if len(preds) else np.zeros((prot.repeats, 0, n_classes))
-    else:
-        stack = np.stack([p.probs for p in preds])[None] if len(preds) else np.zeros((1, 0, n_classes))
-    if not prot.per_repeat:
-        out = compute_metrics(y, stack[0], n_classes)
-    else:
-        rm = compute_repeat_metrics(y, stack, n_classes)
-        out = {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
-    if len(y):
-        # per repeat (one repeat for all/ensemble), then the mean over repeats
-        ce = -np.log(np.clip(stack[:, np.arange(len(y)), y], 1e-7, None))
-        out["loss"] = float(ce.mean())
-    else:
-        out["loss"] = math.nan
-    return out
+    """The metrics :func:`validate_model` returns (a classifier of ``n_classes``), from every slide's prediction
+    (in the order of ``labels``): :meth:`Classification.validation_values
+    <wsi_pipeline.tasks.classification.Classification.validation_values>`."""
+    return endpoint_validation_metrics(Endpoint(n_outputs=int(n_classes)), labels, preds, protocol)
 
 
 def endpoint_validation_metrics(endpoint: Any, targets: Sequence[Any], preds: Sequence[SlidePrediction],
                                 protocol: EvalProtocol | str) -> dict[str, float]:
-    """Validation values of a survival or regression model (the task's ``validation_metrics``).
-
-    Survival: ``c_index`` (Harrell's) and ``loss`` (the training loss over all validation slides:
-    Cox with every slide in one risk set, or the mean discrete-time NLL); regression: ``rmse``,
-    ``mae``, ``pearson``, ``spearman`` and ``loss`` (the training loss, standardised units). For a
-    per-repeat protocol each is the mean over repeats of its value on that repeat's outputs.
-    """
-    from wsi_pipeline.tasks.metrics import summarise_repeats
-
-    prot = parse_protocol(protocol)
-    if len(preds) != len(targets):
-        raise ValueError(f"endpoint_validation_metrics: {len(preds)} predictions but {len(targets)} targets")
-    if not preds:
-        return {m: math.nan for m in endpoint.definition.validation_metrics}
-    reps = prot.repeats if prot.per_repeat else 1
-    logits = [p.repeat_logits for p in preds]
-    if any(z is None for z in logits):
-        raise ValueError("endpoint_validation_metrics: a slide prediction has no repeat_logits (the model's outputs); "
-                         "score the slides with slide_predictions")
-    per = []
-    for r in range(reps):
-        z = np.stack([lg[r if len(lg) > 1 else 0] if prot.per_repeat else lg.mean(0) for lg in logits if lg is not None])
-        outputs = [_Out(torch.as_tensor(row)) for row in z]
-        with torch.no_grad():
-            loss = float(endpoint.group_loss(outputs, list(targets)))
-        per.append({"loss": loss, **endpoint.definition.validation(endpoint, list(targets), endpoint.scores(z))})
-    names = endpoint.definition.validation_metrics
-    if not prot.per_repeat:
-        return {m: per[0][m] for m in names}
-    rm = summarise_repeats(per, names)
-    return {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
-
-
-class _Out:
-    """An aggregator output carrying only ``logits`` (for the endpoint's losses on stored outputs)."""
-
-    def __init__(self, logits: Tensor) -> None:
-        self.logits = logits
+    """Validation values of a model of any task (the task's ``validation_metrics``; :meth:`Task.validation_values
+    <wsi_pipeline.tasks.base.Task.validation_values>`): classification the class metrics and the cross-entropy of
+    the slide probabilities; survival ``c_index`` (Harrell's) and ``loss`` (the training loss over all validation
+    slides: Cox with every slide in one risk set, or the mean discrete-time NLL); regression ``rmse``, ``mae``,
+    ``pearson``, ``spearman`` and ``loss`` (the training loss, standardised units). For a per-repeat protocol each is
+    the mean over repeats of its value on that repeat's outputs."""
+    return endpoint.definition.validation_values(endpoint, targets, preds, parse_protocol(protocol))
 
 
 def validate_model(

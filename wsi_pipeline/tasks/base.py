@@ -3,21 +3,22 @@
 A task is what a method predicts from a slide (a class, a survival risk, a number, ...). It owns,
 in one class, everything that differs between tasks:
 
-- its label schema: the manifest columns its targets come from (:attr:`Task.target_columns`), how
+- its label schema: the manifest columns its targets come from (:attr:`Task.target_columns`), its classes
+  (:meth:`Task.classes`, :meth:`Task.lone_class`), how
   a manifest row becomes a training target (:meth:`Task.slide_fields`, :meth:`Task.target_of`) and
   how a patient's target pools its slides' (:meth:`Task.pool_target`);
 - its model outputs (the aggregator's size, :meth:`Task.n_outputs`), its losses (:attr:`Task.losses`,
   the first is the default; :meth:`Task.bag_loss`, :meth:`Task.group_loss`) and what it learns from
   the training split before training (:meth:`Task.fit`);
-- per-slide scores from the outputs (:meth:`Task.scores`);
+- per-slide scores from the outputs (:meth:`Task.scores`) and of a slide's prediction (:meth:`Task.slide_scores`);
 - its metrics (:meth:`Task.metric_names`, :meth:`Task.metrics`), its validation values and
-  checkpoint selection (:attr:`Task.validation_metrics`, :meth:`Task.validation`,
+  checkpoint selection (:attr:`Task.validation_metrics`, :meth:`Task.validation`, :meth:`Task.validation_values`,
   :meth:`Task.selection_rule`);
 - the predictions CSV's columns and rows (:meth:`Task.prediction_columns`, :meth:`Task.prediction_row`) and
   what ``predict`` prints of a row (:meth:`Task.summary_cells`);
 - the report's metric table (:meth:`Task.report_metrics`) and the cross-validation table
   (:attr:`Task.cv_metrics`, :attr:`Task.cv_headline`, :meth:`Task.oof_columns`,
-  :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`).
+  :meth:`Task.cv_metric_values`, :meth:`Task.cv_headline_fn`, the pooled ROC curves :meth:`Task.oof_roc`).
 - its probability calibration (:meth:`Task.fit_calibration`) and what ``calibration.json`` says of it
   (:meth:`Task.decision_accuracy`, :meth:`Task.calibration_record`);
 - for a task whose columns each method names (``multilabel``'s ``targets``; :attr:`Task.takes_targets`):
@@ -180,6 +181,13 @@ class Endpoint:
         return self.definition.scores(self, logits)
 
 
+class _Outputs:
+    """An aggregator output carrying only ``logits`` (a task's losses on stored outputs)."""
+
+    def __init__(self, logits: Any) -> None:
+        self.logits = logits
+
+
 def _value(row: Any, column: str) -> Any:
     """``row[column]`` of a mapping / Series, or ``row.column`` of a named tuple; None when absent."""
     if isinstance(row, Mapping) or isinstance(row, pd.Series):
@@ -236,6 +244,17 @@ class Task(ABC):
     def bind(self, targets: tuple[str, ...]) -> Task:
         """This task with a method's own target ``targets`` (:attr:`takes_targets`); the task itself otherwise."""
         return self
+
+    def classes(self, n_classes: int | None) -> int | None:
+        """The classes it predicts out of ``data.n_classes`` (manifest labels are checked against them; the predictions
+        CSV's and report's per-class columns): None for a task without classes; ``ValueError`` when it needs
+        ``data.n_classes`` and has none."""
+        return None
+
+    def lone_class(self, targets: Sequence[Any]) -> Any:
+        """The class every one of ``targets`` (a split's, non-empty) holds when they hold a single class (a
+        classifier cannot learn or be scored on them: preflight warns); None otherwise or for a task without classes."""
+        return None
 
     def has_target(self, manifest: pd.DataFrame) -> pd.Series:
         """Which rows of ``manifest`` have a target to train and score on (every :attr:`target_columns` value given)."""
@@ -336,6 +355,13 @@ class Task(ABC):
     def scores(self, endpoint: Endpoint, logits: np.ndarray) -> dict[str, np.ndarray]:
         """Per-slide scores of outputs ``logits`` (R, n_outputs): ``{name: (R, ...)}``, including :attr:`score_key`."""
 
+    def slide_scores(self, endpoint: Endpoint | None, pred: Any) -> dict[str, np.ndarray]:
+        """The per-repeat scores ``{name: (R, ...)}`` of one slide's prediction under a protocol (a
+        :class:`~wsi_pipeline.inference.protocols.SlidePrediction`): :meth:`scores` of its ``repeat_logits``."""
+        if endpoint is None:
+            raise ValueError(f"task {self.name!r}: scoring a slide needs the model's endpoint")
+        return self.scores(endpoint, pred.repeat_logits)
+
     # ---- metrics -----------------------------------------------------------------------
 
     @abstractmethod
@@ -365,6 +391,34 @@ class Task(ABC):
         """Validation values besides ``loss`` of one repeat's scores (the rest of :attr:`validation_metrics`)."""
         m = self.metrics(targets, scores, n_classes=endpoint.n_outputs if self.has_classes else None)
         return {k: m[k] for k in self.validation_metrics if k != "loss"}
+
+    def validation_values(self, endpoint: Endpoint, targets: Sequence[Any], preds: Sequence[Any], protocol: Any) -> dict[str, float]:
+        """A model's validation values (:attr:`validation_metrics`, ``history.csv``) from every validation slide's
+        prediction (:class:`~wsi_pipeline.inference.protocols.SlidePrediction`, in the order of ``targets``) under the
+        parsed ``protocol``: per repeat (one for ``all``/ensembles: each slide's mean logits) the training ``loss`` over
+        all slides (Cox: every slide in one risk set) and :meth:`validation`; for a per-repeat protocol their mean over
+        repeats and ``<name>_repeat_std``."""
+        import torch
+
+        if len(preds) != len(targets):
+            raise ValueError(f"endpoint_validation_metrics: {len(preds)} predictions but {len(targets)} targets")
+        if not preds:
+            return {m: math.nan for m in self.validation_metrics}
+        logits = [p.repeat_logits for p in preds]
+        if any(z is None for z in logits):
+            raise ValueError("endpoint_validation_metrics: a slide prediction has no repeat_logits (the model's outputs); "
+                             "score the slides with slide_predictions")
+        per = []
+        for r in range(protocol.repeats if protocol.per_repeat else 1):
+            z = np.stack([lg[r if len(lg) > 1 else 0] if protocol.per_repeat else lg.mean(0) for lg in logits])
+            with torch.no_grad():
+                loss = float(self.group_loss(endpoint, [_Outputs(torch.as_tensor(row)) for row in z], list(targets)))
+            per.append({"loss": loss, **self.validation(endpoint, list(targets), self.scores(endpoint, z))})
+        if not protocol.per_repeat:
+            return {m: per[0][m] for m in self.validation_metrics}
+        values = {m: np.asarray([d.get(m, math.nan) for d in per], dtype=np.float64) for m in self.validation_metrics}
+        return {**{m: float(v.mean()) for m, v in values.items()},  # as tasks.metrics.summarise_repeats
+                **{f"{m}_repeat_std": float(v.std(ddof=1)) if len(v) > 1 else math.nan for m, v in values.items()}}
 
     def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:
         """``(metric, higher is better)`` that picks the best checkpoint for ``train.select_metric`` ``name``."""
@@ -423,3 +477,8 @@ class Task(ABC):
     def cv_headline_fn(self, rows: pd.DataFrame, n_classes: int | None) -> Callable[[np.ndarray], float]:
         """``f(row indices) -> value`` of :attr:`cv_headline` on those OOF rows (the bootstrap's inner call)."""
         return lambda idx: self.cv_metric_values(rows.iloc[idx], n_classes)[self.cv_headline]
+
+    def oof_roc(self, oof: pd.DataFrame) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """The ROC curves ``[(method, fpr, tpr)]`` of the pooled out-of-fold predictions (``oof_predictions.csv``'s
+        rows) the cross-validation report draws; none for a task without a binary decision."""
+        return []

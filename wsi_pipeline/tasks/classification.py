@@ -18,9 +18,15 @@ import numpy as np
 import pandas as pd
 
 from wsi_pipeline.tasks.base import Endpoint, Task, register_task
-from wsi_pipeline.tasks.metrics import METRICS, VALIDATION_METRICS, compute_metrics, headline_metric
+from wsi_pipeline.tasks.metrics import (
+    METRICS, VALIDATION_METRICS, compute_metrics, compute_repeat_metrics, headline_metric, metric_value,
+)
 
-__all__ = ["Classification", "class_prediction_columns", "prob_columns"]
+__all__ = ["CLASS_LOSS", "Classification", "class_prediction_columns", "prob_columns"]
+
+#: The cross-entropy on the slide's class index: the classification loss, and the one a block that trains its own
+#: loss on the class (PatchGD, DTFD's tier-1; ``classes_only``) needs the method to train with.
+CLASS_LOSS = "cross_entropy"
 
 
 def prob_columns(n_classes: int) -> list[str]:
@@ -34,11 +40,27 @@ def class_prediction_columns(n_classes: int) -> list[str]:
             + ["n_tiles", "protocol", "n_repeats", "prob_std", "method", "seed", "patient_id"])
 
 
+def _repeat_stack(per_slide: Sequence[np.ndarray], repeats: int, n_classes: int) -> np.ndarray:
+    """Slides' per-repeat probabilities (each (R_i, C)) as (R, N, C): a slide scored in one pass (at most k tiles)
+    contributes it to every repeat (:func:`~wsi_pipeline.inference.protocols.repeat_probs`)."""
+    if not per_slide:
+        return np.zeros((repeats, 0, n_classes))
+    cols = []
+    for rp in per_slide:
+        rp = np.asarray(rp, dtype=np.float64)
+        if len(rp) == 1:
+            rp = np.repeat(rp, repeats, axis=0)
+        elif len(rp) != repeats:
+            raise ValueError(f"a slide prediction has {len(rp)} repeats; expected 1 or {repeats}")
+        cols.append(rp)
+    return np.stack(cols, axis=1)
+
+
 @register_task("classification")
 class Classification(Task):
     """A slide's class (module docstring)."""
 
-    losses = ("cross_entropy",)
+    losses = (CLASS_LOSS,)
     target_columns = ("label",)
     target_noun = "labelled"
     has_classes = True
@@ -46,6 +68,15 @@ class Classification(Task):
     validation_metrics = VALIDATION_METRICS
     cv_metrics = ("accuracy", "precision", "recall", "f1", "auc")
     cv_headline = "auc"
+
+    def classes(self, n_classes: int | None) -> int | None:
+        if n_classes is None:
+            raise ValueError("missing required key 'n_classes' in section 'data' (classification methods need it)")
+        return int(n_classes)
+
+    def lone_class(self, targets: Sequence[Any]) -> Any:
+        present = {int(t) for t in targets}
+        return present.pop() if len(present) == 1 else None
 
     def slide_fields(self, values: Sequence[Any]) -> tuple[int, tuple[float, ...] | None]:
         return int(values[0]), None
@@ -81,6 +112,11 @@ class Classification(Task):
         e = np.exp(z - z.max(1, keepdims=True))
         return {"probs": e / e.sum(1, keepdims=True)}
 
+    def slide_scores(self, endpoint: Endpoint | None, pred: Any) -> dict[str, np.ndarray]:
+        """The class probabilities of every repeat the prediction holds (already calibrated by
+        :func:`~wsi_pipeline.inference.protocols.calibrated_prediction`); its mean probabilities when it has none."""
+        return {"probs": pred.repeat_probs if pred.repeat_probs is not None else np.asarray(pred.probs)[None]}
+
     def fit_calibration(self, endpoint: Endpoint, logits: np.ndarray, targets: Sequence[Any], method: str) -> Endpoint:
         """Platt or temperature scaling of the logits on the validation slides
         (:func:`~wsi_pipeline.tasks.calibration.fit_logit_map`; ``platt`` needs two classes)."""
@@ -93,7 +129,35 @@ class Classification(Task):
 
     def metrics(self, targets: Sequence[Any], scores: Mapping[str, np.ndarray], *, n_classes: int | None = None,
                 ref: Any = None, only: str | None = None) -> dict[str, float]:
+        if only is not None and only in METRICS:  # one metric (a bootstrap resample): as compute_metrics computes it
+            return {only: metric_value(only, np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))}
         return compute_metrics(np.asarray(targets, dtype=np.int64), scores["probs"], int(n_classes or 2))
+
+    def validation_values(self, endpoint: Endpoint, targets: Sequence[Any], preds: Sequence[Any], protocol: Any) -> dict[str, float]:
+        """``qwk``, ``accuracy``, ``balanced_accuracy``, ``auc``, ``n_slides`` (:func:`compute_metrics`) and ``loss`` (the
+        mean cross-entropy of the slide probabilities, natural log, clipped at 1e-7) of the (mean) slide probabilities;
+        for a per-repeat protocol each is the mean over repeats of its value on that repeat's probabilities, with
+        ``<metric>_repeat_std`` (ddof 1) and ``n_repeats`` (:func:`compute_repeat_metrics`)."""
+        n_classes = int(endpoint.n_outputs)
+        y = np.asarray([int(v) for v in targets], dtype=np.int64)
+        if len(preds) != len(y):
+            raise ValueError(f"validation_metrics: {len(preds)} predictions but {len(y)} labels")
+        if protocol.per_repeat:
+            stack = _repeat_stack([self.slide_scores(endpoint, p)["probs"] for p in preds], protocol.repeats, n_classes)
+        else:
+            stack = np.stack([p.probs for p in preds])[None] if len(preds) else np.zeros((1, 0, n_classes))
+        if not protocol.per_repeat:
+            out = compute_metrics(y, stack[0], n_classes)
+        else:
+            rm = compute_repeat_metrics(y, stack, n_classes)
+            out = {**rm.mean, **{f"{m}_repeat_std": v for m, v in rm.std.items()}}
+        if len(y):
+            # per repeat (one repeat for all/ensemble), then the mean over repeats
+            ce = -np.log(np.clip(stack[:, np.arange(len(y)), y], 1e-7, None))
+            out["loss"] = float(ce.mean())
+        else:
+            out["loss"] = math.nan
+        return out
 
     def selection_rule(self, name: str, n_classes: int | None) -> tuple[str, bool]:
         if name == "loss":
@@ -170,3 +234,16 @@ class Classification(Task):
         y = rows["label"].to_numpy(dtype=np.float64)
         p = rows["prob"].to_numpy(dtype=np.float64)
         return lambda idx: float(roc_auc_score(y[idx], p[idx])) if len(np.unique(y[idx])) == 2 else math.nan
+
+    def oof_roc(self, oof: pd.DataFrame) -> list[tuple[str, np.ndarray, np.ndarray]]:
+        """Two classes (no ``prob_<c>`` columns): each method's ROC curve of ``prob`` (class 1), where both classes occur."""
+        if "prob_0" in oof.columns:
+            return []
+        from sklearn.metrics import roc_curve
+
+        curves = []
+        for method, sub in oof.groupby("method", sort=True):
+            if sub["label"].nunique() == 2:
+                fpr, tpr, _ = roc_curve(sub["label"].astype(int), sub["prob"])
+                curves.append((str(method), fpr, tpr))
+        return curves

@@ -39,6 +39,7 @@ __all__ = [
     "RepeatMetrics",
     "compute_metrics",
     "compute_repeat_metrics",
+    "metric_value",
     "confusion",
     "VALIDATION_METRICS",
     "headline_metric",
@@ -173,6 +174,15 @@ class RepeatMetrics:
     mean: dict[str, float]
     std: dict[str, float]
     per_repeat: list[dict[str, float]]
+
+
+def metric_value(metric: str, labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> float:
+    """One metric of :data:`METRICS` as :func:`compute_metrics` computes it (``nan`` without slides)."""
+    y, p = _check(labels, probs, n_classes)
+    if len(y) == 0:
+        return math.nan
+    with sklearn.config_context(skip_parameter_validation=True, assume_finite=True):  # inputs checked above
+        return _METRIC_FNS[metric](y, p, n_classes)
 
 
 def compute_repeat_metrics(labels: Sequence[int] | np.ndarray, probs: np.ndarray, n_classes: int) -> RepeatMetrics:

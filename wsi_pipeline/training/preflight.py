@@ -157,25 +157,26 @@ def _cohort(config: PipelineConfig, strict: bool) -> tuple[pd.DataFrame, list[Sl
         )
     if not val:
         log.warning("%s: no labelled slides with split=val; no validation, best.pt is the last epoch", manifest_path)
-    if task.has_classes:
-        _warn_one_class(manifest_path, "train", [s.label for s in train],
-                        "the model learns that class only and cannot tell the classes apart")
-        _warn_one_class(manifest_path, "val", [s.label for s in val],
-                        "val_auc is undefined (nan) every epoch and best.pt is chosen on the validation loss")
-        test = manifest[(manifest["split"] == "test") & manifest["label"].notna()]
-        test = test[~test["slide_id"].astype(str).isin(left_out)]
-        _warn_one_class(manifest_path, "test", [int(x) for x in test["label"]],
-                        "eval cannot compute AUC on it" + (f" ({len(left_out)} slide(s) left out by the tiler)" if left_out else ""))
+    test = manifest[(manifest["split"] == "test") & task.has_target(manifest)]
+    test = test[~test["slide_id"].astype(str).isin(left_out)]
+    test_targets = [task.target_of(*task.slide_fields([r[c] for c in task.target_columns])) for _, r in test.iterrows()]
+    for split, targets, consequence in (
+        ("train", [s.y for s in train], "the model learns that class only and cannot tell the classes apart"),
+        ("val", [s.y for s in val], "val_auc is undefined (nan) every epoch and best.pt is chosen on the validation loss"),
+        ("test", test_targets,
+         "eval cannot compute AUC on it" + (f" ({len(left_out)} slide(s) left out by the tiler)" if left_out else "")),
+    ):
+        _warn_one_class(manifest_path, split, len(targets), task.lone_class(targets) if targets else None, consequence)
     return manifest, train, val, tiling
 
 
-def _warn_one_class(manifest_path: Path, split: str, labels: Sequence[int], consequence: str) -> None:
-    """One WARNING, before any training, when a non-empty split holds fewer than two classes."""
-    classes = sorted(set(labels))
-    if labels and len(classes) < 2:
+def _warn_one_class(manifest_path: Path, split: str, n_slides: int, lone: Any, consequence: str) -> None:
+    """One WARNING, before any training, when a non-empty split holds one class only (``lone``, :meth:`Task.lone_class
+    <wsi_pipeline.tasks.base.Task.lone_class>`; None: several, or a task without classes)."""
+    if lone is not None:
         log.warning("%s: the %s split has %d slide(s), all of class %s (one class only): %s. Redraw label-stratified splits (`wsi-pipeline "
                     "manifest split --manifest M.csv --redraw --out M.csv`, after tiling so that left-out slides are not "
-                    "drawn) or add slides of the other class", manifest_path, split, len(labels), classes[0], consequence)
+                    "drawn) or add slides of the other class", manifest_path, split, n_slides, lone, consequence)
 
 
 def _check_methods(config: PipelineConfig, methods: Sequence[MethodConfig]) -> None:

@@ -50,6 +50,7 @@ from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.types import TileStoreLike
 from wsi_pipeline.methods.endpoints import plain_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
+from wsi_pipeline.tasks.classification import CLASS_LOSS
 from wsi_pipeline.methods.models import embed_budget, build_models
 from wsi_pipeline.models import AGGREGATORS
 from wsi_pipeline.models.registry import Registry
@@ -88,7 +89,8 @@ class Strategy:
         extracts before training (:mod:`wsi_pipeline.training.frozen_features`).
     applies_augment : False when ``train.augment`` is not applied (the loop warns).
     bn_modes : accepted ``encoder.bn`` values.
-    classes_only : True when the strategy trains only tasks with classes (``classification``), not any registered task.
+    classes_only : True when the strategy trains its own cross-entropy on the slide's class (a method whose loss is
+        :data:`~wsi_pipeline.tasks.classification.CLASS_LOSS`, ``classification``), not any registered task.
     encoder, aggregator : the models (``aggregator`` is the head for PatchGD).
     endpoint : what the models predict and the loss (:class:`~wsi_pipeline.tasks.base.Endpoint`).
 
@@ -126,14 +128,16 @@ class Strategy:
             )
         task = getattr(method, "task_key", "classification")
         kind = get_task(task)
-        if cls.classes_only and not kind.has_classes:
+        loss = str(getattr(method, "loss", None) or kind.losses[0])
+        # a classes_only block trains its own cross-entropy on the slide's class index: the method's loss must be that one
+        on_class = loss == CLASS_LOSS
+        if cls.classes_only and not on_class:
             raise ValueError(f"method {method.name!r}: strategy {cls.name!r} trains classification only, not "
                              f"task {task!r}; use frozen, full, accumulate or bigl")
-        agg = "" if kind.has_classes else method.aggregator.name  # a classification method has any aggregator
+        agg = "" if on_class else method.aggregator.name  # a classification method has any aggregator
         if agg in AGGREGATORS and getattr(AGGREGATORS.get(agg), "classes_only", False):
             raise ValueError(f"method {method.name!r}: the {agg} aggregator trains classification only (its tier-1 loss "
                              f"is a cross-entropy on the slide's class); use abmil or transmil for task {task!r}")
-        loss = str(getattr(method, "loss", None) or kind.losses[0])
         if kind.coupled(loss):  # the loss compares a step's bags with each other (Cox's risk sets)
             if cls.name != "frozen" and method.encoder.bn != "frozen":
                 raise ValueError(f"method {method.name!r}: loss {loss} is trained exactly by re-embedding each bag of the step "

@@ -73,7 +73,7 @@ def validate(
     """
     if not labels:
         return {}
-    from wsi_pipeline.inference.protocol_metrics import endpoint_validation_metrics, slide_predictions, validation_metrics
+    from wsi_pipeline.inference.protocol_metrics import endpoint_validation_metrics, slide_predictions
 
     encoder = strategy.embedder()
     mine = distributed.shard(len(inputs))
@@ -84,6 +84,4 @@ def validate(
             device=device, batch_size=method.chunk_size, seed=config.eval.seed, positions=mine, progress=progress,
         )
     preds = distributed.gather_in_order(mine, preds)
-    if strategy.endpoint.definition.has_classes:
-        return validation_metrics(labels, preds, method.val_protocol, strategy.endpoint.n_outputs)  # = data.n_classes
-    return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)
+    return endpoint_validation_metrics(strategy.endpoint, labels, preds, method.val_protocol)  # the task's values
