@@ -167,6 +167,17 @@ def _stage_env(package: Path | None) -> dict[str, str]:
     return env
 
 
+def _timed_stage(cmd: list[str], package: Path | None, what: str) -> tuple[float, float]:
+    """Run the stage ``cmd`` as a fresh process (with ``package``'s code when given); its wall and CPU seconds
+    (the command and its worker processes). ``RuntimeError`` with the end of its stderr when it fails."""
+    c0, t0 = _children_cpu(), time.perf_counter()
+    done = subprocess.run(cmd, env=_stage_env(package), cwd=str(package or ROOT), capture_output=True, text=True)
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    if done.returncode != 0:
+        raise RuntimeError(f"{what} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return wall, cpu
+
+
 def run_tile(images: Path, out: Path, tile_size: int, workers: int, package: Path | None = None) -> tuple[float, float]:
     """Wall and CPU seconds of ``python -m wsi_pipeline tile`` over ``images`` into a fresh ``out`` (QC off; the
     CPU time of the command and its worker processes)."""
@@ -174,12 +185,7 @@ def run_tile(images: Path, out: Path, tile_size: int, workers: int, package: Pat
     cmd = [sys.executable, "-m", "wsi_pipeline", "tile", "--slides", str(images), "--out", str(out),
            "--tile-size", str(tile_size), "--workers", str(workers), "--no-qc", "--qc", "off", "--no-progress", "--quiet"]
     # "--no-qc": the spelling older checkouts (--package) know; today's tile reads it as --no-qc-images
-    c0, t0 = _children_cpu(), time.perf_counter()
-    done = subprocess.run(cmd, env=_stage_env(package), cwd=str(package or ROOT), capture_output=True, text=True)
-    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
-    if done.returncode != 0:
-        raise RuntimeError(f"tile failed ({done.returncode}): {done.stderr[-2000:]}")
-    return wall, cpu
+    return _timed_stage(cmd, package, "tile")
 
 
 def run_features(tiles: Path, images: list[Path], out: Path, encoder: str, package: Path | None = None) -> tuple[float, float]:
@@ -191,12 +197,7 @@ def run_features(tiles: Path, images: list[Path], out: Path, encoder: str, packa
     manifest.write_text("slide_id,path\n" + "".join(f"{p.stem},{p}\n" for p in images))
     cmd = [sys.executable, "-m", "wsi_pipeline", "features", "--manifest", str(manifest), "--tiles", str(tiles),
            "--out", str(out), "--encoder", encoder, "--device", "cpu", "--no-progress", "--quiet"]
-    c0, t0 = _children_cpu(), time.perf_counter()
-    done = subprocess.run(cmd, env=_stage_env(package), cwd=str(package or ROOT), capture_output=True, text=True)
-    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
-    if done.returncode != 0:
-        raise RuntimeError(f"features failed ({done.returncode}): {done.stderr[-2000:]}")
-    return wall, cpu
+    return _timed_stage(cmd, package, "features")
 
 
 def measure(stage: list[tuple[float, float]], decode: list[tuple[float, float]], *, name: str, n: int,

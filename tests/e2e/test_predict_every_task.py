@@ -75,9 +75,9 @@ def _model_outputs(run: Path, stores: Path) -> dict[str, np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("task,loss,column", [("survival", "cox", "risk"), ("regression", "mse", "prediction")])
-def test_predict_through_the_cli_for_every_task_without_classes(task, loss, column, store_cohort, tmp_path, capsys):
-    run, manifest = _train(store_cohort, tmp_path, task, loss)
+def _predict_cli(run, store_cohort, tmp_path, capsys):
+    """``predict`` through the CLI on copies of the test slides' stores: (their folder, the captured output,
+    predictions.csv by slide_id); it must exit 0 without a traceback."""
     new = tmp_path / "new"
     for sid in SLIDES:
         shutil.copytree(store_cohort.parent / "tiles" / f"{sid}.zarr", new / f"{sid}.zarr")
@@ -87,7 +87,13 @@ def test_predict_through_the_cli_for_every_task_without_classes(task, loss, colu
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert "Traceback" not in out.err and "KeyError" not in out.err, out.err
-    pred = pd.read_csv(tmp_path / "pred" / "predictions.csv").set_index("slide_id")
+    return new, out, pd.read_csv(tmp_path / "pred" / "predictions.csv").set_index("slide_id")
+
+
+@pytest.mark.parametrize("task,loss,column", [("survival", "cox", "risk"), ("regression", "mse", "prediction")])
+def test_predict_through_the_cli_for_every_task_without_classes(task, loss, column, store_cohort, tmp_path, capsys):
+    run, manifest = _train(store_cohort, tmp_path, task, loss)
+    new, out, pred = _predict_cli(run, store_cohort, tmp_path, capsys)
     assert sorted(pred.index) == sorted(SLIDES)
     assert column in pred.columns and "pred" not in pred.columns
     assert not [c for c in pred.columns if c.startswith("prob_")]
@@ -113,16 +119,7 @@ def test_predict_through_the_cli_for_every_task_without_classes(task, loss, colu
 def test_predict_through_the_cli_for_a_multilabel_model(store_cohort, tmp_path, capsys):
     """Every target's probability is the sigmoid of its output; the summary prints each ``prob_<col>``."""
     run, _ = _train(store_cohort, tmp_path, "multilabel", "bce")
-    new = tmp_path / "new"
-    for sid in SLIDES:
-        shutil.copytree(store_cohort.parent / "tiles" / f"{sid}.zarr", new / f"{sid}.zarr")
-    capsys.readouterr()
-    rc = main(["predict", "--model", str(run), "--slides", str(new), "--out", str(tmp_path / "pred"), "--no-progress",
-               "--no-heatmaps", "--device", "cpu", "--workers", "0"])
-    out = capsys.readouterr()
-    assert rc == 0, out.err
-    assert "Traceback" not in out.err, out.err
-    pred = pd.read_csv(tmp_path / "pred" / "predictions.csv").set_index("slide_id")
+    new, out, pred = _predict_cli(run, store_cohort, tmp_path, capsys)
     assert sorted(pred.index) == sorted(SLIDES)
     assert {"a", "b", "prob_a", "prob_b", "prob_std"} <= set(pred.columns) and "pred" not in pred.columns
     z = _model_outputs(run, new)
