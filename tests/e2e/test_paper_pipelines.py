@@ -27,13 +27,13 @@ def test_training_validates_each_method_with_its_own_protocol(tmp_path, monkeypa
     from wsi_pipeline.training.loop import train_pipeline
 
     seen: list[EvalProtocol] = []
-    real = protocols_mod.validation_metrics
+    real = protocols_mod.endpoint_validation_metrics  # what training validates through, for every task
 
-    def spy(labels, preds, protocol, n_classes):
+    def spy(endpoint, labels, preds, protocol):
         seen.append(protocol)
-        return real(labels, preds, protocol, n_classes)
+        return real(endpoint, labels, preds, protocol)
 
-    monkeypatch.setattr(protocols_mod, "validation_metrics", spy)
+    monkeypatch.setattr(protocols_mod, "endpoint_validation_metrics", spy)
     store_cohort = make_store_cohort(tmp_path / "data", n_slides=6, tiles_per_slide=(4, 6), seed=0)
     root = store_cohort.parent
     raw = {

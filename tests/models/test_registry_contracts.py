@@ -23,6 +23,7 @@ import torch
 
 from wsi_pipeline.models import AGGREGATORS, ENCODERS, build_aggregator, build_encoder
 from wsi_pipeline.models import foundation as fm
+from wsi_pipeline.models.encoders import PRECOMPUTED
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.small_cnn import MIN_INPUT_PX
 from wsi_pipeline.training.strategies import STRATEGIES, build_strategy
@@ -44,7 +45,7 @@ def _smallest_side(name: str) -> int:
     return RESNET_MIN_PX
 
 
-@pytest.mark.parametrize("name", ENCODERS.names())
+@pytest.mark.parametrize("name", [n for n in ENCODERS.names() if n != PRECOMPUTED])
 def test_every_encoder_builds_and_yields_its_declared_width(name: str, monkeypatch) -> None:
     if name in fm.PRESETS:  # one block of the real width: D, tokens and pooling as published
         monkeypatch.setitem(fm.PRESETS, name, fm.replace_preset(fm.PRESETS[name], timm_kwargs={"depth": 1}))
@@ -62,6 +63,17 @@ def test_every_encoder_builds_and_yields_its_declared_width(name: str, monkeypat
     assert torch.isfinite(out).all()
     out.sum().backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in enc.parameters()), f"{name}: nothing to train"
+
+
+def test_the_precomputed_encoder_passes_features_through_and_refuses_images() -> None:
+    """``precomputed`` embeds nothing: width D from the feature files, features unchanged, tiles refused."""
+    with pytest.raises(ValueError, match=r"needs its feature width D \(encoder.dim\)"):
+        build_encoder(PRECOMPUTED)
+    enc = build_encoder(PRECOMPUTED, dim=8)
+    z = torch.rand(5, 8)
+    assert int(enc.num_features) == 8 and enc(z) is z and not list(enc.parameters())
+    with pytest.raises(ValueError, match=r"takes features \[B, 8\], got a tensor of shape \[2, 3, 32, 32\]"):
+        enc(torch.rand(2, 3, 32, 32))
 
 
 def test_every_foundation_preset_is_a_registered_encoder() -> None:
