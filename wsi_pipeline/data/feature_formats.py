@@ -186,8 +186,11 @@ def detect_format(path: str | os.PathLike) -> str:
     if p.suffix == ".pt":
         return "clam"
     with h5py.File(p, "r") as f:
-        keys = sorted(f.keys())
-        attrs = _h5_attrs(f)
+        return _h5_format(p, list(f.keys()), _h5_attrs(f))
+
+
+def _h5_format(p: Path, keys: list[str], attrs: Mapping[str, Any]) -> str:
+    """:func:`detect_format`'s rule for an HDF5 file with datasets ``keys`` and attributes ``attrs``."""
     if "feats" in keys:
         return "stamp"
     if "features" in keys and "patch_size_level0" in attrs:  # (also ours written with `features --layout trident`)
@@ -196,7 +199,7 @@ def detect_format(path: str | os.PathLike) -> str:
         return "wsi-pipeline"
     if "features" in keys and "coords" in keys:
         return "clam"
-    raise ValueError(f"feature file {p}: no known layout (datasets {keys}); expected `features` + `coords` (TRIDENT, "
+    raise ValueError(f"feature file {p}: no known layout (datasets {sorted(keys)}); expected `features` + `coords` (TRIDENT, "
                      "CLAM, wsi-pipeline) or `feats` + `coords` (STAMP)")
 
 
@@ -228,8 +231,28 @@ def read_slide_features(path: str | os.PathLike, fmt: str = "auto", *, mpp: floa
         if fmt not in ("auto", "clam"):
             raise ValueError(f"feature file {p}: a .pt file is CLAM's features tensor, but the format given is {fmt!r}")
         return _read_clam_pt(p)
-    found = detect_format(p) if fmt == "auto" else fmt  # a format given: the file must have what that format requires
-    return _READERS[found](p, mpp)
+    return _read_h5(p, fmt, mpp)
+
+
+#: Each HDF5 format's name in messages, and its features dataset (besides ``coords``, which every one has).
+_H5_NAMES = {"wsi-pipeline": "wsi-pipeline", "trident": "TRIDENT", "clam": "CLAM", "stamp": "STAMP"}
+_FEATURES_DATASET = {"stamp": "feats"}
+
+
+def _read_h5(p: Path, fmt: str, mpp: float | None) -> SlideFeatures:
+    """Read an HDF5 feature file in ``fmt`` (``auto``: detected from the same open file), its datasets checked,
+    then finished by its format's reader (:data:`_READERS`: coordinates to level-0 px, tile side, attributes).
+    A format given is the one the file must satisfy."""
+    import h5py
+
+    with h5py.File(p, "r") as f:
+        keys, attrs = list(f.keys()), _h5_attrs(f)
+        found = _h5_format(p, keys, attrs) if fmt == "auto" else fmt
+        name = _FEATURES_DATASET.get(found, "features")
+        _require(p, _H5_NAMES[found], keys, (name, "coords"), "dataset(s)")
+        feats = _features(p, f[name][:], name)
+        coords = _coords(p, f["coords"][:], len(feats))
+    return _READERS[found](p, feats, coords, attrs, mpp)
 
 
 def _require(p: Path, what: str, have: Mapping[str, Any] | list[str], need: tuple[str, ...], kind: str) -> None:
@@ -256,14 +279,8 @@ def _coords(p: Path, arr: Any, n: int, name: str = "coords") -> np.ndarray:
     return c
 
 
-def _read_ours(p: Path, mpp: float | None) -> SlideFeatures:
-    import h5py
-
-    with h5py.File(p, "r") as f:
-        _require(p, "wsi-pipeline", list(f.keys()), ("features", "coords"), "dataset(s)")
-        feats = _features(p, f["features"][:], "features")
-        coords = _coords(p, f["coords"][:], len(feats)).astype(np.int64)
-        attrs = _h5_attrs(f)
+def _read_ours(p: Path, feats: np.ndarray, coords: np.ndarray, attrs: dict[str, Any], mpp: float | None) -> SlideFeatures:
+    coords = coords.astype(np.int64)
     # our files record the tile size at the read resolution; its level-0 side is the tile pitch (non-overlapping grid)
     tile = attrs.get("tile_size_level0") or _min_step(coords) or attrs.get("tile_size")
     return SlideFeatures(p.stem, p, "wsi-pipeline", feats, coords, float(tile) if tile else None,
@@ -289,27 +306,14 @@ def _mpp(attrs: Mapping[str, Any], given: float | None) -> float | None:
     return v if v is not None and math.isfinite(v) and v > 0 else given
 
 
-def _read_trident(p: Path, mpp: float | None) -> SlideFeatures:
-    import h5py
-
-    with h5py.File(p, "r") as f:
-        _require(p, "TRIDENT", list(f.keys()), ("features", "coords"), "dataset(s)")
-        feats = _features(p, f["features"][:], "features")
-        coords = _coords(p, f["coords"][:], len(feats))
-        attrs = _h5_attrs(f)
+def _read_trident(p: Path, feats: np.ndarray, coords: np.ndarray, attrs: dict[str, Any], mpp: float | None) -> SlideFeatures:
     _require(p, "TRIDENT", attrs, ("patch_size_level0",), "attribute(s) (on `coords` or the file)")
     return SlideFeatures(p.stem, p, "trident", feats, np.rint(coords).astype(np.int64), float(attrs["patch_size_level0"]),
                          _level0(attrs), _mpp(attrs, mpp), attrs)
 
 
-def _read_clam_h5(p: Path, mpp: float | None) -> SlideFeatures:
-    import h5py
-
-    with h5py.File(p, "r") as f:
-        _require(p, "CLAM", list(f.keys()), ("features", "coords"), "dataset(s)")
-        feats = _features(p, f["features"][:], "features")
-        coords = np.rint(_coords(p, f["coords"][:], len(feats))).astype(np.int64)
-        attrs = _h5_attrs(f)
+def _read_clam_h5(p: Path, feats: np.ndarray, coords: np.ndarray, attrs: dict[str, Any], mpp: float | None) -> SlideFeatures:
+    coords = np.rint(coords).astype(np.int64)
     # CLAM's patch_size is in px at patch_level; it is the level-0 side only at level 0, else the tile pitch is
     tile = float(attrs["patch_size"]) if attrs.get("patch_size") and int(attrs.get("patch_level", 0) or 0) == 0 else None
     return SlideFeatures(p.stem, p, "clam", feats, coords, tile or _min_step(coords), _level0(attrs), _mpp(attrs, mpp), attrs)
@@ -318,8 +322,10 @@ def _read_clam_h5(p: Path, mpp: float | None) -> SlideFeatures:
 def _read_clam_pt(p: Path) -> SlideFeatures:
     import torch
 
+    from wsi_pipeline.model_files.loader import load_torch_file
+
     try:
-        obj = torch.load(p, map_location="cpu", weights_only=True)
+        obj = load_torch_file(p)  # the pickle screened, then torch.load(weights_only=True)
     except Exception as e:
         raise ValueError(f"feature file {p} (CLAM pt_files): not a plain tensor file torch.load(weights_only=True) "
                          f"accepts ({type(e).__name__}: {e})") from e
@@ -328,14 +334,7 @@ def _read_clam_pt(p: Path) -> SlideFeatures:
     return SlideFeatures(p.stem, p, "clam", _features(p, obj.float().numpy(), "features tensor"), None)
 
 
-def _read_stamp(p: Path, mpp: float | None) -> SlideFeatures:
-    import h5py
-
-    with h5py.File(p, "r") as f:
-        _require(p, "STAMP", list(f.keys()), ("feats", "coords"), "dataset(s)")
-        feats = _features(p, f["feats"][:], "feats")
-        um = _coords(p, f["coords"][:], len(feats))
-        attrs = _h5_attrs(f)
+def _read_stamp(p: Path, feats: np.ndarray, um: np.ndarray, attrs: dict[str, Any], mpp: float | None) -> SlideFeatures:
     _require(p, "STAMP", attrs, STAMP_ATTRS, "attribute(s)")
     unit = str(attrs["unit"]).lower()
     if unit not in ("um", "µm", "micrometre", "micrometer", "micron"):
