@@ -38,6 +38,7 @@ import resource
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,9 @@ def dataset_config(template: Path, out: Path, folder: Path, name: str, overrides
 
 def run_cli(args: list[str], cwd: Path, log_file: Path, processes: int = 1) -> dict[str, float]:
     """Run ``wsi-pipeline ARGS`` in ``cwd`` under ``nice -n 10``, in ``processes`` copies at once (each with
-    ``cores / processes`` threads; ``train --folds`` copies share the runs through their run locks); return the
-    wall and CPU seconds (raises on failure)."""
+    ``cores / processes`` threads; ``train --folds`` copies share the runs through their run locks, and when a copy
+    ends on a run another copy still held, one more pass in one process settles it); return the wall and CPU
+    seconds (raises on failure)."""
     cmd = ["nice", "-n", "10", sys.executable, "-m", "wsi_pipeline.cli.main", *args]
     env = os.environ.copy()
     if processes > 1:
@@ -119,6 +121,12 @@ def run_cli(args: list[str], cwd: Path, log_file: Path, processes: int = 1) -> d
         fh.flush()
         procs = [subprocess.Popen(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT, env=env) for _ in range(processes)]
         rcs = [p.wait() for p in procs]
+        if processes > 1 and any(rcs):
+            # a copy that found its last run held by another copy exits 1 ("not trained here"); once all copies have
+            # ended, one more pass finds every run complete (exit 0) or finishes what is left, and its status counts
+            fh.write("\n$ (once more in one process: a copy ended while another held a run)\n")
+            fh.flush()
+            rcs = [subprocess.run(cmd, cwd=cwd, stdout=fh, stderr=subprocess.STDOUT).returncode]
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -190,8 +198,11 @@ def instance_truth(coords: np.ndarray, tile_size: int, nuclei: pd.DataFrame, con
 
 
 def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], manifest_of: dict[tuple[int, int], Path],
-                    tiles_dir: Path, nuclei: pd.DataFrame, construction: str, tile_size: int) -> pd.DataFrame:
+                    tiles_dir: Path, truth_of: Callable[[str, np.ndarray], np.ndarray]) -> pd.DataFrame:
     """Per method: AUC of the attention scores against the instance truth, in each positive test image.
+
+    ``truth_of(slide_id, coords)`` gives each tile's truth (bool) from its top-left corners (N, 2),
+    level-0 px; images whose tiles are all one way are skipped.
 
     For every (repeat, fold), the fold's trained model (``best.pt``) embeds each positive test
     image's tiles and returns one attention score per tile (:class:`MILOutput.attention`). Returns
@@ -208,7 +219,6 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
 
     per: dict[str, list[float]] = {}
     pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    by_image = {k: g for k, g in nuclei.groupby("image")}
     for key in folds:
         man = pd.read_csv(manifest_of[key])
         test = man[(man["split"] == "test") & (man["label"] == 1)]["slide_id"].tolist()
@@ -218,7 +228,7 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
             tm = load_trained_model(run, which="best")
             for sid in test:
                 store = open_store(store_path(tiles_dir, sid))
-                truth = instance_truth(store.coords, tile_size, by_image[sid], construction)
+                truth = truth_of(sid, store.coords)
                 if truth.all() or not truth.any():
                     continue
                 with torch.no_grad():
@@ -298,7 +308,9 @@ def summarise(folder: Path, name: str, construction: str, data_dir: Path) -> dic
     nuclei = pd.read_csv(data_dir / "nuclei.csv")
     folds = _fold_manifests(folder / "manifest.csv")
     tile_size = CONSTRUCTIONS[construction][1]
-    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", nuclei, construction, tile_size)
+    by_image = {k: g for k, g in nuclei.groupby("image")}
+    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles",
+                          lambda sid, coords: instance_truth(coords, tile_size, by_image[sid], construction))
     table = table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
     return {"construction": construction, "table": table.to_dict(orient="records")}
 
