@@ -176,14 +176,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                      str(manifest)], folder, logf)
     times["tile"] = run_cli(["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"),
                              "--no-progress"], folder, logf)
-    times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress"], folder, logf, processes=args.processes)
-    times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress"], folder, logf)
+    only = [a for m in args.method for a in ("--method", m)]
+    times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress", *only], folder, logf,
+                             processes=args.processes)
+    times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress", *only], folder, logf)
     table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
     folds = _fold_manifests(manifest)
     cells = pd.read_csv(cohort / "cells.csv")
     att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", cell_truth(cells, tile_size))
     table = table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
-    return {"tag": args.tag, "contrast": args.contrast, "template": str(args.template), "folds": args.folds, "times": times,
+    return {"tag": args.tag, "contrast": args.contrast, "methods": args.method or "all", "template": str(args.template), "folds": args.folds, "times": times,
             "epochs": raw["train"]["epochs"], "table": table.to_dict(orient="records")}
 
 
@@ -222,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contrast", choices=sorted(CONTRASTS), default="benign-tumour",
                    help="what tells positive images from negative ones (see the module's help; default benign-tumour)")
     p.add_argument("--cohort-seed", type=int, default=0, help="seed of the image set's draw (default 0)")
+    p.add_argument("--method", action="append", default=[],
+                   help="train and evaluate only this method of the pipeline (repeatable; default: every method, as the "
+                        "held-out check does)")
     p.add_argument("--processes", type=int, default=2, help="`train --folds` processes at once (default 2, one per core)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
