@@ -45,15 +45,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-from benchmarks.real import (
-    attention_truth,
-    dataset_config,
-    machine_line,
-    method_table,
-    run_cli,
-    uncalibrated_accuracy,
-    _fold_manifests,
-)
+from benchmarks.real import dataset_config, fold_table, machine_line, run_check_commands
 from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["CELL", "CONTRASTS", "build_cohort", "cell_truth", "main"]
@@ -65,13 +57,6 @@ CELL = 224
 #: The paper's breast table (Ilse et al. 2018, mean +- s.e. over 5 x 10-fold CV; ../shared/docs/methods.md):
 #: the shape of set this bench imitates, for scale only (other tissue).
 PAPER_BREAST = {"attention": "0.745 / 0.775", "gated_attention": "0.755 / 0.799", "mean": "0.741 / 0.796"}
-
-
-def _groups(source: Path, classes: tuple[str, ...]) -> pd.DataFrame:
-    """Every tile with its near-copy group, cached beside nothing: hashing 2,700 tiles takes about 20 s."""
-    from wsi_pipeline.synthetic.mosaic import index_tiles
-
-    return index_tiles(source, classes, max_distance=12, progress=False)
 
 
 #: ``--contrast`` -> (classes of the negative images' tiles, classes of the positive images' witness tiles).
@@ -91,11 +76,14 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
     """
     from PIL import Image
 
+    from wsi_pipeline.synthetic.mosaic import LungMosaicCohort, index_tiles
+
     done = out / "cohort.json"
     if done.is_file():
         return out / "labels.csv"
     benign, tumour = CONTRASTS[contrast]  # "benign" fills every image, "tumour" is the positives' witness class
-    tiles = _groups(source, benign + tumour)
+    # near-copies at the lung mosaic cohort's Hamming threshold (hashing 2,700 tiles takes about 15 s)
+    tiles = index_tiles(source, benign + tumour, max_distance=LungMosaicCohort.max_distance, progress=False)
     rng = np.random.default_rng(seed)
     n_cells = rows * cols
     queues: dict[str, list[list[str]]] = {}
@@ -103,6 +91,7 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
     kind_of = tiles["class"].isin(tumour)
     mixed = kind_of.groupby(tiles["group"]).nunique() > 1
     tiles = tiles[~tiles["group"].isin(mixed.index[mixed])]
+    group_of = dict(zip(tiles["file"], tiles["group"]))
     for kind, classes in (("benign", benign), ("tumour", tumour)):
         sub = tiles[tiles["class"].isin(classes)]
         groups = [g["file"].tolist() for _, g in sub.groupby("group")]
@@ -135,7 +124,7 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
         Image.fromarray(img).save(out / "images" / f"{sid}.png")
         for k, (f, t) in enumerate(zip(files, is_t)):
             cells.append({"slide_id": sid, "row": k // cols, "col": k % cols, "tumour": int(t), "file": f,
-                          "group": int(tiles.loc[tiles["file"] == f, "group"].iloc[0])})
+                          "group": int(group_of[f])})
         rows_out.append({"slide_id": sid, "label": int(label), "mpp": 0.5})
     write_text_atomic(out / "cells.csv", pd.DataFrame(cells).to_csv(index=False))
     write_text_atomic(out / "labels.csv", pd.DataFrame(rows_out).to_csv(index=False))
@@ -167,31 +156,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = dataset_config(args.template.resolve(), folder / f"{name}.yaml", folder, name)
     raw = yaml.safe_load(cfg.read_text())
     tile_size = int(raw["data"]["tiling"]["tile_size"])
-    logf = folder / "commands.log"
-    times: dict[str, dict[str, float]] = {}
-    manifest = folder / "manifest.csv"
-    if not manifest.is_file():
-        times["manifest"] = run_cli(["manifest", "folder", "--slides", str(cohort / "images"), "--labels",
-                                     str(labels), "--crossval", str(args.folds), "--seed", str(args.seed), "--out",
-                                     str(manifest)], folder, logf)
-    times["tile"] = run_cli(["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"),
-                             "--no-progress"], folder, logf)
-    only = [a for m in args.method for a in ("--method", m)]
-    times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress", *only], folder, logf,
-                             processes=args.processes)
-    times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress", *only], folder, logf)
-    table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
-    folds = _fold_manifests(manifest)
-    cells = pd.read_csv(cohort / "cells.csv")
-    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", cell_truth(cells, tile_size))
-    table = table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
+    times = run_check_commands(folder, cfg, cohort / "images", labels,
+                               ["--crossval", str(args.folds), "--seed", str(args.seed)], args.processes,
+                               methods=tuple(args.method))
+    table = fold_table(folder, name, cell_truth(pd.read_csv(cohort / "cells.csv"), tile_size))
     return {"tag": args.tag, "contrast": args.contrast, "methods": args.method or "all", "template": str(args.template), "folds": args.folds, "times": times,
             "epochs": raw["train"]["epochs"], "table": table.to_dict(orient="records")}
 
 
 def markdown(res: dict[str, Any], machine: str) -> str:
     """The table of one recipe's run."""
-    lines = [f"### Held-out lung set `{res.get('contrast', 'benign-tumour')}`, recipe `{res['tag']}` ({Path(res['template']).name}, {res['folds']}-fold, "
+    lines = [f"### Held-out lung set `{res['contrast']}`, recipe `{res['tag']}` ({Path(res['template']).name}, {res['folds']}-fold, "
              f"{res['epochs']} epochs)\n",
              "| method | accuracy (calibrated) | accuracy at 0.5 | AUC per fold | pooled OOF AUC (95 % CI) | "
              "attention AUC vs witness cells | paper, breast: accuracy / AUC |",

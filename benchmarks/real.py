@@ -48,7 +48,8 @@ import yaml
 
 from wsi_pipeline.io_atomic import write_text_atomic
 
-__all__ = ["PAPER", "pipeline_name", "attention_truth", "instance_truth", "main", "method_table", "summarise"]
+__all__ = ["PAPER", "pipeline_name", "attention_truth", "fold_table", "instance_truth", "main", "method_table",
+           "run_check_commands", "summarise"]
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +272,37 @@ def _fold_manifests(manifest: Path) -> dict[tuple[int, int], Path]:
     return dict(sorted(out.items()))
 
 
+def run_check_commands(folder: Path, cfg: Path, images: Path, labels: Path, cv: list[str], processes: int, *,
+                       tile_extra: tuple[str, ...] = (), methods: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """The held-out check's commands in ``folder``: ``manifest folder --slides IMAGES --labels LABELS CV`` (skipped
+    when ``folder/manifest.csv`` exists), ``tile --config``, ``train --folds`` (in ``processes`` copies) and ``eval
+    --folds``, each logged to ``folder/commands.log``; ``tile_extra`` goes to ``tile`` (e.g. ``--points FILE``),
+    ``methods`` restricts training and evaluation (``--method``). Returns each step's wall and CPU seconds."""
+    logf = folder / "commands.log"
+    manifest = folder / "manifest.csv"
+    times: dict[str, dict[str, float]] = {}
+    if not manifest.is_file():
+        times["manifest"] = run_cli(["manifest", "folder", "--slides", str(images), "--labels", str(labels), *cv,
+                                     "--out", str(manifest)], folder, logf)
+    times["tile"] = run_cli(["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"),
+                             *tile_extra, "--no-progress"], folder, logf)
+    only = [a for m in methods for a in ("--method", m)]
+    times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress", *only], folder, logf,
+                             processes=processes)
+    times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress", *only], folder, logf)
+    return times
+
+
+def fold_table(folder: Path, name: str, truth_of: Callable[[str, np.ndarray], np.ndarray]) -> pd.DataFrame:
+    """Per method of the finished cross-validation in ``folder``: :func:`method_table` of
+    ``results/<name>_cv/cv_table.csv``, the attention-vs-instance-truth AUCs (:func:`attention_truth` with
+    ``truth_of``) and the uncalibrated accuracy (:func:`uncalibrated_accuracy`)."""
+    table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
+    folds = _fold_manifests(folder / "manifest.csv")
+    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", truth_of)
+    return table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
+
+
 def run_construction(construction: str, args: argparse.Namespace, data_dir: Path, work: Path, labels: Path,
                      points: Path) -> dict[str, Any]:
     """All commands of one construction in ``work/<construction>``; returns times and tables."""
@@ -280,21 +312,9 @@ def run_construction(construction: str, args: argparse.Namespace, data_dir: Path
     name = pipeline_name(construction)
     overrides = {"train.epochs": args.epochs} if args.epochs else {}
     cfg = dataset_config(Path(template).resolve(), folder / f"{name}.yaml", folder, name, overrides)
-    logf = folder / "commands.log"
-    times: dict[str, dict[str, float]] = {}
-    manifest = folder / "manifest.csv"
     cv = ["--crossval", str(args.folds), "--seed", str(args.seed)] + (["--repeats", str(args.repeats)] if args.repeats > 1 else [])
-    if not manifest.is_file():
-        times["manifest"] = run_cli(["manifest", "folder", "--slides", str(data_dir / "images"), "--labels", str(labels),
-                                     *cv, "--out", str(manifest)], folder, logf)
-    if construction == "points":
-        tile = ["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"), "--points",
-                str(points), "--no-progress"]
-    else:
-        tile = ["tile", "--config", str(cfg), "--manifest", str(manifest), "--out", str(folder / "tiles"), "--no-progress"]
-    times["tile"] = run_cli(tile, folder, logf)
-    times["train"] = run_cli(["train", "--config", str(cfg), "--folds", "--no-progress"], folder, logf, processes=args.processes)
-    times["eval"] = run_cli(["eval", "--config", str(cfg), "--folds", "--no-progress"], folder, logf)
+    tile_extra = ("--points", str(points)) if construction == "points" else ()
+    times = run_check_commands(folder, cfg, data_dir / "images", labels, cv, args.processes, tile_extra=tile_extra)
     res = summarise(folder, name, construction, data_dir)
     res.update({"config": str(cfg), "folds": args.folds, "repeats": args.repeats, "times": times,
                 "epochs": args.epochs or yaml.safe_load(Path(template).read_text())["train"]["epochs"]})
@@ -304,14 +324,10 @@ def run_construction(construction: str, args: argparse.Namespace, data_dir: Path
 def summarise(folder: Path, name: str, construction: str, data_dir: Path) -> dict[str, Any]:
     """The table of one construction's finished cross-validation in ``folder`` (``results/<name>_cv/cv_table.csv``)
     with the attention-vs-instance-truth AUCs of its trained models."""
-    table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
     nuclei = pd.read_csv(data_dir / "nuclei.csv")
-    folds = _fold_manifests(folder / "manifest.csv")
     tile_size = CONSTRUCTIONS[construction][1]
     by_image = {k: g for k, g in nuclei.groupby("image")}
-    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles",
-                          lambda sid, coords: instance_truth(coords, tile_size, by_image[sid], construction))
-    table = table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
+    table = fold_table(folder, name, lambda sid, coords: instance_truth(coords, tile_size, by_image[sid], construction))
     return {"construction": construction, "table": table.to_dict(orient="records")}
 
 
