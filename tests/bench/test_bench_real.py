@@ -76,3 +76,52 @@ def test_the_constructions_run_under_their_templates_names() -> None:
     assert pipeline_name("points") == "ilse_colon" and pipeline_name("grid") == "ilse_colon_grid"
     for construction, (template, _) in CONSTRUCTIONS.items():
         assert pipeline_name(construction) == yaml.safe_load(Path(template).read_text())["name"]
+
+
+def _fake_cli(tmp_path: Path, codes: list[int]) -> Path:
+    """An executable standing in for ``python``: its n-th call (counted under a lock in the working
+    folder) exits with ``codes[n]`` (the last code for later calls), after writing its arguments there."""
+    import sys
+
+    script = tmp_path / "fake_python"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import fcntl, pathlib, sys, time\n"
+        "with open('calls', 'a+') as fh:\n"
+        "    fcntl.flock(fh, fcntl.LOCK_EX)\n"
+        "    fh.seek(0)\n"
+        "    n = len(fh.read().splitlines())\n"
+        "    fh.write(' '.join(sys.argv[1:]) + '\\n')\n"
+        f"codes = {codes!r}\n"
+        "time.sleep(0.2 * (n == 0))\n"
+        "sys.exit(codes[min(n, len(codes) - 1)])\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize(
+    ("processes", "codes", "calls", "fails"),
+    [
+        (2, [0, 0], 2, False),  # both copies finish: no further pass
+        (2, [0, 1, 0], 3, False),  # a copy ended on a run the other held: one more pass settles it
+        (2, [0, 1, 1], 3, True),  # the further pass fails too: the bench fails, naming the log
+        (1, [1, 0], 1, True),  # one process: its failure is the result, never retried
+    ],
+)
+def test_run_cli_settles_runs_held_by_another_copy(tmp_path, monkeypatch, processes, codes, calls, fails) -> None:
+    import sys
+
+    from benchmarks.real import run_cli
+
+    monkeypatch.setattr(sys, "executable", str(_fake_cli(tmp_path, codes)))
+    log = tmp_path / "commands.log"
+    if fails:
+        with pytest.raises(RuntimeError, match="commands.log"):
+            run_cli(["train", "--folds"], tmp_path, log, processes=processes)
+    else:
+        times = run_cli(["train", "--folds"], tmp_path, log, processes=processes)
+        assert times["wall_s"] >= 0.2 and times["cpu_s"] >= 0.0
+    lines = (tmp_path / "calls").read_text().splitlines()
+    assert len(lines) == calls and set(lines) == {"-m wsi_pipeline.cli.main train --folds"}
+    assert ("once more in one process" in log.read_text()) == (calls > processes)
