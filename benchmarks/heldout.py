@@ -71,7 +71,8 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
     ``cells.csv``: every placed tile with its image, row, col, ``tumour`` (1 for a tile of the positives'
     witness classes), source file and near-copy group); returns ``labels.csv``.
 
-    Resumable: an existing ``out/cohort.json`` (written last) means the set is complete and is kept.
+    Resumable: an existing ``out/cohort.json`` (written last) means the set is complete and is kept; one
+    recording other settings (another draw's seed, another contrast) raises ``ValueError`` naming them.
     Raises ``ValueError`` when the source has too few near-copy groups for the images asked.
     """
     from PIL import Image
@@ -79,7 +80,13 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
     from wsi_pipeline.synthetic.mosaic import LungMosaicCohort, index_tiles
 
     done = out / "cohort.json"
+    spec = {"source": str(source), "contrast": contrast, "n_negative": n_negative, "n_positive": n_positive, "rows": rows, "cols": cols,
+            "tumour_fraction": list(tumour_fraction), "max_per_group": max_per_group, "seed": seed}
     if done.is_file():
+        found = json.loads(done.read_text())
+        if found != spec:
+            diff = ", ".join(f"{k} {found.get(k)!r} (asked: {v!r})" for k, v in spec.items() if found.get(k) != v)
+            raise ValueError(f"{done}: this folder holds another image set: {diff}; give the new set its own folder")
         return out / "labels.csv"
     benign, tumour = CONTRASTS[contrast]  # "benign" fills every image, "tumour" is the positives' witness class
     # near-copies at the lung mosaic cohort's Hamming threshold (hashing 2,700 tiles takes about 15 s)
@@ -128,8 +135,6 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
         rows_out.append({"slide_id": sid, "label": int(label), "mpp": 0.5})
     write_text_atomic(out / "cells.csv", pd.DataFrame(cells).to_csv(index=False))
     write_text_atomic(out / "labels.csv", pd.DataFrame(rows_out).to_csv(index=False))
-    spec = {"source": str(source), "contrast": contrast, "n_negative": n_negative, "n_positive": n_positive, "rows": rows, "cols": cols,
-            "tumour_fraction": list(tumour_fraction), "max_per_group": max_per_group, "seed": seed}
     write_text_atomic(done, json.dumps(spec, indent=1))
     return out / "labels.csv"
 
@@ -148,7 +153,9 @@ def cell_truth(cells: pd.DataFrame, tile_size: int) -> Callable[[str, np.ndarray
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build (or reuse) the image set, then the held-out check's commands with ``args.template`` in ``work/<tag>``."""
     work = args.work.resolve()
+    # one folder per image set: the contrast and, past the first draw, the draw's seed in its name
     cohort = work / ("cohort" if args.contrast == "benign-tumour" else f"cohort_{args.contrast}")
+    cohort = cohort.with_name(cohort.name + (f"_seed{args.cohort_seed}" if args.cohort_seed else ""))
     labels = build_cohort(args.source.resolve(), cohort, seed=args.cohort_seed, contrast=args.contrast)
     folder = work / args.tag
     folder.mkdir(parents=True, exist_ok=True)
@@ -198,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="seed of the folds (default 0, the held-out check's)")
     p.add_argument("--contrast", choices=sorted(CONTRASTS), default="benign-tumour",
                    help="what tells positive images from negative ones (see the module's help; default benign-tumour)")
-    p.add_argument("--cohort-seed", type=int, default=0, help="seed of the image set's draw (default 0)")
+    p.add_argument("--cohort-seed", type=int, default=0, help="seed of the image set's draw (default 0; another seed builds another set, in "
+                   "cohort_<contrast>_seed<N>)")
     p.add_argument("--method", action="append", default=[],
                    help="train and evaluate only this method of the pipeline (repeatable; default: every method, as the "
                         "held-out check does)")

@@ -54,9 +54,11 @@ def test_image_set_is_its_source_tiles_without_shared_groups(tmp_path: Path) -> 
             tile = np.asarray(Image.open(src / c.file).convert("RGB"))
             np.testing.assert_array_equal(img[c.row * CELL:(c.row + 1) * CELL, c.col * CELL:(c.col + 1) * CELL], tile)
             assert c.tumour == int(not c.file.startswith("lung_n/"))
-    # complete sets are kept as they are
+    # a complete set is kept as it is; asking the folder for another draw is an error naming the seed
     stamp = (out / "labels.csv").stat().st_mtime_ns
-    build_cohort(src, out, n_negative=4, n_positive=3, seed=99)
+    build_cohort(src, out, n_negative=4, n_positive=3, seed=3)
+    with pytest.raises(ValueError, match=r"seed 3 \(asked: 99\)"):
+        build_cohort(src, out, n_negative=4, n_positive=3, seed=99)
     assert (out / "labels.csv").stat().st_mtime_ns == stamp
 
 
