@@ -132,7 +132,8 @@ bench-real: install
 
 # the grid pipeline's defaults on a real image set never tuned on (../shared/realdata/lc25000-lung built into 58
 # images shaped like the held-out check's), through the held-out check's commands (docs/real-data.md#held-out-lung-sets);
-# ARGS="--contrast aca-scc" for the harder set, ARGS="--template OLD.yaml --tag before" for another recipe
+# ARGS="--contrast aca-scc" for the harder set, "--cohort-seed 1 --tag draw1" for another draw of it,
+# ARGS="--template OLD.yaml --tag before" for another recipe
 LUNG_DATA ?= ../shared/realdata/lc25000-lung
 bench-heldout: install
 	nice -n 10 $(BIN)/python -m benchmarks.heldout --source $(LUNG_DATA) --work runs/bench_heldout $(ARGS)

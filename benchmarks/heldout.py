@@ -150,6 +150,19 @@ def cell_truth(cells: pd.DataFrame, tile_size: int) -> Callable[[str, np.ndarray
     return truth
 
 
+def claim_folder(folder: Path, cohort: Path) -> None:
+    """Tie a recipe's folder (manifest, tiles, runs) to the image set in ``cohort``: its ``cohort.json`` is
+    copied there on first use, and a folder already tied to another set raises ``ValueError`` (the runs
+    would resume on the other set's images, which carry the same slide ids)."""
+    spec = (cohort / "cohort.json").read_text()
+    stamp = folder / "cohort.json"
+    if stamp.is_file() and json.loads(stamp.read_text()) != json.loads(spec):
+        raise ValueError(f"{folder}: holds runs of the image set in its cohort.json, not of {cohort}; give this set "
+                         "another --tag")
+    folder.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(stamp, spec)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build (or reuse) the image set, then the held-out check's commands with ``args.template`` in ``work/<tag>``."""
     work = args.work.resolve()
@@ -158,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cohort = cohort.with_name(cohort.name + (f"_seed{args.cohort_seed}" if args.cohort_seed else ""))
     labels = build_cohort(args.source.resolve(), cohort, seed=args.cohort_seed, contrast=args.contrast)
     folder = work / args.tag
-    folder.mkdir(parents=True, exist_ok=True)
+    claim_folder(folder, cohort)
     name = args.name
     cfg = dataset_config(args.template.resolve(), folder / f"{name}.yaml", folder, name)
     raw = yaml.safe_load(cfg.read_text())

@@ -4,6 +4,7 @@ the mosaic cell under its centre."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,7 @@ import pandas as pd
 import pytest
 from PIL import Image
 
-from benchmarks.heldout import CELL, build_cohort, cell_truth
+from benchmarks.heldout import CELL, build_cohort, cell_truth, claim_folder
 
 
 def _source(root: Path, rng: np.random.Generator) -> None:
@@ -69,3 +70,19 @@ def test_cell_truth_reads_the_cell_under_the_tile_centre() -> None:
     # centre at x = CELL + 16 (cell 1), x = CELL (cell 1), x = CELL - 1 (cell 0), y in row 1 (cell (1, 0)), cell (0, 0)
     assert truth("a", coords).tolist() == [True, True, False, True, False]
     assert not truth("b", coords).any()
+
+
+def test_a_recipe_folder_serves_one_image_set(tmp_path: Path) -> None:
+    """Runs of one draw are never resumed on another draw's images (both name their slides lung01...)."""
+    draws = {}
+    for seed in (0, 1):
+        draws[seed] = tmp_path / f"cohort{seed}"
+        draws[seed].mkdir()
+        (draws[seed] / "cohort.json").write_text(json.dumps({"contrast": "aca-scc", "seed": seed}))
+    folder = tmp_path / "current"
+    claim_folder(folder, draws[0])
+    claim_folder(folder, draws[0])  # the same set again: resumes
+    (folder / "runs").mkdir()
+    with pytest.raises(ValueError, match="another --tag"):
+        claim_folder(folder, draws[1])
+    assert json.loads((folder / "cohort.json").read_text())["seed"] == 0 and (folder / "runs").is_dir()
