@@ -46,6 +46,7 @@ import pandas as pd
 import yaml
 
 from benchmarks.real import dataset_config, fold_table, machine_line, run_check_commands
+from wsi_pipeline.config.compare import config_differences
 from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["CELL", "CONTRASTS", "build_cohort", "cell_truth", "main"]
@@ -83,10 +84,9 @@ def build_cohort(source: Path, out: Path, *, n_negative: int = 32, n_positive: i
     spec = {"source": str(source), "contrast": contrast, "n_negative": n_negative, "n_positive": n_positive, "rows": rows, "cols": cols,
             "tumour_fraction": list(tumour_fraction), "max_per_group": max_per_group, "seed": seed}
     if done.is_file():
-        found = json.loads(done.read_text())
-        if found != spec:
-            diff = ", ".join(f"{k} {found.get(k)!r} (asked: {v!r})" for k, v in spec.items() if found.get(k) != v)
-            raise ValueError(f"{done}: this folder holds another image set: {diff}; give the new set its own folder")
+        diffs = config_differences(json.loads(done.read_text()), spec, names=("found", "asked"))
+        if diffs:
+            raise ValueError(f"{done}: this folder holds another image set: {'; '.join(diffs)}; give the new set its own folder")
         return out / "labels.csv"
     benign, tumour = CONTRASTS[contrast]  # "benign" fills every image, "tumour" is the positives' witness class
     # near-copies at the lung mosaic cohort's Hamming threshold (hashing 2,700 tiles takes about 15 s)
@@ -156,9 +156,10 @@ def claim_folder(folder: Path, cohort: Path) -> None:
     would resume on the other set's images, which carry the same slide ids)."""
     spec = (cohort / "cohort.json").read_text()
     stamp = folder / "cohort.json"
-    if stamp.is_file() and json.loads(stamp.read_text()) != json.loads(spec):
-        raise ValueError(f"{folder}: holds runs of the image set in its cohort.json, not of {cohort}; give this set "
-                         "another --tag")
+    if stamp.is_file():
+        diffs = config_differences(json.loads(stamp.read_text()), json.loads(spec), names=("its runs", str(cohort)))
+        if diffs:
+            raise ValueError(f"{folder}: holds runs of another image set: {'; '.join(diffs)}; give this set another --tag")
     folder.mkdir(parents=True, exist_ok=True)
     write_text_atomic(stamp, spec)
 
@@ -167,8 +168,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Build (or reuse) the image set, then the held-out check's commands with ``args.template`` in ``work/<tag>``."""
     work = args.work.resolve()
     # one folder per image set: the contrast and, past the first draw, the draw's seed in its name
-    cohort = work / ("cohort" if args.contrast == "benign-tumour" else f"cohort_{args.contrast}")
-    cohort = cohort.with_name(cohort.name + (f"_seed{args.cohort_seed}" if args.cohort_seed else ""))
+    contrast = "" if args.contrast == "benign-tumour" else f"_{args.contrast}"
+    cohort = work / f"cohort{contrast}{f'_seed{args.cohort_seed}' if args.cohort_seed else ''}"
     labels = build_cohort(args.source.resolve(), cohort, seed=args.cohort_seed, contrast=args.contrast)
     folder = work / args.tag
     claim_folder(folder, cohort)

@@ -58,7 +58,7 @@ def test_image_set_is_its_source_tiles_without_shared_groups(tmp_path: Path) -> 
     # a complete set is kept as it is; asking the folder for another draw is an error naming the seed
     stamp = (out / "labels.csv").stat().st_mtime_ns
     build_cohort(src, out, n_negative=4, n_positive=3, seed=3)
-    with pytest.raises(ValueError, match=r"seed 3 \(asked: 99\)"):
+    with pytest.raises(ValueError, match=r"seed: 3 \(found\) vs 99 \(asked\)"):
         build_cohort(src, out, n_negative=4, n_positive=3, seed=99)
     assert (out / "labels.csv").stat().st_mtime_ns == stamp
 
@@ -83,6 +83,6 @@ def test_a_recipe_folder_serves_one_image_set(tmp_path: Path) -> None:
     claim_folder(folder, draws[0])
     claim_folder(folder, draws[0])  # the same set again: resumes
     (folder / "runs").mkdir()
-    with pytest.raises(ValueError, match="another --tag"):
+    with pytest.raises(ValueError, match=r"seed: 0 \(its runs\) vs 1 \(.*cohort1\); give this set another --tag"):
         claim_folder(folder, draws[1])
     assert json.loads((folder / "cohort.json").read_text())["seed"] == 0 and (folder / "runs").is_dir()

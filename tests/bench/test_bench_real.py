@@ -86,7 +86,7 @@ def _fake_cli(tmp_path: Path, codes: list[int]) -> Path:
     script = tmp_path / "fake_python"
     script.write_text(
         f"#!{sys.executable}\n"
-        "import fcntl, pathlib, sys, time\n"
+        "import fcntl, sys, time\n"
         "with open('calls', 'a+') as fh:\n"
         "    fcntl.flock(fh, fcntl.LOCK_EX)\n"
         "    fh.seek(0)\n"
