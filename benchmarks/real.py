@@ -314,7 +314,8 @@ def run_construction(construction: str, args: argparse.Namespace, data_dir: Path
     cfg = dataset_config(Path(template).resolve(), folder / f"{name}.yaml", folder, name, overrides)
     cv = ["--crossval", str(args.folds), "--seed", str(args.seed)] + (["--repeats", str(args.repeats)] if args.repeats > 1 else [])
     tile_extra = ("--points", str(points)) if construction == "points" else ()
-    times = run_check_commands(folder, cfg, data_dir / "images", labels, cv, args.processes, tile_extra=tile_extra)
+    times = run_check_commands(folder, cfg, data_dir / "images", labels, cv, args.processes, tile_extra=tile_extra,
+                               methods=tuple(args.method))
     res = summarise(folder, name, construction, data_dir)
     res.update({"config": str(cfg), "folds": args.folds, "repeats": args.repeats, "times": times,
                 "epochs": args.epochs or yaml.safe_load(Path(template).read_text())["train"]["epochs"]})
@@ -388,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1, help="repeats R of the cross-validation (the paper: 5)")
     p.add_argument("--seed", type=int, default=0, help="seed of the folds")
     p.add_argument("--epochs", type=int, default=None, help="override train.epochs of the pipelines (default: theirs)")
+    p.add_argument("--method", action="append", default=[],
+                   help="train and evaluate only this method of the pipelines (repeatable; default: every method)")
     p.add_argument("--processes", type=int, default=2,
                    help="`train --folds` processes at once, sharing the runs through their locks (default 2: one per core "
                         "of a 2-core machine, one thread each)")

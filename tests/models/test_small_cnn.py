@@ -98,3 +98,25 @@ def test_bigl_refuses_ilse_cnn_and_other_strategies_accept_it() -> None:
     enc = build(EncoderConfig, {"name": "ilse_cnn"}, "encoder")
     with pytest.raises(ValueError, match="strategy 'bigl' converts ResNets .* encoder 'ilse_cnn' is not one .* 'full' or 'accumulate'"):
         check_strategy(SimpleNamespace(name="m", strategy="bigl", encoder=enc))
+
+
+def test_encoder_dropout_option_sets_the_rate_of_ilse_cnn_only() -> None:
+    from wsi_pipeline.methods.models import build_method_encoder
+
+    def rates(enc: dict) -> list[float]:
+        cfg = build(EncoderConfig, enc, "encoder")
+        model = build_method_encoder(SimpleNamespace(name="m", strategy="full", encoder=cfg))
+        return [m.p for m in model.modules() if isinstance(m, torch.nn.Dropout)]
+
+    assert rates({"name": "ilse_cnn"}) == [0.5, 0.5]
+    assert rates({"name": "ilse_cnn", "dropout": 0.0}) == [0.0, 0.0]
+    assert rates({"name": "ilse_cnn", "dropout": 0.25}) == [0.25, 0.25]
+    # no dropout: training mode computes what evaluation mode does
+    cfg = build(EncoderConfig, {"name": "ilse_cnn", "dropout": 0.0}, "encoder")
+    model = build_method_encoder(SimpleNamespace(name="m", strategy="full", encoder=cfg))
+    x = torch.rand(4, 3, 27, 27)
+    assert torch.equal(model.train()(x), model.eval()(x))
+    with pytest.raises(ValueError, match="encoder.dropout is set for encoder 'resnet18'; it is the rate of 'ilse_cnn' only"):
+        build(EncoderConfig, {"name": "resnet18", "dropout": 0.1}, "encoder")
+    with pytest.raises(ValueError, match="encoder.dropout"):
+        build(EncoderConfig, {"name": "ilse_cnn", "dropout": 1.0}, "encoder")

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from wsi_pipeline.config.choices import BNMode, encoder_names, model_names
-from wsi_pipeline.config.limits import MAX_COUNT
+from wsi_pipeline.config.limits import MAX_COUNT, MAX_EPOCHS
 from wsi_pipeline.config.schema import Checked, positive, spec
 
 __all__ = ["AggregatorConfig", "BiglConfig", "EncoderConfig", "LoRAConfig", "check_encoder_name", "is_foundation_encoder"]
@@ -95,6 +95,18 @@ class EncoderConfig(Checked):
     activations in the backward pass (peak memory set by the chunk, not by the depth; None: on
     for foundation encoders whose weights train).
 
+    ``dropout``: ``ilse_cnn`` only, the dropout rate after each of its fully connected layers
+    (None: the network's default, 0.5; the paper's network has dropout there but states no rate).
+
+    ``lr_scale``: the encoder's share of the learning rate (each epoch's rate times this; the
+    aggregator and classifier keep the full rate; with ``layer_decay`` the two multiply).
+    ``frozen_epochs``: the first N epochs train the aggregator and classifier only (the encoder's
+    rate is 0), so the encoder is first trained through a head that has learned something rather
+    than a random one (linear probing, then fine-tuning: Kumar et al., ICLR 2022). Both apply to a
+    method whose encoder trains (not ``strategy: frozen``). On a weak contrast, a small encoder
+    trained end to end at the aggregator's rate from the first step can shrink to a constant and
+    lose to its own random initialisation (docs/real-data.md).
+
     ``precomputed``: no encoder; the features come from files (``data.features``, ``strategy: frozen``).
     ``dim`` is their width D, read from the files when training starts (leave it out).
 
@@ -118,6 +130,9 @@ class EncoderConfig(Checked):
     layer_decay: float | None = field(default=None, metadata=spec(gt=0, le=1))
     lora: LoRAConfig | None = None
     checkpointing: bool | None = None
+    dropout: float | None = field(default=None, metadata=spec(ge=0, lt=1))
+    lr_scale: float = field(default=1.0, metadata=spec(gt=0, le=1))
+    frozen_epochs: int = field(default=0, metadata=spec(ge=0, le=MAX_EPOCHS))
     dim: int | None = field(default=None, metadata=spec(gt=0))
 
     def __post_init__(self) -> None:
@@ -144,6 +159,8 @@ class EncoderConfig(Checked):
                 f"encoder.{sorted(vit_only)[0]} is set for encoder {self.name!r}; partial fine-tuning and activation "
                 "checkpointing apply to foundation-model (timm) encoders only"
             )
+        if self.dropout is not None and self.name != "ilse_cnn":
+            raise ValueError(f"encoder.dropout is set for encoder {self.name!r}; it is the rate of 'ilse_cnn' only")
         if self.std is not None and not all(x > 0 for x in self.std):
             raise ValueError(f"encoder.std={list(self.std)}; expected three values > 0")
 
@@ -155,7 +172,7 @@ class EncoderConfig(Checked):
     def build_options(self) -> dict[str, Any]:
         """Keyword options of :func:`wsi_pipeline.models.build_encoder` for this section (``timm:`` names)."""
         opts = {"timm_kwargs": dict(self.timm_kwargs) or None, "mean": self.mean, "std": self.std,
-                "input_size": self.input_size, "embedding": self.embedding, "dim": self.dim}
+                "input_size": self.input_size, "embedding": self.embedding, "dim": self.dim, "dropout": self.dropout}
         return {k: v for k, v in opts.items() if v is not None}
 
 

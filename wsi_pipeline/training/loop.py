@@ -204,7 +204,7 @@ class _Run:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.monitor is not None:
-            self.monitor.step(info, lr=float(self.optimizer.param_groups[0]["lr"]), grad_norm=norm)
+            self.monitor.step(info, lr=float(self.optimizer.param_groups[-1]["lr"]), grad_norm=norm)  # the aggregator's rate (the last group)
 
 
 def train_run(
@@ -318,7 +318,7 @@ def _start(
     run = _Run(
         config=config, method=method, seed=int(seed), plan=plan, run_dir=config.run_dir(method.name, seed), device=dev,
         bar=_bars(progress), strategy=strategy, reader=reader, n_tiles=n_tiles, val_inputs=val_inputs, params=params,
-        optimizer=optimizer, schedule=EpochSchedule(optimizer, tc), sync=sync,
+        optimizer=optimizer, schedule=EpochSchedule(optimizer, tc, method.encoder.frozen_epochs), sync=sync,
     )
     run.best = {"metric": selection(tc, config.data.n_classes, method.task_key)[0], "value": None, "epoch": 0}
     last = run.run_dir / "last.pt"

@@ -166,22 +166,27 @@ def lr_at_epoch(epoch: int, train: Any) -> float:
 
 class EpochSchedule:
     """Sets every parameter group's ``lr`` to :func:`lr_at_epoch` (times the group's ``lr_scale``, 1
-    unless layer-wise decay set it) at the start of each epoch.
+    unless the encoder's share or layer-wise decay set it) at the start of each epoch; groups marked
+    ``encoder`` get rate 0 in the first ``encoder_frozen_epochs`` epochs (the schedule itself runs
+    from epoch 0 all the same).
 
     State is the epoch only (plain ints), so checkpoints stay loadable with ``weights_only=True``.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, train: Any) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, train: Any, encoder_frozen_epochs: int = 0) -> None:
         self.optimizer = optimizer
         self.train = train
+        self.encoder_frozen_epochs = int(encoder_frozen_epochs)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> float:
-        """Apply the learning rate of ``epoch``; return it."""
+        """Apply the learning rate of ``epoch``; return it (the full rate, before any group's share)."""
         self.epoch = int(epoch)
         lr = lr_at_epoch(self.epoch, self.train)
+        frozen = self.epoch < self.encoder_frozen_epochs
         for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)  # layer-wise decay: a group's share of the rate
+            share = 0.0 if frozen and group.get("encoder", False) else group.get("lr_scale", 1.0)
+            group["lr"] = lr * share
         return lr
 
     def state_dict(self) -> dict[str, int]:

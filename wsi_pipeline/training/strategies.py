@@ -148,24 +148,38 @@ class Strategy:
                                  f"other (the risk sets); train.batch_bags x accumulate_batches is "
                                  f"{method.train.bags_per_step}: use at least 2 (README: survival, e.g. 16)")
         enc = method.encoder
-        tuning = [k for k, v in (("freeze_blocks", enc.freeze_blocks), ("layer_decay", enc.layer_decay), ("lora", enc.lora)) if v]
+        tuning = [k for k, v in (("freeze_blocks", enc.freeze_blocks), ("layer_decay", enc.layer_decay), ("lora", enc.lora),
+                                 ("lr_scale", enc.lr_scale != 1.0), ("frozen_epochs", enc.frozen_epochs)) if v]
         if tuning and cls.name == "frozen":
             raise ValueError(
                 f"method {method.name!r}: encoder.{tuning[0]} fine-tunes the encoder, but strategy 'frozen' never trains it; "
                 "use strategy 'accumulate' (or remove the option)"
             )
+        if enc.frozen_epochs and enc.frozen_epochs >= method.train.epochs:
+            raise ValueError(f"method {method.name!r}: encoder.frozen_epochs={enc.frozen_epochs} leaves no epoch to train the "
+                             f"encoder in (train.epochs={method.train.epochs}); use fewer, or strategy 'frozen'")
 
     def param_groups(self) -> list[dict[str, Any]]:
-        """The optimiser's parameter groups: one, or with ``encoder.layer_decay`` one per encoder layer
-        (timm's layer grouping: embeddings, each block, final norm) with its ``lr_scale``, the
-        aggregator at scale 1. Weight decay stays ``train.weight_decay`` for every parameter."""
-        decay = self.method.encoder.layer_decay
-        if not decay or self.encoder not in self.trainable():
-            return [{"params": self.parameters()}]
-        from timm.optim import param_groups_layer_decay
+        """The optimiser's parameter groups, each with its ``lr_scale`` (its share of the scheduled rate).
 
-        groups = param_groups_layer_decay(self.encoder.model, weight_decay=self.method.train.weight_decay,
-                                          weight_decay_exclude_1d=False, layer_decay=float(decay))
+        When the encoder does not train: one group. Otherwise the encoder's parameters, at scale
+        ``encoder.lr_scale`` and marked ``encoder: True`` (the schedule holds them at rate 0 for the
+        first ``encoder.frozen_epochs`` epochs), as one group or, with ``encoder.layer_decay``, one
+        per encoder layer (timm's layer grouping: embeddings, each block, final norm; the layer's
+        decay times ``lr_scale``); then everything else at scale 1. Weight decay stays
+        ``train.weight_decay`` for every parameter."""
+        if self.encoder not in self.trainable():
+            return [{"params": self.parameters()}]
+        enc = self.method.encoder
+        if enc.layer_decay:
+            from timm.optim import param_groups_layer_decay
+
+            layers = param_groups_layer_decay(self.encoder.model, weight_decay=self.method.train.weight_decay,
+                                              weight_decay_exclude_1d=False, layer_decay=float(enc.layer_decay))
+            groups = [{"params": g["params"], "lr_scale": g["lr_scale"] * enc.lr_scale} for g in layers]
+        else:
+            groups = [{"params": list(self.encoder.parameters()), "lr_scale": enc.lr_scale}]
+        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad], "encoder": True} for g in groups]
         others = [p for m in self.trainable() if m is not self.encoder for p in m.parameters() if p.requires_grad]
         return [g for g in groups if g["params"]] + [{"params": others, "lr_scale": 1.0}]
 
