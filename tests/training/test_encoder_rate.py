@@ -81,9 +81,11 @@ def test_encoder_rate_options_are_checked() -> None:
         build_strategy(_method({"name": "ilse_cnn", "lr_scale": 0.5}, strategy="frozen"), 2, "cpu")
     with pytest.raises(ValueError, match="encoder.frozen_epochs fine-tunes the encoder, but strategy 'frozen'"):
         build_strategy(_method({"name": "ilse_cnn", "frozen_epochs": 1}, strategy="frozen"), 2, "cpu")
-    # the frozen strategy has one group (its encoder never trains)
-    groups = build_strategy(_method({"name": "ilse_cnn"}, strategy="frozen"), 2, "cpu").param_groups()
-    assert len(groups) == 1 and "encoder" not in groups[0]
+    # one group where the encoder never trains (frozen) or trains at the full rate throughout (as before the settings)
+    for strategy in ("frozen", "full"):
+        built = build_strategy(_method({"name": "ilse_cnn"}, strategy=strategy), 2, "cpu")
+        groups = built.param_groups()
+        assert len(groups) == 1 and "encoder" not in groups[0] and groups[0]["params"] == built.parameters()
 
 
 def test_training_loop_holds_the_encoder_for_its_frozen_epochs(tmp_path, store_cohort, monkeypatch) -> None:

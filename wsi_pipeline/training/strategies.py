@@ -162,15 +162,16 @@ class Strategy:
     def param_groups(self) -> list[dict[str, Any]]:
         """The optimiser's parameter groups, each with its ``lr_scale`` (its share of the scheduled rate).
 
-        When the encoder does not train: one group. Otherwise the encoder's parameters, at scale
-        ``encoder.lr_scale`` and marked ``encoder: True`` (the schedule holds them at rate 0 for the
-        first ``encoder.frozen_epochs`` epochs), as one group or, with ``encoder.layer_decay``, one
-        per encoder layer (timm's layer grouping: embeddings, each block, final norm; the layer's
-        decay times ``lr_scale``); then everything else at scale 1. Weight decay stays
-        ``train.weight_decay`` for every parameter."""
-        if self.encoder not in self.trainable():
-            return [{"params": self.parameters()}]
+        One group when the encoder does not train, or trains at the full rate from the first epoch
+        (the same optimiser state as before these settings existed, so older ``last.pt`` files resume).
+        Otherwise the encoder's parameters, at scale ``encoder.lr_scale`` and marked ``encoder: True``
+        (the schedule holds them at rate 0 for the first ``encoder.frozen_epochs`` epochs), as one
+        group or, with ``encoder.layer_decay``, one per encoder layer (timm's layer grouping:
+        embeddings, each block, final norm; the layer's decay times ``lr_scale``); then everything
+        else at scale 1. Weight decay stays ``train.weight_decay`` for every parameter."""
         enc = self.method.encoder
+        if self.encoder not in self.trainable() or not (enc.layer_decay or enc.lr_scale != 1.0 or enc.frozen_epochs):
+            return [{"params": self.parameters()}]
         if enc.layer_decay:
             from timm.optim import param_groups_layer_decay
 
