@@ -177,10 +177,9 @@ class Strategy:
 
             layers = param_groups_layer_decay(self.encoder.model, weight_decay=self.method.train.weight_decay,
                                               weight_decay_exclude_1d=False, layer_decay=float(enc.layer_decay))
-            groups = [{"params": g["params"], "lr_scale": g["lr_scale"] * enc.lr_scale} for g in layers]
+            groups = [{"params": g["params"], "lr_scale": g["lr_scale"] * enc.lr_scale, "encoder": True} for g in layers]
         else:
-            groups = [{"params": list(self.encoder.parameters()), "lr_scale": enc.lr_scale}]
-        groups = [{**g, "params": [p for p in g["params"] if p.requires_grad], "encoder": True} for g in groups]
+            groups = [{"params": [p for p in self.encoder.parameters() if p.requires_grad], "lr_scale": enc.lr_scale, "encoder": True}]
         others = [p for m in self.trainable() if m is not self.encoder for p in m.parameters() if p.requires_grad]
         return [g for g in groups if g["params"]] + [{"params": others, "lr_scale": 1.0}]
 
