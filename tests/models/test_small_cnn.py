@@ -120,3 +120,40 @@ def test_encoder_dropout_option_sets_the_rate_of_ilse_cnn_only() -> None:
         build(EncoderConfig, {"name": "resnet18", "dropout": 0.1}, "encoder")
     with pytest.raises(ValueError, match="encoder.dropout"):
         build(EncoderConfig, {"name": "ilse_cnn", "dropout": 1.0}, "encoder")
+
+
+def test_encoder_init_he_draws_variance_preserving_weights_for_ilse_cnn_only() -> None:
+    """``encoder.init: he``: every layer's weights normal with variance 2 / fan-in (their sample
+    standard deviation within 6 standard errors, 1 / sqrt(2 n) relative for n weights), zero
+    biases, and an embedding of order 1 on unit-variance inputs; the default keeps PyTorch's
+    uniform weights (bounded by 1 / sqrt(fan-in)) and shrinks the embedding by ~6x per layer."""
+    from wsi_pipeline.methods.models import build_method_encoder
+
+    def encoder(enc: dict) -> torch.nn.Module:
+        cfg = build(EncoderConfig, enc, "encoder")
+        return build_method_encoder(SimpleNamespace(name="m", strategy="full", encoder=cfg))
+
+    torch.manual_seed(0)
+    he = encoder({"name": "ilse_cnn", "init": "he", "dropout": 0.0}).eval()
+    default = encoder({"name": "ilse_cnn", "dropout": 0.0}).eval()
+    layers = lambda m: [x for x in m.modules() if isinstance(x, (torch.nn.Conv2d, torch.nn.Linear))]  # noqa: E731
+    assert len(layers(he)) == 4
+    for layer, ref in zip(layers(he), layers(default)):
+        w = layer.weight.detach().double()
+        fan_in = w[0].numel()
+        want = (2.0 / fan_in) ** 0.5
+        assert abs(w.std().item() / want - 1) < 6 / (2 * w.numel()) ** 0.5, (layer, w.std().item(), want)
+        assert abs(w.mean().item()) < 6 * want / w.numel() ** 0.5
+        assert torch.count_nonzero(layer.bias) == 0
+        assert ref.weight.abs().max().item() <= 1 / fan_in ** 0.5  # PyTorch's kaiming_uniform(a=sqrt(5)) bound
+    x = torch.randn(64, 3, 32, 32)
+    with torch.no_grad():
+        rms_he, rms_default = he(x).pow(2).mean().sqrt().item(), default(x).pow(2).mean().sqrt().item()
+    # He keeps the second moment through conv/linear + ReLU (max-pooling can only raise it, at most to
+    # the 9 values a pooling window reads); the default divides it by ~6 per layer (6^-4 over four)
+    assert 0.5 < rms_he < 10, rms_he
+    assert rms_default < 0.25, rms_default
+    with pytest.raises(ValueError, match="encoder.init is set for encoder 'resnet18'; it is the initialisation of 'ilse_cnn' only"):
+        build(EncoderConfig, {"name": "resnet18", "init": "he"}, "encoder")
+    with pytest.raises(ValueError, match="init"):
+        build(EncoderConfig, {"name": "ilse_cnn", "init": "xavier"}, "encoder")

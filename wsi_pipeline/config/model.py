@@ -97,6 +97,8 @@ class EncoderConfig(Checked):
 
     ``dropout``: ``ilse_cnn`` only, the dropout rate after each of its fully connected layers
     (None: the network's default, 0.5; the paper's network has dropout there but states no rate).
+    ``init``: ``ilse_cnn`` only, its weight initialisation (None: ``pytorch``, each layer's default;
+    ``he``: variance-preserving through the ReLU layers, :class:`wsi_pipeline.models.small_cnn.IlseCNN`).
 
     ``lr_scale``: the encoder's share of the learning rate (each epoch's rate times this; the
     aggregator and classifier keep the full rate; with ``layer_decay`` the two multiply).
@@ -131,6 +133,7 @@ class EncoderConfig(Checked):
     lora: LoRAConfig | None = None
     checkpointing: bool | None = None
     dropout: float | None = field(default=None, metadata=spec(ge=0, lt=1))
+    init: Literal["pytorch", "he"] | None = None
     lr_scale: float = field(default=1.0, metadata=spec(gt=0, le=1))
     frozen_epochs: int = field(default=0, metadata=spec(ge=0, le=MAX_EPOCHS))
     dim: int | None = field(default=None, metadata=spec(gt=0))
@@ -161,6 +164,8 @@ class EncoderConfig(Checked):
             )
         if self.dropout is not None and self.name != "ilse_cnn":
             raise ValueError(f"encoder.dropout is set for encoder {self.name!r}; it is the rate of 'ilse_cnn' only")
+        if self.init is not None and self.name != "ilse_cnn":
+            raise ValueError(f"encoder.init is set for encoder {self.name!r}; it is the initialisation of 'ilse_cnn' only")
         if self.std is not None and not all(x > 0 for x in self.std):
             raise ValueError(f"encoder.std={list(self.std)}; expected three values > 0")
 
@@ -172,7 +177,8 @@ class EncoderConfig(Checked):
     def build_options(self) -> dict[str, Any]:
         """Keyword options of :func:`wsi_pipeline.models.build_encoder` for this section (``timm:`` names)."""
         opts = {"timm_kwargs": dict(self.timm_kwargs) or None, "mean": self.mean, "std": self.std,
-                "input_size": self.input_size, "embedding": self.embedding, "dim": self.dim, "dropout": self.dropout}
+                "input_size": self.input_size, "embedding": self.embedding, "dim": self.dim, "dropout": self.dropout,
+                "init": self.init}
         return {k: v for k, v in opts.items() if v is not None}
 
 
