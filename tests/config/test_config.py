@@ -70,7 +70,7 @@ def test_defaults_follow_the_papers(tmp_path):
         (minimal(train={"augment": {"blurr": 1}}), r"unknown key 'blurr' in section 'train.augment'; valid keys: \[.*'blur_p'"),
         (
             {**minimal(), "methods": [{"name": "a", "strategy": "full", "encoder": {"nmae": "resnet18"}}]},
-            r"unknown key 'nmae' in section 'methods.a.encoder'; valid keys: \['bn', 'calibrate_bn', 'checkpointing', 'dim', 'dropout', 'embedding', 'freeze_blocks', 'frozen_epochs', 'input_size', 'layer_decay', 'lora', 'lr_scale', 'mean', 'name', 'recalibrate_bn', 'std', 'timm_kwargs', 'weights'\]",
+            r"unknown key 'nmae' in section 'methods.a.encoder'; valid keys: \['bn', 'calibrate_bn', 'checkpointing', 'dim', 'dropout', 'embedding', 'freeze_blocks', 'frozen_epochs', 'init', 'input_size', 'layer_decay', 'lora', 'lr_scale', 'mean', 'name', 'recalibrate_bn', 'std', 'timm_kwargs', 'weights'\]",
         ),
         (
             {**minimal(), "methods": [{"name": "a", "strategy": "full", "train": {"epoch": 3}}]},
