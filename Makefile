@@ -23,7 +23,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-heldout bench-feature-scale bench-encoders bench-loader bench-many scale-check view bench-view clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-heldout bench-feature-scale bench-encoders bench-loader bench-small-cnn bench-many scale-check view bench-view clean
 
 install: $(STAMP)
 
@@ -167,6 +167,11 @@ bench-verify: install
 
 bench-loader: install
 	$(BIN)/python -m benchmarks.loader $(ARGS)
+
+# the attention-MIL paper's small network: a training step and a forward pass on whole bags of 32 px tiles,
+# channels-first against channels-last memory (tiles/s and the ratio at 1 thread and every core; ~2 min)
+bench-small-cnn: install
+	$(BIN)/python -m benchmarks.small_cnn $(ARGS)
 
 # many small images (real colon images turned and flipped, and generated ones) through `tile`, against decoding
 # them on as many processes: per-item cost and ratio, wall and CPU (ARGS="--n 800 --size 500 --tile-size 128 --workers 2")

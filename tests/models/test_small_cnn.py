@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from wsi_pipeline.config.model import EncoderConfig
 from wsi_pipeline.config.schema import build
 from wsi_pipeline.models import ENCODERS, build_aggregator, build_encoder
+from wsi_pipeline.models.small_cnn import IlseCNN
 from wsi_pipeline.training.accumulate import accumulate_step, classification_loss
 
 
@@ -157,3 +158,40 @@ def test_encoder_init_he_draws_variance_preserving_weights_for_ilse_cnn_only() -
         build(EncoderConfig, {"name": "resnet18", "init": "he"}, "encoder")
     with pytest.raises(ValueError, match="init"):
         build(EncoderConfig, {"name": "ilse_cnn", "init": "xavier"}, "encoder")
+
+
+
+@pytest.mark.parametrize("size", [27, 32])
+def test_channels_last_is_the_same_function_within_float32_rounding(size: int) -> None:
+    """The convolutions read channels-last memory by default (a speed setting), and in float32 every
+    layer of both layouts is within its rounding bound: each convolution and fully connected layer,
+    given the float32 input it received, is within gamma(n + 1) (|W| |h| + |b|) of the exact (float64)
+    result (n terms and a bias summed in any order, with or without fused multiply-adds;
+    gamma(n) = n u / (1 - n u), u = 2^-24), and what passes between them (ReLU, max-pooling,
+    flattening: exact operations) equals the float64 reference applied to the layer before's output."""
+    u = 2.0**-24
+    torch.manual_seed(3)
+    x = torch.randn(16, 3, size, size)
+    for channels_last in (True, False):
+        torch.manual_seed(4)
+        model = IlseCNN(init="he", channels_last=channels_last).eval()
+        layers = [model.features[0], model.features[3], model.fc[0], model.fc[3]]
+        seen: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in layers:  # clone: the next ReLU works in place
+            layer.register_forward_hook(lambda mod, args, out: seen.append((args[0].detach().clone(), out.detach().clone())))
+        with torch.no_grad():
+            got = model(x)
+        assert got.dtype == torch.float32 and got.shape == (16, 512)
+        assert seen[0][0].is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert torch.equal(seen[0][0], x)
+        passes = [lambda h: F.max_pool2d(F.relu(h), 2), lambda h: F.adaptive_max_pool2d(F.relu(h), 5).flatten(1), F.relu, F.relu]
+        for k, (layer, (h, out)) in enumerate(zip(layers, seen)):
+            op = F.conv2d if isinstance(layer, torch.nn.Conv2d) else F.linear
+            w, b = layer.weight.double(), layer.bias.double()
+            n = w[0].numel() + 1  # products and the bias
+            exact = op(h.double(), w, b)
+            bound = n * u / (1 - n * u) * (op(h.double().abs(), w.abs(), None) + b.abs().view(1, -1, *[1] * (h.dim() - 2)))
+            excess = (out.double() - exact).abs() - bound
+            assert excess.max().item() <= 0, (channels_last, k, excess.max().item())
+            following = seen[k + 1][0] if k + 1 < len(seen) else got
+            assert torch.equal(following, passes[k](out)), (channels_last, k)

@@ -60,13 +60,19 @@ class IlseCNN(nn.Module):
         variance through the ReLU layers (He et al., ICCV 2015): an embedding of order 1, so that
         a head trained at the pipeline's learning rate moves its logits in the epochs it has.
 
+    channels_last : hand the convolutions their input in channels-last memory (NHWC strides; the
+        tensor's shape and values are unchanged). The same function, computed in another summation
+        order: on CPUs (oneDNN) a training step of this network runs 1.4-1.7x faster than on
+        channels-first input (``make bench-small-cnn`` measures both side by side). ``False`` keeps
+        the input's layout.
+
     Attributes
     ----------
     num_features : the embedding width D (``embed_dim``).
     """
 
     def __init__(self, *, embed_dim: int = 512, dropout: float = 0.5, channels: tuple[int, int] = (36, 48),
-                 init: str = "pytorch") -> None:
+                 init: str = "pytorch", channels_last: bool = True) -> None:
         super().__init__()
         if int(embed_dim) < 1 or min(channels) < 1:
             raise ValueError(f"ilse_cnn: embed_dim={embed_dim} and channels={channels} must be >= 1")
@@ -84,6 +90,7 @@ class IlseCNN(nn.Module):
             nn.Linear(embed_dim, embed_dim), nn.ReLU(inplace=True), nn.Dropout(dropout),
         )
         self.num_features = int(embed_dim)
+        self.channels_last = bool(channels_last)
         if init == "he":
             for layer in self.modules():
                 if isinstance(layer, (nn.Conv2d, nn.Linear)):
@@ -98,6 +105,8 @@ class IlseCNN(nn.Module):
         if min(x.shape[-2:]) < MIN_INPUT_PX:
             raise ValueError(f"ilse_cnn: patches of {tuple(x.shape[-2:])} px are too small; the network needs at least "
                              f"{MIN_INPUT_PX} x {MIN_INPUT_PX} px (the paper's are 27 and 32 px)")
+        if self.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         return self.fc(torch.flatten(self.features(x), 1))
 
 
