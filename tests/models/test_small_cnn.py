@@ -178,7 +178,7 @@ def test_channels_last_is_the_same_function_within_float32_rounding(size: int) -
         layers = [model.features[0], model.features[3], model.fc[0], model.fc[3]]
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in layers:  # clone: the next ReLU works in place
-            layer.register_forward_hook(lambda mod, args, out: seen.append((args[0].detach().clone(), out.detach().clone())))
+            layer.register_forward_hook(lambda mod, args, out, seen=seen: seen.append((args[0].detach().clone(), out.detach().clone())))
         with torch.no_grad():
             got = model(x)
         assert got.dtype == torch.float32 and got.shape == (16, 512)
