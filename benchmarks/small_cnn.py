@@ -73,12 +73,19 @@ def measure(bag: int, threads: int, steps: int, repeats: int, seed: int = 0) -> 
 
         def step() -> None:
             with torch.no_grad():
-                enc.eval()(x)
-            enc.train()
+                enc(x)
         return step
 
-    out: dict[str, float] = {}
+    # the two layouts' embeddings of the bag, from the equal starting weights of the timed models
+    enc_a, enc_b = models[False][0].eval(), models[True][0].eval()
+    if not all(torch.equal(v, enc_b.state_dict()[k]) for k, v in enc_a.state_dict().items()):
+        raise RuntimeError("the two layouts' networks do not start from equal weights")
+    with torch.no_grad():
+        a, b = enc_a(x), enc_b(x)
+    out: dict[str, float] = {"max_diff_rel": float((a - b).abs().max() / a.abs().max())}
     for kind, make in (("train", train_step), ("forward", forward)):
+        for enc, _, _ in models.values():
+            enc.train(kind == "train")
         rates: dict[bool, list[float]] = {False: [], True: []}
         for cl in (False, True):
             make(cl)()  # warm-up
@@ -87,23 +94,7 @@ def measure(bag: int, threads: int, steps: int, repeats: int, seed: int = 0) -> 
                 rates[cl].append(_rate(make(cl), steps, bag))
         out[f"{kind}_nchw"] = statistics.median(rates[False])
         out[f"{kind}_nhwc"] = statistics.median(rates[True])
-    # the two layouts' embeddings of the bag, from equal weights
-    enc_a, enc_b = _equal_pair(seed)
-    with torch.no_grad():
-        a, b = enc_a(x), enc_b(x)
-    out["max_diff_rel"] = float((a - b).abs().max() / a.abs().max())
     return out
-
-
-def _equal_pair(seed: int) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """Two copies of the network with equal weights, channels-first and channels-last (evaluation mode)."""
-    from wsi_pipeline.models.small_cnn import IlseCNN
-
-    torch.manual_seed(seed)
-    a = IlseCNN(init="he", channels_last=False).eval()
-    b = IlseCNN(init="he", channels_last=True).eval()
-    b.load_state_dict(a.state_dict())
-    return a, b
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,8 +69,9 @@ def _log_bar_class() -> type:
 
         def close(self) -> None:
             # the last periodic line may be minutes old: log the final count and postfix (the epoch's
-            # loss), so the last line a log file shows holds the final values
-            if not self.disable and self.n and self.last_print_n != self.n:
+            # loss), so the last line a log file shows holds the final values. A bar that is left
+            # (``leave``) gets that line from tqdm's own close; one that is not would only be cleared.
+            if not self.disable and self.n and self.last_print_n != self.n and not self.leave:
                 self.refresh()
             super().close()
 

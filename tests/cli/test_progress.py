@@ -23,6 +23,15 @@ def test_bars_become_periodic_log_lines_off_a_terminal(caplog, monkeypatch):
     # the first redraw and the final one, nothing in between (log_every is an hour)
     assert 1 <= len(lines) <= 3 and lines[-1].startswith("work: 100%") and "50/50" in lines[-1]
     assert not any("\r" in ln for ln in lines)
+    assert sum("50/50" in ln for ln in lines) == 1, lines  # the final line once, not once per closing step
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="wsi_pipeline.progress"):
+        with progress_bar(total=7, desc="inner", leave=False, log_every=3600) as bar:
+            for _ in range(7):
+                bar.update(1)
+    lines = [r.getMessage() for r in caplog.records if r.name == "wsi_pipeline.progress"]
+    # a bar that is not left still logs its final count, once
+    assert sum("7/7" in ln for ln in lines) == 1 and lines[-1].startswith("inner: 100%"), lines
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="wsi_pipeline.progress"):
         for _ in progress_bar(range(5), enabled=False):
