@@ -180,6 +180,22 @@ def test_regression_out_of_fold_predictions_and_rmse(tmp_path):
         assert math.isnan(table.loc[(method, "rmse"), "ci_low"])  # n_boot=0: no interval
 
 
+def test_a_method_missing_from_a_fold_is_left_out_and_named(tmp_path, caplog):
+    manifest, df = _manifest(tmp_path, "classification", folds=3, repeats=1)
+    config = _config(tmp_path, manifest, "classification")
+    runs = fold_runs(manifest)
+    _write_fold_results(config, runs, "classification", np.random.default_rng(0))
+    path = predictions_path(f"{config.results_dir}/{fold_config(config, runs[1]).name}", "mine", "all")
+    pred = pd.read_csv(path)
+    pred[pred["method"] != METHODS[1]].to_csv(path, index=False)  # fold 1 evaluated for the first method only
+    with caplog.at_level("WARNING", logger="wsi_pipeline.evaluation.crossval"):
+        out = pool_crossval(config, runs, n_boot=0)
+    oof = pd.read_csv(out / "oof_predictions.csv")
+    assert set(oof["method"]) == {METHODS[0]} and len(oof) == len(df) - 1  # every slide once, out of fold
+    assert METHODS[1] in caplog.text and "not evaluated on every fold" in caplog.text
+    assert set(pd.read_csv(out / "cv_table.csv")["method"]) == {METHODS[0]}
+
+
 def test_a_fold_without_results_is_named(tmp_path):
     manifest, _ = _manifest(tmp_path, "classification", folds=3, repeats=1)
     config = _config(tmp_path, manifest, "classification")

@@ -44,7 +44,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--config", required=True, metavar="YAML", help="pipeline YAML, e.g. pipelines/demo.yaml")
     add_set_argument(p)
     add_config_flag(p, "--method", key="eval.methods", dest="methods", action="append", metavar="NAME",
-                    help="evaluate only this method (repeatable; eval.methods; default: every method of the config)")
+                    help="evaluate only this method (repeatable; eval.methods; default: every method of the config). The "
+                         "other methods' results from an earlier eval stay in the results folder, and --folds pools "
+                         "every method evaluated on every fold")
     add_device_argument(p, note="default: the config's, auto", key="eval.device")
     add_config_flag(p, "--batch-size", key="eval.batch_size", type=int, metavar="N",
                     help="tiles per encoder call (eval.batch_size; default: each method's chunk_size)")
@@ -228,7 +230,8 @@ def _pool_crossval(config: PipelineConfig, runs: list[FoldRun], root: Path, args
 
     from wsi_pipeline.evaluation.crossval import format_table, pool_crossval
 
-    out = pool_crossval(config, runs, results_dir=root, methods=list(config.eval.methods) or None, n_boot=config.eval.bootstrap)
+    # every method evaluated on every fold, those named by --method now and the others earlier
+    out = pool_crossval(config, runs, results_dir=root, n_boot=config.eval.bootstrap)
     table = pd.read_csv(out / "cv_table.csv")
     n_folds, n_rep = int(table["n_folds"].max()), int(table["n_repeats"].max())
     print(f"\n{n_folds}-fold cross-validation x {n_rep} repeat(s), out-of-fold predictions of the all-tiles protocol "

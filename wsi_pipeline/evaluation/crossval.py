@@ -6,7 +6,8 @@ or ``<name>_r<r>_fold<k>`` (:func:`wsi_pipeline.manifests.folds.fold_config`); i
 fold ``k``. The out-of-fold (OOF) prediction of a slide in repeat ``r`` is the prediction of the
 fold whose test split holds it, under the **all tiles** protocol (``predictions_<cohort>_all.csv``),
 averaged over the config's training seeds when there are several. Slides pinned to ``test``
-outside the cross-validation (external cohorts) are not OOF predictions and are left out here.
+outside the cross-validation (external cohorts) are not OOF predictions and are left out here, as
+is a method without predictions on every fold (a warning names it).
 
 Written to ``<results_dir>/<name>_cv/``:
 
@@ -123,6 +124,12 @@ def oof_predictions(config: PipelineConfig, runs: Sequence[FoldRun], *, results_
     """
     root = Path(results_dir)
     raw = pd.concat([_fold_predictions(config, run, root, methods) for run in runs], ignore_index=True)
+    n_runs = raw.groupby("method")[["repeat", "fold"]].apply(lambda g: len(g.drop_duplicates()))
+    partial = sorted(n_runs.index[n_runs < len(runs)])
+    if partial:  # pooled over some folds only, a method's numbers would not be out-of-fold over the cohort
+        log.warning("method(s) %s left out of the pooled results: not evaluated on every fold (evaluate them with "
+                    "`wsi-pipeline eval --folds --method NAME`)", ", ".join(partial))
+        raw = raw[~raw["method"].isin(partial)]
     df = raw[["slide_id", "repeat", "fold", "method"]].copy()
     for name, column in get_task(config.task).oof_columns(raw, config.label_classes).items():
         df[name] = column

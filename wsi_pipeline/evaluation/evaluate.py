@@ -34,6 +34,8 @@ seed best on validation), drawn with the ground-truth lesion outlines when the m
 them, ``report.html`` (led by the model chosen on validation), and the
 resolved ``config.yaml``; for models that normalise stain (``data.stain``), ``stain.csv`` (per method
 and slide: ``stain_normalised``, and ``stain_problem``, why a slide fell back to no normalisation).
+With ``eval.methods`` (``--method``) only the named methods are scored, and the other methods' rows
+and records written by an earlier ``eval`` are kept (:mod:`wsi_pipeline.evaluation.earlier_results`).
 
 Prediction on new slides (``wsi-pipeline predict``, :func:`predict_slides`) shares the per-slide
 scoring: tile a folder with the model's saved tiling parameters, embed once, aggregate, write
@@ -64,6 +66,7 @@ import torch
 
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
 from wsi_pipeline.tasks.endpoint_metrics import PATIENT_PREFIX
+from wsi_pipeline.evaluation.earlier_results import earlier_results
 from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.localisation import LesionMaskError
 from wsi_pipeline.devices import resolve_device
@@ -181,6 +184,8 @@ def evaluate_pipeline(
         check_output_dir(out, ("heatmaps",), what="results folder")  # before any model is loaded
     sets = _sets_to_score(config)  # the manifest is checked first: a bad one names itself, not "train first"
     runs = _finished_runs(config, methods, summary)
+    # named methods only: the others' earlier results stay in the folder (read now: a damaged file stops us first)
+    earlier = earlier_results(out, {m.name for m, _, _ in runs}) if methods and distributed.is_main() else None
     summary.random_encoders = [n for n in (random_encoder_note(m) for m in {m.name: m for m, _, _ in runs}.values()) if n]
     if distributed.is_main():
         for note in summary.random_encoders:
@@ -204,6 +209,12 @@ def evaluate_pipeline(
         for (method, cohort, split, pname, prefix), by_seed in got.levels.items():
             got.records += level_bootstrap(method, cohort, split, pname, config.task, by_seed, n_boot=n_boot,
                                            seed=int(config.eval.seed), n_classes=config.label_classes, prefix=prefix)
+    if earlier is not None and earlier.methods:
+        log.info("kept the earlier results of %s in %s (not evaluated now)", ", ".join(earlier.methods), out)
+        for key, rows in earlier.rows.items():
+            got.rows[key] += rows
+        got.records += earlier.records
+        got.stain.update(earlier.stain)
     summary.missing_stores = sorted(got.missing)
     summary.failed_slides = dict(sorted(got.failed.items()))
     summary.n_slides = sum(len(s.slides) for s in sets) - len(got.missing) - len(got.failed)
