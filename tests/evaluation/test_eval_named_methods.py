@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pandas as pd
 import pytest
@@ -98,6 +99,23 @@ def test_eval_of_one_method_keeps_the_others_and_equals_a_full_eval(tmp_path):
     assert _records(out) == _records(ref)
     html = (out / "report.html").read_text()
     assert all(m in html for m in METHODS)
+
+
+def test_kept_results_of_a_method_retrained_since_are_named(tmp_path, caplog):
+    cfg = _config(tmp_path, "results")
+    for m in METHODS:
+        _save_runs(cfg, m, weights_seed=1)
+    evaluate_pipeline(cfg, progress=False)
+    written = (tmp_path / "results" / "t" / "metrics.json").stat().st_mtime
+    os.utime(cfg.run_dir("mean", 1) / "done", (written + 60, written + 60))  # mean seed 1 finished again since
+    with caplog.at_level("WARNING", logger="wsi_pipeline.evaluation.evaluate"):
+        evaluate_pipeline(with_eval(cfg, methods=["attention"]), progress=False)
+    warned = [r.getMessage() for r in caplog.records if "predate" in r.getMessage()]
+    assert len(warned) == 1 and "mean seed 1" in warned[0] and "mean seed 0" not in warned[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="wsi_pipeline.evaluation.evaluate"):
+        evaluate_pipeline(with_eval(cfg, methods=["mean"]), progress=False)  # attention's kept rows are current
+    assert not [r for r in caplog.records if "predate" in r.getMessage()]
 
 
 def test_a_full_eval_writes_the_folder_afresh(tmp_path):

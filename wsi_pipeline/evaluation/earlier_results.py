@@ -4,10 +4,11 @@
 what an earlier ``eval`` wrote for the pipeline's other methods: their rows of every
 ``predictions_<cohort>_<protocol>.csv``, their records of ``metrics.json`` and their rows of
 ``stain.csv`` are read before any slide is scored (a damaged file stops the run then, naming
-itself) and written back beside A's new results. The seed mean and std of the kept per-seed
-records are recomputed when ``metrics.json`` is written (the same values); bootstrap intervals
-(seed ``"mean"``, ``<metric>_ci_low`` / ``_ci_high``) are kept as they are. An ``eval`` of every
-method writes the folder afresh.
+itself) and written back beside A's new results; a warning names any of their runs finished
+after that earlier ``eval`` (:func:`retrained_since`: evaluate those methods again). The seed mean
+and std of the kept per-seed records are recomputed when ``metrics.json`` is written (the same
+values); bootstrap intervals (seed ``"mean"``, ``<metric>_ci_low`` / ``_ci_high``) are kept as
+they are. An ``eval`` of every method writes the folder afresh.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Any
 
 import pandas as pd
 
+from wsi_pipeline.config.pipeline import PipelineConfig
 from wsi_pipeline.export.metrics_json import AGGREGATE_SEEDS, MetricRecord, read_metrics_json
 from wsi_pipeline.export.predictions import read_predictions
 
-__all__ = ["EarlierResults", "earlier_results"]
+__all__ = ["EarlierResults", "earlier_results", "retrained_since"]
 
 
 @dataclass
@@ -82,3 +84,17 @@ def earlier_results(results_dir: str | Path, scored: Collection[str]) -> Earlier
             row = {k: _plain(v) for k, v in row.items()}
             kept.stain[(str(row["method"]), str(row["slide_id"]))] = row
     return kept
+
+
+def retrained_since(config: PipelineConfig, results_dir: str | Path, methods: Collection[str]) -> list[str]:
+    """The runs (``method seed k``) of ``methods`` finished after ``results_dir/metrics.json`` was written: their
+    kept results come from the models they replaced (methods no longer in ``config`` are not checked)."""
+    from wsi_pipeline.evaluation.sets import trained_runs
+
+    metrics = Path(results_dir) / "metrics.json"
+    names = [m.name for m in config.methods if m.name in set(methods)]
+    if not metrics.is_file() or not names:
+        return []
+    written = metrics.stat().st_mtime
+    runs, _ = trained_runs(config, names)
+    return [f"{m.name} seed {seed}" for m, seed, d in runs if (d / "done").stat().st_mtime > written]

@@ -66,7 +66,7 @@ import torch
 
 from wsi_pipeline.data.store import StoreDamagedError, open_store, store_path
 from wsi_pipeline.tasks.endpoint_metrics import PATIENT_PREFIX
-from wsi_pipeline.evaluation.earlier_results import earlier_results
+from wsi_pipeline.evaluation.earlier_results import earlier_results, retrained_since
 from wsi_pipeline.evaluation.endpoint_records import level_bootstrap, level_records, pool_patients, stack_repeats
 from wsi_pipeline.evaluation.localisation import LesionMaskError
 from wsi_pipeline.devices import resolve_device
@@ -211,6 +211,10 @@ def evaluate_pipeline(
                                            seed=int(config.eval.seed), n_classes=config.label_classes, prefix=prefix)
     if earlier is not None and earlier.methods:
         log.info("kept the earlier results of %s in %s (not evaluated now)", ", ".join(earlier.methods), out)
+        newer = retrained_since(config, out, earlier.methods)
+        if newer:
+            log.warning("kept results in %s predate the runs %s, finished since: evaluate them again (wsi-pipeline eval "
+                        "--method NAME)", out, ", ".join(newer))
         for key, rows in earlier.rows.items():
             got.rows[key] += rows
         got.records += earlier.records
