@@ -44,13 +44,14 @@ class EarlierResults:
 
 
 def _plain(value: Any) -> Any:
-    """A CSV cell as the evaluation writes it: missing as ``None``, a training seed as an int."""
+    """A CSV cell as the evaluation's rows hold it: missing (NaN, ``pd.NA``) as ``None``."""
     if value is None or (not isinstance(value, str) and pd.isna(value)):
         return None
     return value
 
 
 def _seed(value: Any) -> int | str:
+    """A predictions file's ``seed`` cell as the evaluation's rows hold it: a training seed as an int, else text."""
     text = "" if value is None else str(value)
     return int(text) if text.lstrip("-").isdigit() else text
 
