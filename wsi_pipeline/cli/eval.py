@@ -210,7 +210,7 @@ def _check_folds_trained(config: PipelineConfig, runs: list[FoldRun], methods: l
 
 def _evaluated(cfg: PipelineConfig, out: Path, methods: list[str] | None) -> bool:
     """Whether fold pipeline ``cfg`` has results in ``out`` newer than every finished run they cover."""
-    from wsi_pipeline.evaluation.sets import trained_runs
+    from wsi_pipeline.evaluation.sets import finished_since, trained_runs
     from wsi_pipeline.export.metrics_json import read_metrics_json
 
     metrics = out / "metrics.json"
@@ -220,8 +220,7 @@ def _evaluated(cfg: PipelineConfig, out: Path, methods: list[str] | None) -> boo
     if not runs:
         return False
     done = {m.method for m in read_metrics_json(metrics)}
-    newest = max((d / "done").stat().st_mtime for _, _, d in runs)
-    return all(m.name in done for m, _, _ in runs) and metrics.stat().st_mtime > newest
+    return all(m.name in done for m, _, _ in runs) and not finished_since(runs, metrics)
 
 
 def _pool_crossval(config: PipelineConfig, runs: list[FoldRun], root: Path, args: argparse.Namespace) -> int:

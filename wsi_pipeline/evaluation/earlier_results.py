@@ -88,14 +88,12 @@ def earlier_results(results_dir: str | Path, scored: Collection[str]) -> Earlier
 
 
 def retrained_since(config: PipelineConfig, results_dir: str | Path, methods: Collection[str]) -> list[str]:
-    """The runs (``method seed k``) of ``methods`` finished after ``results_dir/metrics.json`` was written: their
+    """The runs (``method seed k``) of ``methods`` finished since ``results_dir/metrics.json`` was written: their
     kept results come from the models they replaced (methods no longer in ``config`` are not checked)."""
-    from wsi_pipeline.evaluation.sets import trained_runs
+    from wsi_pipeline.evaluation.sets import finished_since, trained_runs
 
     metrics = Path(results_dir) / "metrics.json"
     names = [m.name for m in config.methods if m.name in set(methods)]
     if not metrics.is_file() or not names:
         return []
-    written = metrics.stat().st_mtime
-    runs, _ = trained_runs(config, names)
-    return [f"{m.name} seed {seed}" for m, seed, d in runs if (d / "done").stat().st_mtime > written]
+    return [f"{name} seed {seed}" for name, seed in finished_since(trained_runs(config, names)[0], metrics)]

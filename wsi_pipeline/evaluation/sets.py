@@ -23,7 +23,7 @@ import pandas as pd
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
 from wsi_pipeline.types import ValidationScore
 
-__all__ = ["EXTERNAL", "EvalSet", "evaluation_sets", "trained_runs", "validation_scores"]
+__all__ = ["EXTERNAL", "EvalSet", "evaluation_sets", "finished_since", "trained_runs", "validation_scores"]
 
 EXTERNAL = "external"
 
@@ -72,6 +72,13 @@ def trained_runs(config: PipelineConfig, methods: Sequence[str] | None = None) -
             else:
                 skipped.append(f"{d}: not trained")
     return runs, skipped
+
+
+def finished_since(runs: Sequence[tuple[Any, int, Path]], path: str | Path) -> list[tuple[str, int]]:
+    """``[(method, seed)]`` of the finished ``runs`` (from :func:`trained_runs`) whose ``done`` marker is not older
+    than ``path`` (results written from earlier models; every run when ``path`` is missing)."""
+    written = Path(path).stat().st_mtime if Path(path).is_file() else -math.inf
+    return [(m.name, int(seed)) for m, seed, d in runs if (Path(d) / "done").stat().st_mtime >= written]
 
 
 def validation_scores(runs: Sequence[tuple[Any, int, Path]]) -> dict[tuple[str, int], ValidationScore]:
