@@ -165,3 +165,10 @@ def test_train_and_eval_without_folds_refuse_a_crossval_manifest(tmp_path, capsy
         err = capsys.readouterr().err
         assert "is a cross-validation manifest" in err and f"{command} --config ... --folds" in err and "m_fold0.csv" in err
     assert not (tmp_path / "runs").exists()
+    # the manifest it names, one fold's (same fold column, each slide's split of that fold), is accepted
+    from wsi_pipeline.manifests.folds import check_not_crossval
+
+    fold0 = read_manifest(tmp_path / "m_fold0.csv")
+    assert "cv_fold_r0" in fold0.columns and set(fold0["split"]) >= {"train", "val"}
+    for command in ("train", "eval"):
+        check_not_crossval(tmp_path / "m_fold0.csv", command)

@@ -167,6 +167,62 @@ def test_epoch_schedule_sets_the_groups_and_restores():
     assert s2.optimizer.param_groups[0]["lr"] == pytest.approx(0.05)
 
 
+def _lrs_seen_by_steps(schedule: EpochSchedule, opt: torch.optim.Optimizer, steps_per_epoch: int, epochs: range) -> list[float]:
+    """The rate of every group at each optimiser step (flattened, step by step), as the training
+    loop drives the schedule."""
+    seen: list[float] = []
+    for e in epochs:
+        schedule.set_epoch(e)
+        for _ in range(steps_per_epoch):
+            schedule.before_step()
+            seen.extend(g["lr"] for g in opt.param_groups)
+            opt.step()
+    return seen
+
+
+def test_step_warmup_matches_torchs_linear_lr_per_step_across_epochs_and_a_resume():
+    """warmup_steps N: step k runs at the epoch's rate x (k + 1) / (N + 1), torch's LinearLR from
+    1 / (N + 1) to 1 over N steps stepped per optimiser step, multiplied by the epoch schedule; a
+    resume in the middle of the warm-up goes on where it stopped."""
+    n, per_epoch, epochs = 5, 3, 4
+    t = TrainConfig(epochs=epochs, lr=0.4, schedule="exponential", gamma=0.5, warmup_steps=n)
+
+    def groups():
+        a, b = torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))
+        return [{"params": [a], "lr_scale": 1.0}, {"params": [b], "lr_scale": 0.1}]
+
+    opt = build_optimizer(groups(), t, 100)
+    got = _lrs_seen_by_steps(EpochSchedule(opt, t), opt, per_epoch, range(epochs))
+    # the reference: torch's per-step LinearLR for the ramp, the exponential rate of each step's epoch
+    ref_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    ramp = torch.optim.lr_scheduler.LinearLR(ref_opt, start_factor=1 / (n + 1), end_factor=1.0, total_iters=n)
+    ref = []
+    for k in range(per_epoch * epochs):
+        epoch_lr = 0.4 * 0.5 ** (k // per_epoch)
+        ref.extend(epoch_lr * ref_opt.param_groups[0]["lr"] * share for share in (1.0, 0.1))
+        ref_opt.step()
+        ramp.step()
+    assert got == pytest.approx(ref, rel=1e-12)
+    assert got[2 * n] == pytest.approx(0.4 * 0.5 ** (n // per_epoch))  # the ramp ends at step N
+    # resume after epoch 0 (3 steps of the 5-step ramp taken): the same rates from there on
+    opt1 = build_optimizer(groups(), t, 100)
+    s1 = EpochSchedule(opt1, t)
+    _lrs_seen_by_steps(s1, opt1, per_epoch, range(1))
+    opt2 = build_optimizer(groups(), t, 100)
+    s2 = EpochSchedule(opt2, t)
+    s2.load_state_dict(s1.state_dict())
+    assert s1.state_dict() == {"epoch": 0, "steps": per_epoch}
+    assert _lrs_seen_by_steps(s2, opt2, per_epoch, range(1, epochs)) == pytest.approx(ref[2 * per_epoch:], rel=1e-12)
+    # off by default, and a checkpoint without a step count resumes with the warm-up taken as done
+    t0 = TrainConfig(epochs=2, lr=0.3, schedule="none")
+    opt0 = build_optimizer(groups(), t0, 100)
+    assert _lrs_seen_by_steps(EpochSchedule(opt0, t0), opt0, 2, range(2)) == pytest.approx([0.3, 0.03] * 4)
+    opt3 = build_optimizer(groups(), t, 100)
+    s3 = EpochSchedule(opt3, t)
+    s3.load_state_dict({"epoch": 1})
+    assert _lrs_seen_by_steps(s3, opt3, 1, range(1, 2)) == pytest.approx([0.2, 0.02])
+
+
 def test_clip_gradients_against_the_norm_by_hand():
     a = torch.nn.Parameter(torch.zeros(2))
     b = torch.nn.Parameter(torch.zeros(1))

@@ -124,6 +124,26 @@ def test_one_epoch_writes_steps_and_a_tensorboard_event_file(tmp_path, store_coh
     assert [e.value for e in events.Scalars("val/auc")] == pytest.approx([hist["val_auc"].iloc[0]], rel=2**-23)
 
 
+def test_the_step_warmup_reaches_the_optimiser_of_a_training_run(tmp_path, store_cohort):
+    """train.warmup_steps through the CLI: steps.csv's rate at global step k (0-based) is the epoch's
+    scheduled rate x (k + 1) / (N + 1) for k < N and the epoch's rate after, across an epoch boundary."""
+    from wsi_pipeline.config.train import TrainConfig
+    from wsi_pipeline.training.optim import lr_at_epoch
+
+    n = 8
+    method = [{"name": "m", "strategy": "full", "encoder": {"name": "ilse_cnn"},
+               "aggregator": {"name": "abmil", "options": {"projection": False}}}]
+    train = {"epochs": 2, "lr": 1e-3, "schedule": "cosine", "bag_size": 4, "batch_bags": 1, "warmup_steps": n}
+    cfg = make_config(tmp_path, store_cohort, method, train=train)
+    assert main(["train", "--config", str(cfg), "--no-progress", "--quiet"]) == 0
+    steps = pd.read_csv(tmp_path / "runs" / "t" / "m" / "seed0" / "steps.csv")
+    per_epoch = int((steps["epoch"] == 1).sum())
+    assert 1 < per_epoch < n + 1 < len(steps)  # the ramp crosses into epoch 2
+    t = TrainConfig(epochs=2, lr=1e-3, schedule="cosine")
+    want = [lr_at_epoch(e - 1, t) * ((k + 1) / (n + 1) if k < n else 1.0) for k, e in enumerate(steps["epoch"])]
+    assert steps["lr"].tolist() == pytest.approx(want, rel=1e-12)
+
+
 def test_tensorboard_without_the_package_is_one_clear_error(tmp_path, monkeypatch):
     from wsi_pipeline.training.monitor import StepMonitor
 

@@ -118,6 +118,10 @@ class TrainConfig(Checked):
     schedule : ``cosine`` (annealed to ``min_lr`` over the run), ``exponential`` (lr x gamma per
         epoch), ``linear`` (linear decay to ``min_lr`` over the run, the PatchGD paper's) or
         ``none``; ``warmup_epochs`` of linear warm-up come first.
+    warmup_steps : the first N optimiser steps of the run take the scheduled rate times
+        ``(k + 1) / (N + 1)`` at step k (0-based), a linear ramp within the first epoch(s); 0: off.
+        Adam moves every parameter by about the full rate on its first steps whatever the gradient's
+        size, which on a freshly initialised network can saturate the output in one step.
     demon : DEMON momentum decay on Adam's first moment.
     clip_grad_norm : clip the global gradient norm before each step (None: off).
     select_metric : validation metric for ``best.pt`` and early stopping; ``auto`` is AUC for
@@ -148,6 +152,7 @@ class TrainConfig(Checked):
     gamma: float = field(default=0.955, metadata=spec(gt=0, le=1))
     min_lr: float = field(default=0.0, metadata=spec(ge=0))
     warmup_epochs: int = field(default=0, metadata=spec(ge=0, le=MAX_EPOCHS))
+    warmup_steps: int = field(default=0, metadata=spec(ge=0))
     demon: DemonConfig = field(default_factory=DemonConfig, metadata=spec(parse=_parse_demon))
     clip_grad_norm: float | None = field(default=None, metadata=spec(gt=0))
     select_metric: SelectMetric = "auto"

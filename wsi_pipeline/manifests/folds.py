@@ -115,7 +115,8 @@ def fold_runs(manifest: str | os.PathLike) -> list[FoldRun]:
 
 def check_not_crossval(manifest: str | os.PathLike, command: str) -> None:
     """Refuse to run ``command`` on a cross-validation manifest without ``--folds``: its slides have no
-    split of their own (each fold's manifest gives them one).
+    split of their own (each fold's manifest gives them one). One fold's manifest (``M_fold<k>.csv``:
+    the same fold columns, and every slide's split of that fold) is accepted.
 
     Raises
     ------
@@ -124,7 +125,10 @@ def check_not_crossval(manifest: str | os.PathLike, command: str) -> None:
     path = Path(manifest)
     if not path.is_file():
         return  # the command's own checks name a missing manifest
-    cols = crossval_columns(pd.read_csv(path, nrows=0).columns)
+    header = pd.read_csv(path, nrows=0).columns
+    cols = crossval_columns(header)
+    if cols and "split" in header and pd.read_csv(path, usecols=["split"])["split"].notna().any():
+        return  # one fold's manifest: its slides carry that fold's split
     if cols:
         raise ValueError(f"{path} is a cross-validation manifest (columns {', '.join(cols)}): its slides are split "
                          f"per fold; run `wsi-pipeline {command} --config ... --folds` for every repeat and fold, or set "

@@ -201,6 +201,7 @@ class _Run:
         norm = clip_gradients(self.params, self.method.train.clip_grad_norm)
         if norm is None and self.monitor is not None and self.monitor.enabled:
             norm = gradient_norm(self.params)
+        self.schedule.before_step()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.monitor is not None:

@@ -3,7 +3,8 @@
 Schedules (:func:`lr_at_epoch`, applied once per epoch by :class:`EpochSchedule`): ``cosine``,
 ``exponential``, ``linear`` (the PatchGD paper's warm-up + linear decay: 2 warm-up epochs, then
 linearly down to ``min_lr``, half the peak in that paper) and ``none``, each after optional
-``warmup_epochs`` of linear warm-up.
+``warmup_epochs`` of linear warm-up; ``warmup_steps`` ramps the rate linearly over the run's first
+optimiser steps (:meth:`EpochSchedule.before_step`).
 
 DEMON (Chen et al. 2022) decays Adam's first-moment coefficient from ``beta_init`` to 0 over the
 ``T`` optimiser steps of a run::
@@ -168,9 +169,11 @@ class EpochSchedule:
     """Sets every parameter group's ``lr`` to :func:`lr_at_epoch` (times the group's ``lr_scale``, 1
     unless the encoder's share or layer-wise decay set it) at the start of each epoch; groups marked
     ``encoder`` get rate 0 in the first ``encoder_frozen_epochs`` epochs (the schedule itself runs
-    from epoch 0 all the same).
+    from epoch 0 all the same). Within the first ``train.warmup_steps`` optimiser steps of the run,
+    :meth:`before_step` scales those rates by ``(k + 1) / (N + 1)`` at step k (0-based).
 
-    State is the epoch only (plain ints), so checkpoints stay loadable with ``weights_only=True``.
+    State is the epoch and the step count (plain ints), so checkpoints stay loadable with
+    ``weights_only=True``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, train: Any, encoder_frozen_epochs: int = 0) -> None:
@@ -178,21 +181,42 @@ class EpochSchedule:
         self.train = train
         self.encoder_frozen_epochs = int(encoder_frozen_epochs)
         self.epoch = 0
+        self.steps = 0  # optimiser steps taken in the run
 
-    def set_epoch(self, epoch: int) -> float:
-        """Apply the learning rate of ``epoch``; return it (the full rate, before any group's share)."""
-        self.epoch = int(epoch)
+    def _apply(self, factor: float) -> float:
         lr = lr_at_epoch(self.epoch, self.train)
         frozen = self.epoch < self.encoder_frozen_epochs
         for group in self.optimizer.param_groups:
             share = 0.0 if frozen and group.get("encoder", False) else group.get("lr_scale", 1.0)
-            group["lr"] = lr * share
+            group["lr"] = lr * share * factor
         return lr
 
+    def set_epoch(self, epoch: int) -> float:
+        """Apply the learning rate of ``epoch``; return it (the full rate, before any group's share
+        or the step warm-up)."""
+        self.epoch = int(epoch)
+        return self._apply(self.warmup_factor(self.steps))
+
+    def warmup_factor(self, step: int) -> float:
+        """The step warm-up's factor at optimiser step ``step`` (0-based): ``(k + 1) / (N + 1)``
+        for ``k < N = train.warmup_steps``, else 1."""
+        n = int(getattr(self.train, "warmup_steps", 0))
+        return (step + 1) / (n + 1) if step < n else 1.0
+
+    def before_step(self) -> None:
+        """Call just before each ``optimizer.step()``: sets the step's warm-up rate (a no-op once
+        the warm-up is over, which leaves the epoch's rates) and counts the step."""
+        n = int(getattr(self.train, "warmup_steps", 0))
+        if self.steps <= n and n:
+            self._apply(self.warmup_factor(self.steps))
+        self.steps += 1
+
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch}
+        return {"epoch": self.epoch, "steps": self.steps}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
+        # a checkpoint written before step counting: its warm-up (if any) is taken as done
+        self.steps = int(state.get("steps", getattr(self.train, "warmup_steps", 0)))
         self.set_epoch(int(state["epoch"]))
 
 
