@@ -200,13 +200,13 @@ class EpochSchedule:
     def warmup_factor(self, step: int) -> float:
         """The step warm-up's factor at optimiser step ``step`` (0-based): ``(k + 1) / (N + 1)``
         for ``k < N = train.warmup_steps``, else 1."""
-        n = int(getattr(self.train, "warmup_steps", 0))
+        n = int(self.train.warmup_steps)
         return (step + 1) / (n + 1) if step < n else 1.0
 
     def before_step(self) -> None:
         """Call just before each ``optimizer.step()``: sets the step's warm-up rate (a no-op once
         the warm-up is over, which leaves the epoch's rates) and counts the step."""
-        n = int(getattr(self.train, "warmup_steps", 0))
+        n = int(self.train.warmup_steps)
         if self.steps <= n and n:
             self._apply(self.warmup_factor(self.steps))
         self.steps += 1
@@ -216,7 +216,7 @@ class EpochSchedule:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         # a checkpoint written before step counting: its warm-up (if any) is taken as done
-        self.steps = int(state.get("steps", getattr(self.train, "warmup_steps", 0)))
+        self.steps = int(state.get("steps", self.train.warmup_steps))
         self.set_epoch(int(state["epoch"]))
 
 
