@@ -23,7 +23,7 @@ ARGS     ?=
 NPROC    ?= 1
 TORCHRUN_ARGS ?= --standalone
 
-.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-heldout bench-feature-scale bench-encoders bench-loader bench-small-cnn bench-many scale-check view bench-view clean
+.PHONY: FORCE install lint typecheck test test-fast test-isa tile train eval predict demo demo-study demo-survival readme-table bench bench-tile bench-bigl bench-accumulate bench-eval bench-decode bench-scale bench-tissue bench-tissue-detection bench-tissue-real bench-tissue-step bench-verify bench-stain bench-real bench-heldout bench-feature-scale bench-encoders bench-encoders-gpu gpu-check bench-loader bench-small-cnn bench-many scale-check view bench-view clean
 
 install: $(STAMP)
 
@@ -191,6 +191,15 @@ scale-check: install
 # peak RSS of an accumulated step, predicted GPU time; ~15 min on a 2-core CPU
 bench-encoders: install
 	$(BIN)/python -m benchmarks.encoders $(ARGS)
+
+# on a CUDA GPU: the presets' accumulated training step in bf16, measured beside bench-encoders' prediction (~1 min on an H200)
+bench-encoders-gpu: install
+	$(BIN)/python -m benchmarks.encoders_gpu $(ARGS)
+
+# on a CUDA GPU: the CUDA and numerics tests, Big-Layers, accumulation, loader, a bf16 ViT step, a one-epoch demo, each
+# step time-limited, logs in gpu_check_out/ (docs/gpu-check.md); ARGS=--dry-run checks the script on a CPU
+gpu-check: install
+	PY=$(BIN)/python bash tools/gpu_check.sh $(ARGS)
 
 clean:
 	rm -rf runs results .pytest_cache

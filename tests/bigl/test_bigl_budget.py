@@ -412,3 +412,24 @@ def test_training_logs_and_records_the_plan(tmp_path, store_cohort, caplog):
     assert "Big-Layers plan (input [8, 3, 32, 32] float32" in note and "fused runs (stem" in note
     assert any(note.strip() in r.getMessage() for r in caplog.records)
     assert (run_dir / DONE).exists()
+
+
+def test_batchnorm_calibration_through_a_budget_plan_equals_plain():
+    """Calibration (momentum None: a cumulative average) through a plan that offloads units = on the plain encoder.
+
+    Planning runs the encoder on meta tensors, where a cumulative average cannot read its batch
+    count; the first CUDA run of the demo (bigl.device_budget_gb: auto) failed there."""
+    from wsi_pipeline.models.bn_calibration import calibrate_batchnorm
+
+    name, shape = "resnet18", (2, 3, 45, 37)
+    plain = _encoder(name, "train")
+    full = plan_step(plain, shape, None, dtype=torch.float64, grad=False)  # calibration runs without gradient
+    state = sum(p.numel() * 8 for p in plain.parameters())
+    big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), state + (full.plain_estimate - state) // 3, 45_000)
+    torch.manual_seed(3)
+    batches = [torch.randn(*shape, dtype=torch.float64) for _ in range(3)]
+    assert calibrate_batchnorm(plain, batches) == calibrate_batchnorm(big, batches) == 3
+    assert big.last_plan is not None and big.last_plan.offloaded > 0, "the budget must offload some units"
+    for (n, p), (_, q) in zip(plain.named_buffers(), big.named_buffers()):
+        assert _rel(q, p) <= REL, f"{n}: {_rel(q, p):.2g}"
+    assert all(m.momentum == 0.1 for m in big.modules() if isinstance(m, nn.BatchNorm2d))

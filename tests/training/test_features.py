@@ -36,8 +36,9 @@ F32_STORED = 2.0**-22
 
 def _reference(encoder: nn.Module, store_dir, slide_id: str) -> tuple[np.ndarray, np.ndarray]:
     store = open_store(store_path(store_dir, slide_id))
+    device = next(encoder.parameters()).device  # extraction moved it to its device (the GPU, where there is one)
     with torch.no_grad():
-        return encoder.eval()(tiles_to_tensor(store.read())).numpy(), store.coords
+        return encoder.eval()(tiles_to_tensor(store.read(), device=device)).cpu().numpy(), store.coords
 
 
 def test_features_equal_encoder_on_store_tiles(store_cohort, tmp_path, float64) -> None:

@@ -140,6 +140,11 @@ def unit_memory(model: ResNet, shape: tuple[int, ...], dtype: torch.dtype, *, gr
     leaves = [m for m in model.modules() if next(m.children(), None) is None]
     handles = [m.register_forward_hook(leaf_hook) for m in leaves] + [m.register_forward_hook(unit_hook(n)) for m, n in ends]
     x = torch.empty(tuple(shape), dtype=dtype, device="meta", requires_grad=grad)
+    # a cumulative average (momentum None, as BatchNorm calibration sets it) reads the batch count as
+    # a number, which a meta tensor has not; the count does not change what is saved or its size
+    cumulative = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.momentum is None]
+    for m in cumulative:
+        m.momentum = 0.1
     try:
         # outside any active dispatch mode (a FLOP counter, a test's recorder): this forward is
         # bookkeeping, not part of the step
@@ -149,6 +154,8 @@ def unit_memory(model: ResNet, shape: tuple[int, ...], dtype: torch.dtype, *, gr
     finally:
         for h in handles:
             h.remove()
+        for m in cumulative:
+            m.momentum = None
     out, prev = [], 0
     for name, cum, o, big in marks:
         out.append(UnitMemory(name, cum - prev if grad else 0, o, big))
