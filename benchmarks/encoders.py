@@ -21,7 +21,8 @@ Per preset, in its own process (so that its peak RSS is its own):
   glibc handing blocks of 128 KiB or more back at once (:data:`MALLOC_FREE_ENV`), so that RSS
   follows the live tensors rather than the heap's retained free blocks;
 * predicted time of one accumulated 1024-tile step on a GPU from the FLOP count at a stated share
-  of its dense bfloat16 peak (default: H100 SXM, 989 TFLOP/s, 40 %), and the memory of full
+  of its dense bfloat16 peak (default: H100 SXM, 989 TFLOP/s, 23 %: what an H200 reached on UNI and Virchow2,
+  docs/gpu-check.md), and the memory of full
   fine-tuning with Adam there (16 bytes per parameter: float32 weights, gradients, two moments,
   plus ``--gpu-chunk`` tiles' activations, per tile as measured here in float32: the step's RSS
   growth less the gradients and the bag's tensors, over the chunk).
@@ -50,6 +51,9 @@ DEFAULT_CHUNK = {"uni_v1": 4, "uni_v2": 2, "virchow2": 2, "hoptimus0": 2, "hopti
                  "lunit_vits8": 8, "lunit_vits16": 8, "gpfm": 4, "phikon": 8, "phikon_v2": 4, "midnight": 2}
 BAGS = (64, 256, 1024)
 TILE = 224
+#: Share of the GPU's dense bf16 peak an accumulated ViT step reaches: 0.21-0.25 measured on an H200 for UNI and
+#: Virchow2 at a bag of 256 in chunks of 32 (benchmarks/encoders_gpu.py, docs/gpu-check.md).
+GPU_SHARE = 0.23
 #: glibc keeps freed heap blocks for reuse, so a process's RSS creeps up with the number of chunks
 #: even when the live tensors do not (measured: +0.1 GiB from bag 32 to 256 for ViT-Ti); the workers
 #: hand allocations of 128 KiB or more back to the system at once, so RSS follows the tensors.
@@ -161,7 +165,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=None, help="tiles of the frozen-speed batch (default: 4, giants 2)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU of the prediction (H100 SXM: 989)")
-    p.add_argument("--gpu-share", type=float, default=0.4, help="share of that peak assumed reached (default 0.4)")
+    p.add_argument("--gpu-share", type=float, default=GPU_SHARE,
+                   help=f"share of that peak assumed reached (default {GPU_SHARE}, measured on an H200: docs/gpu-check.md)")
     p.add_argument("--gpu-chunk", type=int, default=32, help="tiles per chunk of the GPU memory prediction (default 32)")
     p.add_argument("--sweep-model", default="timm:vit_tiny_patch16_224", help="encoder measured at every bag size")
     p.add_argument("--sweep-chunk", type=int, default=16)

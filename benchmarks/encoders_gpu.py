@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from benchmarks.encoders import TILE, _flops
+from benchmarks.encoders import GPU_SHARE, TILE, _flops
 
 __all__ = ["main"]
 
@@ -34,7 +34,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--chunk", type=int, default=32, help="tiles per accumulation chunk (default 32)")
     p.add_argument("--batch", type=int, default=256, help="tiles of the frozen-speed batch (default 256)")
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="dense bf16 peak of the prediction (H100/H200 SXM: 989)")
-    p.add_argument("--gpu-share", type=float, default=0.4, help="share of that peak the prediction assumes (default 0.4)")
+    p.add_argument("--gpu-share", type=float, default=GPU_SHARE,
+                   help=f"share of that peak the prediction assumes (default {GPU_SHARE}, bench-encoders'; its first run "
+                        "on an H200 used 0.4)")
     p.add_argument("--device", default="cuda", help="CUDA device (default cuda)")
     return p.parse_args(argv)
 
