@@ -206,7 +206,8 @@ def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
-def _build(name: str, stages: int | None, device: torch.device, max_elements: int) -> torch.nn.Module:
+def _build(name: str, stages: int | None, device: torch.device, max_elements: int,
+           pointwise: str = "host") -> torch.nn.Module:
     from wsi_pipeline.bigl import bigify
     from wsi_pipeline.models import build_encoder
 
@@ -214,7 +215,7 @@ def _build(name: str, stages: int | None, device: torch.device, max_elements: in
     model = build_encoder(name)
     if stages is None:
         return model.to(device).train()
-    return bigify(model, stages=stages, max_elements=max_elements, device=device).train()
+    return bigify(model, stages=stages, max_elements=max_elements, device=device, pointwise=pointwise).train()
 
 
 def _count_big_layers(model: torch.nn.Module) -> tuple[int, int]:
@@ -472,6 +473,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"input sides S in px (image [batch, 3, S, S]); default CPU {list(CPU_SIDES)}, CUDA {list(CUDA_SIDES)}")
     p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3], help="Big-Layer stage counts to run (0..4); default 0 1 2 3")
     p.add_argument("--no-plain", action="store_true", help="skip the plain (baseline) model")
+    p.add_argument("--pointwise", choices=("host", "device"), default="host",
+                   help="where the Big-Layers' ReLU, max-pool and residual add run: host (default, as bigl.pointwise) or "
+                        "device (chunked there too)")
     p.add_argument("--batch", type=int, default=1, help="images per iteration (a bag is e.g. --batch 256 --sides 256); default 1")
     p.add_argument("--warmup", type=int, default=5, help="untimed iterations per point; default 5 (paper)")
     p.add_argument("--repeats", type=int, default=10, help="timed iterations per point; default 10 (paper)")
@@ -521,7 +525,7 @@ def _measure_all(args: argparse.Namespace, configs: list[int | None], sides: lis
     results: dict[int | None, list[Point]] = {}
     labels: dict[int | None, str] = {}
     for cfg in configs:
-        model = _build(args.model, cfg, device, max_elements)
+        model = _build(args.model, cfg, device, max_elements, args.pointwise)
         labels[cfg] = _label(cfg, _count_big_layers(model))
         results[cfg] = []
         for side in sides:
@@ -681,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
 
     where = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"Big-Layers runtime scaling: {args.model}, {device} ({where}), input [{args.batch}, 3, S, S] float32, "
-          f"max_elements {max_elements}, {args.warmup} warm-up + {args.repeats} timed iterations per point, "
+          f"max_elements {max_elements}, pointwise on the {args.pointwise}, {args.warmup} warm-up + {args.repeats} timed iterations per point, "
           f"{args.clock} clock")
     if cuda and args.memory_fraction is not None:
         print(f"device memory capped at {args.memory_fraction:.2f} of {torch.cuda.get_device_properties(device).total_memory / 2**30:.1f} GiB")

@@ -4,7 +4,7 @@
 #
 #   bash tools/gpu_check.sh            # on a machine with a CUDA GPU; logs into $OUT (default gpu_check_out/)
 #   bash tools/gpu_check.sh --dry-run  # on a CPU: the same steps with CPU sizes, to check the script before a GPU run
-#   STEPS="numerics demo" bash tools/gpu_check.sh   # only the named steps (a rerun); SIDES="..." for bench_bigl
+#   STEPS="numerics demo" bash tools/gpu_check.sh   # only the named steps (a rerun); SIDES="...", BIGL_ARGS="..." for bench_bigl
 #
 # On a GPU machine whose Python lacks this project's dependencies, put their wheels in .whl/ (docs/gpu-check.md says
 # which); they are installed into /tmp/site first. Every step has its own time limit, so one slow or failing step
@@ -63,7 +63,7 @@ step numerics "$(lim 90)" $PY -m pytest -q -p no:cacheprovider $XDIST -m "not sl
     --deselect tests/training/test_accumulate.py::test_saved_activation_memory_does_not_grow_with_the_bag
 
 # 2. Big-Layers measured (the predicted tables are counts: run them on any machine, --no-timing) and accumulation
-step bench_bigl "$(lim 100)" $PY -m benchmarks.bigl --quick --no-predict --device $DEV --sides $SIDES
+step bench_bigl "$(lim 100)" $PY -m benchmarks.bigl --quick --no-predict --device $DEV --sides $SIDES ${BIGL_ARGS:-}
 step bench_accumulate "$(lim 60)" $PY -m benchmarks.accumulate --device $DEV --bags $BAGS --tile-size $TILE --chunk-size $CHUNK
 
 # 3. the loader, one accumulated ViT step in bf16 (two presets), a one-epoch demo on the device
