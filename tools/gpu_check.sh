@@ -45,6 +45,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # the repository first, then 
 } 2>&1 | tee "$OUT/summary.txt"
 
 if [ $DRY = 1 ]; then
+    export WSI_CUDA_TEST_DEVICE=cpu  # tests/training/test_cuda_float64.py runs its comparisons on the CPU
     DEV=cpu; SIDES="96 128"; BAGS="8 16"; TILE=32; CHUNK=4; LIMIT_SHORT=60
 else
     DEV=cuda; SIDES=${SIDES:-2048 4096 8192}; BAGS="64 256 1024"; TILE=256; CHUNK=64; LIMIT_SHORT=0

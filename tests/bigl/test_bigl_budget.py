@@ -36,31 +36,11 @@ from wsi_pipeline.bigl.traffic import count_step, dry_budget_step
 from wsi_pipeline.bigl.units import UnitGeometry, resnet_units
 from wsi_pipeline.models import build_encoder
 
+from bigl_helpers import offloading_budget, perturbed_resnet, rel, state_bytes
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REL = 1e-10
-
-
-def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
-    got, ref = got.detach().double(), ref.detach().double()
-    if ref.numel() == 0:
-        return 0.0
-    return (got - ref).abs().max().item() / max(ref.abs().max().item(), 1e-300)
-
-
-def _encoder(name: str, bn: str, dtype=torch.float64) -> nn.Module:
-    torch.manual_seed(0)
-    m = build_encoder(name).to(dtype).train()
-    for b in m.modules():
-        if isinstance(b, nn.BatchNorm2d):
-            with torch.no_grad():  # statistics and affine parameters that are not the identity
-                b.running_mean.normal_(0, 0.5)
-                b.running_var.uniform_(0.5, 2.0)
-                b.weight.uniform_(0.5, 1.5)
-                b.bias.normal_(0, 0.2)
-            if bn == "frozen":
-                b.eval()
-    return m
 
 
 def _step(model: nn.Module, x: torch.Tensor, r: torch.Tensor):
@@ -76,12 +56,12 @@ def _check(plain: nn.Module, big: nn.Module, x: torch.Tensor, what: str) -> None
     r = torch.randn(x.shape[0], plain.num_features, dtype=x.dtype)
     y_p, gx_p = _step(plain, x, r)
     y_b, gx_b = _step(big, x, r)
-    assert _rel(y_b, y_p) <= REL, f"{what}: output"
-    assert _rel(gx_b, gx_p) <= REL, f"{what}: input gradient"
+    assert rel(y_b, y_p) <= REL, f"{what}: output"
+    assert rel(gx_b, gx_p) <= REL, f"{what}: input gradient"
     for (n, p), (_, q) in zip(plain.named_parameters(), big.named_parameters()):
-        assert q.grad is not None and _rel(q.grad, p.grad) <= REL, f"{what}: grad {n} ({_rel(q.grad, p.grad):.2g})"
+        assert q.grad is not None and rel(q.grad, p.grad) <= REL, f"{what}: grad {n} ({rel(q.grad, p.grad):.2g})"
     for (n, p), (_, q) in zip(plain.named_buffers(), big.named_buffers()):
-        assert _rel(q, p) <= REL, f"{what}: {n}"
+        assert rel(q, p) <= REL, f"{what}: {n}"
 
 
 def _stage_ends(name: str) -> list[int]:
@@ -100,7 +80,7 @@ CASES = {"resnet18": ((2, 3, 45, 37), 45_000), "resnet50": ((2, 3, 56, 48), 110_
 def test_fused_prefix_at_every_stage_boundary_equals_plain_float64(name, bn):
     shape, chunk = CASES[name]
     x = torch.randn(*shape, dtype=torch.float64)
-    plain = _encoder(name, bn)
+    plain = perturbed_resnet(name, bn)
     for k in _stage_ends(name):
         big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), None, chunk)
         # checkpoints alternate between the device and host buffers, the image on the host
@@ -117,13 +97,13 @@ def test_fused_prefix_at_every_stage_boundary_equals_plain_float64(name, bn):
 
 def test_planner_picks_plain_or_fused_and_both_are_exact():
     name, shape = "resnet18", (2, 3, 45, 37)
-    plain = _encoder(name, "train")
+    plain = perturbed_resnet(name, "train")
     x = torch.randn(*shape, dtype=torch.float64)
     full = plan_step(plain, shape, None, dtype=torch.float64)
     assert full.plain
-    state = 4 * sum(p.numel() * 8 for p in plain.parameters())
+    state = state_bytes(plain, 4)
     seen = set()
-    for budget in (full.plain_estimate, full.plain_estimate - 1, state + (full.plain_estimate - state) // 3):
+    for budget in (full.plain_estimate, full.plain_estimate - 1, offloading_budget(state, full.plain_estimate)):
         big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), budget, 2**20)
         ref = copy.deepcopy(plain)
         _check(ref, big, x, f"budget {budget}")
@@ -225,7 +205,7 @@ def _independent_bytes(plain: nn.Module, x: torch.Tensor, k: int, places: tuple[
 @pytest.mark.parametrize("bn", ["frozen", "train"])
 def test_step_bytes_equal_an_independent_count(bn):
     name, shape = "resnet18", (2, 3, 32, 32)
-    plain = _encoder(name, bn, torch.float32)
+    plain = perturbed_resnet(name, bn, torch.float32)
     x = torch.randn(*shape)
     k, places = 5, ("host", "device", "host", "host", "device")
     big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), None, 10**8)  # whole samples: no halos
@@ -247,7 +227,7 @@ def test_step_bytes_equal_an_independent_count(bn):
 
 def test_dry_run_counts_what_a_real_run_moves():
     shape, chunk = (1, 3, 64, 56), 40_000
-    plain = _encoder("resnet18", "train", torch.float32)
+    plain = perturbed_resnet("resnet18", "train", torch.float32)
     places = ("host", "host", "device")
     real = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), None, chunk)
     real.set_plan(manual_plan(real.plain, shape, 3, places, chunk))
@@ -266,7 +246,7 @@ def test_dry_run_counts_what_a_real_run_moves():
 def test_bf16_autocast_follows_plain_autocast_and_moves_half_the_bytes():
     bf16_u, roundings = 2.0**-8, 2 + 8 * (2 + 2 + 1)  # tests/test_bigl_autocast.py's bound
     shape, chunk = (2, 3, 48, 48), 40_000
-    plain = _encoder("resnet18", "frozen", torch.float32)
+    plain = perturbed_resnet("resnet18", "frozen", torch.float32)
     torch.manual_seed(1)
     x, r = torch.randn(*shape), torch.randn(2, 512)
     k, places = 3, ("host", "host", "device")
@@ -286,13 +266,13 @@ def test_bf16_autocast_follows_plain_autocast_and_moves_half_the_bytes():
             assert {t.dtype for t in m.runner.buffers._slots.values()} == {torch.bfloat16}  # image and checkpoints
             assert all(p.grad.dtype == torch.float32 for p in m.parameters())
 
-    def rel(a, b):
+    def rel_norm(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
     fwd, grad = roundings * bf16_u, 2 * roundings * bf16_u
-    assert rel(outs["plain"][0], outs["fp32"][0]) <= fwd and rel(outs["plain"][1], outs["fp32"][1]) <= grad
-    assert rel(outs["fused"][0], outs["plain"][0]) <= 2 * fwd
-    assert rel(outs["fused"][1], outs["plain"][1]) <= 2 * grad
+    assert rel_norm(outs["plain"][0], outs["fp32"][0]) <= fwd and rel_norm(outs["plain"][1], outs["fp32"][1]) <= grad
+    assert rel_norm(outs["fused"][0], outs["plain"][0]) <= 2 * fwd
+    assert rel_norm(outs["fused"][1], outs["plain"][1]) <= 2 * grad
     # the same plan in float32 moves twice the bytes
     f32 = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), None, chunk)
     f32.set_plan(manual_plan(f32.plain, shape, k, places, chunk))
@@ -303,7 +283,7 @@ def test_bf16_autocast_follows_plain_autocast_and_moves_half_the_bytes():
 
 def test_host_buffers_are_reused_across_steps():
     shape, chunk = (2, 3, 32, 32), 10**6
-    big = BudgetResNet(_encoder("resnet18", "frozen", torch.float32), ChunkRunner("cpu"), None, chunk)
+    big = BudgetResNet(perturbed_resnet("resnet18", "frozen", torch.float32), ChunkRunner("cpu"), None, chunk)
     big.set_plan(manual_plan(big.plain, shape, 4, ("host",) * 4, chunk))
     ptrs = []
     for _ in range(3):
@@ -314,7 +294,7 @@ def test_host_buffers_are_reused_across_steps():
 
 
 def test_plain_plan_is_the_plain_step_bit_for_bit():
-    plain = _encoder("resnet50", "train", torch.float32)
+    plain = perturbed_resnet("resnet50", "train", torch.float32)
     big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), 10 * GB, 2**20)
     x = torch.randn(2, 3, 32, 32)
     with monitor_transfers() as mon:
@@ -422,14 +402,14 @@ def test_batchnorm_calibration_through_a_budget_plan_equals_plain():
     from wsi_pipeline.models.bn_calibration import calibrate_batchnorm
 
     name, shape = "resnet18", (2, 3, 45, 37)
-    plain = _encoder(name, "train")
+    plain = perturbed_resnet(name, "train")
     full = plan_step(plain, shape, None, dtype=torch.float64, grad=False)  # calibration runs without gradient
-    state = sum(p.numel() * 8 for p in plain.parameters())
-    big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), state + (full.plain_estimate - state) // 3, 45_000)
+    state = state_bytes(plain, 1)
+    big = BudgetResNet(copy.deepcopy(plain), ChunkRunner("cpu"), offloading_budget(state, full.plain_estimate), 45_000)
     torch.manual_seed(3)
     batches = [torch.randn(*shape, dtype=torch.float64) for _ in range(3)]
     assert calibrate_batchnorm(plain, batches) == calibrate_batchnorm(big, batches) == 3
     assert big.last_plan is not None and big.last_plan.offloaded > 0, "the budget must offload some units"
     for (n, p), (_, q) in zip(plain.named_buffers(), big.named_buffers()):
-        assert _rel(q, p) <= REL, f"{n}: {_rel(q, p):.2g}"
+        assert rel(q, p) <= REL, f"{n}: {rel(q, p):.2g}"
     assert all(m.momentum == 0.1 for m in big.modules() if isinstance(m, nn.BatchNorm2d))

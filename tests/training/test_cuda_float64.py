@@ -21,6 +21,7 @@ figures can be reported.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -29,22 +30,17 @@ from torch import nn
 from wsi_pipeline.bigl import BudgetResNet, ChunkRunner, bigify
 from wsi_pipeline.bigl.budget import plan_step
 from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
-from wsi_pipeline.models import build_aggregator, build_encoder
+from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.training.accumulate import accumulate_step, full_step
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+from bigl_helpers import offloading_budget, perturbed_resnet, rel, state_bytes
 
 REL = 1e-10
-#: The device under test (a dry run of this module's code on a machine without a GPU may set it to the CPU).
-CUDA = torch.device("cuda")
+#: The device under test. ``WSI_CUDA_TEST_DEVICE=cpu`` runs this module's comparisons on the CPU, so
+#: that ``make gpu-check``'s dry run checks the tests themselves before device time is spent.
+CUDA = torch.device(os.environ.get("WSI_CUDA_TEST_DEVICE", "cuda"))
 
-
-def _rel(got: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
-    """max |got - ref| / max(max |ref|, floor) over the tensor (0 for empty tensors)."""
-    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
-    if ref.numel() == 0:
-        return 0.0
-    return (got - ref).abs().max().item() / max(ref.abs().max().item(), floor, 1e-300)
+pytestmark = pytest.mark.skipif(CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def _worst(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], what: str) -> float:
@@ -58,26 +54,12 @@ def _worst(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], what: str) -> fl
     worst, name = 0.0, ""
     for n, got, ref in pairs:
         assert got.shape == ref.shape, f"{what}: {n} shape {tuple(got.shape)} != {tuple(ref.shape)}"
-        r = _rel(got, ref, floor)
+        r = rel(got, ref, floor)
         if r >= worst:
             worst, name = r, n
     print(f"CUDA-EXACT {what}: relative {worst:.2e} (worst: {name}, {len(pairs)} tensors)")
     assert worst <= REL, f"{what}: {name} relative difference {worst:.3g} > {REL:g}"
     return worst
-
-
-def _encoder(name: str) -> nn.Module:
-    """A float64 ResNet in train mode whose BatchNorm is not the identity."""
-    torch.manual_seed(0)
-    m = build_encoder(name).double().train()
-    with torch.no_grad():
-        for b in m.modules():
-            if isinstance(b, nn.BatchNorm2d):
-                b.running_mean.normal_(0, 0.5)
-                b.running_var.uniform_(0.5, 2.0)
-                b.weight.uniform_(0.5, 1.5)
-                b.bias.normal_(0, 0.2)
-    return m
 
 
 def _step(model: nn.Module, x: torch.Tensor, r: torch.Tensor, device: torch.device):
@@ -113,7 +95,7 @@ def _compare_encoders(plain: nn.Module, big: nn.Module, x: torch.Tensor, what: s
     ids=["resnet18-pinned", "resnet18-pageable", "resnet50-pointwise-on-device"],
 )
 def test_bigified_resnet_on_cuda_equals_plain_autograd(name, stages, max_elements, shape, pointwise, pin):
-    plain = _encoder(name).to(CUDA)
+    plain = perturbed_resnet(name).to(CUDA)
     big = bigify(copy.deepcopy(plain), stages=stages, max_elements=max_elements, device=CUDA, pointwise=pointwise,
                  pin_memory=pin)
     assert big.runner.is_cuda == (CUDA.type == "cuda")
@@ -124,10 +106,9 @@ def test_bigified_resnet_on_cuda_equals_plain_autograd(name, stages, max_element
 def test_device_budget_plan_on_cuda_equals_plain_autograd():
     """A budget a third of the way from the state to the plain step's estimate forces fused, offloaded units."""
     shape = (2, 3, 45, 37)
-    plain = _encoder("resnet18").to(CUDA)
+    plain = perturbed_resnet("resnet18").to(CUDA)
     full = plan_step(plain, shape, None, dtype=torch.float64)
-    state = 4 * sum(p.numel() * 8 for p in plain.parameters())
-    budget = state + (full.plain_estimate - state) // 3
+    budget = offloading_budget(state_bytes(plain, 4), full.plain_estimate)
     big = BudgetResNet(copy.deepcopy(plain), ChunkRunner(CUDA), budget, 45_000)
     x = torch.randn(*shape, dtype=torch.float64)
     _compare_encoders(plain, big, x, f"bigl device budget {budget} B")
@@ -154,7 +135,7 @@ def test_accumulation_on_cuda_equals_plain_autograd(name, opts):
     References: the plain whole-bag backward on the GPU, and the same on the CPU (cross-device).
     """
     n, label = 12, 1
-    enc_cpu = _encoder("resnet18")
+    enc_cpu = perturbed_resnet("resnet18")
     torch.manual_seed(1)
     agg_cpu = build_aggregator(name, enc_cpu.num_features, 2, dropout=0.0, **opts).double()
     enc, agg = copy.deepcopy(enc_cpu).to(CUDA), copy.deepcopy(agg_cpu).to(CUDA)
@@ -190,7 +171,7 @@ def test_accumulation_on_cuda_equals_plain_autograd(name, opts):
 
 def test_accumulation_from_uint8_tiles_on_the_device_equals_the_whole_bag():
     """The training path for a uint8 bag on the GPU: each chunk converted there (DeviceTiles) = the converted whole bag."""
-    enc = _encoder("resnet18").to(CUDA)
+    enc = perturbed_resnet("resnet18").to(CUDA)
     torch.manual_seed(1)
     agg = build_aggregator("abmil", enc.num_features, 2, dropout=0.0).double().to(CUDA)
     g = torch.Generator().manual_seed(4)
@@ -206,7 +187,7 @@ def test_accumulation_from_uint8_tiles_on_the_device_equals_the_whole_bag():
 
 def test_bigl_strategy_step_on_cuda_equals_plain_autograd():
     """BiglStrategy's step: full_step through a bigified encoder (host bag) = full_step through the plain one on the GPU."""
-    plain = _encoder("resnet18").to(CUDA)
+    plain = perturbed_resnet("resnet18").to(CUDA)
     torch.manual_seed(1)
     agg = build_aggregator("abmil", plain.num_features, 2, dropout=0.0).double().to(CUDA)
     big = bigify(copy.deepcopy(plain), stages=2, max_elements=20_000, device=CUDA)
