@@ -57,7 +57,8 @@ def _worst(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], what: str) -> fl
         r = rel(got, ref, floor)
         if r >= worst:
             worst, name = r, n
-    print(f"CUDA-EXACT {what}: relative {worst:.2e} (worst: {name}, {len(pairs)} tensors)")
+    dry = "" if CUDA.type == "cuda" else f" [dry run: device {CUDA}]"
+    print(f"CUDA-EXACT {what}: relative {worst:.2e} (worst: {name}, {len(pairs)} tensors){dry}")
     assert worst <= REL, f"{what}: {name} relative difference {worst:.3g} > {REL:g}"
     return worst
 
