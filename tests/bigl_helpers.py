@@ -47,6 +47,20 @@ def perturbed_resnet(name: str, bn: str = "train", dtype: torch.dtype = torch.fl
     return m
 
 
+def encoder_step(model: nn.Module, x: torch.Tensor, r: torch.Tensor,
+                 device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward and backward of sum(model(x) * r) with ``x`` on ``device``.
+
+    Returns the output, the input's gradient and a copy of every parameter's gradient (by name).
+    """
+    model.zero_grad(set_to_none=True)
+    x = x.to(device).clone().requires_grad_(True)
+    y = model(x)
+    (y * r.to(y.device)).sum().backward()
+    assert x.grad is not None
+    return y.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
 def state_bytes(model: nn.Module, copies: int) -> int:
     """Bytes of ``copies`` tensors the size of every parameter (1: weights; 4: weights, gradients, Adam's two moments)."""
     return copies * sum(p.numel() * p.element_size() for p in model.parameters())

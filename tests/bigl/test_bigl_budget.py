@@ -36,26 +36,18 @@ from wsi_pipeline.bigl.traffic import count_step, dry_budget_step
 from wsi_pipeline.bigl.units import UnitGeometry, resnet_units
 from wsi_pipeline.models import build_encoder
 
-from bigl_helpers import offloading_budget, perturbed_resnet, rel, state_bytes
+from bigl_helpers import encoder_step, offloading_budget, perturbed_resnet, rel, state_bytes
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 REL = 1e-10
 
 
-def _step(model: nn.Module, x: torch.Tensor, r: torch.Tensor):
-    model.zero_grad(set_to_none=True)
-    x = x.clone().requires_grad_(True)
-    y = model(x)
-    (y * r).sum().backward()
-    return y.detach(), x.grad
-
-
 def _check(plain: nn.Module, big: nn.Module, x: torch.Tensor, what: str) -> None:
     torch.manual_seed(5)
     r = torch.randn(x.shape[0], plain.num_features, dtype=x.dtype)
-    y_p, gx_p = _step(plain, x, r)
-    y_b, gx_b = _step(big, x, r)
+    y_p, gx_p, _ = encoder_step(plain, x, r)
+    y_b, gx_b, _ = encoder_step(big, x, r)
     assert rel(y_b, y_p) <= REL, f"{what}: output"
     assert rel(gx_b, gx_p) <= REL, f"{what}: input gradient"
     for (n, p), (_, q) in zip(plain.named_parameters(), big.named_parameters()):

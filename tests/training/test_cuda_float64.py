@@ -33,7 +33,7 @@ from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.models import build_aggregator
 from wsi_pipeline.training.accumulate import accumulate_step, full_step
 
-from bigl_helpers import offloading_budget, perturbed_resnet, rel, state_bytes
+from bigl_helpers import encoder_step, offloading_budget, perturbed_resnet, rel, state_bytes
 
 REL = 1e-10
 #: The device under test. ``WSI_CUDA_TEST_DEVICE=cpu`` runs this module's comparisons on the CPU, so
@@ -63,21 +63,11 @@ def _worst(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], what: str) -> fl
     return worst
 
 
-def _step(model: nn.Module, x: torch.Tensor, r: torch.Tensor, device: torch.device):
-    """One forward and backward of sum(model(x) * r); returns output, input gradient, parameter gradients."""
-    model.zero_grad(set_to_none=True)
-    x = x.to(device).clone().requires_grad_(True)
-    y = model(x)
-    (y * r.to(y.device)).sum().backward()
-    assert x.grad is not None
-    return y.detach(), x.grad.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-
-
 def _compare_encoders(plain: nn.Module, big: nn.Module, x: torch.Tensor, what: str) -> float:
     torch.manual_seed(5)
     r = torch.randn(x.shape[0], plain.num_features, dtype=x.dtype)
-    y_p, gx_p, g_p = _step(plain, x, r, CUDA)
-    y_b, gx_b, g_b = _step(big, x, r, CUDA)
+    y_p, gx_p, g_p = encoder_step(plain, x, r, CUDA)
+    y_b, gx_b, g_b = encoder_step(big, x, r, CUDA)
     assert g_b.keys() == g_p.keys()
     pairs = [("output", y_b, y_p), ("input gradient", gx_b, gx_p)]
     pairs += [(f"grad {n}", g_b[n], g_p[n]) for n in g_p]
