@@ -190,14 +190,17 @@ def markdown(res: dict[str, Any], machine: str) -> str:
     lines = [f"### Held-out lung set `{res['contrast']}`, recipe `{res['tag']}` ({Path(res['template']).name}, {res['folds']}-fold, "
              f"{res['epochs']} epochs)\n",
              "| method | accuracy (calibrated) | accuracy at 0.5 | AUC per fold | pooled OOF AUC (95 % CI) | "
-             "attention AUC vs witness cells | paper, breast: accuracy / AUC |",
-             "|---|---|---|---|---|---|---|"]
+             "pooled AUC by seed (their mean) | attention AUC vs witness cells | paper, breast: accuracy / AUC |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in res["table"]:
         att = "" if pd.isna(r.get("attention_auc")) else f"{r['attention_auc']:.3f} ± {r['attention_auc_se']:.3f}"
         raw = "" if pd.isna(r.get("accuracy_uncalibrated")) else f"{r['accuracy_uncalibrated']:.3f}"
         lo, hi = r["pooled_auc_ci"]
+        by_seed = r.get("pooled_auc_by_seed")
+        seeds = (f"{' / '.join(f'{a:.3f}' for a in by_seed)} ({r['pooled_auc_seed_mean']:.3f})"
+                 if isinstance(by_seed, list) and by_seed else "")
         lines.append(f"| {r['method']} | {r['accuracy']:.3f} ± {r['accuracy_se']:.3f} | {raw} | {r['auc']:.3f} ± "
-                     f"{r['auc_se']:.3f} | {r['pooled_auc']:.3f} ({lo:.3f}-{hi:.3f}) | {att} | "
+                     f"{r['auc_se']:.3f} | {r['pooled_auc']:.3f} ({lo:.3f}-{hi:.3f}) | {seeds} | {att} | "
                      f"{PAPER_BREAST.get(r['method'], '')} |")
     lines += ["", "| step | wall (s) | CPU (s) |", "|---|---|---|"]
     for step, v in res["times"].items():

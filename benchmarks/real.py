@@ -49,7 +49,7 @@ import yaml
 from wsi_pipeline.io_atomic import write_text_atomic
 
 __all__ = ["PAPER", "pipeline_name", "attention_truth", "fold_table", "instance_truth", "main", "method_table",
-           "run_check_commands", "summarise"]
+           "run_check_commands", "seed_aucs", "summarise"]
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,35 @@ def uncalibrated_accuracy(folder: Path, name: str) -> pd.DataFrame:
     return out[["method", "accuracy_uncalibrated", "accuracy_uncalibrated_se"]]
 
 
+def seed_aucs(folder: Path, name: str) -> pd.DataFrame:
+    """Per method: the pooled out-of-fold AUC of each training seed alone (``pooled_auc_by_seed``, a list in seed
+    order) and their mean (``pooled_auc_seed_mean``), beside the seed average that ``cv_table.csv`` pools.
+
+    Read from each fold's ``results/<fold name>/predictions_*_all.csv`` (one row per test slide, method and seed;
+    calibrated ``prob_1``), keeping the slides of the fold's test split (its manifest's ``split``), pooled over every
+    fold (and repeat: a slide then counts once per repeat); scikit-learn's ROC AUC. Empty for a task without
+    ``prob_1`` (not binary)."""
+    from sklearn.metrics import roc_auc_score
+
+    parts = []
+    for key, manifest in _fold_manifests(folder / "manifest.csv").items():
+        m = pd.read_csv(manifest)
+        test = set(m.loc[m["split"] == "test", "slide_id"].astype(str))
+        for f in sorted((folder / "results" / _fold_name(name, key)).glob("predictions_*_all.csv")):
+            d = pd.read_csv(f)
+            if "prob_1" not in d.columns or "seed" not in d.columns:
+                continue
+            parts.append(d[d["slide_id"].astype(str).isin(test)])
+    if not parts:
+        return pd.DataFrame(columns=["method", "pooled_auc_by_seed", "pooled_auc_seed_mean"])
+    d = pd.concat(parts, ignore_index=True)
+    rows = []
+    for method, g in d.groupby("method", sort=False):
+        aucs = [float(roc_auc_score(s["label"], s["prob_1"])) for _, s in g.groupby("seed") if s["label"].nunique() == 2]
+        rows.append({"method": method, "pooled_auc_by_seed": aucs, "pooled_auc_seed_mean": float(np.mean(aucs)) if aucs else np.nan})
+    return pd.DataFrame(rows)
+
+
 def instance_truth(coords: np.ndarray, tile_size: int, nuclei: pd.DataFrame, construction: str) -> np.ndarray:
     """Per tile: True where it holds an epithelial nucleus.
 
@@ -296,11 +325,13 @@ def run_check_commands(folder: Path, cfg: Path, images: Path, labels: Path, cv: 
 def fold_table(folder: Path, name: str, truth_of: Callable[[str, np.ndarray], np.ndarray]) -> pd.DataFrame:
     """Per method of the finished cross-validation in ``folder``: :func:`method_table` of
     ``results/<name>_cv/cv_table.csv``, the attention-vs-instance-truth AUCs (:func:`attention_truth` with
-    ``truth_of``) and the uncalibrated accuracy (:func:`uncalibrated_accuracy`)."""
+    ``truth_of``), the uncalibrated accuracy (:func:`uncalibrated_accuracy`) and each seed's pooled AUC
+    (:func:`seed_aucs`)."""
     table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
     folds = _fold_manifests(folder / "manifest.csv")
     att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", truth_of)
-    return table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
+    return (table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
+            .merge(seed_aucs(folder, name), on="method", how="left"))
 
 
 def run_construction(construction: str, args: argparse.Namespace, data_dir: Path, work: Path, labels: Path,

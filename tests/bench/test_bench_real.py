@@ -1,5 +1,6 @@
 """bench-real's tables: the fold table against scikit-learn per fold, the instance truth of both
-constructions against hand-placed nuclei, and the dataset config that changes only four keys."""
+constructions against hand-placed nuclei, the dataset config that changes only four keys, and each seed's
+pooled out-of-fold AUC against scikit-learn on the test slides alone."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import yaml
 from sklearn.metrics import accuracy_score, roc_auc_score
 
-from benchmarks.real import DATASET_KEYS, dataset_config, instance_truth, method_table
+from benchmarks.real import DATASET_KEYS, dataset_config, instance_truth, method_table, seed_aucs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -125,3 +126,38 @@ def test_run_cli_settles_runs_held_by_another_copy(tmp_path, monkeypatch, proces
     lines = (tmp_path / "calls").read_text().splitlines()
     assert len(lines) == calls and set(lines) == {"-m wsi_pipeline.cli.main train --folds"}
     assert ("once more in one process" in log.read_text()) == (calls > processes)
+
+
+def test_seed_aucs_pool_each_seed_over_the_folds_test_slides(tmp_path: Path) -> None:
+    """Two folds, two methods, three seeds: each seed's AUC over the test slides of both folds; the fold files'
+    rows of slides outside the fold's test split (as a fold evaluates its own cohort) are left out."""
+    rng = np.random.default_rng(4)
+    ids = [f"s{i:02d}" for i in range(16)]
+    labels = np.array([0, 1] * 8)
+    fold = np.array([0] * 8 + [1] * 8)
+    pd.DataFrame({"slide_id": ids, "label": labels, "cv_fold_r0": fold}).to_csv(tmp_path / "manifest.csv", index=False)
+    probs = {}
+    for k in (0, 1):
+        split = np.where(fold == k, "test", np.where(np.arange(16) % 3 == 0, "val", "train"))
+        pd.DataFrame({"slide_id": ids, "label": labels, "split": split}).to_csv(tmp_path / f"manifest_fold{k}.csv", index=False)
+        rows = []
+        for method in ("attention", "mean"):
+            for seed in (0, 1, 2):
+                p = rng.random(16)
+                for i in range(16):  # every slide written; only the fold's test slides count
+                    rows.append({"slide_id": ids[i], "label": labels[i], "prob_1": p[i], "method": method, "seed": seed})
+                    if fold[i] == k:
+                        probs[(method, seed, i)] = p[i]
+        out = tmp_path / "results" / f"xv_fold{k}"
+        out.mkdir(parents=True)
+        pd.DataFrame(rows).to_csv(out / "predictions_images_all.csv", index=False)
+    got = seed_aucs(tmp_path, "xv").set_index("method")
+    for method in ("attention", "mean"):
+        want = [roc_auc_score(labels, [probs[(method, seed, i)] for i in range(16)]) for seed in (0, 1, 2)]
+        assert got.loc[method, "pooled_auc_by_seed"] == pytest.approx(want, abs=1e-12)
+        assert got.loc[method, "pooled_auc_seed_mean"] == pytest.approx(np.mean(want), abs=1e-12)
+    # a fold file without per-class probabilities (not a binary task) gives no row
+    for k in (0, 1):
+        f = tmp_path / "results" / f"xv_fold{k}" / "predictions_images_all.csv"
+        pd.read_csv(f).drop(columns="prob_1").to_csv(f, index=False)
+    assert seed_aucs(tmp_path, "xv").empty
