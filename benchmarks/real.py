@@ -181,24 +181,20 @@ def seed_aucs(folder: Path, name: str) -> pd.DataFrame:
     """Per method: the pooled out-of-fold AUC of each training seed alone (``pooled_auc_by_seed``, a list in seed
     order) and their mean (``pooled_auc_seed_mean``), beside the seed average that ``cv_table.csv`` pools.
 
-    Read from each fold's ``results/<fold name>/predictions_*_all.csv`` (one row per test slide, method and seed;
-    calibrated ``prob_1``), keeping the slides of the fold's test split (its manifest's ``split``), pooled over every
-    fold (and repeat: a slide then counts once per repeat); scikit-learn's ROC AUC. Empty for a task without
-    ``prob_1`` (not binary)."""
+    Each fold's test rows as ``eval --folds`` pools them (:func:`~wsi_pipeline.evaluation.crossval.fold_test_predictions`
+    of the pipeline ``<folder>/<name>.yaml``, calibrated ``prob_1``), pooled over every fold (and repeat: a slide
+    then counts once per repeat); scikit-learn's ROC AUC. Empty for a task without ``prob_1`` (not binary)."""
     from sklearn.metrics import roc_auc_score
 
-    parts = []
-    for key, manifest in _fold_manifests(folder / "manifest.csv").items():
-        m = pd.read_csv(manifest)
-        test = set(m.loc[m["split"] == "test", "slide_id"].astype(str))
-        for f in sorted((folder / "results" / _fold_name(name, key)).glob("predictions_*_all.csv")):
-            d = pd.read_csv(f)
-            if "prob_1" not in d.columns or "seed" not in d.columns:
-                continue
-            parts.append(d[d["slide_id"].astype(str).isin(test)])
-    if not parts:
+    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.evaluation.crossval import fold_test_predictions
+    from wsi_pipeline.manifests.folds import fold_runs
+
+    config = load_config(folder / f"{name}.yaml")
+    d = pd.concat([fold_test_predictions(config, run, folder / "results") for run in fold_runs(config.data.manifest)],
+                  ignore_index=True)
+    if "prob_1" not in d.columns:
         return pd.DataFrame(columns=["method", "pooled_auc_by_seed", "pooled_auc_seed_mean"])
-    d = pd.concat(parts, ignore_index=True)
     rows = []
     for method, g in d.groupby("method", sort=False):
         aucs = [float(roc_auc_score(s["label"], s["prob_1"])) for _, s in g.groupby("seed") if s["label"].nunique() == 2]

@@ -135,11 +135,15 @@ def test_seed_aucs_pool_each_seed_over_the_folds_test_slides(tmp_path: Path) -> 
     ids = [f"s{i:02d}" for i in range(16)]
     labels = np.array([0, 1] * 8)
     fold = np.array([0] * 8 + [1] * 8)
-    pd.DataFrame({"slide_id": ids, "label": labels, "cv_fold_r0": fold}).to_csv(tmp_path / "manifest.csv", index=False)
+    base = {"slide_id": ids, "path": [f"{i}.png" for i in ids], "label": labels, "cohort": "images", "cv_fold_r0": fold}
+    pd.DataFrame(base).to_csv(tmp_path / "manifest.csv", index=False)
+    (tmp_path / "xv.yaml").write_text(yaml.safe_dump({
+        "name": "xv", "data": {"manifest": str(tmp_path / "manifest.csv"), "tiles_dir": str(tmp_path / "tiles"), "n_classes": 2},
+        "methods": [{"name": "attention", "strategy": "full", "encoder": {"name": "ilse_cnn"}, "aggregator": {"name": "abmil"}}]}))
     probs = {}
     for k in (0, 1):
         split = np.where(fold == k, "test", np.where(np.arange(16) % 3 == 0, "val", "train"))
-        pd.DataFrame({"slide_id": ids, "label": labels, "split": split}).to_csv(tmp_path / f"manifest_fold{k}.csv", index=False)
+        pd.DataFrame({**base, "split": split}).to_csv(tmp_path / f"manifest_fold{k}.csv", index=False)
         rows = []
         for method in ("attention", "mean"):
             for seed in (0, 1, 2):

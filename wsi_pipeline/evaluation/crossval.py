@@ -62,7 +62,7 @@ from wsi_pipeline.manifests.folds import FoldRun, cv_name, fold_config
 from wsi_pipeline.manifests.schema import read_manifest
 from wsi_pipeline.tasks import get_task, task_names
 
-__all__ = ["OOF_COLUMNS", "TASK_METRICS", "HEADLINE", "oof_predictions", "set_metrics", "per_fold_values", "cv_table",
+__all__ = ["OOF_COLUMNS", "TASK_METRICS", "HEADLINE", "fold_test_predictions", "oof_predictions", "set_metrics", "per_fold_values", "cv_table",
            "pool_crossval", "format_table"]
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,16 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {n: get_task(n).cv_metrics for n in t
 HEADLINE: dict[str, str] = {n: get_task(n).cv_headline for n in task_names()}
 
 
-def _fold_predictions(config: PipelineConfig, run: FoldRun, root: Path, methods: Sequence[str] | None) -> pd.DataFrame:
-    """Repeat ``run.repeat``'s OOF rows from fold ``run.fold``'s all-tiles predictions (seed mean per slide and method)."""
+def fold_test_predictions(config: PipelineConfig, run: FoldRun, root: str | Path,
+                          methods: Sequence[str] | None = None) -> pd.DataFrame:
+    """The rows of fold ``run.fold``'s all-tiles predictions (repeat ``run.repeat``; one per slide, method and seed,
+    as ``predictions_<cohort>_all.csv`` under ``<root>/<fold name>/`` holds them) for the slides that fold tests.
+
+    Raises
+    ------
+    FileNotFoundError : the fold was not evaluated (naming the file and the command).
+    ValueError : the fold manifest tests no slide of the fold.
+    """
     fold_cfg = fold_config(config, run)
     manifest = read_manifest(fold_cfg.data.manifest)
     col = f"{CV_COLUMN}{run.repeat}"
@@ -85,7 +93,7 @@ def _fold_predictions(config: PipelineConfig, run: FoldRun, root: Path, methods:
     if test.empty:
         raise ValueError(f"{fold_cfg.data.manifest}: no slide with {col} == {run.fold} in the test split; "
                          "the fold manifest does not match its cross-validation")
-    fold_dir = root / fold_cfg.name
+    fold_dir = Path(root) / fold_cfg.name
     frames = []
     for cohort in sorted(test["cohort"].astype(str).unique()):
         path = predictions_path(fold_dir, cohort, "all")
@@ -103,6 +111,12 @@ def _fold_predictions(config: PipelineConfig, run: FoldRun, root: Path, methods:
     if missing:
         log.warning("repeat %d fold %d: %d test slide(s) have no prediction (e.g. %s); they are left out of the "
                     "out-of-fold predictions", run.repeat, run.fold, len(missing), ", ".join(missing[:3]))
+    return pred
+
+
+def _fold_predictions(config: PipelineConfig, run: FoldRun, root: Path, methods: Sequence[str] | None) -> pd.DataFrame:
+    """Repeat ``run.repeat``'s OOF rows from fold ``run.fold``'s all-tiles predictions (seed mean per slide and method)."""
+    pred = fold_test_predictions(config, run, root, methods)
     kind = get_task(config.task)
     value_cols = kind.oof_value_columns(config.label_classes)
     target_cols = list(kind.target_columns)
