@@ -31,6 +31,7 @@ Writes ``<work>/bench_real.json`` and ``<work>/bench_real.md`` (the tables of do
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ import pandas as pd
 import yaml
 
 from wsi_pipeline.io_atomic import write_text_atomic
+from wsi_pipeline.training.decisions import CALIBRATION_FILE
 
 __all__ = ["PAPER", "pipeline_name", "attention_truth", "fold_table", "instance_truth", "main", "method_table",
            "run_check_commands", "seed_aucs", "summarise"]
@@ -153,25 +155,52 @@ def method_table(cv_table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def uncalibrated_accuracy(folder: Path, name: str) -> pd.DataFrame:
-    """Per method: accuracy at the model's own probability 0.5, i.e. before the run's calibration, from
-    ``oof_predictions.csv`` and each fold run's ``calibration.json`` (mean +- s.e. over folds).
+def _crossval(folder: Path, name: str) -> tuple[Any, list[Any]]:
+    """The pipeline ``<folder>/<name>.yaml`` the bench wrote and its folds (:func:`~wsi_pipeline.manifests.folds.fold_runs`)."""
+    from wsi_pipeline.config.pipeline import load_config
+    from wsi_pipeline.manifests.folds import fold_runs
 
-    With Platt's map ``a s + b`` (a > 0) the model's own probability is >= 0.5 exactly when the
-    calibrated log-odds are >= b; a run without ``calibration.json`` was not calibrated (b = 0).
-    """
-    oof = pd.read_csv(folder / "results" / f"{name}_cv" / "oof_predictions.csv")
-    rows = []
-    for (method, repeat, fold), d in oof.groupby(["method", "repeat", "fold"], sort=False):
-        key = (int(repeat) if oof["repeat"].nunique() > 1 else -1, int(fold))
-        shift = 0.0
-        for cal in (folder / "runs" / _fold_name(name, key) / str(method)).glob("seed*/calibration.json"):
-            shift = float(json.loads(cal.read_text()).get("shift", 0.0))
-        p = d["prob"].to_numpy(np.float64).clip(1e-12, 1 - 1e-12)
-        log_odds = np.log(p) - np.log1p(-p)
-        rows.append({"method": method, "acc": float(np.mean((log_odds >= shift) == (d["label"].to_numpy() == 1)))})
-    df = pd.DataFrame(rows)
-    out = df.groupby("method", sort=False)["acc"].agg(["mean", "std", "count"]).reset_index()
+    config = load_config(folder / f"{name}.yaml")
+    return config, fold_runs(config.data.manifest)
+
+
+def _test_predictions(folder: Path, config: Any, runs: list[Any]) -> pd.DataFrame:
+    """Every fold's test rows (:func:`~wsi_pipeline.evaluation.crossval.fold_test_predictions`: one per slide,
+    method and seed, calibrated), with the fold's ``repeat``, ``fold`` and pipeline name (``fold_name``)."""
+    from wsi_pipeline.evaluation.crossval import fold_test_predictions
+    from wsi_pipeline.manifests.folds import fold_config
+
+    frames = [fold_test_predictions(config, run, folder / config.results_dir)
+              .assign(repeat=run.repeat, fold=run.fold, fold_name=fold_config(config, run).name) for run in runs]
+    return pd.concat(frames, ignore_index=True)
+
+
+def uncalibrated_accuracy(folder: Path, name: str) -> pd.DataFrame:
+    """Per method: the accuracy of the seed ensemble without calibration, i.e. at 0.5 on the mean over seeds of
+    each model's own probability of class 1 (mean +- s.e. over folds and repeats).
+
+    Each seed's own probability comes back from its calibrated one through its run's ``calibration.json``: with
+    Platt's map ``a s + b`` the model's log-odds are ``s = (log-odds - b) / a``; a run without the file was not
+    calibrated (``a = 1, b = 0``). The predictions files round probabilities to 1e-5, which moves ``s`` by at
+    most about ``1e-5 / (p (1 - p) a)``. Empty for a task without ``prob_1`` (not binary)."""
+    config, runs = _crossval(folder, name)
+    d = _test_predictions(folder, config, runs)
+    if "prob_1" not in d.columns:
+        return pd.DataFrame(columns=["method", "accuracy_uncalibrated", "accuracy_uncalibrated_se"])
+    maps: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for key in d[["fold_name", "method", "seed"]].drop_duplicates().itertuples(index=False):
+        fold_name, method, seed = str(key[0]), str(key[1]), int(key[2])
+        cal = folder / dataclasses.replace(config, name=fold_name).run_dir(method, seed) / CALIBRATION_FILE
+        rec = json.loads(cal.read_text()) if cal.is_file() else {}
+        maps[(fold_name, method, seed)] = (float(rec.get("scale", 1.0)), float(rec.get("shift", 0.0)))
+    p = d["prob_1"].to_numpy(np.float64).clip(1e-12, 1 - 1e-12)
+    ab = np.array([maps[(str(f), str(m), int(s))] for f, m, s in zip(d["fold_name"], d["method"], d["seed"])])
+    own = 1.0 / (1.0 + np.exp(-((np.log(p) - np.log1p(-p)) - ab[:, 1]) / ab[:, 0]))
+    per_slide = d.assign(own=own).groupby(["method", "repeat", "fold", "slide_id"], sort=False).agg(
+        own=("own", "mean"), label=("label", "first")).reset_index()
+    per_slide["hit"] = (per_slide["own"] >= 0.5) == (per_slide["label"] == 1)
+    acc = per_slide.groupby(["method", "repeat", "fold"], sort=False)["hit"].mean().reset_index()
+    out = acc.groupby("method", sort=False)["hit"].agg(["mean", "std", "count"]).reset_index()
     out["accuracy_uncalibrated"] = out["mean"]
     out["accuracy_uncalibrated_se"] = out["std"] / np.sqrt(out["count"])
     return out[["method", "accuracy_uncalibrated", "accuracy_uncalibrated_se"]]
@@ -186,13 +215,8 @@ def seed_aucs(folder: Path, name: str) -> pd.DataFrame:
     then counts once per repeat); scikit-learn's ROC AUC. Empty for a task without ``prob_1`` (not binary)."""
     from sklearn.metrics import roc_auc_score
 
-    from wsi_pipeline.config.pipeline import load_config
-    from wsi_pipeline.evaluation.crossval import fold_test_predictions
-    from wsi_pipeline.manifests.folds import fold_runs
-
-    config = load_config(folder / f"{name}.yaml")
-    d = pd.concat([fold_test_predictions(config, run, folder / "results") for run in fold_runs(config.data.manifest)],
-                  ignore_index=True)
+    config, runs = _crossval(folder, name)
+    d = _test_predictions(folder, config, runs)
     if "prob_1" not in d.columns:
         return pd.DataFrame(columns=["method", "pooled_auc_by_seed", "pooled_auc_seed_mean"])
     rows = []
@@ -223,15 +247,15 @@ def instance_truth(coords: np.ndarray, tile_size: int, nuclei: pd.DataFrame, con
     return inside.any(1)
 
 
-def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], manifest_of: dict[tuple[int, int], Path],
-                    tiles_dir: Path, truth_of: Callable[[str, np.ndarray], np.ndarray]) -> pd.DataFrame:
+def attention_truth(folder: Path, name: str, truth_of: Callable[[str, np.ndarray], np.ndarray]) -> pd.DataFrame:
     """Per method: AUC of the attention scores against the instance truth, in each positive test image.
 
     ``truth_of(slide_id, coords)`` gives each tile's truth (bool) from its top-left corners (N, 2),
     level-0 px; images whose tiles are all one way are skipped.
 
-    For every (repeat, fold), the fold's trained model (``best.pt``) embeds each positive test
-    image's tiles and returns one attention score per tile (:class:`MILOutput.attention`). Returns
+    For every (repeat, fold) of the pipeline ``<folder>/<name>.yaml``, each of the fold's trained models
+    (``best.pt`` of every method and seed) embeds the tiles of each positive image the fold tests and returns one
+    attention score per tile (:class:`MILOutput.attention`). Returns
     the mean AUC over images, its standard error, the AUC of the scores pooled over all images
     after ranking within each image, and the share of positive tiles.
     """
@@ -242,27 +266,34 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
     from wsi_pipeline.data.store import open_store, store_path
     from wsi_pipeline.data.tensors import tiles_to_tensor
     from wsi_pipeline.inference.trained import load_trained_model
+    from wsi_pipeline.manifests.crossval import CV_COLUMN
+    from wsi_pipeline.manifests.folds import fold_config
 
+    config, runs = _crossval(folder, name)
     per: dict[str, list[float]] = {}
     pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
-    for key in folds:
-        man = pd.read_csv(manifest_of[key])
-        test = man[(man["split"] == "test") & (man["label"] == 1)]["slide_id"].tolist()
-        fold_name = _fold_name(name, key)
-        for run in sorted((runs_root / fold_name).glob("*/seed*")):
-            method = run.parent.name
-            tm = load_trained_model(run, which="best")
-            for sid in test:
-                store = open_store(store_path(tiles_dir, sid))
-                truth = truth_of(sid, store.coords)
-                if truth.all() or not truth.any():
+    for fold in runs:
+        fold_cfg = fold_config(config, fold)
+        man = pd.read_csv(fold_cfg.data.manifest)
+        tested = man[f"{CV_COLUMN}{fold.repeat}"] == fold.fold if fold.crossval else True  # fixed-test folds: every test slide
+        test = man[tested & (man["split"] == "test") & (man["label"] == 1)]
+        for m in fold_cfg.methods:
+            for seed in fold_cfg.seeds:
+                run = folder / fold_cfg.run_dir(m.name, seed)
+                if not (run / "best.pt").is_file():
                     continue
-                with torch.no_grad():
-                    z = tm.encoder(tiles_to_tensor(store.read()))
-                    att = tm.aggregator(z).attention.double().numpy()
-                per.setdefault(method, []).append(float(roc_auc_score(truth, att)))
-                rank = (rankdata(att) - 1) / max(len(att) - 1, 1)  # ties share their mean rank (mean pooling: all 0.5)
-                pooled.setdefault(method, []).append((truth, rank))
+                tm = load_trained_model(run, which="best")
+                for sid in test["slide_id"].astype(str):
+                    store = open_store(store_path(Path(str(fold_cfg.data.tiles_dir)), sid))
+                    truth = truth_of(sid, store.coords)
+                    if truth.all() or not truth.any():
+                        continue
+                    with torch.no_grad():
+                        z = tm.encoder(tiles_to_tensor(store.read()))
+                        att = tm.aggregator(z).attention.double().numpy()
+                    per.setdefault(m.name, []).append(float(roc_auc_score(truth, att)))
+                    rank = (rankdata(att) - 1) / max(len(att) - 1, 1)  # ties share their mean rank (mean pooling: all 0.5)
+                    pooled.setdefault(m.name, []).append((truth, rank))
     rows = []
     for method, aucs in per.items():
         t = np.concatenate([p[0] for p in pooled[method]])
@@ -273,28 +304,6 @@ def attention_truth(runs_root: Path, name: str, folds: list[tuple[int, int]], ma
                      "attention_auc_pooled_rank": float(roc_auc_score(t, r)), "n_images": len(v),
                      "positive_tile_share": float(t.mean())})
     return pd.DataFrame(rows)
-
-
-def _fold_name(name: str, key: tuple[int, int]) -> str:
-    """The pipeline name of (repeat, fold): ``<name>_fold<k>`` with one repeat, ``<name>_r<r>_fold<k>`` with several."""
-    r, k = key
-    return f"{name}_fold{k}" if r < 0 else f"{name}_r{r}_fold{k}"
-
-
-def _fold_manifests(manifest: Path) -> dict[tuple[int, int], Path]:
-    """The per-fold manifests beside ``manifest`` (``M_fold<k>.csv`` or ``M_r<r>_fold<k>.csv``): (repeat or -1, fold) -> path."""
-    out: dict[tuple[int, int], Path] = {}
-    for p in manifest.parent.glob(f"{manifest.stem}_*fold*.csv"):
-        tail = p.stem[len(manifest.stem) + 1:]
-        parts = tail.split("_")
-        try:
-            if len(parts) == 1 and parts[0].startswith("fold"):
-                out[(-1, int(parts[0][4:]))] = p
-            elif len(parts) == 2 and parts[0].startswith("r") and parts[1].startswith("fold"):
-                out[(int(parts[0][1:]), int(parts[1][4:]))] = p
-        except ValueError:
-            continue
-    return dict(sorted(out.items()))
 
 
 def run_check_commands(folder: Path, cfg: Path, images: Path, labels: Path, cv: list[str], processes: int, *,
@@ -324,8 +333,7 @@ def fold_table(folder: Path, name: str, truth_of: Callable[[str, np.ndarray], np
     ``truth_of``), the uncalibrated accuracy (:func:`uncalibrated_accuracy`) and each seed's pooled AUC
     (:func:`seed_aucs`)."""
     table = method_table(pd.read_csv(folder / "results" / f"{name}_cv" / "cv_table.csv"))
-    folds = _fold_manifests(folder / "manifest.csv")
-    att = attention_truth(folder / "runs", name, list(folds), folds, folder / "tiles", truth_of)
+    att = attention_truth(folder, name, truth_of)
     return (table.merge(att, on="method", how="left").merge(uncalibrated_accuracy(folder, name), on="method", how="left")
             .merge(seed_aucs(folder, name), on="method", how="left"))
 

@@ -1,6 +1,7 @@
 """bench-real's tables: the fold table against scikit-learn per fold, the instance truth of both
-constructions against hand-placed nuclei, the dataset config that changes only four keys, and each seed's
-pooled out-of-fold AUC against scikit-learn on the test slides alone."""
+constructions against hand-placed nuclei, the dataset config that changes only four keys, each seed's
+pooled out-of-fold AUC against scikit-learn on the test slides alone, and the seed ensemble's accuracy before
+calibration against the models' own probabilities."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 from sklearn.metrics import accuracy_score, roc_auc_score
 
-from benchmarks.real import DATASET_KEYS, dataset_config, instance_truth, method_table, seed_aucs
+from benchmarks.real import DATASET_KEYS, dataset_config, instance_truth, method_table, seed_aucs, uncalibrated_accuracy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -165,3 +166,52 @@ def test_seed_aucs_pool_each_seed_over_the_folds_test_slides(tmp_path: Path) -> 
         f = tmp_path / "results" / f"xv_fold{k}" / "predictions_images_all.csv"
         pd.read_csv(f).drop(columns="prob_1").to_csv(f, index=False)
     assert seed_aucs(tmp_path, "xv").empty
+
+
+def test_uncalibrated_accuracy_maps_each_seed_back_through_its_own_calibration(tmp_path: Path) -> None:
+    """Each seed's calibrated probability goes back through its own run's Platt map (one run has none: the
+    identity); the seeds' own probabilities are averaged per slide and thresholded at 0.5, per fold."""
+    import json
+
+    rng = np.random.default_rng(7)
+    n = 20
+    ids = [f"s{i:02d}" for i in range(n)]
+    labels = np.array([0, 1] * (n // 2))
+    fold = np.array([0] * (n // 2) + [1] * (n // 2))
+    base = {"slide_id": ids, "path": [f"{i}.png" for i in ids], "label": labels, "cohort": "images", "cv_fold_r0": fold}
+    pd.DataFrame(base).to_csv(tmp_path / "manifest.csv", index=False)
+    (tmp_path / "xv.yaml").write_text(yaml.safe_dump({
+        "name": "xv", "data": {"manifest": str(tmp_path / "manifest.csv"), "tiles_dir": str(tmp_path / "tiles"), "n_classes": 2},
+        "methods": [{"name": "attention", "strategy": "full", "encoder": {"name": "ilse_cnn"}, "aggregator": {"name": "abmil"}}]}))
+    want: dict[str, list[float]] = {"attention": [], "mean": []}
+    for k in (0, 1):
+        split = np.where(fold == k, "test", "train")
+        pd.DataFrame({**base, "split": split}).to_csv(tmp_path / f"manifest_fold{k}.csv", index=False)
+        rows = []
+        for method in ("attention", "mean"):
+            # the models' own probabilities, near 0.5 as a short run's are (their map stretches them), with each
+            # slide's seed mean at least 0.01 from 0.5 so that the predictions' rounding to 1e-5 cannot flip it
+            own = 0.5 + rng.uniform(-0.08, 0.08, (3, n))
+            while np.any(np.abs(own.mean(0) - 0.5) < 0.01):
+                own = 0.5 + rng.uniform(-0.08, 0.08, (3, n))
+            for seed in (0, 1, 2):
+                q = own[seed]
+                a, b = (1.0, 0.0) if (k, method, seed) == (1, "mean", 2) else (rng.uniform(3, 40), rng.uniform(-6, 6))
+                if (a, b) != (1.0, 0.0):
+                    run = tmp_path / "runs" / f"xv_fold{k}" / method / f"seed{seed}"
+                    run.mkdir(parents=True)
+                    (run / "calibration.json").write_text(json.dumps({"method": "platt", "scale": a, "shift": b}))
+                cal = 1.0 / (1.0 + np.exp(-(a * np.log(q / (1 - q)) + b)))
+                for i in range(n):
+                    rows.append({"slide_id": ids[i], "label": labels[i], "prob_1": round(float(cal[i]), 5), "method": method,
+                                 "seed": seed})
+            test = fold == k
+            want[method].append(float(np.mean((own[:, test].mean(0) >= 0.5) == (labels[test] == 1))))
+        out = tmp_path / "results" / f"xv_fold{k}"
+        out.mkdir(parents=True)
+        pd.DataFrame(rows).to_csv(out / "predictions_images_all.csv", index=False)
+    got = uncalibrated_accuracy(tmp_path, "xv").set_index("method")
+    for method, accs in want.items():
+        assert got.loc[method, "accuracy_uncalibrated"] == pytest.approx(np.mean(accs), abs=1e-12)
+        assert got.loc[method, "accuracy_uncalibrated_se"] == pytest.approx(np.std(accs, ddof=1) / np.sqrt(2), abs=1e-12)
+    assert len(set(want["attention"]) | set(want["mean"])) > 1  # the folds differ: the test sees the per-fold grouping
