@@ -20,8 +20,12 @@ backward ``x + dy`` in and ``dx`` out), the step's FLOPs, and predicted step tim
 and the Big-Layers model on stated devices: PCIe 4.0 x16 at 25 GB/s and PCIe 5.0 x16 at 50 GB/s
 per direction, compute at ``--efficiency`` (default 0.3) of an H100 SXM's dense TF32 peak,
 494.7 TFLOP/s (PyTorch runs float32 convolutions as TF32 on it by default), serial and with the
-runner's copy-compute overlap. These are counts, not timings: they do not depend on the load of
-the machine that runs the bench. The plain step's input upload is part of its time; its
+runner's copy-compute overlap. With the pointwise layers on the host (bigify's default), their
+ReLU, max-pool and residual add run on host memory between the passes: the bytes those ops read
+and write (``host GB``) are added, serially, at ``--host-rate`` GB/s, by default the rate a probe
+measures on the machine running the bench (the stem's ReLU and max-pool, forward and backward;
+printed first). The counts are not timings: they do not depend on the load of the machine that
+runs the bench; the host rate does. The plain step's input upload is part of its time; its
 activations are not checked against device memory, so at large sides the plain time (and the
 ``/ plain`` ratio) is that of a device big enough to hold them.
 
@@ -39,7 +43,9 @@ paper). For each configuration the fit ``t(A) = a A^b + c`` (A = S^2 px, a, b, c
 a, b, c, R^2 and the doubling factor ``F = t(2 A_med) / t(A_med)`` at the median tested area.
 At the largest side every configuration ran, the Big-Layers / plain time ratio is printed,
 with (on CUDA) the peak device memory, the host<->device volume of one iteration and the rate
-it implies next to the measured pinned-memory bandwidth.
+it implies next to the measured pinned-memory bandwidth. On CUDA every measured point is then
+printed beside part 1b's prediction of the same step on this machine (copies at the measured
+pinned bandwidth, host work at the probe's rate) and beside the prediction without host work.
 
 Defaults follow the device: on CPU small sides (the whole run takes a few minutes on two
 cores); on CUDA sides up to 16384 px, where the plain model runs out of memory first. The
@@ -295,6 +301,39 @@ def pinned_bandwidth(device: torch.device, mib: int = 256) -> tuple[float, float
     return rates[0], rates[1]
 
 
+def host_rate_probe(side: int = 2048, repeats: int = 3) -> float:
+    """Bytes per second (read plus written) this machine's CPU achieves on the work a fixed plan leaves on the host.
+
+    The stem's ReLU (in place) and 3x3 / 2 max-pool of a ``[1, 64, side / 2, side / 2]`` float32 channels-last
+    activation (made by a multiplication, as the BatchNorm output the ReLU overwrites), forward and backward through
+    autograd as a Big-Layers step runs them, outputs newly allocated each time as there; bytes as
+    :class:`~wsi_pipeline.bigl.traffic.HostWork` counts them (every argument and result, the multiplication's and the
+    gradient's accumulation included), counted in one untimed run; the median wall time of ``repeats`` timed runs
+    after one more untimed.
+    """
+    import torch.nn.functional as F
+
+    from wsi_pipeline.bigl.traffic import HostWork
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, side // 2, side // 2, generator=gen).contiguous(memory_format=torch.channels_last)
+    g = torch.randn(1, 64, side // 4, side // 4, generator=gen).contiguous(memory_format=torch.channels_last)
+
+    def run() -> None:
+        a = x.detach().requires_grad_(True) * 1.0  # a non-leaf activation, as the BatchNorm output the ReLU overwrites
+        F.max_pool2d(torch.relu_(a), 3, 2, 1).backward(g)
+
+    with HostWork(on_host=True) as counter:
+        run()
+    run()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return counter.total / statistics.median(times)
+
+
 def _label(stages: int | None, n_big: tuple[int, int]) -> str:
     """The paper's row label (its Big-Layer count), with this project's module count beside it."""
     if stages is None:
@@ -306,21 +345,31 @@ def _paper(model: str, stages: int | None) -> tuple[int, float, float] | None:
     return PAPER_TABLE4.get(model, {}).get(stages)
 
 
-def predict_table(models: list[str], stages: list[int], sides: list[int], efficiency: float, max_elements: int) -> list[dict]:
-    """Part 1: count every configuration on meta tensors, print the predicted-overhead table, return its rows."""
+def _host_rate_words(host_rate: float, probed: bool) -> str:
+    if math.isinf(host_rate):
+        return "host work (the pointwise layers a fixed plan leaves on the host) not counted (--host-rate inf)"
+    how = "measured on this machine's CPU by the probe (--host-rate to state one)" if probed else "as given (--host-rate)"
+    return f"host work (the pointwise layers a fixed plan leaves on the host) at {host_rate / 1e9:.1f} GB/s read + written, {how}"
+
+
+def predict_table(models: list[str], stages: list[int], sides: list[int], efficiency: float, max_elements: int,
+                  host_rate: float = math.inf, probed: bool = False) -> list[dict]:
+    """Part 1: count every configuration on meta tensors, print the predicted-overhead table, return its rows.
+    ``host_rate``: bytes/s of the host's pointwise work (``inf``: not counted); ``probed``: it was measured here."""
     from wsi_pipeline.bigl.traffic import DeviceModel, dry_step, predict
 
     rate = efficiency * H100_TF32_PEAK
-    devices = [DeviceModel(f"{link}, H100 at {efficiency:.0%} of TF32 peak", bw, rate) for link, bw in LINKS]
+    devices = [DeviceModel(f"{link}, H100 at {efficiency:.0%} of TF32 peak", bw, rate, host_rate) for link, bw in LINKS]
     print(f"Predicted training step (forward + backward, [1, 3, S, S] float32, max_elements {max_elements}), from counts on meta "
           f"tensors; compute at {efficiency:.0%} of an H100 SXM's {H100_TF32_PEAK / 1e12:.1f} TFLOP/s dense TF32 peak = "
           f"{rate / 1e12:.0f} TFLOP/s; copies at " + ", ".join(f"{d.bandwidth / 1e9:.0f} GB/s ({link})" for (link, _), d in zip(LINKS, devices))
-          + " per direction. x min: bytes moved over the plan's minimum (each Big-Layer's input and output once per pass). "
+          + f" per direction; {_host_rate_words(host_rate, probed)}, serial with the rest. x min: bytes moved over the plan's "
+          "minimum (each Big-Layer's input and output once per pass). host GB: bytes the host's pointwise ops read and write. "
           "serial / overlap: predicted seconds without / with copy-compute overlap; / plain: overlap over the plain step.")
     rows: list[dict] = []
     for name in models:
         print(f"\n{name}")
-        head = f"{'configuration':<56} {'side':>6} {'H2D GB':>8} {'D2H GB':>8} {'x min':>6} {'TFLOP':>7}"
+        head = f"{'configuration':<56} {'side':>6} {'H2D GB':>8} {'D2H GB':>8} {'x min':>6} {'host GB':>8} {'TFLOP':>7}"
         for link, _ in LINKS:
             head += f" | {link + ' serial':>17} {'overlap':>8} {'/ plain':>7}"
         print(head)
@@ -332,9 +381,11 @@ def predict_table(models: list[str], stages: list[int], sides: list[int], effici
                 n_big = (0, 0)
                 if cfg is not None:
                     n_big = _count_big_layers(_dry_model(name, cfg, max_elements))
-                line = f"{_label(cfg, n_big):<56} {side:>6} {tr.h2d / 1e9:>8.2f} {tr.d2h / 1e9:>8.2f} {tr.over_minimum:>6.2f} {tr.flops / 1e12:>7.2f}"
+                line = (f"{_label(cfg, n_big):<56} {side:>6} {tr.h2d / 1e9:>8.2f} {tr.d2h / 1e9:>8.2f} {tr.over_minimum:>6.2f} "
+                        f"{tr.host_bytes / 1e9:>8.2f} {tr.flops / 1e12:>7.2f}")
                 row: dict[str, Any] = {"model": name, "stages": cfg, "label": _label(cfg, n_big), "side": side, "h2d_bytes": tr.h2d,
-                       "d2h_bytes": tr.d2h, "minimum_bytes": tr.minimum, "flops": tr.flops, "predicted": {}}
+                       "d2h_bytes": tr.d2h, "minimum_bytes": tr.minimum, "host_bytes": tr.host_bytes, "flops": tr.flops,
+                       "predicted": {}}
                 for dev, (link, _) in zip(devices, LINKS):
                     serial, overlap = predict(tr, dev, plain=cfg is None)
                     if cfg is None:
@@ -498,6 +549,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--predict-stages", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="Big-Layer stages of the predicted table; default 0..4")
     p.add_argument("--predict-max-elements", type=int, default=CUDA_MAX_ELEMENTS,
                    help=f"chunk budget (elements) of the predicted table; default {CUDA_MAX_ELEMENTS} (the CUDA default)")
+    p.add_argument("--host-rate", type=float, default=None, metavar="GB_PER_S",
+                   help="bytes (1e9) per second the host reads and writes for the pointwise layers a fixed plan leaves there "
+                        "(pointwise on the host); default: measured on this machine by a probe (the stem's ReLU and max-pool, "
+                        "forward and backward, about a second); inf leaves host work out of the predictions")
     p.add_argument("--efficiency", type=float, default=0.3,
                    help="share of the H100's dense TF32 peak the predicted compute reaches; default 0.3")
     p.add_argument("--budget-configs", type=_parse_config, nargs="+", default=None,
@@ -621,6 +676,38 @@ def _print_shared_size(results: dict[int | None, list[Point]], configs: list[int
     return bandwidth
 
 
+def _print_measured_vs_predicted(results: dict[int | None, list[Point]], configs: list[int | None], labels: dict[int | None, str],
+                                  args: argparse.Namespace, max_elements: int, bandwidth: tuple[float, float],
+                                  host_rate: float) -> list[dict]:
+    """CUDA: every measured point beside the fixed plan's prediction of the same step (counted on meta tensors with the
+    same stages, chunk budget and pointwise side) on this machine: copies at the slower of the two measured pinned
+    bandwidths, compute at ``--efficiency`` of an H100 SXM's dense TF32 peak, host work at ``host_rate``, and without
+    the host work (what the prediction was before it was counted). Returns the rows."""
+    from wsi_pipeline.bigl.traffic import DeviceModel, dry_step, predict
+
+    bw = min(bandwidth) * 1e9
+    dev = DeviceModel("this machine", bw, args.efficiency * H100_TF32_PEAK, host_rate)
+    bare = DeviceModel("this machine, host work not counted", bw, args.efficiency * H100_TF32_PEAK)
+    print(f"\nMeasured against predicted (copies at {bw / 1e9:.1f} GB/s, the slower pinned direction measured here; compute at "
+          f"{args.efficiency:.0%} of {H100_TF32_PEAK / 1e12:.1f} TFLOP/s; host work at {host_rate / 1e9:.1f} GB/s; the measured "
+          "iteration also holds the Adam step, which the prediction leaves out)")
+    print(f"{'configuration':<56} {'side':>6} {'measured s':>11} {'predicted s':>12} {'meas / pred':>12} {'without host work':>18} "
+          f"{'meas / pred':>12}")
+    rows = []
+    for c in configs:
+        for pt in results[c]:
+            if pt.oom:
+                continue
+            tr = dry_step(args.model, c, pt.side, batch=args.batch, max_elements=max_elements, pointwise=args.pointwise)
+            with_host = predict(tr, dev, plain=c is None)[1]
+            without = predict(tr, bare, plain=c is None)[1]
+            print(f"{labels[c]:<56} {pt.side:>6} {pt.mean:>11.4f} {with_host:>12.4f} {pt.mean / with_host:>12.2f} {without:>18.4f} "
+                  f"{pt.mean / without:>12.2f}")
+            rows.append({"stages": c, "side": pt.side, "measured_s": pt.mean, "predicted_s": with_host,
+                         "predicted_without_host_s": without, "host_bytes": tr.host_bytes})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the tables; returns the exit status."""
     parser = _parser()
@@ -640,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"--predict-stages {bad} out of range; use 0..4", file=sys.stderr)
         return 2
+    if args.host_rate is not None and not args.host_rate > 0:
+        print(f"--host-rate {args.host_rate} must be a positive number of GB/s (inf: host work not counted)", file=sys.stderr)
+        return 2
     predicted: list[dict] = []
     budget_rows: list[dict] = []
     if not args.no_predict and not args.no_budget:
@@ -647,16 +737,23 @@ def main(argv: list[str] | None = None) -> int:
         budget_rows = budget_table(args.predict_models, budget_configs, args.budgets, args.efficiency, args.budget_max_elements,
                                    args.bn, not args.no_bf16)
         print()
+    probed = args.host_rate is None
+    host_rate = math.inf
+    if (not args.no_predict and not args.no_fixed) or not args.no_timing:
+        host_rate = host_rate_probe() if probed else args.host_rate * 1e9
+        if probed:
+            print(f"host pointwise work (probe: ReLU and max-pool of [1, 64, 1024, 1024] float32, forward and backward, "
+                  f"{torch.get_num_threads()} threads): {host_rate / 1e9:.1f} GB/s read + written\n")
     if not args.no_predict and not args.no_fixed:
         sides_p = sorted(args.predict_sides or (QUICK_PREDICT_SIDES if args.quick else PREDICT_SIDES))
         print("Part 1b: the fixed plan (bigl.device_budget_gb: null, the paper's): every layer of the stem and of the big stages "
               "offloaded, whatever the device holds")
         predicted = predict_table(args.predict_models, sorted(set(args.predict_stages)), sides_p, args.efficiency,
-                                  args.predict_max_elements)
+                                  args.predict_max_elements, host_rate, probed)
     if args.no_timing:
         if args.out:
             _write_json(args.out, {"budget": budget_rows, "predicted": predicted, "efficiency": args.efficiency,
-                                   "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK})
+                                   "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK, "host_rate": host_rate})
             print(f"\nwrote {args.out}")
         return 0
     print()
@@ -696,6 +793,9 @@ def main(argv: list[str] | None = None) -> int:
     fits = _print_fits(results, configs, labels, sides, args.model)
 
     bandwidth = _print_shared_size(results, configs, labels, sides, device)
+    against: list[dict] = []
+    if bandwidth:
+        against = _print_measured_vs_predicted(results, configs, labels, args, max_elements, bandwidth, host_rate)
 
     if args.out:
         payload = {
@@ -704,6 +804,7 @@ def main(argv: list[str] | None = None) -> int:
             "memory_fraction": args.memory_fraction,
             "bandwidth_gbps": bandwidth,
             "budget": budget_rows, "predicted": predicted, "efficiency": args.efficiency, "links": dict(LINKS), "h100_tf32_peak": H100_TF32_PEAK,
+            "host_rate": host_rate, "measured_vs_predicted": against,
             "configs": [
                 {"stages": c, "label": labels[c], "points": [asdict(p) for p in results[c]],
                  "fit": asdict(fits[c]) if fits[c] else None}

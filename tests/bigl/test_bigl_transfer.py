@@ -1,5 +1,5 @@
-"""Byte counts of Big-Layers transfers against independent counts, the predictions' arithmetic,
-and the paper's way of counting Big-Layers.
+"""Byte counts of Big-Layers transfers and of the host's pointwise work against independent counts,
+the predictions' arithmetic, and the paper's way of counting Big-Layers.
 
 Independent counts: the tensors a Big-Layers step must move are derived here from the plain
 encoder's layer shapes (forward hooks on the plain model) and the algorithm as documented in
@@ -113,6 +113,76 @@ def test_flops_equal_the_plain_step_and_passes_hold_the_big_convolutions():
     assert all(p.flops == 0 for p in big.passes if "/stats" in p.layer or "/normalize" in p.layer)
 
 
+def _independent_host_bytes(plain: nn.Module, x: torch.Tensor, stages: int) -> int:
+    """Bytes the host's pointwise ops read and write in one step of a fixed plan with pointwise layers on
+    the host, from the plain model's shapes and each op's arguments and results: the image copied to
+    channels-last (read, write); the stem's in-place ReLU (read, write) and max-pool (read; write the
+    output and its int64 indices); backward, the max-pool's (the output's gradient, the input, the
+    indices; the input's gradient written) and the ReLU's (its gradient and output read, the input's
+    gradient written). Each block of a big stage without a shortcut convolution (ResNet-18's layer1):
+    forward ReLU (2), ``out += identity`` (3), ReLU (2); backward two ReLU gradients (3 each) and the
+    sum of the two gradients reaching the block's input (3): 16 tensors of the block's size."""
+    with torch.no_grad():
+        a = plain.relu(plain.bn1(plain.conv1(x)))
+        m = plain.maxpool(a)
+    f = x.element_size()
+    stem = 2 * a.numel() * f + (a.numel() * f + m.numel() * (f + 8)) + (m.numel() * (f + 8) + 2 * a.numel() * f) + 3 * a.numel() * f
+    blocks = 0
+    z = m
+    for stage in plain.stages()[:stages]:
+        for block in stage:
+            assert block.downsample is None, "the count covers blocks without a shortcut convolution"
+            with torch.no_grad():
+                z = block(z)
+            blocks += 16 * z.numel() * f
+    return 2 * x.numel() * f + stem + blocks
+
+
+@pytest.mark.parametrize("stages", [0, 1])
+def test_host_work_equals_an_independent_count(stages):
+    """The activations' host work to the byte, plus a part that does not grow with the image: the big
+    layers' parameters copied and their gradients and BatchNorm statistics finished on the host (a few
+    passes over the parameters, at most four times their bytes)."""
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18").train()
+    big_prefixes = ("conv1", "bn1") + tuple(f"layer{i}." for i in range(1, stages + 1))
+    param_bytes = sum(p.numel() * p.element_size() for n, p in plain.named_parameters() if n.startswith(big_prefixes))
+    rest = set()
+    for batch, side in ((2, 32), (1, 64), (2, 64)):
+        x = torch.randn(batch, 3, side, side)
+        expect = _independent_host_bytes(copy.deepcopy(plain), x, stages)
+        dry = dry_step("resnet18", stages, side, batch=batch, max_elements=10**8).host_bytes
+        rest.add(dry - expect)
+        # with row chunks the passes change, the host's work does not
+        assert dry_step("resnet18", stages, side, batch=batch, max_elements=10_000).host_bytes == dry
+    assert len(rest) == 1 and 0 < rest.pop() <= 4 * param_bytes
+    # a real step on the CPU counts what the dry step counts
+    x = torch.randn(2, 3, 32, 32)
+    big = bigify(copy.deepcopy(plain), stages=stages, max_elements=10**8, device="cpu").train()
+    assert count_step(big, x).host_bytes == dry_step("resnet18", stages, 32, batch=2, max_elements=10**8).host_bytes
+
+
+def test_no_host_work_without_host_pointwise_layers():
+    from wsi_pipeline.bigl.traffic import dry_budget_step
+
+    assert dry_step("resnet18", None, 64).host_bytes == 0  # plain: everything on the device
+    torch.manual_seed(0)
+    plain = build_encoder("resnet18").train()
+    x = torch.randn(2, 3, 32, 32)
+    on_host = count_step(bigify(copy.deepcopy(plain), stages=1, max_elements=10**8, device="cpu").train(), x).host_bytes
+    on_device = count_step(bigify(copy.deepcopy(plain), stages=1, max_elements=10**8, device="cpu", pointwise="device").train(),
+                           x).host_bytes
+    # pointwise layers on the device leave on the host the image's channels-last copy, the parameter-sized
+    # work and, in each block, autograd's sum of the two gradients that reach its input (read 2, write 1)
+    with torch.no_grad():
+        block_bytes = plain.maxpool(plain.relu(plain.bn1(plain.conv1(x)))).numel() * 4  # layer1 keeps the shape
+    activations = _independent_host_bytes(copy.deepcopy(plain), x, 1) - 2 * x.numel() * 4
+    assert on_device == on_host - activations + len(plain.layer1) * 3 * block_bytes
+    traffic, plan = dry_budget_step("resnet18", 1, 1024, 2**28)  # a budget that offloads fused units
+    assert not plan.plain
+    assert traffic.host_bytes == 0
+
+
 def test_predict_arithmetic():
     dev = DeviceModel("d", bandwidth=10.0, flop_rate=100.0)
     passes = [PassCost("a/forward", h2d=40, d2h=20, flops=1000, first_h2d=10, last_d2h=5),
@@ -124,6 +194,11 @@ def test_predict_arithmetic():
     # max(1000/100, 30/10, 15/10) = 10; pass b: one chunk, fill 10 + drain 10, nothing left
     assert overlap == pytest.approx(5 + 1.2 + (1.5 + 10) + 2.0)
     assert predict(StepTraffic(100, 0, 100, 300), dev, plain=True) == (pytest.approx(13.0), pytest.approx(13.0))
+    # host work is serial in both: 70 bytes at 7 bytes/s add 10 s; without a host rate it is not counted
+    t.host_bytes = 70
+    assert predict(t, dev) == (pytest.approx(serial), pytest.approx(overlap))
+    hosted = DeviceModel("d", bandwidth=10.0, flop_rate=100.0, host_rate=7.0)
+    assert predict(t, hosted) == (pytest.approx(serial + 10), pytest.approx(overlap + 10))
 
 
 @pytest.mark.parametrize(("name", "paper", "ours"), [

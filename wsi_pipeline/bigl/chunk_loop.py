@@ -162,6 +162,15 @@ class ChunkRunner:
         watch = instrument.active()
         if watch:
             instrument.pass_start(layer)
+        try:
+            self._run(layer, chunks, load, compute, store, watch, signature, resident_in, resident_out)
+        finally:
+            if watch:
+                instrument.pass_end(layer)
+
+    def _run(self, layer: str, chunks: Sequence[C], load: Load[C], compute: Compute[C], store: Store[C] | None, watch: bool,
+             signature: Callable[[int, C], Hashable] | None, resident_in: Sequence[bool], resident_out: Sequence[bool]) -> None:
+        """The chunk steps of :meth:`run` (between its ``start`` and ``end`` events)."""
         self._res_in, self._res_out = tuple(resident_in), tuple(resident_out)
         if self.is_cuda:
             with torch.cuda.device(self.device):

@@ -7,8 +7,8 @@ Every chunk step of a Big-Layer reports its transfers to the registered hooks:
 the Big-Layer stages end: ``handoff/forward`` moves it to the device, ``handoff/backward`` moves
 its gradient back to the host; not a chunk, so outside the chunk budget). ``resident`` is the
 number of elements of chunk tensors alive on the device right after the event. Every event
-carries its bytes (``nbytes``); ``start`` opens each pass (before its first chunk). Hooks cost
-nothing when none is registered.
+carries its bytes (``nbytes``); ``start`` opens each pass (before its first chunk) and ``end``
+closes it (after its last chunk's results are stored). Hooks cost nothing when none is registered.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class TransferEvent:
     Attributes
     ----------
     kind
-        ``"h2d"``, ``"d2h"``, ``"chunk"``, ``"free"`` or ``"handoff"``.
+        ``"h2d"``, ``"d2h"``, ``"chunk"``, ``"free"``, ``"handoff"``, ``"start"`` or ``"end"``.
     layer
         Qualified name of the Big-Layer and its pass, e.g. ``"layer1.0.conv1/forward"``.
     chunk
@@ -152,6 +152,11 @@ def pass_start(layer: str) -> None:
     _emit("start", layer, 0, 0)
 
 
+def pass_end(layer: str) -> None:
+    """Report the end of a pass (its last chunk's results stored, or the pass stopped by an error)."""
+    _emit("end", layer, 0, 0)
+
+
 def chunk_done(layer: str, chunk: int, numel: int, samples: int, rows: int, full: bool, nbytes: int = 0) -> None:
     """Report the end of one chunk step that moved ``numel`` elements (``nbytes`` bytes) in and out."""
     _emit("chunk", layer, chunk, numel, samples, rows, full, nbytes)
@@ -184,7 +189,7 @@ class TransferMonitor:
             self.max_transfer = max(self.max_transfer, e.numel)
         elif e.kind == "chunk":
             self.max_chunk = max(self.max_chunk, e.numel)
-        if e.kind != "start":  # a pass's start: earlier passes' chunks may not be collected yet
+        if e.kind not in ("start", "end"):  # a pass's ends: earlier chunks may not be collected yet
             self.peak_resident = max(self.peak_resident, e.resident)
 
     def count(self, kind: str) -> int:

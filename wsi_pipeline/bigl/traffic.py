@@ -31,24 +31,35 @@ Counted:
   FlopCounterMode does not count them), and per pass the FLOPs computed between its start and
   its last chunk.
 
+- ``host_bytes``: the memory traffic of the work a fixed plan leaves on the host. With
+  ``pointwise="host"`` (:func:`~wsi_pipeline.bigl.bigify`'s default) the big stages' ReLU,
+  max-pool and residual add, forward and backward, run as ordinary ops on host tensors between
+  the Big-Layer passes. Counted as every tensor each such op reads and writes (arguments and
+  results; views and allocations without a write count nothing), for the ops that run before
+  the hand-off to the device stages and after its gradient comes back, outside any pass. Zero
+  for a plain encoder and for a device-budget plan (its pointwise layers run on the device).
+
 :func:`predict` turns counts into a step time on a stated device: compute at ``flop_rate``
 (FLOP/s actually achieved), copies at ``bandwidth`` bytes/s per direction (PCIe is full
-duplex). Serial: ``flops / flop_rate + (h2d + d2h) / bandwidth``. Overlapped (the runner's
-two copy streams): each Big-Layer pass takes its first chunk's upload and last chunk's download
-(pipeline fill and drain) plus ``max(compute, other uploads, other downloads)``; everything else
-(the device stages, the hand-off) is serial. A pass of one chunk cannot overlap at all.
-Memory-bound work (BatchNorm, pointwise layers, host copies) is not modelled, so both are
-lower bounds for a real step.
+duplex), host work at ``host_rate`` bytes/s. Serial: ``flops / flop_rate + (h2d + d2h) /
+bandwidth + host_bytes / host_rate``. Overlapped (the runner's two copy streams): each
+Big-Layer pass takes its first chunk's upload and last chunk's download (pipeline fill and
+drain) plus ``max(compute, other uploads, other downloads)``; everything else (the device
+stages, the hand-off, the host work, which the Python thread does between passes) is serial. A
+pass of one chunk cannot overlap at all. BatchNorm's and the device's own memory-bound work is
+not modelled, so both are lower bounds for a real step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from wsi_pipeline.bigl import instrument
@@ -57,7 +68,7 @@ from wsi_pipeline.bigl.conv import BigConv2d
 from wsi_pipeline.bigl.pointwise import BigAddReLU, BigMaxPool2d, BigReLU
 from wsi_pipeline.models.encoders import ResNet
 
-__all__ = ["PassCost", "StepTraffic", "DeviceModel", "count_step", "dry_step", "dry_budget_step", "dry_forward_flops", "predict", "FlopCount",
+__all__ = ["PassCost", "StepTraffic", "DeviceModel", "HostWork", "count_step", "dry_step", "dry_budget_step", "dry_forward_flops", "predict", "FlopCount",
            "paper_big_layers", "module_big_layers"]
 
 if TYPE_CHECKING:
@@ -89,6 +100,7 @@ class StepTraffic:
     flops: int
     passes: list[PassCost] = field(default_factory=list)
     handoff: int = 0
+    host_bytes: int = 0
 
     @property
     def moved(self) -> int:
@@ -103,11 +115,13 @@ class StepTraffic:
 
 @dataclass(frozen=True)
 class DeviceModel:
-    """A device for predictions: copy bandwidth per direction (bytes/s) and achieved FLOP/s."""
+    """A device for predictions: copy bandwidth per direction (bytes/s), achieved FLOP/s, and the rate
+    (bytes read plus written per second) of the host's pointwise work; ``inf``: host work not counted."""
 
     name: str
     bandwidth: float
     flop_rate: float
+    host_rate: float = math.inf
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -135,6 +149,32 @@ class FlopCount(TorchDispatchMode):
         return self.total
 
 
+#: Ops that move no tensor data: allocations without a write, and aliases.
+_NO_TRAFFIC = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias"})
+
+
+class HostWork(TorchDispatchMode):
+    """Bytes read and written by ops on host memory between Big-Layer passes (``host_bytes`` of
+    :class:`StepTraffic`). :func:`count_step` switches :attr:`on_host` at the hand-off events and
+    :attr:`in_pass` at each pass's ``start`` and ``end``; an op counts the bytes of its tensor
+    arguments and results, unless it is a view or in :data:`_NO_TRAFFIC`."""
+
+    def __init__(self, on_host: bool) -> None:
+        super().__init__()
+        self.on_host = on_host
+        self.in_pass = False
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.on_host and not self.in_pass and not func.is_view and func._overloadpacket.__name__ not in _NO_TRAFFIC:
+            ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+            outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+            self.total += sum(_nbytes(t) for t in ins) + sum(_nbytes(t) for t in outs)
+        return out
+
+
 def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     """Count one forward + backward of ``model`` on ``x`` (loss ``mean(features^2)``).
 
@@ -157,11 +197,18 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     passes: dict[str, PassCost] = {}
     last_chunk: dict[str, tuple[int, int]] = {}  # pass -> (chunk index, its d2h bytes)
     hand = {"forward": 0, "backward": 0}
-    with FlopCount() as fc:
+    # a fixed plan's big stages hold their activations on the host until the hand-off (bigify); a
+    # device-budget plan has no Big-Layer modules and runs its pointwise layers on the device
+    with FlopCount() as fc, HostWork(on_host=bool(big_modules)) as host:
 
         def on_event(e: instrument.TransferEvent) -> None:
+            if e.kind in ("start", "end"):
+                host.in_pass = e.kind == "start"
             if e.kind == "handoff":
-                hand[e.layer.rsplit("/", 1)[-1]] += e.nbytes
+                way = e.layer.rsplit("/", 1)[-1]
+                hand[way] += e.nbytes
+                if e.layer.startswith("handoff/"):  # bigify's: the device stages start / the host's resume
+                    host.on_host = way == "backward"
                 return
             if e.kind not in ("h2d", "d2h", "chunk", "start"):
                 return
@@ -193,6 +240,7 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
             for h in handles:
                 h.remove()
         flops = fc.get_total_flops()
+    host_bytes = host.total if big_modules else 0
     plan: StepPlan | None = getattr(model, "last_plan", None)  # a BudgetResNet's (see bigl.planned)
     planned = plan is not None
     if not big_modules and not planned:
@@ -206,15 +254,16 @@ def count_step(model: nn.Module, x: torch.Tensor) -> StepTraffic:
     if plan is not None:  # a device-budget plan: its minimum is the plan's (the image, the host checkpoints)
         minimum = sum(plan.minimum_bytes(x.requires_grad))
         return StepTraffic(h2d, d2h, minimum, flops, plist, handoff)
-    return StepTraffic(h2d, d2h, minimum + handoff, flops, plist, handoff)
+    return StepTraffic(h2d, d2h, minimum + handoff, flops, plist, handoff, host_bytes)
 
 
 def dry_step(name: str, stages: int | None, side: int, batch: int = 1, max_elements: int = 2**27,
-             dtype: torch.dtype = torch.float32) -> StepTraffic:
+             dtype: torch.dtype = torch.float32, pointwise: str = "host") -> StepTraffic:
     """Count a training step of encoder ``name`` on ``[batch, 3, side, side]`` on meta tensors.
 
     ``stages=None``: the plain encoder; else :func:`~wsi_pipeline.bigl.bigify` with that many
-    Big-Layer stages and chunk budget ``max_elements`` (elements).
+    Big-Layer stages, chunk budget ``max_elements`` (elements) and its ReLU, max-pool and residual
+    add on the ``pointwise`` side (``host`` or ``device``).
     """
     from wsi_pipeline.bigl.convert import bigify
     from wsi_pipeline.models import build_encoder
@@ -223,7 +272,7 @@ def dry_step(name: str, stages: int | None, side: int, batch: int = 1, max_eleme
         model = build_encoder(name).to(dtype)
     model.train()
     if stages is not None:
-        model = bigify(model, stages=stages, max_elements=max_elements, device="meta").train()
+        model = bigify(model, stages=stages, max_elements=max_elements, device="meta", pointwise=pointwise).train()
     x = torch.empty(batch, 3, side, side, dtype=dtype, device="meta")
     return count_step(model, x)
 
@@ -283,11 +332,12 @@ def predict(t: StepTraffic, device: DeviceModel, *, plain: bool = False) -> tupl
     both numbers are ``flops / flop_rate + h2d / bandwidth``).
     """
     compute = t.flops / device.flop_rate
-    serial = compute + t.moved / device.bandwidth
+    host = t.host_bytes / device.host_rate
+    serial = compute + t.moved / device.bandwidth + host
     if plain or not t.passes:
         return serial, serial
     in_passes = sum(p.flops for p in t.passes)
-    overlapped = (t.flops - in_passes) / device.flop_rate + t.handoff / device.bandwidth
+    overlapped = (t.flops - in_passes) / device.flop_rate + t.handoff / device.bandwidth + host
     for p in t.passes:
         # fill: the first chunk's upload; drain: the last chunk's download; in between the
         # compute stream and both copy streams run at once, the slowest of the three sets the pace
