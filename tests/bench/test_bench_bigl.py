@@ -44,3 +44,26 @@ def test_host_rate_probe_is_a_finite_rate() -> None:
 def test_a_host_rate_that_is_not_positive_is_refused(rate: str, capsys) -> None:
     assert main(["--no-timing", "--no-budget", "--host-rate", rate]) == 2
     assert "--host-rate" in capsys.readouterr().err
+
+
+def test_measured_points_are_printed_beside_their_predictions(capsys) -> None:
+    """The CUDA-only table, fed CPU measurements and a stated bandwidth: each measured point beside the prediction
+    of the same step with and without host work (so that a GPU run cannot fail on it)."""
+    import torch
+
+    from benchmarks.bigl import _label, _measure_all, _parser, _print_measured_vs_predicted
+    from wsi_pipeline.bigl.traffic import DeviceModel, dry_step, predict
+
+    args = _parser().parse_args(["--model", "resnet18", "--warmup", "0", "--repeats", "1", "--stages", "0"])
+    configs: list[int | None] = [None, 0]
+    results, labels = _measure_all(args, configs, [64], torch.device("cpu"), 1 << 16)
+    rows = _print_measured_vs_predicted(results, configs, labels, args, 1 << 16, (12.0, 10.0), 5e9)
+    assert "Measured against predicted" in capsys.readouterr().out
+    assert [(r["stages"], r["side"]) for r in rows] == [(None, 64), (0, 64)]
+    for r, c in zip(rows, configs):
+        tr = dry_step("resnet18", c, 64, max_elements=1 << 16)
+        bare = predict(tr, DeviceModel("x", 10e9, args.efficiency * 494.7e12), plain=c is None)[1]
+        assert r["predicted_without_host_s"] == pytest.approx(bare, rel=1e-12)
+        assert r["predicted_s"] == pytest.approx(bare + tr.host_bytes / 5e9, rel=1e-12)
+        assert r["measured_s"] == results[c][0].mean
+    assert _label(0, (2, 2)) in labels.values()
