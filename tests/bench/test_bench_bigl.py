@@ -5,7 +5,6 @@ not positive is refused."""
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,18 @@ def test_fixed_plan_table_adds_the_host_work_at_the_stated_rate(tmp_path: Path, 
             assert h["predicted"][link]["overlap_s"] == pytest.approx(b["predicted"][link]["overlap_s"] + extra, rel=1e-12)
 
 
-def test_host_rate_probe_is_a_finite_rate() -> None:
-    rate = host_rate_probe(side=256, repeats=2)
-    assert math.isfinite(rate) and rate > 1e6  # bytes/s: even a slow CPU moves megabytes a second
+def test_host_rate_probe_is_a_rate_of_the_bytes_it_counts(monkeypatch) -> None:
+    """The probe divides the bytes HostWork counts for its ops by their median wall time (no speed is asserted)."""
+    import benchmarks.bigl as bench
+
+    clock = iter(range(100))  # every perf_counter() call one "second" later: each timed run takes 1 s
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: float(next(clock)))
+    rate = host_rate_probe(side=64, repeats=3)
+    # the ops on [1, 64, 32, 32] (a = its bytes) and the 16 x 16 pool (m = its elements): the multiplication (a in,
+    # a out), the in-place ReLU (2 a), the max-pool (a in; m float32 and m int64 out), backward the pool's (m float32,
+    # a, m int64 in; a out), the ReLU's (3 a) and the multiplication's (a in, a out)
+    a, m = 64 * 32 * 32 * 4, 64 * 16 * 16
+    assert rate == 2 * a + 2 * a + (a + 12 * m) + (12 * m + 2 * a) + 3 * a + 2 * a
 
 
 @pytest.mark.parametrize("rate", ["0", "-3"])
