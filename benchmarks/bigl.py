@@ -739,7 +739,8 @@ def main(argv: list[str] | None = None) -> int:
         print()
     probed = args.host_rate is None
     host_rate = math.inf
-    if (not args.no_predict and not args.no_fixed) or not args.no_timing:
+    cuda_timing = not args.no_timing and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if (not args.no_predict and not args.no_fixed) or cuda_timing:  # the fixed-plan table, or measured beside predicted
         host_rate = host_rate_probe() if probed else args.host_rate * 1e9
         if probed:
             print(f"host pointwise work (probe: ReLU and max-pool of [1, 64, 1024, 1024] float32, forward and backward, "
