@@ -708,6 +708,21 @@ def _print_measured_vs_predicted(results: dict[int | None, list[Point]], configs
     return rows
 
 
+def _host_rate(args: argparse.Namespace) -> tuple[float, bool]:
+    """The host rate (bytes/s) the predictions use and whether the probe measured it: ``--host-rate``, else the probe's
+    (printed) where a prediction uses it (the fixed-plan table, or CUDA timings beside their prediction), else inf."""
+    probed = args.host_rate is None
+    cuda_timing = not args.no_timing and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if not ((not args.no_predict and not args.no_fixed) or cuda_timing):
+        return math.inf, probed
+    if not probed:
+        return args.host_rate * 1e9, probed
+    rate = host_rate_probe()
+    print(f"host pointwise work (probe: ReLU and max-pool of [1, 64, 1024, 1024] float32, forward and backward, "
+          f"{torch.get_num_threads()} threads): {rate / 1e9:.1f} GB/s read + written\n")
+    return rate, probed
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark and print the tables; returns the exit status."""
     parser = _parser()
@@ -737,14 +752,7 @@ def main(argv: list[str] | None = None) -> int:
         budget_rows = budget_table(args.predict_models, budget_configs, args.budgets, args.efficiency, args.budget_max_elements,
                                    args.bn, not args.no_bf16)
         print()
-    probed = args.host_rate is None
-    host_rate = math.inf
-    cuda_timing = not args.no_timing and (args.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
-    if (not args.no_predict and not args.no_fixed) or cuda_timing:  # the fixed-plan table, or measured beside predicted
-        host_rate = host_rate_probe() if probed else args.host_rate * 1e9
-        if probed:
-            print(f"host pointwise work (probe: ReLU and max-pool of [1, 64, 1024, 1024] float32, forward and backward, "
-                  f"{torch.get_num_threads()} threads): {host_rate / 1e9:.1f} GB/s read + written\n")
+    host_rate, probed = _host_rate(args)
     if not args.no_predict and not args.no_fixed:
         sides_p = sorted(args.predict_sides or (QUICK_PREDICT_SIDES if args.quick else PREDICT_SIDES))
         print("Part 1b: the fixed plan (bigl.device_budget_gb: null, the paper's): every layer of the stem and of the big stages "
