@@ -31,7 +31,6 @@ Writes ``<work>/bench_real.json`` and ``<work>/bench_real.md`` (the tables of do
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import os
@@ -187,10 +186,13 @@ def uncalibrated_accuracy(folder: Path, name: str) -> pd.DataFrame:
     d = _test_predictions(folder, config, runs)
     if "prob_1" not in d.columns:
         return pd.DataFrame(columns=["method", "accuracy_uncalibrated", "accuracy_uncalibrated_se"])
+    from wsi_pipeline.manifests.folds import fold_config
+
+    fold_cfgs = {c.name: c for c in (fold_config(config, run) for run in runs)}
     maps: dict[tuple[str, str, int], tuple[float, float]] = {}
     for key in d[["fold_name", "method", "seed"]].drop_duplicates().itertuples(index=False):
         fold_name, method, seed = str(key[0]), str(key[1]), int(key[2])
-        cal = folder / dataclasses.replace(config, name=fold_name).run_dir(method, seed) / CALIBRATION_FILE
+        cal = folder / fold_cfgs[fold_name].run_dir(method, seed) / CALIBRATION_FILE
         rec = json.loads(cal.read_text()) if cal.is_file() else {}
         maps[(fold_name, method, seed)] = (float(rec.get("scale", 1.0)), float(rec.get("shift", 0.0)))
     p = d["prob_1"].to_numpy(np.float64).clip(1e-12, 1 - 1e-12)
@@ -265,8 +267,8 @@ def attention_truth(folder: Path, name: str, truth_of: Callable[[str, np.ndarray
 
     from wsi_pipeline.data.store import open_store, store_path
     from wsi_pipeline.data.tensors import tiles_to_tensor
+    from wsi_pipeline.evaluation.crossval import fold_test_slides
     from wsi_pipeline.inference.trained import load_trained_model
-    from wsi_pipeline.manifests.crossval import CV_COLUMN
     from wsi_pipeline.manifests.folds import fold_config
 
     config, runs = _crossval(folder, name)
@@ -274,9 +276,8 @@ def attention_truth(folder: Path, name: str, truth_of: Callable[[str, np.ndarray
     pooled: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {}
     for fold in runs:
         fold_cfg = fold_config(config, fold)
-        man = pd.read_csv(fold_cfg.data.manifest)
-        tested = man[f"{CV_COLUMN}{fold.repeat}"] == fold.fold if fold.crossval else True  # fixed-test folds: every test slide
-        test = man[tested & (man["split"] == "test") & (man["label"] == 1)]
+        test = fold_test_slides(config, fold)
+        test = test[test["label"].astype(int) == 1]
         for m in fold_cfg.methods:
             for seed in fold_cfg.seeds:
                 run = folder / fold_cfg.run_dir(m.name, seed)

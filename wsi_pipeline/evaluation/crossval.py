@@ -62,7 +62,7 @@ from wsi_pipeline.manifests.folds import FoldRun, cv_name, fold_config
 from wsi_pipeline.manifests.schema import read_manifest
 from wsi_pipeline.tasks import get_task, task_names
 
-__all__ = ["OOF_COLUMNS", "TASK_METRICS", "HEADLINE", "fold_test_predictions", "oof_predictions", "set_metrics", "per_fold_values", "cv_table",
+__all__ = ["OOF_COLUMNS", "TASK_METRICS", "HEADLINE", "fold_test_slides", "fold_test_predictions", "oof_predictions", "set_metrics", "per_fold_values", "cv_table",
            "pool_crossval", "format_table"]
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,24 @@ TASK_METRICS: dict[str, tuple[str, ...]] = {n: get_task(n).cv_metrics for n in t
 HEADLINE: dict[str, str] = {n: get_task(n).cv_headline for n in task_names()}
 
 
+def fold_test_slides(config: PipelineConfig, run: FoldRun) -> pd.DataFrame:
+    """The rows of fold ``run.fold``'s manifest (repeat ``run.repeat``) for the slides that fold tests: its
+    cross-validation column equal to the fold, in the test split.
+
+    Raises
+    ------
+    ValueError : the fold manifest tests no slide of the fold.
+    """
+    fold_cfg = fold_config(config, run)
+    manifest = read_manifest(fold_cfg.data.manifest)
+    col = f"{CV_COLUMN}{run.repeat}"
+    test = manifest[(manifest[col].astype(int) == run.fold) & (manifest["split"] == "test")]
+    if test.empty:
+        raise ValueError(f"{fold_cfg.data.manifest}: no slide with {col} == {run.fold} in the test split; "
+                         "the fold manifest does not match its cross-validation")
+    return test
+
+
 def fold_test_predictions(config: PipelineConfig, run: FoldRun, root: str | Path,
                           methods: Sequence[str] | None = None) -> pd.DataFrame:
     """The rows of fold ``run.fold``'s all-tiles predictions (repeat ``run.repeat``; one per slide, method and seed,
@@ -87,12 +105,7 @@ def fold_test_predictions(config: PipelineConfig, run: FoldRun, root: str | Path
     ValueError : the fold manifest tests no slide of the fold.
     """
     fold_cfg = fold_config(config, run)
-    manifest = read_manifest(fold_cfg.data.manifest)
-    col = f"{CV_COLUMN}{run.repeat}"
-    test = manifest[(manifest[col].astype(int) == run.fold) & (manifest["split"] == "test")]
-    if test.empty:
-        raise ValueError(f"{fold_cfg.data.manifest}: no slide with {col} == {run.fold} in the test split; "
-                         "the fold manifest does not match its cross-validation")
+    test = fold_test_slides(config, run)
     fold_dir = Path(root) / fold_cfg.name
     frames = []
     for cohort in sorted(test["cohort"].astype(str).unique()):
