@@ -1,16 +1,19 @@
 """``make bench-small-cnn``: the training step of the attention-MIL paper's small network, channels-first
-against channels-last memory, side by side.
+against channels-last memory and float32 against bfloat16 autocast, side by side.
 
 One training step of ``pipelines/ilse_colon_grid.yaml``'s ``attention`` method (``ilse_cnn`` with
 He's initialisation, the paper's attention without projection, the classification loss, backward,
 Adam) on a whole bag of 32 px tiles, and one no-gradient forward (validation, frozen features,
 eval), with the network's input in channels-first (NCHW, ``channels_last=False``) and in
-channels-last (NHWC, the default) memory. Default bag sizes: 212 and 588 tiles, about the mean bag
+channels-last (NHWC, the default) memory, and channels-last under bfloat16 autocast (``train.bf16``:
+autocast around the forward, backward after it, weights and Adam in float32). Default bag sizes: 212 and 588 tiles, about the mean bag
 of the colon grid construction and of the held-out lung sets (docs/real-data.md). The tiles are
-random: the network's cost does not depend on the pixel values. The two layouts are timed in
+random: the network's cost does not depend on the pixel values. The three variants are timed in
 alternation (``--repeats`` rounds of ``--steps`` steps each, medians), at 1 thread and at every
-core, and their embeddings of the same bag are compared (the largest difference, against the
-largest embedding value: float32 rounding, since the two layouts sum in different orders).
+core, and their embeddings of the same bag are compared with the channels-first one (the largest
+difference, against the largest embedding value: float32 rounding for the other layout, which sums
+in another order; bfloat16's 8-bit significand, about 2^-9 relative per rounding, for bf16). On a
+CPU without bfloat16 instructions (the header says) autocast emulates them, slower than float32.
 
 Examples::
 
@@ -21,6 +24,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -28,6 +32,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from wsi_pipeline.devices import cpu_has_bf16
 
 __all__ = ["main"]
 
@@ -51,50 +57,69 @@ def _rate(step: Callable[[], None], steps: int, tiles: int) -> float:
     return steps * tiles / (time.perf_counter() - t0)
 
 
+#: The timed variants: (name, channels-last input, bfloat16 autocast).
+VARIANTS = (("nchw", False, False), ("nhwc", True, False), ("bf16", True, True))
+
+
 def measure(bag: int, threads: int, steps: int, repeats: int, seed: int = 0) -> dict[str, float]:
-    """Median tiles/s of a training step and of a forward pass in each layout, on ``threads`` threads."""
+    """Median tiles/s of a training step and of a forward pass per variant (:data:`VARIANTS`) on ``threads`` threads."""
     from wsi_pipeline.training.accumulate import classification_loss
 
     torch.set_num_threads(threads)
     x = torch.randn(bag, 3, 32, 32, generator=torch.Generator().manual_seed(seed))
-    models = {cl: _parts(cl, seed) for cl in (False, True)}
+    models = {name: _parts(cl, seed) for name, cl, _ in VARIANTS}
+    casts = {name: bf for name, _, bf in VARIANTS}
 
-    def train_step(cl: bool) -> Callable[[], None]:
-        enc, agg, opt = models[cl]
+    def cast(name: str) -> contextlib.AbstractContextManager:
+        # autocast around the forward only, as the training loop casts (`train.bf16`)
+        return torch.autocast("cpu", dtype=torch.bfloat16) if casts[name] else contextlib.nullcontext()
+
+    def train_step(name: str) -> Callable[[], None]:
+        enc, agg, opt = models[name]
 
         def step() -> None:
             opt.zero_grad(set_to_none=True)
-            classification_loss(agg(enc(x)), 1).backward()
+            with cast(name):
+                loss = classification_loss(agg(enc(x)), 1)
+            loss.backward()
             opt.step()
         return step
 
-    def forward(cl: bool) -> Callable[[], None]:
-        enc = models[cl][0]
+    def forward(name: str) -> Callable[[], None]:
+        enc = models[name][0]
 
         def step() -> None:
-            with torch.no_grad():
+            with torch.no_grad(), cast(name):
                 enc(x)
         return step
 
-    # the two layouts' embeddings of the bag, from the equal starting weights of the timed models
-    enc_a, enc_b = models[False][0].eval(), models[True][0].eval()
-    if not all(torch.equal(v, enc_b.state_dict()[k]) for k, v in enc_a.state_dict().items()):
-        raise RuntimeError("the two layouts' networks do not start from equal weights")
+    # the variants' embeddings of the bag, from the equal starting weights of the timed models
+    encs = {name: m[0].eval() for name, m in models.items()}
+    ref = encs["nchw"].state_dict()
+    if not all(torch.equal(v, encs[n].state_dict()[k]) for n in encs for k, v in ref.items()):
+        raise RuntimeError("the variants' networks do not start from equal weights")
     with torch.no_grad():
-        a, b = enc_a(x), enc_b(x)
-    out: dict[str, float] = {"max_diff_rel": float((a - b).abs().max() / a.abs().max())}
+        emb = {name: forward_of(encs[name], x, casts[name]) for name in encs}
+    top = emb["nchw"].abs().max()
+    out: dict[str, float] = {f"max_diff_rel_{n}": float((emb[n] - emb["nchw"]).abs().max() / top) for n in ("nhwc", "bf16")}
     for kind, make in (("train", train_step), ("forward", forward)):
         for enc, _, _ in models.values():
             enc.train(kind == "train")
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        for cl in (False, True):
-            make(cl)()  # warm-up
+        rates: dict[str, list[float]] = {name: [] for name in models}
+        for name in models:
+            make(name)()  # warm-up
         for _ in range(repeats):
-            for cl in (False, True):
-                rates[cl].append(_rate(make(cl), steps, bag))
-        out[f"{kind}_nchw"] = statistics.median(rates[False])
-        out[f"{kind}_nhwc"] = statistics.median(rates[True])
+            for name in models:
+                rates[name].append(_rate(make(name), steps, bag))
+        for name in models:
+            out[f"{kind}_{name}"] = statistics.median(rates[name])
     return out
+
+
+def forward_of(enc: torch.nn.Module, x: torch.Tensor, bf16: bool) -> torch.Tensor:
+    """``enc(x)`` in float32, under bfloat16 autocast when ``bf16``."""
+    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
+        return enc(x).float()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or sorted({1, os.cpu_count() or 1})
     print(f"ilse_cnn + attention, 32 px tiles, CPU ({os.cpu_count()} cores), torch {torch.__version__}; "
           f"tiles/s, medians of {args.repeats} alternated rounds of {args.steps} steps")
-    print("| bag | threads | train NCHW | train NHWC | train ratio | forward NCHW | forward NHWC | forward ratio | max diff / max |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"bf16: NHWC under bfloat16 autocast (train.bf16); this CPU has bfloat16 instructions: {cpu_has_bf16()}")
+    print("| bag | threads | train NCHW | train NHWC | NHWC / NCHW | train bf16 | bf16 / NHWC | forward NCHW | forward NHWC "
+          "| NHWC / NCHW | forward bf16 | bf16 / NHWC | max diff / max: NHWC, bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for t in threads:
         for bag in args.bags:
             r = measure(bag, t, args.steps, args.repeats)
-            print(f"| {bag} | {t} | {r['train_nchw']:.0f} | {r['train_nhwc']:.0f} | {r['train_nhwc'] / r['train_nchw']:.2f}x "
-                  f"| {r['forward_nchw']:.0f} | {r['forward_nhwc']:.0f} | {r['forward_nhwc'] / r['forward_nchw']:.2f}x "
-                  f"| {r['max_diff_rel']:.1e} |", flush=True)
+            cells = [f"{bag}", f"{t}"]
+            for kind in ("train", "forward"):
+                cells += [f"{r[f'{kind}_nchw']:.0f}", f"{r[f'{kind}_nhwc']:.0f}", f"{r[f'{kind}_nhwc'] / r[f'{kind}_nchw']:.2f}x",
+                          f"{r[f'{kind}_bf16']:.0f}", f"{r[f'{kind}_bf16'] / r[f'{kind}_nhwc']:.2f}x"]
+            cells.append(f"{r['max_diff_rel_nhwc']:.1e}, {r['max_diff_rel_bf16']:.1e}")
+            print("| " + " | ".join(cells) + " |", flush=True)
     return 0
 
 

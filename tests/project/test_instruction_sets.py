@@ -39,6 +39,8 @@ NUMERICS_TESTS = (
     "tests/inference/test_protocols.py",
     "tests/training/test_train_loop.py::test_loop_matches_a_plain_autograd_reference",
     "tests/training/test_train_loop.py::test_augmentation_is_one_transform_per_bag",
+    # bf16 training against a plain loop with autocast per step (bit for bit), and backward outside autocast
+    "tests/training/test_bf16_training.py",
     # a ViT through exact accumulation: each aggregator once, each fine-tuning mode once
     "tests/training/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[abmil-checkpointing]",
     "tests/training/test_foundation_training.py::test_accumulation_with_a_vit_is_exact_in_float64[dtfd-lora_last2]",

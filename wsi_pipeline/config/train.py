@@ -134,7 +134,10 @@ class TrainConfig(Checked):
         (any number of classes) or ``none`` (default). Classification only; other tasks ignore it.
     device : ``auto`` (CUDA, then Apple MPS, then CPU), ``cpu``, ``cuda``, ``cuda:<i>`` or ``mps``
         (:data:`wsi_pipeline.devices.DEVICES`, as every command's ``--device``).
-    bf16 : bfloat16 autocast on CUDA (ignored on CPU).
+    bf16 : bfloat16 autocast for each training step's forward and loss, on CUDA and on CPUs with
+        bfloat16 instructions (:func:`wsi_pipeline.devices.cpu_has_bf16`; float32 elsewhere).
+        Weights, gradients and optimiser state stay float32; the backward runs outside autocast;
+        validation runs under it, the calibration and ``eval`` in float32.
     augment : per-slide augmentation.
     log : where per-step records go besides the run folder's ``steps.csv`` (loss, learning rate,
         gradient norm, tiles/s, share of the step spent waiting for data, peak memory):

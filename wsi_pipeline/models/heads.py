@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from wsi_pipeline.devices import autocast_off
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.registry import Registry
 from wsi_pipeline.failures import ConfigTypeError
@@ -275,7 +276,7 @@ class GridHead(nn.Module):
 
     def explain(self, z: Tensor, layout: GridLayout) -> Tensor:
         """Gradient x activation score [n] per tile (see the module docstring); no parameter grads."""
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), autocast_off():
             zz = z.detach().clone().requires_grad_(True)
             logits = self.forward_z(*self.to_z(zz, layout.clone()))[0]
             target = logits[1] - logits[0] if self.n_classes == 2 else logits[int(logits.argmax())]

@@ -52,6 +52,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES
 from wsi_pipeline.data.tensors import DeviceTiles
+from wsi_pipeline.devices import autocast_off
 
 __all__ = ["accumulate_step", "full_step", "classification_loss", "BN_MODES"]
 
@@ -202,7 +203,8 @@ def _replay_backward(
         for (a, b), state in zip(bounds, states):
             restore_rng_state(state, device)
             part = encoder(tiles[a:b].to(device, non_blocking=True))
-            part.backward(grad[a:b])
+            with autocast_off():
+                part.backward(grad[a:b])
     finally:
         restore_rng_state(after, device)
 
@@ -277,7 +279,8 @@ def accumulate_step(
         del parts
         output = call_aggregator(aggregator, z, label, aggregator_kwargs)
         loss = loss_fn(output, label)
-        loss.backward()
+        with autocast_off():
+            loss.backward()
         value = float(loss.detach())
         del output, loss
         grad = z.grad
@@ -319,5 +322,6 @@ def full_step(
         z = encoder(tiles if getattr(encoder, "host_input", False) else tiles.to(device, non_blocking=True))
         output = call_aggregator(aggregator, z, label, aggregator_kwargs)
         loss = loss_fn(output, label)
-        loss.backward()
+        with autocast_off():
+            loss.backward()
     return float(loss.detach())

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from wsi_pipeline.devices import autocast_off
 from wsi_pipeline.training.accumulate import bn_training, call_aggregator, device_of, save_rng_state, restore_rng_state
 
 __all__ = ["coupled_step"]
@@ -90,7 +91,8 @@ def coupled_step(
         outputs = [aggregator(z) if labels is None else call_aggregator(aggregator, z, labels[i], None)
                    for i, z in enumerate(zs)]
         loss = group_loss(outputs, targets)
-        loss.backward()
+        with autocast_off():
+            loss.backward()
         value = float(loss.detach())
         del outputs, loss
         if trainable:
@@ -103,7 +105,9 @@ def coupled_step(
                     x = make()
                     for (a, b), state in zip(bounds, states):
                         restore_rng_state(state, device)
-                        _encode(encoder, x[a:b], device).backward(z.grad[a:b])
+                        part = _encode(encoder, x[a:b], device)
+                        with autocast_off():
+                            part.backward(z.grad[a:b])
                     del x
             finally:
                 restore_rng_state(after, device)

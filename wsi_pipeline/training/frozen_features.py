@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig
+from wsi_pipeline.devices import bf16_active
 from wsi_pipeline.methods.models import frozen_encoder, frozen_features_dir
 from wsi_pipeline.training.calibration import calibrate_encoder
 
@@ -51,7 +52,7 @@ def ensure_features(config: PipelineConfig, method: MethodConfig, plan: RunPlan,
     report = extract_features(
         rows, config.data.stores_dir(), out, method.encoder.name, method.encoder.weights,
         encoder=encoder, batch_size=method.chunk_size, device=str(device), progress=progress, stain=plan.stain_ctx,
-        bf16=bool(method.train.bf16) and torch.device(device).type == "cuda",
+        bf16=bf16_active(method.train.bf16, device),
     )
     failed = report[report["status"] == "failed"]
     if len(failed):

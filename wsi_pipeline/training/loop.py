@@ -38,7 +38,6 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +49,7 @@ from wsi_pipeline.config.pipeline import MethodConfig, PipelineConfig, method_by
 from wsi_pipeline.config.strategy_traits import strategy_traits
 from wsi_pipeline.data.augment import build_augment
 from wsi_pipeline.data.bags import FeatureReader, TileReader
-from wsi_pipeline.devices import resolve_device
+from wsi_pipeline.devices import bf16_active, bf16_autocast, resolve_device
 from wsi_pipeline.checkpoints.files import capture_rng, save_run_checkpoint
 from wsi_pipeline.checkpoints.run import ResumeState, RunCheckpoint
 from wsi_pipeline.methods.models import build_models, encoder_checkpoint, frozen_features_dir, random_encoder_note, restore_encoder
@@ -203,6 +202,9 @@ class _Run:
             norm = gradient_norm(self.params)
         self.schedule.before_step()
         self.optimizer.step()
+        # train.bf16: autocast keeps its bfloat16 copies of the weights until its region ends, and the
+        # region is the whole epoch; without this every later forward would use the weights the epoch began with
+        torch.clear_autocast_cache()
         self.optimizer.zero_grad(set_to_none=True)
         if self.monitor is not None:
             self.monitor.step(info, lr=float(self.optimizer.param_groups[-1]["lr"]), grad_norm=norm)  # the aggregator's rate (the last group)
@@ -332,6 +334,9 @@ def _start(
     if run.main:
         run.run_dir.mkdir(parents=True, exist_ok=True)
         save_config(run_config(config, method, seed), run.run_dir / "config.yaml")
+        if tc.bf16 and not bf16_active(True, dev):
+            log.info("%s: train.bf16 is set, but %s has no native bfloat16 arithmetic (a CPU without AVX-512 BF16 or "
+                     "AMX, or Apple MPS): training in float32", run.run_dir, dev)
         if ctx is not None:
             from wsi_pipeline.training.stain import write_run_stain
 
@@ -356,17 +361,10 @@ def _recalibrate(run: _Run, epoch: int) -> None:
         distributed.broadcast_states([encoder])
 
 
-def _autocast(run: _Run) -> AbstractContextManager[Any]:
-    """bfloat16 autocast on CUDA with ``train.bf16``; nothing otherwise."""
-    if run.method.train.bf16 and run.device.type == "cuda":
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return nullcontext()
-
-
 def _train_and_validate(run: _Run, epoch: int) -> tuple[float, dict[str, float]]:
     """One training epoch, then validation: ``(mean training loss, validation metrics)``."""
     run.strategy.train()
-    with _autocast(run):
+    with bf16_autocast(run.method.train.bf16, run.device):
         run.optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         train_loss = run.strategy.train_epoch(run.reader, run.n_tiles, run.seed, epoch, run.optimizer_step, run.bar, run.sync)

@@ -95,6 +95,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from wsi_pipeline.data.tensors import tiles_to_tensor
+from wsi_pipeline.devices import autocast_off
 from wsi_pipeline.models.aggregators.base import MILOutput
 from wsi_pipeline.models.heads import GridHead, GridLayout
 from wsi_pipeline.config.patchgd import PatchGDConfig, resolve_patchgd_options
@@ -387,7 +388,8 @@ class PatchGDTrainer:
             loss = F.cross_entropy(logits, b.target, reduction="sum") / b.n_batch
         if aux is not None:
             loss = loss + aux
-        (loss / length).backward()
+        with autocast_off():
+            (loss / length).backward()
         with torch.no_grad():
             for cache, i, p in zip(b.caches, idx, parts):
                 cache.index_copy_(0, i, p.detach())

@@ -48,6 +48,7 @@ from wsi_pipeline.data.tensors import DeviceTiles, tiles_to_tensor
 from wsi_pipeline.config.choices import ACCUMULATE_BN_MODES, BN_MODES, PATCHGD_BN_MODES
 from wsi_pipeline.config.pipeline import MethodConfig
 from wsi_pipeline.types import TileStoreLike
+from wsi_pipeline.devices import bf16_active
 from wsi_pipeline.methods.endpoints import plain_endpoint
 from wsi_pipeline.tasks import Endpoint, get_task
 from wsi_pipeline.tasks.classification import CLASS_LOSS
@@ -493,7 +494,7 @@ class BiglStrategy(Strategy):
         shape = (min(int(self.method.train.bag_size), max(n_tiles)), 3, tile, tile)
         enc = self.encoder
         if isinstance(enc, BudgetResNet):
-            cast = torch.bfloat16 if (self.method.train.bf16 and self.device.type == "cuda") else None
+            cast = torch.bfloat16 if bf16_active(self.method.train.bf16, self.device) else None
             text = enc.describe(shape, torch.float32, cast=cast, grad=True)
         else:
             text = (f"Big-Layers plan (input {list(shape)}): the fixed plan, the stem and {self.method.bigl.stages} residual "
