@@ -71,7 +71,7 @@ def measure(bag: int, threads: int, steps: int, repeats: int, seed: int = 0) -> 
     casts = {name: bf for name, _, bf in VARIANTS}
 
     def cast(name: str) -> contextlib.AbstractContextManager:
-        # autocast around the forward only, as the training loop casts (`train.bf16`)
+        # autocast around the forward, backward outside it: what the training loop computes under `train.bf16`
         return torch.autocast("cpu", dtype=torch.bfloat16) if casts[name] else contextlib.nullcontext()
 
     def train_step(name: str) -> Callable[[], None]:
@@ -98,8 +98,10 @@ def measure(bag: int, threads: int, steps: int, repeats: int, seed: int = 0) -> 
     ref = encs["nchw"].state_dict()
     if not all(torch.equal(v, encs[n].state_dict()[k]) for n in encs for k, v in ref.items()):
         raise RuntimeError("the variants' networks do not start from equal weights")
-    with torch.no_grad():
-        emb = {name: forward_of(encs[name], x, casts[name]) for name in encs}
+    emb: dict[str, torch.Tensor] = {}
+    for name, enc in encs.items():
+        with torch.no_grad(), cast(name):
+            emb[name] = enc(x).float()
     top = emb["nchw"].abs().max()
     out: dict[str, float] = {f"max_diff_rel_{n}": float((emb[n] - emb["nchw"]).abs().max() / top) for n in ("nhwc", "bf16")}
     for kind, make in (("train", train_step), ("forward", forward)):
@@ -114,12 +116,6 @@ def measure(bag: int, threads: int, steps: int, repeats: int, seed: int = 0) -> 
         for name in models:
             out[f"{kind}_{name}"] = statistics.median(rates[name])
     return out
-
-
-def forward_of(enc: torch.nn.Module, x: torch.Tensor, bf16: bool) -> torch.Tensor:
-    """``enc(x)`` in float32, under bfloat16 autocast when ``bf16``."""
-    with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
-        return enc(x).float()
 
 
 def main(argv: list[str] | None = None) -> int:
