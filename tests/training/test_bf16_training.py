@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from wsi_pipeline import devices
 from wsi_pipeline.checkpoints.files import load_run_checkpoint
-from wsi_pipeline.config.pipeline import load_config
+from wsi_pipeline.config.pipeline import config_from_dict, load_config
+from wsi_pipeline.data.bags import Bag, Slide
 from wsi_pipeline.data.bags import epoch_plan
 from wsi_pipeline.training.loop import train_pipeline
 
@@ -132,3 +136,57 @@ def test_bf16_on_a_cpu_without_it_trains_in_float32_and_says_so(tmp_path, store_
     with caplog.at_level(logging.INFO, logger="wsi_pipeline.training.loop"):
         train_pipeline(load_config(make_config(tmp_path, store_cohort, [method], train=train)), progress=False)
     assert any("train.bf16 is set" in r.getMessage() and "training in float32" in r.getMessage() for r in caplog.records)
+
+
+class _ConvDtypes(TorchDispatchMode):
+    """The dtypes of the floating arguments of every convolution, forward and backward (ATen level)."""
+
+    OPS = (torch.ops.aten.convolution.default, torch.ops.aten.convolution_backward.default)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: dict[object, set[torch.dtype]] = {op: set() for op in self.OPS}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.dtypes:
+            self.dtypes[func] |= {a.dtype for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()}
+        return func(*args, **(kwargs or {}))
+
+
+def test_bigl_step_in_the_loops_bf16_region_runs_bfloat16_within_the_rounding_bound(bf16_cpu, one_thread):
+    """A Big-Layers step (strategy ``bigl``: ResNet-18 in host chunks, BatchNorm on running statistics,
+    ABMIL) inside the loop's epoch-long bf16 region, backward outside autocast as the strategies run it:
+    every convolution, forward and backward (pass 3 re-runs each chunk), computes in bfloat16, and the
+    parameter gradients stay within the first-order rounding bound of the same step in float32.
+
+    Bound (the argument of tests/bigl/test_bigl_autocast.py): bfloat16's unit roundoff u = 2^-8; the
+    longest path rounds D times (ResNet-18: 42; ABMIL's attention, softmax-weighted sum and classifier
+    add 4), forward and backward: relative error (Frobenius norm, all gradients as one vector) <= 2 D u.
+    """
+    from wsi_pipeline.training.strategies import build_strategy
+
+    method = {"name": "m", "strategy": "bigl", "chunk_size": 3, "encoder": {"name": "resnet18", "bn": "frozen"},
+              "aggregator": {"name": "abmil", "options": {"dropout": 0.0}}, "bigl": {"stages": 1, "max_elements": 20_000}}
+    cfg = config_from_dict({"name": "t", "data": {"manifest": "m.csv", "tiles_dir": "t", "n_classes": 2}, "methods": [method]})
+    torch.manual_seed(0)
+    strategy = build_strategy(cfg.methods[0], 2, "cpu")
+    strategy.train()
+    rng = np.random.default_rng(0)
+    bag = Bag(Slide("s0", 1, Path("x")), np.arange(7), rng.integers(0, 256, (7, 32, 32, 3), dtype=np.uint8))
+
+    def grads(bf16: bool) -> tuple[torch.Tensor, _ConvDtypes]:
+        for p in strategy.parameters():
+            p.grad = None
+        rec = _ConvDtypes()
+        with rec, devices.bf16_autocast(bf16, "cpu"):
+            strategy.bag_step(bag, 1.0)
+        return torch.cat([p.grad.double().flatten() for p in strategy.parameters() if p.grad is not None]), rec
+
+    g32, rec32 = grads(False)
+    g16, rec16 = grads(True)
+    assert all(d == {torch.float32} for d in rec32.dtypes.values())
+    assert all(d == {torch.bfloat16} for d in rec16.dtypes.values()), rec16.dtypes
+    assert g16.numel() == g32.numel() == sum(p.numel() for p in strategy.parameters())
+    rel = float((g16 - g32).norm() / g32.norm())
+    assert rel <= 2 * (42 + 4) * 2.0**-8
+    assert rel > 2.0**-16  # bfloat16 did run: float32's own differences are of order 2^-24
